@@ -1,0 +1,206 @@
+"""User-facing configuration: :class:`ElixirConfig` and its small policy dataclasses.
+
+Every field is validated in ``__post_init__``; a bad value raises ``ValueError``/``TypeError``
+naming the field, the value and the fix (see ../shared/STYLE.md rule 5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = ["ElixirConfig", "LossScalePolicy", "PRECISIONS"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+_SEARCH_MODES = ("off", "auto")
+_PLACEMENT_NAMES = ("sharded", "replicated", "column", "row", "expert")
+
+
+def _check_type(name: str, value: Any, types: tuple[type, ...], fix: str) -> None:
+    if isinstance(value, bool) and bool not in types:
+        raise TypeError(f"ElixirConfig.{name}={value!r} is a bool; {fix}")
+    if not isinstance(value, types):
+        raise TypeError(f"ElixirConfig.{name}={value!r} has type {type(value).__name__}; {fix}")
+
+
+def _closest(key: str, valid: list[str]) -> str:
+    match = difflib.get_close_matches(key, valid, n=1)
+    return f" Did you mean {match[0]!r}?" if match else ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossScalePolicy:
+    """Dynamic loss scaling for ``precision="fp16"`` (Micikevicius et al., 2018; same rule as
+    ``torch.amp.GradScaler``).
+
+    Args:
+        init_scale: first loss scale (float, > 0). Default 2**16.
+        growth_factor: multiply the scale by this after ``growth_interval`` clean steps (> 1).
+        backoff_factor: multiply the scale by this on overflow (0 < f < 1).
+        growth_interval: clean steps between growths (int >= 1).
+        min_scale: smallest scale; reaching it ``max_consecutive_min_scale_overflows`` times in a
+            row stops training with ``FloatingPointError`` instead of silently not learning.
+        max_consecutive_min_scale_overflows: see ``min_scale`` (int >= 1).
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float = 1.0
+    max_consecutive_min_scale_overflows: int = 10
+
+    def __post_init__(self) -> None:
+        for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"LossScalePolicy.{name}={value!r} must be a number")
+        if self.init_scale <= 0 or self.min_scale <= 0:
+            raise ValueError(
+                f"LossScalePolicy.init_scale={self.init_scale} and min_scale={self.min_scale} must be > 0"
+            )
+        if self.growth_factor <= 1.0:
+            raise ValueError(f"LossScalePolicy.growth_factor={self.growth_factor} must be > 1, e.g. 2.0")
+        if not 0.0 < self.backoff_factor < 1.0:
+            raise ValueError(f"LossScalePolicy.backoff_factor={self.backoff_factor} must be in (0, 1), e.g. 0.5")
+        for name in ("growth_interval", "max_consecutive_min_scale_overflows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LossScalePolicy.{name}={value!r} must be an int >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElixirConfig:
+    """How :func:`hf_elixir.prepare` lays out and moves a model's parameters.
+
+    Args:
+        precision (`str`, defaults to `"fp32"`):
+            Compute precision: `"fp32"`, `"bf16"` or `"fp16"`. Low precisions keep fp32 master
+            weights in the optimizer state; `"fp16"` adds dynamic loss scaling (`loss_scale`).
+        device_memory_budget_bytes (`int`, *optional*):
+            Bytes of device memory the chunk manager may hold for model data (parameter shards,
+            gathered chunks, gradient buffers, device optimizer states). `None` means all the device
+            has (on CPU-only machines: unlimited, everything resident). Without CUDA the budget bounds a
+            simulated device pool so every onload/offload/eviction path still runs.
+        chunk_size_numel (`int`, *optional*):
+            Elements per chunk; must be >= the largest parameter's numel. `None` lets the search (or a
+            heuristic) pick it.
+        reduce_dtype (`str`, *optional*):
+            dtype of the gradient reduce-scatter: `"fp32"` or `None` (= compute precision).
+        offload_optimizer (`bool` or `"auto"`, defaults to `"auto"`):
+            Keep optimizer states (fp32 master, moments) on the host. `"auto"` offloads only what the
+            budget cannot hold.
+        prefetch_depth (`int`, defaults to 2):
+            How many chunks ahead (in the profiled access order) to unshard early.
+        plan (`ElixirPlan`, `str` path or `None`):
+            A plan from the search (or a YAML/JSON file written by `hf-elixir plan --output`).
+        search (`str`, defaults to `"off"`):
+            `"auto"` profiles one step and searches for the fastest plan inside `prepare`.
+        placements (`dict[str, str]`, *optional*):
+            Module-name glob -> placement (`"sharded"`, `"replicated"`, `"column"`, `"row"`, `"expert"`).
+        tensor_parallel_size / expert_parallel_size (`int`, defaults to 1):
+            Sizes of the tensor-parallel / expert-parallel mesh axes.
+        loss_scale (`LossScalePolicy`): dynamic loss-scale settings (fp16 only).
+        process_group: data-parallel `torch.distributed` group; `None` = the default world group.
+
+    Raises:
+        TypeError / ValueError: naming the field, the bad value and the fix.
+
+    Example:
+    ```python
+    >>> import hf_elixir
+    >>> cfg = hf_elixir.ElixirConfig(precision="bf16", device_memory_budget_bytes=8 * 2**30)
+    ```
+    """
+
+    precision: str = "fp32"
+    device_memory_budget_bytes: int | None = None
+    chunk_size_numel: int | None = None
+    reduce_dtype: str | None = "fp32"
+    offload_optimizer: bool | str = "auto"
+    prefetch_depth: int = 2
+    plan: Any = None
+    search: str = "off"
+    placements: Mapping[str, str] = field(default_factory=dict)
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    loss_scale: LossScalePolicy = field(default_factory=LossScalePolicy)
+    process_group: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
+            raise ValueError(
+                f"ElixirConfig.precision={self.precision!r} is not supported; use one of {PRECISIONS}"
+            )
+        if self.device_memory_budget_bytes is not None:
+            _check_type("device_memory_budget_bytes", self.device_memory_budget_bytes, (int,),
+                        "give a whole number of bytes, e.g. 8 * 2**30, or None for all the device has")
+            if self.device_memory_budget_bytes <= 0:
+                raise ValueError(
+                    f"ElixirConfig.device_memory_budget_bytes={self.device_memory_budget_bytes} must be > 0 "
+                    "(or None for all the device has)"
+                )
+        if self.chunk_size_numel is not None:
+            _check_type("chunk_size_numel", self.chunk_size_numel, (int,), "give a whole number of elements")
+            if self.chunk_size_numel <= 0:
+                raise ValueError(f"ElixirConfig.chunk_size_numel={self.chunk_size_numel} must be > 0 (or None)")
+        if self.reduce_dtype not in (None, "fp32"):
+            raise ValueError(f"ElixirConfig.reduce_dtype={self.reduce_dtype!r} must be 'fp32' or None")
+        if self.offload_optimizer not in (True, False, "auto"):
+            raise ValueError(
+                f"ElixirConfig.offload_optimizer={self.offload_optimizer!r} must be True, False or 'auto'"
+            )
+        _check_type("prefetch_depth", self.prefetch_depth, (int,), "give a whole number >= 0")
+        if self.prefetch_depth < 0:
+            raise ValueError(f"ElixirConfig.prefetch_depth={self.prefetch_depth} must be >= 0")
+        if self.search not in _SEARCH_MODES:
+            raise ValueError(f"ElixirConfig.search={self.search!r} must be one of {_SEARCH_MODES}")
+        if not isinstance(self.placements, Mapping):
+            raise TypeError(
+                f"ElixirConfig.placements={self.placements!r} must be a dict of module-name glob -> placement"
+            )
+        for pattern, placement in self.placements.items():
+            if placement not in _PLACEMENT_NAMES:
+                raise ValueError(
+                    f"ElixirConfig.placements[{pattern!r}]={placement!r} is not a placement; use one of "
+                    f"{_PLACEMENT_NAMES}.{_closest(str(placement), list(_PLACEMENT_NAMES))}"
+                )
+        for name in ("tensor_parallel_size", "expert_parallel_size"):
+            value = getattr(self, name)
+            _check_type(name, value, (int,), "give a whole number >= 1")
+            if value < 1:
+                raise ValueError(f"ElixirConfig.{name}={value} must be >= 1")
+        if not isinstance(self.loss_scale, LossScalePolicy):
+            raise TypeError(f"ElixirConfig.loss_scale={self.loss_scale!r} must be a LossScalePolicy")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "ElixirConfig":
+        """Build a config from a plain mapping (YAML/JSON), rejecting unknown keys.
+
+        Raises:
+            ValueError: an unknown key, naming the closest valid one.
+        """
+        valid = [f.name for f in dataclasses.fields(cls)]
+        values = dict(values)
+        for key in values:
+            if key not in valid:
+                raise ValueError(f"unknown ElixirConfig key {key!r}.{_closest(key, valid)} Valid keys: {valid}")
+        if isinstance(values.get("loss_scale"), Mapping):
+            values["loss_scale"] = LossScalePolicy(**values["loss_scale"])
+        return cls(**values)
+
+    @classmethod
+    def from_env(cls, prefix: str = "ELIXIR_") -> "ElixirConfig":
+        """Read ``ELIXIR_<FIELD>`` environment variables (how settings reach launched processes)."""
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = os.environ.get(prefix + f.name.upper())
+            if raw is None:
+                continue
+            import yaml  # parse "1024", "true", "{a: b}" the way YAML does
+
+            values[f.name] = yaml.safe_load(raw)
+        return cls.from_dict(values)

@@ -1,0 +1,129 @@
+"""``ElixirPlan``: the search's output and the chunk manager's input.
+
+A plan is plain data, so it can be reviewed, edited and reused (`hf-elixir plan --output plan.yaml`,
+then ``ElixirConfig(plan="plan.yaml")``). Chunk ids are positions in the list that
+:func:`hf_elixir.chunk.pack_chunks` returns for ``param_order`` and ``chunk_size_numel``; the packing
+is deterministic, so the ids mean the same thing to the search and to the manager.
+
+Source: Elixir (arXiv 2212.05339) section 4 (the search space: chunk size, which chunks are kept on
+the device, which optimizer states are offloaded, prefetch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ElixirPlan"]
+
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclass(kw_only=True)
+class ElixirPlan:
+    """A complete memory/placement plan for one model, world size and precision.
+
+    Attributes:
+        model_type: ``model.config.model_type`` the plan was made for (checked by ``prepare``).
+        num_params: total parameter count (tied parameters once) the plan was made for.
+        world_size: data-parallel ranks the chunks are sharded over.
+        precision: ``"fp32" | "bf16" | "fp16"``.
+        chunk_size_numel: elements per chunk (>= the largest parameter's numel).
+        param_order: canonical parameter names (first FQN of each tied group) in packing order;
+            empty = module registration order.
+        resident_chunks: chunk ids kept unsharded on the device for the whole step (never evicted).
+        device_shard_chunks: chunk ids whose shard stays on the device between uses; the others'
+            shards live on the host and are onloaded on demand.
+        device_optim_chunks: chunk ids whose optimizer state (fp32 master, moments, grad shard)
+            lives on the device; the others' live on the host (updated by the host optimizer).
+        prefetch_depth: chunks unsharded ahead of use in the profiled order.
+        activation_checkpointing: whether the plan expects HF gradient checkpointing on.
+        placements: module FQN -> placement name (``"sharded"``, ``"column"``, ...).
+        predicted_step_s: the cost model's step time (seconds), if a search made the plan.
+        predicted_peak_device_bytes: the cost model's device peak (bytes), if a search made it.
+        reasons: human-readable lines explaining the choice.
+    """
+
+    model_type: str = ""
+    num_params: int = 0
+    world_size: int = 1
+    precision: str = "fp32"
+    chunk_size_numel: int = 0
+    param_order: list[str] = field(default_factory=list)
+    resident_chunks: list[int] = field(default_factory=list)
+    device_shard_chunks: list[int] = field(default_factory=list)
+    device_optim_chunks: list[int] = field(default_factory=list)
+    prefetch_depth: int = 2
+    activation_checkpointing: bool = False
+    placements: dict[str, str] = field(default_factory=dict)
+    predicted_step_s: float | None = None
+    predicted_peak_device_bytes: int | None = None
+    reasons: list[str] = field(default_factory=list)
+    format_version: int = PLAN_FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.chunk_size_numel < 0:
+            raise ValueError(f"ElixirPlan.chunk_size_numel={self.chunk_size_numel} must be >= 0")
+        if self.world_size < 1:
+            raise ValueError(f"ElixirPlan.world_size={self.world_size} must be >= 1")
+        if self.prefetch_depth < 0:
+            raise ValueError(f"ElixirPlan.prefetch_depth={self.prefetch_depth} must be >= 0")
+        for name in ("resident_chunks", "device_shard_chunks", "device_optim_chunks"):
+            ids = getattr(self, name)
+            if any((not isinstance(i, int)) or i < 0 for i in ids):
+                raise ValueError(f"ElixirPlan.{name}={ids!r} must be a list of chunk ids (ints >= 0)")
+
+    # -- serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "ElixirPlan":
+        """Raises ValueError on unknown keys (naming the closest valid one) or a newer format."""
+        import difflib
+
+        valid = [f.name for f in dataclasses.fields(cls)]
+        for key in values:
+            if key not in valid:
+                close = difflib.get_close_matches(key, valid, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"unknown ElixirPlan key {key!r}.{hint}")
+        if values.get("format_version", PLAN_FORMAT_VERSION) > PLAN_FORMAT_VERSION:
+            raise ValueError(
+                f"ElixirPlan.format_version={values['format_version']} is newer than this hf_elixir "
+                f"understands ({PLAN_FORMAT_VERSION}); upgrade hf_elixir or re-run `hf-elixir plan`"
+            )
+        return cls(**values)
+
+    def save(self, path: str | Path) -> None:
+        """Write JSON (``.json``) or YAML (any other suffix)."""
+        path = Path(path)
+        if path.suffix == ".json":
+            path.write_text(json.dumps(self.to_dict(), indent=2))
+        else:
+            import yaml
+
+            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ElixirPlan":
+        """Read a plan written by :meth:`save`.
+
+        Raises:
+            FileNotFoundError: the file does not exist.
+            ValueError: the file is not a plan (unknown keys, not a mapping).
+        """
+        path = Path(path)
+        text = path.read_text()
+        if path.suffix == ".json":
+            values = json.loads(text)
+        else:
+            import yaml
+
+            values = yaml.safe_load(text)
+        if not isinstance(values, dict):
+            raise ValueError(f"plan file {str(path)!r} does not hold a mapping of ElixirPlan fields")
+        return cls.from_dict(values)
