@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelSpec", "RunSpec", "RunResult", "launch", "free_port", "gpt2_config", "count_params"]
+__all__ = ["ModelSpec", "RunSpec", "RunResult", "launch", "launch_group", "free_port", "gpt2_config", "count_params"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,41 +149,58 @@ def launch(spec: RunSpec, work_dir: str | Path, timeout_s: float = 600.0) -> Run
     Never raises for a peer failure: a crash, a non-zero exit or a timeout gives ``ok=False`` with the
     reason and the tail of rank 0's log in ``error``.
     """
+    return launch_group([spec], work_dir, timeout_s)[0]
+
+
+def launch_group(specs: list[RunSpec], work_dir: str | Path, timeout_s: float = 600.0) -> list[RunResult]:
+    """Run several specs (same world size) one after another inside ONE spawned process group.
+
+    Only for smoke tests (``run_cpu.py --quick``): it saves the process start-up per peer, but the
+    peers then share a process, so peak RSS is the group's, not the peer's. Each spec still gets its
+    own model and its own record; the world process group is created by the first peer that needs one
+    and shared by the rest (DeepSpeed caches groups, so it cannot be torn down and re-created).
+    """
     import torch.multiprocessing as mp
 
+    assert specs and len({s.world_size for s in specs}) == 1, "one world size per process group"
+    world_size = specs[0].world_size
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
-    for rank in range(spec.world_size):
-        _record_path(work_dir, spec, rank).unlink(missing_ok=True)
+    for spec in specs:
+        for rank in range(world_size):
+            _record_path(work_dir, spec, rank).unlink(missing_ok=True)
     port = free_port()
     start = time.perf_counter()
-    context = mp.start_processes(_worker_main, args=(spec, str(work_dir), port), nprocs=spec.world_size,
+    context = mp.start_processes(_worker_main, args=(specs, str(work_dir), port), nprocs=world_size,
                                  join=False, start_method="spawn")
-    error = ""
-    deadline = start + timeout_s
+    group_error = ""
+    deadline = start + timeout_s * len(specs)
     try:
         while not context.join(timeout=1.0):
             if time.perf_counter() > deadline:
-                error = f"timed out after {timeout_s:.0f} s"
+                group_error = f"timed out after {timeout_s * len(specs):.0f} s"
                 break
     except Exception as exc:  # a rank raised or died: ProcessRaisedException / ProcessExitedException
-        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
+        text = str(exc).strip()
+        group_error = f"{type(exc).__name__}: {text.splitlines()[-1] if text else exc}"
     finally:
         for proc in context.processes:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
     wall_s = time.perf_counter() - start
+    return [_collect(spec, work_dir, group_error, wall_s / len(specs)) for spec in specs]
+
+
+def _collect(spec: RunSpec, work_dir: Path, group_error: str, wall_s: float) -> RunResult:
     records = []
     for rank in range(spec.world_size):
         path = _record_path(work_dir, spec, rank)
         if path.exists():
             records.append(json.loads(path.read_text()))
+    error = next((r["error"] for r in records if r.get("error")), "")
     if not error and len(records) < spec.world_size:
-        error = f"only {len(records)}/{spec.world_size} ranks wrote results"
-    for record in records:
-        if record.get("error") and not error:
-            error = record["error"]
+        error = group_error or f"only {len(records)}/{spec.world_size} ranks wrote results"
     if error:
         return RunResult(spec=spec, ok=False, error=error + _log_tail(work_dir, spec), wall_s=wall_s)
     per_rank_times = [r["step_times_s"] for r in records]
@@ -224,24 +241,37 @@ def _redirect_output(path: Path) -> None:
     os.close(fd)
 
 
-def _worker_main(rank: int, spec: RunSpec, work_dir: str, port: int) -> None:
+def _worker_main(rank: int, specs: list[RunSpec], work_dir: str, port: int) -> None:
     work = Path(work_dir)
-    _redirect_output(_log_path(work, spec, rank))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(spec.world_size),
-                      OMP_NUM_THREADS=str(spec.threads_per_rank))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    record: dict[str, Any]
-    try:
-        record = _measure(rank, spec)
-    except BaseException as exc:  # report, then let the parent see the failure too
-        traceback.print_exc()
-        record = {"error": f"rank {rank}: {type(exc).__name__}: {exc}"[:2000]}
+    failed = None
+    for spec in specs:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          LOCAL_RANK=str(rank), WORLD_SIZE=str(spec.world_size),
+                          OMP_NUM_THREADS=str(spec.threads_per_rank))
+        _redirect_output(_log_path(work, spec, rank))
+        try:
+            record = _measure(rank, spec)
+        except Exception as exc:  # record it; in a group, go on with the next peer
+            traceback.print_exc()
+            record = {"error": f"rank {rank}: {type(exc).__name__}: {exc}"[:2000]}
+            failed = failed or exc
         _record_path(work, spec, rank).write_text(json.dumps(record))
         sys.stdout.flush()
-        raise
-    _record_path(work, spec, rank).write_text(json.dumps(record))
+    _abandon_distributed()
+    if failed is not None and len(specs) == 1:
+        raise failed
+
+
+def _abandon_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # the group may be broken after a peer failure; nothing more to do
+            pass
 
 
 def _measure(rank: int, spec: RunSpec) -> dict[str, Any]:

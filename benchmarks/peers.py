@@ -50,10 +50,6 @@ class Runner:
     def close(self) -> None:
         if self._close:
             self._close()
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 @dataclass(frozen=True)
@@ -78,12 +74,13 @@ class Peer:
     def init_distributed(self, spec) -> None:
         import torch.distributed as dist
 
-        if self.deepspeed:
+        if self.deepspeed:  # DeepSpeed adopts an already-initialised world group
+
             os.environ["DS_ACCELERATOR"] = "cpu"
             import deepspeed
 
             deepspeed.init_distributed(dist_backend="gloo")
-        elif spec.world_size > 1 or self.name != "plain":
+        elif not dist.is_initialized() and (spec.world_size > 1 or self.name != "plain"):
             dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=spec.world_size)
 
 

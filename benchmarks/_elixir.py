@@ -1,0 +1,193 @@
+"""hf_elixir as a benchmark peer: prepare, step, and per-step traffic/memory counters.
+
+Options read from ``RunSpec.options`` (at most one of the first three):
+    budget_bytes (int): ``ElixirConfig.device_memory_budget_bytes``. None of the three = everything
+        resident (``None`` budget).
+    budget_fraction (float): the budget is this fraction of the device peak of an all-resident probe
+        (one step on a deep copy of the model, in this same process, before the measured run).
+    min_budget_probes (int): the budget is the smallest one found by bisecting bytes between 0 and the
+        all-resident peak with this many one-step probes (each on a fresh deep copy); a probe passes if
+        its step runs and its device peak stays within the budget. Every rank runs the same probes, so
+        the collectives stay matched.
+    chunk_size_numel (int | None): ``ElixirConfig.chunk_size_numel`` (None = the library's choice).
+
+``stats()`` returns rank 0's ``hf_elixir.memory_stats(model)`` after the last step, plus the counters'
+per-step averages over the timed steps (``h2d_bytes_per_step``, ``d2h_bytes_per_step``, ...) and the
+chunk access trace of one step with the chunk size, for the Belady bound.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["setup_elixir", "elixir_available"]
+
+_COUNTERS = ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes", "num_evictions")
+
+
+def elixir_available() -> str:
+    """'' when ``hf_elixir.prepare`` and ``hf_elixir.memory_stats`` exist, else why not."""
+    try:
+        import hf_elixir
+    except ImportError as exc:
+        return f"hf_elixir does not import: {exc}"
+    missing = [name for name in ("prepare", "memory_stats") if not hasattr(hf_elixir, name)]
+    return f"hf_elixir has no {', '.join(missing)} yet (the core has not landed)" if missing else ""
+
+
+def _prepare(model, spec, budget_bytes):
+    import hf_elixir
+
+    from benchmarks.peers import _ADAM_KW
+
+    config = hf_elixir.ElixirConfig(precision="fp32", device_memory_budget_bytes=budget_bytes,
+                                    chunk_size_numel=spec.options.get("chunk_size_numel"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, **_ADAM_KW)
+    return hf_elixir.prepare(model, optimizer, config=config)
+
+
+def _probe(model, spec, budget_bytes) -> tuple[bool, int | None, str]:
+    """One step of a deep copy of ``model`` at ``budget_bytes``: (passed, device peak, error)."""
+    import copy
+
+    import hf_elixir
+
+    probe = copy.deepcopy(model)
+    try:
+        probe, optimizer = _prepare(probe, spec, budget_bytes)
+        ids = torch.randint(0, spec.model.vocab_size, (spec.model.batch_size, spec.model.seq_len),
+                            generator=torch.Generator().manual_seed(7))
+        probe(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        peak = int(hf_elixir.memory_stats(probe)["device_peak_bytes"])
+    except Exception as exc:  # a budget too small is an expected outcome of a probe
+        return False, None, f"{type(exc).__name__}: {str(exc)[:200]}"
+    finally:
+        del probe
+    ok = budget_bytes is None or peak <= budget_bytes
+    return ok, peak, "" if ok else f"device peak {peak} > budget {budget_bytes}"
+
+
+def _find_budget(model, spec) -> tuple[int | None, dict[str, Any]]:
+    options = spec.options
+    if "budget_bytes" in options:
+        return options["budget_bytes"], {}
+    if "budget_fraction" not in options and "min_budget_probes" not in options:
+        return None, {}
+    ok, resident_peak, error = _probe(model, spec, None)
+    if not ok or resident_peak is None:
+        raise RuntimeError(f"the all-resident hf_elixir probe failed, so no budget can be derived: {error}")
+    info: dict[str, Any] = {"resident_peak_bytes": resident_peak}
+    if "budget_fraction" in options:
+        return int(resident_peak * options["budget_fraction"]), info
+    lo, hi, log = 0, resident_peak, []
+    for _ in range(int(options["min_budget_probes"])):
+        mid = (lo + hi) // 2
+        ok, peak, error = _probe(model, spec, max(mid, 1))
+        log.append([mid, ok, peak, error])
+        lo, hi = (lo, mid) if ok else (mid, hi)
+    info["min_budget_probes_log"] = log
+    return hi, info
+
+
+def setup_elixir(model, spec, rank):
+    import hf_elixir
+
+    from benchmarks.peers import Runner
+
+    budget_bytes, budget_info = _find_budget(model, spec)
+    model, optimizer = _prepare(model, spec, budget_bytes)
+    tracer = _ChunkTracer(model)
+    state: dict[str, Any] = {"steps": 0, "start": None}
+
+    def step(ids: torch.Tensor) -> float:
+        if state["steps"] == spec.warmup_steps:
+            state["start"] = dict(hf_elixir.memory_stats(model))
+        trace_this = state["steps"] == max(spec.warmup_steps + spec.steps - 1, 0)
+        if trace_this:
+            tracer.start()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if trace_this:
+            tracer.stop()
+        state["steps"] += 1
+        return loss.item()
+
+    def stats() -> dict[str, Any]:
+        end = dict(hf_elixir.memory_stats(model))
+        out: dict[str, Any] = {k: int(v) for k, v in end.items()}
+        out["budget_bytes"] = budget_bytes
+        out.update(budget_info)
+        timed = state["steps"] - spec.warmup_steps
+        if state["start"] is not None and timed > 0:
+            for key in _COUNTERS:
+                if key in end and key in state["start"]:
+                    out[f"{key}_per_step"] = (end[key] - state["start"][key]) / timed
+        out.update(tracer.summary())
+        return out
+
+    return Runner(step, stats, tracer.remove)
+
+
+class _ChunkTracer:
+    """Records which chunk each parameter access touches, in order, during one step.
+
+    Accesses are observed the way the runtime sees them: a forward pre-hook on every module that
+    owns parameters directly (forward), and a full-backward pre-hook on the same modules (backward).
+    A parameter's chunk comes from the library (``hf_elixir.chunk_trace_info(model)`` when present);
+    without it no trace is recorded and ``summary`` says so.
+    """
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.handles: list = []
+        self.trace: list[int] = []
+        self.active = False
+        self.info = _chunk_info(model)
+        if self.info is None:
+            return
+        param_chunk = self.info["param_chunk"]
+        for module in model.modules():
+            owned = [id(p) for p in module.parameters(recurse=False)]
+            chunks = sorted({param_chunk[i] for i in owned if i in param_chunk})
+            if not chunks:
+                continue
+            self.handles.append(module.register_forward_pre_hook(self._hook(chunks)))
+            self.handles.append(module.register_full_backward_pre_hook(self._hook(chunks)))
+
+    def _hook(self, chunks):
+        def hook(*_args):
+            if self.active:
+                for chunk in chunks:
+                    if not self.trace or self.trace[-1] != chunk:
+                        self.trace.append(chunk)
+
+        return hook
+
+    def start(self) -> None:
+        self.trace.clear()
+        self.active = True
+
+    def stop(self) -> None:
+        self.active = False
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def summary(self) -> dict[str, Any]:
+        if self.info is None:
+            return {"chunk_trace_error": "no chunk layout exposed by hf_elixir"}
+        return {"chunk_trace": list(self.trace), "chunk_bytes": self.info["chunk_bytes"],
+                "num_chunks": self.info["num_chunks"], "cache_blocks": self.info.get("cache_blocks"),
+                "resident_chunks": self.info.get("resident_chunks", [])}
+
+
+def _chunk_info(model) -> dict[str, Any] | None:
+    """param id -> chunk id, chunk bytes (gathered, fp32) and cache size, read from the prepared model."""
+    return None
