@@ -10,6 +10,9 @@ Options read from ``RunSpec.options`` (at most one of the first three):
         its step runs and its device peak stays within the budget. Every rank runs the same probes, so
         the collectives stay matched.
     chunk_size_numel (int | None): ``ElixirConfig.chunk_size_numel`` (None = the library's choice).
+    profile_dir (str): on CUDA, profile the last timed step with ``torch.profiler`` and write its Chrome
+        trace there; ``stats()`` then reports host->device copies per CUDA stream and how many of them
+        overlapped a kernel on another stream (evidence of side-stream prefetch).
 
 ``stats()`` returns rank 0's ``hf_elixir.memory_stats(model)`` after the last step, plus the counters'
 per-step averages over the timed steps (``h2d_bytes_per_step``, ``d2h_bytes_per_step``, ...) and the
@@ -18,6 +21,7 @@ chunk access trace of one step with the chunk size, for the Belady bound.
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import torch
@@ -58,7 +62,7 @@ def _probe(model, spec, budget_bytes) -> tuple[bool, int | None, str]:
     try:
         probe, optimizer = _prepare(probe, spec, budget_bytes)
         ids = torch.randint(0, spec.model.vocab_size, (spec.model.batch_size, spec.model.seq_len),
-                            generator=torch.Generator().manual_seed(7))
+                            generator=torch.Generator().manual_seed(7)).to(spec.device)
         probe(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -109,10 +113,13 @@ def setup_elixir(model, spec, rank):
         trace_this = state["steps"] == max(spec.warmup_steps + spec.steps - 1, 0)
         if trace_this:
             tracer.start()
+        profiler = _start_profiler(spec) if trace_this else None
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if profiler is not None:
+            state["profile"] = _stop_profiler(profiler, spec, rank)
         if trace_this:
             tracer.stop()
         state["steps"] += 1
@@ -129,9 +136,71 @@ def setup_elixir(model, spec, rank):
                 if key in end and key in state["start"]:
                     out[f"{key}_per_step"] = (end[key] - state["start"][key]) / timed
         out.update(tracer.summary())
+        out.update(state.get("profile", {}))
         return out
 
     return Runner(step, stats, tracer.remove)
+
+
+def _start_profiler(spec):
+    if not spec.options.get("profile_dir") or not spec.device.startswith("cuda"):
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    profiler.__enter__()
+    return profiler
+
+
+def _merged_intervals(events) -> dict[str, tuple[list[float], list[float]]]:
+    by_stream: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        by_stream.setdefault(str(e.get("tid")), []).append((e["ts"], e["ts"] + e.get("dur", 0)))
+    out = {}
+    for stream, spans in by_stream.items():
+        spans.sort()
+        starts, ends = [], []
+        for a, b in spans:
+            if ends and a <= ends[-1]:
+                ends[-1] = max(ends[-1], b)
+            else:
+                starts.append(a)
+                ends.append(b)
+        out[stream] = (starts, ends)
+    return out
+
+
+def _stop_profiler(profiler, spec, rank) -> dict[str, Any]:
+    """Copies host->device per stream, and how many overlapped a kernel running on another stream."""
+    import json
+    from pathlib import Path
+
+    torch.cuda.synchronize()
+    profiler.__exit__(None, None, None)
+    path = Path(spec.options["profile_dir"]) / f"{spec.key()}_rank{rank}_trace.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profiler.export_chrome_trace(str(path))
+    events = json.loads(path.read_text()).get("traceEvents", [])
+    copies = [e for e in events if e.get("ph") == "X" and "HtoD" in str(e.get("name", ""))]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    per_stream: dict[str, int] = {}
+    merged = _merged_intervals(kernels)  # stream -> (starts, ends) of its busy intervals, sorted
+    overlapped = 0
+    for copy in copies:
+        tid = str(copy.get("tid"))
+        per_stream[tid] = per_stream.get(tid, 0) + 1
+        start, end = copy["ts"], copy["ts"] + copy.get("dur", 0)
+        for stream, (starts, ends) in merged.items():
+            if stream == tid:
+                continue
+            i = bisect.bisect_left(starts, end) - 1  # last busy interval starting before the copy ends
+            if i >= 0 and ends[i] > start:
+                overlapped += 1
+                break
+    kernel_names = sorted({str(k.get("name")) for k in kernels})
+    return {"profile_trace": str(path), "htod_copies_per_stream": per_stream,
+            "htod_copies_overlapping_compute": overlapped, "num_htod_copies": len(copies),
+            "kernel_names_sample": [n for n in kernel_names if "triton" in n.lower()][:20]}
 
 
 class _ChunkTracer:

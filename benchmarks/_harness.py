@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelSpec", "RunSpec", "RunResult", "launch", "launch_group", "free_port", "gpt2_config", "count_params"]
+__all__ = ["ModelSpec", "RunSpec", "RunResult", "launch", "launch_group", "free_port", "gpt2_config", "build_model",
+           "count_params"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +44,7 @@ class ModelSpec:
     ``batch_size`` is per rank; ``seq_len`` <= ``n_positions``.
     """
 
+    family: str = "gpt2"  # "gpt2" (GPT2LMHeadModel) or "opt" (OPTForCausalLM, ffn = 4 x n_embd)
     n_layer: int = 4
     n_embd: int = 256
     n_head: int = 4
@@ -52,13 +54,15 @@ class ModelSpec:
     seq_len: int = 128
 
     def __post_init__(self) -> None:
+        if self.family not in ("gpt2", "opt"):
+            raise ValueError(f"ModelSpec.family={self.family!r} must be 'gpt2' or 'opt'")
         if self.seq_len > self.n_positions:
             raise ValueError(f"ModelSpec.seq_len={self.seq_len} exceeds n_positions={self.n_positions}")
         if self.n_embd % self.n_head:
             raise ValueError(f"ModelSpec.n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
 
     def label(self) -> str:
-        return (f"GPT-2 L={self.n_layer} d={self.n_embd} h={self.n_head} V={self.vocab_size}, "
+        return (f"{'GPT-2' if self.family == 'gpt2' else 'OPT'} L={self.n_layer} d={self.n_embd} h={self.n_head} V={self.vocab_size}, "
                 f"batch {self.batch_size}/rank x seq {self.seq_len}")
 
 
@@ -73,6 +77,8 @@ class RunSpec:
         warmup_steps / steps: untimed and timed training steps.
         threads_per_rank: ``torch.set_num_threads`` in every rank (1 keeps peers comparable on a
             shared 2-core machine).
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (one GPU per rank, NCCL for CUDA tensors); the model is
+            built on the CPU and each peer moves it the way that system expects.
         lr: AdamW learning rate (every peer uses AdamW, betas (0.9, 0.999), eps 1e-8, wd 0.0).
         options: peer-specific settings (e.g. ``budget_fraction`` for hf_elixir).
     """
@@ -85,6 +91,7 @@ class RunSpec:
     threads_per_rank: int = 1
     lr: float = 1e-4
     options: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"  # "cpu" or "cuda" (benchmarks/gpu.py); batches are created on it
 
     def key(self) -> str:
         return f"{self.peer}_ws{self.world_size}"
@@ -125,8 +132,29 @@ def gpt2_config(spec: ModelSpec):
                       bos_token_id=0, eos_token_id=0)
 
 
+def build_model(spec: ModelSpec):
+    """A freshly initialised fp32 model on the CPU for ``spec`` (seed the RNG before calling)."""
+    if spec.family == "gpt2":
+        from transformers import GPT2LMHeadModel
+
+        return GPT2LMHeadModel(gpt2_config(spec))
+    from transformers import OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(hidden_size=spec.n_embd, num_hidden_layers=spec.n_layer, num_attention_heads=spec.n_head,
+                       ffn_dim=4 * spec.n_embd, vocab_size=spec.vocab_size, word_embed_proj_dim=spec.n_embd,
+                       max_position_embeddings=spec.n_positions, dropout=0.0, attention_dropout=0.0,
+                       pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    return OPTForCausalLM(config)
+
+
 def count_params(spec: ModelSpec) -> int:
-    """Parameters of GPT2LMHeadModel(spec) with the tied lm_head counted once (analytic, exact)."""
+    """Parameters of GPT2LMHeadModel(spec) with the tied lm_head counted once (analytic, exact).
+
+    Raises:
+        ValueError: ``spec.family`` is not ``"gpt2"`` (only GPT-2 is counted analytically).
+    """
+    if spec.family != "gpt2":
+        raise ValueError(f"count_params: ModelSpec.family={spec.family!r}; only 'gpt2' is counted analytically")
     d, v, p, layers = spec.n_embd, spec.vocab_size, spec.n_positions, spec.n_layer
     per_layer = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
     return v * d + p * d + layers * per_layer + 2 * d
@@ -244,7 +272,8 @@ def _redirect_output(path: Path) -> None:
 def _worker_main(rank: int, specs: list[RunSpec], work_dir: str, port: int) -> None:
     work = Path(work_dir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    if specs[0].device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run interpreted on CPU
     failed = None
     for spec in specs:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -284,31 +313,43 @@ def _measure(rank: int, spec: RunSpec) -> dict[str, Any]:
     from benchmarks.peers import PEERS
 
     torch.set_num_threads(spec.threads_per_rank)
+    if spec.device.startswith("cuda"):
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 params, TF32 matmuls: same for every peer
+        torch.backends.cudnn.allow_tf32 = True
     peer = PEERS[spec.peer]
     peer.init_distributed(spec)
     baseline_rss = psutil.Process().memory_info().rss
 
-    from transformers import GPT2LMHeadModel
-
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(gpt2_config(spec.model))
+    model = build_model(spec.model)
     num_params = sum(p.numel() for p in model.parameters())
     runner = peer.setup(model, spec, rank)
     gen = torch.Generator().manual_seed(1000 + rank)
     m = spec.model
-    batches = [torch.randint(0, m.vocab_size, (m.batch_size, m.seq_len), generator=gen)
+    batches = [torch.randint(0, m.vocab_size, (m.batch_size, m.seq_len), generator=gen).to(spec.device)
                for _ in range(spec.warmup_steps + spec.steps)]
+    cuda = spec.device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     losses, times = [], []
     for index, ids in enumerate(batches):
         if dist.is_initialized():
             dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
-        loss = runner.step(ids)
+        loss = runner.step(ids)  # returns loss.item(), which synchronises with the device
+        if cuda:
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         losses.append(float(loss))
         if index >= spec.warmup_steps:
             times.append(elapsed)
     extra = runner.stats()
+    if cuda:
+        extra["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+        extra["cuda_max_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
     if dist.is_initialized():
         dist.barrier()
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB

@@ -74,14 +74,16 @@ class Peer:
     def init_distributed(self, spec) -> None:
         import torch.distributed as dist
 
+        cuda = spec.device.startswith("cuda")
         if self.deepspeed:  # DeepSpeed adopts an already-initialised world group
-
-            os.environ["DS_ACCELERATOR"] = "cpu"
+            if not cuda:
+                os.environ["DS_ACCELERATOR"] = "cpu"
             import deepspeed
 
-            deepspeed.init_distributed(dist_backend="gloo")
+            deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
         elif not dist.is_initialized() and (spec.world_size > 1 or self.name != "plain"):
-            dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=spec.world_size)
+            backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+            dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=spec.world_size)
 
 
 def peer_available(peer: Peer) -> str:
@@ -106,6 +108,7 @@ def _simple_step(model, optimizer, backward=None):
 
 
 def _setup_plain(model, spec, rank) -> Runner:
+    model.to(spec.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, **_ADAM_KW)
     return Runner(_simple_step(model, optimizer))
 
@@ -113,7 +116,8 @@ def _setup_plain(model, spec, rank) -> Runner:
 def _setup_ddp(model, spec, rank) -> Runner:
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp = DistributedDataParallel(model)
+    model.to(spec.device)
+    ddp = DistributedDataParallel(model, device_ids=[rank] if spec.device.startswith("cuda") else None)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=spec.lr, **_ADAM_KW)
     return Runner(_simple_step(ddp, optimizer))
 
@@ -125,9 +129,13 @@ def _setup_fsdp2(model, spec, rank, offload: bool = False) -> Runner:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh("cpu", (spec.world_size,))
-    policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
-    for block in model.transformer.h:
+    cuda = spec.device.startswith("cuda")
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (spec.world_size,))
+    # pin_memory=True (the default) needs an accelerator; on CPU it fails, so it is off there
+    policy = CPUOffloadPolicy(pin_memory=cuda) if offload else OffloadPolicy()
+    model.to(spec.device)
+    blocks = model.transformer.h if hasattr(model, "transformer") else model.model.decoder.layers  # GPT-2 / OPT
+    for block in blocks:
         fully_shard(block, mesh=mesh, offload_policy=policy)
     fully_shard(model, mesh=mesh, offload_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, **_ADAM_KW)
@@ -145,9 +153,10 @@ def _setup_deepspeed(model, spec, rank, stage: int) -> Runner:
     import deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    zero: dict[str, Any] = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": False}}
+    pin = spec.device.startswith("cuda")
+    zero: dict[str, Any] = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": pin}}
     if stage == 3:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     config = {"train_micro_batch_size_per_gpu": spec.model.batch_size, "gradient_accumulation_steps": 1,
               "zero_optimization": zero, "fp16": {"enabled": False}, "bf16": {"enabled": False},
               "gradient_clipping": 0.0, "steps_per_print": 10**9, "wall_clock_breakdown": False}
