@@ -87,7 +87,18 @@ def _find_budget(model, spec) -> tuple[int | None, dict[str, Any]]:
     info: dict[str, Any] = {"resident_peak_bytes": resident_peak}
     if "budget_fraction" in options:
         return int(resident_peak * options["budget_fraction"]), info
-    lo, hi, log = 0, resident_peak, []
+    # start from the library's own minimum (hf_elixir.min_device_budget_bytes); if a step does not run
+    # there, bisect between it and the all-resident peak
+    floor = _library_min_budget(model, spec)
+    info["library_min_budget_bytes"] = floor
+    log = []
+    if floor is not None:
+        ok, peak, error = _probe(model, spec, floor)
+        log.append([floor, ok, peak, error])
+        if ok:
+            info["min_budget_probes_log"] = log
+            return floor, info
+    lo, hi = (floor or 0), resident_peak
     for _ in range(int(options["min_budget_probes"])):
         mid = (lo + hi) // 2
         ok, peak, error = _probe(model, spec, max(mid, 1))
@@ -97,6 +108,22 @@ def _find_budget(model, spec) -> tuple[int | None, dict[str, Any]]:
     return hi, info
 
 
+def _library_min_budget(model, spec) -> int | None:
+    import hf_elixir
+
+    fn = getattr(hf_elixir, "min_device_budget_bytes", None)
+    if fn is None:
+        return None
+    import torch.distributed as dist
+
+    from benchmarks.peers import _ADAM_KW
+
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    config = hf_elixir.ElixirConfig(precision="fp32", chunk_size_numel=spec.options.get("chunk_size_numel"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, **_ADAM_KW)
+    return int(fn(model, optimizer, config=config, world_size=world_size))
+
+
 def setup_elixir(model, spec, rank):
     import hf_elixir
 
@@ -104,24 +131,19 @@ def setup_elixir(model, spec, rank):
 
     budget_bytes, budget_info = _find_budget(model, spec)
     model, optimizer = _prepare(model, spec, budget_bytes)
-    tracer = _ChunkTracer(model)
     state: dict[str, Any] = {"steps": 0, "start": None}
 
     def step(ids: torch.Tensor) -> float:
         if state["steps"] == spec.warmup_steps:
             state["start"] = dict(hf_elixir.memory_stats(model))
-        trace_this = state["steps"] == max(spec.warmup_steps + spec.steps - 1, 0)
-        if trace_this:
-            tracer.start()
-        profiler = _start_profiler(spec) if trace_this else None
+        last = state["steps"] == max(spec.warmup_steps + spec.steps - 1, 0)
+        profiler = _start_profiler(spec) if last else None
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if profiler is not None:
             state["profile"] = _stop_profiler(profiler, spec, rank)
-        if trace_this:
-            tracer.stop()
         state["steps"] += 1
         return loss.item()
 
@@ -135,11 +157,11 @@ def setup_elixir(model, spec, rank):
             for key in _COUNTERS:
                 if key in end and key in state["start"]:
                     out[f"{key}_per_step"] = (end[key] - state["start"][key]) / timed
-        out.update(tracer.summary())
         out.update(state.get("profile", {}))
+        out.update(_belady_inputs(model))  # last: it reshards every evictable chunk
         return out
 
-    return Runner(step, stats, tracer.remove)
+    return Runner(step, stats)
 
 
 def _start_profiler(spec):
@@ -203,60 +225,41 @@ def _stop_profiler(profiler, spec, rank) -> dict[str, Any]:
             "kernel_names_sample": [n for n in kernel_names if "triton" in n.lower()][:20]}
 
 
-class _ChunkTracer:
-    """Records which chunk each parameter access touches, in order, during one step.
+def _belady_inputs(model) -> dict[str, Any]:
+    """The library's recorded chunk access order of the last step and the cache it had, for the bound.
 
-    Accesses are observed the way the runtime sees them: a forward pre-hook on every module that
-    owns parameters directly (forward), and a full-backward pre-hook on the same modules (backward).
-    A parameter's chunk comes from the library (``hf_elixir.chunk_trace_info(model)`` when present);
-    without it no trace is recorded and ``summary`` says so.
+    Reads ``hf_elixir.api.get_state(model).manager``: ``prev_trace`` (chunk ids, one per module access,
+    in order), each chunk's ``shard_bytes`` / ``full_bytes`` and whether it moves at all (not resident,
+    shard on the host). The cache capacity is the budget minus the device bytes that stay put (measured
+    after resharding every evictable chunk), in units of the largest streamed chunk. Ignoring the
+    transient gradient buffers makes this capacity an over-estimate, so the bound stays a lower bound.
+    ``optimizer_refresh_h2d_bytes``: parameters that stay on the device while their optimizer state is
+    on the host come back after every update (hf_elixir's ``_refresh_compute_copies``); no eviction
+    policy avoids that, so it is added to the bound.
     """
+    try:
+        from hf_elixir.api import get_state
 
-    def __init__(self, model) -> None:
-        self.model = model
-        self.handles: list = []
-        self.trace: list[int] = []
-        self.active = False
-        self.info = _chunk_info(model)
-        if self.info is None:
-            return
-        param_chunk = self.info["param_chunk"]
-        for module in model.modules():
-            owned = [id(p) for p in module.parameters(recurse=False)]
-            chunks = sorted({param_chunk[i] for i in owned if i in param_chunk})
-            if not chunks:
-                continue
-            self.handles.append(module.register_forward_pre_hook(self._hook(chunks)))
-            self.handles.append(module.register_full_backward_pre_hook(self._hook(chunks)))
-
-    def _hook(self, chunks):
-        def hook(*_args):
-            if self.active:
-                for chunk in chunks:
-                    if not self.trace or self.trace[-1] != chunk:
-                        self.trace.append(chunk)
-
-        return hook
-
-    def start(self) -> None:
-        self.trace.clear()
-        self.active = True
-
-    def stop(self) -> None:
-        self.active = False
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-    def summary(self) -> dict[str, Any]:
-        if self.info is None:
-            return {"chunk_trace_error": "no chunk layout exposed by hf_elixir"}
-        return {"chunk_trace": list(self.trace), "chunk_bytes": self.info["chunk_bytes"],
-                "num_chunks": self.info["num_chunks"], "cache_blocks": self.info.get("cache_blocks"),
-                "resident_chunks": self.info.get("resident_chunks", [])}
-
-
-def _chunk_info(model) -> dict[str, Any] | None:
-    """param id -> chunk id, chunk bytes (gathered, fp32) and cache size, read from the prepared model."""
-    return None
+        manager = get_state(model).manager
+        trace = list(manager.prev_trace)
+        chunks = manager.chunks
+        budget = manager.pool.budget_bytes
+        streamed = {c.chunk_id: int(c.shard_bytes) for c in chunks
+                    if not c.resident and not c.shard_on_device}
+        # a chunk whose parameters stay on the device but whose optimizer state is on the host must
+        # bring its updated parameters back after every step, whatever the eviction policy
+        refresh = sum(int(c.shard_bytes) for c in chunks
+                      if getattr(c, "trainable", True) and (c.shard_on_device or c.resident)
+                      and not c.optim_on_device)
+        manager.reshard_all()
+        persistent = int(manager.pool.used_bytes)
+        largest = max((chunks[i].full_bytes for i in streamed), default=0)
+    except Exception as exc:  # the core's internals moved: say so instead of guessing
+        return {"chunk_trace_error": f"cannot read the chunk manager: {type(exc).__name__}: {exc}"}
+    if budget is None:
+        return {"chunk_trace_len": len(trace), "num_streamed_chunks": len(streamed),
+                "optimizer_refresh_h2d_bytes": refresh}
+    capacity = max((budget - persistent) // largest, 1) if largest else 0
+    return {"chunk_trace": trace, "streamed_chunk_bytes": {str(k): v for k, v in streamed.items()},
+            "cache_blocks": int(capacity), "persistent_device_bytes": persistent,
+            "largest_streamed_chunk_bytes": int(largest), "optimizer_refresh_h2d_bytes": refresh}

@@ -347,6 +347,8 @@ def _measure(rank: int, spec: RunSpec) -> dict[str, Any]:
         if index >= spec.warmup_steps:
             times.append(elapsed)
     extra = runner.stats()
+    if spec.options.get("cpu_profile"):
+        extra["profile_top"] = _profile_one_step(runner, batches[-1])
     if cuda:
         extra["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
         extra["cuda_max_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
@@ -356,6 +358,22 @@ def _measure(rank: int, spec: RunSpec) -> dict[str, Any]:
     runner.close()
     return {"step_times_s": times, "losses": losses, "num_params": num_params,
             "peak_rss_bytes": peak_rss, "baseline_rss_bytes": baseline_rss, "extra": extra}
+
+
+def _profile_one_step(runner, ids, top: int = 10) -> list[list]:
+    """One extra (untimed) step under ``torch.profiler``: the ``top`` ops by self CPU time.
+
+    Returns ``[[name, self_cpu_ms, calls], ...]`` plus a ``["(step total)", ms, 1]`` row.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        runner.step(ids)
+    total_ms = (time.perf_counter() - start) * 1e3
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [["(step total, profiled)", round(total_ms, 2), 1]] + [
+        [e.key, round(e.self_cpu_time_total / 1e3, 2), e.count] for e in rows]
 
 
 def result_to_dict(result: RunResult) -> dict[str, Any]:

@@ -13,11 +13,20 @@ from __future__ import annotations
 import heapq
 from typing import Hashable, Sequence
 
-__all__ = ["belady_moves", "belady_source", "all_offload_bytes"]
+__all__ = ["belady_moves", "belady_misses", "belady_onload_bytes", "belady_source", "all_offload_bytes"]
 
 
 def _private_belady_moves(trace: Sequence[Hashable], capacity: int) -> int:
     """Onloads Belady's MIN makes serving ``trace`` (one item per access) with ``capacity`` slots.
+
+    Raises:
+        ValueError: ``capacity`` < 1 with a non-empty trace.
+    """
+    return len(belady_misses(trace, capacity))
+
+
+def belady_misses(trace: Sequence[Hashable], capacity: int) -> list[Hashable]:
+    """The items Belady's MIN onloads (in order) serving ``trace`` with ``capacity`` slots.
 
     Raises:
         ValueError: ``capacity`` < 1 with a non-empty trace.
@@ -32,17 +41,17 @@ def _private_belady_moves(trace: Sequence[Hashable], capacity: int) -> int:
         last_seen[trace[index]] = index
     cached: dict[Hashable, int] = {}  # item -> index of its next use
     heap: list[tuple[int, int, Hashable]] = []  # (-next use, seq, item); stale entries skipped
-    moves = 0
+    misses: list[Hashable] = []
     for index, item in enumerate(trace):
         if item not in cached:
-            moves += 1
+            misses.append(item)
             while len(cached) >= capacity:
                 neg_use, _, victim = heapq.heappop(heap)
                 if cached.get(victim) == -neg_use:
                     del cached[victim]
         cached[item] = next_use[index]
         heapq.heappush(heap, (-next_use[index], index, item))
-    return moves
+    return misses
 
 
 def _find_library_belady():
@@ -87,3 +96,24 @@ def all_offload_bytes(peer: str, num_params: int, world_size: int, bytes_per_ele
     if peer == "ds_zero2_offload":
         return {"h2d_bytes": shard, "d2h_bytes": shard}
     return {"h2d_bytes": 0, "d2h_bytes": 0}
+
+
+def belady_onload_bytes(trace: Sequence[int], capacity: int, bytes_of: dict[int, int]) -> tuple[int, int]:
+    """Host->device bytes Belady's MIN needs for the streamed chunks of ``trace``.
+
+    Args:
+        trace: chunk ids in access order (every access, repeats included).
+        capacity: cache blocks (gathered chunks the device can hold at once besides what stays put).
+        bytes_of: chunk id -> bytes one onload moves (its shard); chunks not in it never move.
+
+    Returns:
+        ``(bytes, onloads)``; ``onloads`` is checked against ``belady_moves`` (the library's when it is
+        available), which must agree.
+    """
+    streamed = [c for c in trace if c in bytes_of]
+    if not streamed:
+        return 0, 0
+    misses = belady_misses(streamed, capacity)
+    moves = belady_moves(streamed, capacity)
+    assert moves == len(misses), f"Belady implementations disagree: {moves} vs {len(misses)} onloads"
+    return sum(bytes_of[c] for c in misses), len(misses)

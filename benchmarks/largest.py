@@ -19,7 +19,8 @@ How each system is judged (``budget_bytes`` = B, ``host_bytes`` = H):
   = 4 x largest layer; note it assumes fp16 params+grads, so for fp32 the real need is 2x that,
   which is what we use) and its host estimate (``18 P x 1.5``). Analytic, DeepSpeed's accounting.
 - hf_elixir: real training steps in a spawned process with
-  ``ElixirConfig(device_memory_budget_bytes=B)``; a model fits if one step completes and
+  ``ElixirConfig(device_memory_budget_bytes=B, chunk_size_numel=<largest parameter>)`` (the library's
+  default chunk size grows with the model, total/8, which would make the working set grow too); a model fits if one step completes and
   ``memory_stats(model)["device_peak_bytes"] <= B``. Binary search over ``n_layer`` up to a cap
   chosen so the real run stays inside the host RAM this shared machine can spare; if the cap fits,
   the result is reported as ">= cap" and, separately, the analytic host-RAM limit from the measured
@@ -128,19 +129,26 @@ def _largest_leaf_layer(spec: ModelSpec) -> int:
     return max(spec.vocab_size * d, spec.n_positions * d, 4 * d * d + 4 * d, 3 * d * d + 3 * d)
 
 
+def smallest_chunk_numel(spec: ModelSpec) -> int:
+    """The smallest legal chunk for this family: the largest parameter (the token embedding, V x d)."""
+    return max(spec.vocab_size * spec.n_embd, 4 * spec.n_embd * spec.n_embd)
+
+
 def search_elixir(base: ModelSpec, budget_bytes: int, max_layers: int, work_dir: str | Path,
-                  world_size: int = 1, timeout_s: float = 300.0,
-                  log: Callable[[str], None] = print) -> tuple[LargestResult, list[dict[str, Any]]]:
+                  world_size: int = 1, timeout_s: float = 300.0, log: Callable[[str], None] = print,
+                  chunk_size_numel: int | None = None) -> tuple[LargestResult, list[dict[str, Any]]]:
     """Binary search over ``n_layer`` with real hf_elixir steps at ``budget_bytes`` (see module doc).
 
-    Probes ``max_layers`` first (one run when the cap fits), then bisects. Returns the result and the
-    probe log (n_layer, ok, device peak, host bytes, error).
+    Probes ``max_layers`` first (one run when the cap fits), then bisects. ``chunk_size_numel`` fixes
+    the chunk size (``None`` = the library's choice, which grows with the model). Returns the result
+    and the probe log (n_layer, ok, device peak, host bytes, error).
     """
     probes: list[dict[str, Any]] = []
 
     def fits(n_layer: int) -> bool:
         spec = RunSpec(peer="elixir_budget", world_size=world_size, model=_with_layers(base, n_layer),
-                       warmup_steps=0, steps=1, options={"budget_bytes": budget_bytes})
+                       warmup_steps=0, steps=1,
+                       options={"budget_bytes": budget_bytes, "chunk_size_numel": chunk_size_numel})
         result = launch(spec, work_dir, timeout_s=timeout_s)
         peak = result.extra.get("device_peak_bytes") if result.ok else None
         ok = result.ok and peak is not None and peak <= budget_bytes
@@ -165,7 +173,9 @@ def search_elixir(base: ModelSpec, budget_bytes: int, max_layers: int, work_dir:
         best = lo
     result = LargestResult(system="hf_elixir", n_layer=best,
                            num_params=count_params(_with_layers(base, max(best, 0))),
-                           method="measured: real steps, device_peak_bytes <= budget", capped=capped,
+                           method="measured: real steps, device_peak_bytes <= budget"
+                                  + (f", chunk_size_numel={chunk_size_numel} (the largest parameter)"
+                                     if chunk_size_numel else ""), capped=capped,
                            note=f"search capped at n_layer={max_layers} (host RAM/time on this shared "
                                 f"machine); the true limit is higher" if capped else "")
     return result, probes
