@@ -155,7 +155,8 @@ def search_elixir(base: ModelSpec, budget_bytes: int, max_layers: int, work_dir:
         probes.append({"n_layer": n_layer, "num_params": count_params(spec.model), "ok": ok,
                        "device_peak_bytes": peak, "host_bytes": result.extra.get("host_bytes"),
                        "step_s": result.step_times_s[0] if result.ok else None,
-                       "error": "" if result.ok else result.error.splitlines()[0][:300]})
+                       "error": (result.error.splitlines()[0][:300] if not result.ok
+                                 else "" if ok else f"device peak {peak} > budget {budget_bytes}")})
         log(f"  hf_elixir largest-model probe n_layer={n_layer}: {'fits' if ok else 'does not fit'}"
             f" (device peak {peak}, budget {budget_bytes})")
         return ok
@@ -171,7 +172,8 @@ def search_elixir(base: ModelSpec, budget_bytes: int, max_layers: int, work_dir:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         best = lo
-    result = LargestResult(system="hf_elixir", n_layer=best,
+    system = "hf_elixir" if chunk_size_numel else "hf_elixir (library default chunk size)"
+    result = LargestResult(system=system, n_layer=best,
                            num_params=count_params(_with_layers(base, max(best, 0))),
                            method="measured: real steps, device_peak_bytes <= budget"
                                   + (f", chunk_size_numel={chunk_size_numel} (the largest parameter)"

@@ -48,7 +48,7 @@ class SuiteConfig:
     peers: tuple[str, ...] = tuple(PEERS)
     budget_fraction: float = 0.5
     largest_budget_bytes: int = 64 * MIB
-    largest_max_layers: int = 96
+    largest_max_layers: int = 192
     host_bytes: int = 0  # 0 = 80% of this machine's RAM
     run_largest: bool = True
     min_budget_probes: int = 6
@@ -138,16 +138,21 @@ def _run_largest(cfg: SuiteConfig, work_dir: Path, skipped: dict[str, str], elix
                                       have_deepspeed="ds_zero3_offload" not in skipped)
     probes: list[dict[str, Any]] = []
     if not elixir_reason:
-        found, probes = largest.search_elixir(cfg.largest_base, cfg.largest_budget_bytes, cfg.largest_max_layers,
-                                              work_dir / "largest", timeout_s=cfg.timeout_s, log=_log,
-                                              chunk_size_numel=largest.smallest_chunk_numel(cfg.largest_base))
-        ok_probes = [p for p in probes if p["ok"] and p.get("host_bytes")]
-        if ok_probes:
-            best = max(ok_probes, key=lambda p: p["num_params"])
-            per_param = best["host_bytes"] / best["num_params"]
-            found.note += (f"; measured host {per_param:.1f} B/param -> host RAM ({host / 2**30:.0f} GiB) allows "
-                           f"~{largest.host_limited_params(host, per_param) / 1e6:.0f}M params (analytic)")
-        results.append(found)
+        for chunk_numel in (None, largest.smallest_chunk_numel(cfg.largest_base)):
+            found, found_probes = largest.search_elixir(cfg.largest_base, cfg.largest_budget_bytes,
+                                                        cfg.largest_max_layers, work_dir / "largest",
+                                                        timeout_s=cfg.timeout_s, log=_log, chunk_size_numel=chunk_numel)
+            ok_probes = [p for p in found_probes if p["ok"] and p.get("host_bytes")]
+            if ok_probes:
+                best = max(ok_probes, key=lambda p: p["num_params"])
+                per_param = best["host_bytes"] / best["num_params"]
+                found.note += (f"; measured host {per_param:.1f} B/param -> host RAM ({host / 2**30:.0f} GiB) allows "
+                               f"~{largest.host_limited_params(host, per_param) / 1e6:.0f}M params (analytic)")
+            failed = [p for p in found_probes if not p["ok"]]
+            if failed:
+                found.note += f"; first failure: n_layer={failed[0]['n_layer']}: {failed[0]['error'][:160]}"
+            results.append(found)
+            probes += [dict(p, chunk_size_numel=chunk_numel) for p in found_probes]
     return {"budget_bytes": cfg.largest_budget_bytes, "host_bytes": host, "base": dataclasses.asdict(cfg.largest_base),
             "results": [dataclasses.asdict(r) for r in results], "elixir_probes": probes}
 
@@ -271,14 +276,16 @@ def headline(runs: list[RunResult], traffic_facts: list[dict[str, Any]], largest
         ref, res = _reference(runs, ws), get("elixir_resident", ws)
         if ref and res:
             ratio = res.median_s / ref.median_s
+            alt = f"min-step ratio {min(res.step_times_s) / min(ref.step_times_s):.2f}x"
             lines.append(_verdict(f"hf_elixir all-resident step time / {'PyTorch' if ws == 1 else 'DDP'} "
-                                  f"({ws} rank{'s' if ws > 1 else ''})", ratio, 1.05, lower_is_better=True))
+                                  f"({ws} rank{'s' if ws > 1 else ''})", ratio, 1.05, lower_is_better=True, alt=alt))
     offload = get("elixir_budget", 2)
     for peer in ("ds_zero3_offload", "fsdp2_offload"):
         other = get(peer, 2)
         if offload and other:
+            alt = f"min-step ratio {min(other.step_times_s) / min(offload.step_times_s):.2f}x"
             lines.append(_verdict(f"hf_elixir (50% budget) throughput / {PEERS[peer].label} (2 ranks)",
-                                  offload.tokens_per_s / other.tokens_per_s, 1.5, lower_is_better=False))
+                                  offload.tokens_per_s / other.tokens_per_s, 1.5, lower_is_better=False, alt=alt))
     for fact in traffic_facts:
         if fact["key"].startswith("elixir_budget") and fact["bound"]:
             lines.append(_verdict(f"host<->device onload bytes / Belady bound ({fact['key']})",
@@ -297,11 +304,12 @@ def headline(runs: list[RunResult], traffic_facts: list[dict[str, Any]], largest
     return lines
 
 
-def _verdict(what: str, ratio: float, target: float, lower_is_better: bool) -> str:
+def _verdict(what: str, ratio: float, target: float, lower_is_better: bool, alt: str = "") -> str:
     met = ratio <= target if lower_is_better else ratio >= target
     sign = "<=" if lower_is_better else ">="
     gap = "" if met else (f" - missed by {ratio / target:.2f}x" if lower_is_better else f" - missed by {target / ratio:.2f}x")
-    return f"- **{what}: {ratio:.2f}x** (target {sign} {target}x): {'met' if met else 'MISSED'}{gap}"
+    return (f"- **{what}: {ratio:.2f}x** (target {sign} {target}x): {'met' if met else 'MISSED'}{gap}"
+            + (f" ({alt}: the fastest step of each, less disturbed by other jobs on this machine)" if alt else ""))
 
 
 def write_report(out_dir: Path, cfg: SuiteConfig, suite: dict[str, Any], command: str, elapsed_s: float,
@@ -389,7 +397,7 @@ def _largest_section(largest: dict[str, Any]) -> list[str]:
         rows.append([r["system"], n, f"{r['num_params'] / 1e6:.1f}", ratio, r["method"], r["note"]])
     base = largest["base"]
     return ["## Largest trainable model at a fixed device budget", "",
-            f"Budget: {largest['budget_bytes'] / MIB:.0f} MiB of device memory for model data (params, grads, "
+            f"Budget: {largest['budget_bytes'] / MIB:.2f} MiB of device memory for model data (params, grads, "
             f"optimizer states; activations excluded for all), host RAM limit {largest['host_bytes'] / 2**30:.1f} GiB. "
             f"Family: GPT-2 d={base['n_embd']}, V={base['vocab_size']}, n_layer searched (1 rank). "
             "Analytic rows are used where this CPU-only machine has no device to measure or where "
@@ -419,7 +427,7 @@ def _chart(path: Path, runs: list[RunResult], largest: dict[str, Any]) -> Path:
         axes[1].set_xticks(range(len(results)), [r["system"] for r in results], fontsize=7, rotation=15)
         axes[1].set_yscale("log")
         axes[1].set_ylabel("parameters (M, log)")
-        axes[1].set_title(f"Largest model at {largest['budget_bytes'] / MIB:.0f} MiB device budget")
+        axes[1].set_title(f"Largest model at {largest['budget_bytes'] / MIB:.2f} MiB device budget")
     else:
         axes[1].set_axis_off()
     fig.tight_layout()

@@ -62,7 +62,8 @@ def test_quick_suite_end_to_end(tmp_path: Path) -> None:
 
     traffic = _table(text, "system")
     assert traffic[0] == run_cpu.TRAFFIC_COLUMNS
-    offloaders = {(PEERS[n].label, ws) for n, p in PEERS.items() if p.offloads for ws in p.world_sizes}
+    offloaders = {(PEERS[n].label, ws) for n, p in PEERS.items()
+                  if p.offloads or n.startswith("elixir") for ws in p.world_sizes}
     assert {(r[0], int(r[1])) for r in traffic[2:]} == offloaders & _expected_peers()
 
     assert "ColossalAI Gemini" in text and "CUDA" in text
@@ -70,6 +71,10 @@ def test_quick_suite_end_to_end(tmp_path: Path) -> None:
     largest = _table(text[largest_start:], "system")
     assert largest[0] == run_cpu.LARGEST_COLUMNS
     assert largest[2][0] == "PyTorch (plain)" and largest[2][3] == "1.0x"
+    if not elixir_available():  # the core is on this branch: its rows are measured, not skipped
+        systems = [r[0] for r in largest[2:]]
+        assert "hf_elixir" in systems and "hf_elixir (library default chunk size)" in systems
+        assert "Belady" in text and "/ Belady bound" in text
 
     dump = json.loads((tmp_path / "results.json").read_text())
     assert len(dump["runs"]) == len(rows)
