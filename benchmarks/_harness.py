@@ -45,10 +45,10 @@ class ModelSpec:
     """
 
     family: str = "gpt2"  # "gpt2" (GPT2LMHeadModel) or "opt" (OPTForCausalLM, ffn = 4 x n_embd)
-    n_layer: int = 4
+    n_layer: int = 6
     n_embd: int = 256
     n_head: int = 4
-    vocab_size: int = 8192
+    vocab_size: int = 2048  # small next to the blocks, so the model packs into several chunks
     n_positions: int = 128
     batch_size: int = 4
     seq_len: int = 128

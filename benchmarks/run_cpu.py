@@ -146,11 +146,11 @@ def _run_largest(cfg: SuiteConfig, work_dir: Path, skipped: dict[str, str], elix
             if ok_probes:
                 best = max(ok_probes, key=lambda p: p["num_params"])
                 per_param = best["host_bytes"] / best["num_params"]
-                found.note += (f"; measured host {per_param:.1f} B/param -> host RAM ({host / 2**30:.0f} GiB) allows "
+                found.note += (("; " if found.note else "") + f"measured host {per_param:.1f} B/param -> host RAM ({host / 2**30:.0f} GiB) allows "
                                f"~{largest.host_limited_params(host, per_param) / 1e6:.0f}M params (analytic)")
             failed = [p for p in found_probes if not p["ok"]]
             if failed:
-                found.note += f"; first failure: n_layer={failed[0]['n_layer']}: {failed[0]['error'][:160]}"
+                found.note += ("; " if found.note else "") + f"first failure: n_layer={failed[0]['n_layer']}: {failed[0]['error'][:160]}"
             results.append(found)
             probes += [dict(p, chunk_size_numel=chunk_numel) for p in found_probes]
     return {"budget_bytes": cfg.largest_budget_bytes, "host_bytes": host, "base": dataclasses.asdict(cfg.largest_base),
