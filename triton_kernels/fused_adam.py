@@ -79,9 +79,10 @@ if HAS_TRITON:
         """One program updates BLOCK_SIZE consecutive elements of the shard (math: module docstring)."""
         pid = tl.program_id(0).to(tl.int64)
         offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        mask = offs < n_elements
-        if HAS_FOUND_INF:
-            mask = mask & (tl.load(found_inf_ptr) == 0.0)
+        limit = n_elements
+        if HAS_FOUND_INF:  # overflow: no element is in range, so nothing is loaded or stored
+            limit = tl.where(tl.load(found_inf_ptr) == 0.0, n_elements, 0)
+        mask = offs < limit
         if HAS_SCALE_PTR:
             scale = tl.load(grad_scale_ptr)
         else:
