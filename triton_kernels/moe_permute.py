@@ -55,24 +55,25 @@ if HAS_TRITON:
         hidden,
         HAS_WEIGHT: tl.constexpr,
         HAS_DOT: tl.constexpr,
+        ACC_DTYPE: tl.constexpr,
         BLOCK_H: tl.constexpr,
     ):
         """dst[r] = src[src_row[r]] * weight[r];  dot[r] = <src[src_row[r]], other[r]> (fp32)."""
         r = tl.program_id(0).to(tl.int64)
         s = tl.load(src_row_ptr + r).to(tl.int64)
         if HAS_WEIGHT:
-            w = tl.load(weight_ptr + r).to(tl.float32)
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+            w = tl.load(weight_ptr + r).to(ACC_DTYPE)
+        acc = tl.zeros([BLOCK_H], dtype=ACC_DTYPE)
         for h0 in range(0, hidden, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             hmask = cols < hidden
-            x = tl.load(src_ptr + s * hidden + cols, mask=hmask, other=0.0).to(tl.float32)
+            x = tl.load(src_ptr + s * hidden + cols, mask=hmask, other=0.0).to(ACC_DTYPE)
             y = x
             if HAS_WEIGHT:
                 y = x * w
             tl.store(dst_ptr + r * hidden + cols, y.to(dst_ptr.dtype.element_ty), mask=hmask)
             if HAS_DOT:
-                o = tl.load(other_ptr + r * hidden + cols, mask=hmask, other=0.0).to(tl.float32)
+                o = tl.load(other_ptr + r * hidden + cols, mask=hmask, other=0.0).to(ACC_DTYPE)
                 acc += x * o
         if HAS_DOT:
             tl.store(dot_ptr + r, tl.sum(acc, axis=0))
@@ -86,6 +87,7 @@ if HAS_TRITON:
         hidden,
         K: tl.constexpr,
         HAS_GATE: tl.constexpr,
+        ACC_DTYPE: tl.constexpr,
         BLOCK_H: tl.constexpr,
     ):
         """dst[t] = sum_j [row_map[t, j] >= 0] * gate[t, j] * src[row_map[t, j]] (fp32 accumulation)."""
@@ -93,18 +95,28 @@ if HAS_TRITON:
         for h0 in range(0, hidden, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             hmask = cols < hidden
-            acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_H], dtype=ACC_DTYPE)
             for j in tl.static_range(K):
                 row = tl.load(row_map_ptr + t * K + j).to(tl.int64)
-                x = tl.load(src_ptr + row * hidden + cols, mask=hmask & (row >= 0), other=0.0).to(tl.float32)
+                limit = tl.where(row >= 0, hidden, 0)  # a dropped choice (row -1) loads nothing
+                x = tl.load(src_ptr + row * hidden + cols, mask=cols < limit, other=0.0).to(ACC_DTYPE)
                 if HAS_GATE:
-                    x = x * tl.load(gate_ptr + t * K + j).to(tl.float32)
+                    x = x * tl.load(gate_ptr + t * K + j).to(ACC_DTYPE)
                 acc += x
             tl.store(dst_ptr + t * hidden + cols, acc.to(dst_ptr.dtype.element_ty), mask=hmask)
 
 
 def _block_h(hidden: int) -> int:
     return min(triton.next_power_of_2(max(hidden, 1)), MAX_BLOCK_H)
+
+
+def _acc_dtype(dtype: torch.dtype):
+    """fp32 accumulation, fp64 for fp64 inputs (gradcheck)."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _acc_torch_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,14 +127,15 @@ def _block_h(hidden: int) -> int:
 def _gather_rows(src, src_row, num_rows, weight=None, other=None, *, triton_path: bool):
     """Returns (dst [num_rows, H] in src.dtype, dot [num_rows] fp32 or None); see _gather_rows_kernel."""
     hidden = src.shape[1]
+    acc = _acc_torch_dtype(src.dtype)
     if not triton_path:
-        x = src.index_select(0, src_row).to(torch.float32)
-        dot = (x * other.to(torch.float32)).sum(-1) if other is not None else None
+        x = src.index_select(0, src_row).to(acc)
+        dot = (x * other.to(acc)).sum(-1) if other is not None else None
         if weight is not None:
-            x = x * weight.to(torch.float32)[:, None]
+            x = x * weight.to(acc)[:, None]
         return x.to(src.dtype), dot
     dst = torch.empty(num_rows, hidden, dtype=src.dtype, device=src.device)
-    dot = torch.empty(num_rows, dtype=torch.float32, device=src.device) if other is not None else None
+    dot = torch.empty(num_rows, dtype=acc, device=src.device) if other is not None else None
     if num_rows > 0 and hidden > 0:
         _gather_rows_kernel[(num_rows,)](
             src, dst, src_row,
@@ -130,7 +143,8 @@ def _gather_rows(src, src_row, num_rows, weight=None, other=None, *, triton_path
             other if other is not None else dst,
             dot if dot is not None else dst,
             hidden,
-            HAS_WEIGHT=weight is not None, HAS_DOT=other is not None, BLOCK_H=_block_h(hidden),
+            HAS_WEIGHT=weight is not None, HAS_DOT=other is not None, ACC_DTYPE=_acc_dtype(src.dtype),
+            BLOCK_H=_block_h(hidden),
         )
     elif dot is not None:
         dot.zero_()
@@ -142,17 +156,18 @@ def _combine_rows(src, row_map_2d, num_tokens, gate_2d=None, *, triton_path: boo
     hidden = src.shape[1]
     k = row_map_2d.shape[1]
     if not triton_path:
+        acc = _acc_torch_dtype(src.dtype)
         kept = row_map_2d >= 0
-        rows = src.to(torch.float32)[row_map_2d.clamp(min=0)]  # [T, k, H]
-        w = kept.to(torch.float32)
+        rows = src.to(acc)[row_map_2d.clamp(min=0)]  # [T, k, H]
+        w = kept.to(acc)
         if gate_2d is not None:
-            w = w * gate_2d.to(torch.float32)
+            w = w * gate_2d.to(acc)
         return (rows * w[..., None]).sum(1).to(src.dtype)
     dst = torch.empty(num_tokens, hidden, dtype=src.dtype, device=src.device)
     if num_tokens > 0 and hidden > 0:
         _combine_rows_kernel[(num_tokens,)](
             src, dst, row_map_2d, gate_2d if gate_2d is not None else row_map_2d, hidden,
-            K=k, HAS_GATE=gate_2d is not None, BLOCK_H=_block_h(hidden),
+            K=k, HAS_GATE=gate_2d is not None, ACC_DTYPE=_acc_dtype(src.dtype), BLOCK_H=_block_h(hidden),
         )
     return dst
 
@@ -262,7 +277,7 @@ class _MoeUnpermute(torch.autograd.Function):
         )
         grad_gates = None
         if need_gate_grad:
-            flat = torch.zeros(gates_2d.numel(), dtype=torch.float32, device=gates_2d.device)
+            flat = torch.zeros(gates_2d.numel(), dtype=row_dot.dtype, device=gates_2d.device)
             flat.index_copy_(0, inv, row_dot)
             grad_gates = flat.reshape(gates_2d.shape).to(gates_2d.dtype)
         return grad_permuted, None, grad_gates, None, None
