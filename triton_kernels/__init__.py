@@ -7,15 +7,15 @@ under ``TRITON_INTERPRET=1`` (tests).
 Ops:
     fused_adamw_     Adam / AdamW step on a chunk shard in one pass (``fused_adam.py``)
     unscale_norm_    unscale + overflow flag + squared L2 norm of a gradient chunk (``unscale_norm.py``)
-    moe_permute      gather tokens into expert order with HF Switch capacity dropping (``moe_permute.py``)
-    moe_unpermute    gate-weighted scatter back to token order (``moe_permute.py``)
+    moe_permute      gather tokens into expert order with HF Switch capacity dropping (``moe_permutation.py``)
+    moe_unpermute    gate-weighted scatter back to token order (``moe_permutation.py``)
     cast_            dtype cast/copy of a chunk (``cast.py``)
 """
 
 from ._dispatch import HAS_TRITON
 from .cast import cast_
 from .fused_adam import fused_adamw_, fused_adamw_reference
-from .moe_permute import moe_permute, moe_routing_map, moe_unpermute
+from .moe_permutation import moe_permute, moe_routing_map, moe_unpermute
 from .unscale_norm import unscale_norm_, unscale_norm_reference
 
 __all__ = [

@@ -25,8 +25,10 @@ parameters of the same group should be merged into one segment by the caller to 
 
 [Note: overflow skip]
 ``found_inf`` (a 1-element fp32 device tensor, e.g. set by ``unscale_norm_``) is read by every
-program; when it is nonzero every load and store is masked off, so the step costs one launch and
-touches no shard memory, and the host never has to read the flag.
+program; when it is nonzero the program branches past the whole update (a uniform branch, no
+divergence), so the step costs one launch and touches no shard memory, and the host never has to
+read the flag. (Folding the flag into the element mask also works and still compiles to 128-bit
+accesses, but would issue every masked-off instruction; the branch issues none.)
 """
 
 from __future__ import annotations
@@ -50,39 +52,16 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _fused_adam_kernel(
-        param_ptr,
-        grad_ptr,
-        exp_avg_ptr,
-        exp_avg_sq_ptr,
-        out_lowp_ptr,
-        seg_bounds_ptr,
-        seg_lr_ptr,
-        seg_wd_ptr,
-        grad_scale_ptr,
-        found_inf_ptr,
-        n_elements,
-        num_segments,
-        grad_scale,
-        beta1,
-        beta2,
-        eps,
-        bias_correction1,
-        bias_correction2_sqrt,
-        SEARCH_STEPS: tl.constexpr,
-        DECOUPLED: tl.constexpr,
-        HAS_SCALE_PTR: tl.constexpr,
-        HAS_FOUND_INF: tl.constexpr,
-        HAS_LOWP: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
+    def _adam_block(
+        param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_lowp_ptr, seg_bounds_ptr, seg_lr_ptr, seg_wd_ptr,
+        grad_scale_ptr, n_elements, num_segments, grad_scale, beta1, beta2, eps, bias_correction1,
+        bias_correction2_sqrt, SEARCH_STEPS: tl.constexpr, DECOUPLED: tl.constexpr, HAS_SCALE_PTR: tl.constexpr,
+        HAS_LOWP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     ):
-        """One program updates BLOCK_SIZE consecutive elements of the shard (math: module docstring)."""
+        """Update the BLOCK_SIZE elements of this program (math: module docstring)."""
         pid = tl.program_id(0).to(tl.int64)
         offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        limit = n_elements
-        if HAS_FOUND_INF:  # overflow: no element is in range, so nothing is loaded or stored
-            limit = tl.where(tl.load(found_inf_ptr) == 0.0, n_elements, 0)
-        mask = offs < limit
+        mask = offs < n_elements
         if HAS_SCALE_PTR:
             scale = tl.load(grad_scale_ptr)
         else:
@@ -121,6 +100,27 @@ if HAS_TRITON:
         tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
         if HAS_LOWP:
             tl.store(out_lowp_ptr + offs, p.to(out_lowp_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _fused_adam_kernel(
+        param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_lowp_ptr, seg_bounds_ptr, seg_lr_ptr, seg_wd_ptr,
+        grad_scale_ptr, found_inf_ptr, n_elements, num_segments, grad_scale, beta1, beta2, eps, bias_correction1,
+        bias_correction2_sqrt, SEARCH_STEPS: tl.constexpr, DECOUPLED: tl.constexpr, HAS_SCALE_PTR: tl.constexpr,
+        HAS_FOUND_INF: tl.constexpr, HAS_LOWP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    ):
+        """Grid: one program per BLOCK_SIZE elements. A uniform branch on found_inf skips the whole
+        block (see [Note: overflow skip])."""
+        if HAS_FOUND_INF:
+            if tl.load(found_inf_ptr) == 0.0:
+                _adam_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_lowp_ptr, seg_bounds_ptr,
+                            seg_lr_ptr, seg_wd_ptr, grad_scale_ptr, n_elements, num_segments, grad_scale, beta1,
+                            beta2, eps, bias_correction1, bias_correction2_sqrt, SEARCH_STEPS, DECOUPLED,
+                            HAS_SCALE_PTR, HAS_LOWP, BLOCK_SIZE)
+        else:
+            _adam_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_lowp_ptr, seg_bounds_ptr,
+                        seg_lr_ptr, seg_wd_ptr, grad_scale_ptr, n_elements, num_segments, grad_scale, beta1,
+                        beta2, eps, bias_correction1, bias_correction2_sqrt, SEARCH_STEPS, DECOUPLED,
+                        HAS_SCALE_PTR, HAS_LOWP, BLOCK_SIZE)
 
 
 def _launch_fused_adam(param, grad, exp_avg, exp_avg_sq, seg_bounds, seg_lr, seg_wd, *, beta1, beta2, eps,
