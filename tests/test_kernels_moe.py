@@ -99,7 +99,7 @@ def test_kernels_match_reference_forward_and_backward(dtype, k):
 @pytest.mark.parametrize("force", [True, False])
 def test_gradcheck_fp64(force):
     gen = torch.Generator().manual_seed(3)
-    num_tokens, hidden, num_experts = 9, 6, 3
+    num_tokens, hidden, num_experts = 7, 5, 3  # small: every gradcheck evaluation runs interpreted kernels
     expert_index = torch.randint(0, num_experts, (num_tokens, 2), generator=gen)
     h = torch.randn(num_tokens, hidden, dtype=torch.float64, generator=gen, requires_grad=True)
     gates = torch.rand(num_tokens, 2, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -109,7 +109,7 @@ def test_gradcheck_fp64(force):
         permuted, row_map, _ = moe_permute(h, expert_index, num_experts, 4, force_triton=force)
         return moe_unpermute(torch.tanh(permuted @ w), row_map, gates, num_tokens, force_triton=force)
 
-    assert torch.autograd.gradcheck(fn, (h, gates))
+    assert torch.autograd.gradcheck(fn, (h, gates), fast_mode=force)
 
 
 def _tiny_switch_config(capacity):

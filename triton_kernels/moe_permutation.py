@@ -204,6 +204,11 @@ def moe_routing_map(expert_index: torch.Tensor, num_experts: int, capacity: int 
     return row_map, counts
 
 
+def _histogram(values: torch.Tensor, size: int) -> torch.Tensor:
+    """int64 counts of ``values`` in ``[0, size)``; unlike ``torch.bincount`` it never syncs on CUDA."""
+    return torch.zeros(size, dtype=torch.int64, device=values.device).scatter_add_(0, values, torch.ones_like(values))
+
+
 def _routing_map(expert_index, num_experts, capacity, group_size):
     """moe_routing_map plus the number of kept rows (an int, read on the host once)."""
     ei = expert_index.reshape(expert_index.shape[0], -1).to(torch.int64)
@@ -216,7 +221,7 @@ def _routing_map(expert_index, num_experts, capacity, group_size):
     prio_g = torch.arange(num_groups, device=device).repeat_interleave(group * k)
     key = prio_g * num_experts + prio_e
     sorted_key, order = torch.sort(key, stable=True)
-    sizes = torch.bincount(key, minlength=num_groups * num_experts)
+    sizes = _histogram(key, num_groups * num_experts)
     starts = torch.cumsum(sizes, 0) - sizes
     rank_sorted = torch.arange(key.numel(), device=device) - starts[sorted_key]
     rank_prio = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
@@ -226,7 +231,7 @@ def _routing_map(expert_index, num_experts, capacity, group_size):
     flat_e = ei.reshape(-1)
     dest_key = torch.where(keep.reshape(-1), flat_e, torch.full_like(flat_e, num_experts))
     _, dest_order = torch.sort(dest_key, stable=True)  # kept rows first, by expert, then token, then choice
-    counts = torch.bincount(dest_key, minlength=num_experts + 1)[:num_experts]
+    counts = _histogram(dest_key, num_experts + 1)[:num_experts]
     num_rows = int(counts.sum())  # the one host sync: the permuted tensor's size
     row_map = torch.full((num_tokens * k,), -1, dtype=torch.int64, device=device)
     row_map[dest_order[:num_rows]] = torch.arange(num_rows, device=device)
