@@ -114,7 +114,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
     from hf_elixir.search import search
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 140)
     if args.num_gpus < 1 or args.batch_size < 1 or args.seq_len < 1:
         raise ValueError("--num-gpus, --batch-size and --seq-len must be >= 1")
     config = load_config(args.model)
