@@ -1,14 +1,12 @@
 """One-step profiler (real and meta) and the cached hardware probe."""
 
-import json
 import time
 
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig
 
-from hf_elixir.profiler import HardwareProfile, probe_hardware, profile_step
-from hf_elixir.profiler import _hardware
+from hf_elixir.profiler import profile_step
 from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
 
 
@@ -67,22 +65,3 @@ def test_profile_rejects_unknown_device():
     model, batch = _tiny_gpt2()
     with pytest.raises(ValueError, match="device='tpu'"):
         profile_step(model, batch, device="tpu")
-
-
-def test_hardware_probe_measures_and_caches_per_machine(tmp_path, monkeypatch):
-    cache = tmp_path / "hw.json"
-    hw = probe_hardware("cpu", budget_bytes=123456, cache_path=cache, size_bytes=2**20, repeats=1)
-    assert isinstance(hw, HardwareProfile)
-    assert hw.device_total_bytes == 123456 and hw.host_total_bytes > 0 and not hw.can_overlap
-    for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "host_adam_numel_per_s", "device_flops_per_s"):
-        assert getattr(hw, name) > 0
-    assert hw.allgather_bytes_per_s is None  # no process group here
-    stored = json.loads(cache.read_text())
-    assert len(stored) == 1 and next(iter(stored)).startswith(hw.hostname)
-
-    def boom(*args, **kwargs):
-        raise AssertionError("should have used the cache")
-
-    monkeypatch.setattr(_hardware, "_measure", boom)
-    again = probe_hardware("cpu", budget_bytes=999, cache_path=cache)
-    assert again.h2d_bytes_per_s == hw.h2d_bytes_per_s and again.device_total_bytes == 999

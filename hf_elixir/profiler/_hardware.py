@@ -213,7 +213,14 @@ def probe_hardware(device: str | torch.device | None = None, *, budget_bytes: in
         except (OSError, json.JSONDecodeError) as exc:
             logger.warning("ignoring unreadable hardware cache %s (%s)", path, exc)
     measured = cache.get(key) if not refresh else None
-    if measured is None or any(f not in measured for f in _MEASURED_FIELDS):
+    need = measured is None or any(f not in measured for f in _MEASURED_FIELDS)
+    if world > 1:
+        # collectives must be timed by every rank or none (a rank that skips would hang the others)
+        flag_device = dev if dist.get_backend(process_group) != "gloo" else torch.device("cpu")
+        flag = torch.tensor([1.0 if need else 0.0], device=flag_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
+        need = bool(flag.item())
+    if need:
         logger.info("measuring hardware (%s)", key)
         measured = _measure(dev, process_group, size_bytes, repeats)
         cache[key] = measured
