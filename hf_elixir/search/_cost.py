@@ -33,7 +33,6 @@ is serial.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from hf_elixir.chunk import pack_chunks
 from hf_elixir.profiler import HardwareProfile, StepProfile
@@ -172,7 +171,6 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
     use_measured = all(e.compute_s is not None for e in kept) and profile.device == hardware.device_kind
     flops_rate = hardware.device_flops_per_s or 1e12
     compute = [(e.compute_s if use_measured else e.flops / flops_rate) for e in kept]
-    chunk_of = {i: c for c, members in enumerate(layout.members) for i in members}
     trained = [sum(profile.param_numels[i] for i in members if profile.param_requires_grad[i])
                for members in layout.members]
     # map profile event indices to kept-event indices (grad readiness); with checkpointing the
@@ -197,7 +195,6 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
     for g in groups:
         for c in g:
             accesses[c] += 1
-    del chunk_of
     return ChunkedStep(
         chunk_size_numel=chunk_size_numel, world_size=world_size, precision=precision,
         chunk_numels=list(layout.chunk_numels), trained_numels=trained, groups=groups,

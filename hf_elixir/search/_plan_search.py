@@ -19,7 +19,6 @@ profiled cost model); Gemini's placement policies for the resident/offloaded spl
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
