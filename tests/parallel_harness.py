@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 STEPS = 5
-LR = 1e-2
+LR = 3e-3
 WEIGHT_DECAY = 0.1
 
 
@@ -80,6 +80,23 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def _grad_parity(local_grads: dict, ref_params: dict, state) -> tuple[float, float]:
+    """Relative L2 between this rank's reduced gradients and the matching slice of the reference's."""
+    from hf_elixir.parallel._tensor_parallel import _split
+
+    mesh = state.mesh
+    pairs = []
+    for name, grad in local_grads.items():
+        ref_grad = ref_params[name].grad
+        if name in state.tp_layouts:
+            lay = state.tp_layouts[name]
+            ref_grad = _split(ref_grad, lay.dim, lay.parts, mesh.tp_rank, mesh.tp_size)
+        quiet = ref_grad.abs() < NULL_GRAD  # see [Note: null-gradient elements]
+        pairs.append((grad.masked_fill(quiet, 0), ref_grad.masked_fill(quiet, 0)))
+    total = rel(torch.cat([g.flatten() for g, _ in pairs]), torch.cat([r.flatten() for _, r in pairs]))
+    return total, max(rel(g, r) for g, r in pairs if r.norm() > 0)
+
+
 # -- one case ---------------------------------------------------------------------------------------
 def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = False, save_dir: str | None = None):
     import hf_elixir
@@ -97,17 +114,20 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
     mesh = build_mesh(cfg)
     state = parallelize(model, cfg, mesh)
     my_batch = mesh.device_mesh.get_local_rank("dp") if mesh.mp_axis == "tp" else dist.get_rank()
-    num_batches = mesh.grad_divisor
+    num_batches = mesh.num_batches
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     loss_rel = 0.0
+    step_rels = []
     grad_max = {k: torch.zeros_like(p) for k, p in ref.named_parameters()}
     for step in range(STEPS):
         opt.zero_grad()
         loss = model(**make_batch(kind, step, my_batch)).loss
         loss.backward()
         reduce_gradients(model)
+        if step == 0:
+            local_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
 
         opt_ref.zero_grad()
@@ -117,8 +137,12 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             torch.maximum(grad_max[k], p.grad.abs(), out=grad_max[k])
+        if step == 0:
+            grad_rel, grad_rel_worst = _grad_parity(local_grads, dict(ref.named_parameters()), state)
         opt_ref.step()
-        loss_rel = max(loss_rel, abs(loss.item() - ref_losses[my_batch].item()) / abs(ref_losses[my_batch].item()))
+        step_rel = abs(loss.item() - ref_losses[my_batch].item()) / abs(ref_losses[my_batch].item())
+        loss_rel = max(loss_rel, step_rel)
+        step_rels.append(step_rel)
 
     full = gather_full_state_dict(model, rank0_only=False)
     ref_sd = ref.state_dict()
@@ -129,6 +153,9 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
     param_keys = [k for k in ref_sd if k in null]
     metrics = {
         "loss_rel": loss_rel,
+        "grad_rel": grad_rel,  # step 0, after the reduction, before any optimizer step
+        "grad_rel_worst_tensor": grad_rel_worst,
+        "loss_rel_per_step": step_rels,
         # relative L2 over the whole parameter vector (what DDP parity is quoted in), and the worst
         # single tensor (catches a misplaced shard of a small tensor that the global norm would hide)
         "param_rel": rel(torch.cat([full[k].masked_fill(null[k], 0).flatten() for k in param_keys]),

@@ -25,6 +25,7 @@ def _check_parity(m: dict) -> None:
     assert "error" not in m, m["error"]
     assert m["same_keys"], "gathered state dict keys differ from the unmodified model's"
     assert m["params_moved"] > 1e-4, "training did not move the weights; parity would be vacuous"
+    assert m["grad_rel"] < TOL and m["grad_rel_worst_tensor"] < TOL, m  # step 0, before Adam amplifies noise
     assert m["loss_rel"] < TOL, m
     assert m["param_rel"] < TOL, m
     assert m["param_rel_worst_tensor"] < 10 * TOL, m["worst"]
@@ -49,7 +50,7 @@ def test_experts_without_tokens_do_not_hang_and_only_decay(ep_on_2):
     _check_parity(m)
     assert m["num_idle_tensors"] == 4 * 2 * 2
     assert m["idle_decay_only_rel"] < 1e-6, m  # p_5 = p_0 * (1 - lr * wd)^5, as in the reference
-    assert m["busy_moved_rel"] > 1e-2, m  # the experts that got tokens did learn
+    assert m["busy_moved_rel"] > 1e-3, m  # the experts that got tokens did learn
 
 
 def test_ep_save_loads_into_unmodified_class(ep_on_2):

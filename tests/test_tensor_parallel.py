@@ -24,6 +24,7 @@ def _check_parity(m: dict) -> None:
     assert "error" not in m, m["error"]
     assert m["same_keys"], "gathered state dict keys differ from the unmodified model's"
     assert m["params_moved"] > 1e-3, "training did not move the weights; parity would be vacuous"
+    assert m["grad_rel"] < TOL and m["grad_rel_worst_tensor"] < TOL, m  # step 0, before Adam amplifies noise
     assert m["loss_rel"] < TOL, m
     assert m["param_rel"] < TOL, m
     assert m["param_rel_worst_tensor"] < 10 * TOL, m["worst"]

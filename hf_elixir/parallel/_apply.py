@@ -92,12 +92,11 @@ def parallelize(model: nn.Module, config: Any, mesh: ElixirMesh | None = None) -
     return state
 
 
-def param_process_groups(model: nn.Module) -> dict[str, tuple[Any, int]]:
-    """Parameter FQN -> (process group to reduce/shard its gradient over, divisor of the sum).
+def param_process_groups(model: nn.Module) -> dict[str, Any]:
+    """Parameter FQN -> the process group its gradient is averaged (and ZeRO-sharded) over.
 
     See [Note: gradient groups] in ``hf_elixir/parallel/_mesh.py``: non-expert parameters use
-    ``mesh.dp_group``, expert parameters ``mesh.expert_dp_group``; every gradient sum is divided by
-    ``mesh.grad_divisor`` (the number of distinct batches in the step).
+    ``mesh.dp_group``, expert parameters ``mesh.expert_dp_group``.
     """
     return {name: _group_of(model, name) for name, _ in model.named_parameters()}
 
@@ -106,23 +105,22 @@ def param_process_groups(model: nn.Module) -> dict[str, tuple[Any, int]]:
 def reduce_gradients(model: nn.Module) -> None:
     """Plain data-parallel gradient reduction for a parallelized model (no ZeRO sharding).
 
-    Sums each gradient over its group from :func:`param_process_groups` and divides by the number
-    of distinct batches, so the result equals the gradient of the mean of the per-batch losses.
+    Averages each gradient over its group from :func:`param_process_groups`, so the result equals
+    the gradient of the mean of the per-batch losses.
     A parameter that got no gradient (an expert without tokens) contributes zeros, so every rank
     issues the same all-reduces in the same order.
     """
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        group, divisor = _group_of(model, name)
+        group = _group_of(model, name)
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         dist.all_reduce(param.grad, group=group)
-        param.grad.div_(divisor)
+        param.grad.div_(dist.get_world_size(group))
 
 
-def _group_of(model: nn.Module, name: str) -> tuple[Any, int]:
+def _group_of(model: nn.Module, name: str) -> Any:
     state = get_parallel_state(model)
-    assert state is not None, "reduce_gradients needs a model rewritten by hf_elixir.parallel.parallelize"
-    mesh = state.mesh
-    return (mesh.expert_dp_group if state.is_expert_param(name) else mesh.dp_group), mesh.grad_divisor
+    assert state is not None, "needs a model rewritten by hf_elixir.parallel.parallelize"
+    return state.mesh.expert_dp_group if state.is_expert_param(name) else state.mesh.dp_group

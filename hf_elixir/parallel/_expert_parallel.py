@@ -15,6 +15,13 @@ Per step and MoE layer, on every ep rank (T local tokens, H hidden, E experts, L
    so its gradient is a zero tensor and every rank issues the same collectives).
 4. all-to-all back, scale by the router probability, scatter-add into zeros (as HF does).
 
+[Note: expert gradient scale] An expert's gradient arrives summed over the tokens of all ``ep``
+peers, which are ``ep`` distinct batches. A hook divides it by ``ep_size`` so that every parameter
+follows one rule: *average the gradient over your own data-parallel group* (non-expert parameters
+over all ranks, experts over the ranks holding the same experts), which is what a ZeRO
+reduce-scatter with averaging (or DDP) does. The result is the gradient of the mean of all
+per-batch losses.
+
 Source: Switch Transformers (arXiv 2101.03961, section 2.2); Hugging Face
 ``SwitchTransformersExperts.forward`` (transformers 5.x) for the exact math.
 """
@@ -53,6 +60,9 @@ class ExpertParallelExperts(nn.ModuleDict):
         self.group, self.ep_rank, self.ep_size = group, rank, size
         for i in range(self.first_expert, self.first_expert + self.num_local_experts):
             self[f"expert_{i}"] = experts[f"expert_{i}"]
+        self._grad_hooks = [  # see [Note: expert gradient scale]
+            p.register_hook(lambda g, inv=1.0 / size: g * inv) for p in self.parameters() if p.requires_grad
+        ] if size > 1 else []
 
     def forward(self, hidden_states: torch.Tensor, selected_experts: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:

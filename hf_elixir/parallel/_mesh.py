@@ -3,17 +3,18 @@
 Ranks are laid out row-major over ``(dp, mp)``: rank = dp_index * mp_size + mp_index, so the
 model-parallel (tp or ep) peers of a rank are neighbours (same node on GPU clusters).
 
-Which group each parameter's gradient is reduced (and, under ZeRO, sharded) over
-([Note: gradient groups]):
+Which group each parameter's gradient is averaged (and, under ZeRO, sharded) over
+([Note: gradient groups]); the rule is always "average over the group":
 
 - dp x tp: all tp ranks of a row see the *same* batch. Column/row shards differ per tp rank; every
   other parameter is replicated over tp and gets *identical* gradients there (Megatron's identity /
   all-reduce operator pair makes the layer-norm and embedding gradients complete on every tp rank).
-  So every parameter is reduced over the ``dp`` axis only, averaged by ``dp_size``.
-- dp x ep: every rank sees its *own* batch, so non-expert parameters are reduced over the whole
-  world, averaged by ``world_size``. An expert lives on one ep rank per row and already receives the
-  gradient of every ep peer's tokens through the all-to-all; it is summed over the ``dp`` axis (the
-  expert-data-parallel group, the ranks holding the same experts) and divided by ``world_size``.
+  So every parameter is averaged over the ``dp`` axis only (``dp_group``).
+- dp x ep: every rank sees its *own* batch, so non-expert parameters are averaged over the whole
+  world (``dp_group`` is the world). An expert lives on one ep rank per row and receives the
+  gradient of every ep peer's tokens through the all-to-all, pre-divided by ``ep_size`` (see
+  [Note: expert gradient scale] in ``_expert_parallel.py``); it is averaged over the ``dp`` axis
+  (``expert_dp_group``: the ranks holding the same experts).
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ class ElixirMesh:
         device_mesh: the ``torch.distributed`` mesh, dims ``("dp", "tp")`` or ``("dp", "ep")``.
         mp_axis: ``"tp"`` or ``"ep"`` (the model-parallel axis name).
         dp_size / tp_size / ep_size: axis sizes (the unused one is 1).
-        dp_group: group for non-expert gradients (``dp`` axis under tp; the whole world under ep).
+        dp_group: group non-expert gradients are averaged over (``dp`` axis under tp; the world
+            under ep); pass it as ``ElixirConfig.process_group``.
         tp_group / ep_group: the model-parallel group of this rank (``None`` when the size is 1).
-        expert_dp_group: group over which expert gradients are summed (the ``dp`` axis).
+        expert_dp_group: group expert gradients are averaged over (the ``dp`` axis).
     """
 
     device_mesh: DeviceMesh
@@ -63,8 +65,8 @@ class ElixirMesh:
         return self.device_mesh.get_local_rank("ep") if self.mp_axis == "ep" else 0
 
     @property
-    def grad_divisor(self) -> int:
-        """The number of distinct batches in one step (what every gradient is averaged by)."""
+    def num_batches(self) -> int:
+        """Distinct batches per step (dp rows under tp; every rank under ep)."""
         return self.dp_size if self.mp_axis == "tp" else self.world_size
 
 
