@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import socket
+import time
 import traceback
 from pathlib import Path
 
@@ -259,12 +259,9 @@ def run_cases(world_size: int, cases: list[str], out_dir: str, timeout_s: float 
     """
     ctx = mp.start_processes(_worker, args=(world_size, free_port(), cases, out_dir), nprocs=world_size,
                              join=False, start_method="spawn")
-    deadline = timeout_s
-    import time
-
     start = time.monotonic()
     while not ctx.join(timeout=1.0):
-        if time.monotonic() - start > deadline:
+        if time.monotonic() - start > timeout_s:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
