@@ -246,7 +246,8 @@ def group_into_blocks(dataset, tokenizer, block_size: int, num_proc: int | None 
     eos = tokenizer.eos_token or ""
 
     def tokenize(batch):
-        return tokenizer([t + eos for t in batch["text"]], add_special_tokens=False, return_attention_mask=False)
+        return tokenizer([t + eos for t in batch["text"]], add_special_tokens=False, return_attention_mask=False,
+                         verbose=False)  # whole documents exceed model_max_length on purpose
 
     def chunk(batch):
         ids = [i for seq in batch["input_ids"] for i in seq]
