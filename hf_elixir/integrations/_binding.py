@@ -78,9 +78,12 @@ class ElixirAcceleratedOptimizer(AcceleratedOptimizer):
     def __init__(self, optimizer) -> None:
         super().__init__(optimizer, device_placement=False, scaler=None)
 
-    @property
-    def step_was_skipped(self) -> bool:
-        return bool(getattr(self.optimizer, "step_was_skipped", False))
+    def step(self, closure=None):
+        scaler = getattr(self.optimizer, "scaler", None)
+        skipped_before = getattr(scaler, "num_skipped_steps", 0)
+        super().step(closure)
+        # fp16 overflow: ElixirOptimizer skipped the update and backed off the loss scale.
+        self._is_overflow = getattr(scaler, "num_skipped_steps", 0) > skipped_before
 
 
 class _Binding:
