@@ -92,6 +92,7 @@ class _Binding:
     def __init__(self, accelerator) -> None:
         self.accelerator = accelerator
         self.entries: list[tuple[torch.nn.Module, Any]] = []  # (model, ElixirOptimizer)
+        self.original_prepare = accelerator.prepare  # before the Trainer callback wraps it
         self.original_backward = accelerator.backward
         self.original_clip_grad_norm_ = accelerator.clip_grad_norm_
         accelerator.backward = self.backward
@@ -165,5 +166,5 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
     model._is_accelerate_prepared = True  # accelerate: register, do not wrap (no DDP, no autocast)
     wrapped._is_accelerate_prepared = True
     binding.entries.append((model, elixir_optimizer))
-    model, wrapped = accelerator.prepare(model, wrapped)
+    model, wrapped = binding.original_prepare(model, wrapped)
     return model, wrapped

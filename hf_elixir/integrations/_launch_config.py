@@ -65,8 +65,10 @@ def _parent_pid(pid: int) -> int | None:
 
 def _config_file_from_launcher_argv(argv: list[str]) -> str | None:
     """The ``--config_file`` value of an ``accelerate launch`` argv, ``""`` if it has none, else None."""
-    is_launch = any(Path(a).name == "accelerate" or a.endswith("accelerate/commands/launch.py") for a in argv[:3])
-    if not is_launch or "launch" not in argv[:4] and not any(a.endswith("launch.py") for a in argv[:3]):
+    head = argv[:4]
+    via_cli = any(Path(a).name == "accelerate" for a in head[:2]) and "launch" in head
+    via_module = "accelerate.commands.launch" in head or any(a.endswith("accelerate/commands/launch.py") for a in head)
+    if not (via_cli or via_module):
         return None
     for i, arg in enumerate(argv):
         if arg == "--config_file" and i + 1 < len(argv):

@@ -168,6 +168,12 @@ class ElixirCallback(TrainerCallback):
                 "callback at Trainer construction, or call callback.bind(trainer) before trainer.train()"
             )
 
+    def on_step_end(self, args, state, control, **kwargs):
+        # The Trainer clears gradients with `model.zero_grad()` only; Elixir's gradient shards live in
+        # chunk buffers that the optimizer owns, so clear them here, before the next step's backward.
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
         if not self.log_memory_stats or logs is None or self.model is None or "loss" not in logs:
             return
