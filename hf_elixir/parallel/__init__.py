@@ -1,1 +1,39 @@
-"""parallel."""
+"""Tensor and expert parallelism on a ``(dp, tp)`` or ``(dp, ep)`` device mesh.
+
+Public surface: :func:`build_mesh` / :class:`ElixirMesh`, :func:`parallelize` (rewrites a model in
+place from its resolved placements), :func:`reduce_gradients` / :func:`param_process_groups` (which
+group each gradient is reduced over), :func:`gather_full_state_dict` / :func:`save_pretrained_full`
+(back to a standard Hugging Face checkpoint), and the layers themselves.
+"""
+
+from hf_elixir.parallel._apply import (
+    ParallelState,
+    get_parallel_state,
+    param_process_groups,
+    parallelize,
+    reduce_gradients,
+)
+from hf_elixir.parallel._collectives import all_to_all, copy_to_group, reduce_from_group
+from hf_elixir.parallel._expert_parallel import ExpertParallelExperts
+from hf_elixir.parallel._gather import gather_full_state_dict, save_pretrained_full
+from hf_elixir.parallel._mesh import ElixirMesh, build_mesh
+from hf_elixir.parallel._tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPShardLayout
+
+__all__ = [
+    "ColumnParallelLinear",
+    "ElixirMesh",
+    "ExpertParallelExperts",
+    "ParallelState",
+    "RowParallelLinear",
+    "TPShardLayout",
+    "all_to_all",
+    "build_mesh",
+    "copy_to_group",
+    "gather_full_state_dict",
+    "get_parallel_state",
+    "param_process_groups",
+    "parallelize",
+    "reduce_from_group",
+    "reduce_gradients",
+    "save_pretrained_full",
+]

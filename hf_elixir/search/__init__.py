@@ -1,1 +1,15 @@
-"""search."""
+"""Search: chunk size (padding + Belady onloads) and the configuration (resident chunks, cache blocks,
+device shards, device optimizer states, prefetch, checkpointing) priced by a measured cost model,
+producing an :class:`~hf_elixir.plan.ElixirPlan`."""
+
+from hf_elixir.search._belady import belady_moves, belady_schedule, brute_force_moves
+from hf_elixir.search._chunk_size import ChunkSizeCandidate, ChunkSizeResult, chunk_groups, search_chunk_size
+from hf_elixir.search._cost import ChunkedStep, Knobs, Prediction, build_chunked_step, predict
+from hf_elixir.search._plan_search import (Candidate, SearchResult, auto_plan, brute_force_grid, search,
+                                           search_plan)
+
+__all__ = [
+    "Candidate", "ChunkSizeCandidate", "ChunkSizeResult", "ChunkedStep", "Knobs", "Prediction", "SearchResult",
+    "auto_plan", "belady_moves", "belady_schedule", "brute_force_grid", "brute_force_moves",
+    "build_chunked_step", "chunk_groups", "predict", "search", "search_chunk_size", "search_plan",
+]

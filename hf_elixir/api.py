@@ -1,0 +1,368 @@
+"""``hf_elixir.prepare``: pack a model's parameters into chunks, place them, install hooks, wrap the
+optimizer. Also ``memory_stats`` and ``min_device_budget_bytes``.
+
+``prepare`` extends the given model in place and returns the same object (as FSDP2's
+``fully_shard`` does), so ``model.config``, ``generate()``, ``state_dict()`` and ``save_pretrained``
+keep working.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hf_elixir.chunk.chunk import Chunk, ParamSlot
+from hf_elixir.chunk.manager import ChunkManager, budget_error
+from hf_elixir.chunk.packing import ChunkLayout, pack_chunks
+from hf_elixir.config import ElixirConfig
+from hf_elixir.optim.optimizer import ElixirOptimizer, optimizer_state_numel_factor
+from hf_elixir.plan import ElixirPlan
+from hf_elixir.runtime.hooks import ModuleHandle, install_hooks
+from hf_elixir.runtime.state_dict import install_state_dict_hooks
+
+__all__ = ["prepare", "memory_stats", "reset_memory_stats", "get_state", "min_device_budget_bytes", "ElixirState"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_ATTR = "_hf_elixir_state"
+
+
+@dataclass
+class ElixirState:
+    """What ``prepare`` attached to a model (``get_state(model)``)."""
+
+    manager: ChunkManager
+    handles: list[ModuleHandle]
+    config: ElixirConfig
+    plan: ElixirPlan
+    optimizer: ElixirOptimizer | None = None
+
+
+def get_state(model: torch.nn.Module) -> ElixirState:
+    """The :class:`ElixirState` of a prepared model.
+
+    Raises:
+        ValueError: the model was not prepared by :func:`prepare`.
+    """
+    state = getattr(model, _ATTR, None)
+    if state is None:
+        raise ValueError("this model was not prepared by hf_elixir.prepare(model, ...); call that first")
+    return state
+
+
+def _compute_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _default_group(config: ElixirConfig):
+    if config.process_group is not None:
+        return config.process_group
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+def _unique_params(model: torch.nn.Module) -> dict[torch.nn.Parameter, list[str]]:
+    names: dict[torch.nn.Parameter, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(param, []).append(name)
+    return names
+
+
+def _heuristic_chunk_size(numels: list[int]) -> int:
+    """Largest parameter, or an eighth of the model if that is larger (a few chunks per model)."""
+    total = sum(numels)
+    return max(max(numels, default=1), -(-total // 8), 1)
+
+
+def _load_plan(config: ElixirConfig) -> ElixirPlan | None:
+    plan = config.plan
+    if plan is None or isinstance(plan, ElixirPlan):
+        return plan
+    if isinstance(plan, (str, Path)):
+        return ElixirPlan.load(plan)
+    raise TypeError(f"ElixirConfig.plan={plan!r} must be an ElixirPlan, a path to a plan file, or None")
+
+
+def _check_plan(plan: ElixirPlan, model: torch.nn.Module, num_params: int, world_size: int,
+                precision: str, num_chunks: int) -> None:
+    model_type = getattr(getattr(model, "config", None), "model_type", "")
+    problems = []
+    if plan.model_type and model_type and plan.model_type != model_type:
+        problems.append(f"model_type {plan.model_type!r} (this model is {model_type!r})")
+    if plan.num_params and plan.num_params != num_params:
+        problems.append(f"num_params {plan.num_params} (this model has {num_params})")
+    if plan.world_size != world_size:
+        problems.append(f"world_size {plan.world_size} (this run has {world_size})")
+    if plan.precision != precision:
+        problems.append(f"precision {plan.precision!r} (ElixirConfig.precision is {precision!r})")
+    bad = [c for c in plan.resident_chunks + plan.device_shard_chunks + plan.device_optim_chunks if c >= num_chunks]
+    if bad:
+        problems.append(f"chunk ids {sorted(set(bad))} (this model packs into {num_chunks} chunks)")
+    if problems:
+        raise ValueError("ElixirConfig.plan was made for another run: it has " + "; ".join(problems)
+                         + ". Re-run the search (`hf-elixir plan`) for this model and world size")
+
+
+class _Sizes:
+    """Byte sizes the placement policy needs, per chunk."""
+
+    def __init__(self, chunks: list[Chunk], optim_factor: int, precision: str) -> None:
+        self.full = {c.chunk_id: c.full_bytes for c in chunks}
+        self.shard = {c.chunk_id: c.shard_bytes for c in chunks}
+        self.grad = {c.chunk_id: (c.grad_full_bytes if c.trainable else 0) for c in chunks}
+        master = 0 if precision == "fp32" else 4
+        self.optim = {c.chunk_id: (c.shard_numel * 4 * (1 + optim_factor) + c.shard_numel * master
+                                   if c.trainable else 0) for c in chunks}
+
+
+def _working_set(handles_chunks: list[list[Chunk]], sizes: _Sizes, world_size: int) -> int:
+    """Device bytes needed by two adjacent units at once (backward overlaps the previous unit's release),
+    plus two gradient buffers and an onload staging shard."""
+    per_unit = [sum(sizes.full[c.chunk_id] for c in cs) for cs in handles_chunks] or [0]
+    pairs = [a + b for a, b in zip(per_unit, per_unit[1:])] or per_unit
+    grads = sorted(sizes.grad.values(), reverse=True)[:2]
+    staging = 0
+    if world_size > 1:  # onload staging of a host shard, or the reduce-scatter output shard
+        staging = max(max(sizes.shard.values(), default=0), max(sizes.grad.values(), default=0) // world_size)
+    return max(pairs) + sum(grads) + staging
+
+
+def _place(chunks: list[Chunk], plan: ElixirPlan | None, config: ElixirConfig, sizes: _Sizes,
+           working_set: int, world_size: int) -> list[str]:
+    """Decide resident / shard location / optimizer location per chunk. Returns reasons."""
+    budget = config.device_memory_budget_bytes
+    if plan is not None and (plan.resident_chunks or plan.device_shard_chunks or plan.device_optim_chunks
+                             or budget is not None):
+        resident, dev_shard, dev_optim = map(set, (plan.resident_chunks, plan.device_shard_chunks,
+                                                   plan.device_optim_chunks))
+        for c in chunks:
+            c.resident = c.chunk_id in resident
+            c.shard_on_device = c.chunk_id in dev_shard or c.resident
+            c.optim_on_device = c.chunk_id in dev_optim
+        return ["placement taken from ElixirConfig.plan"]
+    ids = [c.chunk_id for c in chunks]
+    shard_all = sum(sizes.shard.values()) if world_size > 1 else 0
+    everything = sum(sizes.full.values()) + shard_all + sum(sizes.optim.values()) + sum(
+        sorted(sizes.grad.values(), reverse=True)[:2])
+    offload_opt = config.offload_optimizer
+    if budget is None or (everything <= budget and offload_opt is not True):
+        for c in chunks:
+            c.resident, c.shard_on_device, c.optim_on_device = True, True, offload_opt is not True
+        return [f"everything resident ({everything} bytes fit the budget {budget})"]
+    optim_dev = sum(sizes.optim.values()) if offload_opt is False else 0
+    needed = working_set + optim_dev
+    if budget < needed:
+        raise budget_error(needed, budget, "the largest pair of adjacent modules (unsharded chunks, two "
+                           "gradient buffers" + (", device optimizer states" if optim_dev else "") + ")")
+    spare = budget - needed
+    reasons = [f"working set {working_set} bytes reserved; optimizer states on "
+               f"{'device' if offload_opt is False else 'host'}"]
+    # shards on the device first (first-use order), up to half the spare; the rest is cache
+    cost = sizes.full if world_size == 1 else sizes.shard
+    used = 0
+    for cid in ids:
+        c = chunks[cid]
+        c.resident = False
+        c.optim_on_device = offload_opt is False
+        c.shard_on_device = used + cost[cid] <= spare // 2
+        if c.shard_on_device:
+            used += cost[cid]
+    on_dev = sum(c.shard_on_device for c in chunks)
+    reasons.append(f"{on_dev}/{len(chunks)} chunk shards on the device, {spare - used} bytes of cache")
+    return reasons
+
+
+def _build_chunks(model, params_in_order, names, layout: ChunkLayout, dtype, group, device, manager):
+    chunks: list[Chunk] = []
+    flag_index = 0
+    for cid, (members, offsets) in enumerate(zip(layout.members, layout.offsets)):
+        slots = []
+        for i, (member, offset) in enumerate(zip(members, offsets)):
+            param = params_in_order[member]
+            trainable = param.requires_grad
+            slot = ParamSlot(name=names[param][0], param=param, offset=offset, numel=param.numel(),
+                             shape=param.shape, trainable=trainable,
+                             flag_index=flag_index if trainable else -1, index_in_chunk=i,
+                             aliases=names[param][1:])
+            flag_index += int(trainable)
+            slots.append(slot)
+            manager.slot_of[param] = slot
+        chunk = Chunk(cid, slots, layout.chunk_numels[cid], dtype, group, device, manager)
+        for slot in slots:
+            manager.chunk_of[slot.param] = chunk
+        chunks.append(chunk)
+    manager.num_flags = flag_index
+    manager.has_grad_flags = torch.zeros(flag_index)
+    manager._backward_flags = torch.zeros(flag_index)
+    return chunks
+
+
+def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+            config: ElixirConfig | None = None):
+    """Put ``model`` under chunk memory management; wrap ``optimizer``.
+
+    Args:
+        model: a ``torch.nn.Module`` (typically a ``transformers.PreTrainedModel``), on CPU or on the
+            compute device, identical on every rank (rank 0's values are broadcast anyway).
+        optimizer: a ``torch.optim`` optimizer on ``model.parameters()`` (element-wise kinds only), or
+            ``None`` for inference.
+        config: :class:`~hf_elixir.config.ElixirConfig`; default all-resident fp32.
+
+    Returns:
+        ``(model, optimizer)``: the same model object, and an
+        :class:`~hf_elixir.optim.optimizer.ElixirOptimizer` (or ``None``).
+
+    Raises:
+        ValueError: the model is already prepared; the budget is too small (names the bytes needed);
+            the plan was made for another model/world size/precision.
+        TypeError: an unsupported optimizer.
+    """
+    config = config or ElixirConfig()
+    if not isinstance(config, ElixirConfig):
+        raise TypeError(f"hf_elixir.prepare(config={config!r}) must be an ElixirConfig")
+    if getattr(model, _ATTR, None) is not None:
+        raise ValueError("this model is already prepared by hf_elixir.prepare; prepare it only once")
+    plan = _load_plan(config)
+    if plan is None and config.search == "auto":
+        from hf_elixir.search import auto_plan  # noqa: PLC0415 (optional heavy import)
+
+        plan = auto_plan(model, config)
+    device = _compute_device()
+    group = _default_group(config)
+    world_size = dist.get_world_size(group) if group is not None else 1
+    dtype = _DTYPES[config.precision]
+    names = _unique_params(model)
+    params = [p for p in names if p.is_floating_point()]
+    if len(params) != len(names):
+        logger.warning("%d non-floating-point parameters are left unmanaged", len(names) - len(params))
+    if plan is not None and plan.param_order:
+        by_name = {names[p][0]: p for p in params}
+        unknown = [n for n in plan.param_order if n not in by_name]
+        if unknown:
+            raise ValueError(f"ElixirConfig.plan.param_order names parameters this model lacks: {unknown[:5]}; "
+                             "re-run the search for this model")
+        ordered = [by_name[n] for n in plan.param_order]
+        seen = set(ordered)
+        params = ordered + [p for p in params if p not in seen]
+    numels = [p.numel() for p in params]
+    chunk_size = config.chunk_size_numel or (plan.chunk_size_numel if plan and plan.chunk_size_numel else None)
+    chunk_size = chunk_size or _heuristic_chunk_size(numels)
+    layout = pack_chunks(numels, chunk_size, world_size)
+    manager = ChunkManager(compute_device=device, budget_bytes=config.device_memory_budget_bytes,
+                           reduce_dtype=torch.float32 if config.reduce_dtype == "fp32" else None,
+                           prefetch_depth=plan.prefetch_depth if plan else config.prefetch_depth)
+    chunks = _build_chunks(model, params, names, layout, dtype, group, device, manager)
+    manager.chunks = chunks
+    num_params = sum(numels)
+    if plan is not None:
+        _check_plan(plan, model, num_params, world_size, config.precision, len(chunks))
+    handles = install_hooks(model, manager)
+    optim_factor = optimizer_state_numel_factor(optimizer) if optimizer is not None else 0
+    sizes = _Sizes(chunks, optim_factor if optimizer is not None else 0, config.precision)
+    working_set = _working_set([h.chunks for h in handles], sizes, world_size)
+    reasons = _place(chunks, plan, config, sizes, working_set, world_size)
+    if optimizer is None:
+        for c in chunks:
+            c.optim_on_device = False
+    for chunk in chunks:
+        manager.make_room(chunk.full_bytes + chunk.shard_bytes, f"materialising chunk {chunk.chunk_id}")
+        chunk.materialize()
+        if not chunk.resident and not chunk.full_alias:
+            chunk.reshard()
+    manager._trainable_chunks = [c for c in chunks if c.trainable]
+    if group is not None and world_size > 1 and manager.num_flags:
+        manager.flag_groups = [(group, torch.arange(manager.num_flags))]
+    if plan is None:
+        plan = ElixirPlan(
+            model_type=getattr(getattr(model, "config", None), "model_type", ""), num_params=num_params,
+            world_size=world_size, precision=config.precision, chunk_size_numel=chunk_size,
+            param_order=[names[p][0] for p in params],
+            resident_chunks=[c.chunk_id for c in chunks if c.resident],
+            device_shard_chunks=[c.chunk_id for c in chunks if c.shard_on_device],
+            device_optim_chunks=[c.chunk_id for c in chunks if c.optim_on_device],
+            prefetch_depth=manager.prefetch_depth, reasons=reasons)
+    state = ElixirState(manager=manager, handles=handles, config=config, plan=plan)
+    elixir_optimizer = None
+    if optimizer is not None:
+        elixir_optimizer = ElixirOptimizer(optimizer, manager, config)
+        state.optimizer = elixir_optimizer
+    install_state_dict_hooks(model, manager,
+                             on_loaded=elixir_optimizer.sync_masters_from_params if elixir_optimizer else (lambda: None))
+    counters = manager.counters
+    for name in ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes", "num_evictions",
+                 "num_onloads", "num_prefetches", "num_unshards"):
+        setattr(counters, name, 0)
+    manager.reset_peak()
+    manager._step_start = counters.as_dict()
+    setattr(model, _ATTR, state)
+    logger.info("hf_elixir: %d params in %d chunks of %d elements; %s", num_params, len(chunks), chunk_size,
+                "; ".join(reasons))
+    return model, elixir_optimizer
+
+
+def memory_stats(model: torch.nn.Module) -> dict[str, int | float]:
+    """Counters of the chunk manager: cumulative since ``prepare`` plus ``step_*`` deltas of the last
+    optimizer step; bytes are ints. Keys: ``device_used_bytes``, ``device_peak_bytes``, ``host_bytes``,
+    ``h2d_bytes``, ``d2h_bytes``, ``allgather_bytes``, ``reduce_scatter_bytes``, ``num_evictions``,
+    ``num_onloads``, ``num_prefetches``, ``num_unshards``, ``device_budget_bytes`` (-1 = unlimited),
+    ``num_chunks``, ``chunk_size_numel``, ``loss_scale`` (float, when an optimizer is attached).
+
+    Raises:
+        ValueError: the model was not prepared.
+    """
+    state = get_state(model)
+    manager = state.manager
+    stats: dict[str, int | float] = dict(manager.counters.as_dict())
+    stats.update(manager.last_step)
+    stats["device_budget_bytes"] = -1 if manager.pool.budget_bytes is None else manager.pool.budget_bytes
+    stats["num_chunks"] = len(manager.chunks)
+    stats["chunk_size_numel"] = max((c.chunk_numel for c in manager.chunks), default=0)
+    if state.optimizer is not None:
+        stats["loss_scale"] = state.optimizer.loss_scale
+        stats["num_skipped_steps"] = state.optimizer.scaler.num_skipped_steps
+    return stats
+
+
+def reset_memory_stats(model: torch.nn.Module) -> None:
+    """Zero the traffic counters and set the peak to the current use."""
+    manager = get_state(model).manager
+    for name in ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes", "num_evictions",
+                 "num_onloads", "num_prefetches", "num_unshards"):
+        setattr(manager.counters, name, 0)
+    manager.reset_peak()
+    manager._step_start = manager.counters.as_dict()
+
+
+def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                            config: ElixirConfig | None = None, world_size: int = 1) -> int:
+    """Smallest ``device_memory_budget_bytes`` that ``prepare`` accepts for this model (optimizer
+    states offloaded), computed without preparing it (no data moves)."""
+    config = config or ElixirConfig()
+    names = _unique_params(model)
+    params = [p for p in names if p.is_floating_point()]
+    numels = [p.numel() for p in params]
+    chunk_size = config.chunk_size_numel or _heuristic_chunk_size(numels)
+    layout = pack_chunks(numels, chunk_size, world_size)
+    esize = torch.empty((), dtype=_DTYPES[config.precision]).element_size()
+    gsize = 4 if config.reduce_dtype == "fp32" else esize
+    chunk_of = {}
+    for cid, members in enumerate(layout.members):
+        for m in members:
+            chunk_of[params[m]] = cid
+    from hf_elixir.runtime.hooks import _units  # noqa: PLC0415
+
+    units = [sorted({chunk_of[p] for p in ps}) for _, _, ps, _ in _units(model, set(params))]
+    per_unit = [sum(layout.chunk_numels[c] * esize for c in cs) for cs in units] or [0]
+    pairs = [a + b for a, b in zip(per_unit, per_unit[1:])] or per_unit
+    trainable = [cid for cid, members in enumerate(layout.members) if any(params[m].requires_grad for m in members)]
+    grads = sorted((layout.chunk_numels[c] * gsize for c in trainable), reverse=True)[:2]
+    staging = max(n // world_size for n in layout.chunk_numels) * max(esize, gsize) if world_size > 1 else 0
+    return max(pairs) + sum(grads) + staging

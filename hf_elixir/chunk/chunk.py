@@ -1,0 +1,314 @@
+"""One chunk: a flat buffer of several parameters, its shard, its gradient buffer, and the verbs that
+move them (unshard, reshard, accumulate a gradient, reduce-scatter).
+
+[Note: parameters as views] After ``prepare`` each managed ``nn.Parameter`` keeps its identity but its
+``.data`` is a view into ``Chunk.full``. Resharding frees ``full``'s storage
+(``untyped_storage().resize_(0)``); unsharding re-allocates the same storage and fills it (copy from
+the shard, or all-gather), so every view, including tensors autograd saved for backward, sees the
+data again. This is how PyTorch FSDP keeps saved activations valid (``alloc_storage``/``free_storage``).
+
+[Note: shard authority] Between steps the shard is the truth: the optimizer updates the fp32 master
+and refreshes the shard, which bumps ``version``; an unsharded copy with an older version is stale and
+is refilled on its next use. Parameters are read-only during forward/backward, so resharding needs no
+write-back (no device->host traffic), except after ``load_state_dict`` wrote into ``full`` (``dirty``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hf_elixir.chunk.states import TensorState, check_transition
+
+__all__ = ["ParamSlot", "Chunk"]
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """Where one parameter lives inside its chunk.
+
+    Attributes:
+        name: canonical FQN (first name in ``named_parameters(remove_duplicate=False)`` order).
+        param: the ``nn.Parameter`` (identity kept).
+        offset / numel: element range ``[offset, offset + numel)`` inside the chunk.
+        shape: the parameter's shape.
+        trainable: ``param.requires_grad`` at ``prepare`` time.
+        flag_index: position in the manager's has-gradient flag vector (trainable slots only, else -1).
+    """
+
+    name: str
+    param: torch.nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+    trainable: bool
+    flag_index: int = -1
+    index_in_chunk: int = -1
+    state: TensorState = TensorState.FREE
+    aliases: list[str] = field(default_factory=list)
+
+    def set_state(self, new: TensorState) -> None:
+        check_transition(self.state, new, f"for parameter {self.name!r}")
+        self.state = new
+
+
+def _free_storage(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def _alloc_storage(tensor: torch.Tensor) -> None:
+    nbytes = tensor.numel() * tensor.element_size()
+    storage = tensor.untyped_storage()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+class Chunk:
+    """A contiguous 1-D buffer of ``chunk_numel`` elements of ``dtype`` holding ``slots``.
+
+    The chunk is sharded over ``group`` (``world_size`` ranks): this rank owns elements
+    ``[rank * shard_numel, (rank + 1) * shard_numel)``. Data movement is charged to the manager's
+    :class:`~hf_elixir.chunk.memory.DevicePool` and counted in its counters.
+    """
+
+    def __init__(self, chunk_id: int, slots: list[ParamSlot], chunk_numel: int, dtype: torch.dtype,
+                 group, compute_device: torch.device, manager) -> None:
+        self.chunk_id = chunk_id
+        self.slots = slots
+        self.chunk_numel = chunk_numel
+        self.dtype = dtype
+        self.group = group
+        self.manager = manager
+        self.compute_device = compute_device
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        assert chunk_numel % self.world_size == 0, f"chunk {chunk_id}: numel {chunk_numel} not divisible"
+        self.shard_numel = chunk_numel // self.world_size
+        self.shard_begin = self.rank * self.shard_numel
+        self.element_size = torch.empty((), dtype=dtype).element_size()
+        self.trainable = any(s.trainable for s in slots)
+        # placement (set by the manager)
+        self.resident = False
+        self.shard_on_device = True
+        self.optim_on_device = True
+        # buffers
+        self.full: torch.Tensor = torch.empty(0)
+        self.shard: torch.Tensor = torch.empty(0)
+        self.full_alias = False  # world_size 1 and shard on device: full *is* the shard
+        self.unsharded = False
+        self.version = 0
+        self.full_version = -1
+        self.pins = 0
+        self.dirty = False
+        # gradients
+        self.grad_full: torch.Tensor | None = None
+        self.reduced_this_backward = False
+        self.used_slots: set[int] = set()
+        self.arrived_slots: set[int] = set()
+        self.last_access = 0
+        # [Note: rank-local refill] with world_size > 1 an evicted unsharded chunk is kept on the host
+        # (``host_full``) until the shard changes, so re-unsharding it in the same step (backward,
+        # recomputation, the next micro-batch) is a local onload, not a collective. Only the first
+        # unshard after a step gathers, and that happens in forward order, identical on every rank:
+        # ranks whose MoE experts got no tokens therefore never issue a different all-gather sequence.
+        self.host_full: torch.Tensor | None = None
+        self.host_full_version = -1
+
+    # -- sizes ---------------------------------------------------------------------------------
+    @property
+    def full_bytes(self) -> int:
+        return self.chunk_numel * self.element_size
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.shard_numel * self.element_size
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return self.manager.reduce_dtype or self.dtype
+
+    @property
+    def grad_full_bytes(self) -> int:
+        return self.chunk_numel * torch.empty((), dtype=self.grad_dtype).element_size()
+
+    @property
+    def evictable(self) -> bool:
+        return self.unsharded and not self.full_alias and not self.resident and self.pins == 0
+
+    # -- construction --------------------------------------------------------------------------
+    def materialize(self) -> None:
+        """Copy the parameters' current data into the chunk, shard it, and point params at views.
+
+        Called once by ``prepare``. Rank 0's values win (broadcast), so ranks start identical.
+        """
+        counters = self.manager.counters
+        full = torch.zeros(self.chunk_numel, dtype=self.dtype, device=self.compute_device)
+        with torch.no_grad():
+            for slot in self.slots:
+                full[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+        if self.world_size > 1:
+            dist.broadcast(full, src=dist.get_global_rank(self.group, 0), group=self.group)
+        self.full = full
+        for slot in self.slots:
+            slot.param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            slot.state = TensorState.HOLD
+        self.full_alias = self.world_size == 1 and self.shard_on_device
+        self.manager.pool.charge(self.full_bytes, f"chunk {self.chunk_id} (prepare)")
+        if self.full_alias:
+            self.shard = full
+        else:
+            src = full[self.shard_begin:self.shard_begin + self.shard_numel]
+            if self.shard_on_device:
+                self.shard = src.clone()
+                self.manager.pool.charge(self.shard_bytes, f"chunk {self.chunk_id} shard")
+            else:
+                self.shard = self.manager.host_empty(self.shard_numel, self.dtype)
+                self.shard.copy_(src)
+                counters.host_bytes += self.shard_bytes
+        self.unsharded = True
+        self.full_version = self.version
+
+    # -- unshard / reshard ---------------------------------------------------------------------
+    def needs_fill(self) -> bool:
+        return not (self.unsharded and self.full_version == self.version)
+
+    def needs_collective(self) -> bool:
+        """Would :meth:`unshard` all-gather (as opposed to a local copy)?"""
+        return self.world_size > 1 and self.needs_fill() and self.host_full_version != self.version
+
+    def fill_bytes_needed(self) -> int:
+        """Device bytes an unshard must newly charge (full buffer + onload staging)."""
+        need = 0 if (self.unsharded or self.full_alias) else self.full_bytes
+        if self.needs_collective() and not self.shard_on_device:
+            need += self.shard_bytes
+        return need
+
+    def unshard(self) -> None:
+        """Make ``full`` hold this step's parameter values (onload and/or all-gather).
+
+        The manager has made room (``fill_bytes_needed``) before calling.
+        """
+        if not self.needs_fill():
+            return
+        counters = self.manager.counters
+        pool = self.manager.pool
+        if not self.unsharded and not self.full_alias:
+            pool.charge(self.full_bytes, f"unsharded chunk {self.chunk_id}")
+            _alloc_storage(self.full)
+        with torch.no_grad():
+            if self.world_size > 1 and self.host_full_version == self.version:
+                self.full.copy_(self.host_full, non_blocking=True)
+                counters.h2d_bytes += self.full_bytes
+                counters.num_onloads += 1
+            elif self.world_size == 1:
+                if not self.full_alias:
+                    self.full.copy_(self.shard, non_blocking=True)
+                    counters.h2d_bytes += self.shard_bytes
+                    counters.num_onloads += 1
+            else:
+                staged = not self.shard_on_device
+                src = self.shard
+                if staged:  # onload into a device staging buffer (a real copy also on CPU)
+                    pool.charge(self.shard_bytes, f"onload staging of chunk {self.chunk_id}")
+                    src = torch.empty(self.shard_numel, dtype=self.dtype, device=self.compute_device)
+                    src.copy_(self.shard, non_blocking=True)
+                    counters.h2d_bytes += self.shard_bytes
+                    counters.num_onloads += 1
+                dist.all_gather_into_tensor(self.full, src, group=self.group)
+                counters.allgather_bytes += self.full_bytes
+                if staged:
+                    del src
+                    pool.release(self.shard_bytes)
+        counters.num_unshards += 1
+        self.unsharded = True
+        self.full_version = self.version
+        for slot in self.slots:
+            if slot.state is TensorState.FREE:
+                slot.set_state(TensorState.HOLD)
+
+    def reshard(self) -> None:
+        """Free the unsharded copy, keeping only the shard (no device->host traffic, see Note)."""
+        assert self.pins == 0, f"rank {self.rank}: resharding pinned chunk {self.chunk_id}"
+        if self.full_alias or not self.unsharded:
+            return
+        if self.dirty:
+            self.write_back()
+        if self.world_size > 1 and self.host_full_version != self.version:
+            if self.host_full is None:
+                self.host_full = self.manager.host_empty(self.chunk_numel, self.dtype)
+                self.manager.counters.host_bytes += self.full_bytes
+            with torch.no_grad():
+                self.host_full.copy_(self.full)
+            self.host_full_version = self.version
+            self.manager.counters.d2h_bytes += self.full_bytes
+        _free_storage(self.full)
+        self.manager.pool.release(self.full_bytes)
+        self.unsharded = False
+        self.manager.counters.num_evictions += 1
+        for slot in self.slots:
+            if slot.state is not TensorState.READY_FOR_REDUCE:
+                slot.set_state(TensorState.FREE)
+
+    def write_back(self) -> None:
+        """Copy this rank's slice of ``full`` into the shard (after ``load_state_dict`` wrote ``full``)."""
+        with torch.no_grad():
+            if not self.full_alias:
+                self.shard.copy_(self.full[self.shard_begin:self.shard_begin + self.shard_numel])
+                if not self.shard_on_device:
+                    self.manager.counters.d2h_bytes += self.shard_bytes
+        self.dirty = False
+        self.version += 1
+        self.full_version = self.version
+
+    # -- gradients -----------------------------------------------------------------------------
+    def accumulate_grad(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """Add ``grad`` (shape ``slot.shape``) into the chunk's gradient buffer."""
+        if self.grad_full is None:
+            self.manager.make_room(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
+            self.manager.pool.charge(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
+            self.grad_full = torch.zeros(self.chunk_numel, dtype=self.grad_dtype, device=self.compute_device)
+        with torch.no_grad():
+            self.grad_full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+
+    def reduce_scatter_grad(self, grad_shard: torch.Tensor) -> None:
+        """Reduce-scatter (mean over ranks) the gradient buffer and add the result into ``grad_shard``.
+
+        Args:
+            grad_shard: fp32 tensor ``[shard_numel]`` where the optimizer state lives (host or device).
+
+        Every rank calls this for every trainable chunk exactly once per backward, in the manager's
+        fixed order, even when it received no gradient for the chunk (zeros), so ranks never hang.
+        """
+        counters = self.manager.counters
+        pool = self.manager.pool
+        if self.grad_full is None:
+            pool.charge(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
+            self.grad_full = torch.zeros(self.chunk_numel, dtype=self.grad_dtype, device=self.compute_device)
+        with torch.no_grad():
+            if self.world_size > 1:
+                shard_grad_bytes = self.grad_full_bytes // self.world_size
+                self.manager.make_room(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
+                pool.charge(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
+                out = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.compute_device)
+                dist.reduce_scatter_tensor(out, self.grad_full, op=dist.ReduceOp.SUM, group=self.group)
+                counters.reduce_scatter_bytes += self.grad_full_bytes
+                out.div_(self.world_size)
+            else:
+                out = self.grad_full
+                shard_grad_bytes = 0
+            if not self.optim_on_device:
+                counters.d2h_bytes += self.shard_numel * out.element_size()
+            grad_shard.add_(out.to(grad_shard.device, grad_shard.dtype))
+            del out
+        if shard_grad_bytes:
+            pool.release(shard_grad_bytes)
+        pool.release(self.grad_full_bytes)
+        self.grad_full = None
+        self.reduced_this_backward = True
+        for slot in self.slots:
+            if slot.state is TensorState.READY_FOR_REDUCE:
+                slot.set_state(TensorState.HOLD_AFTER_BWD)

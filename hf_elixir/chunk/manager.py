@@ -1,0 +1,285 @@
+"""``ChunkManager``: owns every chunk of a model, decides what is on the device, evicts, prefetches,
+and orders gradient reduce-scatters.
+
+Eviction: the chunk whose next use in the access order recorded in the previous step is furthest away
+(Belady/MIN over the warm-up trace, PatrickStar arXiv 2108.05818 section 5); least recently used
+before a trace exists.
+
+[Note: reduce order] Every rank reduce-scatters every trainable chunk exactly once per backward, in
+one order fixed before the backward starts: descending position of the chunk's first use in the
+preceding forward (a chunk's gradients are complete once backward passes its earliest forward use).
+The forward access sequence is identical on every rank (see the Chunk notes), so is this order. A chunk is reduced
+as soon as it and all chunks before it in that order are ready (all its trainable parameters that the
+forward used on this rank have their gradients); whatever is left is flushed at the end of backward.
+Ranks whose MoE experts got no tokens therefore issue the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from hf_elixir.chunk.chunk import Chunk, ParamSlot
+from hf_elixir.chunk.memory import DeviceBudgetExceededError, DevicePool, MemoryCounters
+from hf_elixir.chunk.states import TensorState
+
+__all__ = ["ChunkManager"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_TRACE = 1_000_000
+
+
+class ChunkManager:
+    """Chunks of one model plus the device pool, counters, access trace and reduce bookkeeping."""
+
+    def __init__(self, *, compute_device: torch.device, budget_bytes: int | None,
+                 reduce_dtype: torch.dtype | None, prefetch_depth: int) -> None:
+        self.compute_device = compute_device
+        self.counters = MemoryCounters()
+        self.pool = DevicePool(budget_bytes, self.counters)
+        self.reduce_dtype = reduce_dtype
+        self.prefetch_depth = prefetch_depth
+        self.chunks: list[Chunk] = []
+        self.slot_of: dict[torch.nn.Parameter, ParamSlot] = {}
+        self.chunk_of: dict[torch.nn.Parameter, Chunk] = {}
+        self.grad_shards: dict[int, torch.Tensor] = {}  # chunk id -> fp32 [shard_numel]
+        self.num_flags = 0
+        self.has_grad_flags = torch.zeros(0)
+        self.flag_groups: list[tuple[object, torch.Tensor]] = []  # (group of size > 1, flag indices)
+        self._backward_flags = torch.zeros(0)
+        # access trace (chunk ids) of the previous and the current step
+        self.prev_trace: list[int] = []
+        self.prev_positions: dict[int, list[int]] = {}
+        self.trace: list[int] = []
+        self.clock = 0
+        self.backward_pending = False
+        self._reduce_order: list[Chunk] = []
+        self._trainable_chunks: list[Chunk] = []
+        self.first_use: dict[int, int] = {}
+        self._reduce_cursor = 0
+        self._step_start = self.counters.as_dict()
+        self.last_step: dict[str, int] = {}
+
+    # -- memory helpers ------------------------------------------------------------------------
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor (pinned when the compute device is CUDA, for async copies)."""
+        pin = self.compute_device.type == "cuda"
+        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin)
+
+    def _next_use(self, chunk: Chunk) -> float:
+        positions = self.prev_positions.get(chunk.chunk_id)
+        if not positions:
+            return float("inf")
+        i = bisect.bisect_right(positions, len(self.trace) - 1)
+        return positions[i] if i < len(positions) else float("inf")
+
+    def _victim(self, exclude: set[int]) -> Chunk | None:
+        candidates = [c for c in self.chunks if c.evictable and c.chunk_id not in exclude]
+        if not candidates:
+            return None
+        if self.prev_trace:
+            return max(candidates, key=lambda c: (self._next_use(c), -c.last_access))
+        return min(candidates, key=lambda c: c.last_access)
+
+    def make_room(self, nbytes: int, what: str, exclude: set[int] | None = None) -> None:
+        """Evict unpinned unsharded chunks until ``nbytes`` more fit the budget.
+
+        Raises:
+            DeviceBudgetExceededError: nothing left to evict and still no room.
+        """
+        exclude = exclude or set()
+        while not self.pool.fits(nbytes):
+            victim = self._victim(exclude)
+            if victim is None:
+                try:
+                    self.pool.charge(nbytes, what)  # raises with the numbers
+                except DeviceBudgetExceededError as err:
+                    raise DeviceBudgetExceededError(f"{err}. Device holds: {self.describe()}") from None
+            victim.reshard()
+
+    def describe(self) -> str:
+        """What occupies the device, for error messages."""
+        parts = []
+        for c in self.chunks:
+            held = []
+            if c.unsharded and not c.full_alias:
+                held.append(f"unsharded{'(pinned)' if c.pins else ''}{'(resident)' if c.resident else ''}")
+            if c.full_alias:
+                held.append("resident")
+            elif c.shard_on_device:
+                held.append("shard")
+            if c.grad_full is not None:
+                held.append("grad buffer")
+            if held:
+                parts.append(f"chunk {c.chunk_id}: {'+'.join(held)}")
+        return "; ".join(parts) or "no chunk data"
+
+    # -- access --------------------------------------------------------------------------------
+    def access(self, chunks: list[Chunk]) -> None:
+        """Unshard ``chunks`` for compute and pin them; record the access; prefetch ahead."""
+        pinned: set[int] = {c.chunk_id for c in chunks}
+        for chunk in chunks:
+            chunk.pins += 1  # pin first so that making room for a sibling never evicts it
+        for chunk in chunks:
+            self._record(chunk)
+            if chunk.needs_fill():
+                self.make_room(chunk.fill_bytes_needed(), f"chunk {chunk.chunk_id}", exclude=pinned)
+                chunk.unshard()
+        if self.prefetch_depth and self.prev_trace:
+            self._prefetch(pinned)
+
+    def release(self, chunks: list[Chunk]) -> None:
+        for chunk in chunks:
+            assert chunk.pins > 0, f"chunk {chunk.chunk_id} released more often than accessed"
+            chunk.pins -= 1
+
+    def _record(self, chunk: Chunk) -> None:
+        self.clock += 1
+        chunk.last_access = self.clock
+        if not self.backward_pending:
+            self.first_use.setdefault(chunk.chunk_id, self.clock)
+        if len(self.trace) < _MAX_TRACE:
+            self.trace.append(chunk.chunk_id)
+
+    def _prefetch(self, pinned: set[int]) -> None:
+        """Unshard the next ``prefetch_depth`` chunks of the previous step's order, when that does not
+        evict a chunk needed sooner than the prefetched one."""
+        pos = len(self.trace)
+        seen: set[int] = set(pinned)
+        upcoming: list[int] = []
+        for cid in self.prev_trace[pos:pos + 8 * self.prefetch_depth]:
+            if cid not in seen:
+                seen.add(cid)
+                upcoming.append(cid)
+            if len(upcoming) == self.prefetch_depth:
+                break
+        for distance, cid in enumerate(upcoming):
+            chunk = self.chunks[cid]
+            if not chunk.needs_fill():
+                continue
+            if chunk.needs_collective():
+                continue  # a prefetch decision is rank-local; a gather must not be (see Chunk notes)
+            need = chunk.fill_bytes_needed()
+            while not self.pool.fits(need):
+                victim = self._victim(pinned | set(upcoming))
+                if victim is None or self._next_use(victim) <= self._next_use(chunk):
+                    return  # prefetching would evict something needed sooner: stop
+                victim.reshard()
+            chunk.unshard()
+            self.counters.num_prefetches += 1
+
+    def end_step(self) -> None:
+        """Called at the optimizer step: the current trace becomes the reference for eviction."""
+        if self.trace:
+            self.prev_trace = self.trace
+            positions: dict[int, list[int]] = defaultdict(list)
+            for i, cid in enumerate(self.trace):
+                positions[cid].append(i)
+            self.prev_positions = dict(positions)
+        self.trace = []
+        now = self.counters.as_dict()
+        self.last_step = {f"step_{k}": now[k] - self._step_start.get(k, 0)
+                          for k in ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes",
+                                    "num_evictions", "num_onloads", "num_prefetches")}
+        self.last_step["step_device_peak_bytes"] = self.counters.device_peak_bytes
+        self._step_start = now
+
+    def reset_peak(self) -> None:
+        self.counters.device_peak_bytes = self.counters.device_used_bytes
+
+    def reshard_all(self) -> None:
+        """Free every evictable unsharded chunk (e.g. after the optimizer step made them stale)."""
+        for chunk in self.chunks:
+            if chunk.evictable:
+                chunk.reshard()
+
+    # -- gradients -----------------------------------------------------------------------------
+    def on_grad(self, param: torch.nn.Parameter) -> None:
+        """Post-accumulate-grad hook body: move ``param.grad`` into its chunk's gradient buffer."""
+        grad = param.grad
+        if grad is None:
+            return
+        slot = self.slot_of[param]
+        chunk = self.chunk_of[param]
+        chunk.accumulate_grad(slot, grad)
+        param.grad = None
+        chunk.arrived_slots.add(slot.index_in_chunk)
+        self._backward_flags[slot.flag_index] = 1.0
+        if slot.state is not TensorState.READY_FOR_REDUCE:
+            slot.set_state(TensorState.READY_FOR_REDUCE)
+        self._reduce_ready_prefix()
+
+    def start_backward(self) -> None:
+        if self.backward_pending:
+            return
+        self.backward_pending = True
+        self._reduce_cursor = 0
+        first_use = self.first_use
+        self._reduce_order = sorted(self._trainable_chunks,
+                                    key=lambda c: (-first_use.get(c.chunk_id, -1), -c.chunk_id))
+        self.first_use = {}
+        for chunk in self._reduce_order:
+            chunk.reduced_this_backward = False
+        torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def _chunk_ready(self, chunk: Chunk) -> bool:
+        return chunk.used_slots <= chunk.arrived_slots and bool(chunk.arrived_slots)
+
+    def _reduce_ready_prefix(self) -> None:
+        while self._reduce_cursor < len(self._reduce_order):
+            chunk = self._reduce_order[self._reduce_cursor]
+            if not self._chunk_ready(chunk):
+                return
+            self._reduce(chunk)
+            self._reduce_cursor += 1
+
+    def _reduce(self, chunk: Chunk) -> None:
+        chunk.reduce_scatter_grad(self.grad_shards[chunk.chunk_id])
+        chunk.arrived_slots.clear()
+
+    def finish_backward(self) -> None:
+        """End-of-backward callback: flush remaining reduce-scatters in the fixed order, merge the
+        has-gradient flags over ranks, drop backward pins."""
+        while self._reduce_cursor < len(self._reduce_order):
+            self._reduce(self._reduce_order[self._reduce_cursor])
+            self._reduce_cursor += 1
+        # a gradient that arrived after its chunk was reduced (a parameter used in two reentrant
+        # checkpoint segments) is reduced once more; structural, so every rank does the same
+        for chunk in self._reduce_order:
+            if chunk.grad_full is not None:
+                self._reduce(chunk)
+        flags = self._backward_flags
+        for group, indices in self.flag_groups:
+            part = flags[indices]
+            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
+            flags[indices] = part
+        self.has_grad_flags = torch.maximum(self.has_grad_flags, flags)
+        self._backward_flags = torch.zeros_like(flags)
+        for chunk in self.chunks:
+            chunk.used_slots.clear()
+            chunk.arrived_slots.clear()
+        self.backward_pending = False
+        if self.on_backward_end is not None:
+            self.on_backward_end()
+
+    on_backward_end = None
+
+    def zero_grad(self) -> None:
+        for grad_shard in self.grad_shards.values():
+            grad_shard.zero_()
+        self.has_grad_flags.zero_()
+
+
+def budget_error(needed: int, budget: int, what: str) -> ValueError:
+    return ValueError(
+        f"ElixirConfig.device_memory_budget_bytes={budget} is too small: {what} needs {needed} bytes on "
+        f"the device; set device_memory_budget_bytes >= {needed} (or leave it None for all the device has)"
+    )
+
+
+__all__ += ["DeviceBudgetExceededError", "budget_error"]

@@ -1,0 +1,49 @@
+"""Per-parameter tensor states and the one declared transition table.
+
+[Note: tensor states] A parameter's state says where its data is and who may touch it:
+
+* ``FREE``: its chunk is resharded; the parameter's storage is empty (only the shard exists).
+* ``HOLD``: its chunk is unsharded (data valid on the compute device) and nobody uses it.
+* ``COMPUTE``: a module's forward or backward is using it; its chunk is pinned (never evicted).
+* ``HOLD_AFTER_FWD``: used by a forward in this step; data still valid; evictable.
+* ``HOLD_AFTER_BWD``: its gradient of this backward has been reduced; data valid; evictable.
+* ``READY_FOR_REDUCE``: its gradient sits in the chunk's gradient buffer, waiting for the chunk's
+  reduce-scatter.
+
+Source: PatrickStar (arXiv 2108.05818) section 4.2 and ColossalAI Gemini's ``TensorState``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["TensorState", "TRANSITIONS", "check_transition"]
+
+
+class TensorState(enum.Enum):
+    FREE = "free"
+    HOLD = "hold"
+    COMPUTE = "compute"
+    HOLD_AFTER_FWD = "hold_after_fwd"
+    HOLD_AFTER_BWD = "hold_after_bwd"
+    READY_FOR_REDUCE = "ready_for_reduce"
+
+
+_S = TensorState
+_HOLDS = (_S.HOLD, _S.HOLD_AFTER_FWD, _S.HOLD_AFTER_BWD)
+
+#: allowed ``old -> {new}`` moves. COMPUTE -> COMPUTE is a nested or repeated use (a module called
+#: twice, a tied parameter used by two modules, recomputation under activation checkpointing).
+TRANSITIONS: dict[TensorState, frozenset[TensorState]] = {
+    _S.FREE: frozenset({_S.HOLD}),
+    _S.HOLD: frozenset({_S.FREE, _S.COMPUTE, _S.HOLD, _S.READY_FOR_REDUCE}),
+    _S.COMPUTE: frozenset({_S.COMPUTE, _S.HOLD, _S.HOLD_AFTER_FWD, _S.HOLD_AFTER_BWD, _S.READY_FOR_REDUCE}),
+    _S.HOLD_AFTER_FWD: frozenset({_S.FREE, _S.COMPUTE, _S.HOLD, _S.HOLD_AFTER_FWD, _S.READY_FOR_REDUCE}),
+    _S.HOLD_AFTER_BWD: frozenset({_S.FREE, _S.COMPUTE, _S.HOLD, _S.HOLD_AFTER_BWD, _S.READY_FOR_REDUCE}),
+    _S.READY_FOR_REDUCE: frozenset({_S.READY_FOR_REDUCE, _S.HOLD_AFTER_BWD, _S.COMPUTE}),
+}
+
+
+def check_transition(old: TensorState, new: TensorState, what: str = "") -> None:
+    """Assert ``old -> new`` is in :data:`TRANSITIONS` (an internal invariant, not a user error)."""
+    assert new in TRANSITIONS[old], f"illegal tensor-state transition {old.name} -> {new.name} {what}"

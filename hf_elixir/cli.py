@@ -1,0 +1,242 @@
+"""``hf-elixir``: plan and profile from the command line.
+
+``hf-elixir plan --model facebook/opt-30b --num-gpus 1 --gpu-memory 40GiB --host-memory 512GiB
+--batch-size 1 --seq-len 2048 --precision bf16 --output plan.yaml`` profiles one step on the meta
+device (nothing big is materialised), searches, prints the memory breakdown, the chosen plan, its
+predicted step time and the runners-up, and writes the plan (``ElixirConfig(plan="plan.yaml")`` reads it).
+
+``hf-elixir profile --output step.png`` runs a real step of a small model on this machine, searches a plan
+for the given budget and draws the predicted device-memory curve with chunk onloads, and the measured
+vs predicted step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from dataclasses import replace
+from typing import Sequence
+
+__all__ = ["main", "parse_bytes"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"40GiB"`` -> 42949672960; accepts B, KB/MB/GB/TB (powers of 10), KiB/MiB/GiB/TiB and K/M/G/T
+    (powers of 2), and plain integers.
+
+    Raises:
+        ValueError: unparseable text (naming it and the accepted forms).
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 40GiB, 512GB, 1.5TiB or 1073741824")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _gib(value: float | int | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f} GiB"
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-elixir", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="search a plan offline for a model config (meta device)")
+    plan.add_argument("--model", required=True, help="built-in name (gpt2-xl, facebook/opt-30b, "
+                      "switch-base-8, ...), a local model directory or a config.json")
+    plan.add_argument("--num-gpus", type=int, default=1, help="data-parallel ranks (chunks are sharded over them)")
+    plan.add_argument("--gpu-memory", default=None, help="device memory per rank, e.g. 40GiB "
+                      "(default: measured on this machine)")
+    plan.add_argument("--host-memory", default=None, help="host memory per node, e.g. 512GiB (default: measured)")
+    plan.add_argument("--batch-size", type=int, default=1, help="micro-batch per rank")
+    plan.add_argument("--seq-len", type=int, default=1024)
+    plan.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    plan.add_argument("--safety-margin", type=float, default=0.05, help="fraction of device memory kept free")
+    plan.add_argument("--h2d-gbps", type=float, default=None, help="host->device GB/s of the target "
+                      "(default: measured here)")
+    plan.add_argument("--device-tflops", type=float, default=None, help="device matmul TFLOP/s of the target "
+                      "(default: measured here)")
+    plan.add_argument("--device-adam-gelems", type=float, default=None,
+                      help="device AdamW G elements/s of the target (default: measured here)")
+    plan.add_argument("--no-activations-on-device", action="store_true",
+                      help="budget model data only (the CPU simulated pool's accounting)")
+    plan.add_argument("--output", default=None, help="write the plan (.yaml/.yml or .json)")
+    prof = sub.add_parser("profile", help="run one real step of a small model and draw the memory timeline")
+    prof.add_argument("--model", default="tiny-gpt2", help="built-in name or local config (small!)")
+    prof.add_argument("--batch-size", type=int, default=2)
+    prof.add_argument("--seq-len", type=int, default=32)
+    prof.add_argument("--budget", default=None, help="device budget for model data, e.g. 300KiB "
+                      "(default: half of the fp32 model data)")
+    prof.add_argument("--chunk-size-numel", type=int, default=None)
+    prof.add_argument("--output", default="hf_elixir_profile.png", help="PNG to write")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+def _target_hardware(args: argparse.Namespace):
+    from hf_elixir.profiler import probe_hardware
+
+    hw = probe_hardware()
+    notes = [f"host-side rates measured on {hw.hostname} ({hw.device_name})"]
+    changes: dict = {"world_size": args.num_gpus}
+    if args.gpu_memory is not None:
+        size = parse_bytes(args.gpu_memory)
+        changes.update(device_total_bytes=size, device_free_bytes=size)
+    if args.host_memory is not None:
+        size = parse_bytes(args.host_memory)
+        changes.update(host_total_bytes=size, host_available_bytes=size)
+    if args.h2d_gbps is not None:
+        changes.update(h2d_bytes_per_s=args.h2d_gbps * 1e9, d2h_bytes_per_s=args.h2d_gbps * 1e9)
+        notes.append(f"host<->device {args.h2d_gbps} GB/s given")
+    if args.device_tflops is not None:
+        changes["device_flops_per_s"] = args.device_tflops * 1e12
+        notes.append(f"device {args.device_tflops} TFLOP/s given")
+    if args.device_adam_gelems is not None:
+        changes["device_adam_numel_per_s"] = args.device_adam_gelems * 1e9
+    if hw.device_kind != "cuda" and args.gpu_memory is not None:
+        changes.update(device_kind="cuda", can_overlap=True)
+        if args.device_tflops is None:
+            notes.append("no GPU here: device compute/copy rates are this machine's; pass --device-tflops and "
+                         "--h2d-gbps for the target's")
+    return replace(hw, **changes), notes
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from hf_elixir.profiler import profile_step
+    from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
+    from hf_elixir.search import search
+
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    if args.num_gpus < 1 or args.batch_size < 1 or args.seq_len < 1:
+        raise ValueError("--num-gpus, --batch-size and --seq-len must be >= 1")
+    config = load_config(args.model)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+    model, batch = meta_model_and_batch(config, batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype)
+    profile = profile_step(model, batch, device="meta")
+    hardware, notes = _target_hardware(args)
+    result = search(profile, hardware, world_size=args.num_gpus, precision=args.precision,
+                    device_memory_budget_bytes=hardware.device_total_bytes, safety_margin=args.safety_margin,
+                    activations_on_device=not args.no_activations_on_device,
+                    host_memory_bytes=hardware.host_total_bytes)
+    plan, best = result.plan, result.best
+    plan.reasons.extend(notes)
+    if profile.static:
+        plan.reasons.append("the model could not run on meta; a static trace (module order) was used")
+
+    data = profile.model_data_bytes(args.precision, args.num_gpus)
+    table = Table(title=f"{args.model}: {profile.num_params / 1e9:.3g} B parameters, {args.precision}, "
+                        f"{args.num_gpus} rank(s), batch {args.batch_size} x {args.seq_len}")
+    table.add_column("memory (per rank)")
+    table.add_column("bytes", justify="right")
+    for key in ("params", "grads", "optimizer", "total"):
+        table.add_row(f"model data: {key}", _gib(data[key]))
+    table.add_row("activations (as profiled, no checkpointing)",
+                  _gib(profile.activation_peak_bytes * {"fp32": 4}.get(args.precision, 2) // profile.activation_dtype_bytes))
+    for key, value in best.prediction.breakdown.items():
+        table.add_row(f"plan device: {key}", _gib(value))
+    table.add_row("plan device peak", _gib(best.prediction.device_peak_bytes))
+    table.add_row("plan host", _gib(best.prediction.host_bytes))
+    console.print(table)
+
+    chosen = Table(title="chosen plan")
+    chosen.add_column("field")
+    chosen.add_column("value")
+    for key in ("chunk_size_numel", "resident_chunks", "device_shard_chunks", "device_optim_chunks",
+                "prefetch_depth", "activation_checkpointing", "predicted_step_s"):
+        value = getattr(plan, key)
+        if isinstance(value, list):
+            value = f"{len(value)} chunks {value[:12]}{'...' if len(value) > 12 else ''}"
+        chosen.add_row(key, str(value))
+    chosen.add_row("predicted peak device", _gib(plan.predicted_peak_device_bytes))
+    chosen.add_row("onloads / step", str(best.prediction.onloads))
+    console.print(chosen)
+
+    alts = Table(title="next-best alternatives")
+    for col in ("chunk", "resident", "cache blocks", "device optim", "prefetch", "ckpt", "step s", "device peak"):
+        alts.add_column(col)
+    for cand in [best] + result.alternatives:
+        k = cand.knobs
+        alts.add_row(str(cand.chunk_size_numel), str(len(k.resident)), str(k.cache_blocks), str(len(k.device_optim)),
+                     str(k.prefetch_depth), str(cand.activation_checkpointing), f"{cand.prediction.step_s:.4g}",
+                     _gib(cand.prediction.device_peak_bytes))
+    console.print(alts)
+    for line in plan.reasons:
+        console.print(f"- {line}")
+    console.print(f"searched {result.evaluated} configurations in {result.search_s:.2f} s")
+    if args.output:
+        plan.save(args.output)
+        console.print(f"plan written to {args.output}")
+    return 0
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+
+    from hf_elixir.profiler import probe_hardware, profile_step
+    from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
+    from hf_elixir.search import build_chunked_step, predict, search
+
+    torch.manual_seed(0)
+    config = load_config(args.model)
+    model, batch = meta_model_and_batch(config, batch_size=args.batch_size, seq_len=args.seq_len, device="cpu")
+    profile = profile_step(model, batch, device="cpu")
+    budget = parse_bytes(args.budget) if args.budget else max(1, profile.model_data_bytes("fp32")["total"] // 2)
+    hardware = probe_hardware(budget_bytes=budget)
+    result = search(profile, hardware, precision="fp32", device_memory_budget_bytes=budget,
+                    chunk_size_numel=args.chunk_size_numel)
+    best = result.best
+    step = build_chunked_step(profile, best.chunk_size_numel, world_size=1, precision="fp32", hardware=hardware,
+                              activation_checkpointing=best.activation_checkpointing)
+    pred = predict(step, best.knobs, hardware, timeline=True)
+    assert pred is not None
+    times = [0.0] + [t for t, _, _ in pred.timeline]
+    used = [pred.timeline[0][1]] + [u for _, u, _ in pred.timeline]
+    onload_times = [t for (t, _, label) in pred.timeline if not label.endswith(":0 onloads")]
+    fig, (ax, bar) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
+    ax.step([t * 1e3 for t in times], [u / 2**20 for u in used], where="post", label="device model data")
+    ax.axhline(budget / 2**20, color="red", linestyle="--", label="budget")
+    for t in onload_times:
+        ax.axvline(t * 1e3, color="gray", alpha=0.3)
+    ax.set_xlabel("predicted time in step (ms); gray = chunk onloads")
+    ax.set_ylabel("MiB")
+    ax.set_title(f"{args.model}: chunk {best.chunk_size_numel}, resident {len(best.knobs.resident)}, "
+                 f"cache blocks {best.knobs.cache_blocks}")
+    ax.legend(loc="lower right")
+    measured = (profile.forward_s or 0.0) + (profile.backward_s or 0.0)
+    bar.bar(["measured fwd+bwd", "predicted fwd+bwd"], [measured * 1e3, pred.forward_backward_s * 1e3])
+    bar.set_ylabel("ms")
+    fig.tight_layout()
+    fig.savefig(args.output, dpi=100)
+    print(f"wrote {args.output}: measured fwd+bwd {measured * 1e3:.2f} ms, predicted {pred.forward_backward_s * 1e3:.2f} ms, "
+          f"{pred.onloads} onloads, peak {pred.device_model_bytes} bytes of {budget}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hf-elixir`` console script; returns the exit status."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    try:
+        if args.command == "plan":
+            return _cmd_plan(args)
+        return _cmd_profile(args)
+    except ValueError as exc:
+        print(f"hf-elixir {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""What the Accelerate plugin and the Trainer callback share: attaching Elixir to one ``Accelerator``.
+
+[Note: why the accelerator instance is adjusted]
+
+Accelerate has no plugin registry (``DistributedType`` is a closed enum) and its methods branch on
+that enum, so a third-party memory manager cannot be *registered*; it has to meet accelerate where
+the training loop calls it. Elixir needs exactly four things from an ``Accelerator``:
+
+* ``prepare`` must not wrap an Elixir model in ``DistributedDataParallel`` (Elixir reduce-scatters
+  gradients itself; DDP on top would reduce twice) nor in autocast (Elixir keeps the compute copy
+  in the chosen precision). Accelerate's own "already prepared" marker, ``_is_accelerate_prepared``,
+  makes ``prepare`` register a model/optimizer without wrapping it; :func:`register` sets it.
+* ``backward(loss)`` must go through ``ElixirOptimizer.backward`` (fp16 loss scale) after
+  accelerate's usual division by ``gradient_accumulation_steps``.
+* ``clip_grad_norm_(model.parameters(), max_norm)`` must be the global norm over every rank's
+  gradient shards (``ElixirOptimizer.clip_grad_norm``); accelerate's default reads ``p.grad``,
+  which under Elixir lives in chunk buffers.
+* the fp16 ``GradScaler`` accelerate creates must stay out of the way (Elixir's loss scaler is
+  part of the optimizer state).
+
+These are installed as instance attributes on that one ``Accelerator`` (never on the class), and
+they fall through to accelerate's own methods for any model/optimizer that is not Elixir's, so a
+second plain model in the same script behaves as before. Everything else (``accumulate``,
+``save_state``/``load_state``, ``get_state_dict``, ``unwrap_model``, scheduler stepping) works
+unchanged because the model stays unwrapped and the optimizer is an ``AcceleratedOptimizer``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, Iterable
+
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+
+__all__ = ["ElixirAcceleratedOptimizer", "binding_of", "elixir_prepare", "merge_precision"]
+
+logger = logging.getLogger(__name__)
+
+_MIXED_TO_ELIXIR = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
+
+
+def merge_precision(config, accelerate_precision: str | None, source: str = "the accelerator"):
+    """Make the Elixir precision agree with accelerate's ``mixed_precision``.
+
+    ``fp32`` in the Elixir config means "not chosen": it adopts accelerate's ``bf16``/``fp16``.
+    Two different low precisions are a user error.
+
+    Raises:
+        ValueError: the config asks for bf16 and accelerate for fp16 (or the reverse), or
+            accelerate's precision (e.g. ``fp8``) has no Elixir equivalent.
+    """
+    wanted = _MIXED_TO_ELIXIR.get(str(accelerate_precision or "no"))
+    if wanted is None:
+        raise ValueError(
+            f"mixed_precision={accelerate_precision!r} from {source} has no Elixir equivalent; use 'no', 'bf16' or 'fp16'"
+        )
+    if wanted == "fp32" or config.precision == wanted:
+        return config
+    if config.precision != "fp32":
+        raise ValueError(
+            f"ElixirConfig.precision={config.precision!r} disagrees with mixed_precision={accelerate_precision!r} "
+            f"from {source}; set one of them so they match"
+        )
+    return dataclasses.replace(config, precision=wanted)
+
+
+class ElixirAcceleratedOptimizer(AcceleratedOptimizer):
+    """``AcceleratedOptimizer`` around an ``ElixirOptimizer``: no GradScaler, no device moves.
+
+    Accelerate's wrapper keeps doing what the training loop relies on: ``step``/``zero_grad`` only
+    on gradient-sync steps (gradient accumulation) and ``step_was_skipped`` for the scheduler, here
+    taken from Elixir's loss scaler (an fp16 step skipped on overflow).
+    """
+
+    def __init__(self, optimizer) -> None:
+        super().__init__(optimizer, device_placement=False, scaler=None)
+
+    def step(self, closure=None):
+        scaler = getattr(self.optimizer, "scaler", None)
+        skipped_before = getattr(scaler, "num_skipped_steps", 0)
+        super().step(closure)
+        # fp16 overflow: ElixirOptimizer skipped the update and backed off the loss scale.
+        self._is_overflow = getattr(scaler, "num_skipped_steps", 0) > skipped_before
+
+
+class _Binding:
+    """Elixir's bookkeeping on one Accelerator: its models/optimizers and the original methods."""
+
+    def __init__(self, accelerator) -> None:
+        self.accelerator = accelerator
+        self.entries: list[tuple[torch.nn.Module, Any]] = []  # (model, ElixirOptimizer)
+        self.original_prepare = accelerator.prepare  # before the Trainer callback wraps it
+        self.original_backward = accelerator.backward
+        self.original_clip_grad_norm_ = accelerator.clip_grad_norm_
+        accelerator.backward = self.backward
+        accelerator.clip_grad_norm_ = self.clip_grad_norm_
+
+    def optimizer_for_parameters(self, parameters: list[torch.Tensor]):
+        ids = {id(p) for p in parameters}
+        for model, optimizer in self.entries:
+            if any(id(p) in ids for p in model.parameters()):
+                return optimizer
+        return None
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        if not self.entries:
+            return self.original_backward(loss, **kwargs)
+        if len(self.entries) > 1:
+            raise ValueError(
+                "accelerator.backward cannot tell which of several Elixir models a loss belongs to; "
+                "call optimizer.backward(loss / accelerator.gradient_accumulation_steps) directly"
+            )
+        if kwargs:
+            logger.warning("accelerator.backward: %s are ignored under Elixir", sorted(kwargs))
+        self.entries[0][1].backward(loss / self.accelerator.gradient_accumulation_steps)
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        optimizer = self.optimizer_for_parameters(params)
+        if optimizer is None:
+            return self.original_clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        if float(norm_type) != 2.0:
+            raise ValueError(f"clip_grad_norm_(norm_type={norm_type}) under Elixir supports only norm_type=2")
+        return optimizer.clip_grad_norm(float(max_norm) if math.isfinite(max_norm) else float("inf"))
+
+
+def binding_of(accelerator) -> _Binding:
+    """The Elixir binding of ``accelerator``, installing it on first use (idempotent)."""
+    binding = accelerator.__dict__.get("_hf_elixir_binding")
+    if binding is None:
+        binding = _Binding(accelerator)
+        accelerator._hf_elixir_binding = binding
+    return binding
+
+
+def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config):
+    """Run :func:`hf_elixir.prepare` and register the result with ``accelerator`` without DDP.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator``.
+        model: the unwrapped model (an ``nn.Module``; not yet prepared by accelerate).
+        optimizer: a torch optimizer over ``model``'s parameters.
+        config: the :class:`hf_elixir.ElixirConfig` (precision already merged).
+
+    Returns:
+        ``(model, accelerated_optimizer)``: the same model object (registered in
+        ``accelerator._models``) and an ``AcceleratedOptimizer`` around the ``ElixirOptimizer``.
+
+    Raises:
+        TypeError: ``model`` is already wrapped (DDP/FSDP/compiled) or ``optimizer`` already prepared.
+    """
+    import hf_elixir
+
+    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        raise TypeError("ElixirPlugin.prepare got a DDP-wrapped model; pass the plain model, not accelerator.prepare's result")
+    if isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    binding = binding_of(accelerator)
+    if config.precision == "fp16" and accelerator.scaler is not None:
+        accelerator.scaler = None  # Elixir's loss scaler replaces accelerate's GradScaler
+    model, elixir_optimizer = hf_elixir.prepare(model, optimizer, config=config)
+    wrapped = ElixirAcceleratedOptimizer(elixir_optimizer)
+    model._is_accelerate_prepared = True  # accelerate: register, do not wrap (no DDP, no autocast)
+    wrapped._is_accelerate_prepared = True
+    binding.entries.append((model, elixir_optimizer))
+    model, wrapped = binding.original_prepare(model, wrapped)
+    return model, wrapped

@@ -1,0 +1,130 @@
+"""``ElixirPlugin``: train with hf_elixir inside an ordinary Accelerate script."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_elixir.config import ElixirConfig
+from hf_elixir.integrations._binding import elixir_prepare, merge_precision
+from hf_elixir.integrations._launch_config import find_launch_config_file, read_elixir_section
+
+__all__ = ["ElixirPlugin", "resolve_elixir_config"]
+
+logger = logging.getLogger(__name__)
+
+
+def _env_overrides(prefix: str = "ELIXIR_") -> dict[str, Any]:
+    import yaml
+
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(ElixirConfig):
+        raw = os.environ.get(prefix + f.name.upper())
+        if raw is not None:
+            values[f.name] = yaml.safe_load(raw)
+    return values
+
+
+def resolve_elixir_config(config_file: str | os.PathLike | None = None) -> tuple[ElixirConfig, Path | None]:
+    """Build the ElixirConfig a launched process should use.
+
+    Reads the ``dynamo_config.elixir`` section of the launch YAML (found as described in
+    :mod:`hf_elixir.integrations._launch_config`), then applies ``ELIXIR_<FIELD>`` environment
+    overrides.
+
+    Returns:
+        ``(config, path)``: the config and the file it came from (``None`` if no file was found).
+
+    Raises:
+        ValueError / TypeError: an unknown or invalid field (from :meth:`ElixirConfig.from_dict`).
+    """
+    path = find_launch_config_file(config_file)
+    values = read_elixir_section(path) if path is not None else {}
+    values.update(_env_overrides())
+    return ElixirConfig.from_dict(values), path
+
+
+@dataclass
+class ElixirPlugin:
+    """
+    Plugin that lets an [`~accelerate.Accelerator`] training loop run under hf_elixir: parameters
+    packed into chunks, sharded across processes, offloaded under a device-memory budget, and
+    gradients reduced by Elixir itself (the model is never wrapped in `DistributedDataParallel`).
+
+    After [`~ElixirPlugin.prepare`], the usual Accelerate calls keep working:
+    `accelerator.backward(loss)` (fp16 loss scaling included), `accelerator.clip_grad_norm_(...)` (global
+    norm over all shards), `accelerator.accumulate(model)`, `accelerator.save_state()` /
+    `load_state()`, `accelerator.get_state_dict(model)` and `accelerator.unwrap_model(model)`.
+
+    Args:
+        config (`hf_elixir.ElixirConfig`, *optional*):
+            The Elixir settings. When `None`, they are read from the `dynamo_config.elixir` section of
+            the YAML given to `accelerate launch --config_file` (or from `config_file` /
+            `$ELIXIR_CONFIG_FILE`), then `ELIXIR_<FIELD>` environment variables override single fields.
+        config_file (`str`, *optional*):
+            Path of the accelerate/Elixir YAML to read when `config` is `None`.
+
+    The precision follows the accelerator's `mixed_precision` (`"bf16"`/`"fp16"`) unless the Elixir
+    config sets one; conflicting settings raise `ValueError`.
+
+    Example:
+
+    ```python
+    >>> from accelerate import Accelerator
+    >>> from hf_elixir import ElixirPlugin
+    >>> accelerator = Accelerator()
+    >>> plugin = ElixirPlugin()  # settings from `accelerate launch --config_file elixir.yaml`
+    >>> model, optimizer, train_dl, scheduler = plugin.prepare(accelerator, model, optimizer, train_dl, scheduler)
+    >>> for batch in train_dl:
+    ...     with accelerator.accumulate(model):
+    ...         accelerator.backward(model(**batch).loss)
+    ...         accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    ...         optimizer.step()
+    ...         scheduler.step()
+    ...         optimizer.zero_grad()
+    ```
+    """
+
+    config: ElixirConfig | None = field(default=None, metadata={"help": "ElixirConfig; None = read the launch YAML"})
+    config_file: str | None = field(default=None, metadata={"help": "accelerate/Elixir YAML to read"})
+    source_file: Path | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.config is None:
+            self.config, self.source_file = resolve_elixir_config(self.config_file)
+        elif not isinstance(self.config, ElixirConfig):
+            raise TypeError(f"ElixirPlugin.config={self.config!r} must be an hf_elixir.ElixirConfig or None")
+
+    def prepare(self, accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *others):
+        """Put `model`/`optimizer` under Elixir and let `accelerator` prepare the rest.
+
+        Args:
+            accelerator (`accelerate.Accelerator`): the script's accelerator.
+            model (`torch.nn.Module`): the plain model (do not pass it to `accelerator.prepare` first).
+            optimizer (`torch.optim.Optimizer`): an optimizer over `model.parameters()`.
+            *others: dataloaders and LR schedulers, prepared by `accelerator.prepare` as usual
+                (schedulers built on `optimizer` then drive the Elixir optimizer: its param_groups
+                are `optimizer`'s).
+
+        Returns:
+            `(model, optimizer, *others)` in the order given: the same model object and an
+            `AcceleratedOptimizer` around the `ElixirOptimizer`.
+
+        Raises:
+            ValueError: precision conflict between the Elixir config and the accelerator.
+            TypeError: `model` was already wrapped by `accelerator.prepare`.
+        """
+        config = merge_precision(self.config, accelerator.mixed_precision)
+        self.config = config
+        model, optimizer = elixir_prepare(accelerator, model, optimizer, config)
+        if not others:
+            return model, optimizer
+        prepared = accelerator.prepare(*others)
+        prepared = prepared if isinstance(prepared, tuple) else (prepared,)
+        return (model, optimizer, *prepared)

@@ -1,0 +1,228 @@
+"""``ElixirCallback``: run ``transformers.Trainer`` under hf_elixir with one added line.
+
+[Note: where the callback attaches to the Trainer]
+
+A ``TrainerCallback`` receives the model, optimizer and scheduler, but not the Trainer nor its
+``Accelerator``, and the Trainer's order is fixed (transformers 5.x):
+
+1. ``__init__`` builds the ``Accelerator``, then fires ``on_init_end`` (no optimizer yet);
+2. ``train()`` loads a checkpoint's weights, ``create_optimizer()``, then
+   ``accelerator.prepare(model, optimizer)`` (DDP under several processes), ``create_scheduler``
+   on the prepared optimizer, loads optimizer/scheduler state when resuming, then fires
+   ``on_train_begin``; every step calls ``accelerator.backward`` and
+   ``accelerator.clip_grad_norm_`` and reads ``self.optimizer``.
+
+``on_train_begin`` is too late (the model is already DDP-wrapped and the optimizer state already
+loaded into a plain optimizer), so the callback attaches at ``on_init_end``: it locates the Trainer
+that is calling it (walking up the call stack to the ``Trainer.__init__`` frame; or call
+:meth:`ElixirCallback.bind` yourself) and wraps that Trainer's ``accelerator.prepare`` so that the
+``prepare(model, optimizer)`` call of step 2 runs :func:`hf_elixir.prepare` and registers the result
+without DDP (see :mod:`hf_elixir.integrations._binding`). From then on the Trainer's own code does the
+rest: the scheduler is created on the Elixir optimizer, ``_load_optimizer_and_scheduler`` restores
+the Elixir optimizer's state, ``max_grad_norm`` goes through Elixir's global norm.
+
+Two Trainer methods call collective ``state_dict()``s on the main process only; under Elixir the
+consolidation is a collective, so the callback gives the Trainer instance versions of ``_save`` and
+``_save_optimizer_and_scheduler`` that gather on every rank and write on the main one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import types
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from hf_elixir.config import ElixirConfig
+from hf_elixir.integrations._binding import binding_of, elixir_prepare, merge_precision
+
+__all__ = ["ElixirCallback"]
+
+logger = logging.getLogger(__name__)
+
+_OPTIMIZER_NAME = "optimizer.pt"
+_SCHEDULER_NAME = "scheduler.pt"
+
+
+def _find_calling_trainer():
+    from transformers import Trainer
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+class ElixirCallback(TrainerCallback):
+    """
+    [`~transformers.TrainerCallback`] that makes [`~transformers.Trainer`] train under hf_elixir.
+
+    Add it at construction, `Trainer(model, args, train_dataset=..., callbacks=[ElixirCallback()])`, and
+    nothing else changes: no `DistributedDataParallel` on top of Elixir's own gradient reduction,
+    `max_grad_norm` clipped by Elixir's global norm, the LR scheduler driving the Elixir optimizer,
+    `gradient_accumulation_steps`, `bf16=True`/`fp16=True` mapped to Elixir precision,
+    `trainer.save_model()` writing a standard Hugging Face folder and `resume_from_checkpoint`
+    restoring model, optimizer (incl. loss scale), scheduler and RNG. Elixir's counters
+    (`memory_stats`, loss scale) are added to every log line under `elixir/...`.
+
+    Args:
+        config (`hf_elixir.ElixirConfig`, *optional*):
+            Elixir settings; `None` = `ElixirConfig()` with `ELIXIR_<FIELD>` environment overrides. Its
+            precision is merged with the `TrainingArguments` (`bf16`/`fp16`); a conflict raises `ValueError`.
+        log_memory_stats (`bool`, defaults to `True`):
+            Add `hf_elixir.memory_stats(model)` and the loss scale to the Trainer's logs.
+
+    Example:
+
+    ```python
+    >>> from transformers import Trainer, TrainingArguments
+    >>> from hf_elixir import ElixirCallback
+    >>> trainer = Trainer(model, TrainingArguments("out", bf16=True), train_dataset=ds, callbacks=[ElixirCallback()])
+    >>> trainer.train()
+    >>> trainer.save_model("out/final")  # loads with AutoModel.from_pretrained, no hf_elixir needed
+    ```
+    """
+
+    def __init__(self, config: ElixirConfig | None = None, log_memory_stats: bool = True) -> None:
+        if config is not None and not isinstance(config, ElixirConfig):
+            raise TypeError(f"ElixirCallback(config={config!r}) must be an hf_elixir.ElixirConfig or None")
+        self.config = config
+        self.log_memory_stats = log_memory_stats
+        self.trainer = None
+        self.model: torch.nn.Module | None = None
+        self.optimizer = None
+
+    # ------------------------------------------------------------------ attaching
+    def bind(self, trainer) -> None:
+        """Attach to `trainer` (done automatically in `on_init_end`; call it yourself if the
+        callback was added with `trainer.add_callback` after construction).
+
+        Raises:
+            ValueError: precision conflict, or the Trainer uses DeepSpeed/FSDP (they replace Elixir).
+        """
+        if self.trainer is trainer:
+            return
+        if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+            raise ValueError("ElixirCallback cannot be combined with DeepSpeed or FSDP in TrainingArguments; remove one")
+        args = trainer.args
+        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+        config = self.config if self.config is not None else _config_from_env()
+        self.config = merge_precision(config, precision, source="TrainingArguments (bf16/fp16)")
+        self.trainer = trainer
+        accelerator = trainer.accelerator
+        binding_of(accelerator)
+        original_prepare = accelerator.prepare
+        callback = self
+
+        def prepare(*objects, device_placement=None):
+            return callback._prepare(original_prepare, objects, device_placement)
+
+        accelerator.prepare = prepare
+        trainer._save = types.MethodType(_save_gathered(type(trainer)._save), trainer)
+        trainer._save_optimizer_and_scheduler = types.MethodType(_save_optimizer_and_scheduler, trainer)
+        # Run first so Elixir's counters are in `logs` before the printer/reporters see them.
+        handler = trainer.callback_handler
+        if self in handler.callbacks:
+            handler.callbacks.remove(self)
+            handler.callbacks.insert(0, self)
+
+    def _prepare(self, original_prepare, objects: tuple, device_placement):
+        trainer = self.trainer
+        model = trainer.model
+        if self.optimizer is None and any(o is model for o in objects):
+            optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+            if len(optimizers) == 1:
+                prepared_model, prepared_opt = elixir_prepare(trainer.accelerator, model, optimizers[0], self.config)
+                self.model, self.optimizer = prepared_model, prepared_opt.optimizer
+                out = [prepared_model if o is model else prepared_opt if o is optimizers[0] else o for o in objects]
+                rest = [o for o in out if o is not prepared_model and o is not prepared_opt]
+                if rest:
+                    done = original_prepare(*rest, device_placement=device_placement)
+                    done = iter(done if isinstance(done, tuple) else (done,))
+                    out = [o if (o is prepared_model or o is prepared_opt) else next(done) for o in out]
+                return tuple(out) if len(out) > 1 else out[0]
+        return original_prepare(*objects, device_placement=device_placement)
+
+    # ------------------------------------------------------------------ events
+    def on_init_end(self, args, state, control, **kwargs):
+        if self.trainer is None:
+            trainer = _find_calling_trainer()
+            if trainer is None:
+                raise RuntimeError(
+                    "ElixirCallback could not find the Trainer it belongs to; pass it at construction "
+                    "(Trainer(..., callbacks=[ElixirCallback()])) or call callback.bind(trainer)"
+                )
+            self.bind(trainer)
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        if self.trainer is None or self.optimizer is None:
+            raise RuntimeError(
+                "ElixirCallback is not attached: the Trainer prepared its optimizer without Elixir. Pass the "
+                "callback at Trainer construction, or call callback.bind(trainer) before trainer.train()"
+            )
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # The Trainer clears gradients with `model.zero_grad()` only; Elixir's gradient shards live in
+        # chunk buffers that the optimizer owns, so clear them here, before the next step's backward.
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+        if not self.log_memory_stats or logs is None or self.model is None or "loss" not in logs:
+            return
+        import hf_elixir
+
+        extra: dict[str, Any] = {f"elixir/{k}": v for k, v in hf_elixir.memory_stats(self.model).items()}
+        scale = _loss_scale(self.optimizer)
+        if scale is not None:
+            extra["elixir/loss_scale"] = scale
+        logs.update(extra)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(extra)
+
+
+def _config_from_env() -> ElixirConfig:
+    from hf_elixir.integrations.accelerate_plugin import _env_overrides
+
+    return ElixirConfig.from_dict(_env_overrides())
+
+
+def _loss_scale(optimizer) -> float | None:
+    for name in ("loss_scale", "scale"):
+        value = getattr(optimizer, name, None)
+        if callable(value):
+            value = value()
+        if isinstance(value, torch.Tensor):
+            value = value.item()
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None
+
+
+def _save_gathered(original_save):
+    """Trainer._save that consolidates the state dict on every rank (a collective under Elixir)."""
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if state_dict is None:
+            state_dict = self.accelerator.get_state_dict(self.model)
+        return original_save(self, output_dir, state_dict=state_dict)
+
+    return _save
+
+
+def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+    """Trainer._save_optimizer_and_scheduler for Elixir: every rank gathers, the main one writes."""
+    import warnings
+
+    optimizer_state = self.optimizer.state_dict()
+    if self.args.should_save:
+        torch.save(optimizer_state, os.path.join(output_dir, _OPTIMIZER_NAME))
+        with warnings.catch_warnings(record=True):
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))

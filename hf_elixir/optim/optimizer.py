@@ -1,0 +1,452 @@
+"""``ElixirOptimizer``: runs the user's element-wise ``torch.optim`` optimizer on chunk shards.
+
+[Note: shard views] For every trainable parameter, the part of it that falls into this rank's shard of
+its chunk is a 1-D view of the chunk's fp32 master shard, and its gradient is the same view of the
+chunk's reduced fp32 gradient shard. An *inner* instance of the user's optimizer class runs on these
+views with the user's hyperparameters, so the update is the same code as plain PyTorch's (AdamW, Adam,
+SGD, ...) and param groups apply per parameter even when one chunk mixes groups. Only element-wise
+optimizers are equivalent under this slicing, hence the allow-list. The user's ``param_groups`` dicts
+are shared, so LR schedulers built on the user's optimizer keep driving the learning rate.
+
+Source: ZeRO (arXiv 1910.02054) stage 3 sharded optimizer states; Gemini's hybrid Adam (host shards
+updated on the host, device shards on the device); ``torch.nn.utils.clip_grad_norm_`` for the norm rule.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from hf_elixir.chunk.chunk import Chunk, ParamSlot
+from hf_elixir.chunk.manager import ChunkManager
+from hf_elixir.config import ElixirConfig
+from hf_elixir.optim.loss_scaler import DynamicLossScaler
+
+__all__ = ["ElixirOptimizer", "SUPPORTED_OPTIMIZERS", "optimizer_state_numel_factor"]
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_OPTIMIZERS: tuple[type, ...] = (
+    torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad, torch.optim.RMSprop,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+)
+
+CONSOLIDATED_FORMAT = "hf_elixir.optimizer.consolidated.v1"
+SHARDED_FORMAT = "hf_elixir.optimizer.sharded.v1"
+
+
+def optimizer_state_numel_factor(optimizer: torch.optim.Optimizer) -> int:
+    """fp32 state elements per parameter element (Adam: exp_avg + exp_avg_sq = 2)."""
+    group = optimizer.defaults
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return 3 if group.get("amsgrad") else 2
+    if isinstance(optimizer, torch.optim.SGD):
+        return 1 if group.get("momentum", 0) else 0
+    if isinstance(optimizer, (torch.optim.Adagrad,)):
+        return 1
+    if isinstance(optimizer, torch.optim.RMSprop):
+        return 1 + int(bool(group.get("momentum", 0))) + int(bool(group.get("centered")))
+    return 2
+
+
+class _ShardView:
+    """One parameter's part of this rank's shard: ``param_flat[start:stop]`` = shard ``[lo:hi]``."""
+
+    __slots__ = ("slot", "chunk", "group_index", "start", "stop", "lo", "hi", "tensor")
+
+    def __init__(self, slot: ParamSlot, chunk: Chunk, group_index: int, start: int, stop: int,
+                 lo: int, hi: int, tensor: torch.nn.Parameter) -> None:
+        self.slot, self.chunk, self.group_index = slot, chunk, group_index
+        self.start, self.stop, self.lo, self.hi, self.tensor = start, stop, lo, hi, tensor
+
+
+class ElixirOptimizer(torch.optim.Optimizer):
+    """Wraps the user's optimizer; steps the shards of every chunk where their optimizer state lives.
+
+    Args:
+        optimizer: a ``torch.optim`` optimizer built on the (prepared) model's parameters; one of
+            :data:`SUPPORTED_OPTIMIZERS`.
+        manager: the model's :class:`~hf_elixir.chunk.manager.ChunkManager`.
+        config: the :class:`~hf_elixir.config.ElixirConfig` given to ``prepare``.
+
+    Raises:
+        TypeError: an optimizer that is not element-wise (lists the supported ones).
+        ValueError: the optimizer holds parameters that are not in the prepared model.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, manager: ChunkManager, config: ElixirConfig) -> None:
+        if type(optimizer) not in SUPPORTED_OPTIMIZERS:
+            names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED_OPTIMIZERS)
+            raise TypeError(
+                f"hf_elixir.prepare(optimizer=<{type(optimizer).__name__}>) is not supported: the chunk "
+                f"optimizer slices parameters into shards, which is exact only for element-wise optimizers. "
+                f"Use one of: {names}"
+            )
+        if any(len(s) for s in optimizer.state.values()):
+            logger.warning("the optimizer given to hf_elixir.prepare already has state; it is not carried over")
+        self.manager = manager
+        self.config = config
+        self.user_optimizer = optimizer
+        self.scaler = DynamicLossScaler(config.loss_scale, enabled=config.precision == "fp16")
+        self._unscaled = False
+        self._found_inf = False
+        self._param_group_of: dict[torch.nn.Parameter, int] = {}
+        for index, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if p not in manager.slot_of:
+                    raise ValueError(
+                        f"optimizer param_groups[{index}] holds a parameter of shape {tuple(p.shape)} that is not "
+                        "in the prepared model; build the optimizer on model.parameters() before hf_elixir.prepare"
+                    )
+                self._param_group_of[p] = index
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups  # shared dicts: schedulers on either object work
+        self.masters: dict[int, torch.Tensor] = {}
+        self.views: list[_ShardView] = []
+        self._build_shard_state()
+        self.inner = self._build_inner(type(optimizer))
+
+    # -- construction --------------------------------------------------------------------------
+    def _build_shard_state(self) -> None:
+        manager = self.manager
+        counters = manager.counters
+        for chunk in manager.chunks:
+            if not chunk.trainable:
+                continue
+            location = manager.compute_device if chunk.optim_on_device else torch.device("cpu")
+            nbytes = chunk.shard_numel * 4
+            if chunk.optim_on_device:
+                manager.pool.charge(nbytes, f"gradient shard of chunk {chunk.chunk_id}")
+                grad_shard = torch.zeros(chunk.shard_numel, dtype=torch.float32, device=location)
+            else:
+                grad_shard = manager.host_empty(chunk.shard_numel, torch.float32).zero_()
+                counters.host_bytes += nbytes
+            manager.grad_shards[chunk.chunk_id] = grad_shard
+            shard_view = chunk.shard if not chunk.full_alias else chunk.full
+            if chunk.dtype == torch.float32 and chunk.optim_on_device == chunk.shard_on_device:
+                master = shard_view  # fp32 compute copy is the master (no duplicate)
+            else:
+                if chunk.optim_on_device:
+                    manager.pool.charge(nbytes, f"fp32 master shard of chunk {chunk.chunk_id}")
+                    master = shard_view.detach().to(location, torch.float32).clone()
+                else:
+                    master = manager.host_empty(chunk.shard_numel, torch.float32)
+                    master.copy_(shard_view)
+                    counters.host_bytes += nbytes
+            self.masters[chunk.chunk_id] = master
+            begin, end = chunk.shard_begin, chunk.shard_begin + chunk.shard_numel
+            for slot in chunk.slots:
+                if not slot.trainable or slot.param not in self._param_group_of:
+                    continue
+                lo, hi = max(slot.offset, begin), min(slot.offset + slot.numel, end)
+                if hi <= lo:
+                    continue
+                tensor = torch.nn.Parameter(master[lo - begin:hi - begin], requires_grad=True)
+                tensor.grad = grad_shard[lo - begin:hi - begin]
+                self.views.append(_ShardView(slot, chunk, self._param_group_of[slot.param],
+                                             lo - slot.offset, hi - slot.offset, lo - begin, hi - begin, tensor))
+
+    def _build_inner(self, cls: type) -> torch.optim.Optimizer | None:
+        groups = []
+        for index, group in enumerate(self.param_groups):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**hyper, "params": [v.tensor for v in self.views if v.group_index == index]})
+        self._full_group_params = [list(g["params"]) for g in groups]
+        if not any(self._full_group_params):
+            return None
+        accepted = inspect.signature(cls.__init__).parameters
+        kwargs = {k: v for k, v in self.user_optimizer.defaults.items() if k in accepted and k != "params"}
+        inner = cls([g for g in groups if g["params"]] or groups, **kwargs)
+        # keep one inner group per user group, even empty ones, so indices line up
+        inner.param_groups = groups
+        self._charge_inner_state_estimate()
+        return inner
+
+    def _charge_inner_state_estimate(self) -> None:
+        factor = optimizer_state_numel_factor(self.user_optimizer)
+        for chunk in self.manager.chunks:
+            if not chunk.trainable:
+                continue
+            nbytes = factor * chunk.shard_numel * 4
+            if chunk.optim_on_device:
+                self.manager.pool.charge(nbytes, f"optimizer states of chunk {chunk.chunk_id}")
+            else:
+                self.manager.counters.host_bytes += nbytes
+
+    # -- backward helpers ----------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``loss.backward()`` with the fp16 loss scale applied (identity for fp32/bf16)."""
+        if self.scaler.enabled:
+            loss = loss * self.scaler.scale
+        loss.backward(**kwargs)
+
+    def _grad_shards(self) -> list[torch.Tensor]:
+        return list(self.manager.grad_shards.values())
+
+    def _all_reduce(self, tensor: torch.Tensor, op) -> torch.Tensor:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            device = tensor.device
+            moved = tensor.to(self.manager.compute_device)
+            dist.all_reduce(moved, op=op)
+            tensor = moved.to(device)
+        return tensor
+
+    def _unscale(self) -> None:
+        """Divide gradients by the loss scale and find non-finite values on any rank (fp16)."""
+        if self._unscaled:
+            return
+        self._unscaled = True
+        self._found_inf = False
+        if not self.scaler.enabled:
+            return
+        inv = 1.0 / self.scaler.scale
+        found = torch.zeros(1, dtype=torch.float32)
+        for grad in self._grad_shards():
+            grad.mul_(inv)
+            found = torch.maximum(found, (~torch.isfinite(grad)).any().float().reshape(1).cpu())
+        found = self._all_reduce(found, dist.ReduceOp.MAX)
+        self._found_inf = bool(found.item())
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip all gradients by one global norm over every rank and chunk.
+
+        Same rule as ``torch.nn.utils.clip_grad_norm_``: ``coef = max_norm / (total_norm + 1e-6)``,
+        applied when ``coef < 1``. Padding elements have zero gradient and do not contribute.
+
+        Returns:
+            the total norm before clipping (fp32 0-d tensor; ``inf`` when fp16 gradients overflowed).
+        """
+        self._unscale()
+        if self._found_inf:
+            return torch.tensor(float("inf"))
+        grads = self._grad_shards()
+        norm_type = float(norm_type)
+        if norm_type == float("inf"):
+            local = torch.stack([g.abs().max().cpu() for g in grads if g.numel()]).max() if grads else torch.zeros(())
+            total = self._all_reduce(local.reshape(1).float(), dist.ReduceOp.MAX)[0]
+        else:
+            local = sum((g.double().norm(norm_type) ** norm_type).cpu() for g in grads) if grads else torch.zeros(())
+            total = self._all_reduce(torch.as_tensor(local, dtype=torch.float64).reshape(1), dist.ReduceOp.SUM)[0]
+            total = total ** (1.0 / norm_type)
+        total = total.float()
+        coef = max_norm / (float(total) + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return total
+
+    # -- step ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Update every shard where its optimizer state lives, then refresh the compute copies.
+
+        Raises:
+            ValueError: a closure was given (not supported: forward/backward run outside the step).
+        """
+        if closure is not None:
+            raise ValueError("ElixirOptimizer.step(closure) is not supported; call forward/backward before step()")
+        assert not self.manager.backward_pending, "optimizer.step() called while a backward is still running"
+        self._unscale()
+        self.user_optimizer._opt_called = True  # tells LR schedulers built on the user's optimizer
+        if self._found_inf:
+            logger.warning("fp16 gradient overflow: skipping this step, loss scale %.1f -> %.1f",
+                           self.scaler.scale, self.scaler.scale * self.config.loss_scale.backoff_factor)
+            self.scaler.update(True)
+        elif self.inner is not None:
+            self._inner_step()
+            self.scaler.update(False)
+        if not self._found_inf:
+            self._refresh_compute_copies()
+        self._unscaled = False
+        self.manager.end_step()
+        return None
+
+    def _inner_step(self) -> None:
+        flags = self.manager.has_grad_flags
+        for inner_group, user_group, full in zip(self.inner.param_groups, self.param_groups, self._full_group_params):
+            for key, value in user_group.items():
+                if key != "params":
+                    inner_group[key] = value
+            inner_group["params"] = [t for t in full if flags[self._flag_of(t)] > 0]
+        try:
+            self.inner.step()
+        finally:
+            for inner_group, full in zip(self.inner.param_groups, self._full_group_params):
+                inner_group["params"] = full
+
+    def _flag_of(self, tensor: torch.Tensor) -> int:
+        if not hasattr(self, "_view_by_tensor"):
+            self._view_by_tensor = {id(v.tensor): v for v in self.views}
+        return self._view_by_tensor[id(tensor)].slot.flag_index
+
+    def _refresh_compute_copies(self) -> None:
+        counters = self.manager.counters
+        for chunk in self.manager.chunks:
+            if not chunk.trainable:
+                continue
+            master = self.masters[chunk.chunk_id]
+            target = chunk.full if chunk.full_alias else chunk.shard
+            if master is not target:
+                target.copy_(master, non_blocking=True)
+                if chunk.optim_on_device != chunk.shard_on_device:
+                    nbytes = chunk.shard_bytes
+                    if chunk.shard_on_device:
+                        counters.h2d_bytes += nbytes
+                    else:
+                        counters.d2h_bytes += nbytes
+            chunk.version += 1
+            if chunk.full_alias:
+                chunk.full_version = chunk.version
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the reduced gradient shards and the has-gradient flags (``set_to_none`` is accepted for
+        API compatibility; shard gradients are always zero-filled buffers)."""
+        self.manager.zero_grad()
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    # -- state dicts ---------------------------------------------------------------------------
+    def _per_element_keys(self) -> list[str]:
+        keys: set[str] = set()
+        for view in self.views:
+            for key, value in self.inner.state.get(view.tensor, {}).items() if self.inner else ():
+                if torch.is_tensor(value) and value.numel() == view.tensor.numel() and value.dim() > 0:
+                    keys.add(key)
+        gathered = [keys]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, keys)
+        union = set().union(*gathered)
+        if self.config.precision != "fp32":
+            union.add("master")
+        return sorted(union)
+
+    def _shard_flat(self, chunk: Chunk, key: str) -> torch.Tensor:
+        if key == "master":
+            return self.masters[chunk.chunk_id].detach().float().cpu().clone()
+        flat = torch.zeros(chunk.shard_numel, dtype=torch.float32)
+        for view in self.views:
+            if view.chunk is chunk:
+                value = self.inner.state.get(view.tensor, {}).get(key)
+                if value is not None:
+                    flat[view.lo:view.hi] = value.detach().float().cpu()
+        return flat
+
+    def _steps_by_slot(self) -> dict[str, float]:
+        steps: dict[str, float] = {}
+        for view in self.views:
+            value = self.inner.state.get(view.tensor, {}).get("step") if self.inner else None
+            if value is not None:
+                steps[view.slot.name] = float(value)
+        return steps
+
+    def state_dict(self) -> dict:
+        """Consolidated optimizer state keyed by original parameter names (collective on all ranks).
+
+        Returns a dict ``{"format", "state": {name: {key: fp32 tensor of the param's shape, "step": ...}},
+        "param_groups": [{hyperparameters..., "params": [names]}], "loss_scaler": {...}}`` that every
+        rank holds (CPU tensors).
+        """
+        keys = self._per_element_keys()
+        state: dict[str, dict] = defaultdict(dict)
+        for chunk in self.manager.chunks:
+            if not chunk.trainable:
+                continue
+            for key in keys:
+                flat = self._shard_flat(chunk, key)
+                if chunk.world_size > 1:
+                    full = torch.empty(chunk.chunk_numel, dtype=torch.float32, device=self.manager.compute_device)
+                    dist.all_gather_into_tensor(full, flat.to(full.device), group=chunk.group)
+                    full = full.cpu()
+                else:
+                    full = flat
+                for slot in chunk.slots:
+                    if slot.trainable and slot.param in self._param_group_of:
+                        state[slot.name][key] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+        steps = self._steps_by_slot()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, steps)
+            for part in gathered:
+                steps.update(part)
+        for name, step in steps.items():
+            state[name]["step"] = torch.tensor(step)
+        groups = []
+        for group in self.param_groups:
+            entry = {k: v for k, v in group.items() if k != "params"}
+            entry["params"] = [self.manager.slot_of[p].name for p in group["params"]]
+            groups.append(entry)
+        return {"format": CONSOLIDATED_FORMAT, "state": dict(state), "param_groups": groups,
+                "loss_scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a dict written by :meth:`state_dict` (any world size).
+
+        Raises:
+            ValueError: not an hf_elixir optimizer state, or its param groups do not match this
+                optimizer's (names the group, the expected and the found parameter names).
+        """
+        if state_dict.get("format") != CONSOLIDATED_FORMAT:
+            raise ValueError(
+                f"optimizer state_dict format {state_dict.get('format')!r} is not {CONSOLIDATED_FORMAT!r}; "
+                "load a state written by ElixirOptimizer.state_dict()"
+            )
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"optimizer state has {len(saved_groups)} param groups but this optimizer has "
+                f"{len(self.param_groups)}; build the optimizer with the same param groups as the saved run"
+            )
+        for index, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            names = [self.manager.slot_of[p].name for p in group["params"]]
+            if list(saved["params"]) != names:
+                raise ValueError(
+                    f"optimizer param_groups[{index}] holds {len(names)} parameters {names[:3]}... but the "
+                    f"checkpoint's group holds {len(saved['params'])} {list(saved['params'])[:3]}...; build "
+                    "the optimizer with the same param groups as the saved run"
+                )
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = value
+        saved_state = state_dict["state"]
+        for view in self.views:
+            entry = saved_state.get(view.slot.name)
+            if not entry:
+                continue
+            target: dict = {}
+            for key, value in entry.items():
+                if key == "step":
+                    target["step"] = torch.tensor(float(value), dtype=torch.float32)
+                    continue
+                part = value.reshape(-1)[view.start:view.stop].to(view.tensor.device, torch.float32)
+                if key == "master":
+                    view.tensor.data.copy_(part)
+                else:
+                    target[key] = part.clone()
+            if self.inner is not None:
+                self.inner.state[view.tensor] = target
+        if "master" in self._per_element_keys_local(saved_state):
+            self._refresh_compute_copies()
+        self.scaler.load_state_dict(state_dict.get("loss_scaler", self.scaler.state_dict()))
+
+    @staticmethod
+    def _per_element_keys_local(saved_state: dict) -> set[str]:
+        return {k for entry in saved_state.values() for k in entry}
+
+    def sync_masters_from_params(self) -> None:
+        """Refresh fp32 masters from the compute shards (after ``model.load_state_dict``)."""
+        for chunk in self.manager.chunks:
+            if chunk.trainable:
+                master = self.masters[chunk.chunk_id]
+                source = chunk.full if chunk.full_alias else chunk.shard
+                if master is not source:
+                    master.copy_(source)

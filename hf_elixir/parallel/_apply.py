@@ -1,0 +1,126 @@
+"""``parallelize``: resolve placements and rewrite the model in place on the mesh.
+
+Call it on every rank, on a model with the same initial weights everywhere (same seed or loaded
+from the same checkpoint), before building the optimizer (parameters of rewritten layers are new
+``nn.Parameter`` objects).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hf_elixir.parallel._expert_parallel import ExpertParallelExperts
+from hf_elixir.parallel._mesh import ElixirMesh, build_mesh
+from hf_elixir.parallel._tensor_parallel import TPShardLayout, parallelize_block
+from hf_elixir.placement import resolve_placements_detailed
+
+__all__ = ["ParallelState", "get_parallel_state", "param_process_groups", "parallelize", "reduce_gradients"]
+
+_STATE_ATTR = "_hf_elixir_parallel"
+
+
+@dataclass
+class ParallelState:
+    """What :func:`parallelize` did to a model (kept on it as ``model._hf_elixir_parallel``).
+
+    Attributes:
+        mesh: the :class:`ElixirMesh`.
+        placements: module FQN -> placement (record as ``ElixirPlan.placements``).
+        full_shapes: state-dict key -> full shape, in the unmodified model's key order.
+        tp_layouts: parameter FQN -> :class:`TPShardLayout` for tp-sharded parameters.
+        expert_containers: FQN -> number of experts, for expert-parallel containers.
+    """
+
+    mesh: ElixirMesh
+    placements: dict[str, str]
+    full_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    tp_layouts: dict[str, TPShardLayout] = field(default_factory=dict)
+    expert_containers: dict[str, int] = field(default_factory=dict)
+
+    def is_expert_param(self, name: str) -> bool:
+        return any(name.startswith(c + ".") for c in self.expert_containers)
+
+
+def get_parallel_state(model: nn.Module) -> ParallelState | None:
+    """The :class:`ParallelState` of a model rewritten by :func:`parallelize`, else ``None``."""
+    return getattr(model, _STATE_ATTR, None)
+
+
+def parallelize(model: nn.Module, config: Any, mesh: ElixirMesh | None = None) -> ParallelState:
+    """Rewrite ``model`` in place for ``config``'s tensor/expert-parallel sizes.
+
+    Args:
+        model: a Hugging Face model (GPT-2, OPT, Switch-Transformers have specs; others: sharded only).
+        config: an :class:`hf_elixir.ElixirConfig`.
+        mesh: reuse a mesh; default builds one with :func:`build_mesh`.
+
+    Returns:
+        the :class:`ParallelState` (also stored on the model).
+
+    Raises:
+        ValueError: see :func:`hf_elixir.placement.resolve_placements` and :func:`build_mesh`;
+            also if the model was already parallelized.
+    """
+    if get_parallel_state(model) is not None:
+        raise ValueError("this model was already parallelized; call parallelize once per model")
+    resolved = resolve_placements_detailed(model, config)
+    if mesh is None:
+        mesh = build_mesh(config)
+    if mesh.tp_size != config.tensor_parallel_size or mesh.ep_size != config.expert_parallel_size:
+        raise ValueError(
+            f"mesh (tp={mesh.tp_size}, ep={mesh.ep_size}) does not match ElixirConfig "
+            f"(tensor_parallel_size={config.tensor_parallel_size}, expert_parallel_size={config.expert_parallel_size})"
+        )
+    state = ParallelState(mesh=mesh, placements=resolved.placements,
+                          full_shapes={k: tuple(v.shape) for k, v in model.state_dict().items()})
+    named = dict(model.named_modules())
+    for parent_fqn, block in resolved.tp_blocks:
+        layouts = parallelize_block(named[parent_fqn], block, mesh.tp_group, mesh.tp_rank, mesh.tp_size)
+        state.tp_layouts.update({f"{parent_fqn}.{k}": v for k, v in layouts.items()})
+    for fqn in resolved.expert_containers:
+        parent_fqn, _, child = fqn.rpartition(".")
+        container = named[fqn]
+        state.expert_containers[fqn] = container.num_experts
+        new = ExpertParallelExperts(container, mesh.ep_group, mesh.ep_rank, mesh.ep_size)
+        setattr(named[parent_fqn] if parent_fqn else model, child, new)
+    setattr(model, _STATE_ATTR, state)
+    return state
+
+
+def param_process_groups(model: nn.Module) -> dict[str, Any]:
+    """Parameter FQN -> the process group its gradient is averaged (and ZeRO-sharded) over.
+
+    See [Note: gradient groups] in ``hf_elixir/parallel/_mesh.py``: non-expert parameters use
+    ``mesh.dp_group``, expert parameters ``mesh.expert_dp_group``.
+    """
+    return {name: _group_of(model, name) for name, _ in model.named_parameters()}
+
+
+@torch.no_grad()
+def reduce_gradients(model: nn.Module) -> None:
+    """Plain data-parallel gradient reduction for a parallelized model (no ZeRO sharding).
+
+    Averages each gradient over its group from :func:`param_process_groups`, so the result equals
+    the gradient of the mean of the per-batch losses.
+    A parameter that got no gradient (an expert without tokens) contributes zeros, so every rank
+    issues the same all-reduces in the same order.
+    """
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        group = _group_of(model, name)
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(param.grad, group=group)
+        param.grad.div_(dist.get_world_size(group))
+
+
+def _group_of(model: nn.Module, name: str) -> Any:
+    state = get_parallel_state(model)
+    assert state is not None, "needs a model rewritten by hf_elixir.parallel.parallelize"
+    return state.mesh.expert_dp_group if state.is_expert_param(name) else state.mesh.dp_group

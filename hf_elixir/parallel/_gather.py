@@ -1,0 +1,85 @@
+"""Reassemble a tensor/expert-parallel model's full state dict and save it as a standard HF folder."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hf_elixir.parallel._apply import get_parallel_state
+from hf_elixir.parallel._tensor_parallel import merge_shards
+
+__all__ = ["gather_full_state_dict", "save_pretrained_full"]
+
+
+def _all_gather(t: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(out, t.detach().contiguous(), group=group)
+    return out
+
+
+@torch.no_grad()
+def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The state dict of the unmodified model class, reassembled from tp shards and ep experts.
+
+    Collective: call on every rank. Tp shards are all-gathered over the tp group and merged (GPT-2's
+    ``c_attn`` re-fused per head: ``q|k|v`` with every rank's heads in order); experts are
+    all-gathered over the ep group. Replicated tensors are taken from this rank (they are equal on
+    every rank after a synchronised step). Keys and order are those of the model before
+    :func:`hf_elixir.parallel.parallelize`.
+
+    Args:
+        model: a model rewritten by ``parallelize``.
+        rank0_only: return the dict on global rank 0 only (``{}`` elsewhere).
+
+    Returns:
+        ``{key: full tensor (CPU, detached)}``.
+
+    Raises:
+        ValueError: the model was not rewritten by ``parallelize``.
+    """
+    state = get_parallel_state(model)
+    if state is None:
+        raise ValueError("gather_full_state_dict needs a model rewritten by hf_elixir.parallel.parallelize; "
+                         "use model.state_dict() for others")
+    mesh = state.mesh
+    local = model.state_dict()
+    full: dict[str, torch.Tensor] = {}
+    for container, num_experts in state.expert_containers.items():
+        num_local = num_experts // mesh.ep_size
+        first = mesh.ep_rank * num_local
+        for j in range(num_local):
+            prefix = f"{container}.expert_{first + j}."
+            for key in sorted(k for k in local if k.startswith(prefix)):
+                suffix = key[len(prefix):]
+                for r, t in enumerate(_all_gather(local[key], mesh.ep_group, mesh.ep_size)):
+                    full[f"{container}.expert_{r * num_local + j}.{suffix}"] = t.cpu()
+    for key in state.full_shapes:
+        if key in full:
+            continue
+        if key in state.tp_layouts:
+            full[key] = merge_shards(_all_gather(local[key], mesh.tp_group, mesh.tp_size), state.tp_layouts[key]).cpu()
+        else:
+            full[key] = local[key].detach().cpu()
+    ordered = {}
+    for key, shape in state.full_shapes.items():
+        assert tuple(full[key].shape) == shape, f"rank {dist.get_rank()}: {key} gathered {tuple(full[key].shape)} != {shape}"
+        ordered[key] = full[key]
+    if rank0_only and dist.get_rank() != 0:
+        return {}
+    return ordered
+
+
+def save_pretrained_full(model: nn.Module, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+    """Gather the full state dict and write a standard HF folder on rank 0 (collective).
+
+    The folder loads into the unmodified class (``GPT2LMHeadModel.from_pretrained(save_directory)``).
+    ``kwargs`` go to ``model.save_pretrained`` (e.g. ``safe_serialization``).
+    """
+    full = gather_full_state_dict(model, rank0_only=True)
+    if dist.get_rank() == 0:
+        model.save_pretrained(save_directory, state_dict=full, **kwargs)
+    dist.barrier()

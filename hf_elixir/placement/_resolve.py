@@ -1,0 +1,241 @@
+"""Resolve every module's placement from the registry spec and the user's glob overrides.
+
+Order of precedence (later wins): ``"sharded"`` everywhere -> the model spec's tensor-parallel globs
+(only when ``tensor_parallel_size > 1``) and expert-parallel globs (only when
+``expert_parallel_size > 1``) -> ``ElixirConfig.placements`` in insertion order. A glob matches a
+module's FQN or any module below it (``"*.mlp"`` covers ``h.0.mlp.c_fc``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any
+
+from torch import nn
+
+from hf_elixir.placement._registry import get_model_spec
+from hf_elixir.placement._spec import PLACEMENTS, ModelPlacementSpec, TensorParallelBlock
+
+__all__ = ["ResolvedPlacements", "resolve_placements", "resolve_placements_detailed"]
+
+_TP_PLACEMENTS = ("column", "row")
+
+
+@dataclass
+class ResolvedPlacements:
+    """What :func:`resolve_placements_detailed` found.
+
+    Attributes:
+        placements: module FQN -> placement, for every module that owns parameters directly.
+        tp_blocks: (parent FQN, block) for every tensor-parallel block whose children are column/row.
+        expert_containers: FQNs of expert containers placed ``"expert"``.
+        spec: the model spec used.
+    """
+
+    placements: dict[str, str]
+    tp_blocks: list[tuple[str, TensorParallelBlock]] = field(default_factory=list)
+    expert_containers: list[str] = field(default_factory=list)
+    spec: ModelPlacementSpec | None = None
+
+
+def _matches(fqn: str, pattern: str) -> bool:
+    return fnmatchcase(fqn, pattern) or fnmatchcase(fqn, pattern + ".*")
+
+
+def _is_matmul_module(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _param_modules(model: nn.Module) -> dict[str, nn.Module]:
+    return {
+        fqn: mod for fqn, mod in model.named_modules()
+        if any(True for _ in mod.parameters(recurse=False))
+    }
+
+
+def _apply_globs(placements: dict[str, str], globs: dict[str, str], source: str, must_match: bool) -> None:
+    for pattern, placement in globs.items():
+        if placement not in PLACEMENTS:
+            raise ValueError(f"{source}[{pattern!r}]={placement!r} is not a placement; use one of {PLACEMENTS}")
+        hits = [fqn for fqn in placements if _matches(fqn, pattern)]
+        if must_match and not hits:
+            close = difflib.get_close_matches(pattern, list(placements), n=3)
+            raise ValueError(
+                f"{source}[{pattern!r}] matches no module with parameters; "
+                f"module names look like {close or list(placements)[:3]}"
+            )
+        for fqn in hits:
+            placements[fqn] = placement
+
+
+def _check_tp(model: nn.Module, modules: dict[str, nn.Module], placements: dict[str, str],
+              spec: ModelPlacementSpec, tp_size: int) -> list[tuple[str, TensorParallelBlock]]:
+    named = dict(model.named_modules())
+    claimed: dict[str, str] = {}  # child fqn -> required role
+    blocks: list[tuple[str, TensorParallelBlock]] = []
+    for parent_fqn, parent in named.items():
+        for block in spec.blocks:
+            if not fnmatchcase(parent_fqn, block.parent):
+                continue
+            children = {f"{parent_fqn}.{c}": "column" for c in block.column}
+            children[f"{parent_fqn}.{block.row}"] = "row"
+            if not all(c in modules for c in children):
+                continue
+            roles = {c: placements[c] for c in children}
+            if not any(r in _TP_PLACEMENTS for r in roles.values()):
+                continue
+            if roles != children:
+                raise ValueError(
+                    f"tensor-parallel block {parent_fqn!r} must be placed together: {children} "
+                    f"(got {roles}); set all of them or none of them to column/row in ElixirConfig.placements"
+                )
+            if getattr(parent, "is_cross_attention", False):
+                raise ValueError(f"module {parent_fqn!r} is a cross-attention; tensor parallel supports self-attention only")
+            _check_divisible(parent_fqn, parent, block, modules, children, tp_size)
+            claimed.update(children)
+            blocks.append((parent_fqn, block))
+    for fqn, placement in placements.items():
+        if placement not in _TP_PLACEMENTS:
+            continue
+        module = modules[fqn]
+        if not _is_matmul_module(module):
+            raise ValueError(
+                f"module {fqn!r} ({type(module).__name__}) cannot take placement {placement!r}: only "
+                "nn.Linear and transformers Conv1D split by features; use 'sharded' or 'replicated'"
+            )
+        if fqn not in claimed:
+            known = [b.parent for b in spec.blocks] or "none"
+            raise ValueError(
+                f"module {fqn!r} cannot take placement {placement!r}: it is not part of a tensor-parallel "
+                f"block of the {spec.model_type!r} spec (block parents: {known}); use 'sharded' or "
+                "'replicated', or register a spec with hf_elixir.placement.register_model_spec"
+            )
+    return blocks
+
+
+def _check_divisible(parent_fqn: str, parent: nn.Module, block: TensorParallelBlock,
+                     modules: dict[str, nn.Module], children: dict[str, str], tp_size: int) -> None:
+    if block.num_heads_attr is not None:
+        num_heads = getattr(parent, block.num_heads_attr)
+        if num_heads % tp_size:
+            raise ValueError(
+                f"{parent_fqn}.{block.num_heads_attr}={num_heads} heads are not divisible by "
+                f"tensor_parallel_size={tp_size}; pick a tensor_parallel_size that divides {num_heads}"
+            )
+    for child, role in children.items():
+        module = modules[child]
+        conv = type(module).__name__ == "Conv1D"
+        out_features, in_features = (module.weight.shape[1], module.weight.shape[0]) if conv else module.weight.shape
+        parts = block.fused_parts if role == "column" else 1
+        features = out_features if role == "column" else in_features
+        if features % (parts * tp_size):
+            raise ValueError(
+                f"module {child!r}: {features} {'output' if role == 'column' else 'input'} features are not "
+                f"divisible by tensor_parallel_size={tp_size} (x{parts} fused parts); change tensor_parallel_size"
+            )
+
+
+def _check_experts(model: nn.Module, modules: dict[str, nn.Module], placements: dict[str, str],
+                   spec: ModelPlacementSpec, ep_size: int) -> list[str]:
+    containers = [
+        (fqn, mod) for fqn, mod in model.named_modules() if type(mod).__name__ in spec.expert_containers
+    ]
+    placed: list[str] = []
+    covered: set[str] = set()
+    for fqn, container in containers:
+        members = [m for m in placements if m.startswith(fqn + ".")]
+        covered.update(members)
+        kinds = {placements[m] for m in members}
+        if "expert" not in kinds:
+            continue
+        if kinds != {"expert"}:
+            raise ValueError(
+                f"all experts of {fqn!r} must share the placement 'expert' (got {sorted(kinds)}); "
+                "place the whole container, e.g. ElixirConfig.placements={'*.mlp.experts': 'expert'}"
+            )
+        num_experts = getattr(container, spec.num_experts_attr)
+        if num_experts % ep_size:
+            raise ValueError(
+                f"{fqn}.{spec.num_experts_attr}={num_experts} experts are not divisible by "
+                f"expert_parallel_size={ep_size}; pick an expert_parallel_size that divides {num_experts}"
+            )
+        placed.append(fqn)
+    for fqn, placement in placements.items():
+        if placement == "expert" and fqn not in covered:
+            raise ValueError(
+                f"module {fqn!r} ({type(modules[fqn]).__name__}) cannot take placement 'expert': only the "
+                f"experts of an MoE container ({list(spec.expert_containers) or 'none for ' + repr(spec.model_type)}) can"
+            )
+    return placed
+
+
+def _check_tied(model: nn.Module, placements: dict[str, str]) -> None:
+    owner: dict[int, tuple[str, str]] = {}
+    for fqn, mod in model.named_modules(remove_duplicate=False):
+        if fqn not in placements:
+            continue
+        for p in mod.parameters(recurse=False):
+            first = owner.setdefault(id(p), (fqn, placements[fqn]))
+            if first[1] != placements[fqn]:
+                raise ValueError(
+                    f"modules {first[0]!r} ({first[1]!r}) and {fqn!r} ({placements[fqn]!r}) share a tied "
+                    "parameter and must have the same placement; override both in ElixirConfig.placements"
+                )
+
+
+def resolve_placements_detailed(model: nn.Module, config: Any) -> ResolvedPlacements:
+    """Like :func:`resolve_placements`, also returning the tensor-parallel blocks and expert containers."""
+    tp_size = config.tensor_parallel_size
+    ep_size = config.expert_parallel_size
+    if tp_size > 1 and ep_size > 1:
+        raise ValueError(
+            f"ElixirConfig.tensor_parallel_size={tp_size} and expert_parallel_size={ep_size} are both > 1; "
+            "the mesh has one model-parallel axis (dp x tp or dp x ep): set one of them to 1"
+        )
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    spec = get_model_spec(model_type)
+    modules = _param_modules(model)
+    placements = {fqn: "sharded" for fqn in modules}
+    if tp_size > 1:
+        _apply_globs(placements, spec.tensor_parallel, f"placement spec {spec.model_type!r}", must_match=False)
+    if ep_size > 1:
+        _apply_globs(placements, spec.expert_parallel, f"placement spec {spec.model_type!r}", must_match=False)
+    _apply_globs(placements, dict(config.placements), "ElixirConfig.placements", must_match=True)
+    blocks = _check_tp(model, modules, placements, spec, tp_size)
+    containers = _check_experts(model, modules, placements, spec, ep_size)
+    _check_tied(model, placements)
+    if tp_size > 1 and not blocks:
+        raise ValueError(
+            f"ElixirConfig.tensor_parallel_size={tp_size} but no module of model_type {model_type!r} is placed "
+            "'column'/'row'; set tensor_parallel_size=1 or give placements for a registered block"
+        )
+    if ep_size > 1 and not containers:
+        raise ValueError(
+            f"ElixirConfig.expert_parallel_size={ep_size} but model_type {model_type!r} has no experts placed "
+            "'expert'; set expert_parallel_size=1"
+        )
+    return ResolvedPlacements(placements=placements, tp_blocks=blocks, expert_containers=containers, spec=spec)
+
+
+def resolve_placements(model: nn.Module, config: Any) -> dict[str, str]:
+    """Every parameter-owning module's placement, read from the model config and ``config``.
+
+    Args:
+        model: a ``PreTrainedModel`` (or any ``nn.Module``; ``model.config.model_type`` picks the spec,
+            unknown types get the generic "everything sharded" spec).
+        config: an :class:`hf_elixir.ElixirConfig` (uses ``placements``, ``tensor_parallel_size``,
+            ``expert_parallel_size``).
+
+    Returns:
+        ``{module_fqn: placement}`` for every module that owns parameters directly, in
+        ``named_modules`` order; record it as ``ElixirPlan.placements``.
+
+    Raises:
+        ValueError: an override glob matching nothing, a placement a module type cannot take (column on
+            a LayerNorm, expert outside an MoE container), a tensor-parallel block placed only partly,
+            heads/features/experts not divisible by the axis size, tied modules with different
+            placements, an axis size > 1 with nothing to parallelize, or both axes > 1.
+    """
+    return resolve_placements_detailed(model, config).placements

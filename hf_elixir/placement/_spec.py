@@ -1,0 +1,73 @@
+"""Declarative placement specs: one small :class:`ModelPlacementSpec` per ``config.model_type``.
+
+A spec says, by module-name glob, which modules take a non-default placement, and names the
+tensor-parallel *blocks* (a column-parallel producer paired with a row-parallel consumer inside one
+parent module, e.g. GPT-2's ``attn.c_attn`` -> ``attn.c_proj``) so the rewrite in
+:mod:`hf_elixir.parallel` knows which parent attributes (head counts, split sizes) to shrink.
+
+Source: Megatron-LM (Shoeybi et al., arXiv 1909.08053, section 3) for the column/row pairing;
+Elixir (arXiv 2212.05339, section 3) for per-module placements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["PLACEMENTS", "ModelPlacementSpec", "TensorParallelBlock"]
+
+#: Every placement name a module can take.
+#:
+#: - ``"sharded"``: parameters live in ZeRO-3 chunks sharded over the data-parallel axis (default).
+#: - ``"replicated"``: a full copy on every rank; gradients all-reduced over the data-parallel axis.
+#: - ``"column"``: output features split over the tensor-parallel axis (per head for attention).
+#: - ``"row"``: input features split over the tensor-parallel axis; outputs all-reduced.
+#: - ``"expert"``: the experts of an MoE layer spread over the expert-parallel axis.
+PLACEMENTS = ("sharded", "replicated", "column", "row", "expert")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorParallelBlock:
+    """A column-parallel -> row-parallel pair inside one parent module.
+
+    Attributes:
+        parent: glob matched against the parent module's FQN (e.g. ``"*.attn"``).
+        column: child names whose output features are split (e.g. ``("q_proj", "k_proj", "v_proj")``).
+        row: child name whose input features are split and whose output is all-reduced.
+        fused_parts: each column child's output is this many equal parts concatenated (GPT-2's
+            ``c_attn`` is ``q|k|v`` = 3); each part is split separately so every rank keeps whole heads.
+        num_heads_attr: parent attribute holding the head count; divided by the axis size, and the
+            head count must be divisible by it. ``None`` for MLP blocks.
+        width_attrs: parent attributes holding a per-part feature width (GPT-2's ``split_size``),
+            divided by the axis size.
+    """
+
+    parent: str
+    column: tuple[str, ...]
+    row: str
+    fused_parts: int = 1
+    num_heads_attr: str | None = None
+    width_attrs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelPlacementSpec:
+    """Placements for one model family, keyed by ``config.model_type``.
+
+    Attributes:
+        model_type: the ``config.model_type`` this spec is for (``"*"`` for the generic fallback).
+        tensor_parallel: module glob -> ``"column"``/``"row"``; used only when
+            ``ElixirConfig.tensor_parallel_size > 1``.
+        expert_parallel: module glob -> ``"expert"``; used only when
+            ``ElixirConfig.expert_parallel_size > 1``.
+        blocks: the tensor-parallel blocks the globs above form.
+        expert_containers: class names of MoE expert containers (a ``ModuleDict`` of
+            ``expert_{i}`` called as ``experts(hidden_TH, one_hot_T1E, weights_T1)``).
+        num_experts_attr: container attribute holding the expert count.
+    """
+
+    model_type: str
+    tensor_parallel: dict[str, str] = field(default_factory=dict)
+    expert_parallel: dict[str, str] = field(default_factory=dict)
+    blocks: tuple[TensorParallelBlock, ...] = ()
+    expert_containers: tuple[str, ...] = ()
+    num_experts_attr: str = "num_experts"

@@ -1,0 +1,238 @@
+"""Measured hardware profile: memory sizes, copy bandwidths, collective bandwidths, optimizer speed.
+
+Nothing here is a constant: bandwidths and throughputs are timed on this machine the first time and
+cached in a JSON file (``$HF_ELIXIR_CACHE_DIR/hardware.json``, default ``~/.cache/hf_elixir``) keyed by
+``hostname|device name``. Memory sizes are re-read on every call (they change between runs).
+
+On a machine without CUDA the "device" is the CPU: the chunk manager then keeps a simulated device pool
+whose onloads/offloads are ``memcpy``s between two host buffers, so that is what the probe times.
+
+Source: DESIGN.md ("measured, never hard-coded"); Elixir (arXiv 2212.05339) section 5.2 measures the
+same quantities before searching.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["HardwareProfile", "probe_hardware", "default_cache_path"]
+
+logger = logging.getLogger(__name__)
+
+_MEASURED_FIELDS = (
+    "h2d_bytes_per_s", "d2h_bytes_per_s", "allgather_bytes_per_s", "reduce_scatter_bytes_per_s",
+    "host_adam_numel_per_s", "device_adam_numel_per_s", "device_flops_per_s",
+)
+
+
+@dataclass
+class HardwareProfile:
+    """What the cost model knows about the machine (per rank).
+
+    Attributes:
+        hostname / device_name: cache key parts; ``device_kind`` is ``"cuda"`` or ``"cpu"``.
+        device_total_bytes / device_free_bytes: device memory (on CPU: the configured budget, else host
+            memory).
+        host_total_bytes / host_available_bytes: host memory (psutil).
+        h2d_bytes_per_s / d2h_bytes_per_s: copy bandwidth host->device and back (pinned on CUDA; on CPU
+            memcpy between two buffers).
+        allgather_bytes_per_s / reduce_scatter_bytes_per_s: gathered (output) bytes per second of
+            ``all_gather_into_tensor`` / input bytes per second of ``reduce_scatter_tensor`` on the
+            current group; ``None`` when no process group was initialised.
+        host_adam_numel_per_s / device_adam_numel_per_s: fp32 elements per second of one AdamW step.
+        device_flops_per_s: fp32 (CPU) or bf16 (CUDA) matmul throughput, to turn FLOPs into seconds.
+        world_size: size of the group the collectives were timed on (1 without a group).
+        can_overlap: copies run concurrently with compute (CUDA streams); ``False`` on CPU.
+    """
+
+    hostname: str = ""
+    device_name: str = "cpu"
+    device_kind: str = "cpu"
+    device_total_bytes: int = 0
+    device_free_bytes: int = 0
+    host_total_bytes: int = 0
+    host_available_bytes: int = 0
+    h2d_bytes_per_s: float = 0.0
+    d2h_bytes_per_s: float = 0.0
+    allgather_bytes_per_s: float | None = None
+    reduce_scatter_bytes_per_s: float | None = None
+    host_adam_numel_per_s: float = 0.0
+    device_adam_numel_per_s: float = 0.0
+    device_flops_per_s: float = 0.0
+    world_size: int = 1
+    can_overlap: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "HardwareProfile":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def default_cache_path() -> Path:
+    """``$HF_ELIXIR_CACHE_DIR/hardware.json`` or ``~/.cache/hf_elixir/hardware.json``."""
+    root = os.environ.get("HF_ELIXIR_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hf_elixir")
+    return Path(root) / "hardware.json"
+
+
+def _best_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
+    fn()  # warm up
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return max(best, 1e-9)
+
+
+def _device_memory(device: torch.device, budget_bytes: int | None, host_total: int) -> tuple[str, int, int]:
+    """(device name, total bytes, free bytes): pynvml, then torch.cuda.mem_get_info, then the budget."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        name = torch.cuda.get_device_name(index)
+        try:
+            import pynvml
+
+            try:
+                pynvml.nvmlInit()
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                return name, int(info.total), int(info.free)
+            except pynvml.NVMLError as exc:
+                logger.info("pynvml failed (%s); using torch.cuda.mem_get_info", exc)
+        except ImportError:
+            logger.info("nvidia-ml-py is not installed; using torch.cuda.mem_get_info")
+        free, total = torch.cuda.mem_get_info(index)
+        return name, int(total), int(free)
+    total = budget_bytes if budget_bytes is not None else host_total
+    return "cpu", int(total), int(total)
+
+
+def _measure(device: torch.device, process_group: Any, size_bytes: int, repeats: int) -> dict[str, Any]:
+    is_cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if is_cuda else (lambda: None)
+    numel = max(1, size_bytes // 4)
+    host = torch.empty(numel, dtype=torch.float32, pin_memory=is_cuda)
+    dev = torch.empty(numel, dtype=torch.float32, device=device)
+    host.fill_(1.0)
+    out: dict[str, Any] = {}
+    out["h2d_bytes_per_s"] = numel * 4 / _best_time(lambda: dev.copy_(host, non_blocking=is_cuda), repeats, sync)
+    out["d2h_bytes_per_s"] = numel * 4 / _best_time(lambda: host.copy_(dev, non_blocking=is_cuda), repeats, sync)
+    del host, dev
+
+    def adam_rate(on: torch.device) -> float:
+        adam_numel = numel  # states (4x) exceed caches, as real chunks do
+        param = torch.nn.Parameter(torch.zeros(adam_numel, device=on))
+        param.grad = torch.ones_like(param)
+        try:
+            opt = torch.optim.AdamW([param], lr=1e-3, fused=True)
+            opt.step()
+        except (RuntimeError, TypeError):  # fused not supported here
+            opt = torch.optim.AdamW([param], lr=1e-3, foreach=True)
+        sync_on = torch.cuda.synchronize if on.type == "cuda" else (lambda: None)
+        return adam_numel / _best_time(opt.step, repeats, sync_on)
+
+    out["host_adam_numel_per_s"] = adam_rate(torch.device("cpu"))
+    out["device_adam_numel_per_s"] = adam_rate(device) if is_cuda else out["host_adam_numel_per_s"]
+    side = 2048 if is_cuda else 256
+    dtype = torch.bfloat16 if is_cuda else torch.float32
+    a = torch.randn(side, side, device=device, dtype=dtype)
+    b = torch.randn(side, side, device=device, dtype=dtype)
+    out["device_flops_per_s"] = 2 * side**3 / _best_time(lambda: torch.mm(a, b), repeats, sync)
+    out.update(_measure_collectives(device, process_group, numel, repeats, sync))
+    return out
+
+
+def _measure_collectives(device: torch.device, group: Any, numel: int, repeats: int,
+                         sync: Callable[[], None]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return {"allgather_bytes_per_s": None, "reduce_scatter_bytes_per_s": None, "world_size": 1}
+    world = dist.get_world_size(group)
+    coll_device = device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+    shard = max(1, numel // (4 * world))
+    inp = torch.ones(shard, device=coll_device)
+    full = torch.empty(shard * world, device=coll_device)
+    ag = _best_time(lambda: dist.all_gather_into_tensor(full, inp, group=group), repeats, sync)
+    rs = _best_time(lambda: dist.reduce_scatter_tensor(inp, full, group=group), repeats, sync)
+    # every rank must agree on the numbers (they feed identical plans): take the slowest
+    times = torch.tensor([ag, rs], dtype=torch.float64, device=coll_device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return {"allgather_bytes_per_s": full.numel() * 4 / float(times[0]),
+            "reduce_scatter_bytes_per_s": full.numel() * 4 / float(times[1]), "world_size": world}
+
+
+def probe_hardware(device: str | torch.device | None = None, *, budget_bytes: int | None = None,
+                   cache_path: str | Path | None = None, refresh: bool = False, process_group: Any = None,
+                   size_bytes: int = 32 * 2**20, repeats: int = 3) -> HardwareProfile:
+    """Measure (or load from the per-machine cache) this machine's :class:`HardwareProfile`.
+
+    Args:
+        device: compute device; default ``cuda`` when available, else ``cpu``.
+        budget_bytes: device bytes to report on CPU (the simulated pool's budget); ignored on CUDA.
+        cache_path: JSON cache file; default :func:`default_cache_path`. Entries are keyed by
+            ``hostname|device name|world size``.
+        refresh: re-measure even if cached.
+        process_group: group to time collectives on (default world group, if initialised).
+        size_bytes: buffer size for the copy/collective timings (bytes).
+        repeats: timed repetitions (the fastest counts).
+
+    Returns:
+        :class:`HardwareProfile` (memory fields always current; measured fields possibly cached).
+    """
+    import psutil
+
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    vm = psutil.virtual_memory()
+    name, total, free = _device_memory(dev, budget_bytes, int(vm.total))
+    if dev.type != "cuda" and budget_bytes is None:
+        free = int(vm.available)
+    import torch.distributed as dist
+
+    world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
+    key = f"{socket.gethostname()}|{name}|world{world}"
+    path = Path(cache_path) if cache_path is not None else default_cache_path()
+    cache: dict[str, Any] = {}
+    if path.exists():
+        try:
+            cache = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            logger.warning("ignoring unreadable hardware cache %s (%s)", path, exc)
+    measured = cache.get(key) if not refresh else None
+    need = measured is None or any(f not in measured for f in _MEASURED_FIELDS)
+    if world > 1:
+        # collectives must be timed by every rank or none (a rank that skips would hang the others)
+        flag_device = dev if dist.get_backend(process_group) != "gloo" else torch.device("cpu")
+        flag = torch.tensor([1.0 if need else 0.0], device=flag_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
+        need = bool(flag.item())
+    if need:
+        logger.info("measuring hardware (%s)", key)
+        measured = _measure(dev, process_group, size_bytes, repeats)
+        cache[key] = measured
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cache, indent=2))
+            tmp.replace(path)
+        except OSError as exc:
+            logger.warning("could not write hardware cache %s (%s)", path, exc)
+    values = dict(measured)
+    values.update(hostname=socket.gethostname(), device_name=name, device_kind=dev.type,
+                  device_total_bytes=total, device_free_bytes=free, host_total_bytes=int(vm.total),
+                  host_available_bytes=int(vm.available), can_overlap=dev.type == "cuda")
+    return HardwareProfile.from_dict(values)

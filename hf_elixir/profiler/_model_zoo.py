@@ -1,0 +1,113 @@
+"""Offline model configs and meta-device construction for planning (nothing big is materialised).
+
+Built-in sizes follow the published model cards' configurations (GPT-2: Radford et al. 2019; OPT: Zhang
+et al. 2022, table 1; Switch Transformers base-N: Fedus et al. 2021, T5-base backbone). Any other model
+is read from a local directory or a ``config.json`` file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["BUILTIN_MODELS", "load_config", "meta_model_and_batch"]
+
+_GPT2 = {"gpt2": (12, 768, 12), "gpt2-medium": (24, 1024, 16), "gpt2-large": (36, 1280, 20), "gpt2-xl": (48, 1600, 25)}
+_OPT = {  # layers, hidden, heads, ffn
+    "125m": (12, 768, 12, 3072), "350m": (24, 1024, 16, 4096), "1.3b": (24, 2048, 32, 8192),
+    "2.7b": (32, 2560, 32, 10240), "6.7b": (32, 4096, 32, 16384), "13b": (40, 5120, 40, 20480),
+    "30b": (48, 7168, 56, 28672), "66b": (64, 9216, 72, 36864),
+}
+_SWITCH = (8, 16, 32, 64, 128)
+
+
+def _builtin() -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for name, (layers, hidden, heads) in _GPT2.items():
+        cfg = {"model_type": "gpt2", "n_layer": layers, "n_embd": hidden, "n_head": heads}
+        out[name] = cfg
+        out[f"openai-community/{name}"] = cfg
+    for size, (layers, hidden, heads, ffn) in _OPT.items():
+        cfg = {"model_type": "opt", "num_hidden_layers": layers, "hidden_size": hidden,
+               "num_attention_heads": heads, "ffn_dim": ffn, "word_embed_proj_dim": hidden,
+               "max_position_embeddings": 2048, "vocab_size": 50272}
+        if size == "350m":
+            cfg.update(word_embed_proj_dim=512, do_layer_norm_before=False)
+        out[f"opt-{size}"] = cfg
+        out[f"facebook/opt-{size}"] = cfg
+    for experts in _SWITCH:
+        cfg = {"model_type": "switch_transformers", "num_experts": experts, "d_model": 768, "d_ff": 2048,
+               "num_heads": 12, "d_kv": 64, "num_layers": 12, "num_decoder_layers": 12,
+               "num_sparse_encoder_layers": 6, "num_sparse_decoder_layers": 6, "vocab_size": 32128,
+               "decoder_start_token_id": 0}
+        out[f"switch-base-{experts}"] = cfg
+        out[f"google/switch-base-{experts}"] = cfg
+    out["tiny-gpt2"] = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 128,
+                        "n_positions": 64}
+    return out
+
+
+BUILTIN_MODELS = _builtin()
+
+
+def load_config(model: str):
+    """A ``transformers`` config for a built-in name, a local model directory or a ``config.json`` file.
+
+    Raises:
+        ValueError: the name is neither built in nor a readable local path (lists the built-ins).
+    """
+    from transformers import AutoConfig
+
+    if model in BUILTIN_MODELS:
+        values = dict(BUILTIN_MODELS[model])
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+    path = Path(model)
+    if path.is_dir() and (path / "config.json").exists():
+        path = path / "config.json"
+    if path.is_file():
+        values = json.loads(path.read_text())
+        if "model_type" not in values:
+            raise ValueError(f"{str(path)!r} has no 'model_type'; it is not a transformers config.json")
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+    names = ", ".join(sorted(n for n in BUILTIN_MODELS if "/" not in n))
+    raise ValueError(f"--model {model!r} is not a built-in config ({names}) nor a local directory/config.json "
+                     "(no hub access is assumed: download the config.json and pass its path)")
+
+
+def _model_class(config):
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    if getattr(config, "is_encoder_decoder", False):
+        return AutoModelForSeq2SeqLM
+    return AutoModelForCausalLM
+
+
+def meta_model_and_batch(config, *, batch_size: int, seq_len: int, dtype: torch.dtype = torch.float32,
+                         device: str = "meta"):
+    """Build the model for ``config`` (on meta unless ``device="cpu"``) and a sample batch of token ids.
+
+    Returns:
+        ``(model, batch)`` where ``batch`` holds ``input_ids`` and ``labels`` of shape
+        ``(batch_size, seq_len)`` (int64), on the same device.
+    """
+    from accelerate import init_empty_weights
+
+    if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
+        config.decoder_start_token_id = 0
+    cls = _model_class(config)
+    if device == "meta":
+        with init_empty_weights():
+            model = cls.from_config(config, dtype=dtype)
+    else:
+        model = cls.from_config(config, dtype=dtype)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # init_empty_weights leaves lm_head untied in transformers 5.x
+    vocab = int(getattr(config, "vocab_size", 2) or 2)
+    if device == "meta":
+        ids = torch.empty(batch_size, seq_len, dtype=torch.long, device="meta")
+    else:
+        ids = torch.randint(0, vocab, (batch_size, seq_len))
+    return model, {"input_ids": ids, "labels": ids}

@@ -1,0 +1,259 @@
+"""Module and parameter hooks that drive the chunk manager during forward and backward.
+
+* pre-forward: unshard (and pin) the chunks holding the module's parameters; mark which trainable
+  parameters this forward uses; wrap the module's grad-requiring inputs in ``_PostBackward`` so that
+  the end of the module's backward is observed.
+* post-forward: unpin; register a multi-grad hook ("any") on the outputs that runs before the module's
+  backward (FSDP2 uses the same pair of hooks) and unshards again for backward.
+* post-accumulate-grad (per trainable parameter): copy the gradient into its chunk's gradient buffer and
+  let the manager reduce-scatter ready chunks in its fixed order.
+* end of backward (queued engine callback): flush remaining reduce-scatters, unpin.
+
+Activation checkpointing re-runs forwards inside backward: the pre-forward hook then unshards
+again and pins for the recomputation only, which is all the recomputed forward needs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from hf_elixir.chunk.chunk import Chunk, ParamSlot
+from hf_elixir.chunk.manager import ChunkManager
+from hf_elixir.chunk.states import TensorState
+
+__all__ = ["ModuleHandle", "install_hooks"]
+
+#: module types that read their children's parameters functionally (the children's forward never
+#: runs): their unit covers the whole subtree.
+_SUBTREE_UNITS: tuple[type, ...] = (torch.nn.MultiheadAttention,)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the module's inputs; its backward runs once the module's input gradients exist."""
+
+    @staticmethod
+    def forward(ctx, handle: "ModuleHandle", *tensors: torch.Tensor):
+        ctx.handle = handle
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.handle.post_backward()
+        return (None, *grads)
+
+
+def mark_used(manager: ChunkManager, slots: list[ParamSlot]) -> None:
+    """Record that this forward used these trainable parameters (their gradients will be awaited)."""
+    chunk_of = manager.chunk_of
+    for slot in slots:
+        chunk_of[slot.param].used_slots.add(slot.index_in_chunk)
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on the module's outputs; its backward runs before the module's backward.
+
+    An ``anchor`` input that requires grad makes every floating output require grad, so the hook runs
+    on every rank even where a data-dependent module produced a constant output (an MoE expert
+    container whose experts got no tokens returns ``zeros_like``): backward unshards stay in step.
+    """
+
+    @staticmethod
+    def forward(ctx, handle: "ModuleHandle", has_grad_inputs: bool, anchor: torch.Tensor, *tensors):
+        ctx.handle = handle
+        ctx.has_grad_inputs = has_grad_inputs
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.handle.pre_backward(None, has_grad_inputs=ctx.has_grad_inputs)
+        return (None, None, None, *grads)
+
+
+class ModuleHandle:
+    """The hooks of one module with managed parameters (its unit: direct params, or the subtree)."""
+
+    def __init__(self, name: str, module: torch.nn.Module, slots: list[ParamSlot], chunks: list[Chunk],
+                 manager: ChunkManager) -> None:
+        self.name = name
+        self.module = module
+        self.slots = slots
+        self.trainable_slots = [s for s in slots if s.trainable]
+        self.chunks = chunks
+        self.manager = manager
+        self.subtree = False  # the unit covers a subtree (its children mark their own use)
+        self.bwd_pins = 0  # released by _PostBackward (the module's input gradients exist)
+        self.grad_pins = 0  # released when the unit's trainable parameters have their gradients
+        self._call_has_grad_inputs = False
+        self._anchor: torch.Tensor | None = None
+        # [Note: embedding backward] nn.Embedding's backward reads only the indices and the output
+        # gradient, never the weight, so its chunk need not be unsharded for backward.
+        self.unshard_for_backward = not isinstance(module, torch.nn.Embedding)
+        self.removables: list = []
+
+    def _set_states(self, new: TensorState, only_from: tuple[TensorState, ...] | None = None) -> None:
+        for slot in self.slots:
+            if only_from is None or slot.state in only_from:
+                slot.set_state(new)
+
+    # -- forward -------------------------------------------------------------------------------
+    def pre_forward(self, module, args, kwargs):
+        self.manager.access(self.chunks)
+        self._set_states(TensorState.COMPUTE)
+        if not torch.is_grad_enabled():
+            return None
+        if not self.subtree:
+            mark_used(self.manager, self.trainable_slots)
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        self._call_has_grad_inputs = bool(positions)
+        self._anchor = flat[positions[0]] if positions else None
+        if not positions:
+            return None
+        wrapped = _PostBackward.apply(self, *[flat[i] for i in positions])
+        for i, tensor in zip(positions, wrapped):
+            flat[i] = tensor
+        return tree_unflatten(flat, spec)
+
+    def post_forward(self, module, args, kwargs, output):
+        self.manager.release(self.chunks)
+        self._set_states(TensorState.HOLD_AFTER_FWD if torch.is_grad_enabled() else TensorState.HOLD,
+                         only_from=(TensorState.COMPUTE,))
+        if not torch.is_grad_enabled():
+            return output
+        flat, spec = tree_flatten(output)
+        positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        needs_grad = [i for i in positions if flat[i].requires_grad]
+        if not needs_grad and self._anchor is None:
+            return output
+        if self._anchor is not None and positions:
+            anchor, self._anchor = self._anchor, None
+            wrapped = _PreBackward.apply(self, self._call_has_grad_inputs, anchor, *[flat[i] for i in positions])
+            for i, tensor in zip(positions, wrapped):
+                flat[i] = tensor
+            return tree_unflatten(flat, spec)
+        hook = functools.partial(self.pre_backward, has_grad_inputs=self._call_has_grad_inputs)
+        register_multi_grad_hook([flat[i] for i in needs_grad], hook, mode="any")
+        return output
+
+    # -- backward ------------------------------------------------------------------------------
+    def pre_backward(self, grad, has_grad_inputs: bool = True) -> None:
+        self.manager.start_backward()
+        if not self.unshard_for_backward:
+            return
+        self.manager.access(self.chunks)
+        if has_grad_inputs:
+            self.bwd_pins += 1
+        else:
+            self.grad_pins += 1
+        self._set_states(TensorState.COMPUTE, only_from=(TensorState.HOLD, TensorState.HOLD_AFTER_FWD,
+                                                         TensorState.HOLD_AFTER_BWD, TensorState.COMPUTE))
+
+    def post_backward(self) -> None:
+        if self.bwd_pins == 0:
+            return
+        self.bwd_pins -= 1
+        self.manager.release(self.chunks)
+        self._set_states(TensorState.HOLD_AFTER_BWD, only_from=(TensorState.COMPUTE,))
+
+    def on_param_grad(self) -> None:
+        """A trainable parameter of this unit got its gradient: release grad pins once all have."""
+        if not self.grad_pins:
+            return
+        flags = self.manager._backward_flags
+        if all(flags[s.flag_index] > 0 for s in self.trainable_slots):
+            while self.grad_pins:
+                self.grad_pins -= 1
+                self.manager.release(self.chunks)
+
+    def end_backward(self) -> None:
+        while self.bwd_pins:
+            self.post_backward()
+        while self.grad_pins:
+            self.grad_pins -= 1
+            self.manager.release(self.chunks)
+
+    def remove(self) -> None:
+        for handle in self.removables:
+            handle.remove()
+        self.removables.clear()
+
+
+def _is_routing_container(module: torch.nn.Module) -> bool:
+    """A ModuleDict/ModuleList with its own forward (an MoE expert container such as HF Switch's
+    ``SwitchTransformersExperts``) runs only some children, chosen by the data. Its whole subtree is
+    one unit, unsharded at the container's pre-forward, so every rank gathers the same chunks."""
+    if not isinstance(module, (torch.nn.ModuleDict, torch.nn.ModuleList)):
+        return False
+    return type(module).forward is not torch.nn.ModuleDict.forward and type(module).forward is not torch.nn.ModuleList.forward
+
+
+def _units(model: torch.nn.Module, managed: set[torch.nn.Parameter]):
+    """Yield ``(name, module, params)`` for every module that owns managed parameters in its unit."""
+    covered: set[int] = set()
+    for name, module in model.named_modules():
+        if id(module) in covered:
+            continue
+        subtree = isinstance(module, _SUBTREE_UNITS) or _is_routing_container(module)
+        if subtree:
+            params = [p for p in module.parameters() if p in managed]
+            covered.update(id(m) for m in module.modules())
+        else:
+            params = [p for p in module.parameters(recurse=False) if p in managed]
+        if params:
+            yield name, module, params, subtree
+
+
+def install_hooks(model: torch.nn.Module, manager: ChunkManager) -> list[ModuleHandle]:
+    """Register forward/backward hooks on every unit and grad hooks on every trainable parameter."""
+    handles: list[ModuleHandle] = []
+    managed = set(manager.slot_of)
+    for name, module, params, subtree in _units(model, managed):
+        seen: set[int] = set()
+        slots = []
+        for p in params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                slots.append(manager.slot_of[p])
+        chunks = sorted({manager.chunk_of[s.param].chunk_id for s in slots})
+        handle = ModuleHandle(name, module, slots, [manager.chunks[c] for c in chunks], manager)
+        handle.subtree = subtree
+        if subtree:  # children that actually run mark their own parameters as used
+            for child in module.modules():
+                own = [manager.slot_of[p] for p in child.parameters(recurse=False)
+                       if p in managed and p.requires_grad]
+                if own:
+                    def mark(mod, args, _own=own):
+                        if torch.is_grad_enabled():
+                            mark_used(manager, _own)
+                    handle.removables.append(child.register_forward_pre_hook(mark))
+        handle.removables.append(module.register_forward_pre_hook(handle.pre_forward, with_kwargs=True))
+        handle.removables.append(module.register_forward_hook(handle.post_forward, with_kwargs=True))
+        handles.append(handle)
+
+    def on_backward_end() -> None:
+        for handle in handles:
+            handle.end_backward()
+        for slot in manager.slot_of.values():
+            if slot.state is TensorState.COMPUTE:
+                slot.set_state(TensorState.HOLD_AFTER_BWD)
+
+    manager.on_backward_end = on_backward_end
+    owners: dict[torch.nn.Parameter, list[ModuleHandle]] = {}
+    for handle in handles:
+        for slot in handle.trainable_slots:
+            owners.setdefault(slot.param, []).append(handle)
+    for param, slot in manager.slot_of.items():
+        if slot.trainable:
+            def hook(p, _manager=manager, _owners=tuple(owners.get(param, ()))):
+                _manager.start_backward()
+                _manager.on_grad(p)
+                for owner in _owners:
+                    owner.on_param_grad()
+            hook_handle = param.register_post_accumulate_grad_hook(hook)
+            if handles:
+                handles[0].removables.append(hook_handle)
+    return handles

@@ -1,0 +1,74 @@
+"""Model ``state_dict`` / ``load_state_dict`` with full (consolidated) tensors under chunk sharding.
+
+``model.state_dict()`` returns full parameter tensors (collective under torch.distributed: every rank
+calls it, chunks are unsharded one module at a time, in module order, which is the same on every rank);
+``model.load_state_dict(sd)`` unshards each module's chunks before PyTorch copies into the parameters,
+marks them dirty, and writes every dirty chunk back into its shard at the end (then refreshes the fp32
+masters), so ``save_pretrained`` / ``from_pretrained``-style round trips work on a prepared model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_elixir.chunk.manager import ChunkManager
+
+__all__ = ["install_state_dict_hooks"]
+
+
+def _ensure_full(manager: ChunkManager, chunk) -> None:
+    if chunk.needs_fill():
+        chunk.pins += 1
+        try:
+            manager.make_room(chunk.fill_bytes_needed(), f"state_dict access of chunk {chunk.chunk_id}",
+                              exclude={chunk.chunk_id})
+        finally:
+            chunk.pins -= 1
+        chunk.unshard()
+
+
+def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_loaded) -> list:
+    """Register save/load hooks on every module that owns managed parameters.
+
+    Args:
+        on_loaded: called with no arguments after a ``load_state_dict`` wrote parameters (the
+            optimizer refreshes its fp32 masters there).
+    """
+    removables = []
+    to_host = manager.compute_device.type != "cpu"
+
+    for module in model.modules():
+        own = {name: p for name, p in module._parameters.items() if p is not None and p in manager.slot_of}
+        if not own:
+            continue
+
+        def save_hook(mod, destination, prefix, local_metadata, _own=own):
+            for name, param in _own.items():
+                key = prefix + name
+                if key not in destination:
+                    continue
+                _ensure_full(manager, manager.chunk_of[param])
+                value = param.detach().clone()
+                destination[key] = value.cpu() if to_host else value
+
+        def load_pre_hook(state_dict, prefix, local_metadata, strict, missing, unexpected, errors, _own=own):
+            for name, param in _own.items():
+                if prefix + name in state_dict:
+                    chunk = manager.chunk_of[param]
+                    _ensure_full(manager, chunk)
+                    chunk.dirty = True
+
+        removables.append(module._register_state_dict_hook(save_hook))
+        removables.append(module._register_load_state_dict_pre_hook(load_pre_hook))
+
+    def load_post_hook(mod, incompatible_keys):
+        for chunk in manager.chunks:
+            if chunk.dirty:
+                if chunk.unsharded:
+                    chunk.write_back()
+                else:
+                    chunk.dirty = False
+        on_loaded()
+
+    removables.append(model.register_load_state_dict_post_hook(load_post_hook))
+    return removables

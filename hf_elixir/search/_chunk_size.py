@@ -1,0 +1,144 @@
+"""Chunk-size search: little padding, few chunk moves.
+
+Candidates are a finite grid between the largest parameter (a parameter never spans two chunks) and
+an upper bound, so the search always terminates (the reference implementation's open-ended sweep can
+loop forever). Each candidate is packed with :func:`hf_elixir.chunk.pack_chunks` (the same packing the
+chunk manager uses); its padding waste is measured, and, for a given device cache size, the number of
+chunk onloads an optimal offline eviction (:func:`belady_schedule`) makes over the profiled access order.
+
+Source: Elixir (arXiv 2212.05339) section 5.1 (chunk-size search minimising waste); PatrickStar (arXiv
+2108.05818) section 4.1 (chunk packing in first-use order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from hf_elixir.chunk import ChunkLayout, pack_chunks, round_up
+from hf_elixir.search._belady import belady_schedule
+
+__all__ = ["ChunkSizeCandidate", "ChunkSizeResult", "chunk_groups", "search_chunk_size"]
+
+
+@dataclass(frozen=True)
+class ChunkSizeCandidate:
+    """One chunk size and how it scored.
+
+    Attributes:
+        chunk_size_numel: elements per chunk.
+        num_chunks: chunks the packing makes.
+        waste_fraction: padding elements / all chunk elements (0..1).
+        moves: chunk onloads Belady's MIN makes with the given cache (``None``: no cache size given;
+            ``-1``: the cache cannot hold one module's chunks).
+        moved_bytes: ``moves * chunk bytes`` (``None`` / ``-1`` likewise).
+    """
+
+    chunk_size_numel: int
+    num_chunks: int
+    waste_fraction: float
+    moves: int | None = None
+    moved_bytes: int | None = None
+
+
+@dataclass
+class ChunkSizeResult:
+    """The chosen chunk size, the candidates in ranking order (best first) and why."""
+
+    chunk_size_numel: int
+    candidates: list[ChunkSizeCandidate] = field(default_factory=list)
+    reason: str = ""
+
+
+def chunk_groups(layout: ChunkLayout, param_trace: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    """Map a parameter trace (per access, the parameter indices used) to a chunk trace (per access,
+    the chunk ids needed at once, in first-needed order; accesses with no parameters are dropped)."""
+    chunk_of: dict[int, int] = {}
+    for chunk_id, members in enumerate(layout.members):
+        for index in members:
+            chunk_of[index] = chunk_id
+    groups = []
+    for params in param_trace:
+        chunks: list[int] = []
+        for index in params:
+            chunk_id = chunk_of[index]
+            if chunk_id not in chunks:
+                chunks.append(chunk_id)
+        if chunks:
+            groups.append(tuple(chunks))
+    return groups
+
+
+def _candidate_sizes(lo: int, hi: int, num_candidates: int, step: int) -> list[int]:
+    hi = max(hi, lo)
+    sizes = {lo}
+    if num_candidates > 1 and hi > lo:
+        for i in range(num_candidates):
+            sizes.add(min(hi, max(lo, round_up(lo + (hi - lo) * i // (num_candidates - 1), step))))
+    sizes.add(hi)
+    return sorted(sizes)
+
+
+def search_chunk_size(numels: Sequence[int], param_trace: Sequence[Sequence[int]] = (), *,
+                      world_size: int = 1, element_bytes: int = 2, cache_bytes: int | None = None,
+                      upper_bound_numel: int | None = None, num_candidates: int = 32, step_numel: int = 1024,
+                      waste_tolerance: float = 0.05) -> ChunkSizeResult:
+    """Pick a chunk size for parameters of ``numels`` (in packing order).
+
+    Args:
+        numels: element counts in packing order (tied parameters once).
+        param_trace: per access, indices into ``numels`` (the profiled order); empty: waste only.
+        world_size: ranks a chunk is sharded over.
+        element_bytes: bytes per element of the compute dtype (to turn ``cache_bytes`` into blocks).
+        cache_bytes: device bytes for cache blocks; ``None``: rank by waste only.
+        upper_bound_numel: largest candidate; default ``min(total, max(4 * largest, 2**20))``.
+        num_candidates: grid points between the bounds (the grid is finite: the search terminates).
+        step_numel: candidates are rounded up to a multiple of this.
+        waste_tolerance: candidates whose waste is within this (absolute fraction) of the least waste
+            compete on moved bytes; the rest are ranked after them.
+
+    Returns:
+        :class:`ChunkSizeResult`.
+
+    Raises:
+        ValueError: no parameters, or ``num_candidates`` < 1.
+    """
+    numels = [int(n) for n in numels]
+    if not numels or sum(numels) == 0:
+        raise ValueError("search_chunk_size needs at least one non-empty parameter")
+    if num_candidates < 1:
+        raise ValueError(f"num_candidates={num_candidates} must be >= 1")
+    lo = max(numels)
+    total = sum(numels)
+    hi = upper_bound_numel if upper_bound_numel is not None else min(total, max(4 * lo, 2**20))
+    hi = max(lo, int(hi))
+    candidates: list[ChunkSizeCandidate] = []
+    for size in _candidate_sizes(lo, hi, num_candidates, max(1, step_numel)):
+        layout = pack_chunks(numels, size, world_size)
+        waste = layout.padding_numel / max(1, sum(layout.chunk_numels))
+        moves = moved = None
+        if cache_bytes is not None and param_trace:
+            groups = chunk_groups(layout, param_trace)
+            capacity = cache_bytes // max(1, round_up(size, world_size) * element_bytes)
+            if capacity >= max(len(g) for g in groups):
+                moves = sum(len(m) for m in belady_schedule(groups, capacity))
+                moved = moves * round_up(size, world_size) * element_bytes
+            else:
+                moves = moved = -1
+        candidates.append(ChunkSizeCandidate(size, layout.num_chunks, waste, moves, moved))
+    least_waste = min(c.waste_fraction for c in candidates)
+
+    def key(c: ChunkSizeCandidate) -> tuple:
+        within = c.waste_fraction <= least_waste + waste_tolerance
+        infeasible = c.moved_bytes is not None and c.moved_bytes < 0
+        moved = c.moved_bytes if c.moved_bytes is not None and c.moved_bytes >= 0 else 0
+        return (infeasible, not within, moved, c.waste_fraction, c.chunk_size_numel)
+
+    candidates.sort(key=key)
+    best = candidates[0]
+    reason = (f"chunk_size_numel={best.chunk_size_numel}: {best.num_chunks} chunks, "
+              f"{100 * best.waste_fraction:.1f}% padding (least of {len(candidates)} candidates in "
+              f"[{lo}, {hi}]: {100 * least_waste:.1f}%)")
+    if best.moves is not None and best.moves >= 0:
+        reason += f", {best.moves} Belady onloads with a {cache_bytes / 2**20:.0f} MiB cache"
+    return ChunkSizeResult(best.chunk_size_numel, candidates, reason)

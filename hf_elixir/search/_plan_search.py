@@ -1,0 +1,376 @@
+"""Configuration search: the fastest plan that fits the device budget.
+
+For each of the best few chunk sizes (:func:`search_chunk_size`), with and without activation
+checkpointing (only when activations live on the device), the search walks a finite grid over
+
+* how many chunks stay resident (chunks ranked by how often the step uses them, first-use order on ties),
+* how many cache blocks the other chunks borrow (from the fewest one module needs up to all of them),
+* prefetch depth (only where copies overlap compute),
+
+and fills the memory left over with device shards and device optimizer states greedily by predicted
+seconds saved per byte. Every point is priced by :func:`hf_elixir.search._cost.predict`; points whose
+device bytes exceed ``budget * (1 - safety_margin)`` are dropped. The fastest remaining point becomes
+the :class:`~hf_elixir.plan.ElixirPlan`, with its reasons; the runners-up are returned too.
+
+Source: Elixir (arXiv 2212.05339) section 5 (search over chunk size, offloading and caching with a
+profiled cost model); Gemini's placement policies for the resident/offloaded split.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from torch import nn
+
+from hf_elixir.plan import ElixirPlan
+from hf_elixir.profiler import HardwareProfile, StepProfile, profile_step
+from hf_elixir.search._chunk_size import search_chunk_size
+from hf_elixir.search._cost import (DTYPE_BYTES, ChunkedStep, Knobs, Prediction, build_chunked_step,
+                                    optim_bytes_per_numel, predict)
+
+__all__ = ["Candidate", "SearchResult", "auto_plan", "brute_force_grid", "search", "search_plan"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Candidate:
+    """One priced configuration."""
+
+    chunk_size_numel: int
+    activation_checkpointing: bool
+    knobs: Knobs
+    prediction: Prediction
+
+    def summary(self) -> str:
+        k = self.knobs
+        return (f"chunk={self.chunk_size_numel} resident={len(k.resident)} cache_blocks={k.cache_blocks} "
+                f"device_shards={len(k.device_shard)} device_optim={len(k.device_optim)} "
+                f"prefetch={k.prefetch_depth} ckpt={self.activation_checkpointing}: "
+                f"{self.prediction.step_s:.4g} s, {self.prediction.device_peak_bytes / 2**30:.3g} GiB")
+
+
+@dataclass
+class SearchResult:
+    """The chosen plan, the runners-up (best first, distinct knob settings) and the search's own cost."""
+
+    plan: ElixirPlan
+    best: Candidate
+    alternatives: list[Candidate] = field(default_factory=list)
+    evaluated: int = 0
+    search_s: float = 0.0
+    profile: StepProfile | None = None
+
+
+def _spread(lo: int, hi: int, count: int) -> list[int]:
+    """At most ``count`` integers from ``lo`` to ``hi`` inclusive, denser near ``lo`` (log spacing)."""
+    if hi <= lo:
+        return [lo]
+    if hi - lo + 1 <= count:
+        return list(range(lo, hi + 1))
+    values = {lo, hi}
+    for i in range(1, count - 1):
+        values.add(lo + int(round((hi - lo + 1) ** (i / (count - 1)))) - 1)
+    return sorted(v for v in values if lo <= v <= hi)
+
+
+def _fill(step: ChunkedStep, knobs: Knobs, spare: int, hardware: HardwareProfile, order: list[int],
+          misses_per_chunk: dict[int, int]) -> Knobs:
+    """Spend ``spare`` device bytes on device shards / device optimizer states, best seconds-per-byte first."""
+    ws = step.world_size
+    b = DTYPE_BYTES[step.precision]
+    h2d = hardware.h2d_bytes_per_s or 1e10
+    d2h = hardware.d2h_bytes_per_s or 1e10
+    host_rate = hardware.host_adam_numel_per_s or 1e9
+    dev_rate = hardware.device_adam_numel_per_s or 1e9
+    k_opt = optim_bytes_per_numel(step.precision)
+    items: list[tuple[float, int, str, int]] = []  # (-gain per byte, chunk, kind, bytes)
+    for c in order:
+        shard = step.chunk_numels[c] // ws
+        held = c in knobs.resident
+        if step.trained_numels[c]:
+            gain = shard / host_rate - shard / dev_rate + shard * 4 / d2h + shard * b / h2d
+            cost = shard * k_opt
+            if not held and ws > 1:  # needs the shard on the device too
+                gain += misses_per_chunk.get(c, 0) * shard * b / h2d
+                cost += shard * b
+                kind = "shard+optim"
+            elif not held:
+                continue
+            else:
+                kind = "optim"
+            if gain > 0:
+                items.append((-gain / cost, c, kind, cost))
+        if not held and ws > 1 and misses_per_chunk.get(c, 0):
+            cost = shard * b
+            gain = misses_per_chunk[c] * shard * b / h2d
+            items.append((-gain / cost, c, "shard", cost))
+    items.sort()
+    shard_set, optim_set = set(knobs.device_shard), set(knobs.device_optim)
+    for _, c, kind, cost in items:
+        if kind == "shard" and c in shard_set:
+            continue
+        if kind == "shard+optim" and c in shard_set:
+            cost -= step.chunk_numels[c] // ws * b
+        if "optim" in kind and c in optim_set:
+            continue
+        if cost <= spare:
+            spare -= cost
+            if "shard" in kind:
+                shard_set.add(c)
+            if "optim" in kind:
+                optim_set.add(c)
+    return Knobs(resident=knobs.resident, device_shard=frozenset(shard_set), device_optim=frozenset(optim_set),
+                 cache_blocks=knobs.cache_blocks, prefetch_depth=knobs.prefetch_depth)
+
+
+def _search_one(step: ChunkedStep, hardware: HardwareProfile, limit_bytes: int, activations_on_device: bool,
+                grid_points: int, prefetch_depths: Iterable[int]) -> tuple[list[Candidate], int]:
+    order = sorted(range(step.num_chunks), key=lambda c: (-step.accesses[c], c))
+    b = DTYPE_BYTES[step.precision]
+    found: list[Candidate] = []
+    evaluated = 0
+    grad_bytes = step.grad_peak_chunks * step.chunk_size_numel * 4
+    act = step.activation_bytes if activations_on_device else 0
+    for num_resident in _spread(0, step.num_chunks, grid_points):
+        resident = frozenset(order[:num_resident])
+        resident_bytes = sum(step.chunk_numels[c] for c in resident) * b
+        if resident_bytes + grad_bytes + act > limit_bytes:
+            break
+        need = step.min_cache_blocks(resident)
+        rest = step.num_chunks - num_resident
+        for depth in prefetch_depths:
+            if need == 0 and depth:
+                continue
+            lo = need + depth if need else 0
+            for blocks in _spread(lo, max(lo, rest + depth if need else 0), grid_points):
+                base = Knobs(resident=resident, cache_blocks=blocks, prefetch_depth=depth)
+                fixed = resident_bytes + blocks * step.chunk_size_numel * b + grad_bytes + act
+                if fixed > limit_bytes:
+                    break
+                misses = step.misses(resident, blocks - depth)
+                if misses is None:
+                    continue
+                per_chunk: dict[int, int] = {}
+                for loaded in misses:
+                    for c in loaded:
+                        per_chunk[c] = per_chunk.get(c, 0) + 1
+                knobs = _fill(step, base, limit_bytes - fixed, hardware, order, per_chunk)
+                pred = predict(step, knobs, hardware, activations_on_device=activations_on_device)
+                evaluated += 1
+                if pred is not None and pred.device_peak_bytes <= limit_bytes:
+                    found.append(Candidate(step.chunk_size_numel, step.activation_checkpointing, knobs, pred))
+    return found, evaluated
+
+
+def _resolve_profile(model_or_profile: Any, sample_batch: Any) -> StepProfile:
+    if isinstance(model_or_profile, StepProfile):
+        return model_or_profile
+    if isinstance(model_or_profile, nn.Module):
+        if sample_batch is None:
+            raise ValueError("search_plan(model, ...) needs sample_batch= to profile a step (or pass a StepProfile)")
+        param = next(model_or_profile.parameters(), None)
+        device = param.device.type if param is not None else "cpu"
+        return profile_step(model_or_profile, sample_batch, device=device)
+    raise TypeError(f"search_plan expects an nn.Module or a StepProfile, got {type(model_or_profile).__name__}")
+
+
+def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int = 1, precision: str = "fp32",
+           device_memory_budget_bytes: int | None = None, sample_batch: Any = None, safety_margin: float = 0.05,
+           activations_on_device: bool | None = None, activation_checkpointing: bool | None = None,
+           chunk_size_numel: int | None = None, num_chunk_sizes: int = 3, grid_points: int = 12,
+           prefetch_depths: Iterable[int] | None = None, host_memory_bytes: int | None = None,
+           max_alternatives: int = 4) -> SearchResult:
+    """Profile (if given a model) and search; see :func:`search_plan` for the arguments.
+
+    Returns:
+        :class:`SearchResult` with the plan and the runners-up.
+    """
+    started = time.perf_counter()
+    if precision not in DTYPE_BYTES:
+        raise ValueError(f"precision={precision!r} must be one of {tuple(DTYPE_BYTES)}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be an int >= 1")
+    if not 0.0 <= safety_margin < 1.0:
+        raise ValueError(f"safety_margin={safety_margin} must be in [0, 1), e.g. 0.05")
+    profile = _resolve_profile(model_or_profile, sample_batch)
+    if activations_on_device is None:
+        activations_on_device = hardware.device_kind == "cuda"
+    budget = device_memory_budget_bytes
+    if budget is None:
+        budget = hardware.device_free_bytes or hardware.device_total_bytes
+    if budget is None or budget <= 0:
+        raise ValueError(f"device_memory_budget_bytes={budget!r} must be > 0")
+    limit = int(budget * (1.0 - safety_margin))
+    b = DTYPE_BYTES[precision]
+    if chunk_size_numel is not None:
+        sizes = [chunk_size_numel]
+        size_reason = f"chunk_size_numel={chunk_size_numel} given by the caller"
+    else:
+        cache_guess = max(1, limit // 4)
+        chunk_result = search_chunk_size(profile.param_numels, [e.params for e in profile.events],
+                                         world_size=world_size, element_bytes=b, cache_bytes=cache_guess)
+        sizes = [c.chunk_size_numel for c in chunk_result.candidates[:max(1, num_chunk_sizes)]]
+        size_reason = chunk_result.reason
+    if prefetch_depths is None:
+        prefetch_depths = (0, 1, 2) if hardware.can_overlap else (0,)
+    ckpt_options = [False, True] if activation_checkpointing is None and activations_on_device else \
+        [bool(activation_checkpointing)]
+    found: list[Candidate] = []
+    evaluated = 0
+    for ckpt in ckpt_options:
+        if ckpt and not profile.block_activation_bytes:
+            continue
+        for size in sizes:
+            step = build_chunked_step(profile, size, world_size=world_size, precision=precision,
+                                      hardware=hardware, activation_checkpointing=ckpt)
+            more, count = _search_one(step, hardware, limit, activations_on_device, grid_points,
+                                      tuple(prefetch_depths))
+            found += more
+            evaluated += count
+    if not found:
+        need = _minimum_bytes(profile, world_size, precision, sizes[0], activations_on_device)
+        raise ValueError(
+            f"no configuration fits device_memory_budget_bytes={budget} (with safety_margin={safety_margin}: "
+            f"{limit} bytes); the smallest needs about {need} bytes per rank. Use more ranks (world_size), "
+            "a smaller batch or sequence, activation checkpointing, or a larger budget"
+        )
+    found.sort(key=lambda c: (c.prediction.step_s, c.prediction.device_peak_bytes))
+    best = found[0]
+    alternatives: list[Candidate] = []
+    seen = {best.summary()}
+    for cand in found[1:]:
+        if len(alternatives) >= max_alternatives:
+            break
+        if cand.summary() not in seen:
+            seen.add(cand.summary())
+            alternatives.append(cand)
+    plan = _to_plan(profile, best, world_size, precision, budget, limit, size_reason, evaluated,
+                    host_memory_bytes, activations_on_device)
+    return SearchResult(plan=plan, best=best, alternatives=alternatives, evaluated=evaluated,
+                        search_s=time.perf_counter() - started, profile=profile)
+
+
+def _minimum_bytes(profile: StepProfile, world_size: int, precision: str, size: int, act_on_device: bool) -> int:
+    from hf_elixir.profiler import HardwareProfile as _HW
+
+    step = build_chunked_step(profile, size, world_size=world_size, precision=precision, hardware=_HW())
+    blocks = step.min_cache_blocks(frozenset())
+    return (blocks * size * DTYPE_BYTES[precision] + step.grad_peak_chunks * size * 4
+            + (step.activation_bytes if act_on_device else 0))
+
+
+def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: str, budget: int, limit: int,
+             size_reason: str, evaluated: int, host_memory_bytes: int | None, act_on_device: bool) -> ElixirPlan:
+    k, p = best.knobs, best.prediction
+    gib = 2**30
+    reasons = [
+        size_reason,
+        f"searched {evaluated} configurations; fastest that fits {limit / gib:.3g} GiB "
+        f"(budget {budget / gib:.3g} GiB minus safety margin) is {best.summary()}",
+        "device bytes: " + ", ".join(f"{name} {v / gib:.3g} GiB" for name, v in p.breakdown.items() if v),
+        f"predicted step {p.step_s:.4g} s = forward+backward {p.forward_backward_s:.4g} s "
+        f"(compute {p.compute_s:.4g} s, {p.onloads} chunk onloads) + optimizer {p.optimizer_s:.4g} s",
+    ]
+    if not act_on_device:
+        reasons.append("activations are not counted in the device budget (CPU simulated pool holds model data only)")
+    if best.activation_checkpointing:
+        reasons.append("activation checkpointing on: without it the activations do not leave room for a faster plan")
+    if k.prefetch_depth == 0:
+        reasons.append("prefetch depth 0: copies do not overlap compute here, or blocks are better spent on caching")
+    if host_memory_bytes is not None:
+        verdict = "fits" if p.host_bytes <= host_memory_bytes else "DOES NOT FIT"
+        reasons.append(f"host bytes {p.host_bytes / gib:.3g} GiB {verdict} in host memory {host_memory_bytes / gib:.3g} GiB")
+    return ElixirPlan(
+        model_type=profile.model_type, num_params=profile.num_params, world_size=world_size, precision=precision,
+        chunk_size_numel=best.chunk_size_numel, param_order=list(profile.param_names),
+        resident_chunks=sorted(k.resident), device_shard_chunks=sorted(k.device_shard | k.resident),
+        device_optim_chunks=sorted(k.device_optim), prefetch_depth=k.prefetch_depth,
+        activation_checkpointing=best.activation_checkpointing,
+        predicted_step_s=float(p.step_s), predicted_peak_device_bytes=int(p.device_peak_bytes), reasons=reasons,
+    )
+
+
+def search_plan(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int = 1, precision: str = "fp32",
+                device_memory_budget_bytes: int | None = None, **kwargs: Any) -> ElixirPlan:
+    """Profile (if needed) and return the fastest :class:`~hf_elixir.plan.ElixirPlan` that fits.
+
+    Args:
+        model_or_profile: an ``nn.Module`` (then ``sample_batch=`` is required and one step is profiled)
+            or a :class:`~hf_elixir.profiler.StepProfile`.
+        hardware: :func:`~hf_elixir.profiler.probe_hardware` output.
+        world_size: data-parallel ranks (chunks are sharded over them; all numbers are per rank).
+        precision: ``"fp32" | "bf16" | "fp16"``.
+        device_memory_budget_bytes: device bytes per rank; default: the hardware's free device memory.
+            On CPU (activations not on the device) it bounds model data only, like the simulated pool.
+        **kwargs: ``sample_batch``, ``safety_margin`` (fraction kept free, default 0.05),
+            ``activations_on_device`` (default: CUDA), ``activation_checkpointing`` (``None``: search it),
+            ``chunk_size_numel`` (``None``: search it), ``num_chunk_sizes``, ``grid_points``,
+            ``prefetch_depths``, ``host_memory_bytes`` (checked, reported in reasons).
+
+    Returns:
+        the plan; ``plan.reasons`` says why.
+
+    Raises:
+        ValueError: bad arguments, or nothing fits (naming the smallest requirement and fixes).
+    """
+    return search(model_or_profile, hardware, world_size=world_size, precision=precision,
+                  device_memory_budget_bytes=device_memory_budget_bytes, **kwargs).plan
+
+
+def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: HardwareProfile | None = None) -> ElixirPlan:
+    """What ``hf_elixir.prepare`` runs for ``ElixirConfig(search="auto")``: profile one step of ``model`` on
+    ``sample_batch``, probe (or reuse) the hardware and search with the config's precision, budget,
+    world size (the config's process group, else the default group, else 1) and chunk size.
+
+    The model must still be a plain module (before ``prepare`` installs its hooks); gradients the profiled
+    step creates are cleared.
+    """
+    import torch.distributed as dist
+
+    from hf_elixir.profiler import probe_hardware
+
+    world_size = 1
+    if dist.is_available() and dist.is_initialized():
+        world_size = dist.get_world_size(getattr(config, "process_group", None))
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else None
+    if hardware is None:
+        hardware = probe_hardware(device if device is not None and device.type == "cuda" else None,
+                                  budget_bytes=config.device_memory_budget_bytes,
+                                  process_group=getattr(config, "process_group", None))
+    profile = profile_step(model, sample_batch, device=device.type if device is not None else "cpu")
+    budget = config.device_memory_budget_bytes
+    if budget is None and hardware.device_kind != "cuda":
+        budget = hardware.device_total_bytes
+    return search_plan(profile, hardware, world_size=world_size, precision=config.precision,
+                       device_memory_budget_bytes=budget, chunk_size_numel=config.chunk_size_numel)
+
+
+def brute_force_grid(profile: StepProfile, hardware: HardwareProfile, *, world_size: int = 1, precision: str = "fp32",
+                     device_memory_budget_bytes: int, chunk_size_numel: int, safety_margin: float = 0.05,
+                     activations_on_device: bool = False, prefetch_depths: Iterable[int] = (0,)) -> list[Candidate]:
+    """Every (resident prefix, cache blocks, device-optimizer prefix, prefetch) point that fits, priced
+    (for small models; used to check the search against exhaustive enumeration). Sorted fastest first."""
+    step = build_chunked_step(profile, chunk_size_numel, world_size=world_size, precision=precision, hardware=hardware)
+    limit = int(device_memory_budget_bytes * (1.0 - safety_margin))
+    order = sorted(range(step.num_chunks), key=lambda c: (-step.accesses[c], c))
+    out: list[Candidate] = []
+    for nr in range(step.num_chunks + 1):
+        resident = frozenset(order[:nr])
+        need = step.min_cache_blocks(resident)
+        for depth in prefetch_depths:
+            for blocks in range(need + depth if need else 0, (step.num_chunks - nr + depth + 1) if need else 1):
+                held = sorted(resident) if world_size == 1 else order
+                for no in range(len(held) + 1):
+                    shard = frozenset(order[:max(nr, no)]) if world_size > 1 else frozenset()
+                    knobs = Knobs(resident=resident, device_shard=shard, device_optim=frozenset(held[:no]),
+                                  cache_blocks=blocks, prefetch_depth=depth)
+                    pred = predict(step, knobs, hardware, activations_on_device=activations_on_device)
+                    if pred is not None and pred.device_peak_bytes <= limit:
+                        out.append(Candidate(chunk_size_numel, False, knobs, pred))
+    out.sort(key=lambda c: c.prediction.step_s)
+    return out

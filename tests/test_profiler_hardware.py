@@ -1,0 +1,49 @@
+"""Hardware probe: measured, cached per machine, collectives timed on the current group (gloo)."""
+
+import json
+
+from hf_elixir.profiler import HardwareProfile, probe_hardware
+from hf_elixir.profiler import _hardware
+
+
+def test_hardware_probe_measures_and_caches_per_machine(tmp_path, monkeypatch):
+    cache = tmp_path / "hw.json"
+    hw = probe_hardware("cpu", budget_bytes=123456, cache_path=cache, size_bytes=2**20, repeats=1)
+    assert isinstance(hw, HardwareProfile)
+    assert hw.device_total_bytes == 123456 and hw.host_total_bytes > 0 and not hw.can_overlap
+    for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "host_adam_numel_per_s", "device_flops_per_s"):
+        assert getattr(hw, name) > 0
+    assert hw.allgather_bytes_per_s is None  # no process group here
+    stored = json.loads(cache.read_text())
+    assert len(stored) == 1 and next(iter(stored)).startswith(hw.hostname)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("should have used the cache")
+
+    monkeypatch.setattr(_hardware, "_measure", boom)
+    again = probe_hardware("cpu", budget_bytes=999, cache_path=cache)
+    assert again.h2d_bytes_per_s == hw.h2d_bytes_per_s and again.device_total_bytes == 999
+
+
+def _probe_worker(rank, world, port, cache_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        # rank 0 finds a (partial) cache entry, rank 1 none: both must still time the collectives together
+        hw = probe_hardware("cpu", cache_path=f"{cache_dir}/hw{rank}.json", size_bytes=2**18, repeats=1)
+        assert hw.world_size == world and hw.allgather_bytes_per_s > 0 and hw.reduce_scatter_bytes_per_s > 0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hardware_probe_times_collectives_on_the_current_group(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    (tmp_path / "hw0.json").write_text(json.dumps({f"{socket.gethostname()}|cpu|world2": {"h2d_bytes_per_s": 1.0}}))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_probe_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)

@@ -1,0 +1,133 @@
+"""Configuration search: speed on mid-size configs, a sensible OPT-30B plan, plan round trips, and the
+search against an exhaustive grid of the same knobs (predicted times)."""
+
+import time
+
+import pytest
+import torch
+
+from hf_elixir.chunk import pack_chunks
+from hf_elixir.plan import ElixirPlan
+from hf_elixir.profiler import HardwareProfile, profile_step
+from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
+from hf_elixir.search import brute_force_grid, build_chunked_step, predict, search, search_plan
+
+GIB = 2**30
+
+
+def _gpu(memory_bytes: int, host_bytes: int) -> HardwareProfile:
+    """A test machine description (rates of a PCIe-4 A100 node as ballpark test inputs)."""
+    return HardwareProfile(device_kind="cuda", device_name="test-gpu", device_total_bytes=memory_bytes,
+                           device_free_bytes=memory_bytes, host_total_bytes=host_bytes, host_available_bytes=host_bytes,
+                           h2d_bytes_per_s=20e9, d2h_bytes_per_s=20e9, host_adam_numel_per_s=1e9,
+                           device_adam_numel_per_s=4e10, device_flops_per_s=150e12, can_overlap=True)
+
+
+def _cpu(budget: int) -> HardwareProfile:
+    return HardwareProfile(device_kind="cpu", device_total_bytes=budget, device_free_bytes=budget,
+                           host_total_bytes=64 * GIB, h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9,
+                           host_adam_numel_per_s=5e8, device_adam_numel_per_s=5e8, device_flops_per_s=5e10)
+
+
+def _meta_profile(name, batch_size, seq_len):
+    model, batch = meta_model_and_batch(load_config(name), batch_size=batch_size, seq_len=seq_len, dtype=torch.bfloat16)
+    return profile_step(model, batch, device="meta")
+
+
+@pytest.mark.parametrize("name", ["gpt2-medium", "opt-1.3b"])
+def test_search_on_mid_size_configs_is_fast(name):
+    profile = _meta_profile(name, 4, 512)
+    start = time.perf_counter()
+    result = search(profile, _gpu(16 * GIB, 128 * GIB), precision="bf16")
+    assert time.perf_counter() - start < 10
+    assert result.plan.predicted_peak_device_bytes <= 16 * GIB * 0.95
+    assert result.evaluated > 10 and result.plan.reasons
+
+
+def test_opt_30b_on_one_40gib_gpu_is_sensible():
+    profile = _meta_profile("facebook/opt-30b", 1, 2048)
+    result = search(profile, _gpu(40 * GIB, 512 * GIB), precision="bf16", host_memory_bytes=512 * GIB)
+    plan, pred = result.plan, result.best.prediction
+    assert plan.predicted_peak_device_bytes <= 40 * GIB * 0.95
+    layout = pack_chunks(profile.param_numels, plan.chunk_size_numel, 1)
+    # the fp32 optimizer state of 30B parameters (~335 GiB) cannot be on the device: nearly all is on the host
+    optim_on_device = sum(layout.chunk_numels[c] for c in plan.device_optim_chunks)
+    assert optim_on_device * 16 <= 40 * GIB
+    assert len(plan.resident_chunks) < layout.num_chunks and pred.onloads > 0
+    assert pred.host_bytes <= 512 * GIB
+    assert plan.num_params == profile.num_params > 29e9
+
+
+def test_plan_round_trips_through_yaml_and_json(tmp_path):
+    profile = _meta_profile("gpt2", 1, 64)
+    plan = search_plan(profile, _gpu(2 * GIB, 16 * GIB), precision="bf16")
+    for suffix in (".yaml", ".json"):
+        path = tmp_path / f"plan{suffix}"
+        plan.save(path)
+        loaded = ElixirPlan.load(path)
+        assert loaded == plan
+    layout = pack_chunks(profile.param_numels, plan.chunk_size_numel, plan.world_size)
+    for ids in (plan.resident_chunks, plan.device_shard_chunks, plan.device_optim_chunks):
+        assert all(0 <= c < layout.num_chunks for c in ids)
+    assert plan.param_order == profile.param_names
+
+
+def test_world_size_shards_memory_and_tight_budgets_offload():
+    profile = _meta_profile("gpt2", 2, 128)
+    roomy = search(profile, _gpu(8 * GIB, 64 * GIB), precision="bf16").best
+    tight = search(profile, _gpu(int(1.2 * GIB), 64 * GIB), precision="bf16").best
+    assert tight.prediction.device_peak_bytes <= 1.2 * GIB * 0.95
+    assert tight.prediction.step_s >= roomy.prediction.step_s
+    two = search(profile, _gpu(int(1.2 * GIB), 64 * GIB), precision="bf16", world_size=2).best
+    assert two.prediction.allgather_bytes > 0 or len(two.knobs.resident) == 0 or two.prediction.reduce_scatter_bytes > 0
+    with pytest.raises(ValueError, match="no configuration fits"):
+        search(profile, _gpu(10 * 2**20, 64 * GIB), precision="bf16")
+
+
+def _tiny_real_profile():
+    model, batch = meta_model_and_batch(load_config("tiny-gpt2"), batch_size=2, seq_len=16, device="cpu")
+    return profile_step(model, batch, device="cpu")
+
+
+@pytest.mark.parametrize("fraction", [0.35, 0.6, 1.0])
+def test_search_is_within_10_percent_of_brute_force_grid(fraction):
+    profile = _tiny_real_profile()
+    size = 8192
+    full = build_chunked_step(profile, size, world_size=1, precision="fp32", hardware=_cpu(1))
+    budget = int(sum(full.chunk_numels) * 4 * 5 * fraction)
+    hw = _cpu(budget)
+    result = search(profile, hw, precision="fp32", device_memory_budget_bytes=budget, chunk_size_numel=size)
+    grid = brute_force_grid(profile, hw, precision="fp32", device_memory_budget_bytes=budget, chunk_size_numel=size)
+    assert grid, "the grid must contain a fitting point"
+    print(f"budget {budget}: searched {result.best.prediction.step_s:.4g} s, grid best {grid[0].prediction.step_s:.4g} s")
+    assert result.best.prediction.step_s <= 1.10 * grid[0].prediction.step_s
+
+
+def test_prediction_moves_fewer_bytes_with_more_memory():
+    profile = _tiny_real_profile()
+    step = build_chunked_step(profile, 8192, world_size=1, precision="fp32", hardware=_cpu(1))
+    from hf_elixir.search import Knobs
+
+    need = step.min_cache_blocks(frozenset())
+    small = predict(step, Knobs(cache_blocks=need), _cpu(1))
+    large = predict(step, Knobs(cache_blocks=step.num_chunks), _cpu(1))
+    resident = predict(step, Knobs(resident=frozenset(range(step.num_chunks)),
+                                   device_optim=frozenset(range(step.num_chunks))), _cpu(1))
+    assert small.onloads >= large.onloads == step.num_chunks
+    assert resident.onloads == 0 and resident.h2d_bytes == 0 and resident.d2h_bytes == 0
+    assert small.step_s >= large.step_s >= resident.step_s
+    assert small.device_model_bytes < large.device_model_bytes
+
+
+def test_auto_plan_uses_the_config_budget_and_precision():
+    from hf_elixir import ElixirConfig
+    from hf_elixir.search import auto_plan
+
+    model, batch = meta_model_and_batch(load_config("tiny-gpt2"), batch_size=2, seq_len=16, device="cpu")
+    numel = sum(p.numel() for p in model.parameters())
+    budget = numel * 4 * 2
+    plan = auto_plan(model, batch, ElixirConfig(device_memory_budget_bytes=budget, search="auto"),
+                     hardware=_cpu(budget))
+    assert plan.precision == "fp32" and plan.world_size == 1
+    assert plan.predicted_peak_device_bytes <= budget
+    assert all(p.grad is None for p in model.parameters()) and all(p.device.type == "cpu" for p in model.parameters())

@@ -1,0 +1,148 @@
+"""ElixirCallback with transformers.Trainer: 1 process and 2 processes (torchrun, gloo on CPU).
+
+The launched script runs, in one process group: Trainer + ElixirCallback (gradient accumulation 2,
+max_grad_norm 0.5, linear schedule with warm-up, a checkpoint at step 3), the same Trainer without
+the callback (DDP under 2 processes), ``save_model`` -> ``from_pretrained`` logits, and a resumed
+run from the step-3 checkpoint. Results go to JSON for the assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent(
+    r'''
+    import json, os, sys
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from hf_elixir.integrations import ElixirCallback
+
+    out = sys.argv[1]
+    rank = int(os.environ.get("RANK", "0"))
+    cfg = GPT2Config(vocab_size=128, n_positions=32, n_layer=2, n_embd=32, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 128, (48, 16), generator=g)
+    data = [{"input_ids": t, "labels": t} for t in tokens]
+
+    def new_model():
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(cfg)
+
+    def args(name, **kw):
+        return TrainingArguments(os.path.join(out, name), max_steps=6, per_device_train_batch_size=2,
+            gradient_accumulation_steps=2, learning_rate=1e-2, warmup_steps=2, max_grad_norm=0.5,
+            weight_decay=0.01, logging_steps=1, save_strategy="steps", save_steps=3, report_to=[],
+            use_cpu=True, seed=0, data_seed=0, disable_tqdm=True, **kw)
+
+    def losses(trainer):
+        return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+    cb = ElixirCallback()
+    el = Trainer(new_model(), args("elixir"), train_dataset=data, callbacks=[cb])
+    el.train()
+    el_model = el.model
+    logs = [h for h in el.state.log_history if "loss" in h]
+    elixir_keys = sorted(k for k in logs[-1] if k.startswith("elixir/"))
+    wrapped = type(el.model_wrapped).__name__
+    probe = tokens[:2]
+    el_model.eval()
+    with torch.no_grad():
+        logits = el_model(input_ids=probe).logits
+    el.save_model(os.path.join(out, "final"))
+
+    ref = Trainer(new_model(), args("ref"), train_dataset=data)
+    ref.train()
+    ref_sd = ref.accelerator.get_state_dict(ref.model)
+    el_sd = el.accelerator.get_state_dict(el_model)
+    max_param_diff = max(float((el_sd[k] - ref_sd[k]).abs().max()) for k in ref_sd)
+
+    resumed = Trainer(new_model(), args("elixir"), train_dataset=data, callbacks=[ElixirCallback()])
+    resumed.train(resume_from_checkpoint=os.path.join(out, "elixir", "checkpoint-3"))
+
+    if rank == 0:
+        reloaded = GPT2LMHeadModel.from_pretrained(os.path.join(out, "final")).eval()
+        with torch.no_grad():
+            reload_diff = float((reloaded(input_ids=probe).logits - logits).abs().max())
+        json.dump(dict(
+            world=int(os.environ.get("WORLD_SIZE", "1")), el=losses(el), ref=losses(ref), resumed=losses(resumed),
+            el_grad_norms=[h.get("grad_norm") for h in logs], ref_grad_norms=[h.get("grad_norm") for h in ref.state.log_history if "loss" in h],
+            elixir_keys=elixir_keys, wrapped=wrapped, optimizer=type(cb.optimizer).__name__,
+            max_param_diff=max_param_diff, reload_diff=reload_diff,
+            files=sorted(os.listdir(os.path.join(out, "final"))),
+            ckpt_files=sorted(os.listdir(os.path.join(out, "elixir", "checkpoint-3"))),
+        ), open(os.path.join(out, "result.json"), "w"))
+    '''
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_trainer_with_elixir_callback(tmp_path, num_processes):
+    script = tmp_path / "train_trainer.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ)
+    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes),
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    r = json.loads((tmp_path / "result.json").read_text())
+    assert r["world"] == num_processes
+    assert r["optimizer"] == "ElixirOptimizer"
+    assert r["wrapped"] != "DistributedDataParallel"
+    # loss parity with the stock Trainer (DDP for 2 processes), step by step
+    assert sorted(map(int, r["el"])) == list(range(1, 7))
+    for step, loss in r["ref"].items():
+        assert r["el"][step] == pytest.approx(loss, rel=1e-4), step
+    for a, b in zip(r["el_grad_norms"], r["ref_grad_norms"]):
+        assert a == pytest.approx(b, rel=1e-4)
+    assert r["max_param_diff"] < 1e-4
+    # Elixir's counters in the Trainer logs
+    assert "elixir/device_peak_bytes" in r["elixir_keys"] and "elixir/h2d_bytes" in r["elixir_keys"]
+    # save_model: a standard HF folder, same logits after from_pretrained
+    assert "model.safetensors" in r["files"] and "config.json" in r["files"]
+    assert {"optimizer.pt", "scheduler.pt", "trainer_state.json"} <= set(r["ckpt_files"])
+    assert r["reload_diff"] < 1e-5
+    # resume from step 3 reproduces steps 4-6 of the uninterrupted run
+    for step in ("4", "5", "6"):
+        assert r["resumed"][step] == pytest.approx(r["el"][step], rel=1e-6, abs=1e-7), step
+
+
+def test_bf16_training_arguments_select_elixir_bf16(tmp_path):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from hf_elixir import ElixirConfig
+    from hf_elixir.integrations import ElixirCallback
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_layer=1, n_embd=32, n_head=4))
+    data = [{"input_ids": t, "labels": t} for t in torch.randint(0, 128, (8, 16))]
+    args = TrainingArguments(str(tmp_path), max_steps=2, per_device_train_batch_size=2, bf16=True, use_cpu=True,
+                             report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True)
+    cb = ElixirCallback()
+    trainer = Trainer(model, args, train_dataset=data, callbacks=[cb])
+    assert cb.config.precision == "bf16"
+    trainer.train()
+    assert type(cb.optimizer).__name__ == "ElixirOptimizer"
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)
+    with pytest.raises(ValueError, match="disagrees"):
+        Trainer(model, TrainingArguments(str(tmp_path), fp16=False, bf16=True, use_cpu=True, report_to=[]),
+                train_dataset=data, callbacks=[ElixirCallback(ElixirConfig(precision="fp16"))])
