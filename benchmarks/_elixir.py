@@ -10,6 +10,8 @@ Options read from ``RunSpec.options`` (at most one of the first three):
         its step runs and its device peak stays within the budget. Every rank runs the same probes, so
         the collectives stay matched.
     chunk_size_numel (int | None): ``ElixirConfig.chunk_size_numel`` (None = the library's choice).
+    search (bool): use the plan ``hf_elixir.search.auto_plan`` finds for that budget (else the core's
+        heuristic placement).
     profile_dir (str): on CUDA, profile the last timed step with ``torch.profiler`` and write its Chrome
         trace there; ``stats()`` then reports host->device copies per CUDA stream and how many of them
         overlapped a kernel on another stream (evidence of side-stream prefetch).
@@ -41,13 +43,13 @@ def elixir_available() -> str:
     return f"hf_elixir has no {', '.join(missing)} yet (the core has not landed)" if missing else ""
 
 
-def _prepare(model, spec, budget_bytes):
+def _prepare(model, spec, budget_bytes, plan=None):
     import hf_elixir
 
     from benchmarks.peers import _ADAM_KW
 
     config = hf_elixir.ElixirConfig(precision="fp32", device_memory_budget_bytes=budget_bytes,
-                                    chunk_size_numel=spec.options.get("chunk_size_numel"))
+                                    chunk_size_numel=spec.options.get("chunk_size_numel"), plan=plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, **_ADAM_KW)
     return hf_elixir.prepare(model, optimizer, config=config)
 
@@ -108,6 +110,30 @@ def _find_budget(model, spec) -> tuple[int | None, dict[str, Any]]:
     return hi, info
 
 
+def _searched_plan(model, spec, budget_bytes, info: dict[str, Any]):
+    """``hf_elixir.search.auto_plan`` on one sample batch (profiles a step, probes the hardware, searches).
+
+    Called directly because ``ElixirConfig(search="auto")`` in ``prepare`` has no sample batch to profile.
+    """
+    import time
+
+    import hf_elixir
+    from hf_elixir.search import auto_plan
+
+    ids = torch.randint(0, spec.model.vocab_size, (spec.model.batch_size, spec.model.seq_len),
+                        generator=torch.Generator().manual_seed(11)).to(spec.device)
+    config = hf_elixir.ElixirConfig(precision="fp32", device_memory_budget_bytes=budget_bytes,
+                                    chunk_size_numel=spec.options.get("chunk_size_numel"))
+    start = time.perf_counter()
+    plan = auto_plan(model, {"input_ids": ids, "labels": ids}, config)
+    model.zero_grad(set_to_none=True)
+    info.update(search_s=round(time.perf_counter() - start, 2), plan_chunk_size_numel=plan.chunk_size_numel,
+                plan_resident_chunks=len(plan.resident_chunks), plan_device_shard_chunks=len(plan.device_shard_chunks),
+                plan_device_optim_chunks=len(plan.device_optim_chunks), plan_prefetch_depth=plan.prefetch_depth,
+                plan_predicted_step_s=plan.predicted_step_s, plan_reasons=list(plan.reasons)[:6])
+    return plan
+
+
 def _library_min_budget(model, spec) -> int | None:
     import hf_elixir
 
@@ -130,7 +156,8 @@ def setup_elixir(model, spec, rank):
     from benchmarks.peers import Runner
 
     budget_bytes, budget_info = _find_budget(model, spec)
-    model, optimizer = _prepare(model, spec, budget_bytes)
+    plan = _searched_plan(model, spec, budget_bytes, budget_info) if spec.options.get("search") else None
+    model, optimizer = _prepare(model, spec, budget_bytes, plan)
     state: dict[str, Any] = {"steps": 0, "start": None}
 
     def step(ids: torch.Tensor) -> float:

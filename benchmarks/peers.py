@@ -12,9 +12,11 @@ Peers (``PEERS`` keys):
   the root, without / with ``CPUOffloadPolicy(pin_memory=False)`` (pinning needs an accelerator).
 - ``ds_zero2_offload`` / ``ds_zero3_offload``: DeepSpeed ZeRO-2 with the optimizer offloaded and
   ZeRO-3 with optimizer and parameters offloaded, ``DeepSpeedCPUAdam``, ``DS_ACCELERATOR=cpu``.
-- ``elixir_resident`` / ``elixir_budget`` / ``elixir_min``: hf_elixir with everything resident, with
-  ``device_memory_budget_bytes = options["budget_fraction"] x (everything-resident peak)``, and with the
-  smallest budget that runs (``options["budget_bytes"]``, found by ``run_cpu.py``).
+- ``elixir_resident`` / ``elixir_budget`` / ``elixir_search`` / ``elixir_min``: hf_elixir with
+  everything resident; with ``device_memory_budget_bytes = options["budget_fraction"] x
+  (everything-resident peak)`` and the core's heuristic placement, or the plan
+  ``hf_elixir.search.auto_plan`` finds; and with the smallest budget that runs (see
+  ``benchmarks/_elixir.py``).
 
 Every peer uses AdamW with the same hyper-parameters (lr from the spec, betas (0.9, 0.999), eps 1e-8,
 weight decay 0), no gradient clipping, fp32.
@@ -199,6 +201,7 @@ PEERS: dict[str, Peer] = {p.name: p for p in [
     Peer("ds_zero3_offload", "DeepSpeed ZeRO-3 + opt+param offload", (1, 2), _setup_ds_zero3,
          needs="deepspeed", deepspeed=True, offloads="params+grads+optim"),
     Peer("elixir_resident", "hf_elixir (all resident)", (1, 2), _setup_elixir),
-    Peer("elixir_budget", "hf_elixir (50% budget)", (1, 2), _setup_elixir, offloads="planned"),
+    Peer("elixir_budget", "hf_elixir (50% budget, heuristic)", (1, 2), _setup_elixir, offloads="planned"),
+    Peer("elixir_search", "hf_elixir (50% budget, searched plan)", (1, 2), _setup_elixir, offloads="planned"),
     Peer("elixir_min", "hf_elixir (smallest budget)", (1, 2), _setup_elixir, offloads="planned"),
 ]}

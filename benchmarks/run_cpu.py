@@ -90,7 +90,7 @@ def run_suite(cfg: SuiteConfig, work_dir: Path) -> dict[str, Any]:
                 skipped[name] = reason
                 continue
             options = _elixir_options(name, cfg)
-            if cfg.profile and world_size == 1 and name in ("plain", "elixir_resident", "elixir_budget"):
+            if cfg.profile and world_size == 1 and name in ("plain", "elixir_resident", "elixir_budget", "elixir_search"):
                 options["cpu_profile"] = True
             specs.append(RunSpec(peer=name, world_size=world_size, model=cfg.model, warmup_steps=cfg.warmup_steps,
                                  steps=cfg.steps, options=options))
@@ -122,6 +122,8 @@ def _elixir_options(name: str, cfg: SuiteConfig) -> dict[str, Any]:
     """hf_elixir peers find their budget in-process from an all-resident probe (see benchmarks/_elixir.py)."""
     if name == "elixir_budget":
         return {"budget_fraction": cfg.budget_fraction}
+    if name == "elixir_search":
+        return {"budget_fraction": cfg.budget_fraction, "search": True}
     if name == "elixir_min":
         return {"min_budget_probes": cfg.min_budget_probes}
     return {}
@@ -279,15 +281,17 @@ def headline(runs: list[RunResult], traffic_facts: list[dict[str, Any]], largest
             alt = f"min-step ratio {min(res.step_times_s) / min(ref.step_times_s):.2f}x"
             lines.append(_verdict(f"hf_elixir all-resident step time / {'PyTorch' if ws == 1 else 'DDP'} "
                                   f"({ws} rank{'s' if ws > 1 else ''})", ratio, 1.05, lower_is_better=True, alt=alt))
-    offload = get("elixir_budget", 2)
-    for peer in ("ds_zero3_offload", "fsdp2_offload"):
-        other = get(peer, 2)
-        if offload and other:
-            alt = f"min-step ratio {min(other.step_times_s) / min(offload.step_times_s):.2f}x"
-            lines.append(_verdict(f"hf_elixir (50% budget) throughput / {PEERS[peer].label} (2 ranks)",
-                                  offload.tokens_per_s / other.tokens_per_s, 1.5, lower_is_better=False, alt=alt))
+    for name in ("elixir_budget", "elixir_search"):
+        offload = get(name, 2)
+        for peer in ("ds_zero3_offload", "fsdp2_offload"):
+            other = get(peer, 2)
+            if offload and other:
+                alt = f"min-step ratio {min(other.step_times_s) / min(offload.step_times_s):.2f}x"
+                lines.append(_verdict(f"{PEERS[name].label} throughput / {PEERS[peer].label} (2 ranks)",
+                                      offload.tokens_per_s / other.tokens_per_s, 1.5, lower_is_better=False,
+                                      alt=alt))
     for fact in traffic_facts:
-        if fact["key"].startswith("elixir_budget") and fact["bound"]:
+        if fact["key"].startswith(("elixir_budget", "elixir_search")) and fact["bound"]:
             lines.append(_verdict(f"host<->device onload bytes / Belady bound ({fact['key']})",
                                   fact["h2d"] / fact["bound"], 1.10, lower_is_better=True))
     results = {r["system"]: r for r in largest.get("results", [])}
@@ -338,8 +342,11 @@ def write_report(out_dir: Path, cfg: SuiteConfig, suite: dict[str, Any], command
         "`device peak` is hf_elixir's simulated device pool (model data only).", "",
         _md_table(MAIN_COLUMNS, main_table_rows(runs)), "",
     ]
-    budgets = {r.spec.key(): {k: r.extra[k] for k in ("resident_peak_bytes", "budget_bytes", "min_budget_probes_log")
-                              if k in r.extra} for r in runs if r.ok and r.spec.peer in ("elixir_budget", "elixir_min")}
+    keys = ("resident_peak_bytes", "budget_bytes", "library_min_budget_bytes", "min_budget_probes_log", "search_s",
+            "plan_chunk_size_numel", "plan_resident_chunks", "plan_device_shard_chunks", "plan_device_optim_chunks",
+            "plan_prefetch_depth", "plan_predicted_step_s")
+    budgets = {r.spec.key(): {k: r.extra[k] for k in keys if k in r.extra}
+               for r in runs if r.ok and r.spec.peer in ("elixir_budget", "elixir_search", "elixir_min")}
     if budgets:
         lines += ["hf_elixir budgets per rank (bytes; resident peak from an all-resident probe in the same process): "
                   "`" + json.dumps(budgets) + "`", ""]

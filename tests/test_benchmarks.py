@@ -53,18 +53,23 @@ def test_quick_suite_end_to_end(tmp_path: Path) -> None:
     rows = main[2:]
     seen = {(r[0], int(r[1])) for r in rows}
     assert seen == _expected_peers()
+    # the peers and hf_elixir's all-resident mode must run; a budgeted hf_elixir mode may fail inside
+    # the library (that is a benchmark result), but then its row must say why
+    budgeted = {PEERS[n].label for n in ("elixir_budget", "elixir_search", "elixir_min")}
     failed = [r for r in rows if r[2] == "FAILED"]
-    assert not failed, failed
-    first_losses = {r[-1].split("->")[0] for r in rows}
+    assert all(r[0] in budgeted and len(r[-1]) > 10 for r in failed), failed
+    ran = [r for r in rows if r[2] != "FAILED"]
+    first_losses = {r[-1].split("->")[0] for r in ran}
     assert len(first_losses) == 1, f"peers did not train the same model/batch: {first_losses}"
-    for r in rows:
+    for r in ran:
         assert float(r[2]) > 0 and float(r[5]) > 0 and float(r[7]) > 0
 
     traffic = _table(text, "system")
     assert traffic[0] == run_cpu.TRAFFIC_COLUMNS
     offloaders = {(PEERS[n].label, ws) for n, p in PEERS.items()
                   if p.offloads or n.startswith("elixir") for ws in p.world_sizes}
-    assert {(r[0], int(r[1])) for r in traffic[2:]} == offloaders & _expected_peers()
+    ran_keys = {(r[0], int(r[1])) for r in ran}
+    assert {(r[0], int(r[1])) for r in traffic[2:]} == offloaders & ran_keys
 
     assert "ColossalAI Gemini" in text and "CUDA" in text
     largest_start = text.index("| system | largest n_layer |")
