@@ -271,8 +271,16 @@ def _belady_inputs(model) -> dict[str, Any]:
         trace = list(manager.prev_trace)
         chunks = manager.chunks
         budget = manager.pool.budget_bytes
-        streamed = {c.chunk_id: int(c.shard_bytes) for c in chunks
-                    if not c.resident and not c.shard_on_device}
+        world_size = int(getattr(chunks[0], "world_size", 1)) if chunks else 1
+        # chunks whose gathered copy can leave the device: at 1 rank those whose shard lives on the host
+        # (a device shard *is* the gathered chunk there); at >1 ranks every non-resident chunk
+        moving = [c for c in chunks if not c.resident and (world_size > 1 or not c.shard_on_device)]
+        # bytes one onload moves: the first unshard of a step onloads the shard if it lives on the host
+        # (0 if it is on the device: the all-gather does the rest); any later one in the same step can do
+        # the same by re-gathering (strict bound), or, under hf_elixir's rank-local refill rule (see
+        # hf_elixir/chunk/chunk.py [Note: rank-local refill]), copies the whole gathered chunk back
+        streamed = {c.chunk_id: int(0 if c.shard_on_device else c.shard_bytes) for c in moving}
+        refill = {c.chunk_id: int(c.full_bytes if world_size > 1 else c.shard_bytes) for c in moving}
         # a chunk whose parameters stay on the device but whose optimizer state is on the host must
         # bring its updated parameters back after every step, whatever the eviction policy
         refresh = sum(int(c.shard_bytes) for c in chunks
@@ -280,7 +288,7 @@ def _belady_inputs(model) -> dict[str, Any]:
                       and not c.optim_on_device)
         manager.reshard_all()
         persistent = int(manager.pool.used_bytes)
-        largest = max((chunks[i].full_bytes for i in streamed), default=0)
+        largest = max((c.full_bytes for c in moving), default=0)
     except Exception as exc:  # the core's internals moved: say so instead of guessing
         return {"chunk_trace_error": f"cannot read the chunk manager: {type(exc).__name__}: {exc}"}
     if budget is None:
@@ -289,4 +297,5 @@ def _belady_inputs(model) -> dict[str, Any]:
     capacity = max((budget - persistent) // largest, 1) if largest else 0
     return {"chunk_trace": trace, "streamed_chunk_bytes": {str(k): v for k, v in streamed.items()},
             "cache_blocks": int(capacity), "persistent_device_bytes": persistent,
-            "largest_streamed_chunk_bytes": int(largest), "optimizer_refresh_h2d_bytes": refresh}
+            "largest_streamed_chunk_bytes": int(largest), "optimizer_refresh_h2d_bytes": refresh,
+            "refill_chunk_bytes": {str(k): v for k, v in refill.items()}, "world_size": world_size}

@@ -98,13 +98,16 @@ def all_offload_bytes(peer: str, num_params: int, world_size: int, bytes_per_ele
     return {"h2d_bytes": 0, "d2h_bytes": 0}
 
 
-def belady_onload_bytes(trace: Sequence[int], capacity: int, bytes_of: dict[int, int]) -> tuple[int, int]:
+def belady_onload_bytes(trace: Sequence[int], capacity: int, bytes_of: dict[int, int],
+                        refill_bytes_of: dict[int, int] | None = None) -> tuple[int, int]:
     """Host->device bytes Belady's MIN needs for the streamed chunks of ``trace``.
 
     Args:
         trace: chunk ids in access order (every access, repeats included).
         capacity: cache blocks (gathered chunks the device can hold at once besides what stays put).
         bytes_of: chunk id -> bytes one onload moves (its shard); chunks not in it never move.
+        refill_bytes_of: if given, chunk id -> bytes of every onload after the chunk's first one in the
+            trace (a policy that refills from a host copy of the gathered chunk instead of re-gathering).
 
     Returns:
         ``(bytes, onloads)``; ``onloads`` is checked against ``belady_moves`` (the library's when it is
@@ -116,4 +119,9 @@ def belady_onload_bytes(trace: Sequence[int], capacity: int, bytes_of: dict[int,
     misses = belady_misses(streamed, capacity)
     moves = belady_moves(streamed, capacity)
     assert moves == len(misses), f"Belady implementations disagree: {moves} vs {len(misses)} onloads"
-    return sum(bytes_of[c] for c in misses), len(misses)
+    seen: set[int] = set()
+    total = 0
+    for chunk in misses:
+        total += refill_bytes_of[chunk] if refill_bytes_of is not None and chunk in seen else bytes_of[chunk]
+        seen.add(chunk)
+    return total, len(misses)
