@@ -9,7 +9,7 @@ in this order, skipping what no longer fits in the time box (and saying so):
 
 1. GPT-2 large (774M params; 12.4 GB of fp32 model data with AdamW): plain PyTorch (fits on a big
    card: the speed reference), hf_elixir all-resident, hf_elixir at a device budget
-   (``--budget-gib``, default 4 GiB) that forces offload (with one profiled step: host->device copies
+   (``--budget-gib``, default 6 GiB) that forces offload (with one profiled step: host->device copies
    per CUDA stream, how many overlap compute = side-stream prefetch, Triton kernel names), FSDP2 with
    ``CPUOffloadPolicy(pin_memory=True)``, DeepSpeed ZeRO-3 with optimizer+parameter offload (if
    installed; its CUDA ops must build).
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/gpu_out")
     parser.add_argument("--time-box-s", type=float, default=450.0, help="stop launching runs after this")
-    parser.add_argument("--budget-gib", type=float, default=4.0)
+    parser.add_argument("--budget-gib", type=float, default=6.0)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5)

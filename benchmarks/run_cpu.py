@@ -293,8 +293,10 @@ def _machine() -> str:
 
     import psutil
 
-    return (f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPU cores (shared with other jobs), "
-            f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM, no GPU; torch.distributed backend gloo")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPU cores (shared with other jobs; "
+            f"load average at the end {load}), {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, no GPU; "
+            "torch.distributed backend gloo")
 
 
 def headline(runs: list[RunResult], traffic_facts: list[dict[str, Any]], largest: dict[str, Any]) -> list[str]:
