@@ -56,6 +56,7 @@ class SuiteConfig:
     shared_process: bool = False  # quick mode: one process group per world size for all peers
     profile: bool = True  # one extra untimed, profiled step for plain / hf_elixir at 1 rank
     run_moe: bool = True  # benchmarks/moe.py: Switch-Transformers vs a dense model of equal size
+    rounds: int = 2  # the peers behind the headline ratios run this many times (later rounds in reverse order)
 
     @classmethod
     def full(cls) -> "SuiteConfig":
@@ -66,7 +67,7 @@ class SuiteConfig:
         tiny = ModelSpec(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=16, batch_size=2, seq_len=16)
         return cls(model=tiny, largest_base=tiny, warmup_steps=0, steps=1, largest_budget_bytes=MIB // 2,
                    largest_max_layers=8, min_budget_probes=2, timeout_s=120.0, shared_process=True,
-                   profile=False, run_moe=False)
+                   profile=False, run_moe=False, rounds=1)
 
 
 def _log(message: str) -> None:
@@ -108,6 +109,8 @@ def run_suite(cfg: SuiteConfig, work_dir: Path) -> dict[str, Any]:
             for result in results:
                 _log_result(result)
         runs.extend(results)
+    for round_index in range(2, cfg.rounds + 1):
+        _repeat_headline_peers(runs, work_dir / f"round{round_index}", cfg)
     largest: dict[str, Any] = {}
     if cfg.run_largest:
         largest = _run_largest(cfg, work_dir, skipped, elixir_reason)
@@ -136,6 +139,29 @@ def _run_moe(cfg: SuiteConfig) -> dict[str, Any]:
     if done.returncode:
         return {"error": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:] }", "args": MOE_ARGS}
     return {"stdout": done.stdout.strip(), "args": MOE_ARGS}
+
+
+HEADLINE_PEERS = [("plain", 1), ("elixir_resident", 1), ("ddp", 2), ("elixir_resident", 2), ("elixir_budget", 2),
+                  ("ds_zero3_offload", 2), ("fsdp2_offload", 2)]
+
+
+def _repeat_headline_peers(runs: list[RunResult], work_dir: Path, cfg: SuiteConfig) -> None:
+    """Run the peers behind the headline ratios once more (reverse order, so slow phases of the shared
+    machine hit both sides) and pool their timed steps into the first result."""
+    for name, world_size in reversed(HEADLINE_PEERS):
+        first = next((r for r in runs if r.ok and r.spec.peer == name and r.spec.world_size == world_size), None)
+        if first is None:
+            continue
+        _log(f"repeating {first.spec.key()} ...")
+        again = launch(first.spec, work_dir, timeout_s=cfg.timeout_s)
+        if not again.ok:
+            first.extra.setdefault("repeat_errors", []).append(again.error.splitlines()[0])
+            _log(f"  repeat FAILED: {again.error.splitlines()[0]}")
+            continue
+        first.step_times_s.extend(again.step_times_s)
+        first.peak_rss_bytes = [max(a, b) for a, b in zip(first.peak_rss_bytes, again.peak_rss_bytes)]
+        first.extra["rounds"] = first.extra.get("rounds", 1) + 1
+        _log(f"  pooled median {first.median_s:.4f} s/step over {len(first.step_times_s)} steps")
 
 
 def _log_result(result: RunResult) -> None:
@@ -369,6 +395,8 @@ def write_report(out_dir: Path, cfg: SuiteConfig, suite: dict[str, Any], command
         *(headline(runs, facts, largest) or ["- (no ratio could be computed: see skipped peers below)"]), "",
         "## Step time, throughput, memory", "",
         "Step times are the slowest rank's per step; tokens/s = ranks x batch x seq / median step. "
+        f"The peers behind the headline ratios ran {cfg.rounds} times (later rounds in reverse order) and their "
+        "timed steps are pooled (see `rounds` in results.json). "
         "`vs PyTorch` = median step / the plain PyTorch (1 rank) or DDP (2 ranks) median. "
         "Peak RSS is the rank process's high-water mark (getrusage), including the Python/torch runtime. "
         "`device peak` is hf_elixir's simulated device pool (model data only).", "",
@@ -455,23 +483,34 @@ def _chart(path: Path, runs: list[RunResult], largest: dict[str, Any]) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     ok = [r for r in runs if r.ok]
-    labels = [f"{PEERS[r.spec.peer].label}\n{r.spec.world_size} rank{'s' if r.spec.world_size > 1 else ''}" for r in ok]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 0.32 * max(len(ok), 8) + 1.5))
+    labels = [f"{PEERS[r.spec.peer].label} - {r.spec.world_size} rank{'s' if r.spec.world_size > 1 else ''}" for r in ok]
     colors = ["tab:green" if r.spec.peer.startswith("elixir") else "tab:gray" for r in ok]
     axes[0].barh(range(len(ok)), [r.tokens_per_s for r in ok], color=colors)
     axes[0].set_yticks(range(len(ok)), labels, fontsize=7)
     axes[0].invert_yaxis()
-    axes[0].set_xlabel("tokens/s (higher is better)")
-    axes[0].set_title("Training throughput (CPU, fp32)")
+    axes[0].set_xlabel("tokens/s, median step (higher is better)")
+    axes[0].set_title("Training throughput (CPU, fp32, shared machine)")
     results = largest.get("results", []) if largest else []
     if results:
-        axes[1].bar(range(len(results)), [r["num_params"] / 1e6 for r in results],
-                    color=["tab:green" if r["system"] == "hf_elixir" else "tab:gray" for r in results])
-        axes[1].set_xticks(range(len(results)), [r["system"] for r in results], fontsize=7, rotation=15)
+        heights = [r["num_params"] / 1e6 for r in results]
+        bars = axes[1].bar(range(len(results)), heights,
+                           color=["tab:green" if r["system"].startswith("hf_elixir") else "tab:gray" for r in results])
+        for bar, r in zip(bars, results):
+            if r["method"].startswith("analytic"):
+                bar.set_hatch("//")
+                bar.set_alpha(0.6)
+            tag = (">= " if r["capped"] else "") + f"{r['num_params'] / 1e6:.0f}M"
+            axes[1].annotate(tag, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                             va="bottom", fontsize=7)
+        import textwrap
+
+        axes[1].set_xticks(range(len(results)), [textwrap.fill(r["system"], 16) for r in results], fontsize=7)
         axes[1].set_yscale("log")
         axes[1].set_ylabel("parameters (M, log)")
-        axes[1].set_title(f"Largest model at {largest['budget_bytes'] / MIB:.2f} MiB device budget")
+        axes[1].set_title(f"Largest model at {largest['budget_bytes'] / MIB:.0f} MiB device budget\n"
+                          "(hatched: analytic, bounded by host RAM; solid: measured; >=: search capped)", fontsize=9)
     else:
         axes[1].set_axis_off()
     fig.tight_layout()
