@@ -48,6 +48,11 @@ def _prepare(model, spec, budget_bytes, plan=None):
 
     from benchmarks.peers import _ADAM_KW
 
+    if spec.device != "cpu":  # prepare() places parameters; non-parameter buffers go to the device here
+        for module in model.modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is not None:
+                    module._buffers[name] = buf.to(spec.device)
     config = hf_elixir.ElixirConfig(precision="fp32", device_memory_budget_bytes=budget_bytes,
                                     chunk_size_numel=spec.options.get("chunk_size_numel"), plan=plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, **_ADAM_KW)
