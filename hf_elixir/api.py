@@ -180,10 +180,39 @@ def _place(chunks: list[Chunk], plan: ElixirPlan | None, config: ElixirConfig, s
     return reasons
 
 
-def _build_chunks(model, params_in_order, names, layout: ChunkLayout, dtype, group, device, manager):
+def _comm_buckets(model, params, names, config: ElixirConfig):
+    """Split ``params`` (order kept) by (process group, grad-norm replicas).
+
+    Plain data parallel: one bucket over the default group. A model rewritten by
+    :func:`hf_elixir.parallel.parallelize` gets the groups of its mesh (see [Note: gradient groups] in
+    ``hf_elixir/parallel/_mesh.py``): expert parameters are sharded over the expert-data-parallel group,
+    the rest over the data-parallel group; parameters replicated across tensor-parallel ranks count
+    once in the global gradient norm (``replicas = tp``).
+    """
+    from hf_elixir.parallel import get_parallel_state  # noqa: PLC0415 (avoid an import cycle)
+
+    pstate = get_parallel_state(model)
+    if pstate is None:
+        return [(_default_group(config), 1, list(params))]
+    mesh = pstate.mesh
+    buckets: dict[tuple[int, int], tuple] = {}
+    for p in params:
+        name = names[p][0]
+        group = mesh.expert_dp_group if pstate.is_expert_param(name) else mesh.dp_group
+        replicas = mesh.tp_size if mesh.tp_size > 1 and name not in pstate.tp_layouts else 1
+        key = (id(group), replicas)
+        if key not in buckets:
+            buckets[key] = (group, replicas, [])
+        buckets[key][2].append(p)
+    return list(buckets.values())
+
+
+def _build_chunks(params_in_order, names, layout: ChunkLayout, dtype, group, device, manager,
+                  first_id: int = 0, first_flag: int = 0, replicas: int = 1):
     chunks: list[Chunk] = []
-    flag_index = 0
-    for cid, (members, offsets) in enumerate(zip(layout.members, layout.offsets)):
+    flag_index = first_flag
+    for local_id, (members, offsets) in enumerate(zip(layout.members, layout.offsets)):
+        cid = first_id + local_id
         slots = []
         for i, (member, offset) in enumerate(zip(members, offsets)):
             param = params_in_order[member]
@@ -195,18 +224,16 @@ def _build_chunks(model, params_in_order, names, layout: ChunkLayout, dtype, gro
             flag_index += int(trainable)
             slots.append(slot)
             manager.slot_of[param] = slot
-        chunk = Chunk(cid, slots, layout.chunk_numels[cid], dtype, group, device, manager)
+        chunk = Chunk(cid, slots, layout.chunk_numels[local_id], dtype, group, device, manager)
+        chunk.norm_replicas = replicas
         for slot in slots:
             manager.chunk_of[slot.param] = chunk
         chunks.append(chunk)
-    manager.num_flags = flag_index
-    manager.has_grad_flags = torch.zeros(flag_index)
-    manager._backward_flags = torch.zeros(flag_index)
-    return chunks
+    return chunks, flag_index
 
 
 def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-            config: ElixirConfig | None = None):
+            config: ElixirConfig | None = None, *, sample_batch: dict | None = None):
     """Put ``model`` under chunk memory management; wrap ``optimizer``.
 
     Args:
@@ -215,6 +242,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         optimizer: a ``torch.optim`` optimizer on ``model.parameters()`` (element-wise kinds only), or
             ``None`` for inference.
         config: :class:`~hf_elixir.config.ElixirConfig`; default all-resident fp32.
+        sample_batch: a batch (``model(**sample_batch)`` returns ``.loss``) to profile one step with,
+            required by ``ElixirConfig(search="auto")``.
 
     Returns:
         ``(model, optimizer)``: the same model object, and an
@@ -232,9 +261,12 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         raise ValueError("this model is already prepared by hf_elixir.prepare; prepare it only once")
     plan = _load_plan(config)
     if plan is None and config.search == "auto":
+        if sample_batch is None:
+            raise ValueError("ElixirConfig.search='auto' profiles one training step: pass "
+                             "hf_elixir.prepare(model, optimizer, config, sample_batch=batch)")
         from hf_elixir.search import auto_plan  # noqa: PLC0415 (optional heavy import)
 
-        plan = auto_plan(model, config)
+        plan = auto_plan(model, sample_batch, config)
     device = _compute_device()
     group = _default_group(config)
     world_size = dist.get_world_size(group) if group is not None else 1
@@ -255,12 +287,26 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     numels = [p.numel() for p in params]
     chunk_size = config.chunk_size_numel or (plan.chunk_size_numel if plan and plan.chunk_size_numel else None)
     chunk_size = chunk_size or _heuristic_chunk_size(numels)
-    layout = pack_chunks(numels, chunk_size, world_size)
     manager = ChunkManager(compute_device=device, budget_bytes=config.device_memory_budget_bytes,
                            reduce_dtype=torch.float32 if config.reduce_dtype == "fp32" else None,
                            prefetch_depth=plan.prefetch_depth if plan else config.prefetch_depth)
-    chunks = _build_chunks(model, params, names, layout, dtype, group, device, manager)
+    chunks: list[Chunk] = []
+    num_flags = 0
+    flag_groups = []
+    for bucket_group, replicas, bucket in _comm_buckets(model, params, names, config):
+        bucket_ws = dist.get_world_size(bucket_group) if bucket_group is not None else 1
+        layout = pack_chunks([p.numel() for p in bucket], chunk_size, bucket_ws)
+        new, end_flag = _build_chunks(bucket, names, layout, dtype, bucket_group, device, manager,
+                                      first_id=len(chunks), first_flag=num_flags, replicas=replicas)
+        if bucket_ws > 1 and end_flag > num_flags:
+            flag_groups.append((bucket_group, torch.arange(num_flags, end_flag)))
+        chunks += new
+        num_flags = end_flag
     manager.chunks = chunks
+    manager.num_flags = num_flags
+    manager.has_grad_flags = torch.zeros(num_flags)
+    manager._backward_flags = torch.zeros(num_flags)
+    manager.flag_groups = flag_groups
     num_params = sum(numels)
     if plan is not None:
         _check_plan(plan, model, num_params, world_size, config.precision, len(chunks))
@@ -278,8 +324,6 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         if not chunk.resident and not chunk.full_alias:
             chunk.reshard()
     manager._trainable_chunks = [c for c in chunks if c.trainable]
-    if group is not None and world_size > 1 and manager.num_flags:
-        manager.flag_groups = [(group, torch.arange(manager.num_flags))]
     if plan is None:
         plan = ElixirPlan(
             model_type=getattr(getattr(model, "config", None), "model_type", ""), num_params=num_params,

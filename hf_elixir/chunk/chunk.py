@@ -91,6 +91,7 @@ class Chunk:
         self.shard_begin = self.rank * self.shard_numel
         self.element_size = torch.empty((), dtype=dtype).element_size()
         self.trainable = any(s.trainable for s in slots)
+        self.norm_replicas = 1  # ranks outside ``group`` holding an identical copy (tensor parallel)
         # placement (set by the manager)
         self.resident = False
         self.shard_on_device = True

@@ -228,12 +228,14 @@ class ElixirOptimizer(torch.optim.Optimizer):
         if self._found_inf:
             return torch.tensor(float("inf"))
         grads = self._grad_shards()
+        chunks = {c.chunk_id: c for c in self.manager.chunks}
         norm_type = float(norm_type)
         if norm_type == float("inf"):
             local = torch.stack([g.abs().max().cpu() for g in grads if g.numel()]).max() if grads else torch.zeros(())
             total = self._all_reduce(local.reshape(1).float(), dist.ReduceOp.MAX)[0]
         else:
-            local = sum((g.double().norm(norm_type) ** norm_type).cpu() for g in grads) if grads else torch.zeros(())
+            local = sum((g.double().norm(norm_type) ** norm_type).cpu() / chunks[cid].norm_replicas
+                        for cid, g in self.manager.grad_shards.items()) if grads else torch.zeros(())
             total = self._all_reduce(torch.as_tensor(local, dtype=torch.float64).reshape(1), dist.ReduceOp.SUM)[0]
             total = total ** (1.0 / norm_type)
         total = total.float()
