@@ -108,6 +108,9 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self.masters: dict[int, torch.Tensor] = {}
         self.views: list[_ShardView] = []
         self._build_shard_state()
+        self.fused_chunks: dict[int, dict[str, torch.Tensor]] = {}  # chunk id -> flat Adam moments
+        self.fused_steps: dict[int, int] = {}  # id(view.tensor) -> steps taken (fused chunks)
+        self._setup_fused()
         self.inner = self._build_inner(type(optimizer))
 
     # -- construction --------------------------------------------------------------------------
@@ -150,11 +153,91 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 self.views.append(_ShardView(slot, chunk, self._param_group_of[slot.param],
                                              lo - slot.offset, hi - slot.offset, lo - begin, hi - begin, tensor))
 
+    # -- fused device path ---------------------------------------------------------------------
+    #: run the fused path also for CPU shards, through the Triton interpreter (tests only)
+    _force_fused = False
+
+    def _fused_eligible(self) -> bool:
+        """Adam/AdamW without AMSGrad/maximize, Triton present, shards on CUDA (or forced for tests)."""
+        import triton_kernels  # noqa: PLC0415
+
+        opt = self.user_optimizer
+        if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or not triton_kernels.HAS_TRITON:
+            return False
+        if any(g.get("amsgrad") or g.get("maximize") or g.get("differentiable") for g in self.param_groups):
+            return False
+        return self.manager.compute_device.type == "cuda" or self._force_fused
+
+    def _setup_fused(self) -> None:
+        """Device optimizer-state chunks of Adam/AdamW are updated by ``triton_kernels.fused_adamw_``:
+        one pass over the whole shard with a per-segment lr/weight-decay table (Triton issue #3)."""
+        if not self._fused_eligible():
+            return
+        for chunk in self.manager.chunks:
+            if chunk.trainable and chunk.optim_on_device and any(v.chunk is chunk for v in self.views):
+                device = self.masters[chunk.chunk_id].device
+                self.fused_chunks[chunk.chunk_id] = {
+                    "exp_avg": torch.zeros(chunk.shard_numel, dtype=torch.float32, device=device),
+                    "exp_avg_sq": torch.zeros(chunk.shard_numel, dtype=torch.float32, device=device)}
+        for view in self.views:
+            if view.chunk.chunk_id in self.fused_chunks:
+                self.fused_steps[id(view.tensor)] = 0
+
+    def _decoupled(self, group: dict) -> bool:
+        return isinstance(self.user_optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
+
+    def _fused_step(self) -> None:
+        import triton_kernels  # noqa: PLC0415
+
+        flags = self.manager.has_grad_flags
+        for cid, moments in self.fused_chunks.items():
+            chunk = self.manager.chunks[cid]
+            views = sorted((v for v in self.views if v.chunk is chunk), key=lambda v: v.lo)
+            flagged = [v for v in views if flags[v.slot.flag_index] > 0]
+            if not flagged:
+                continue
+            groups = [self.param_groups[v.group_index] for v in flagged]
+            steps = {self.fused_steps[id(v.tensor)] for v in flagged}
+            same_hyper = len({(tuple(g["betas"]), g["eps"], self._decoupled(g)) for g in groups}) == 1
+            master, grad = self.masters[cid], self.manager.grad_shards[cid]
+            if len(flagged) == len(views) and len(steps) == 1 and same_hyper:
+                bounds, lrs, wds, cursor = [0], [], [], 0
+                for v, g in zip(flagged, groups):
+                    if v.lo > cursor:  # padding / frozen / foreign elements: lr 0 leaves them unchanged
+                        bounds.append(v.lo)
+                        lrs.append(0.0)
+                        wds.append(0.0)
+                    bounds.append(v.hi)
+                    lrs.append(float(g["lr"]))
+                    wds.append(float(g["weight_decay"]))
+                    cursor = v.hi
+                if cursor < chunk.shard_numel:
+                    bounds.append(chunk.shard_numel)
+                    lrs.append(0.0)
+                    wds.append(0.0)
+                beta1, beta2 = groups[0]["betas"]
+                triton_kernels.fused_adamw_(
+                    master, grad, moments["exp_avg"], moments["exp_avg_sq"], seg_bounds=bounds, seg_lr=lrs,
+                    seg_weight_decay=wds, beta1=beta1, beta2=beta2, eps=groups[0]["eps"], step=steps.pop() + 1,
+                    decoupled_weight_decay=self._decoupled(groups[0]), force_triton=self._force_fused)
+            else:  # some parameters skip this step or differ in step count: per-parameter update
+                for v, g in zip(flagged, groups):
+                    beta1, beta2 = g["betas"]
+                    triton_kernels.fused_adamw_reference(
+                        master[v.lo:v.hi], grad[v.lo:v.hi], moments["exp_avg"][v.lo:v.hi],
+                        moments["exp_avg_sq"][v.lo:v.hi], torch.tensor([0, v.hi - v.lo]),
+                        torch.tensor([float(g["lr"])]), torch.tensor([float(g["weight_decay"])]), beta1=beta1,
+                        beta2=beta2, eps=g["eps"], step=self.fused_steps[id(v.tensor)] + 1, grad_scale=1.0,
+                        found_inf=None, out_lowp=None, decoupled=self._decoupled(g))
+            for v in flagged:
+                self.fused_steps[id(v.tensor)] += 1
+
     def _build_inner(self, cls: type) -> torch.optim.Optimizer | None:
         groups = []
         for index, group in enumerate(self.param_groups):
             hyper = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**hyper, "params": [v.tensor for v in self.views if v.group_index == index]})
+            groups.append({**hyper, "params": [v.tensor for v in self.views if v.group_index == index
+                                               and v.chunk.chunk_id not in self.fused_chunks]})
         self._full_group_params = [list(g["params"]) for g in groups]
         if not any(self._full_group_params):
             return None
@@ -262,8 +345,10 @@ class ElixirOptimizer(torch.optim.Optimizer):
             logger.warning("fp16 gradient overflow: skipping this step, loss scale %.1f -> %.1f",
                            self.scaler.scale, self.scaler.scale * self.config.loss_scale.backoff_factor)
             self.scaler.update(True)
-        elif self.inner is not None:
-            self._inner_step()
+        else:
+            if self.inner is not None:
+                self._inner_step()
+            self._fused_step()
             self.scaler.update(False)
         if not self._found_inf:
             self._refresh_compute_copies()
@@ -319,6 +404,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
     # -- state dicts ---------------------------------------------------------------------------
     def _per_element_keys(self) -> list[str]:
         keys: set[str] = set()
+        if any(self.fused_steps.values()):
+            keys.update(("exp_avg", "exp_avg_sq"))
         for view in self.views:
             for key, value in self.inner.state.get(view.tensor, {}).items() if self.inner else ():
                 if torch.is_tensor(value) and value.numel() == view.tensor.numel() and value.dim() > 0:
@@ -335,6 +422,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
     def _shard_flat(self, chunk: Chunk, key: str) -> torch.Tensor:
         if key == "master":
             return self.masters[chunk.chunk_id].detach().float().cpu().clone()
+        if chunk.chunk_id in self.fused_chunks:
+            return self.fused_chunks[chunk.chunk_id][key].detach().float().cpu().clone()
         flat = torch.zeros(chunk.shard_numel, dtype=torch.float32)
         for view in self.views:
             if view.chunk is chunk:
@@ -346,6 +435,10 @@ class ElixirOptimizer(torch.optim.Optimizer):
     def _steps_by_slot(self) -> dict[str, float]:
         steps: dict[str, float] = {}
         for view in self.views:
+            if id(view.tensor) in self.fused_steps:
+                if self.fused_steps[id(view.tensor)]:
+                    steps[view.slot.name] = float(self.fused_steps[id(view.tensor)])
+                continue
             value = self.inner.state.get(view.tensor, {}).get("step") if self.inner else None
             if value is not None:
                 steps[view.slot.name] = float(value)
@@ -425,16 +518,21 @@ class ElixirOptimizer(torch.optim.Optimizer):
             if not entry:
                 continue
             target: dict = {}
+            fused = self.fused_chunks.get(view.chunk.chunk_id)
             for key, value in entry.items():
                 if key == "step":
                     target["step"] = torch.tensor(float(value), dtype=torch.float32)
+                    if fused is not None:
+                        self.fused_steps[id(view.tensor)] = int(float(value))
                     continue
                 part = value.reshape(-1)[view.start:view.stop].to(view.tensor.device, torch.float32)
                 if key == "master":
                     view.tensor.data.copy_(part)
+                elif fused is not None:
+                    fused[key][view.lo:view.hi].copy_(part)
                 else:
                     target[key] = part.clone()
-            if self.inner is not None:
+            if self.inner is not None and fused is None:
                 self.inner.state[view.tensor] = target
         if "master" in self._per_element_keys_local(saved_state):
             self._refresh_compute_copies()
