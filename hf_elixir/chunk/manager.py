@@ -44,6 +44,8 @@ class ChunkManager:
         self.pool = DevicePool(budget_bytes, self.counters)
         self.reduce_dtype = reduce_dtype
         self.prefetch_depth = prefetch_depth
+        # prefetches are issued on a side stream on CUDA, overlapped with compute
+        self.copy_stream = torch.cuda.Stream() if compute_device.type == "cuda" else None
         self.chunks: list[Chunk] = []
         self.slot_of: dict[torch.nn.Parameter, ParamSlot] = {}
         self.chunk_of: dict[torch.nn.Parameter, Chunk] = {}
@@ -130,6 +132,7 @@ class ChunkManager:
             if chunk.needs_fill():
                 self.make_room(chunk.fill_bytes_needed(), f"chunk {chunk.chunk_id}", exclude=pinned)
                 chunk.unshard()
+            chunk.wait_ready()
         if self.prefetch_depth and self.prev_trace:
             self._prefetch(pinned)
 
@@ -170,8 +173,13 @@ class ChunkManager:
                 if victim is None or self._next_use(victim) <= self._next_use(chunk):
                     return  # prefetching would evict something needed sooner: stop
                 victim.reshard()
-            chunk.unshard()
+            chunk.unshard(side_stream=self.copy_stream)
             self.counters.num_prefetches += 1
+
+    def synchronize(self) -> None:
+        """Wait for side-stream copies (before the host optimizer touches host shards)."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
 
     def end_step(self) -> None:
         """Called at the optimizer step: the current trace becomes the reference for eviction."""

@@ -339,6 +339,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("ElixirOptimizer.step(closure) is not supported; call forward/backward before step()")
         assert not self.manager.backward_pending, "optimizer.step() called while a backward is still running"
+        self.manager.synchronize()
         self._unscale()
         self.user_optimizer._opt_called = True  # tells LR schedulers built on the user's optimizer
         if self._found_inf:
