@@ -123,16 +123,21 @@ class _Sizes:
                                    if c.trainable else 0) for c in chunks}
 
 
-def _working_set(handles_chunks: list[list[Chunk]], sizes: _Sizes, world_size: int) -> int:
+def _working_set_bytes(per_unit_full: list[int], grad_bytes: list[int], shard_bytes: list[int],
+                       world_size: int) -> int:
     """Device bytes needed by two adjacent units at once (backward overlaps the previous unit's release),
-    plus two gradient buffers and an onload staging shard."""
-    per_unit = [sum(sizes.full[c.chunk_id] for c in cs) for cs in handles_chunks] or [0]
+    plus two gradient buffers and, with several ranks, an onload staging shard or reduce-scatter output."""
+    per_unit = per_unit_full or [0]
     pairs = [a + b for a, b in zip(per_unit, per_unit[1:])] or per_unit
-    grads = sorted(sizes.grad.values(), reverse=True)[:2]
     staging = 0
-    if world_size > 1:  # onload staging of a host shard, or the reduce-scatter output shard
-        staging = max(max(sizes.shard.values(), default=0), max(sizes.grad.values(), default=0) // world_size)
-    return max(pairs) + sum(grads) + staging
+    if world_size > 1:
+        staging = max(max(shard_bytes, default=0), max(grad_bytes, default=0) // world_size)
+    return max(pairs) + sum(sorted(grad_bytes, reverse=True)[:2]) + staging
+
+
+def _working_set(handles_chunks: list[list[Chunk]], sizes: _Sizes, world_size: int) -> int:
+    per_unit = [sum(sizes.full[c.chunk_id] for c in cs) for cs in handles_chunks]
+    return _working_set_bytes(per_unit, list(sizes.grad.values()), list(sizes.shard.values()), world_size)
 
 
 def _place(chunks: list[Chunk], plan: ElixirPlan | None, config: ElixirConfig, sizes: _Sizes,
@@ -404,9 +409,8 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
     from hf_elixir.runtime.hooks import _units  # noqa: PLC0415
 
     units = [sorted({chunk_of[p] for p in ps}) for _, _, ps, _ in _units(model, set(params))]
-    per_unit = [sum(layout.chunk_numels[c] * esize for c in cs) for cs in units] or [0]
-    pairs = [a + b for a, b in zip(per_unit, per_unit[1:])] or per_unit
+    per_unit = [sum(layout.chunk_numels[c] * esize for c in cs) for cs in units]
     trainable = [cid for cid, members in enumerate(layout.members) if any(params[m].requires_grad for m in members)]
-    grads = sorted((layout.chunk_numels[c] * gsize for c in trainable), reverse=True)[:2]
-    staging = max(n // world_size for n in layout.chunk_numels) * max(esize, gsize) if world_size > 1 else 0
-    return max(pairs) + sum(grads) + staging
+    grads = [layout.chunk_numels[c] * gsize for c in trainable]
+    shards = [n // world_size * esize for n in layout.chunk_numels]
+    return _working_set_bytes(per_unit, grads, shards, world_size)
