@@ -337,4 +337,4 @@ class Chunk:
         self.reduced_this_backward = True
         for slot in self.slots:
             if slot.state is TensorState.READY_FOR_REDUCE:
-                slot.set_state(TensorState.HOLD_AFTER_BWD)
+                slot.set_state(TensorState.HOLD_AFTER_BWD if self.unsharded else TensorState.FREE)
