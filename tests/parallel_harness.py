@@ -6,6 +6,12 @@ with :func:`hf_elixir.parallel.reduce_gradients`) and once as the single-process
 unmodified model, loss = mean of the per-batch losses over every distinct batch of the step,
 ``None`` gradients -> zeros as a chunk's gradient buffer would hold them). Each case returns
 metrics; the test asserts on them. Rank 0 writes ``results.json`` (worst value over ranks).
+
+``elixir_*`` cases additionally run ``hf_elixir.prepare`` on the parallelized model (chunks of
+``CHUNK_NUMEL`` sharded over the data-parallel groups, no budget or a tight one that forces
+evictions) and train through ``optimizer.backward / clip_grad_norm(MAX_NORM) / step / zero_grad``;
+the reference clips with ``torch.nn.utils.clip_grad_norm_`` at the same norm, so the global norm
+(tp-replicated parameters counted once) is compared every step.
 """
 
 from __future__ import annotations
