@@ -8,6 +8,7 @@ keep working.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,21 +124,21 @@ class _Sizes:
                                    if c.trainable else 0) for c in chunks}
 
 
-def _working_set_bytes(per_unit_full: list[int], grad_bytes: list[int], shard_bytes: list[int],
-                       world_size: int) -> int:
+def _working_set_bytes(per_unit_full: list[int], grad_bytes: list[int], staging_bytes: int) -> int:
     """Device bytes needed by two adjacent units at once (backward overlaps the previous unit's release),
     plus two gradient buffers and, with several ranks, an onload staging shard or reduce-scatter output."""
     per_unit = per_unit_full or [0]
     pairs = [a + b for a, b in zip(per_unit, per_unit[1:])] or per_unit
-    staging = 0
-    if world_size > 1:
-        staging = max(max(shard_bytes, default=0), max(grad_bytes, default=0) // world_size)
-    return max(pairs) + sum(sorted(grad_bytes, reverse=True)[:2]) + staging
+    return max(pairs) + sum(sorted(grad_bytes, reverse=True)[:2]) + staging_bytes
 
 
-def _working_set(handles_chunks: list[list[Chunk]], sizes: _Sizes, world_size: int) -> int:
+def _working_set(handles_chunks: list[list[Chunk]], sizes: _Sizes, chunks: list[Chunk]) -> int:
     per_unit = [sum(sizes.full[c.chunk_id] for c in cs) for cs in handles_chunks]
-    return _working_set_bytes(per_unit, list(sizes.grad.values()), list(sizes.shard.values()), world_size)
+    # onload staging of a host shard, or the reduce-scatter output shard; a chunk's own group decides
+    # (a tensor-parallel model's chunks are sharded over the data-parallel axis only)
+    staging = max([max(sizes.shard[c.chunk_id], sizes.grad[c.chunk_id] // c.world_size)
+                   for c in chunks if c.world_size > 1] or [0])
+    return _working_set_bytes(per_unit, list(sizes.grad.values()), staging)
 
 
 def _place(chunks: list[Chunk], plan: ElixirPlan | None, config: ElixirConfig, sizes: _Sizes,
@@ -154,7 +155,7 @@ def _place(chunks: list[Chunk], plan: ElixirPlan | None, config: ElixirConfig, s
             c.optim_on_device = c.chunk_id in dev_optim
         return ["placement taken from ElixirConfig.plan"]
     ids = [c.chunk_id for c in chunks]
-    shard_all = sum(sizes.shard.values()) if world_size > 1 else 0
+    shard_all = sum(sizes.shard[c.chunk_id] for c in chunks if c.world_size > 1)
     everything = sum(sizes.full.values()) + shard_all + sum(sizes.optim.values()) + sum(
         sorted(sizes.grad.values(), reverse=True)[:2])
     offload_opt = config.offload_optimizer
@@ -171,10 +172,10 @@ def _place(chunks: list[Chunk], plan: ElixirPlan | None, config: ElixirConfig, s
     reasons = [f"working set {working_set} bytes reserved; optimizer states on "
                f"{'device' if offload_opt is False else 'host'}"]
     # shards on the device first (first-use order), up to half the spare; the rest is cache
-    cost = sizes.full if world_size == 1 else sizes.shard
     used = 0
     for cid in ids:
         c = chunks[cid]
+        cost = sizes.full if c.world_size == 1 else sizes.shard
         c.resident = False
         c.optim_on_device = offload_opt is False
         c.shard_on_device = used + cost[cid] <= spare // 2
@@ -264,6 +265,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         raise TypeError(f"hf_elixir.prepare(config={config!r}) must be an ElixirConfig")
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("this model is already prepared by hf_elixir.prepare; prepare it only once")
+    from hf_elixir.parallel import placements_for_plan  # noqa: PLC0415 (avoid an import cycle)
+
+    placements = placements_for_plan(model, config)  # validates tp/ep sizes against the model first
     plan = _load_plan(config)
     if plan is None and config.search == "auto":
         if sample_batch is None:
@@ -318,7 +322,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     handles = install_hooks(model, manager)
     optim_factor = optimizer_state_numel_factor(optimizer) if optimizer is not None else 0
     sizes = _Sizes(chunks, optim_factor if optimizer is not None else 0, config.precision)
-    working_set = _working_set([h.chunks for h in handles], sizes, world_size)
+    working_set = _working_set([h.chunks for h in handles], sizes, chunks)
     reasons = _place(chunks, plan, config, sizes, working_set, world_size)
     if optimizer is None:
         for c in chunks:
@@ -338,6 +342,14 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             device_shard_chunks=[c.chunk_id for c in chunks if c.shard_on_device],
             device_optim_chunks=[c.chunk_id for c in chunks if c.optim_on_device],
             prefetch_depth=manager.prefetch_depth, reasons=reasons)
+    if not plan.placements:
+        plan = dataclasses.replace(plan, placements=placements)
+    elif dict(plan.placements) != placements:
+        changed = sorted(k for k in set(plan.placements) | set(placements)
+                         if plan.placements.get(k) != placements.get(k))
+        raise ValueError(f"ElixirConfig.plan.placements differ from this model's placements at {changed[:5]}; "
+                         "re-run the search (`hf-elixir plan`) with the same ElixirConfig.placements and "
+                         "tensor/expert-parallel sizes")
     state = ElixirState(manager=manager, handles=handles, config=config, plan=plan)
     elixir_optimizer = None
     if optimizer is not None:
@@ -412,5 +424,5 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
     per_unit = [sum(layout.chunk_numels[c] * esize for c in cs) for cs in units]
     trainable = [cid for cid, members in enumerate(layout.members) if any(params[m].requires_grad for m in members)]
     grads = [layout.chunk_numels[c] * gsize for c in trainable]
-    shards = [n // world_size * esize for n in layout.chunk_numels]
-    return _working_set_bytes(per_unit, grads, shards, world_size)
+    staging = max(n // world_size for n in layout.chunk_numels) * max(esize, gsize) if world_size > 1 else 0
+    return _working_set_bytes(per_unit, grads, staging)
