@@ -15,6 +15,7 @@ write-back (no device->host traffic), except after ``load_state_dict`` wrote int
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -118,6 +119,7 @@ class Chunk:
         # ranks whose MoE experts got no tokens therefore never issue a different all-gather sequence.
         self.host_full: torch.Tensor | None = None
         self.host_full_version = -1
+        self.ready_event = None  # CUDA event of a side-stream unshard (prefetch)
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -188,15 +190,44 @@ class Chunk:
             need += self.shard_bytes
         return need
 
-    def unshard(self) -> None:
+    def unshard(self, side_stream=None) -> None:
         """Make ``full`` hold this step's parameter values (onload and/or all-gather).
 
         The manager has made room (``fill_bytes_needed``) before calling.
+
+        Args:
+            side_stream: a CUDA stream to issue the copies on (prefetch overlapped with compute);
+                :meth:`wait_ready` then orders the compute stream after them. ``None``: the current stream.
         """
         if not self.needs_fill():
             return
         counters = self.manager.counters
         pool = self.manager.pool
+        if side_stream is not None:
+            side_stream.wait_stream(torch.cuda.current_stream())
+        stream_ctx = torch.cuda.stream(side_stream) if side_stream is not None else contextlib.nullcontext()
+        with stream_ctx:
+            self._fill(counters, pool)
+        if side_stream is not None:
+            self.ready_event = torch.cuda.Event()
+            self.ready_event.record(side_stream)
+        counters.num_unshards += 1
+        self.unsharded = True
+        self.full_version = self.version
+        for slot in self.slots:
+            if slot.state is TensorState.FREE:
+                slot.set_state(TensorState.HOLD)
+
+    def wait_ready(self) -> None:
+        """Order the current CUDA stream after a side-stream unshard, and tell the caching allocator
+        the compute stream uses the buffer (so freeing it later cannot race the compute)."""
+        if self.ready_event is not None:
+            current = torch.cuda.current_stream()
+            current.wait_event(self.ready_event)
+            self.full.record_stream(current)
+            self.ready_event = None
+
+    def _fill(self, counters, pool) -> None:
         if not self.unsharded and not self.full_alias:
             pool.charge(self.full_bytes, f"unsharded chunk {self.chunk_id}")
             _alloc_storage(self.full)
@@ -224,12 +255,6 @@ class Chunk:
                 if staged:
                     del src
                     pool.release(self.shard_bytes)
-        counters.num_unshards += 1
-        self.unsharded = True
-        self.full_version = self.version
-        for slot in self.slots:
-            if slot.state is TensorState.FREE:
-                slot.set_state(TensorState.HOLD)
 
     def reshard(self) -> None:
         """Free the unsharded copy, keeping only the shard (no device->host traffic, see Note)."""
@@ -310,7 +335,6 @@ class Chunk:
         pool.release(self.grad_full_bytes)
         self.grad_full = None
         self.reduced_this_backward = True
-        after = TensorState.HOLD_AFTER_BWD if (self.unsharded or self.full_alias) else TensorState.FREE
         for slot in self.slots:
             if slot.state is TensorState.READY_FOR_REDUCE:
-                slot.set_state(after)
+                slot.set_state(TensorState.HOLD_AFTER_BWD if (self.unsharded or self.full_alias) else TensorState.FREE)
