@@ -94,6 +94,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self.scaler = DynamicLossScaler(config.loss_scale, enabled=config.precision == "fp16")
         self._unscaled = False
         self._found_inf = False
+        self._kernel_sq_norms: dict[int, torch.Tensor] = {}
         self._param_group_of: dict[torch.nn.Parameter, int] = {}
         for index, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -288,15 +289,31 @@ class ElixirOptimizer(torch.optim.Optimizer):
             return
         self._unscaled = True
         self._found_inf = False
+        self._kernel_sq_norms = {}
         if not self.scaler.enabled:
             return
         inv = 1.0 / self.scaler.scale
         found = torch.zeros(1, dtype=torch.float32)
-        for grad in self._grad_shards():
-            grad.mul_(inv)
-            found = torch.maximum(found, (~torch.isfinite(grad)).any().float().reshape(1).cpu())
+        for cid, grad in self.manager.grad_shards.items():
+            if self._use_kernels(grad):
+                # one fused pass: unscale, overflow flag and squared norm (Triton issue #3, kernel 2);
+                # the norm is kept on the device for clip_grad_norm, no host sync per chunk
+                import triton_kernels  # noqa: PLC0415
+
+                flag = torch.zeros(1, dtype=torch.float32, device=grad.device)
+                self._kernel_sq_norms[cid] = triton_kernels.unscale_norm_(
+                    grad, inv_scale=inv, found_inf=flag, force_triton=self._force_fused)
+                found = torch.maximum(found, flag.cpu())
+            else:
+                grad.mul_(inv)
+                found = torch.maximum(found, (~torch.isfinite(grad)).any().float().reshape(1).cpu())
         found = self._all_reduce(found, dist.ReduceOp.MAX)
         self._found_inf = bool(found.item())
+
+    def _use_kernels(self, tensor: torch.Tensor) -> bool:
+        import triton_kernels  # noqa: PLC0415
+
+        return triton_kernels.HAS_TRITON and (tensor.device.type == "cuda" or self._force_fused)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients by one global norm over every rank and chunk.
@@ -317,7 +334,9 @@ class ElixirOptimizer(torch.optim.Optimizer):
             local = torch.stack([g.abs().max().cpu() for g in grads if g.numel()]).max() if grads else torch.zeros(())
             total = self._all_reduce(local.reshape(1).float(), dist.ReduceOp.MAX)[0]
         else:
-            local = sum((g.double().norm(norm_type) ** norm_type).cpu() / chunks[cid].norm_replicas
+            cached = self._kernel_sq_norms if norm_type == 2.0 else {}
+            local = sum((cached[cid].double().cpu() if cid in cached
+                         else (g.double().norm(norm_type) ** norm_type).cpu()) / chunks[cid].norm_replicas
                         for cid, g in self.manager.grad_shards.items()) if grads else torch.zeros(())
             total = self._all_reduce(torch.as_tensor(local, dtype=torch.float64).reshape(1), dist.ReduceOp.SUM)[0]
             total = total ** (1.0 / norm_type)
@@ -326,6 +345,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         if coef < 1.0:
             for g in grads:
                 g.mul_(coef)
+        self._kernel_sq_norms = {}  # stale once clipped
         return total
 
     # -- step ----------------------------------------------------------------------------------
