@@ -314,7 +314,15 @@ class Chunk:
         if self.grad_full is None:
             pool.charge(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
             self.grad_full = torch.zeros(self.chunk_numel, dtype=self.grad_dtype, device=self.compute_device)
-        with torch.no_grad():
+        # [Note: reduce overlap] on CUDA, with the optimizer state on the device, the reduce-scatter and
+        # the accumulation into the shard gradient run on the manager's reduce stream, overlapping the
+        # rest of backward; record_stream keeps the caching allocator from reusing the buffers early and
+        # the end-of-backward callback joins the stream. Host optimizer state needs the result on the
+        # host, so that case stays on the current stream.
+        stream = self.manager.reduce_stream if self.optim_on_device else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
             if self.world_size > 1:
                 shard_grad_bytes = self.grad_full_bytes // self.world_size
                 self.manager.make_room(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
@@ -329,6 +337,9 @@ class Chunk:
             if not self.optim_on_device:
                 counters.d2h_bytes += self.shard_numel * out.element_size()
             grad_shard.add_(out.to(grad_shard.device, grad_shard.dtype))
+            if stream is not None:
+                self.grad_full.record_stream(stream)
+                out.record_stream(stream)
             del out
         if shard_grad_bytes:
             pool.release(shard_grad_bytes)

@@ -46,6 +46,8 @@ class ChunkManager:
         self.prefetch_depth = prefetch_depth
         # prefetches are issued on a side stream on CUDA, overlapped with compute
         self.copy_stream = torch.cuda.Stream() if compute_device.type == "cuda" else None
+        # gradient reduce-scatters of device-optimizer chunks overlap backward on CUDA
+        self.reduce_stream = torch.cuda.Stream() if compute_device.type == "cuda" else None
         self.chunks: list[Chunk] = []
         self.slot_of: dict[torch.nn.Parameter, ParamSlot] = {}
         self.chunk_of: dict[torch.nn.Parameter, Chunk] = {}
@@ -178,8 +180,9 @@ class ChunkManager:
 
     def synchronize(self) -> None:
         """Wait for side-stream copies (before the host optimizer touches host shards)."""
-        if self.copy_stream is not None:
-            self.copy_stream.synchronize()
+        for stream in (self.copy_stream, self.reduce_stream):
+            if stream is not None:
+                stream.synchronize()
 
     def end_step(self) -> None:
         """Called at the optimizer step: the current trace becomes the reference for eviction."""
@@ -261,6 +264,8 @@ class ChunkManager:
         for chunk in self._reduce_order:
             if chunk.grad_full is not None:
                 self._reduce(chunk)
+        if self.reduce_stream is not None:
+            torch.cuda.current_stream().wait_stream(self.reduce_stream)
         flags = self._backward_flags
         for group, indices in self.flag_groups:
             part = flags[indices]
