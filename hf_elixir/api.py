@@ -8,6 +8,7 @@ keep working.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,16 +124,21 @@ class _Sizes:
                                    if c.trainable else 0) for c in chunks}
 
 
-def _working_set(handles_chunks: list[list[Chunk]], sizes: _Sizes, world_size: int) -> int:
+def _working_set_bytes(per_unit_full: list[int], grad_bytes: list[int], staging_bytes: int) -> int:
     """Device bytes needed by two adjacent units at once (backward overlaps the previous unit's release),
-    plus two gradient buffers and an onload staging shard."""
-    per_unit = [sum(sizes.full[c.chunk_id] for c in cs) for cs in handles_chunks] or [0]
+    plus two gradient buffers and, with several ranks, an onload staging shard or reduce-scatter output."""
+    per_unit = per_unit_full or [0]
     pairs = [a + b for a, b in zip(per_unit, per_unit[1:])] or per_unit
-    grads = sorted(sizes.grad.values(), reverse=True)[:2]
-    staging = 0
-    if world_size > 1:  # onload staging of a host shard, or the reduce-scatter output shard
-        staging = max(max(sizes.shard.values(), default=0), max(sizes.grad.values(), default=0) // world_size)
-    return max(pairs) + sum(grads) + staging
+    return max(pairs) + sum(sorted(grad_bytes, reverse=True)[:2]) + staging_bytes
+
+
+def _working_set(handles_chunks: list[list[Chunk]], sizes: _Sizes, chunks: list[Chunk]) -> int:
+    per_unit = [sum(sizes.full[c.chunk_id] for c in cs) for cs in handles_chunks]
+    # onload staging of a host shard, or the reduce-scatter output shard; a chunk's own group decides
+    # (a tensor-parallel model's chunks are sharded over the data-parallel axis only)
+    staging = max([max(sizes.shard[c.chunk_id], sizes.grad[c.chunk_id] // c.world_size)
+                   for c in chunks if c.world_size > 1] or [0])
+    return _working_set_bytes(per_unit, list(sizes.grad.values()), staging)
 
 
 def _place(chunks: list[Chunk], plan: ElixirPlan | None, config: ElixirConfig, sizes: _Sizes,
@@ -149,7 +155,7 @@ def _place(chunks: list[Chunk], plan: ElixirPlan | None, config: ElixirConfig, s
             c.optim_on_device = c.chunk_id in dev_optim
         return ["placement taken from ElixirConfig.plan"]
     ids = [c.chunk_id for c in chunks]
-    shard_all = sum(sizes.shard.values()) if world_size > 1 else 0
+    shard_all = sum(sizes.shard[c.chunk_id] for c in chunks if c.world_size > 1)
     everything = sum(sizes.full.values()) + shard_all + sum(sizes.optim.values()) + sum(
         sorted(sizes.grad.values(), reverse=True)[:2])
     offload_opt = config.offload_optimizer
@@ -166,10 +172,10 @@ def _place(chunks: list[Chunk], plan: ElixirPlan | None, config: ElixirConfig, s
     reasons = [f"working set {working_set} bytes reserved; optimizer states on "
                f"{'device' if offload_opt is False else 'host'}"]
     # shards on the device first (first-use order), up to half the spare; the rest is cache
-    cost = sizes.full if world_size == 1 else sizes.shard
     used = 0
     for cid in ids:
         c = chunks[cid]
+        cost = sizes.full if c.world_size == 1 else sizes.shard
         c.resident = False
         c.optim_on_device = offload_opt is False
         c.shard_on_device = used + cost[cid] <= spare // 2
@@ -180,10 +186,39 @@ def _place(chunks: list[Chunk], plan: ElixirPlan | None, config: ElixirConfig, s
     return reasons
 
 
-def _build_chunks(model, params_in_order, names, layout: ChunkLayout, dtype, group, device, manager):
+def _comm_buckets(model, params, names, config: ElixirConfig):
+    """Split ``params`` (order kept) by (process group, grad-norm replicas).
+
+    Plain data parallel: one bucket over the default group. A model rewritten by
+    :func:`hf_elixir.parallel.parallelize` gets the groups of its mesh (see [Note: gradient groups] in
+    ``hf_elixir/parallel/_mesh.py``): expert parameters are sharded over the expert-data-parallel group,
+    the rest over the data-parallel group; parameters replicated across tensor-parallel ranks count
+    once in the global gradient norm (``replicas = tp``).
+    """
+    from hf_elixir.parallel import get_parallel_state  # noqa: PLC0415 (avoid an import cycle)
+
+    pstate = get_parallel_state(model)
+    if pstate is None:
+        return [(_default_group(config), 1, list(params))]
+    mesh = pstate.mesh
+    buckets: dict[tuple[int, int], tuple] = {}
+    for p in params:
+        name = names[p][0]
+        group = mesh.expert_dp_group if pstate.is_expert_param(name) else mesh.dp_group
+        replicas = mesh.tp_size if mesh.tp_size > 1 and name not in pstate.tp_layouts else 1
+        key = (id(group), replicas)
+        if key not in buckets:
+            buckets[key] = (group, replicas, [])
+        buckets[key][2].append(p)
+    return list(buckets.values())
+
+
+def _build_chunks(params_in_order, names, layout: ChunkLayout, dtype, group, device, manager,
+                  first_id: int = 0, first_flag: int = 0, replicas: int = 1):
     chunks: list[Chunk] = []
-    flag_index = 0
-    for cid, (members, offsets) in enumerate(zip(layout.members, layout.offsets)):
+    flag_index = first_flag
+    for local_id, (members, offsets) in enumerate(zip(layout.members, layout.offsets)):
+        cid = first_id + local_id
         slots = []
         for i, (member, offset) in enumerate(zip(members, offsets)):
             param = params_in_order[member]
@@ -195,18 +230,16 @@ def _build_chunks(model, params_in_order, names, layout: ChunkLayout, dtype, gro
             flag_index += int(trainable)
             slots.append(slot)
             manager.slot_of[param] = slot
-        chunk = Chunk(cid, slots, layout.chunk_numels[cid], dtype, group, device, manager)
+        chunk = Chunk(cid, slots, layout.chunk_numels[local_id], dtype, group, device, manager)
+        chunk.norm_replicas = replicas
         for slot in slots:
             manager.chunk_of[slot.param] = chunk
         chunks.append(chunk)
-    manager.num_flags = flag_index
-    manager.has_grad_flags = torch.zeros(flag_index)
-    manager._backward_flags = torch.zeros(flag_index)
-    return chunks
+    return chunks, flag_index
 
 
 def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-            config: ElixirConfig | None = None):
+            config: ElixirConfig | None = None, *, sample_batch: dict | None = None):
     """Put ``model`` under chunk memory management; wrap ``optimizer``.
 
     Args:
@@ -215,6 +248,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         optimizer: a ``torch.optim`` optimizer on ``model.parameters()`` (element-wise kinds only), or
             ``None`` for inference.
         config: :class:`~hf_elixir.config.ElixirConfig`; default all-resident fp32.
+        sample_batch: a batch (``model(**sample_batch)`` returns ``.loss``) to profile one step with,
+            required by ``ElixirConfig(search="auto")``.
 
     Returns:
         ``(model, optimizer)``: the same model object, and an
@@ -230,11 +265,17 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         raise TypeError(f"hf_elixir.prepare(config={config!r}) must be an ElixirConfig")
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("this model is already prepared by hf_elixir.prepare; prepare it only once")
+    from hf_elixir.parallel import placements_for_plan  # noqa: PLC0415 (avoid an import cycle)
+
+    placements = placements_for_plan(model, config)  # validates tp/ep sizes against the model first
     plan = _load_plan(config)
     if plan is None and config.search == "auto":
+        if sample_batch is None:
+            raise ValueError("ElixirConfig.search='auto' profiles one training step: pass "
+                             "hf_elixir.prepare(model, optimizer, config, sample_batch=batch)")
         from hf_elixir.search import auto_plan  # noqa: PLC0415 (optional heavy import)
 
-        plan = auto_plan(model, config)
+        plan = auto_plan(model, sample_batch, config)
     device = _compute_device()
     group = _default_group(config)
     world_size = dist.get_world_size(group) if group is not None else 1
@@ -255,19 +296,33 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     numels = [p.numel() for p in params]
     chunk_size = config.chunk_size_numel or (plan.chunk_size_numel if plan and plan.chunk_size_numel else None)
     chunk_size = chunk_size or _heuristic_chunk_size(numels)
-    layout = pack_chunks(numels, chunk_size, world_size)
     manager = ChunkManager(compute_device=device, budget_bytes=config.device_memory_budget_bytes,
                            reduce_dtype=torch.float32 if config.reduce_dtype == "fp32" else None,
                            prefetch_depth=plan.prefetch_depth if plan else config.prefetch_depth)
-    chunks = _build_chunks(model, params, names, layout, dtype, group, device, manager)
+    chunks: list[Chunk] = []
+    num_flags = 0
+    flag_groups = []
+    for bucket_group, replicas, bucket in _comm_buckets(model, params, names, config):
+        bucket_ws = dist.get_world_size(bucket_group) if bucket_group is not None else 1
+        layout = pack_chunks([p.numel() for p in bucket], chunk_size, bucket_ws)
+        new, end_flag = _build_chunks(bucket, names, layout, dtype, bucket_group, device, manager,
+                                      first_id=len(chunks), first_flag=num_flags, replicas=replicas)
+        if bucket_ws > 1 and end_flag > num_flags:
+            flag_groups.append((bucket_group, torch.arange(num_flags, end_flag)))
+        chunks += new
+        num_flags = end_flag
     manager.chunks = chunks
+    manager.num_flags = num_flags
+    manager.has_grad_flags = torch.zeros(num_flags)
+    manager._backward_flags = torch.zeros(num_flags)
+    manager.flag_groups = flag_groups
     num_params = sum(numels)
     if plan is not None:
         _check_plan(plan, model, num_params, world_size, config.precision, len(chunks))
     handles = install_hooks(model, manager)
     optim_factor = optimizer_state_numel_factor(optimizer) if optimizer is not None else 0
     sizes = _Sizes(chunks, optim_factor if optimizer is not None else 0, config.precision)
-    working_set = _working_set([h.chunks for h in handles], sizes, world_size)
+    working_set = _working_set([h.chunks for h in handles], sizes, chunks)
     reasons = _place(chunks, plan, config, sizes, working_set, world_size)
     if optimizer is None:
         for c in chunks:
@@ -278,8 +333,6 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         if not chunk.resident and not chunk.full_alias:
             chunk.reshard()
     manager._trainable_chunks = [c for c in chunks if c.trainable]
-    if group is not None and world_size > 1 and manager.num_flags:
-        manager.flag_groups = [(group, torch.arange(manager.num_flags))]
     if plan is None:
         plan = ElixirPlan(
             model_type=getattr(getattr(model, "config", None), "model_type", ""), num_params=num_params,
@@ -289,6 +342,14 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             device_shard_chunks=[c.chunk_id for c in chunks if c.shard_on_device],
             device_optim_chunks=[c.chunk_id for c in chunks if c.optim_on_device],
             prefetch_depth=manager.prefetch_depth, reasons=reasons)
+    if not plan.placements:
+        plan = dataclasses.replace(plan, placements=placements)
+    elif dict(plan.placements) != placements:
+        changed = sorted(k for k in set(plan.placements) | set(placements)
+                         if plan.placements.get(k) != placements.get(k))
+        raise ValueError(f"ElixirConfig.plan.placements differ from this model's placements at {changed[:5]}; "
+                         "re-run the search (`hf-elixir plan`) with the same ElixirConfig.placements and "
+                         "tensor/expert-parallel sizes")
     state = ElixirState(manager=manager, handles=handles, config=config, plan=plan)
     elixir_optimizer = None
     if optimizer is not None:
@@ -360,9 +421,8 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
     from hf_elixir.runtime.hooks import _units  # noqa: PLC0415
 
     units = [sorted({chunk_of[p] for p in ps}) for _, _, ps, _ in _units(model, set(params))]
-    per_unit = [sum(layout.chunk_numels[c] * esize for c in cs) for cs in units] or [0]
-    pairs = [a + b for a, b in zip(per_unit, per_unit[1:])] or per_unit
+    per_unit = [sum(layout.chunk_numels[c] * esize for c in cs) for cs in units]
     trainable = [cid for cid, members in enumerate(layout.members) if any(params[m].requires_grad for m in members)]
-    grads = sorted((layout.chunk_numels[c] * gsize for c in trainable), reverse=True)[:2]
+    grads = [layout.chunk_numels[c] * gsize for c in trainable]
     staging = max(n // world_size for n in layout.chunk_numels) * max(esize, gsize) if world_size > 1 else 0
-    return max(pairs) + sum(grads) + staging
+    return _working_set_bytes(per_unit, grads, staging)

@@ -34,13 +34,16 @@ _HOLDS = (_S.HOLD, _S.HOLD_AFTER_FWD, _S.HOLD_AFTER_BWD)
 
 #: allowed ``old -> {new}`` moves. COMPUTE -> COMPUTE is a nested or repeated use (a module called
 #: twice, a tied parameter used by two modules, recomputation under activation checkpointing).
+#: FREE -> READY_FOR_REDUCE and back: a gradient can arrive after its chunk was evicted (gradients
+#: live in the chunk's own buffer, not in its data): e.g. a tied embedding weight, whose last
+#: contribution comes from ``nn.Embedding``'s backward, which never unshards (see runtime/hooks.py).
 TRANSITIONS: dict[TensorState, frozenset[TensorState]] = {
-    _S.FREE: frozenset({_S.HOLD}),
+    _S.FREE: frozenset({_S.HOLD, _S.READY_FOR_REDUCE}),
     _S.HOLD: frozenset({_S.FREE, _S.COMPUTE, _S.HOLD, _S.READY_FOR_REDUCE}),
     _S.COMPUTE: frozenset({_S.COMPUTE, _S.HOLD, _S.HOLD_AFTER_FWD, _S.HOLD_AFTER_BWD, _S.READY_FOR_REDUCE}),
     _S.HOLD_AFTER_FWD: frozenset({_S.FREE, _S.COMPUTE, _S.HOLD, _S.HOLD_AFTER_FWD, _S.READY_FOR_REDUCE}),
     _S.HOLD_AFTER_BWD: frozenset({_S.FREE, _S.COMPUTE, _S.HOLD, _S.HOLD_AFTER_BWD, _S.READY_FOR_REDUCE}),
-    _S.READY_FOR_REDUCE: frozenset({_S.READY_FOR_REDUCE, _S.HOLD_AFTER_BWD, _S.COMPUTE}),
+    _S.READY_FOR_REDUCE: frozenset({_S.READY_FOR_REDUCE, _S.HOLD_AFTER_BWD, _S.COMPUTE, _S.FREE}),
 }
 
 

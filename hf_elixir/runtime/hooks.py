@@ -53,26 +53,6 @@ def mark_used(manager: ChunkManager, slots: list[ParamSlot]) -> None:
         chunk_of[slot.param].used_slots.add(slot.index_in_chunk)
 
 
-class _PreBackward(torch.autograd.Function):
-    """Identity on the module's outputs; its backward runs before the module's backward.
-
-    An ``anchor`` input that requires grad makes every floating output require grad, so the hook runs
-    on every rank even where a data-dependent module produced a constant output (an MoE expert
-    container whose experts got no tokens returns ``zeros_like``): backward unshards stay in step.
-    """
-
-    @staticmethod
-    def forward(ctx, handle: "ModuleHandle", has_grad_inputs: bool, anchor: torch.Tensor, *tensors):
-        ctx.handle = handle
-        ctx.has_grad_inputs = has_grad_inputs
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.handle.pre_backward(None, has_grad_inputs=ctx.has_grad_inputs)
-        return (None, None, None, *grads)
-
-
 class ModuleHandle:
     """The hooks of one module with managed parameters (its unit: direct params, or the subtree)."""
 
@@ -88,7 +68,6 @@ class ModuleHandle:
         self.bwd_pins = 0  # released by _PostBackward (the module's input gradients exist)
         self.grad_pins = 0  # released when the unit's trainable parameters have their gradients
         self._call_has_grad_inputs = False
-        self._anchor: torch.Tensor | None = None
         # [Note: embedding backward] nn.Embedding's backward reads only the indices and the output
         # gradient, never the weight, so its chunk need not be unsharded for backward.
         self.unshard_for_backward = not isinstance(module, torch.nn.Embedding)
@@ -110,7 +89,6 @@ class ModuleHandle:
         flat, spec = tree_flatten((args, kwargs))
         positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         self._call_has_grad_inputs = bool(positions)
-        self._anchor = flat[positions[0]] if positions else None
         if not positions:
             return None
         wrapped = _PostBackward.apply(self, *[flat[i] for i in positions])
@@ -124,19 +102,13 @@ class ModuleHandle:
                          only_from=(TensorState.COMPUTE,))
         if not torch.is_grad_enabled():
             return output
-        flat, spec = tree_flatten(output)
-        positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        needs_grad = [i for i in positions if flat[i].requires_grad]
-        if not needs_grad and self._anchor is None:
-            return output
-        if self._anchor is not None and positions:
-            anchor, self._anchor = self._anchor, None
-            wrapped = _PreBackward.apply(self, self._call_has_grad_inputs, anchor, *[flat[i] for i in positions])
-            for i, tensor in zip(positions, wrapped):
-                flat[i] = tensor
-            return tree_unflatten(flat, spec)
-        hook = functools.partial(self.pre_backward, has_grad_inputs=self._call_has_grad_inputs)
-        register_multi_grad_hook([flat[i] for i in needs_grad], hook, mode="any")
+        # [Note: backward is rank-local] a unit whose outputs need no gradient on this rank (an MoE
+        # expert container whose experts got no tokens returns zeros) simply does not unshard for
+        # backward here; backward unshards never all-gather (Chunk notes), so ranks cannot diverge.
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            hook = functools.partial(self.pre_backward, has_grad_inputs=self._call_has_grad_inputs)
+            register_multi_grad_hook(tensors, hook, mode="any")
         return output
 
     # -- backward ------------------------------------------------------------------------------
