@@ -53,11 +53,8 @@ def test_quick_suite_end_to_end(tmp_path: Path) -> None:
     rows = main[2:]
     seen = {(r[0], int(r[1])) for r in rows}
     assert seen == _expected_peers()
-    # the peers and hf_elixir's all-resident mode must run; a budgeted hf_elixir mode may fail inside
-    # the library (that is a benchmark result), but then its row must say why
-    budgeted = {PEERS[n].label for n in ("elixir_budget", "elixir_search", "elixir_min")}
     failed = [r for r in rows if r[2] == "FAILED"]
-    assert all(r[0] in budgeted and len(r[-1]) > 10 for r in failed), failed
+    assert not failed, failed  # every peer and every hf_elixir mode must run
     ran = [r for r in rows if r[2] != "FAILED"]
     first_losses = {r[-1].split("->")[0] for r in ran}
     assert len(first_losses) == 1, f"peers did not train the same model/batch: {first_losses}"
