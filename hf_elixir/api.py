@@ -77,10 +77,23 @@ def _unique_params(model: torch.nn.Module) -> dict[torch.nn.Parameter, list[str]
     return names
 
 
-def _heuristic_chunk_size(numels: list[int]) -> int:
-    """Largest parameter, or an eighth of the model if that is larger (a few chunks per model)."""
-    total = sum(numels)
-    return max(max(numels, default=1), -(-total // 8), 1)
+def _default_chunk_size(numels: list[int], budget_bytes: int | None, world_size: int, element_bytes: int) -> int:
+    """Chunk size when neither the config nor a plan gives one.
+
+    Without a budget, few large chunks (an eighth of the model, at least the largest parameter): fewer
+    collectives. Under a budget the working set (two units' chunks) must fit, so the smallest size with
+    near-least padding between the largest parameter and twice it (the search's waste ranking); a
+    default that grew with the model would stop fitting a fixed budget as the model grows.
+    """
+    numels = [n for n in numels] or [1]
+    largest, total = max(max(numels), 1), sum(numels)
+    if budget_bytes is None:
+        return max(largest, -(-total // 8))
+    from hf_elixir.search import search_chunk_size  # noqa: PLC0415 (keeps import order acyclic)
+
+    upper = min(max(total, largest), max(2 * largest, 2**16))
+    return search_chunk_size(numels, world_size=world_size, element_bytes=element_bytes,
+                             upper_bound_numel=upper).chunk_size_numel
 
 
 def _load_plan(config: ElixirConfig) -> ElixirPlan | None:
@@ -295,7 +308,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         params = ordered + [p for p in params if p not in seen]
     numels = [p.numel() for p in params]
     chunk_size = config.chunk_size_numel or (plan.chunk_size_numel if plan and plan.chunk_size_numel else None)
-    chunk_size = chunk_size or _heuristic_chunk_size(numels)
+    chunk_size = chunk_size or _default_chunk_size(numels, config.device_memory_budget_bytes, world_size,
+                                                   torch.empty((), dtype=dtype).element_size())
     manager = ChunkManager(compute_device=device, budget_bytes=config.device_memory_budget_bytes,
                            reduce_dtype=torch.float32 if config.reduce_dtype == "fp32" else None,
                            prefetch_depth=plan.prefetch_depth if plan else config.prefetch_depth)
@@ -410,7 +424,9 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
     names = _unique_params(model)
     params = [p for p in names if p.is_floating_point()]
     numels = [p.numel() for p in params]
-    chunk_size = config.chunk_size_numel or _heuristic_chunk_size(numels)
+    chunk_size = config.chunk_size_numel or _default_chunk_size(
+        numels, config.device_memory_budget_bytes if config.device_memory_budget_bytes is not None else 1,
+        world_size, torch.empty((), dtype=_DTYPES[config.precision]).element_size())
     layout = pack_chunks(numels, chunk_size, world_size)
     esize = torch.empty((), dtype=_DTYPES[config.precision]).element_size()
     gsize = 4 if config.reduce_dtype == "fp32" else esize
