@@ -199,30 +199,38 @@ def _place(chunks: list[Chunk], plan: ElixirPlan | None, config: ElixirConfig, s
     return reasons
 
 
-def _comm_buckets(model, params, names, config: ElixirConfig):
-    """Split ``params`` (order kept) by (process group, grad-norm replicas).
+def _comm_buckets(model, params, names, config: ElixirConfig, placements: dict[str, str]):
+    """Split ``params`` (order kept) by (process group, grad-norm replicas, replicated).
 
     Plain data parallel: one bucket over the default group. A model rewritten by
     :func:`hf_elixir.parallel.parallelize` gets the groups of its mesh (see [Note: gradient groups] in
     ``hf_elixir/parallel/_mesh.py``): expert parameters are sharded over the expert-data-parallel group,
     the rest over the data-parallel group; parameters replicated across tensor-parallel ranks count
-    once in the global gradient norm (``replicas = tp``).
+    once in the global gradient norm (``replicas = tp``). Parameters of modules placed ``"replicated"``
+    go to chunks every rank keeps whole (no all-gather), whose gradients are all-reduced over the group.
+
+    Returns:
+        list of ``(group, replicas, replicated, params)``.
     """
     from hf_elixir.parallel import get_parallel_state  # noqa: PLC0415 (avoid an import cycle)
 
     pstate = get_parallel_state(model)
-    if pstate is None:
-        return [(_default_group(config), 1, list(params))]
-    mesh = pstate.mesh
-    buckets: dict[tuple[int, int], tuple] = {}
+    mesh = pstate.mesh if pstate is not None else None
+    default = _default_group(config)
+    buckets: dict[tuple[int, int, bool], tuple] = {}
     for p in params:
         name = names[p][0]
-        group = mesh.expert_dp_group if pstate.is_expert_param(name) else mesh.dp_group
-        replicas = mesh.tp_size if mesh.tp_size > 1 and name not in pstate.tp_layouts else 1
-        key = (id(group), replicas)
+        module_name = name.rsplit(".", 1)[0] if "." in name else ""
+        replicated = placements.get(module_name) == "replicated"
+        if mesh is None:
+            group, replicas = default, 1
+        else:
+            group = mesh.expert_dp_group if pstate.is_expert_param(name) else mesh.dp_group
+            replicas = mesh.tp_size if mesh.tp_size > 1 and name not in pstate.tp_layouts else 1
+        key = (id(group), replicas, replicated)
         if key not in buckets:
-            buckets[key] = (group, replicas, [])
-        buckets[key][2].append(p)
+            buckets[key] = (group, replicas, replicated, [])
+        buckets[key][3].append(p)
     return list(buckets.values())
 
 
@@ -316,11 +324,16 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     chunks: list[Chunk] = []
     num_flags = 0
     flag_groups = []
-    for bucket_group, replicas, bucket in _comm_buckets(model, params, names, config):
+    for bucket_group, replicas, replicated, bucket in _comm_buckets(model, params, names, config, placements):
         bucket_ws = dist.get_world_size(bucket_group) if bucket_group is not None else 1
-        layout = pack_chunks([p.numel() for p in bucket], chunk_size, bucket_ws)
-        new, end_flag = _build_chunks(bucket, names, layout, dtype, bucket_group, device, manager,
-                                      first_id=len(chunks), first_flag=num_flags, replicas=replicas)
+        storage_group = None if replicated else bucket_group
+        layout = pack_chunks([p.numel() for p in bucket], chunk_size, 1 if replicated else bucket_ws)
+        new, end_flag = _build_chunks(bucket, names, layout, dtype, storage_group, device, manager,
+                                      first_id=len(chunks), first_flag=num_flags,
+                                      replicas=replicas * (bucket_ws if replicated else 1))
+        if replicated and bucket_ws > 1:
+            for chunk in new:
+                chunk.replicate_group = bucket_group
         if bucket_ws > 1 and end_flag > num_flags:
             flag_groups.append((bucket_group, torch.arange(num_flags, end_flag)))
         chunks += new
@@ -338,6 +351,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     sizes = _Sizes(chunks, optim_factor if optimizer is not None else 0, config.precision)
     working_set = _working_set([h.chunks for h in handles], sizes, chunks)
     reasons = _place(chunks, plan, config, sizes, working_set, world_size)
+    for chunk in chunks:
+        if chunk.replicate_group is not None:  # "replicated": whole on every rank, kept on the device
+            chunk.resident = chunk.shard_on_device = True
     if optimizer is None:
         for c in chunks:
             c.optim_on_device = False

@@ -312,3 +312,35 @@ def test_fp16_unscale_norm_kernel_path_matches_pytorch_path(monkeypatch):
     assert norms_kernel[0] == pytest.approx(norms_ref[0], rel=1e-6)  # same gradients, same norm
     assert norms_kernel == pytest.approx(norms_ref, rel=1e-3)  # later steps: fused AdamW rounding in fp16
     assert rel_l2(state_kernel, state_ref) < 1e-3  # fp16 weights; fused vs torch AdamW rounding
+
+
+def _replicated_worker(rank, world_size):
+    cfg = hf_elixir.ElixirConfig(chunk_size_numel=CHUNK, placements={"*ln_*": "replicated"},
+                                 device_memory_budget_bytes=200_000)
+    model = tiny_model("gpt2")
+    ref = copy.deepcopy(model)
+    model, opt = hf_elixir.prepare(model, torch.optim.AdamW(two_groups(model), lr=5e-3), cfg)
+    state = hf_elixir.get_state(model)
+    replicated = [c for c in state.manager.chunks if c.replicate_group is not None]
+    ropt = torch.optim.AdamW(two_groups(ref), lr=5e-3)
+    for step in range(4):
+        full = batch("gpt2", step, 2 * world_size)
+        mine = {k: v[rank * 2:(rank + 1) * 2] for k, v in full.items()}
+        opt.backward(model(**mine).loss)
+        opt.clip_grad_norm(0.5)
+        opt.step()
+        opt.zero_grad()
+        ref(**full).loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ropt.step()
+        ropt.zero_grad()
+    names = {s.name for c in replicated for s in c.slots}
+    return (rel_l2(_state(model), _state(ref)), names, all(c.resident and c.world_size == 1 for c in replicated),
+            state.plan.placements.get("transformer.h.0.ln_1"))
+
+
+def test_replicated_placement_keeps_chunks_whole_and_all_reduces():
+    for rel, names, whole, placement in run_distributed(_replicated_worker, 2, timeout_s=120):
+        assert rel < 1e-5
+        assert names and all(".ln_" in n for n in names)
+        assert whole and placement == "replicated"

@@ -93,6 +93,9 @@ class Chunk:
         self.element_size = torch.empty((), dtype=dtype).element_size()
         self.trainable = any(s.trainable for s in slots)
         self.norm_replicas = 1  # ranks outside ``group`` holding an identical copy (tensor parallel)
+        # "replicated" placement: every rank of this group keeps the whole chunk (world_size 1 storage);
+        # gradients are all-reduced (mean) over it instead of reduce-scattered
+        self.replicate_group = None
         # placement (set by the manager)
         self.resident = False
         self.shard_on_device = True
@@ -155,6 +158,8 @@ class Chunk:
                 full[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
         if self.world_size > 1:
             dist.broadcast(full, src=dist.get_global_rank(self.group, 0), group=self.group)
+        elif self.replicate_group is not None:
+            dist.broadcast(full, src=dist.get_global_rank(self.replicate_group, 0), group=self.replicate_group)
         self.full = full
         for slot in self.slots:
             slot.param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
@@ -334,6 +339,10 @@ class Chunk:
             else:
                 out = self.grad_full
                 shard_grad_bytes = 0
+                if self.replicate_group is not None:
+                    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.replicate_group)
+                    counters.reduce_scatter_bytes += self.grad_full_bytes
+                    out.div_(dist.get_world_size(self.replicate_group))
             if not self.optim_on_device:
                 counters.d2h_bytes += self.shard_numel * out.element_size()
             grad_shard.add_(out.to(grad_shard.device, grad_shard.dtype))
