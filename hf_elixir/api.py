@@ -101,6 +101,9 @@ def _load_plan(config: ElixirConfig) -> ElixirPlan | None:
     if plan is None or isinstance(plan, ElixirPlan):
         return plan
     if isinstance(plan, (str, Path)):
+        if not Path(plan).is_file():
+            raise FileNotFoundError(f"ElixirConfig.plan={str(plan)!r} is not a file; write one with "
+                                    "`hf-elixir plan ... --output plan.yaml` or pass an ElixirPlan")
         return ElixirPlan.load(plan)
     raise TypeError(f"ElixirConfig.plan={plan!r} must be an ElixirPlan, a path to a plan file, or None")
 

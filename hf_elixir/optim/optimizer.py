@@ -95,6 +95,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self._unscaled = False
         self._found_inf = False
         self._kernel_sq_norms: dict[int, torch.Tensor] = {}
+        self._scaled_backward = False
+        self._warned_unscaled = False
         self._param_group_of: dict[torch.nn.Parameter, int] = {}
         for index, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -270,6 +272,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         """``loss.backward()`` with the fp16 loss scale applied (identity for fp32/bf16)."""
         if self.scaler.enabled:
             loss = loss * self.scaler.scale
+            self._scaled_backward = True
         loss.backward(**kwargs)
 
     def _grad_shards(self) -> list[torch.Tensor]:
@@ -360,6 +363,11 @@ class ElixirOptimizer(torch.optim.Optimizer):
             raise ValueError("ElixirOptimizer.step(closure) is not supported; call forward/backward before step()")
         assert not self.manager.backward_pending, "optimizer.step() called while a backward is still running"
         self.manager.synchronize()
+        if self.scaler.enabled and not self._scaled_backward and not self._warned_unscaled:
+            self._warned_unscaled = True
+            logger.warning("precision='fp16' but the loss was not scaled: call optimizer.backward(loss) (or "
+                           "accelerator.backward) instead of loss.backward(), or fp16 gradients may underflow")
+        self._scaled_backward = False
         self._unscale()
         self.user_optimizer._opt_called = True  # tells LR schedulers built on the user's optimizer
         if self._found_inf:
