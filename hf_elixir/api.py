@@ -92,8 +92,9 @@ def _default_chunk_size(numels: list[int], budget_bytes: int | None, world_size:
     from hf_elixir.search import search_chunk_size  # noqa: PLC0415 (keeps import order acyclic)
 
     upper = min(max(total, largest), max(2 * largest, 2**16))
-    return search_chunk_size(numels, world_size=world_size, element_bytes=element_bytes,
-                             upper_bound_numel=upper).chunk_size_numel
+    result = search_chunk_size(numels, world_size=world_size, element_bytes=element_bytes, upper_bound_numel=upper)
+    least = min(c.waste_fraction for c in result.candidates)
+    return min(c.chunk_size_numel for c in result.candidates if c.waste_fraction <= least + 0.05)
 
 
 def _load_plan(config: ElixirConfig) -> ElixirPlan | None:
