@@ -110,6 +110,9 @@ def _tight_budget(model, optimizer, cfg, mesh) -> int:
     """A device budget a little above the smallest one ``prepare`` accepts, so chunks get evicted."""
     import hf_elixir
 
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, chunk_size_numel=CHUNK_NUMEL)  # the chunk size prepare will use
     base = hf_elixir.min_device_budget_bytes(model, optimizer, cfg, world_size=mesh.dp_size)
     return int(base * 1.25) + 4096
 
