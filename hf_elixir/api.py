@@ -21,6 +21,7 @@ from hf_elixir.chunk.packing import ChunkLayout, pack_chunks
 from hf_elixir.config import ElixirConfig
 from hf_elixir.optim.optimizer import ElixirOptimizer, optimizer_state_numel_factor
 from hf_elixir.plan import ElixirPlan
+from hf_elixir.runtime.guards import install_guards
 from hf_elixir.runtime.hooks import ModuleHandle, install_hooks
 from hf_elixir.runtime.state_dict import install_state_dict_hooks
 
@@ -311,6 +312,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     if plan is not None:
         _check_plan(plan, model, num_params, world_size, config.precision, len(chunks))
     handles = install_hooks(model, manager)
+    install_guards(model, manager)
     optim_factor = optimizer_state_numel_factor(optimizer) if optimizer is not None else 0
     sizes = _Sizes(chunks, optim_factor if optimizer is not None else 0, config.precision)
     working_set = _working_set([h.chunks for h in handles], sizes, world_size)

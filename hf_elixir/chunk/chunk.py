@@ -310,6 +310,7 @@ class Chunk:
         pool.release(self.grad_full_bytes)
         self.grad_full = None
         self.reduced_this_backward = True
+        after = TensorState.HOLD_AFTER_BWD if (self.unsharded or self.full_alias) else TensorState.FREE
         for slot in self.slots:
             if slot.state is TensorState.READY_FOR_REDUCE:
-                slot.set_state(TensorState.HOLD_AFTER_BWD)
+                slot.set_state(after)

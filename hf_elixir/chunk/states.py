@@ -35,12 +35,15 @@ _HOLDS = (_S.HOLD, _S.HOLD_AFTER_FWD, _S.HOLD_AFTER_BWD)
 #: allowed ``old -> {new}`` moves. COMPUTE -> COMPUTE is a nested or repeated use (a module called
 #: twice, a tied parameter used by two modules, recomputation under activation checkpointing).
 TRANSITIONS: dict[TensorState, frozenset[TensorState]] = {
-    _S.FREE: frozenset({_S.HOLD}),
+    # FREE -> READY_FOR_REDUCE: a gradient that arrives while its chunk is resharded (an embedding,
+    # whose backward never reads the weight, evicted under a small budget); the gradient buffer is
+    # separate from the data, so nothing needs to be unsharded for it.
+    _S.FREE: frozenset({_S.HOLD, _S.READY_FOR_REDUCE}),
     _S.HOLD: frozenset({_S.FREE, _S.COMPUTE, _S.HOLD, _S.READY_FOR_REDUCE}),
     _S.COMPUTE: frozenset({_S.COMPUTE, _S.HOLD, _S.HOLD_AFTER_FWD, _S.HOLD_AFTER_BWD, _S.READY_FOR_REDUCE}),
     _S.HOLD_AFTER_FWD: frozenset({_S.FREE, _S.COMPUTE, _S.HOLD, _S.HOLD_AFTER_FWD, _S.READY_FOR_REDUCE}),
     _S.HOLD_AFTER_BWD: frozenset({_S.FREE, _S.COMPUTE, _S.HOLD, _S.HOLD_AFTER_BWD, _S.READY_FOR_REDUCE}),
-    _S.READY_FOR_REDUCE: frozenset({_S.READY_FOR_REDUCE, _S.HOLD_AFTER_BWD, _S.COMPUTE}),
+    _S.READY_FOR_REDUCE: frozenset({_S.READY_FOR_REDUCE, _S.HOLD_AFTER_BWD, _S.COMPUTE, _S.FREE}),
 }
 
 
