@@ -62,6 +62,14 @@ def _compute_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _check_precision_supported(precision: str, device: torch.device) -> None:
+    """Raise ``ValueError`` for a precision the compute device cannot run (bf16 before Ampere)."""
+    if device.type == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"ElixirConfig.precision='bf16' is not supported by this GPU ({name}); use "
+                         "precision='fp16' (with loss scaling) or 'fp32'")
+
+
 def _default_group(config: ElixirConfig):
     if config.process_group is not None:
         return config.process_group
@@ -269,6 +277,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
 
         plan = auto_plan(model, sample_batch, config)
     device = _compute_device()
+    _check_precision_supported(config.precision, device)
     group = _default_group(config)
     world_size = dist.get_world_size(group) if group is not None else 1
     dtype = _DTYPES[config.precision]
