@@ -3,6 +3,7 @@ across runs and world sizes (hf_elixir/checkpoint.py)."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -224,11 +225,17 @@ def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path):
 
 
 # -- sharded optimizer state across runs and world sizes ----------------------------------------------
-def _sharded_worker(rank, world_size, directory):
+def _sharded_worker(rank, world_size, directory, single_rank_directory):
+    # a checkpoint saved by a 1-rank run loads into this 2-rank run (resharded through the consolidated path)
+    model, opt, sched = _prepare(tiny_model("gpt2", seed=4))
+    load_checkpoint(single_rank_directory, model, opt)
+    from_single = (_params(model), opt.state_dict()["state"]["transformer.h.0.mlp.c_fc.weight"]["exp_avg"])
+
     model, opt, sched = _prepare(tiny_model("gpt2"))
     _train(model, opt, sched, range(3), rank=rank, world_size=world_size)
     save_checkpoint(directory, model, opt, step=3, extra={"scheduler": sched.state_dict()},
                     optimizer_layout="sharded")
+    save_checkpoint(directory + "-consolidated", model, opt, step=3, extra={"scheduler": sched.state_dict()})
     expected = _train(model, opt, sched, range(3, 5), rank=rank, world_size=world_size)
     exp_avg = opt.state_dict()["state"]["transformer.h.0.mlp.c_fc.weight"]["exp_avg"]
     expected_params = _params(model)
@@ -238,22 +245,40 @@ def _sharded_worker(rank, world_size, directory):
     fsched.load_state_dict(info["extra"]["scheduler"])
     resumed = _train(fresh, fopt, fsched, range(3, 5), rank=rank, world_size=world_size)
     same = all(torch.equal(v, expected_params[k]) for k, v in _params(fresh).items())
-    return expected, resumed, same, exp_avg
+    return expected, resumed, same, exp_avg, from_single
+
+
+def _exp_avg(opt):
+    return opt.state_dict()["state"]["transformer.h.0.mlp.c_fc.weight"]["exp_avg"]
 
 
 def test_sharded_optimizer_state_loads_into_a_fresh_run_and_another_world_size(tmp_path):
-    directory = str(tmp_path / "c")
-    results = run_distributed(_sharded_worker, 2, directory, timeout_s=120)
+    directory, single = str(tmp_path / "c"), tmp_path / "single"
+    model, opt, sched = _prepare(tiny_model("gpt2"))
+    _train(model, opt, sched, range(2), rows=4)
+    save_checkpoint(single, model, opt, step=2, optimizer_layout="sharded")
+    single_params, single_exp_avg = _params(model), _exp_avg(opt)
+
+    results = run_distributed(_sharded_worker, 2, directory, str(single), timeout_s=120)
     assert {p.name for p in Path(directory).iterdir()} >= {"optimizer.rank0.safetensors",
                                                            "optimizer.rank1.safetensors"}
-    for expected, resumed, same, _ in results:
+    for expected, resumed, same, _, (params, exp_avg) in results:
         assert resumed == expected and same  # identical continuation on each rank
-    # world size 2 -> 1: resharded through the consolidated path; after 2 more steps on both ranks'
+        assert all(torch.equal(v, single_params[k]) for k, v in params.items())  # 1 -> 2 ranks
+        assert torch.equal(exp_avg, single_exp_avg)
+    # 2 -> 1 rank, from shards and from the consolidated files: after 2 more steps on both ranks'
     # batches, the moments equal the 2-rank run's
-    model, opt, sched = _prepare(tiny_model("gpt2", seed=9))
-    info = load_checkpoint(directory, model, opt)
-    sched.load_state_dict(info["extra"]["scheduler"])
-    assert info["world_size"] == 2
-    _train(model, opt, sched, range(3, 5), rows=4)
-    one = opt.state_dict()["state"]["transformer.h.0.mlp.c_fc.weight"]["exp_avg"]
-    assert torch.allclose(one, results[0][3], rtol=1e-4, atol=1e-7)
+    for source in (directory, directory + "-consolidated"):
+        model, opt, sched = _prepare(tiny_model("gpt2", seed=9))
+        info = load_checkpoint(source, model, opt)
+        sched.load_state_dict(info["extra"]["scheduler"])
+        assert info["world_size"] == 2
+        _train(model, opt, sched, range(3, 5), rows=4)
+        assert torch.allclose(_exp_avg(opt), results[0][3], rtol=1e-4, atol=1e-7)
+    # shards over a sub-group (a tensor/expert-parallel mesh) cannot be resharded: a clear error
+    manifest_path = Path(directory) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["chunk_layout"][0]["group_size"] = 1
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="sub-groups .* resume with world size 2"):
+        load_checkpoint(directory, model, opt)
