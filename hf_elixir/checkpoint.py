@@ -268,7 +268,8 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     Raises:
         TypeError: ``step`` is not an int, ``extra`` not JSON-serialisable, ``optimizer`` not an
             ElixirOptimizer.
-        ValueError: unknown ``optimizer_layout``; ``model`` not prepared.
+        ValueError: unknown ``optimizer_layout``; ``model`` not prepared; ``directory`` exists and is
+            not a checkpoint (it is never replaced).
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise TypeError(f"save_checkpoint(step={step!r}) must be an int >= 0")
@@ -281,6 +282,10 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
                             "ElixirOptimizer returned by hf_elixir.prepare (or None)")
     extra = _check_extra(extra)
     directory = Path(directory)
+    if directory.exists() and (not directory.is_dir() or (any(directory.iterdir())
+                                                          and not (directory / _MANIFEST).is_file())):
+        raise ValueError(f"save_checkpoint({str(directory)!r}): the path exists and is not an hf_elixir "
+                         "checkpoint; refusing to replace it. Choose a new or empty directory")
     saving, previous = _siblings(directory)
     rank, world_size = _rank(), _world_size()
     plan = _plan_summary(model)

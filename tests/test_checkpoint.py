@@ -138,6 +138,11 @@ def test_user_errors_are_clear(tmp_path):
         save_checkpoint(tmp_path / "c", model, opt, step=1, optimizer_layout="zero3")
     with pytest.raises(FileNotFoundError, match="no hf_elixir checkpoint"):
         load_checkpoint(tmp_path / "nothing", model, opt)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "notes.txt").write_text("precious")
+    with pytest.raises(ValueError, match="not an hf_elixir checkpoint; refusing to replace it"):
+        save_checkpoint(tmp_path / "data", model, opt, step=1)
+    assert (tmp_path / "data" / "notes.txt").read_text() == "precious"
     save_checkpoint(tmp_path / "m", model, None, step=0)
     with pytest.raises(ValueError, match="no optimizer state"):
         load_checkpoint(tmp_path / "m", model, opt)
