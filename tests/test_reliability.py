@@ -191,7 +191,8 @@ def test_non_reentrant_checkpointing_with_frozen_parameters():
 
 
 def test_peft_lora_model_matches_reference():
-    peft = pytest.importorskip("peft")  # a test extra: pip install hf_elixir[test]
+    import peft  # a test extra (pyproject: [project.optional-dependencies] test)
+
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True)
     ref = peft.get_peft_model(tiny_model("gpt2"), cfg)
     model = copy.deepcopy(ref)
