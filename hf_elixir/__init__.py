@@ -12,6 +12,8 @@ from hf_elixir.chunk.memory import DeviceBudgetExceededError
 from hf_elixir.config import ElixirConfig, LossScalePolicy
 from hf_elixir.optim.optimizer import SUPPORTED_OPTIMIZERS, ElixirOptimizer
 from hf_elixir.plan import ElixirPlan
+from hf_elixir.profiler import probe_hardware, profile_step
+from hf_elixir.search import search_plan
 
 __all__ = [
     "DeviceBudgetExceededError",
@@ -24,6 +26,9 @@ __all__ = [
     "memory_stats",
     "min_device_budget_bytes",
     "prepare",
+    "probe_hardware",
+    "profile_step",
     "reset_memory_stats",
+    "search_plan",
 ]
 __version__ = "0.1.0"

@@ -8,6 +8,7 @@ keep working.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,10 +86,24 @@ def _unique_params(model: torch.nn.Module) -> dict[torch.nn.Parameter, list[str]
     return names
 
 
-def _heuristic_chunk_size(numels: list[int]) -> int:
-    """Largest parameter, or an eighth of the model if that is larger (a few chunks per model)."""
-    total = sum(numels)
-    return max(max(numels, default=1), -(-total // 8), 1)
+def _default_chunk_size(numels: list[int], budget_bytes: int | None, world_size: int, element_bytes: int) -> int:
+    """Chunk size when neither the config nor a plan gives one.
+
+    Without a budget, few large chunks (an eighth of the model, at least the largest parameter): fewer
+    collectives. Under a budget the working set (two units' chunks) must fit, so the smallest size with
+    near-least padding between the largest parameter and twice it (the search's waste ranking); a
+    default that grew with the model would stop fitting a fixed budget as the model grows.
+    """
+    numels = [n for n in numels] or [1]
+    largest, total = max(max(numels), 1), sum(numels)
+    if budget_bytes is None:
+        return max(largest, -(-total // 8))
+    from hf_elixir.search import search_chunk_size  # noqa: PLC0415 (keeps import order acyclic)
+
+    upper = min(max(total, largest), max(2 * largest, 2**16))
+    result = search_chunk_size(numels, world_size=world_size, element_bytes=element_bytes, upper_bound_numel=upper)
+    least = min(c.waste_fraction for c in result.candidates)
+    return min(c.chunk_size_numel for c in result.candidates if c.waste_fraction <= least + 0.05)
 
 
 def _load_plan(config: ElixirConfig) -> ElixirPlan | None:
@@ -96,6 +111,9 @@ def _load_plan(config: ElixirConfig) -> ElixirPlan | None:
     if plan is None or isinstance(plan, ElixirPlan):
         return plan
     if isinstance(plan, (str, Path)):
+        if not Path(plan).is_file():
+            raise FileNotFoundError(f"ElixirConfig.plan={str(plan)!r} is not a file; write one with "
+                                    "`hf-elixir plan ... --output plan.yaml` or pass an ElixirPlan")
         return ElixirPlan.load(plan)
     raise TypeError(f"ElixirConfig.plan={plan!r} must be an ElixirPlan, a path to a plan file, or None")
 
@@ -132,16 +150,21 @@ class _Sizes:
                                    if c.trainable else 0) for c in chunks}
 
 
-def _working_set(handles_chunks: list[list[Chunk]], sizes: _Sizes, world_size: int) -> int:
+def _working_set_bytes(per_unit_full: list[int], grad_bytes: list[int], staging_bytes: int) -> int:
     """Device bytes needed by two adjacent units at once (backward overlaps the previous unit's release),
-    plus two gradient buffers and an onload staging shard."""
-    per_unit = [sum(sizes.full[c.chunk_id] for c in cs) for cs in handles_chunks] or [0]
+    plus two gradient buffers and, with several ranks, an onload staging shard or reduce-scatter output."""
+    per_unit = per_unit_full or [0]
     pairs = [a + b for a, b in zip(per_unit, per_unit[1:])] or per_unit
-    grads = sorted(sizes.grad.values(), reverse=True)[:2]
-    staging = 0
-    if world_size > 1:  # onload staging of a host shard, or the reduce-scatter output shard
-        staging = max(max(sizes.shard.values(), default=0), max(sizes.grad.values(), default=0) // world_size)
-    return max(pairs) + sum(grads) + staging
+    return max(pairs) + sum(sorted(grad_bytes, reverse=True)[:2]) + staging_bytes
+
+
+def _working_set(handles_chunks: list[list[Chunk]], sizes: _Sizes, chunks: list[Chunk]) -> int:
+    per_unit = [sum(sizes.full[c.chunk_id] for c in cs) for cs in handles_chunks]
+    # onload staging of a host shard, or the reduce-scatter output shard; a chunk's own group decides
+    # (a tensor-parallel model's chunks are sharded over the data-parallel axis only)
+    staging = max([max(sizes.shard[c.chunk_id], sizes.grad[c.chunk_id] // c.world_size)
+                   for c in chunks if c.world_size > 1] or [0])
+    return _working_set_bytes(per_unit, list(sizes.grad.values()), staging)
 
 
 def _place(chunks: list[Chunk], plan: ElixirPlan | None, config: ElixirConfig, sizes: _Sizes,
@@ -158,7 +181,7 @@ def _place(chunks: list[Chunk], plan: ElixirPlan | None, config: ElixirConfig, s
             c.optim_on_device = c.chunk_id in dev_optim
         return ["placement taken from ElixirConfig.plan"]
     ids = [c.chunk_id for c in chunks]
-    shard_all = sum(sizes.shard.values()) if world_size > 1 else 0
+    shard_all = sum(sizes.shard[c.chunk_id] for c in chunks if c.world_size > 1)
     everything = sum(sizes.full.values()) + shard_all + sum(sizes.optim.values()) + sum(
         sorted(sizes.grad.values(), reverse=True)[:2])
     offload_opt = config.offload_optimizer
@@ -175,10 +198,10 @@ def _place(chunks: list[Chunk], plan: ElixirPlan | None, config: ElixirConfig, s
     reasons = [f"working set {working_set} bytes reserved; optimizer states on "
                f"{'device' if offload_opt is False else 'host'}"]
     # shards on the device first (first-use order), up to half the spare; the rest is cache
-    cost = sizes.full if world_size == 1 else sizes.shard
     used = 0
     for cid in ids:
         c = chunks[cid]
+        cost = sizes.full if c.world_size == 1 else sizes.shard
         c.resident = False
         c.optim_on_device = offload_opt is False
         c.shard_on_device = used + cost[cid] <= spare // 2
@@ -189,30 +212,38 @@ def _place(chunks: list[Chunk], plan: ElixirPlan | None, config: ElixirConfig, s
     return reasons
 
 
-def _comm_buckets(model, params, names, config: ElixirConfig):
-    """Split ``params`` (order kept) by (process group, grad-norm replicas).
+def _comm_buckets(model, params, names, config: ElixirConfig, placements: dict[str, str]):
+    """Split ``params`` (order kept) by (process group, grad-norm replicas, replicated).
 
     Plain data parallel: one bucket over the default group. A model rewritten by
     :func:`hf_elixir.parallel.parallelize` gets the groups of its mesh (see [Note: gradient groups] in
     ``hf_elixir/parallel/_mesh.py``): expert parameters are sharded over the expert-data-parallel group,
     the rest over the data-parallel group; parameters replicated across tensor-parallel ranks count
-    once in the global gradient norm (``replicas = tp``).
+    once in the global gradient norm (``replicas = tp``). Parameters of modules placed ``"replicated"``
+    go to chunks every rank keeps whole (no all-gather), whose gradients are all-reduced over the group.
+
+    Returns:
+        list of ``(group, replicas, replicated, params)``.
     """
     from hf_elixir.parallel import get_parallel_state  # noqa: PLC0415 (avoid an import cycle)
 
     pstate = get_parallel_state(model)
-    if pstate is None:
-        return [(_default_group(config), 1, list(params))]
-    mesh = pstate.mesh
-    buckets: dict[tuple[int, int], tuple] = {}
+    mesh = pstate.mesh if pstate is not None else None
+    default = _default_group(config)
+    buckets: dict[tuple[int, int, bool], tuple] = {}
     for p in params:
         name = names[p][0]
-        group = mesh.expert_dp_group if pstate.is_expert_param(name) else mesh.dp_group
-        replicas = mesh.tp_size if mesh.tp_size > 1 and name not in pstate.tp_layouts else 1
-        key = (id(group), replicas)
+        module_name = name.rsplit(".", 1)[0] if "." in name else ""
+        replicated = placements.get(module_name) == "replicated"
+        if mesh is None:
+            group, replicas = default, 1
+        else:
+            group = mesh.expert_dp_group if pstate.is_expert_param(name) else mesh.dp_group
+            replicas = mesh.tp_size if mesh.tp_size > 1 and name not in pstate.tp_layouts else 1
+        key = (id(group), replicas, replicated)
         if key not in buckets:
-            buckets[key] = (group, replicas, [])
-        buckets[key][2].append(p)
+            buckets[key] = (group, replicas, replicated, [])
+        buckets[key][3].append(p)
     return list(buckets.values())
 
 
@@ -268,6 +299,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         raise TypeError(f"hf_elixir.prepare(config={config!r}) must be an ElixirConfig")
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("this model is already prepared by hf_elixir.prepare; prepare it only once")
+    from hf_elixir.parallel import placements_for_plan  # noqa: PLC0415 (avoid an import cycle)
+
+    placements = placements_for_plan(model, config)  # validates tp/ep sizes against the model first
     plan = _load_plan(config)
     if plan is None and config.search == "auto":
         if sample_batch is None:
@@ -296,18 +330,24 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         params = ordered + [p for p in params if p not in seen]
     numels = [p.numel() for p in params]
     chunk_size = config.chunk_size_numel or (plan.chunk_size_numel if plan and plan.chunk_size_numel else None)
-    chunk_size = chunk_size or _heuristic_chunk_size(numels)
+    chunk_size = chunk_size or _default_chunk_size(numels, config.device_memory_budget_bytes, world_size,
+                                                   torch.empty((), dtype=dtype).element_size())
     manager = ChunkManager(compute_device=device, budget_bytes=config.device_memory_budget_bytes,
                            reduce_dtype=torch.float32 if config.reduce_dtype == "fp32" else None,
                            prefetch_depth=plan.prefetch_depth if plan else config.prefetch_depth)
     chunks: list[Chunk] = []
     num_flags = 0
     flag_groups = []
-    for bucket_group, replicas, bucket in _comm_buckets(model, params, names, config):
+    for bucket_group, replicas, replicated, bucket in _comm_buckets(model, params, names, config, placements):
         bucket_ws = dist.get_world_size(bucket_group) if bucket_group is not None else 1
-        layout = pack_chunks([p.numel() for p in bucket], chunk_size, bucket_ws)
-        new, end_flag = _build_chunks(bucket, names, layout, dtype, bucket_group, device, manager,
-                                      first_id=len(chunks), first_flag=num_flags, replicas=replicas)
+        storage_group = None if replicated else bucket_group
+        layout = pack_chunks([p.numel() for p in bucket], chunk_size, 1 if replicated else bucket_ws)
+        new, end_flag = _build_chunks(bucket, names, layout, dtype, storage_group, device, manager,
+                                      first_id=len(chunks), first_flag=num_flags,
+                                      replicas=replicas * (bucket_ws if replicated else 1))
+        if replicated and bucket_ws > 1:
+            for chunk in new:
+                chunk.replicate_group = bucket_group
         if bucket_ws > 1 and end_flag > num_flags:
             flag_groups.append((bucket_group, torch.arange(num_flags, end_flag)))
         chunks += new
@@ -324,8 +364,11 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     install_guards(model, manager)
     optim_factor = optimizer_state_numel_factor(optimizer) if optimizer is not None else 0
     sizes = _Sizes(chunks, optim_factor if optimizer is not None else 0, config.precision)
-    working_set = _working_set([h.chunks for h in handles], sizes, world_size)
+    working_set = _working_set([h.chunks for h in handles], sizes, chunks)
     reasons = _place(chunks, plan, config, sizes, working_set, world_size)
+    for chunk in chunks:
+        if chunk.replicate_group is not None:  # "replicated": whole on every rank, kept on the device
+            chunk.resident = chunk.shard_on_device = True
     if optimizer is None:
         for c in chunks:
             c.optim_on_device = False
@@ -344,6 +387,14 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             device_shard_chunks=[c.chunk_id for c in chunks if c.shard_on_device],
             device_optim_chunks=[c.chunk_id for c in chunks if c.optim_on_device],
             prefetch_depth=manager.prefetch_depth, reasons=reasons)
+    if not plan.placements:
+        plan = dataclasses.replace(plan, placements=placements)
+    elif dict(plan.placements) != placements:
+        changed = sorted(k for k in set(plan.placements) | set(placements)
+                         if plan.placements.get(k) != placements.get(k))
+        raise ValueError(f"ElixirConfig.plan.placements differ from this model's placements at {changed[:5]}; "
+                         "re-run the search (`hf-elixir plan`) with the same ElixirConfig.placements and "
+                         "tensor/expert-parallel sizes")
     state = ElixirState(manager=manager, handles=handles, config=config, plan=plan)
     elixir_optimizer = None
     if optimizer is not None:
@@ -404,7 +455,9 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
     names = _unique_params(model)
     params = [p for p in names if p.is_floating_point()]
     numels = [p.numel() for p in params]
-    chunk_size = config.chunk_size_numel or _heuristic_chunk_size(numels)
+    chunk_size = config.chunk_size_numel or _default_chunk_size(
+        numels, config.device_memory_budget_bytes if config.device_memory_budget_bytes is not None else 1,
+        world_size, torch.empty((), dtype=_DTYPES[config.precision]).element_size())
     layout = pack_chunks(numels, chunk_size, world_size)
     esize = torch.empty((), dtype=_DTYPES[config.precision]).element_size()
     gsize = 4 if config.reduce_dtype == "fp32" else esize
@@ -415,9 +468,8 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
     from hf_elixir.runtime.hooks import _units  # noqa: PLC0415
 
     units = [sorted({chunk_of[p] for p in ps}) for _, _, ps, _ in _units(model, set(params))]
-    per_unit = [sum(layout.chunk_numels[c] * esize for c in cs) for cs in units] or [0]
-    pairs = [a + b for a, b in zip(per_unit, per_unit[1:])] or per_unit
+    per_unit = [sum(layout.chunk_numels[c] * esize for c in cs) for cs in units]
     trainable = [cid for cid, members in enumerate(layout.members) if any(params[m].requires_grad for m in members)]
-    grads = sorted((layout.chunk_numels[c] * gsize for c in trainable), reverse=True)[:2]
+    grads = [layout.chunk_numels[c] * gsize for c in trainable]
     staging = max(n // world_size for n in layout.chunk_numels) * max(esize, gsize) if world_size > 1 else 0
-    return max(pairs) + sum(grads) + staging
+    return _working_set_bytes(per_unit, grads, staging)

@@ -181,15 +181,39 @@ def _chunk_layout(optimizer: ElixirOptimizer) -> list[dict[str, Any]]:
     return layout
 
 
+def _view_state(optimizer: ElixirOptimizer, view) -> dict[str, Any]:
+    """One shard view's optimizer state, whether the inner torch optimizer or the fused chunk update
+    (Adam/AdamW on device chunks, ``ElixirOptimizer.fused_chunks``) holds it."""
+    fused = optimizer.fused_chunks.get(view.chunk.chunk_id)
+    if fused is None:
+        return optimizer.inner.state.get(view.tensor, {}) if optimizer.inner is not None else {}
+    steps = optimizer.fused_steps.get(id(view.tensor), 0)
+    if not steps:
+        return {}
+    return {**{k: v[view.lo:view.hi] for k, v in fused.items()}, "step": torch.tensor(float(steps))}
+
+
+def _set_view_state(optimizer: ElixirOptimizer, view, target: dict[str, Any]) -> None:
+    fused = optimizer.fused_chunks.get(view.chunk.chunk_id)
+    if fused is None:
+        if optimizer.inner is not None:
+            optimizer.inner.state[view.tensor] = target
+        return
+    for key, value in target.items():
+        if key == "step":
+            optimizer.fused_steps[id(view.tensor)] = int(float(value))
+        else:
+            fused[key][view.lo:view.hi].copy_(value)
+
+
 def _sharded_payload(optimizer: ElixirOptimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's shards: tensors ``chunk{id}.{key}`` (fp32 ``[shard_numel]``) and per-slot metadata
     (which keys a parameter's state has; its scalar states such as ``step``)."""
-    inner = optimizer.inner
     tensors: dict[str, torch.Tensor] = {}
     slots: dict[str, Any] = {}
     keys_of_chunk: dict[int, set[str]] = {}
     for view in optimizer.views:
-        state = inner.state.get(view.tensor, {}) if inner is not None else {}
+        state = _view_state(optimizer, view)
         per_element = [k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0
                        and v.numel() == view.tensor.numel()]
         scalars = {k: _encode(v) for k, v in state.items() if k not in per_element}
@@ -497,10 +521,9 @@ def _apply_own_shards(optimizer: ElixirOptimizer, tensors: dict, meta: dict, gro
         for key, value in saved.items():
             if key != "params":
                 group[key] = _decode(value)
-    inner = optimizer.inner
     for view in optimizer.views:
         entry = meta["slots"].get(view.slot.name)
-        if entry is None or inner is None:
+        if entry is None:
             continue
         cid = view.chunk.chunk_id
         target = {k: tensors[f"chunk{cid}.{k}"][view.lo:view.hi].to(view.tensor.device).clone()
@@ -509,7 +532,7 @@ def _apply_own_shards(optimizer: ElixirOptimizer, tensors: dict, meta: dict, gro
             target[key] = _decode(value)
         if torch.is_tensor(target.get("step")):
             target["step"] = target["step"].to(torch.float32)
-        inner.state[view.tensor] = target
+        _set_view_state(optimizer, view, target)
     masters = {cid: tensors.get(f"chunk{cid}.master") for cid in optimizer.masters}
     if masters and all(v is not None for v in masters.values()):
         for cid, value in masters.items():

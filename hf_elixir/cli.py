@@ -62,6 +62,10 @@ def _build_parser() -> argparse.ArgumentParser:
                       "(default: measured here)")
     plan.add_argument("--device-adam-gelems", type=float, default=None,
                       help="device AdamW G elements/s of the target (default: measured here)")
+    plan.add_argument("--tensor-parallel-size", type=int, default=1,
+                      help="tensor-parallel ranks within --num-gpus (placements column/row)")
+    plan.add_argument("--expert-parallel-size", type=int, default=1,
+                      help="expert-parallel ranks within --num-gpus (MoE experts placed 'expert')")
     plan.add_argument("--no-activations-on-device", action="store_true",
                       help="budget model data only (the CPU simulated pool's accounting)")
     plan.add_argument("--output", default=None, help="write the plan (.yaml/.yml or .json)")
@@ -128,6 +132,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                     host_memory_bytes=hardware.host_total_bytes)
     plan, best = result.plan, result.best
     plan.reasons.extend(notes)
+    plan.placements = _placements(model, args)
     if profile.static:
         plan.reasons.append("the model could not run on meta; a static trace (module order) was used")
 
@@ -168,6 +173,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                      str(k.prefetch_depth), str(cand.activation_checkpointing), f"{cand.prediction.step_s:.4g}",
                      _gib(cand.prediction.device_peak_bytes))
     console.print(alts)
+    console.print(_placement_table(plan.placements))
     for line in plan.reasons:
         console.print(f"- {line}")
     console.print(f"searched {result.evaluated} configurations in {result.search_s:.2f} s")
@@ -175,6 +181,36 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         plan.save(args.output)
         console.print(f"plan written to {args.output}")
     return 0
+
+
+def _placements(model, args: argparse.Namespace) -> dict[str, str]:
+    """Every parameter-owning module's placement (``hf_elixir.placement.resolve_placements``)."""
+    from hf_elixir.config import ElixirConfig
+    from hf_elixir.placement import resolve_placements
+
+    for name in ("tensor_parallel_size", "expert_parallel_size"):
+        size = getattr(args, name)
+        if size < 1 or args.num_gpus % size:
+            raise ValueError(f"--{name.replace('_', '-')}={size} must be >= 1 and divide --num-gpus={args.num_gpus}")
+    config = ElixirConfig(tensor_parallel_size=args.tensor_parallel_size,
+                          expert_parallel_size=args.expert_parallel_size)
+    return resolve_placements(model, config)
+
+
+def _placement_table(placements: dict[str, str]):
+    """Placements grouped by pattern: layer indices folded into ``*`` (``h.*.attn.c_attn``)."""
+    from rich.table import Table
+
+    grouped: dict[tuple[str, str], int] = {}
+    for fqn, placement in placements.items():
+        pattern = ".".join("*" if part.isdigit() else part for part in fqn.split("."))
+        grouped[(pattern, placement)] = grouped.get((pattern, placement), 0) + 1
+    table = Table(title=f"module placements ({len(placements)} modules with parameters)")
+    for col in ("modules", "count", "placement"):
+        table.add_column(col)
+    for (pattern, placement), count in grouped.items():
+        table.add_row(pattern or "(root)", str(count), placement)
+    return table
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:

@@ -200,6 +200,10 @@ class ElixirConfig:
             _check_type(name, value, (int,), "give a whole number >= 1")
             if value < 1:
                 raise ValueError(f"ElixirConfig.{name}={value} must be >= 1")
+        if self.plan is not None and not isinstance(self.plan, (str, os.PathLike)) and \
+                type(self.plan).__name__ != "ElixirPlan":
+            raise TypeError(f"ElixirConfig.plan={self.plan!r} must be an ElixirPlan, a path to a plan file "
+                            "(`hf-elixir plan --output plan.yaml`), or None")
         if not isinstance(self.loss_scale, LossScalePolicy):
             raise TypeError(f"ElixirConfig.loss_scale={self.loss_scale!r} must be a LossScalePolicy")
 
@@ -213,8 +217,8 @@ class ElixirConfig:
             raise TypeError(f"ElixirConfig.plan={plan!r} must be an ElixirPlan, a path to a plan file "
                             "(`hf-elixir plan --output plan.yaml`), or None")
         if not os.path.isfile(plan):
-            raise ValueError(f"ElixirConfig.plan={str(plan)!r}: no such plan file; write one with "
-                             "`hf-elixir plan --output plan.yaml` or pass plan=None")
+            raise FileNotFoundError(f"ElixirConfig.plan={str(plan)!r}: no such plan file; write one with "
+                                    "`hf-elixir plan --output plan.yaml` or pass plan=None")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ElixirConfig":

@@ -115,6 +115,7 @@ class RecipeTrainingArguments(TrainingArguments):
     warmup_steps: float = field(default=30, metadata={"help": "linear warm-up steps"})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
     logging_steps: float = field(default=25, metadata={"help": "log every N optimizer steps"})
+    logging_first_step: bool = field(default=True, metadata={"help": "also log the first step (the starting loss)"})
     save_strategy: str = field(default="no", metadata={"help": "Trainer checkpoints: no | steps | epoch"})
 
 
@@ -305,7 +306,7 @@ def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixi
                 continue
             step += 1
             bar.update(1)
-            if step % int(train_args.logging_steps) == 0 or step == train_args.max_steps:
+            if step == 1 or step % int(train_args.logging_steps) == 0 or step == train_args.max_steps:
                 mean = accelerator.reduce(torch.stack(window).mean(), reduction="mean").item()
                 window.clear()
                 losses.append(mean)
@@ -387,7 +388,7 @@ def run(default_model_type: str, print_sample: Callable[[Any, Any, str], str]) -
         reloaded = cls.from_pretrained(train_args.output_dir)  # plain transformers, no hf_elixir
         result["eval_ppl_after"] = evaluate_perplexity(reloaded, eval_ds, collate, eval_bs, "cpu")
         print(f"eval perplexity before training: {ppl_before:.2f}  after: {result['eval_ppl_after']:.2f}", flush=True)
-        print(f"train loss: first logged {result['first_loss']:.3f}  last logged {result['last_loss']:.3f}", flush=True)
+        print(f"train loss: step 1 {result['first_loss']:.3f}  last logged {result['last_loss']:.3f}", flush=True)
         print(f"model folder: {os.path.abspath(train_args.output_dir)}", flush=True)
         sample = print_sample(reloaded, tokenizer, elixir_args.sample_prompt)
         print("sample:\n" + sample, flush=True)

@@ -6,6 +6,12 @@ with :func:`hf_elixir.parallel.reduce_gradients`) and once as the single-process
 unmodified model, loss = mean of the per-batch losses over every distinct batch of the step,
 ``None`` gradients -> zeros as a chunk's gradient buffer would hold them). Each case returns
 metrics; the test asserts on them. Rank 0 writes ``results.json`` (worst value over ranks).
+
+``elixir_*`` cases additionally run ``hf_elixir.prepare`` on the parallelized model (chunks of
+``CHUNK_NUMEL`` sharded over the data-parallel groups, no budget or a tight one that forces
+evictions) and train through ``optimizer.backward / clip_grad_norm(MAX_NORM) / step / zero_grad``;
+the reference clips with ``torch.nn.utils.clip_grad_norm_`` at the same norm, so the global norm
+(tp-replicated parameters counted once) is compared every step.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import torch.multiprocessing as mp
 STEPS = 5
 LR = 3e-3
 WEIGHT_DECAY = 0.1
+MAX_NORM = 0.05  # below every step's gradient norm, so clipping (and the replica-weighted norm) is exercised
+CHUNK_NUMEL = 4096  # several chunks per tiny model
 
 
 def free_port() -> int:
@@ -98,7 +106,20 @@ def _grad_parity(local_grads: dict, ref_params: dict, state) -> tuple[float, flo
 
 
 # -- one case ---------------------------------------------------------------------------------------
-def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = False, save_dir: str | None = None):
+def _tight_budget(model, optimizer, cfg, mesh) -> int:
+    """A device budget a little above the smallest one ``prepare`` accepts, so chunks get evicted."""
+    import hf_elixir
+
+    base = hf_elixir.min_device_budget_bytes(model, optimizer, cfg, world_size=mesh.dp_size)
+    return int(base * 1.25) + 4096
+
+
+def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = False, save_dir: str | None = None,
+               elixir: str | None = None):
+    """One parity case; ``elixir`` = ``None`` (plain parallel layers + :func:`reduce_gradients` + AdamW),
+    ``"unbudgeted"`` or ``"tight"`` (``hf_elixir.prepare`` on the parallelized model, chunks sharded
+    over the data-parallel groups, no device budget or one that forces evictions; steps go through
+    ``optimizer.backward / clip_grad_norm / step / zero_grad`` and both runs clip at ``MAX_NORM``)."""
     import hf_elixir
     from hf_elixir.parallel import build_mesh, gather_full_state_dict, parallelize, reduce_gradients
 
@@ -118,16 +139,29 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    extra: dict = {}
+    if elixir is not None:
+        budget = _tight_budget(model, opt, cfg, mesh) if elixir == "tight" else None
+        ecfg = hf_elixir.ElixirConfig(tensor_parallel_size=tp, expert_parallel_size=ep, chunk_size_numel=CHUNK_NUMEL,
+                                      device_memory_budget_bytes=budget)
+        model, opt = hf_elixir.prepare(model, opt, ecfg)
+        extra["plan_placements"] = dict(hf_elixir.get_state(model).plan.placements)
     loss_rel = 0.0
     step_rels = []
+    norm_rels = []
+    grad_rel = grad_rel_worst = 0.0
     grad_max = {k: torch.zeros_like(p) for k, p in ref.named_parameters()}
     for step in range(STEPS):
         opt.zero_grad()
         loss = model(**make_batch(kind, step, my_batch)).loss
-        loss.backward()
-        reduce_gradients(model)
-        if step == 0:
-            local_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if elixir is not None:
+            opt.backward(loss)
+            norm = opt.clip_grad_norm(MAX_NORM)
+        else:
+            loss.backward()
+            reduce_gradients(model)
+            if step == 0:
+                local_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
 
         opt_ref.zero_grad()
@@ -137,7 +171,11 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             torch.maximum(grad_max[k], p.grad.abs(), out=grad_max[k])
-        if step == 0:
+        if elixir is not None:
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+            norm_rels.append(abs(float(norm) - float(ref_norm)) / float(ref_norm))
+            extra["clipped_steps"] = extra.get("clipped_steps", 0) + int(float(ref_norm) > MAX_NORM)
+        elif step == 0:
             grad_rel, grad_rel_worst = _grad_parity(local_grads, dict(ref.named_parameters()), state)
         opt_ref.step()
         step_rel = abs(loss.item() - ref_losses[my_batch].item()) / abs(ref_losses[my_batch].item())
@@ -169,7 +207,14 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
         "same_keys": list(full) == list(ref_sd),
         "params_moved": min(rel(ref_sd[k], init[k]) for k in ref_sd if k.endswith("weight")),
         "placements": {k: v for k, v in state.placements.items() if v != "sharded"},
+        **extra,
     }
+    if elixir is not None:
+        stats = hf_elixir.memory_stats(model)
+        metrics["norm_rel"] = max(norm_rels)
+        metrics["num_evictions"] = stats["num_evictions"]
+        metrics["num_chunks"] = stats["num_chunks"]
+        metrics["reduce_scatter_bytes"] = stats["reduce_scatter_bytes"]
     if empty_experts:
         decay = (1 - LR * WEIGHT_DECAY) ** STEPS
         idle = [k for k in full if ".experts.expert_2." in k or ".experts.expert_3." in k]
@@ -215,6 +260,15 @@ CASES = {
     "switch_ep4": lambda d: train_case("switch", ep=4),
     "switch_ep2_dp2": lambda d: train_case("switch", ep=2),
     "switch_ep2_empty": lambda d: train_case("switch", ep=2, empty_experts=True),
+    # the same on prepared (chunked) models: hf_elixir.prepare after parallelize
+    "elixir_gpt2_tp2": lambda d: train_case("gpt2", tp=2, elixir="unbudgeted", save_dir=os.path.join(d, "e_gpt2")),
+    "elixir_gpt2_tp2_tight": lambda d: train_case("gpt2", tp=2, elixir="tight"),
+    "elixir_opt_tp2_tight": lambda d: train_case("opt", tp=2, elixir="tight", save_dir=os.path.join(d, "e_opt")),
+    "elixir_gpt2_tp2_dp2_tight": lambda d: train_case("gpt2", tp=2, elixir="tight"),
+    "elixir_switch_ep2": lambda d: train_case("switch", ep=2, elixir="unbudgeted", save_dir=os.path.join(d, "e_sw")),
+    "elixir_switch_ep2_tight": lambda d: train_case("switch", ep=2, elixir="tight"),
+    "elixir_switch_ep2_empty_tight": lambda d: train_case("switch", ep=2, empty_experts=True, elixir="tight"),
+    "elixir_switch_ep2_dp2_tight": lambda d: train_case("switch", ep=2, elixir="tight"),
 }
 
 
@@ -242,7 +296,7 @@ def _worker(rank: int, world_size: int, port: int, cases: list[str], out_dir: st
         dist.all_gather_object(gathered, metrics)
         keys = {k for m in gathered for k in m}
         merged = {k: _merge([m[k] for m in gathered if k in m]) for k in keys}
-        for k in ("busy_moved_rel", "params_moved"):
+        for k in ("busy_moved_rel", "params_moved", "num_evictions"):
             if k in merged:
                 merged[k] = min(m[k] for m in gathered if k in m)
         results[case] = merged
@@ -267,6 +321,30 @@ def run_cases(world_size: int, cases: list[str], out_dir: str, timeout_s: float 
                     p.kill()
             raise TimeoutError(f"{world_size} ranks running {cases} did not finish in {timeout_s:.0f} s (hang?)")
     return json.loads(Path(out_dir, "results.json").read_text())
+
+
+#: every case, by the number of ranks it runs on (one spawn per world size for the whole session)
+SUITES = {
+    2: ["gpt2_tp2", "opt_tp2", "switch_ep2", "switch_ep2_empty", "elixir_gpt2_tp2", "elixir_gpt2_tp2_tight",
+        "elixir_opt_tp2_tight", "elixir_switch_ep2", "elixir_switch_ep2_tight", "elixir_switch_ep2_empty_tight"],
+    4: ["gpt2_tp2_dp2", "switch_ep4", "switch_ep2_dp2", "elixir_gpt2_tp2_dp2_tight", "elixir_switch_ep2_dp2_tight"],
+}
+_SUITE_RESULTS: dict[int, object] = {}
+
+
+def run_suite(world_size: int, out_dir: str, timeout_s: float = 200.0) -> dict:
+    """All of ``SUITES[world_size]`` in one spawn, run once per test session (starting 2 or 4 ranks that
+    import transformers costs more than the cases): the tensor- and expert-parallel test files share
+    the result. A failure (hang) is remembered and re-raised for every caller."""
+    if world_size not in _SUITE_RESULTS:
+        try:
+            _SUITE_RESULTS[world_size] = run_cases(world_size, SUITES[world_size], out_dir, timeout_s)
+        except Exception as err:  # noqa: BLE001 - re-raised below, here and for later callers
+            _SUITE_RESULTS[world_size] = err
+    result = _SUITE_RESULTS[world_size]
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 if __name__ == "__main__":  # manual run: python tests/parallel_harness.py 2 gpt2_tp2

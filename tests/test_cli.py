@@ -31,6 +31,20 @@ def test_plan_command_prints_tables_and_writes_a_loadable_plan(tmp_path, capsys)
     plan = ElixirPlan.load(out)
     assert plan.world_size == 2 and plan.precision == "bf16" and plan.model_type == "gpt2"
     assert plan.predicted_peak_device_bytes <= 2 * 2**30
+    assert "module placements" in text and plan.placements["transformer.h.0.attn.c_attn"] == "sharded"
+
+
+def test_plan_command_shows_tensor_and_expert_parallel_placements(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt2", "--num-gpus", "4", "--tensor-parallel-size", "2", "--gpu-memory",
+                 "2GiB", "--seq-len", "64", "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    plan = ElixirPlan.load(out)
+    assert plan.world_size == 4
+    assert plan.placements["transformer.h.0.attn.c_attn"] == "column"
+    assert plan.placements["transformer.h.0.attn.c_proj"] == "row" and "column" in text
+    assert main(["plan", "--model", "gpt2", "--num-gpus", "4", "--tensor-parallel-size", "3"]) == 2
+    assert "--tensor-parallel-size=3" in capsys.readouterr().err
 
 
 def test_plan_command_reads_a_local_config_json(tmp_path, capsys):

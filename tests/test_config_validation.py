@@ -33,7 +33,7 @@ CONFIG_CASES = [
     ("prefetch_depth", 2.0, TypeError, "prefetch_depth=2.0 has type float"),
     ("prefetch_depth", -1, ValueError, "prefetch_depth=-1 must be >= 0"),
     ("plan", 3, TypeError, "plan=3 must be an ElixirPlan, a path"),
-    ("plan", "/nonexistent/plan.yaml", ValueError, "plan=./nonexistent/plan.yaml.: no such plan file"),
+    ("plan", "/nonexistent/plan.yaml", FileNotFoundError, "plan=./nonexistent/plan.yaml.: no such plan file"),
     ("search", "on", ValueError, "search='on' must be one of"),
     ("placements", ["sharded"], TypeError, "placements=\\['sharded'\\] must be a dict"),
     ("placements", {"h.*": "zero3"}, ValueError, "placements\\['h.\\*'\\]='zero3' is not a placement"),

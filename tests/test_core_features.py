@@ -266,3 +266,81 @@ def _moe_uneven_worker(rank, world_size):
 def test_moe_experts_without_tokens_on_one_rank_do_not_hang():
     for rel in run_distributed(_moe_uneven_worker, 2, timeout_s=120):
         assert rel < 1e-5
+
+
+def test_fused_triton_adamw_path_matches_torch(monkeypatch):
+    """Device optimizer chunks run triton_kernels.fused_adamw_ (here through the Triton interpreter on
+    CPU): same trajectory as torch.optim.AdamW with two param groups, a schedule, clipping and a
+    parameter that skips steps."""
+    monkeypatch.setattr(hf_elixir.ElixirOptimizer, "_force_fused", True)
+    torch.manual_seed(0)
+    ref = _Branchy()
+    model = copy.deepcopy(ref)
+    groups = lambda m: [{"params": [m.emb.weight, m.shared.weight, m.sometimes.weight], "weight_decay": 0.1},
+                        {"params": [m.shared.bias, m.sometimes.bias, m.mha.in_proj_weight, m.mha.in_proj_bias,
+                                    m.mha.out_proj.weight, m.mha.out_proj.bias], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups(model), lr=1e-2, eps=1e-4)
+    model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(chunk_size_numel=1024))
+    assert opt.fused_chunks, "device Adam chunks must take the fused path"
+    ropt = torch.optim.AdamW(groups(ref), lr=1e-2, eps=1e-4)
+    for step in range(4):
+        ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(step))
+        ref(ids, step == 1).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ropt.step()
+        ropt.zero_grad()
+        opt.backward(model(ids, step == 1))
+        opt.clip_grad_norm(0.5)
+        opt.step()
+        opt.zero_grad()
+    assert rel_l2(_state(model), _state(ref)) < 1e-5
+    saved = opt.state_dict()
+    assert set(saved["state"]["emb.weight"]) == {"exp_avg", "exp_avg_sq", "step"}
+    assert float(saved["state"]["sometimes.weight"]["step"]) == 1.0
+
+
+def test_fp16_unscale_norm_kernel_path_matches_pytorch_path(monkeypatch):
+    """fp16: device gradient shards are unscaled, overflow-checked and normed by one Triton kernel
+    (interpreter on CPU); the clipped norm and the trained weights equal the PyTorch path's."""
+    results = []
+    for forced in (False, True):
+        monkeypatch.setattr(hf_elixir.ElixirOptimizer, "_force_fused", forced)
+        model, opt = _prepare(tiny_model("gpt2"), precision="fp16")
+        norms = _train_elixir(model, opt, [[batch("gpt2", s, 2)] for s in range(3)], clip=0.5)
+        results.append((norms, _state(model)))
+    (norms_ref, state_ref), (norms_kernel, state_kernel) = results
+    assert norms_kernel[0] == pytest.approx(norms_ref[0], rel=1e-6)  # same gradients, same norm
+    assert norms_kernel == pytest.approx(norms_ref, rel=1e-3)  # later steps: fused AdamW rounding in fp16
+    assert rel_l2(state_kernel, state_ref) < 1e-3  # fp16 weights; fused vs torch AdamW rounding
+
+
+def _replicated_worker(rank, world_size):
+    cfg = hf_elixir.ElixirConfig(chunk_size_numel=CHUNK, placements={"*ln_*": "replicated"},
+                                 device_memory_budget_bytes=200_000)
+    model = tiny_model("gpt2")
+    ref = copy.deepcopy(model)
+    model, opt = hf_elixir.prepare(model, torch.optim.AdamW(two_groups(model), lr=5e-3), cfg)
+    state = hf_elixir.get_state(model)
+    replicated = [c for c in state.manager.chunks if c.replicate_group is not None]
+    ropt = torch.optim.AdamW(two_groups(ref), lr=5e-3)
+    for step in range(4):
+        full = batch("gpt2", step, 2 * world_size)
+        mine = {k: v[rank * 2:(rank + 1) * 2] for k, v in full.items()}
+        opt.backward(model(**mine).loss)
+        opt.clip_grad_norm(0.5)
+        opt.step()
+        opt.zero_grad()
+        ref(**full).loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ropt.step()
+        ropt.zero_grad()
+    names = {s.name for c in replicated for s in c.slots}
+    return (rel_l2(_state(model), _state(ref)), names, all(c.resident and c.world_size == 1 for c in replicated),
+            state.plan.placements.get("transformer.h.0.ln_1"))
+
+
+def test_replicated_placement_keeps_chunks_whole_and_all_reduces():
+    for rel, names, whole, placement in run_distributed(_replicated_worker, 2, timeout_s=120):
+        assert rel < 1e-5
+        assert names and all(".ln_" in n for n in names)
+        assert whole and placement == "replicated"

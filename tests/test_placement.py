@@ -180,3 +180,4 @@ def test_parallelize_on_one_rank_keeps_outputs(single_rank_group):
     assert all(torch.equal(full[k], v) for k, v in ref.state_dict().items())
     with pytest.raises(ValueError, match="already parallelized"):
         parallelize(model, cfg())
+

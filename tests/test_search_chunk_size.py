@@ -68,4 +68,5 @@ def test_tied_and_shared_parameters_are_packed_once():
     layout = pack_chunks(profile.param_numels, result.chunk_size_numel)
     assert sorted(i for m in layout.members for i in m) == list(range(len(profile.param_numels)))
     groups = chunk_groups(layout, [e.params for e in profile.events])
-    assert len(groups) == len(profile.events)
+    # an embedding's backward does not access its weight (the runtime does not unshard for it)
+    assert len(groups) == sum(1 for e in profile.events if e.params) == len(profile.events) - 1

@@ -108,15 +108,17 @@ def test_prediction_moves_fewer_bytes_with_more_memory():
     step = build_chunked_step(profile, 8192, world_size=1, precision="fp32", hardware=_cpu(1))
     from hf_elixir.search import Knobs
 
-    need = step.min_cache_blocks(frozenset())
-    small = predict(step, Knobs(cache_blocks=need), _cpu(1))
-    large = predict(step, Knobs(cache_blocks=step.num_chunks), _cpu(1))
-    resident = predict(step, Knobs(resident=frozenset(range(step.num_chunks)),
-                                   device_optim=frozenset(range(step.num_chunks))), _cpu(1))
-    assert small.onloads >= large.onloads == step.num_chunks
+    need = step.working_set_bytes()
+    small = predict(step, Knobs(), _cpu(1), pool_bytes=need)
+    large = predict(step, Knobs(), _cpu(1), pool_bytes=need + sum(step.chunk_numels) * 4)
+    everything = frozenset(range(step.num_chunks))
+    resident = predict(step, Knobs(resident=everything, device_shard=everything, device_optim=everything), _cpu(1),
+                       pool_bytes=10 * need + sum(step.chunk_numels) * 32)
+    assert predict(step, Knobs(), _cpu(1), pool_bytes=need // 4) is None  # the manager would raise
+    assert small.onloads > large.onloads == step.num_chunks  # roomy cache: each chunk onloaded once
     assert resident.onloads == 0 and resident.h2d_bytes == 0 and resident.d2h_bytes == 0
     assert small.step_s >= large.step_s >= resident.step_s
-    assert small.device_model_bytes < large.device_model_bytes
+    assert small.device_model_bytes <= need < large.device_model_bytes
 
 
 def test_auto_plan_uses_the_config_budget_and_precision():

@@ -15,6 +15,7 @@ write-back (no device->host traffic), except after ``load_state_dict`` wrote int
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -92,6 +93,9 @@ class Chunk:
         self.element_size = torch.empty((), dtype=dtype).element_size()
         self.trainable = any(s.trainable for s in slots)
         self.norm_replicas = 1  # ranks outside ``group`` holding an identical copy (tensor parallel)
+        # "replicated" placement: every rank of this group keeps the whole chunk (world_size 1 storage);
+        # gradients are all-reduced (mean) over it instead of reduce-scattered
+        self.replicate_group = None
         # placement (set by the manager)
         self.resident = False
         self.shard_on_device = True
@@ -118,6 +122,7 @@ class Chunk:
         # ranks whose MoE experts got no tokens therefore never issue a different all-gather sequence.
         self.host_full: torch.Tensor | None = None
         self.host_full_version = -1
+        self.ready_event = None  # CUDA event of a side-stream unshard (prefetch)
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -153,6 +158,8 @@ class Chunk:
                 full[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
         if self.world_size > 1:
             dist.broadcast(full, src=dist.get_global_rank(self.group, 0), group=self.group)
+        elif self.replicate_group is not None:
+            dist.broadcast(full, src=dist.get_global_rank(self.replicate_group, 0), group=self.replicate_group)
         self.full = full
         for slot in self.slots:
             slot.param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
@@ -188,15 +195,44 @@ class Chunk:
             need += self.shard_bytes
         return need
 
-    def unshard(self) -> None:
+    def unshard(self, side_stream=None) -> None:
         """Make ``full`` hold this step's parameter values (onload and/or all-gather).
 
         The manager has made room (``fill_bytes_needed``) before calling.
+
+        Args:
+            side_stream: a CUDA stream to issue the copies on (prefetch overlapped with compute);
+                :meth:`wait_ready` then orders the compute stream after them. ``None``: the current stream.
         """
         if not self.needs_fill():
             return
         counters = self.manager.counters
         pool = self.manager.pool
+        if side_stream is not None:
+            side_stream.wait_stream(torch.cuda.current_stream())
+        stream_ctx = torch.cuda.stream(side_stream) if side_stream is not None else contextlib.nullcontext()
+        with stream_ctx:
+            self._fill(counters, pool)
+        if side_stream is not None:
+            self.ready_event = torch.cuda.Event()
+            self.ready_event.record(side_stream)
+        counters.num_unshards += 1
+        self.unsharded = True
+        self.full_version = self.version
+        for slot in self.slots:
+            if slot.state is TensorState.FREE:
+                slot.set_state(TensorState.HOLD)
+
+    def wait_ready(self) -> None:
+        """Order the current CUDA stream after a side-stream unshard, and tell the caching allocator
+        the compute stream uses the buffer (so freeing it later cannot race the compute)."""
+        if self.ready_event is not None:
+            current = torch.cuda.current_stream()
+            current.wait_event(self.ready_event)
+            self.full.record_stream(current)
+            self.ready_event = None
+
+    def _fill(self, counters, pool) -> None:
         if not self.unsharded and not self.full_alias:
             pool.charge(self.full_bytes, f"unsharded chunk {self.chunk_id}")
             _alloc_storage(self.full)
@@ -224,12 +260,6 @@ class Chunk:
                 if staged:
                     del src
                     pool.release(self.shard_bytes)
-        counters.num_unshards += 1
-        self.unsharded = True
-        self.full_version = self.version
-        for slot in self.slots:
-            if slot.state is TensorState.FREE:
-                slot.set_state(TensorState.HOLD)
 
     def reshard(self) -> None:
         """Free the unsharded copy, keeping only the shard (no device->host traffic, see Note)."""
@@ -289,7 +319,15 @@ class Chunk:
         if self.grad_full is None:
             pool.charge(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
             self.grad_full = torch.zeros(self.chunk_numel, dtype=self.grad_dtype, device=self.compute_device)
-        with torch.no_grad():
+        # [Note: reduce overlap] on CUDA, with the optimizer state on the device, the reduce-scatter and
+        # the accumulation into the shard gradient run on the manager's reduce stream, overlapping the
+        # rest of backward; record_stream keeps the caching allocator from reusing the buffers early and
+        # the end-of-backward callback joins the stream. Host optimizer state needs the result on the
+        # host, so that case stays on the current stream.
+        stream = self.manager.reduce_stream if self.optim_on_device else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
             if self.world_size > 1:
                 shard_grad_bytes = self.grad_full_bytes // self.world_size
                 self.manager.make_room(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
@@ -301,16 +339,22 @@ class Chunk:
             else:
                 out = self.grad_full
                 shard_grad_bytes = 0
+                if self.replicate_group is not None:
+                    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.replicate_group)
+                    counters.reduce_scatter_bytes += self.grad_full_bytes
+                    out.div_(dist.get_world_size(self.replicate_group))
             if not self.optim_on_device:
                 counters.d2h_bytes += self.shard_numel * out.element_size()
             grad_shard.add_(out.to(grad_shard.device, grad_shard.dtype))
+            if stream is not None:
+                self.grad_full.record_stream(stream)
+                out.record_stream(stream)
             del out
         if shard_grad_bytes:
             pool.release(shard_grad_bytes)
         pool.release(self.grad_full_bytes)
         self.grad_full = None
         self.reduced_this_backward = True
-        after = TensorState.HOLD_AFTER_BWD if (self.unsharded or self.full_alias) else TensorState.FREE
         for slot in self.slots:
             if slot.state is TensorState.READY_FOR_REDUCE:
-                slot.set_state(after)
+                slot.set_state(TensorState.HOLD_AFTER_BWD if (self.unsharded or self.full_alias) else TensorState.FREE)

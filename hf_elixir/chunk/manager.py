@@ -44,6 +44,10 @@ class ChunkManager:
         self.pool = DevicePool(budget_bytes, self.counters)
         self.reduce_dtype = reduce_dtype
         self.prefetch_depth = prefetch_depth
+        # prefetches are issued on a side stream on CUDA, overlapped with compute
+        self.copy_stream = torch.cuda.Stream() if compute_device.type == "cuda" else None
+        # gradient reduce-scatters of device-optimizer chunks overlap backward on CUDA
+        self.reduce_stream = torch.cuda.Stream() if compute_device.type == "cuda" else None
         self.chunks: list[Chunk] = []
         self.slot_of: dict[torch.nn.Parameter, ParamSlot] = {}
         self.chunk_of: dict[torch.nn.Parameter, Chunk] = {}
@@ -131,6 +135,7 @@ class ChunkManager:
             if chunk.needs_fill():
                 self.make_room(chunk.fill_bytes_needed(), f"chunk {chunk.chunk_id}", exclude=pinned)
                 chunk.unshard()
+            chunk.wait_ready()
         if self.prefetch_depth and self.prev_trace:
             self._prefetch(pinned)
 
@@ -171,8 +176,14 @@ class ChunkManager:
                 if victim is None or self._next_use(victim) <= self._next_use(chunk):
                     return  # prefetching would evict something needed sooner: stop
                 victim.reshard()
-            chunk.unshard()
+            chunk.unshard(side_stream=self.copy_stream)
             self.counters.num_prefetches += 1
+
+    def synchronize(self) -> None:
+        """Wait for side-stream copies (before the host optimizer touches host shards)."""
+        for stream in (self.copy_stream, self.reduce_stream):
+            if stream is not None:
+                stream.synchronize()
 
     def end_step(self) -> None:
         """Called at the optimizer step: the current trace becomes the reference for eviction."""
@@ -262,6 +273,8 @@ class ChunkManager:
         for chunk in self._reduce_order:
             if chunk.grad_full is not None:
                 self._reduce(chunk)
+        if self.reduce_stream is not None:
+            torch.cuda.current_stream().wait_stream(self.reduce_stream)
         flags = self._backward_flags
         for group, indices in self.flag_groups:
             part = flags[indices]

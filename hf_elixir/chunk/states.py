@@ -34,10 +34,10 @@ _HOLDS = (_S.HOLD, _S.HOLD_AFTER_FWD, _S.HOLD_AFTER_BWD)
 
 #: allowed ``old -> {new}`` moves. COMPUTE -> COMPUTE is a nested or repeated use (a module called
 #: twice, a tied parameter used by two modules, recomputation under activation checkpointing).
+#: FREE -> READY_FOR_REDUCE and back: a gradient can arrive after its chunk was evicted (gradients
+#: live in the chunk's own buffer, not in its data): e.g. a tied embedding weight, whose last
+#: contribution comes from ``nn.Embedding``'s backward, which never unshards (see runtime/hooks.py).
 TRANSITIONS: dict[TensorState, frozenset[TensorState]] = {
-    # FREE -> READY_FOR_REDUCE: a gradient that arrives while its chunk is resharded (an embedding,
-    # whose backward never reads the weight, evicted under a small budget); the gradient buffer is
-    # separate from the data, so nothing needs to be unsharded for it.
     _S.FREE: frozenset({_S.HOLD, _S.READY_FOR_REDUCE}),
     _S.HOLD: frozenset({_S.FREE, _S.COMPUTE, _S.HOLD, _S.READY_FOR_REDUCE}),
     _S.COMPUTE: frozenset({_S.COMPUTE, _S.HOLD, _S.HOLD_AFTER_FWD, _S.HOLD_AFTER_BWD, _S.READY_FOR_REDUCE}),

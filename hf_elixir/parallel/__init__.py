@@ -11,6 +11,7 @@ from hf_elixir.parallel._apply import (
     get_parallel_state,
     param_process_groups,
     parallelize,
+    placements_for_plan,
     reduce_gradients,
 )
 from hf_elixir.parallel._collectives import all_to_all, copy_to_group, reduce_from_group
@@ -33,6 +34,7 @@ __all__ = [
     "get_parallel_state",
     "param_process_groups",
     "parallelize",
+    "placements_for_plan",
     "reduce_from_group",
     "reduce_gradients",
     "save_pretrained_full",

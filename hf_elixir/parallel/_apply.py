@@ -19,7 +19,8 @@ from hf_elixir.parallel._mesh import ElixirMesh, build_mesh
 from hf_elixir.parallel._tensor_parallel import TPShardLayout, parallelize_block
 from hf_elixir.placement import resolve_placements_detailed
 
-__all__ = ["ParallelState", "get_parallel_state", "param_process_groups", "parallelize", "reduce_gradients"]
+__all__ = ["ParallelState", "get_parallel_state", "param_process_groups", "parallelize", "placements_for_plan",
+           "reduce_gradients"]
 
 _STATE_ATTR = "_hf_elixir_parallel"
 
@@ -90,6 +91,38 @@ def parallelize(model: nn.Module, config: Any, mesh: ElixirMesh | None = None) -
         setattr(named[parent_fqn] if parent_fqn else model, child, new)
     setattr(model, _STATE_ATTR, state)
     return state
+
+
+def placements_for_plan(model: nn.Module, config: Any) -> dict[str, str]:
+    """Module FQN -> placement to record in ``ElixirPlan.placements`` (``hf_elixir.prepare`` calls this).
+
+    A model rewritten by :func:`parallelize`: the placements it applied. Any other model: the resolved
+    placements for ``config`` (every parameter-owning module ``"sharded"`` unless
+    ``ElixirConfig.placements`` overrides it), which also validates the override globs.
+
+    Raises:
+        ValueError: ``config`` asks for tensor or expert parallelism (size > 1) but the model was not
+            rewritten by :func:`parallelize` (it must be, before the optimizer is built on its
+            parameters); the model was parallelized for other axis sizes than ``config``'s; see also
+            :func:`hf_elixir.placement.resolve_placements`.
+    """
+    state = get_parallel_state(model)
+    tp, ep = config.tensor_parallel_size, config.expert_parallel_size
+    if state is None:
+        if tp > 1 or ep > 1:
+            raise ValueError(
+                f"ElixirConfig(tensor_parallel_size={tp}, expert_parallel_size={ep}) needs a model rewritten "
+                "for it: call hf_elixir.parallel.parallelize(model, config) on every rank, then build the "
+                "optimizer on model.parameters(), then hf_elixir.prepare(model, optimizer, config)"
+            )
+        return resolve_placements_detailed(model, config).placements
+    if (state.mesh.tp_size, state.mesh.ep_size) != (tp, ep):
+        raise ValueError(
+            f"the model was parallelized with tensor_parallel_size={state.mesh.tp_size}, expert_parallel_size="
+            f"{state.mesh.ep_size} but ElixirConfig has tensor_parallel_size={tp}, expert_parallel_size={ep}; "
+            "pass the same config to parallelize and prepare"
+        )
+    return dict(state.placements)
 
 
 def param_process_groups(model: nn.Module) -> dict[str, Any]:

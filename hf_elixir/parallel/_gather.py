@@ -25,7 +25,9 @@ def _all_gather(t: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:
 def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The state dict of the unmodified model class, reassembled from tp shards and ep experts.
 
-    Collective: call on every rank. Tp shards are all-gathered over the tp group and merged (GPT-2's
+    Collective: call on every rank. Works on a model also prepared by ``hf_elixir.prepare`` (built on
+    its ``model.state_dict()``, which consolidates the ZeRO chunks over their data-parallel groups into
+    this rank's full local tensors). Tp shards are all-gathered over the tp group and merged (GPT-2's
     ``c_attn`` re-fused per head: ``q|k|v`` with every rank's heads in order); experts are
     all-gathered over the ep group. Replicated tensors are taken from this rank (they are equal on
     every rank after a synchronised step). Keys and order are those of the model before

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 _MEASURED_FIELDS = (
     "h2d_bytes_per_s", "d2h_bytes_per_s", "allgather_bytes_per_s", "reduce_scatter_bytes_per_s",
     "host_adam_numel_per_s", "device_adam_numel_per_s", "device_flops_per_s",
+    "hook_event_s", "onload_fixed_s", "optim_tensor_s",
 )
 
 
@@ -50,6 +51,12 @@ class HardwareProfile:
             current group; ``None`` when no process group was initialised.
         host_adam_numel_per_s / device_adam_numel_per_s: fp32 elements per second of one AdamW step.
         device_flops_per_s: fp32 (CPU) or bf16 (CUDA) matmul throughput, to turn FLOPs into seconds.
+        hook_event_s: hf_elixir's own cost per module call (forward or backward hooks, gradient copy),
+            timed on a small model prepared all-resident against the same model run plainly.
+        onload_fixed_s: cost of one chunk onload + eviction beyond the bytes copied (allocation, the
+            manager's bookkeeping), timed on the same model prepared with the smallest budget.
+        optim_tensor_s: ``ElixirOptimizer.step`` cost per parameter shard view beyond the elements
+            updated (the inner optimizer's per-tensor overhead).
         world_size: size of the group the collectives were timed on (1 without a group).
         can_overlap: copies run concurrently with compute (CUDA streams); ``False`` on CPU.
     """
@@ -68,6 +75,9 @@ class HardwareProfile:
     host_adam_numel_per_s: float = 0.0
     device_adam_numel_per_s: float = 0.0
     device_flops_per_s: float = 0.0
+    hook_event_s: float = 0.0
+    onload_fixed_s: float = 0.0
+    optim_tensor_s: float = 0.0
     world_size: int = 1
     can_overlap: bool = False
 
@@ -134,14 +144,11 @@ def _measure(device: torch.device, process_group: Any, size_bytes: int, repeats:
     del host, dev
 
     def adam_rate(on: torch.device) -> float:
-        adam_numel = numel  # states (4x) exceed caches, as real chunks do
+        adam_numel = min(numel, 2**20)  # states exceed caches, as real chunks do
         param = torch.nn.Parameter(torch.zeros(adam_numel, device=on))
         param.grad = torch.ones_like(param)
-        try:
-            opt = torch.optim.AdamW([param], lr=1e-3, fused=True)
-            opt.step()
-        except (RuntimeError, TypeError):  # fused not supported here
-            opt = torch.optim.AdamW([param], lr=1e-3, foreach=True)
+        # the implementation torch picks by default, which is what ElixirOptimizer's inner optimizer runs
+        opt = torch.optim.AdamW([param], lr=1e-3)
         sync_on = torch.cuda.synchronize if on.type == "cuda" else (lambda: None)
         return adam_numel / _best_time(opt.step, repeats, sync_on)
 
@@ -153,7 +160,70 @@ def _measure(device: torch.device, process_group: Any, size_bytes: int, repeats:
     b = torch.randn(side, side, device=device, dtype=dtype)
     out["device_flops_per_s"] = 2 * side**3 / _best_time(lambda: torch.mm(a, b), repeats, sync)
     out.update(_measure_collectives(device, process_group, numel, repeats, sync))
+    out.update(_measure_runtime(device, out, repeats, sync))
     return out
+
+
+def _measure_runtime(device: torch.device, rates: dict[str, Any], repeats: int,
+                     sync: Callable[[], None]) -> dict[str, float]:
+    """Time hf_elixir's own overheads on a small ``nn.Sequential`` of ``nn.Linear`` layers (one layer per
+    chunk): plain vs prepared all-resident (per module call), all-resident vs smallest budget (per chunk
+    onload), and the optimizer step (per parameter view). Single-rank only: with a process group the
+    fields stay 0 (the group's collectives are timed separately)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return {"hook_event_s": 0.0, "onload_fixed_s": 0.0, "optim_tensor_s": 0.0}
+    from hf_elixir.api import memory_stats, min_device_budget_bytes, prepare  # noqa: PLC0415 (cycle)
+    from hf_elixir.config import ElixirConfig  # noqa: PLC0415
+
+    width, depth = 64, 8
+    chunk = width * width + width
+    x = torch.randn(32, width, device=device)
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)]).to(device)
+
+    def fwd_bwd(model: torch.nn.Module) -> None:
+        model(x).pow(2).mean().backward()
+
+    plain = build()
+
+    def plain_step() -> None:
+        fwd_bwd(plain)
+        plain.zero_grad(set_to_none=True)
+
+    runs = max(5, 3 * repeats)
+    t_plain = _best_time(plain_step, runs, sync)
+    resident = build()
+    resident, res_opt = prepare(resident, torch.optim.AdamW(resident.parameters(), lr=1e-3),
+                                ElixirConfig(chunk_size_numel=chunk))
+    t_res = _best_time(lambda: fwd_bwd(resident), runs, sync)
+    budget = min_device_budget_bytes(build(), config=ElixirConfig(chunk_size_numel=chunk))
+    small = build()
+    small, small_opt = prepare(small, torch.optim.AdamW(small.parameters(), lr=1e-3),
+                               ElixirConfig(chunk_size_numel=chunk, device_memory_budget_bytes=budget))
+    for _ in range(2):  # a recorded trace makes eviction Belady's, as in steady state
+        fwd_bwd(small)
+        small_opt.step()
+    before = memory_stats(small)["num_onloads"]
+    fwd_bwd(small)
+    onloads = max(1, memory_stats(small)["num_onloads"] - before)
+    t_off = _best_time(lambda: fwd_bwd(small), runs, sync)
+    # per parameter view: a model of many tiny layers, whose elements cost next to nothing
+    narrow = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(2 * depth)]).to(device)
+    narrow, narrow_opt = prepare(narrow, torch.optim.AdamW(narrow.parameters(), lr=1e-3),
+                                 ElixirConfig(chunk_size_numel=20))
+    narrow(torch.randn(8, 4, device=device)).sum().backward()
+    t_views = _best_time(narrow_opt.step, runs, sync)
+    logger.info("runtime probe: plain %.3g s, resident %.3g s, smallest budget %.3g s (%d onloads), "
+                "step of %d views %.3g s", t_plain, t_res, t_off, onloads, 4 * depth, t_views)
+    return {
+        "hook_event_s": max(0.0, (t_res - t_plain) / (2 * depth)),
+        "onload_fixed_s": max(0.0, (t_off - t_res) / onloads - chunk * 4 / rates["h2d_bytes_per_s"]),
+        "optim_tensor_s": t_views / (4 * depth),
+    }
 
 
 def _measure_collectives(device: torch.device, group: Any, numel: int, repeats: int,

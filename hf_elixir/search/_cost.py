@@ -1,33 +1,35 @@
-"""Cost model: predicted step time and device/host memory of one configuration.
+"""Cost model: predicted step time and device/host memory of one configuration, by replaying the
+profiled access order through the same rules the chunk manager (``hf_elixir/chunk``) follows.
 
-[Note: memory accounting] (per rank; ``b`` = compute-dtype bytes, ``n_c`` = chunk ``c``'s numel,
-``s_c = n_c / world_size`` its shard numel; this is what the chunk manager's pool must count for the
-prediction to hold):
+[Note: memory accounting] Per rank; ``b`` = compute-dtype bytes, ``n_c`` = chunk ``c``'s numel,
+``s_c = n_c / world_size`` its shard numel, ``k`` = optimizer states per element (Adam: 2). This is what
+the chunk manager's pool charges (``Chunk.materialize``, ``ElixirOptimizer._build_shard_state``):
 
-* resident chunk: ``n_c * b`` (its shard is a slice of the unsharded buffer, not counted again);
-* non-resident chunk whose shard stays on the device (``device_shard_chunks``): ``s_c * b``;
-* cache blocks: ``cache_blocks * chunk_size_numel * b`` (non-resident chunks borrow them while gathered);
-* gradient buffers: ``chunk_size_numel * 4`` (fp32) per chunk receiving gradients at the same time;
-  the peak count is read from the profiled trace (first backward use to last gradient ready);
-* device optimizer state: ``s_c * 16`` (fp32 master 4 + Adam moments 4 + 4 + fp32 grad shard 4) for
-  bf16/fp16; ``s_c * 12`` for fp32 (the master *is* the compute shard);
-* activations are outside the pool; they count toward the device only when ``activations_on_device``
-  (a real GPU), scaled from the profiled dtype to the compute dtype.
+* ``world_size == 1``: a chunk in ``resident_chunks`` or ``device_shard_chunks`` keeps its full buffer,
+  which *is* its shard (``Chunk.full_alias``): ``n_c * b``, never evicted. Other chunks' shards live on
+  the host and are copied into a freshly charged full buffer (``n_c * b``) when used;
+* ``world_size > 1``: a resident chunk holds its full buffer and a shard clone, ``(n_c + s_c) * b``;
+  a device-shard chunk ``s_c * b``; every other chunk is gathered into a charged full buffer when used
+  (plus an ``s_c * b`` onload staging buffer while its host shard is gathered);
+* optimizer state of a trained chunk on the device (``device_optim_chunks``): fp32 gradient shard
+  ``4 s_c`` + ``4 k s_c`` states + an fp32 master ``4 s_c`` unless the precision is fp32 and the shard
+  is on the device too (then the shard is the master);
+* gradient buffers: one fp32 full chunk (``4 n_c``) from the chunk's first gradient until its
+  reduce-scatter, which runs in the manager's fixed order (descending first forward use), each as soon
+  as it and all before it are complete;
+* unsharded non-resident chunks stay on the device until the pool needs room; the manager then evicts
+  the unpinned one whose next use is farthest (Belady over the previous step's order). So the cache is
+  *whatever the budget leaves*, and ``Knobs.cache_blocks`` only reports it;
+* activations are outside the pool; they count toward the device only when ``activations_on_device``.
 
-Optimizer-state chunks on the device must be resident or device-shard chunks. With ``world_size == 1``
-a shard is the whole chunk, so only resident chunks keep parameters on the device.
-
-[Note: time model]: one compute stream (per-event compute measured by the profiler, or FLOPs divided by
-the measured matmul throughput), one host->device copy stream, one collective stream and one
-device->host stream. A chunk that misses in the cache (Belady's MIN over the non-resident chunks, with
-``cache_blocks - prefetch_depth`` blocks) costs an onload of its shard (unless the shard is on the
-device) and, with ``world_size > 1``, an all-gather; with prefetch depth ``p`` the copy may start when
-the compute reaches the access ``p`` events earlier. Each trained chunk's gradient is reduce-scattered
-when its last gradient is ready and, if its optimizer state is on the host, its fp32 gradient shard is
-copied to the host. The optimizer step follows the backward: host and device updates at the measured
-AdamW throughputs, then the updated host shards of device-held chunks are copied up and resident chunks
-re-gathered. Without overlap (``hardware.can_overlap`` is ``False``: the CPU simulated pool) all of it
-is serial.
+[Note: time model] The compute of each profiled event (rescaled from the traced to the untraced
+step time), plus, all measured by :func:`~hf_elixir.profiler.probe_hardware`: hf_elixir's hook cost per
+module call (``hook_event_s``), per onload a fixed cost (``onload_fixed_s``) and the bytes at the
+copy/all-gather bandwidth, per trained chunk its gradient copies and reduce-scatter, then the optimizer
+step (per parameter view ``optim_tensor_s`` plus elements at the host/device AdamW rate) and the
+copies refreshing compute copies whose master lives elsewhere. Where copies overlap compute
+(``hardware.can_overlap``, CUDA) an onload may start ``prefetch_depth`` events early on its own stream;
+on CPU everything is serial.
 """
 
 from __future__ import annotations
@@ -36,17 +38,22 @@ from dataclasses import dataclass, field
 
 from hf_elixir.chunk import pack_chunks
 from hf_elixir.profiler import HardwareProfile, StepProfile
-from hf_elixir.search._belady import belady_schedule
-from hf_elixir.search._chunk_size import chunk_groups
 
 __all__ = ["ChunkedStep", "Knobs", "Prediction", "build_chunked_step", "predict"]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
+_INF = float("inf")
+
+
 @dataclass(frozen=True)
 class Knobs:
-    """One point of the search space (chunk ids are positions in the packing)."""
+    """One point of the search space (chunk ids are positions in the packing).
+
+    ``cache_blocks`` is derived, not chosen: the budget left after the fixed parts is the cache (see
+    [Note: memory accounting]); :func:`predict` uses it only when no pool size is given.
+    """
 
     resident: frozenset[int] = frozenset()
     device_shard: frozenset[int] = frozenset()
@@ -73,6 +80,8 @@ class Prediction:
     host_bytes: int
     breakdown: dict[str, int] = field(default_factory=dict)
     timeline: list[tuple[float, int, str]] = field(default_factory=list)  # (time s, device bytes, label)
+    chunk_onloads: dict[int, int] = field(default_factory=dict)
+    cache_blocks: int = 0
 
 
 @dataclass
@@ -84,37 +93,42 @@ class ChunkedStep:
     precision: str
     chunk_numels: list[int]
     trained_numels: list[int]
-    groups: list[tuple[int, ...]]  # per event, chunk ids needed at once
+    groups: list[tuple[int, ...]]  # per event, chunk ids accessed at once (may be empty)
     event_compute_s: list[float]
     event_phase: list[str]
-    grad_ready: dict[int, int]  # chunk -> event index after which its gradient is complete
-    grad_peak_chunks: int
+    grad_arrive: dict[int, int]  # trained chunk -> event after which its gradient buffer exists
+    grad_reduce: dict[int, int]  # trained chunk -> event after which it is reduce-scattered
+    grad_peak_bytes: int
     accesses: list[int]  # per chunk, how many events use it
+    views: list[int]  # per chunk, trainable parameter pieces in rank 0's shard (optimizer tensors)
     activation_bytes: int
     activation_checkpointing: bool
-    _misses: dict = field(default_factory=dict, repr=False)
+    optim_states: int = 2
+    grad_elem_bytes: int = 4
 
     @property
     def num_chunks(self) -> int:
         return len(self.chunk_numels)
 
-    def misses(self, resident: frozenset[int], capacity: int) -> list[list[int]] | None:
-        """Per event, chunks onloaded (Belady) when ``resident`` stay and ``capacity`` blocks cache the rest;
-        ``None`` if the cache cannot serve one event."""
-        key = (resident, capacity)
-        if key not in self._misses:
-            groups = [tuple(c for c in g if c not in resident) for g in self.groups]
-            need = max((len(g) for g in groups), default=0)
-            if need == 0:
-                self._misses[key] = [[] for _ in groups]
-            elif capacity < need:
-                self._misses[key] = None
-            else:
-                self._misses[key] = belady_schedule(groups, capacity)
-        return self._misses[key]
+    @property
+    def grad_peak_chunks(self) -> int:
+        return -(-self.grad_peak_bytes // max(1, self.chunk_size_numel * self.grad_elem_bytes))
 
-    def min_cache_blocks(self, resident: frozenset[int]) -> int:
-        return max((sum(1 for c in g if c not in resident) for g in self.groups), default=0)
+    def full_bytes(self, c: int) -> int:
+        return self.chunk_numels[c] * DTYPE_BYTES[self.precision]
+
+    def shard_numel(self, c: int) -> int:
+        return self.chunk_numels[c] // self.world_size
+
+    def working_set_bytes(self, held: frozenset[int] = frozenset()) -> int:
+        """Device bytes the step needs beyond the fixed parts: the largest event's unsharded non-held
+        chunks (plus the previous event's, which backward may still pin), the gradient-buffer peak and,
+        with several ranks, an onload staging shard."""
+        per_event = [sum(self.full_bytes(c) for c in g if c not in held) for g in self.groups] or [0]
+        pairs = [a + b for a, b in zip(per_event, per_event[1:])] or per_event
+        staging = max((self.shard_numel(c) * DTYPE_BYTES[self.precision] for c in range(self.num_chunks)),
+                      default=0) if self.world_size > 1 else 0
+        return max(pairs) + self.grad_peak_bytes + staging
 
 
 def _checkpointed_events(profile: StepProfile) -> list:
@@ -161,169 +175,296 @@ def activation_bytes(profile: StepProfile, precision: str, checkpointing: bool) 
     return int(peak * scale)
 
 
+def _event_seconds(profile: StepProfile, events: list, hardware: HardwareProfile) -> list[float]:
+    """Per-event compute seconds: measured (rescaled per phase to the untraced step time) when the
+    profile ran on this kind of device, else FLOPs at the measured matmul rate."""
+    measured = all(e.compute_s is not None for e in events) and profile.device == hardware.device_kind
+    if not measured:
+        rate = hardware.device_flops_per_s or 1e12
+        return [e.flops / rate for e in events]
+    scale = {"fwd": 1.0, "bwd": 1.0}
+    if profile.plain_forward_s and profile.forward_s:
+        scale["fwd"] = profile.plain_forward_s / profile.forward_s
+    if profile.plain_backward_s and profile.backward_s:
+        scale["bwd"] = profile.plain_backward_s / profile.backward_s
+    traced = {ph: sum(e.compute_s for e in profile.events if e.phase == ph) for ph in scale}
+    wall = {"fwd": profile.forward_s, "bwd": profile.backward_s}
+    # events sum to the traced wall time; rescale so that they sum to the plain one
+    factor = {ph: (scale[ph] * (wall[ph] or 0.0) / traced[ph]) if traced[ph] else 1.0 for ph in scale}
+    return [e.compute_s * factor.get(e.phase, 1.0) for e in events]
+
+
 def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_size: int, precision: str,
-                       hardware: HardwareProfile, activation_checkpointing: bool = False) -> ChunkedStep:
-    """Pack the profile's parameters at ``chunk_size_numel`` and precompute the chunk trace."""
+                       hardware: HardwareProfile, activation_checkpointing: bool = False,
+                       optim_states: int = 2, grad_elem_bytes: int = 4) -> ChunkedStep:
+    """Pack the profile's parameters at ``chunk_size_numel`` and precompute the chunk trace, the
+    gradient-buffer lifetimes (reduce order as in ``ChunkManager.start_backward``) and the optimizer's
+    parameter views."""
     layout = pack_chunks(profile.param_numels, chunk_size_numel, world_size)
+    chunk_of = {m: c for c, members in enumerate(layout.members) for m in members}
     events = _checkpointed_events(profile) if activation_checkpointing else list(profile.events)
-    groups = chunk_groups(layout, [e.params for e in events])
-    kept = [e for e in events if e.params]
-    use_measured = all(e.compute_s is not None for e in kept) and profile.device == hardware.device_kind
-    flops_rate = hardware.device_flops_per_s or 1e12
-    compute = [(e.compute_s if use_measured else e.flops / flops_rate) for e in kept]
+    groups: list[tuple[int, ...]] = []
+    for e in events:
+        ids: list[int] = []
+        for i in e.params:
+            if chunk_of[i] not in ids:
+                ids.append(chunk_of[i])
+        groups.append(tuple(ids))
+    num_chunks = layout.num_chunks
     trained = [sum(profile.param_numels[i] for i in members if profile.param_requires_grad[i])
                for members in layout.members]
-    # map profile event indices to kept-event indices (grad readiness); with checkpointing the
-    # original backward events moved, so recompute readiness from the last backward use
-    grad_ready: dict[int, int] = {}
-    first_bwd: dict[int, int] = {}
-    for k, (e, g) in enumerate(zip(kept, groups)):
-        if e.phase == "bwd":
+    last = len(events) - 1
+    # gradient arrival per parameter: the profiled hook position, or the last backward use when
+    # checkpointing moved the events
+    arrive_p: dict[int, int] = {}
+    if not activation_checkpointing:
+        for i, k in enumerate(profile.grad_ready_event):
+            if profile.param_requires_grad[i]:
+                arrive_p[i] = k if k >= 0 else -1
+    else:
+        for k, e in enumerate(events):
+            if e.phase == "bwd":
+                for i in e.params:
+                    if profile.param_requires_grad[i]:
+                        arrive_p[i] = k
+    grad_arrive: dict[int, int] = {}
+    ready: dict[int, float] = {}
+    for c, members in enumerate(layout.members):
+        ks = [arrive_p.get(i, -1) for i in members if profile.param_requires_grad[i]]
+        if not ks:
+            continue
+        got = [k for k in ks if k >= 0]
+        grad_arrive[c] = min(got) if got else last
+        ready[c] = max(got) if got else _INF  # a chunk with no gradient blocks the order until the end
+    first_fwd: dict[int, int] = {}
+    for k, (e, g) in enumerate(zip(events, groups)):
+        if e.phase == "fwd":
             for c in g:
-                first_bwd.setdefault(c, k)
-                if trained[c]:
-                    grad_ready[c] = k
-    for c in range(layout.num_chunks):
-        if trained[c] and c not in grad_ready:
-            grad_ready[c] = len(kept) - 1  # unused this step: reduced (zeros) at the end
-            first_bwd.setdefault(c, len(kept) - 1)
+                first_fwd.setdefault(c, k)
+    order = sorted(grad_arrive, key=lambda c: (-first_fwd.get(c, -1), -c))
+    grad_reduce: dict[int, int] = {}
+    prefix = -1.0
+    for c in order:
+        prefix = max(prefix, ready[c])
+        grad_reduce[c] = last if prefix == _INF else int(prefix)
+    gbytes = {c: layout.chunk_numels[c] * grad_elem_bytes for c in grad_arrive}
     peak = 0
-    for k in range(len(kept)):
-        live = sum(1 for c in grad_ready if first_bwd[c] <= k <= grad_ready[c])
-        peak = max(peak, live)
-    accesses = [0] * layout.num_chunks
+    for k in range(len(events)):
+        peak = max(peak, sum(gbytes[c] for c in grad_arrive if grad_arrive[c] <= k <= grad_reduce[c]))
+    accesses = [0] * num_chunks
     for g in groups:
         for c in g:
             accesses[c] += 1
+    views = []
+    for c, (members, offsets) in enumerate(zip(layout.members, layout.offsets)):
+        shard = layout.chunk_numels[c] // world_size
+        views.append(sum(1 for i, off in zip(members, offsets)
+                         if profile.param_requires_grad[i] and off < shard and profile.param_numels[i] > 0))
     return ChunkedStep(
         chunk_size_numel=chunk_size_numel, world_size=world_size, precision=precision,
         chunk_numels=list(layout.chunk_numels), trained_numels=trained, groups=groups,
-        event_compute_s=compute, event_phase=[e.phase for e in kept], grad_ready=grad_ready,
-        grad_peak_chunks=peak, accesses=accesses,
-        activation_bytes=activation_bytes(profile, precision, activation_checkpointing),
-        activation_checkpointing=activation_checkpointing,
+        event_compute_s=_event_seconds(profile, events, hardware), event_phase=[e.phase for e in events],
+        grad_arrive=grad_arrive, grad_reduce=grad_reduce, grad_peak_bytes=peak, accesses=accesses,
+        views=views, activation_bytes=activation_bytes(profile, precision, activation_checkpointing),
+        activation_checkpointing=activation_checkpointing, optim_states=optim_states,
+        grad_elem_bytes=grad_elem_bytes,
     )
 
 
-def optim_bytes_per_numel(precision: str) -> int:
-    return 12 if precision == "fp32" else 16
+def optim_bytes_per_numel(precision: str, master: bool = False, optim_states: int = 2) -> int:
+    """Device bytes per shard element of one chunk's optimizer state: fp32 gradient shard + ``optim_states``
+    fp32 states (+ fp32 master when ``master`` or the precision is not fp32)."""
+    return 4 + 4 * optim_states + (4 if (master or precision != "fp32") else 0)
 
 
-def memory(step: ChunkedStep, knobs: Knobs, activations_on_device: bool) -> tuple[int, int, dict[str, int]]:
-    """(device model-data bytes, host bytes, breakdown) per rank; see [Note: memory accounting]."""
+def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, int]]:
+    """(fixed device bytes, host bytes, breakdown) per rank; see [Note: memory accounting]."""
     b = DTYPE_BYTES[step.precision]
     ws = step.world_size
-    k_opt = optim_bytes_per_numel(step.precision)
-    resident = sum(step.chunk_numels[c] for c in knobs.resident) * b
-    shards = sum(step.chunk_numels[c] // ws for c in knobs.device_shard - knobs.resident) * b
-    cache = knobs.cache_blocks * step.chunk_size_numel * b
-    grads = step.grad_peak_chunks * step.chunk_size_numel * 4
-    optim = sum(step.trained_numels[c] and step.chunk_numels[c] // ws for c in knobs.device_optim) * k_opt
-    breakdown = {"resident_chunks": resident, "device_shards": shards, "cache_blocks": cache,
-                 "grad_buffers": grads, "device_optimizer": optim,
-                 "activations": step.activation_bytes if activations_on_device else 0}
     held = knobs.resident | knobs.device_shard
-    host_params = sum(step.chunk_numels[c] // ws for c in range(step.num_chunks) if c not in held) * b
-    host_optim = sum(step.chunk_numels[c] // ws for c in range(step.num_chunks)
-                     if c not in knobs.device_optim and step.trained_numels[c]) * 16
-    model = resident + shards + cache + grads + optim
-    return model, host_params + host_optim, breakdown
+    if ws == 1:
+        resident = sum(step.full_bytes(c) for c in held)
+        shards = 0
+    else:
+        resident = sum(step.full_bytes(c) + step.shard_numel(c) * b for c in knobs.resident)
+        shards = sum(step.shard_numel(c) * b for c in knobs.device_shard - knobs.resident)
+    optim = host_optim = 0
+    for c in range(step.num_chunks):
+        if not step.trained_numels[c]:
+            continue
+        if c in knobs.device_optim:
+            optim += step.shard_numel(c) * optim_bytes_per_numel(step.precision, c not in held, step.optim_states)
+        else:
+            host_optim += step.shard_numel(c) * optim_bytes_per_numel(step.precision, c in held, step.optim_states)
+    host_params = sum(step.shard_numel(c) * b for c in range(step.num_chunks) if c not in held)
+    if ws > 1:  # rank-local refill copies of evicted unsharded chunks
+        host_params += sum(step.full_bytes(c) for c in range(step.num_chunks) if c not in knobs.resident)
+    breakdown = {"resident_chunks": resident, "device_shards": shards, "device_optimizer": optim}
+    return resident + shards + optim, host_params + host_optim, breakdown
 
 
-def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *,
+def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_bytes: int | None = None,
             activations_on_device: bool = False, timeline: bool = False) -> Prediction | None:
-    """Predicted time and memory of ``knobs``; ``None`` if the cache cannot serve the step.
+    """Predicted time and memory of ``knobs`` with a model-data pool of ``pool_bytes`` (the
+    ``device_memory_budget_bytes`` given to ``prepare``); ``None`` if the step cannot run in it (the
+    manager would raise). Without ``pool_bytes`` the pool is the fixed parts plus
+    ``knobs.cache_blocks`` chunks plus the gradient-buffer peak.
 
     See [Note: time model] and [Note: memory accounting] in this module's docstring.
     """
     ws = step.world_size
     b = DTYPE_BYTES[step.precision]
-    capacity = knobs.cache_blocks - knobs.prefetch_depth
-    misses = step.misses(knobs.resident, capacity)
-    if misses is None:
-        return None
+    held = knobs.resident | knobs.device_shard
+    on_device = knobs.resident if ws > 1 else held  # chunks that never need a fill
+    fixed, host_bytes, breakdown = fixed_memory(step, knobs)
+    chunk_bytes = step.chunk_size_numel * b
+    if pool_bytes is None:
+        pool_bytes = fixed + knobs.cache_blocks * chunk_bytes + step.grad_peak_bytes
     h2d_rate = hardware.h2d_bytes_per_s or 1e10
     d2h_rate = hardware.d2h_bytes_per_s or 1e10
     ag_rate = hardware.allgather_bytes_per_s or h2d_rate
     rs_rate = hardware.reduce_scatter_bytes_per_s or d2h_rate
-    overlap = hardware.can_overlap
-    model_bytes, host_bytes, breakdown = memory(step, knobs, activations_on_device)
-    held = knobs.resident | knobs.device_shard
-    grad_at: dict[int, list[int]] = {}
-    for c, k in step.grad_ready.items():
-        grad_at.setdefault(k, []).append(c)
-    t_compute = t_h2d = t_comm = t_d2h = 0.0
-    starts: list[float] = []
+    overlap = hardware.can_overlap and knobs.prefetch_depth > 0
+    # next use of each chunk after each event (Belady's victim choice, as the manager's)
+    next_use: list[dict[int, float]] = [dict() for _ in step.groups]
+    upcoming: dict[int, float] = {}
+    for k in range(len(step.groups) - 1, -1, -1):
+        for c in step.groups[k]:
+            next_use[k][c] = upcoming.get(c, _INF)
+        for c in step.groups[k]:
+            upcoming[c] = k
+    last_seen: dict[int, float] = {}
+    reduce_at: dict[int, list[int]] = {}
+    for c, k in step.grad_reduce.items():
+        reduce_at.setdefault(k, []).append(c)
+    arrive_at: dict[int, list[int]] = {}
+    for c, k in step.grad_arrive.items():
+        arrive_at.setdefault(k, []).append(c)
+    used = fixed
+    peak = fixed
+    cached: dict[int, int] = {}  # chunk -> bytes held
+    cache_peak = grad_live = grad_peak = 0
+    onloads = evictions = 0
+    chunk_onloads: dict[int, int] = {}
     h2d_bytes = d2h_bytes = ag_bytes = rs_bytes = 0
-    onloads = 0
+    t_compute = t_copy = 0.0
+    starts: list[float] = []
     points: list[tuple[float, int, str]] = []
-    base = model_bytes - knobs.cache_blocks * step.chunk_size_numel * b - breakdown["grad_buffers"]
-    cached = 0
-    grads_live = 0
-    for k, loaded in enumerate(misses):
-        issue = starts[k - knobs.prefetch_depth] if (overlap and knobs.prefetch_depth and k >= knobs.prefetch_depth) else t_compute
+    gathered: set[int] = set()  # ws > 1: gathered once this step (later refills are local copies)
+
+    def make_room(nbytes: int, pinned: tuple[int, ...], k: int) -> bool:
+        nonlocal used, evictions, d2h_bytes
+        while used + nbytes > pool_bytes:
+            victims = [c for c in cached if c not in pinned]
+            if not victims:
+                return False
+            victim = max(victims, key=lambda c: (last_seen.get(c, _INF), -c))
+            used -= cached.pop(victim)
+            evictions += 1
+            if ws > 1 and victim in gathered and victim not in host_copied:
+                host_copied.add(victim)
+                d2h_bytes += step.full_bytes(victim)
+        return True
+
+    host_copied: set[int] = set()
+    for k, group in enumerate(step.groups):
+        for c in group:
+            last_seen[c] = next_use[k][c]
+        issue = starts[k - knobs.prefetch_depth] if overlap and k >= knobs.prefetch_depth else t_compute
         ready = t_compute
-        for c in loaded:
+        loaded = 0
+        for c in group:
+            if c in on_device or c in cached:
+                continue
+            loaded += 1
+            full = step.full_bytes(c)
+            collective = ws > 1 and c not in gathered
+            staging = step.shard_numel(c) * b if collective and c not in knobs.device_shard else 0
+            if not make_room(full + staging, group, k):
+                return None
+            used += full
+            cached[c] = full
+            peak = max(peak, used + staging)
             onloads += 1
-            copy_s = comm_s = 0.0
-            if c not in held:
-                size = step.chunk_numels[c] // ws * b
-                h2d_bytes += size
-                copy_s = size / h2d_rate
-            if ws > 1:
-                size = step.chunk_numels[c] * b
-                ag_bytes += size
-                comm_s = size / ag_rate
-            if overlap:
-                t_h2d = max(t_h2d, issue) + copy_s
-                t_comm = max(t_comm, t_h2d) + comm_s
-                ready = max(ready, t_comm)
+            chunk_onloads[c] = chunk_onloads.get(c, 0) + 1
+            copy_s = hardware.onload_fixed_s
+            if ws == 1:
+                h2d_bytes += full
+                copy_s += full / h2d_rate
+            elif collective:
+                gathered.add(c)
+                ag_bytes += full
+                copy_s += full / ag_rate + staging / h2d_rate
+                h2d_bytes += staging
             else:
-                t_compute += copy_s + comm_s
+                h2d_bytes += full
+                copy_s += full / h2d_rate
+            if overlap:
+                t_copy = max(t_copy, issue) + copy_s
+                ready = max(ready, t_copy)
+            else:
+                t_compute += copy_s
                 ready = t_compute
-            cached = min(knobs.cache_blocks, cached + 1)
+        cache_peak = max(cache_peak, sum(cached.values()))
         start = max(t_compute, ready)
         starts.append(start)
-        if step.event_phase[k] == "bwd" and any(c in step.grad_ready for c in step.groups[k]):
-            grads_live = min(step.grad_peak_chunks, max(grads_live, 1))
-        t_compute = start + step.event_compute_s[k]
-        for c in grad_at.get(k, []):
-            rs_s = d2h_s = 0.0
+        t_compute = start + step.event_compute_s[k] + hardware.hook_event_s
+        for c in arrive_at.get(k, []):
+            g = step.chunk_numels[c] * step.grad_elem_bytes
+            if not make_room(g, group, k):
+                return None
+            used += g
+            grad_live += g
+            peak = max(peak, used)
+            t_compute += step.trained_numels[c] * 4 / h2d_rate  # gradients copied into the buffer
+        grad_peak = max(grad_peak, grad_live)
+        for c in reduce_at.get(k, []):
+            g = step.chunk_numels[c] * step.grad_elem_bytes
+            shard_g = step.shard_numel(c) * 4
             if ws > 1:
-                rs_bytes += step.chunk_numels[c] * 4
-                rs_s = step.chunk_numels[c] * 4 / rs_rate
+                peak = max(peak, used + g // ws)
+                rs_bytes += g
+                t_compute += g / rs_rate
             if c not in knobs.device_optim:
-                size = step.chunk_numels[c] // ws * 4
-                d2h_bytes += size
-                d2h_s = size / d2h_rate
-            if overlap:
-                t_comm = max(t_comm, t_compute) + rs_s
-                t_d2h = max(t_d2h, t_comm) + d2h_s
-            else:
-                t_compute += rs_s + d2h_s
+                d2h_bytes += shard_g
+            t_compute += shard_g / d2h_rate  # reduced gradient added into the fp32 gradient shard
+            used -= g
+            grad_live -= g
         if timeline:
-            used = base + cached * step.chunk_size_numel * b + grads_live * step.chunk_size_numel * 4
-            points.append((t_compute, used, f"{step.event_phase[k]}:{len(loaded)} onloads"))
-    fwd_bwd = max(t_compute, t_comm, t_d2h)
+            points.append((t_compute, used, f"{step.event_phase[k]}:{loaded} onloads"))
+    fwd_bwd = max(t_compute, t_copy)
     compute_s = sum(step.event_compute_s)
-    host_numel = sum(step.trained_numels[c] and step.chunk_numels[c] // ws
-                     for c in range(step.num_chunks) if c not in knobs.device_optim)
-    dev_numel = sum(step.trained_numels[c] and step.chunk_numels[c] // ws for c in knobs.device_optim)
+    host_numel = dev_numel = 0
+    refresh_bytes = 0
+    views = 0
+    for c in range(step.num_chunks):
+        if not step.trained_numels[c]:
+            continue
+        views += step.views[c]
+        if c in knobs.device_optim:
+            dev_numel += step.shard_numel(c)
+        else:
+            host_numel += step.shard_numel(c)
+        master_is_shard = step.precision == "fp32" and ((c in knobs.device_optim) == (c in held))
+        if not master_is_shard:
+            refresh_bytes += step.shard_numel(c) * b
+            if (c in knobs.device_optim) != (c in held):
+                h2d_bytes += step.shard_numel(c) * b
     host_s = host_numel / (hardware.host_adam_numel_per_s or 1e9)
     dev_s = dev_numel / (hardware.device_adam_numel_per_s or 1e9)
-    up_bytes = sum(step.chunk_numels[c] // ws * b for c in held
-                   if c not in knobs.device_optim and step.trained_numels[c])
-    regather = sum(step.chunk_numels[c] * b for c in knobs.resident if step.trained_numels[c]) if ws > 1 else 0
-    h2d_bytes += up_bytes
+    regather = sum(step.full_bytes(c) for c in knobs.resident if step.trained_numels[c]) if ws > 1 else 0
     ag_bytes += regather
-    tail_s = up_bytes / h2d_rate + regather / ag_rate
-    optim_s = max(host_s + tail_s, dev_s) if overlap else host_s + dev_s + tail_s
-    device_peak = model_bytes + (step.activation_bytes if activations_on_device else 0)
+    tail_s = refresh_bytes / h2d_rate + regather / ag_rate + views * hardware.optim_tensor_s
+    optim_s = (max(host_s, dev_s) if hardware.can_overlap else host_s + dev_s) + tail_s
+    breakdown = dict(breakdown, cache=cache_peak, grad_buffers=grad_peak)
+    breakdown["activations"] = step.activation_bytes if activations_on_device else 0
+    device_peak = peak + breakdown["activations"]
     if timeline:
-        points.append((fwd_bwd + optim_s, base, "optimizer step"))
+        points.append((fwd_bwd + optim_s, fixed, "optimizer step"))
     return Prediction(
         step_s=fwd_bwd + optim_s, forward_backward_s=fwd_bwd, optimizer_s=optim_s, compute_s=compute_s,
         onloads=onloads, h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes, allgather_bytes=ag_bytes,
-        reduce_scatter_bytes=rs_bytes, device_model_bytes=model_bytes, device_peak_bytes=device_peak,
-        host_bytes=host_bytes, breakdown=breakdown, timeline=points,
+        reduce_scatter_bytes=rs_bytes, device_model_bytes=peak, device_peak_bytes=device_peak,
+        host_bytes=host_bytes, breakdown=breakdown, timeline=points, chunk_onloads=chunk_onloads,
+        cache_blocks=max(0, (pool_bytes - fixed - step.grad_peak_bytes) // max(1, chunk_bytes)),
     )

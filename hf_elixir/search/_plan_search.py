@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from torch import nn
@@ -29,7 +29,7 @@ from hf_elixir.plan import ElixirPlan
 from hf_elixir.profiler import HardwareProfile, StepProfile, profile_step
 from hf_elixir.search._chunk_size import search_chunk_size
 from hf_elixir.search._cost import (DTYPE_BYTES, ChunkedStep, Knobs, Prediction, build_chunked_step,
-                                    optim_bytes_per_numel, predict)
+                                    fixed_memory, optim_bytes_per_numel, predict)
 
 __all__ = ["Candidate", "SearchResult", "auto_plan", "brute_force_grid", "search", "search_plan"]
 
@@ -86,14 +86,13 @@ def _fill(step: ChunkedStep, knobs: Knobs, spare: int, hardware: HardwareProfile
     d2h = hardware.d2h_bytes_per_s or 1e10
     host_rate = hardware.host_adam_numel_per_s or 1e9
     dev_rate = hardware.device_adam_numel_per_s or 1e9
-    k_opt = optim_bytes_per_numel(step.precision)
     items: list[tuple[float, int, str, int]] = []  # (-gain per byte, chunk, kind, bytes)
     for c in order:
         shard = step.chunk_numels[c] // ws
-        held = c in knobs.resident
+        held = c in knobs.resident or c in knobs.device_shard
         if step.trained_numels[c]:
             gain = shard / host_rate - shard / dev_rate + shard * 4 / d2h + shard * b / h2d
-            cost = shard * k_opt
+            cost = shard * optim_bytes_per_numel(step.precision, False, step.optim_states)
             if not held and ws > 1:  # needs the shard on the device too
                 gain += misses_per_chunk.get(c, 0) * shard * b / h2d
                 cost += shard * b
@@ -102,8 +101,7 @@ def _fill(step: ChunkedStep, knobs: Knobs, spare: int, hardware: HardwareProfile
                 continue
             else:
                 kind = "optim"
-            if gain > 0:
-                items.append((-gain / cost, c, kind, cost))
+            items.append((-gain / cost, c, kind, cost))
         if not held and ws > 1 and misses_per_chunk.get(c, 0):
             cost = shard * b
             gain = misses_per_chunk[c] * shard * b / h2d
@@ -127,43 +125,50 @@ def _fill(step: ChunkedStep, knobs: Knobs, spare: int, hardware: HardwareProfile
                  cache_blocks=knobs.cache_blocks, prefetch_depth=knobs.prefetch_depth)
 
 
-def _search_one(step: ChunkedStep, hardware: HardwareProfile, limit_bytes: int, activations_on_device: bool,
-                grid_points: int, prefetch_depths: Iterable[int]) -> tuple[list[Candidate], int]:
+_FILL_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, limit_bytes: int,
+                activations_on_device: bool, grid_points: int,
+                prefetch_depths: Iterable[int]) -> tuple[list[Candidate], int]:
+    """Grid over resident chunks x the share of the spare bytes spent on device optimizer states and
+    shards (the rest is cache) x prefetch depth; keep points whose fixed parts plus working set fit
+    ``limit_bytes`` and whose simulated peak fits ``pool_bytes``."""
     order = sorted(range(step.num_chunks), key=lambda c: (-step.accesses[c], c))
-    b = DTYPE_BYTES[step.precision]
     found: list[Candidate] = []
     evaluated = 0
-    grad_bytes = step.grad_peak_chunks * step.chunk_size_numel * 4
-    act = step.activation_bytes if activations_on_device else 0
+    seen: set[Knobs] = set()
     for num_resident in _spread(0, step.num_chunks, grid_points):
         resident = frozenset(order[:num_resident])
-        resident_bytes = sum(step.chunk_numels[c] for c in resident) * b
-        if resident_bytes + grad_bytes + act > limit_bytes:
+        base = Knobs(resident=resident, device_shard=resident if step.world_size == 1 else frozenset())
+        fixed, _, _ = fixed_memory(step, base)
+        held = base.resident | base.device_shard if step.world_size == 1 else base.resident
+        floor = fixed + step.working_set_bytes(held)
+        if floor > limit_bytes:
             break
-        need = step.min_cache_blocks(resident)
-        rest = step.num_chunks - num_resident
         for depth in prefetch_depths:
-            if need == 0 and depth:
+            probe = predict(step, Knobs(resident=resident, device_shard=base.device_shard, prefetch_depth=depth),
+                            hardware, pool_bytes=pool_bytes, activations_on_device=activations_on_device)
+            if probe is None:
                 continue
-            lo = need + depth if need else 0
-            for blocks in _spread(lo, max(lo, rest + depth if need else 0), grid_points):
-                base = Knobs(resident=resident, cache_blocks=blocks, prefetch_depth=depth)
-                fixed = resident_bytes + blocks * step.chunk_size_numel * b + grad_bytes + act
-                if fixed > limit_bytes:
-                    break
-                misses = step.misses(resident, blocks - depth)
-                if misses is None:
+            for fraction in _FILL_FRACTIONS:
+                knobs = _fill(step, Knobs(resident=resident, device_shard=base.device_shard, prefetch_depth=depth),
+                              int((limit_bytes - floor) * fraction), hardware, order, probe.chunk_onloads)
+                if knobs in seen:
                     continue
-                per_chunk: dict[int, int] = {}
-                for loaded in misses:
-                    for c in loaded:
-                        per_chunk[c] = per_chunk.get(c, 0) + 1
-                knobs = _fill(step, base, limit_bytes - fixed, hardware, order, per_chunk)
-                pred = predict(step, knobs, hardware, activations_on_device=activations_on_device)
+                seen.add(knobs)
+                pred = predict(step, knobs, hardware, pool_bytes=pool_bytes, activations_on_device=activations_on_device)
                 evaluated += 1
-                if pred is not None and pred.device_peak_bytes <= limit_bytes:
-                    found.append(Candidate(step.chunk_size_numel, step.activation_checkpointing, knobs, pred))
+                if pred is not None and _fits(step, knobs, pred, pool_bytes, limit_bytes):
+                    found.append(Candidate(step.chunk_size_numel, step.activation_checkpointing,
+                                           replace(knobs, cache_blocks=pred.cache_blocks), pred))
     return found, evaluated
+
+
+def _fits(step: ChunkedStep, knobs: Knobs, pred: Prediction, pool_bytes: int, limit_bytes: int) -> bool:
+    fixed, _, _ = fixed_memory(step, knobs)
+    held = knobs.resident | knobs.device_shard if step.world_size == 1 else knobs.resident
+    return pred.device_model_bytes <= pool_bytes and fixed + step.working_set_bytes(held) <= limit_bytes
 
 
 def _resolve_profile(model_or_profile: Any, sample_batch: Any) -> StepProfile:
@@ -183,7 +188,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
            activations_on_device: bool | None = None, activation_checkpointing: bool | None = None,
            chunk_size_numel: int | None = None, num_chunk_sizes: int = 3, grid_points: int = 12,
            prefetch_depths: Iterable[int] | None = None, host_memory_bytes: int | None = None,
-           max_alternatives: int = 4) -> SearchResult:
+           max_alternatives: int = 4, optim_states: int = 2) -> SearchResult:
     """Profile (if given a model) and search; see :func:`search_plan` for the arguments.
 
     Returns:
@@ -226,13 +231,17 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
             continue
         for size in sizes:
             step = build_chunked_step(profile, size, world_size=world_size, precision=precision,
-                                      hardware=hardware, activation_checkpointing=ckpt)
-            more, count = _search_one(step, hardware, limit, activations_on_device, grid_points,
+                                      hardware=hardware, activation_checkpointing=ckpt, optim_states=optim_states)
+            act = step.activation_bytes if activations_on_device else 0
+            # the pool prepare() gets: the budget on CPU (activations are outside the simulated pool),
+            # what the activations leave of the margin-reduced budget on a real device
+            pool = budget if not activations_on_device else limit - act
+            more, count = _search_one(step, hardware, pool, limit - act, activations_on_device, grid_points,
                                       tuple(prefetch_depths))
             found += more
             evaluated += count
     if not found:
-        need = _minimum_bytes(profile, world_size, precision, sizes[0], activations_on_device)
+        need = _minimum_bytes(profile, world_size, precision, sizes[0], activations_on_device, hardware)
         raise ValueError(
             f"no configuration fits device_memory_budget_bytes={budget} (with safety_margin={safety_margin}: "
             f"{limit} bytes); the smallest needs about {need} bytes per rank. Use more ranks (world_size), "
@@ -254,13 +263,10 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                         search_s=time.perf_counter() - started, profile=profile)
 
 
-def _minimum_bytes(profile: StepProfile, world_size: int, precision: str, size: int, act_on_device: bool) -> int:
-    from hf_elixir.profiler import HardwareProfile as _HW
-
-    step = build_chunked_step(profile, size, world_size=world_size, precision=precision, hardware=_HW())
-    blocks = step.min_cache_blocks(frozenset())
-    return (blocks * size * DTYPE_BYTES[precision] + step.grad_peak_chunks * size * 4
-            + (step.activation_bytes if act_on_device else 0))
+def _minimum_bytes(profile: StepProfile, world_size: int, precision: str, size: int, act_on_device: bool,
+                   hardware: HardwareProfile) -> int:
+    step = build_chunked_step(profile, size, world_size=world_size, precision=precision, hardware=hardware)
+    return step.working_set_bytes() + (step.activation_bytes if act_on_device else 0)
 
 
 def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: str, budget: int, limit: int,
@@ -346,31 +352,42 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
     budget = config.device_memory_budget_bytes
     if budget is None and hardware.device_kind != "cuda":
         budget = hardware.device_total_bytes
-    return search_plan(profile, hardware, world_size=world_size, precision=config.precision,
+    plan = search_plan(profile, hardware, world_size=world_size, precision=config.precision,
                        device_memory_budget_bytes=budget, chunk_size_numel=config.chunk_size_numel)
+    from hf_elixir.placement import resolve_placements  # noqa: PLC0415
+
+    plan.placements = resolve_placements(model, config)
+    return plan
 
 
 def brute_force_grid(profile: StepProfile, hardware: HardwareProfile, *, world_size: int = 1, precision: str = "fp32",
                      device_memory_budget_bytes: int, chunk_size_numel: int, safety_margin: float = 0.05,
-                     activations_on_device: bool = False, prefetch_depths: Iterable[int] = (0,)) -> list[Candidate]:
-    """Every (resident prefix, cache blocks, device-optimizer prefix, prefetch) point that fits, priced
-    (for small models; used to check the search against exhaustive enumeration). Sorted fastest first."""
-    step = build_chunked_step(profile, chunk_size_numel, world_size=world_size, precision=precision, hardware=hardware)
+                     activations_on_device: bool = False, prefetch_depths: Iterable[int] = (0,),
+                     optim_states: int = 2) -> list[Candidate]:
+    """Every (resident prefix, device-shard prefix, device-optimizer prefix, prefetch) point that fits,
+    priced with the same pool as :func:`search` (for small models; used to check the search against
+    exhaustive enumeration). Sorted fastest first."""
+    step = build_chunked_step(profile, chunk_size_numel, world_size=world_size, precision=precision,
+                              hardware=hardware, optim_states=optim_states)
     limit = int(device_memory_budget_bytes * (1.0 - safety_margin))
+    act = step.activation_bytes if activations_on_device else 0
+    pool = device_memory_budget_bytes if not activations_on_device else limit - act
     order = sorted(range(step.num_chunks), key=lambda c: (-step.accesses[c], c))
     out: list[Candidate] = []
-    for nr in range(step.num_chunks + 1):
+    n = step.num_chunks
+    for nr in range(n + 1):
         resident = frozenset(order[:nr])
-        need = step.min_cache_blocks(resident)
-        for depth in prefetch_depths:
-            for blocks in range(need + depth if need else 0, (step.num_chunks - nr + depth + 1) if need else 1):
-                held = sorted(resident) if world_size == 1 else order
-                for no in range(len(held) + 1):
-                    shard = frozenset(order[:max(nr, no)]) if world_size > 1 else frozenset()
+        shard_counts = [nr] if world_size == 1 else range(nr, n + 1)
+        for ns in shard_counts:
+            shard = frozenset(order[:ns])
+            held = [c for c in order if c in shard]
+            for no in range(len(held) + 1):
+                for depth in prefetch_depths:
                     knobs = Knobs(resident=resident, device_shard=shard, device_optim=frozenset(held[:no]),
-                                  cache_blocks=blocks, prefetch_depth=depth)
-                    pred = predict(step, knobs, hardware, activations_on_device=activations_on_device)
-                    if pred is not None and pred.device_peak_bytes <= limit:
-                        out.append(Candidate(chunk_size_numel, False, knobs, pred))
+                                  prefetch_depth=depth)
+                    pred = predict(step, knobs, hardware, pool_bytes=pool, activations_on_device=activations_on_device)
+                    if pred is not None and _fits(step, knobs, pred, pool, limit - act):
+                        out.append(Candidate(chunk_size_numel, False, replace(knobs, cache_blocks=pred.cache_blocks),
+                                             pred))
     out.sort(key=lambda c: c.prediction.step_s)
     return out
