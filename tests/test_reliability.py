@@ -24,6 +24,9 @@ from tests._dist import run_distributed
 from tests._models import batch, rel_l2, tiny_model, two_groups
 
 CHUNK = 8192
+#: parity bound against plain PyTorch AdamW: the shard update runs PyTorch's fused AdamW kernel, whose
+#: rounding differs slightly from the reference's foreach kernel (same bound as test_core_features)
+TOL = 1e-5
 
 
 def _state(model):
@@ -68,7 +71,7 @@ def test_backward_twice_with_retain_graph_accumulates_like_pytorch(budget):
         opt.backward(0.5 * loss)
         opt.step()
         opt.zero_grad()
-    assert rel_l2(_state(model), _state(ref)) < 1e-6
+    assert rel_l2(_state(model), _state(ref)) < TOL
 
 
 def test_adding_parameters_after_prepare_raises_before_training_wrong():
@@ -170,7 +173,7 @@ def test_zero_sized_trainable_parameter():
         opt.step()
         opt.zero_grad()
     assert model.empty.weight.shape == (0, 8)
-    assert rel_l2(_state(model), _state(ref)) < 1e-6
+    assert rel_l2(_state(model), _state(ref)) < TOL
     assert "empty.weight" in opt.state_dict()["param_groups"][0]["params"]
 
 
@@ -185,7 +188,7 @@ def test_non_reentrant_checkpointing_with_frozen_parameters():
     model, opt = _prepare(model, params=trainable, device_memory_budget_bytes=140_000)
     frozen_before = ref.transformer.h[0].mlp.c_fc.weight.detach().clone()
     rel = _parity(ref, model, opt, ref_params=[p for p in ref.parameters() if p.requires_grad])
-    assert rel < 1e-6
+    assert rel < TOL
     # (read through state_dict: a resharded chunk's parameter has no storage outside forward/backward)
     assert torch.equal(_state(model)["transformer.h.0.mlp.c_fc.weight"], frozen_before)
 
@@ -201,7 +204,7 @@ def test_peft_lora_model_matches_reference():
     prefix = "base_model.model.transformer.h.0.attn.c_attn."
     before = {k: v.clone() for k, v in _state(ref).items() if k.startswith(prefix)}
     rel = _parity(ref, model, opt, ref_params=[p for p in ref.parameters() if p.requires_grad])
-    assert rel < 1e-6
+    assert rel < TOL
     after = _state(model)
     assert torch.equal(after[prefix + "base_layer.weight"], before[prefix + "base_layer.weight"])  # frozen
     assert not torch.equal(after[prefix + "lora_B.default.weight"], before[prefix + "lora_B.default.weight"])
@@ -216,7 +219,7 @@ def test_offloading_all_optimizer_states_with_a_tiny_chunk_size():
                           device_memory_budget_bytes=budget)
     chunks = hf_elixir.get_state(model).manager.chunks
     assert len(chunks) > 4 and not any(c.optim_on_device for c in chunks)
-    assert _parity(ref, model, opt, kind="opt") < 1e-6
+    assert _parity(ref, model, opt, kind="opt") < TOL
     stats = hf_elixir.memory_stats(model)
     assert stats["device_peak_bytes"] <= budget and stats["num_evictions"] > 0 and stats["d2h_bytes"] > 0
 
@@ -237,7 +240,7 @@ def test_accumulated_and_clipped_norm_equals_reference_norm():
         opt.step()
         opt.zero_grad()
         assert torch.allclose(norm, ref_norm, rtol=1e-5), (float(norm), float(ref_norm))
-    assert rel_l2(_state(model), _state(ref)) < 1e-5
+    assert rel_l2(_state(model), _state(ref)) < TOL
 
 
 # -- two ranks: generate() with different lengths, fp16 overflow on one rank only ----------------------
