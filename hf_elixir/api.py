@@ -22,6 +22,7 @@ from hf_elixir.chunk.packing import ChunkLayout, pack_chunks
 from hf_elixir.config import ElixirConfig
 from hf_elixir.optim.optimizer import ElixirOptimizer, optimizer_state_numel_factor
 from hf_elixir.plan import ElixirPlan
+from hf_elixir.runtime.guards import install_guards
 from hf_elixir.runtime.hooks import ModuleHandle, install_hooks
 from hf_elixir.runtime.state_dict import install_state_dict_hooks
 
@@ -60,6 +61,14 @@ def _compute_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _check_precision_supported(precision: str, device: torch.device) -> None:
+    """Raise ``ValueError`` for a precision the compute device cannot run (bf16 before Ampere)."""
+    if device.type == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"ElixirConfig.precision='bf16' is not supported by this GPU ({name}); use "
+                         "precision='fp16' (with loss scaling) or 'fp32'")
 
 
 def _default_group(config: ElixirConfig):
@@ -302,6 +311,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
 
         plan = auto_plan(model, sample_batch, config)
     device = _compute_device()
+    _check_precision_supported(config.precision, device)
     group = _default_group(config)
     world_size = dist.get_world_size(group) if group is not None else 1
     dtype = _DTYPES[config.precision]
@@ -351,6 +361,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     if plan is not None:
         _check_plan(plan, model, num_params, world_size, config.precision, len(chunks))
     handles = install_hooks(model, manager)
+    install_guards(model, manager)
     optim_factor = optimizer_state_numel_factor(optimizer) if optimizer is not None else 0
     sizes = _Sizes(chunks, optim_factor if optimizer is not None else 0, config.precision)
     working_set = _working_set([h.chunks for h in handles], sizes, chunks)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -58,18 +59,41 @@ class LossScalePolicy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"LossScalePolicy.{name}={value!r} must be a number")
+            if not math.isfinite(value):
+                raise ValueError(f"LossScalePolicy.{name}={value!r} must be a finite number")
         if self.init_scale <= 0 or self.min_scale <= 0:
             raise ValueError(
                 f"LossScalePolicy.init_scale={self.init_scale} and min_scale={self.min_scale} must be > 0"
             )
+        if self.min_scale > self.init_scale:
+            raise ValueError(f"LossScalePolicy.min_scale={self.min_scale} is above init_scale={self.init_scale}; "
+                             "use min_scale <= init_scale")
         if self.growth_factor <= 1.0:
             raise ValueError(f"LossScalePolicy.growth_factor={self.growth_factor} must be > 1, e.g. 2.0")
         if not 0.0 < self.backoff_factor < 1.0:
             raise ValueError(f"LossScalePolicy.backoff_factor={self.backoff_factor} must be in (0, 1), e.g. 0.5")
         for name in ("growth_interval", "max_consecutive_min_scale_overflows"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"LossScalePolicy.{name}={value!r} must be an int >= 1")
+            if value < 1:
                 raise ValueError(f"LossScalePolicy.{name}={value!r} must be an int >= 1")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "LossScalePolicy":
+        """Build from a mapping (the ``loss_scale:`` section of a YAML config).
+
+        Raises:
+            TypeError: ``values`` is not a mapping.
+            ValueError: an unknown key, naming the closest valid one.
+        """
+        if not isinstance(values, Mapping):
+            raise TypeError(f"ElixirConfig.loss_scale={values!r} must be a mapping of LossScalePolicy fields")
+        valid = [f.name for f in dataclasses.fields(cls)]
+        for key in values:
+            if key not in valid:
+                raise ValueError(f"unknown LossScalePolicy key {key!r}.{_closest(str(key), valid)} Valid keys: {valid}")
+        return cls(**values)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,7 +173,7 @@ class ElixirConfig:
                 raise ValueError(f"ElixirConfig.chunk_size_numel={self.chunk_size_numel} must be > 0 (or None)")
         if self.reduce_dtype not in (None, "fp32"):
             raise ValueError(f"ElixirConfig.reduce_dtype={self.reduce_dtype!r} must be 'fp32' or None")
-        if self.offload_optimizer not in (True, False, "auto"):
+        if not (isinstance(self.offload_optimizer, bool) or self.offload_optimizer == "auto"):
             raise ValueError(
                 f"ElixirConfig.offload_optimizer={self.offload_optimizer!r} must be True, False or 'auto'"
             )
@@ -158,11 +182,14 @@ class ElixirConfig:
             raise ValueError(f"ElixirConfig.prefetch_depth={self.prefetch_depth} must be >= 0")
         if self.search not in _SEARCH_MODES:
             raise ValueError(f"ElixirConfig.search={self.search!r} must be one of {_SEARCH_MODES}")
+        self._check_plan_field()
         if not isinstance(self.placements, Mapping):
             raise TypeError(
                 f"ElixirConfig.placements={self.placements!r} must be a dict of module-name glob -> placement"
             )
         for pattern, placement in self.placements.items():
+            if not isinstance(pattern, str):
+                raise TypeError(f"ElixirConfig.placements key {pattern!r} must be a module-name glob (str)")
             if placement not in _PLACEMENT_NAMES:
                 raise ValueError(
                     f"ElixirConfig.placements[{pattern!r}]={placement!r} is not a placement; use one of "
@@ -180,6 +207,19 @@ class ElixirConfig:
         if not isinstance(self.loss_scale, LossScalePolicy):
             raise TypeError(f"ElixirConfig.loss_scale={self.loss_scale!r} must be a LossScalePolicy")
 
+    def _check_plan_field(self) -> None:
+        from hf_elixir.plan import ElixirPlan  # noqa: PLC0415 (plan.py imports nothing from here)
+
+        plan = self.plan
+        if plan is None or isinstance(plan, ElixirPlan):
+            return
+        if not isinstance(plan, (str, os.PathLike)):
+            raise TypeError(f"ElixirConfig.plan={plan!r} must be an ElixirPlan, a path to a plan file "
+                            "(`hf-elixir plan --output plan.yaml`), or None")
+        if not os.path.isfile(plan):
+            raise FileNotFoundError(f"ElixirConfig.plan={str(plan)!r}: no such plan file; write one with "
+                                    "`hf-elixir plan --output plan.yaml` or pass plan=None")
+
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ElixirConfig":
         """Build a config from a plain mapping (YAML/JSON), rejecting unknown keys.
@@ -187,13 +227,15 @@ class ElixirConfig:
         Raises:
             ValueError: an unknown key, naming the closest valid one.
         """
+        if not isinstance(values, Mapping):
+            raise TypeError(f"an ElixirConfig section must be a mapping of fields, got {values!r}")
         valid = [f.name for f in dataclasses.fields(cls)]
         values = dict(values)
         for key in values:
             if key not in valid:
-                raise ValueError(f"unknown ElixirConfig key {key!r}.{_closest(key, valid)} Valid keys: {valid}")
+                raise ValueError(f"unknown ElixirConfig key {key!r}.{_closest(str(key), valid)} Valid keys: {valid}")
         if isinstance(values.get("loss_scale"), Mapping):
-            values["loss_scale"] = LossScalePolicy(**values["loss_scale"])
+            values["loss_scale"] = LossScalePolicy.from_dict(values["loss_scale"])
         return cls(**values)
 
     @classmethod

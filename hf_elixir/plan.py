@@ -20,6 +20,28 @@ from typing import Any
 __all__ = ["ElixirPlan"]
 
 PLAN_FORMAT_VERSION = 1
+_PRECISIONS = ("fp32", "bf16", "fp16")
+_PLACEMENTS = ("sharded", "replicated", "column", "row", "expert")
+_INT = "give a whole number"
+#: (field, accepted types, fix) checked by ``ElixirPlan.__post_init__``
+_FIELD_TYPES: tuple[tuple[str, tuple[type, ...], str], ...] = (
+    ("model_type", (str,), "give model.config.model_type, e.g. 'gpt2'"),
+    ("num_params", (int,), _INT),
+    ("world_size", (int,), _INT + " >= 1"),
+    ("precision", (str,), "use 'fp32', 'bf16' or 'fp16'"),
+    ("chunk_size_numel", (int,), _INT + " of elements"),
+    ("param_order", (list,), "give a list of parameter names"),
+    ("resident_chunks", (list,), "give a list of chunk ids"),
+    ("device_shard_chunks", (list,), "give a list of chunk ids"),
+    ("device_optim_chunks", (list,), "give a list of chunk ids"),
+    ("prefetch_depth", (int,), _INT + " >= 0"),
+    ("activation_checkpointing", (bool,), "use true or false"),
+    ("placements", (dict,), "give a mapping of module name -> placement"),
+    ("predicted_step_s", (int, float, type(None)), "give seconds or null"),
+    ("predicted_peak_device_bytes", (int, type(None)), "give bytes or null"),
+    ("reasons", (list,), "give a list of strings"),
+    ("format_version", (int,), _INT),
+)
 
 
 @dataclass(kw_only=True)
@@ -65,16 +87,33 @@ class ElixirPlan:
     format_version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        if self.chunk_size_numel < 0:
-            raise ValueError(f"ElixirPlan.chunk_size_numel={self.chunk_size_numel} must be >= 0")
+        for name, types, fix in _FIELD_TYPES:
+            value = getattr(self, name)
+            if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+                raise TypeError(f"ElixirPlan.{name}={value!r} has type {type(value).__name__}; {fix}")
+        for name in ("param_order", "reasons"):
+            if any(not isinstance(v, str) for v in getattr(self, name)):
+                raise TypeError(f"ElixirPlan.{name} must be a list of str, got {getattr(self, name)!r}")
+        for name in ("num_params", "chunk_size_numel", "prefetch_depth"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ElixirPlan.{name}={getattr(self, name)} must be >= 0")
         if self.world_size < 1:
             raise ValueError(f"ElixirPlan.world_size={self.world_size} must be >= 1")
-        if self.prefetch_depth < 0:
-            raise ValueError(f"ElixirPlan.prefetch_depth={self.prefetch_depth} must be >= 0")
+        if self.precision not in _PRECISIONS:
+            raise ValueError(f"ElixirPlan.precision={self.precision!r} must be one of {_PRECISIONS}")
         for name in ("resident_chunks", "device_shard_chunks", "device_optim_chunks"):
             ids = getattr(self, name)
-            if any((not isinstance(i, int)) or i < 0 for i in ids):
+            if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
                 raise ValueError(f"ElixirPlan.{name}={ids!r} must be a list of chunk ids (ints >= 0)")
+        for module, placement in self.placements.items():
+            if not isinstance(module, str) or placement not in _PLACEMENTS:
+                raise ValueError(f"ElixirPlan.placements[{module!r}]={placement!r} must map a module name to one "
+                                 f"of {_PLACEMENTS}")
+        if self.predicted_step_s is not None and not self.predicted_step_s >= 0:
+            raise ValueError(f"ElixirPlan.predicted_step_s={self.predicted_step_s} must be >= 0 or None")
+        if self.predicted_peak_device_bytes is not None and self.predicted_peak_device_bytes < 0:
+            raise ValueError(f"ElixirPlan.predicted_peak_device_bytes={self.predicted_peak_device_bytes} "
+                             "must be >= 0 or None")
 
     # -- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

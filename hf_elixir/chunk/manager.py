@@ -65,6 +65,7 @@ class ChunkManager:
         self._reduce_order: list[Chunk] = []
         self._trainable_chunks: list[Chunk] = []
         self.first_use: dict[int, int] = {}
+        self._last_forward: tuple[dict[int, int], dict[int, set[int]]] | None = None
         self._reduce_cursor = 0
         self._step_start = self.counters.as_dict()
         self.last_step: dict[str, int] = {}
@@ -230,6 +231,14 @@ class ChunkManager:
             return
         self.backward_pending = True
         self._reduce_cursor = 0
+        if not self.first_use and self._last_forward is not None:
+            # a second backward through a retained graph (``backward(retain_graph=True)``) with no
+            # forward since the last backward: reuse that forward's use order and used parameters, so
+            # chunks are reduced as their gradients complete, not all held until the end
+            self.first_use, used = self._last_forward
+            for chunk in self.chunks:
+                chunk.used_slots = set(used.get(chunk.chunk_id, ()))
+        self._last_forward = (dict(self.first_use), {c.chunk_id: set(c.used_slots) for c in self.chunks})
         first_use = self.first_use
         self._reduce_order = sorted(self._trainable_chunks,
                                     key=lambda c: (-first_use.get(c.chunk_id, -1), -c.chunk_id))

@@ -106,15 +106,41 @@ class ElixirOptimizer(torch.optim.Optimizer):
                         "in the prepared model; build the optimizer on model.parameters() before hf_elixir.prepare"
                     )
                 self._param_group_of[p] = index
+        self._groups_frozen = False
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups  # shared dicts: schedulers on either object work
+        self._groups_frozen = True
         self.masters: dict[int, torch.Tensor] = {}
         self.views: list[_ShardView] = []
+        self._full_group_params_user = [list(g["params"]) for g in self.param_groups]
         self._build_shard_state()
         self.fused_chunks: dict[int, dict[str, torch.Tensor]] = {}  # chunk id -> flat Adam moments
         self.fused_steps: dict[int, int] = {}  # id(view.tensor) -> steps taken (fused chunks)
         self._setup_fused()
         self.inner = self._build_inner(type(optimizer))
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Only used while constructing; afterwards adding parameters is refused.
+
+        Raises:
+            ValueError: called after ``hf_elixir.prepare`` (new parameters are not in any chunk, so they
+                would be neither reduced across ranks nor stepped).
+        """
+        if getattr(self, "_groups_frozen", False):
+            raise ValueError(
+                "optimizer.add_param_group(...) after hf_elixir.prepare is not supported: the new parameters "
+                "are not packed into chunks, so they would be neither reduced across ranks nor stepped. Put "
+                "every parameter group (and every parameter) in the optimizer before hf_elixir.prepare")
+        super().add_param_group(param_group)
+
+    def _check_groups_unchanged(self) -> None:
+        sizes = [len(g["params"]) for g in self.param_groups]
+        expected = [len(g) for g in self._full_group_params_user]
+        if sizes != expected:
+            raise ValueError(
+                f"the optimizer's param groups changed after hf_elixir.prepare (parameter counts {expected} -> "
+                f"{sizes}); parameters cannot be added or removed after prepare. Build the optimizer with its "
+                "final param groups before hf_elixir.prepare")
 
     # -- construction --------------------------------------------------------------------------
     def _build_shard_state(self) -> None:
@@ -372,6 +398,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("ElixirOptimizer.step(closure) is not supported; call forward/backward before step()")
         assert not self.manager.backward_pending, "optimizer.step() called while a backward is still running"
+        self._check_groups_unchanged()
         self.manager.synchronize()
         if self.scaler.enabled and not self._scaled_backward and not self._warned_unscaled:
             self._warned_unscaled = True

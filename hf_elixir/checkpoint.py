@@ -1,0 +1,625 @@
+"""Atomic, verifiable training checkpoints of a prepared model and its :class:`ElixirOptimizer`.
+
+Layout of a checkpoint directory ``DIR`` (all tensors in safetensors files, metadata in JSON)::
+
+    DIR/model.safetensors            full (consolidated) model state_dict, written by rank 0
+    DIR/optimizer.safetensors        consolidated optimizer tensors (``optimizer_layout="consolidated"``)
+    DIR/optimizer.json               param groups, scalar states (``step``), loss scaler
+    DIR/optimizer.rank{R}.safetensors  this rank's optimizer shards (``optimizer_layout="sharded"``)
+    DIR/manifest.json                written last: step, world size, plan summary, format version,
+                                     per-file SHA-256 and byte size, chunk layout, ``extra``
+
+[Note: atomic save] Everything is written into the sibling ``.DIR.saving`` and fsynced; the manifest
+is written last. Only then is the old ``DIR`` renamed to ``.DIR.previous``, ``.DIR.saving`` renamed to
+``DIR`` and ``.DIR.previous`` deleted. A directory cannot be renamed over a non-empty one on POSIX, so
+there is an instant with no ``DIR``; at every instant, though, ``DIR`` or ``.DIR.previous`` holds a
+complete checkpoint, and :func:`load_checkpoint` (and the next save) falls back to / restores
+``.DIR.previous`` when ``DIR`` is missing. A process killed at any point of a save therefore leaves the
+previous checkpoint loadable.
+
+[Note: sharded optimizer state] With ``optimizer_layout="sharded"`` each rank writes the fp32 shards
+of its chunks' optimizer states (no all-gather, no rank-0 memory peak). Loading into the same
+configuration (same world size and chunk layout) reads each rank's own file. Loading into another
+world size or chunk layout reassembles full per-parameter states from every rank file (the directory
+must be visible to every rank, as for any shared checkpoint) and goes through the consolidated path;
+chunks sharded over a sub-group (tensor/expert parallel meshes) cannot be reassembled that way and
+raise ``ValueError``.
+
+Source: the write-temp-then-rename discipline of POSIX ``rename(2)``; safetensors (Hugging Face) for
+tensors; PyTorch distributed checkpoint's "each rank writes its shard" layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from hf_elixir.api import get_state
+from hf_elixir.optim.optimizer import CONSOLIDATED_FORMAT, ElixirOptimizer
+
+__all__ = ["CHECKPOINT_FORMAT_VERSION", "save_checkpoint", "load_checkpoint", "read_manifest"]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = "hf_elixir.checkpoint"
+CHECKPOINT_FORMAT_VERSION = 1
+_MANIFEST = "manifest.json"
+_MODEL_FILE = "model.safetensors"
+_OPTIM_FILE = "optimizer.safetensors"
+_OPTIM_META = "optimizer.json"
+_LAYOUTS = ("consolidated", "sharded")
+_HASH_BLOCK = 1 << 20
+
+
+# -- small helpers ---------------------------------------------------------------------------------
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist_on() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if _dist_on() else 1
+
+
+def _barrier() -> None:
+    if _dist_on():
+        dist.barrier()
+
+
+def _siblings(directory: Path) -> tuple[Path, Path]:
+    """``(.DIR.saving, .DIR.previous)`` next to ``directory``."""
+    return (directory.parent / f".{directory.name}.saving", directory.parent / f".{directory.name}.previous")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_json(path: Path, value: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """safetensors file, fsynced; returns its manifest record (sha256, bytes)."""
+    save_file(tensors, str(path))
+    _fsync_file(path)
+    return {"sha256": _sha256(path), "bytes": path.stat().st_size}
+
+
+def _record(path: Path) -> dict[str, Any]:
+    return {"sha256": _sha256(path), "bytes": path.stat().st_size}
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors, cloning any that share storage with an earlier one (safetensors refuses
+    shared storage; tied weights are separate clones already)."""
+    seen: set[int] = set()
+    out = {}
+    for key, value in tensors.items():
+        value = value.detach().cpu().contiguous()
+        ptr = value.untyped_storage().data_ptr() if value.numel() else -1
+        if ptr in seen:
+            value = value.clone()
+        elif ptr != -1:
+            seen.add(ptr)
+        out[key] = value
+    return out
+
+
+def _encode(value: Any) -> Any:
+    """JSON-encode optimizer hyperparameters (tuples and 0-d tensors tagged so they round-trip)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"cannot store a {tuple(value.shape)} tensor in checkpoint metadata")
+        return {"__tensor__": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _encode(v) for k, v in value.items()}
+    return value
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict):
+        if "__tensor__" in value:
+            return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
+        if "__tuple__" in value:
+            return tuple(_decode(v) for v in value["__tuple__"])
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
+
+# -- layout (what a sharded file means) --------------------------------------------------------------
+def _chunk_layout(optimizer: ElixirOptimizer) -> list[dict[str, Any]]:
+    """Per trainable chunk: numels, group size and its trainable slots (name, offset, numel, shape)."""
+    layout = []
+    for chunk in optimizer.manager.chunks:
+        if not chunk.trainable:
+            continue
+        layout.append({
+            "chunk_id": chunk.chunk_id, "chunk_numel": chunk.chunk_numel, "shard_numel": chunk.shard_numel,
+            "group_size": chunk.world_size,
+            "slots": [[s.name, s.offset, s.numel, list(s.shape)] for s in chunk.slots if s.trainable],
+        })
+    return layout
+
+
+def _view_state(optimizer: ElixirOptimizer, view) -> dict[str, Any]:
+    """One shard view's optimizer state, whether the inner torch optimizer or the fused chunk update
+    (Adam/AdamW on device chunks, ``ElixirOptimizer.fused_chunks``) holds it."""
+    fused = optimizer.fused_chunks.get(view.chunk.chunk_id)
+    if fused is None:
+        return optimizer.inner.state.get(view.tensor, {}) if optimizer.inner is not None else {}
+    steps = optimizer.fused_steps.get(id(view.tensor), 0)
+    if not steps:
+        return {}
+    return {**{k: v[view.lo:view.hi] for k, v in fused.items()}, "step": torch.tensor(float(steps))}
+
+
+def _set_view_state(optimizer: ElixirOptimizer, view, target: dict[str, Any]) -> None:
+    fused = optimizer.fused_chunks.get(view.chunk.chunk_id)
+    if fused is None:
+        if optimizer.inner is not None:
+            optimizer.inner.state[view.tensor] = target
+        return
+    for key, value in target.items():
+        if key == "step":
+            optimizer.fused_steps[id(view.tensor)] = int(float(value))
+        else:
+            fused[key][view.lo:view.hi].copy_(value)
+
+
+def _sharded_payload(optimizer: ElixirOptimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's shards: tensors ``chunk{id}.{key}`` (fp32 ``[shard_numel]``) and per-slot metadata
+    (which keys a parameter's state has; its scalar states such as ``step``)."""
+    tensors: dict[str, torch.Tensor] = {}
+    slots: dict[str, Any] = {}
+    keys_of_chunk: dict[int, set[str]] = {}
+    for view in optimizer.views:
+        state = _view_state(optimizer, view)
+        per_element = [k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0
+                       and v.numel() == view.tensor.numel()]
+        scalars = {k: _encode(v) for k, v in state.items() if k not in per_element}
+        slots[view.slot.name] = {"keys": sorted(per_element), "scalars": scalars, "chunk_id": view.chunk.chunk_id}
+        keys_of_chunk.setdefault(view.chunk.chunk_id, set()).update(per_element)
+    chunks = {c.chunk_id: c for c in optimizer.manager.chunks}
+    for cid, keys in keys_of_chunk.items():
+        for key in sorted(keys):
+            tensors[f"chunk{cid}.{key}"] = optimizer._shard_flat(chunks[cid], key)
+    if optimizer.config.precision != "fp32":
+        for cid, master in optimizer.masters.items():
+            tensors[f"chunk{cid}.master"] = master.detach().float().cpu().clone()
+    group_ranks = {str(c.chunk_id): c.rank for c in optimizer.manager.chunks if c.trainable}
+    return tensors, {"slots": slots, "group_ranks": group_ranks}
+
+
+def _param_groups_meta(optimizer: ElixirOptimizer) -> list[dict[str, Any]]:
+    groups = []
+    for group in optimizer.param_groups:
+        entry = {k: _encode(v) for k, v in group.items() if k != "params"}
+        entry["params"] = [optimizer.manager.slot_of[p].name for p in group["params"]]
+        groups.append(entry)
+    return groups
+
+
+def _plan_summary(model: torch.nn.Module) -> dict[str, Any]:
+    state = get_state(model)
+    plan = state.plan
+    return {"model_type": plan.model_type, "num_params": plan.num_params, "world_size": plan.world_size,
+            "precision": plan.precision, "chunk_size_numel": plan.chunk_size_numel,
+            "num_chunks": len(state.manager.chunks)}
+
+
+# -- save --------------------------------------------------------------------------------------------
+def _recover(directory: Path) -> None:
+    """A save killed between its two renames leaves only ``.DIR.previous``: move it back."""
+    _, previous = _siblings(directory)
+    if not directory.exists() and (previous / _MANIFEST).is_file():
+        os.rename(previous, directory)
+        _fsync_dir(directory.parent)
+        logger.warning("restored checkpoint %s from %s (a previous save was interrupted)", directory, previous)
+
+
+def _check_extra(extra: Any) -> dict[str, Any]:
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict):
+        raise TypeError(f"save_checkpoint(extra={extra!r}) must be a dict of JSON-serialisable values or None")
+    try:
+        json.dumps(extra)
+    except TypeError as err:
+        raise TypeError(f"save_checkpoint(extra=...) must be JSON-serialisable ({err}); store tensors in "
+                        "the model or convert them to lists") from None
+    return extra
+
+
+def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimizer: ElixirOptimizer | None,
+                    *, step: int, extra: dict[str, Any] | None = None,
+                    optimizer_layout: str = "consolidated") -> Path:
+    """Save model and optimizer state atomically into ``directory`` (collective: call on every rank).
+
+    Args:
+        directory: the checkpoint directory; replaced only once the new checkpoint is complete
+            (see [Note: atomic save]). Its parent must be on a filesystem every rank sees.
+        model: a model prepared by :func:`hf_elixir.prepare`.
+        optimizer: its :class:`ElixirOptimizer`, or ``None`` to save only the model.
+        step: the training step (int >= 0), returned by :func:`load_checkpoint`.
+        extra: JSON-serialisable user data (LR scheduler ``state_dict()``, data-loader position, ...).
+        optimizer_layout: ``"consolidated"`` (rank 0 writes full per-parameter states, loadable at any
+            world size) or ``"sharded"`` (each rank writes its own shards, see [Note: sharded optimizer
+            state]).
+
+    Returns:
+        the checkpoint directory.
+
+    Raises:
+        TypeError: ``step`` is not an int, ``extra`` not JSON-serialisable, ``optimizer`` not an
+            ElixirOptimizer.
+        ValueError: unknown ``optimizer_layout``; ``model`` not prepared; ``directory`` exists and is
+            not a checkpoint (it is never replaced).
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise TypeError(f"save_checkpoint(step={step!r}) must be an int >= 0")
+    if optimizer_layout not in _LAYOUTS:
+        raise ValueError(f"save_checkpoint(optimizer_layout={optimizer_layout!r}) must be one of {_LAYOUTS}")
+    if optimizer is not None and not isinstance(optimizer, ElixirOptimizer):
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+        if not isinstance(optimizer, ElixirOptimizer):
+            raise TypeError(f"save_checkpoint(optimizer=<{type(optimizer).__name__}>) must be the "
+                            "ElixirOptimizer returned by hf_elixir.prepare (or None)")
+    extra = _check_extra(extra)
+    directory = Path(directory)
+    if directory.exists() and (not directory.is_dir() or (any(directory.iterdir())
+                                                          and not (directory / _MANIFEST).is_file())):
+        raise ValueError(f"save_checkpoint({str(directory)!r}): the path exists and is not an hf_elixir "
+                         "checkpoint; refusing to replace it. Choose a new or empty directory")
+    saving, previous = _siblings(directory)
+    rank, world_size = _rank(), _world_size()
+    plan = _plan_summary(model)
+
+    # collectives first, in the same order on every rank
+    model_state = model.state_dict()
+    optim_state = optimizer.state_dict() if optimizer is not None and optimizer_layout == "consolidated" else None
+
+    if rank == 0:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        _recover(directory)
+        if saving.exists():
+            shutil.rmtree(saving)
+        saving.mkdir()
+    _barrier()
+    files: dict[str, Any] = {}
+    if rank == 0:
+        files[_MODEL_FILE] = _save_tensors(saving / _MODEL_FILE, _unshared(model_state))
+    del model_state
+    if optim_state is not None and rank == 0:
+        tensors, scalars = {}, {}
+        for name, entry in optim_state["state"].items():
+            for key, value in entry.items():
+                if value.dim() == 0:
+                    scalars.setdefault(name, {})[key] = _encode(value)
+                else:
+                    tensors[f"{name}/{key}"] = value
+        files[_OPTIM_FILE] = _save_tensors(saving / _OPTIM_FILE, _unshared(tensors))
+        _write_json(saving / _OPTIM_META, {
+            "format": optim_state["format"], "scalars": scalars,
+            "param_groups": [{**{k: _encode(v) for k, v in g.items() if k != "params"}, "params": g["params"]}
+                             for g in optim_state["param_groups"]],
+            "loss_scaler": optim_state["loss_scaler"]})
+        files[_OPTIM_META] = _record(saving / _OPTIM_META)
+    shard_meta = None
+    if optimizer is not None and optimizer_layout == "sharded":
+        tensors, shard_meta = _sharded_payload(optimizer)
+        name = f"optimizer.rank{rank}.safetensors"
+        files[name] = _save_tensors(saving / name, tensors)
+        shard_meta["file"] = name
+        if rank == 0:
+            _write_json(saving / _OPTIM_META, {"format": "hf_elixir.optimizer.sharded.v1",
+                                               "param_groups": _param_groups_meta(optimizer),
+                                               "loss_scaler": optimizer.scaler.state_dict()})
+            files[_OPTIM_META] = _record(saving / _OPTIM_META)
+    gathered = [(files, shard_meta)]
+    if _dist_on():
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, (files, shard_meta))
+    if rank == 0:
+        all_files: dict[str, Any] = {}
+        for part, _ in gathered:
+            all_files.update(part)
+        manifest = {
+            "format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_FORMAT_VERSION, "step": step,
+            "world_size": world_size, "plan": plan, "files": all_files, "extra": extra,
+            "optimizer_layout": None if optimizer is None else optimizer_layout,
+            "precision": plan["precision"],
+        }
+        if optimizer is not None and optimizer_layout == "sharded":
+            manifest["chunk_layout"] = _chunk_layout(optimizer)
+            manifest["optimizer_shards"] = [meta for _, meta in gathered]
+        _write_json(saving / _MANIFEST, manifest)
+        _fsync_dir(saving)
+        # [Note: atomic save] swap: DIR -> .DIR.previous, .DIR.saving -> DIR, drop .DIR.previous
+        if previous.exists():
+            shutil.rmtree(previous)
+        if directory.exists():
+            os.rename(directory, previous)
+        os.rename(saving, directory)
+        _fsync_dir(directory.parent)
+        if previous.exists():
+            shutil.rmtree(previous)
+    _barrier()
+    return directory
+
+
+# -- load --------------------------------------------------------------------------------------------
+def _resolve(directory: Path) -> Path:
+    if (directory / _MANIFEST).is_file():
+        return directory
+    _, previous = _siblings(directory)
+    if (previous / _MANIFEST).is_file():
+        logger.warning("checkpoint %s is missing (a save was interrupted); loading %s", directory, previous)
+        return previous
+    raise FileNotFoundError(f"no hf_elixir checkpoint at {str(directory)!r} (no {_MANIFEST}); "
+                            "save one with hf_elixir.checkpoint.save_checkpoint")
+
+
+def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``directory`` (or of its interrupted-save fallback).
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+        ValueError: the manifest is unreadable, of another format or of a newer format version.
+    """
+    path = _resolve(Path(directory)) / _MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"checkpoint manifest {str(path)!r} is corrupted ({err}); use an older checkpoint") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{str(path)!r} is not an hf_elixir checkpoint manifest")
+    if manifest.get("format_version", 0) > CHECKPOINT_FORMAT_VERSION:
+        raise ValueError(f"checkpoint {str(path.parent)!r} has format_version {manifest['format_version']}, newer "
+                         f"than this hf_elixir reads ({CHECKPOINT_FORMAT_VERSION}); upgrade hf_elixir")
+    manifest["_directory"] = str(path.parent)
+    return manifest
+
+
+def _verify(root: Path, manifest: dict[str, Any], name: str) -> Path:
+    """Check one file's size and SHA-256 against the manifest before it is read."""
+    record = manifest["files"].get(name)
+    path = root / name
+    if record is None:
+        raise ValueError(f"checkpoint {str(root)!r}: {name} is not listed in its manifest")
+    if not path.is_file():
+        raise ValueError(f"checkpoint {str(root)!r}: {name} is missing (the manifest lists it)")
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        raise ValueError(f"checkpoint {str(root)!r}: {name} has {size} bytes but the manifest records "
+                         f"{record['bytes']} (truncated or corrupted); use an older checkpoint")
+    digest = _sha256(path)
+    if digest != record["sha256"]:
+        raise ValueError(f"checkpoint {str(root)!r}: {name} fails its SHA-256 check (manifest "
+                         f"{record['sha256'][:16]}..., file {digest[:16]}...): the file is corrupted; "
+                         "use an older checkpoint")
+    return path
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except SafetensorError as err:  # unreachable after a checksum pass unless the writer was broken
+        raise ValueError(f"{str(path)!r} is not a readable safetensors file ({err})") from None
+
+
+def _load_json(root: Path, manifest: dict[str, Any], name: str) -> dict[str, Any]:
+    return json.loads(_verify(root, manifest, name).read_text())
+
+
+def _consolidated_from_files(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    meta = _load_json(root, manifest, _OPTIM_META)
+    tensors = _load_tensors(_verify(root, manifest, _OPTIM_FILE))
+    state: dict[str, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        name, _, field = key.rpartition("/")
+        state.setdefault(name, {})[field] = value
+    for name, scalars in meta["scalars"].items():
+        for key, value in scalars.items():
+            state.setdefault(name, {})[key] = _decode(value)
+    return {"format": meta["format"], "state": state, "param_groups": [_decode(g) for g in meta["param_groups"]],
+            "loss_scaler": meta["loss_scaler"]}
+
+
+def _consolidated_from_shards(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Reassemble full per-parameter states from every rank's shard file (any target world size)."""
+    layout = manifest["chunk_layout"]
+    saved_ws = manifest["world_size"]
+    if any(c["group_size"] != saved_ws for c in layout):
+        raise ValueError(
+            f"checkpoint {str(root)!r} holds optimizer shards over sub-groups (tensor/expert parallel), which "
+            f"cannot be resharded to this run; resume with world size {saved_ws} and the same mesh, or save "
+            "with optimizer_layout='consolidated'")
+    shards = manifest["optimizer_shards"]
+    by_rank_tensors = [_load_tensors(_verify(root, manifest, meta["file"])) for meta in shards]
+    state: dict[str, dict[str, Any]] = {}
+    for chunk in layout:
+        cid = chunk["chunk_id"]
+        keys = sorted({k.split(".", 1)[1] for t in by_rank_tensors for k in t if k.startswith(f"chunk{cid}.")})
+        for key in keys:
+            parts = [None] * saved_ws
+            for meta, tensors in zip(shards, by_rank_tensors):
+                value = tensors.get(f"chunk{cid}.{key}")
+                parts[meta["group_ranks"][str(cid)]] = (
+                    value if value is not None else torch.zeros(chunk["shard_numel"]))
+            full = torch.cat(parts)
+            for name, offset, numel, shape in chunk["slots"]:
+                state.setdefault(name, {})[key] = full[offset:offset + numel].view(shape).clone()
+    for meta in shards:
+        for name, entry in meta["slots"].items():
+            for key, value in entry["scalars"].items():
+                state.setdefault(name, {})[key] = _decode(value)
+    for name in list(state):  # drop keys a parameter never had (zeros from other parameters' chunks)
+        had = set()
+        for meta in shards:
+            if name in meta["slots"]:
+                had.update(meta["slots"][name]["keys"])
+        had.add("master")
+        state[name] = {k: v for k, v in state[name].items() if k in had or not torch.is_tensor(v) or v.dim() == 0}
+    meta = _load_json(root, manifest, _OPTIM_META)
+    return {"format": CONSOLIDATED_FORMAT, "state": state,
+            "param_groups": [_decode(g) for g in meta["param_groups"]], "loss_scaler": meta["loss_scaler"]}
+
+
+def _read_own_shards(root: Path, manifest: dict[str, Any]) -> tuple[dict, dict, dict]:
+    """Same world size and chunk layout: this rank's verified shard tensors, its metadata, the groups."""
+    for meta in manifest["optimizer_shards"]:
+        if meta["file"] not in manifest["files"]:
+            raise ValueError(f"checkpoint {str(root)!r}: its manifest lacks {meta['file']}")
+    meta = manifest["optimizer_shards"][_rank()]
+    tensors = _load_tensors(_verify(root, manifest, meta["file"]))
+    return tensors, meta, _load_json(root, manifest, _OPTIM_META)
+
+
+def _apply_own_shards(optimizer: ElixirOptimizer, tensors: dict, meta: dict, groups: dict) -> None:
+    """Copy this rank's shards straight into the optimizer's shard views and masters."""
+    for group, saved in zip(optimizer.param_groups, groups["param_groups"]):
+        for key, value in saved.items():
+            if key != "params":
+                group[key] = _decode(value)
+    for view in optimizer.views:
+        entry = meta["slots"].get(view.slot.name)
+        if entry is None:
+            continue
+        cid = view.chunk.chunk_id
+        target = {k: tensors[f"chunk{cid}.{k}"][view.lo:view.hi].to(view.tensor.device).clone()
+                  for k in entry["keys"]}
+        for key, value in entry["scalars"].items():
+            target[key] = _decode(value)
+        if torch.is_tensor(target.get("step")):
+            target["step"] = target["step"].to(torch.float32)
+        _set_view_state(optimizer, view, target)
+    masters = {cid: tensors.get(f"chunk{cid}.master") for cid in optimizer.masters}
+    if masters and all(v is not None for v in masters.values()):
+        for cid, value in masters.items():
+            optimizer.masters[cid].copy_(value)
+        optimizer._refresh_compute_copies()
+    optimizer.scaler.load_state_dict(groups["loss_scaler"])
+
+
+def _check_groups(optimizer: ElixirOptimizer, saved: list[list[str]]) -> None:
+    mine = [[optimizer.manager.slot_of[p].name for p in g["params"]] for g in optimizer.param_groups]
+    if mine != saved:
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(saved)} param groups of sizes {[len(g) for g in saved]}, "
+            f"this optimizer {len(mine)} of sizes {[len(g) for g in mine]}; build the optimizer with the same "
+            "param groups (same parameters, same order) as the saved run")
+
+
+def _check_model_keys(root: Path, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """The keys ``model.state_dict()`` has (parameters and persistent buffers) against the file's."""
+    expected = set()
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        prefix = prefix + "." if prefix else ""
+        expected.update(prefix + n for n, p in module._parameters.items() if p is not None)
+        expected.update(prefix + n for n, b in module._buffers.items()
+                        if b is not None and n not in module._non_persistent_buffers_set)
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {str(root)!r} does not match this model: missing keys {missing[:5]}, "
+                         f"unexpected keys {unexpected[:5]}; load it into the kind of model it was saved from")
+
+
+def _same_layout(manifest: dict[str, Any], optimizer: ElixirOptimizer) -> bool:
+    return manifest["world_size"] == _world_size() and manifest["chunk_layout"] == _chunk_layout(optimizer)
+
+
+def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module,
+                    optimizer: ElixirOptimizer | None) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_checkpoint` (collective: call on every rank).
+
+    Every file is checked against the manifest's byte size and SHA-256 before it is read. Model weights
+    are consolidated and load at any world size; optimizer state loads at any world size when
+    consolidated, and from shards either directly (same world size and chunk layout) or by
+    reassembling every rank's shards (plain data parallel).
+
+    Args:
+        directory: the checkpoint directory (if a save was interrupted between its renames, the
+            previous checkpoint beside it is used, with a warning).
+        model: the prepared model to load into.
+        optimizer: its :class:`ElixirOptimizer`, or ``None`` to load only the model.
+
+    Returns:
+        ``{"step": int, "extra": dict, "world_size": int (of the saving run), "manifest": dict}``.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``directory``.
+        ValueError: a file is missing, truncated or fails its checksum; the manifest is corrupted or
+            newer; the checkpoint has no optimizer state but ``optimizer`` was given; param groups
+            or parameters do not match; sharded state over sub-groups into another world size.
+    """
+    manifest = read_manifest(directory)
+    root = Path(manifest["_directory"])
+    if optimizer is not None and not isinstance(optimizer, ElixirOptimizer):
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+    # verify and read everything before touching the model: a bad file leaves the run as it was
+    model_state = _load_tensors(_verify(root, manifest, _MODEL_FILE))
+    _check_model_keys(root, model, model_state)
+    layout = manifest.get("optimizer_layout")
+    optim_state = own = None
+    if optimizer is not None:
+        if layout is None:
+            raise ValueError(f"checkpoint {str(root)!r} has no optimizer state (saved with optimizer=None); "
+                             "pass optimizer=None or resume from another checkpoint")
+        if layout == "consolidated":
+            optim_state = _consolidated_from_files(root, manifest)
+        elif not _same_layout(manifest, optimizer):
+            logger.info("checkpoint %s: optimizer shards of world size %d are resharded for world size %d",
+                        root, manifest["world_size"], _world_size())
+            optim_state = _consolidated_from_shards(root, manifest)
+        else:
+            own = _read_own_shards(root, manifest)
+        groups = optim_state["param_groups"] if optim_state is not None else own[2]["param_groups"]
+        _check_groups(optimizer, [list(g["params"]) for g in groups])
+    model.load_state_dict(model_state)
+    del model_state
+    if optim_state is not None:
+        optimizer.load_state_dict(optim_state)
+    elif own is not None:
+        _apply_own_shards(optimizer, *own)
+    return {"step": int(manifest["step"]), "extra": manifest.get("extra", {}),
+            "world_size": int(manifest["world_size"]), "manifest": manifest}

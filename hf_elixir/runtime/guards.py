@@ -1,0 +1,44 @@
+"""Loud failures for model changes a prepared model cannot follow.
+
+``prepare`` packs the parameters that exist at that moment into chunks. A parameter added or replaced
+afterwards (``resize_token_embeddings``, a new module, a new ``nn.Parameter`` assigned to a module)
+would not be sharded, reduced across ranks or stepped by the optimizer: it would train wrong, or read
+freed chunk storage. These guards turn that into a clear error before any work is done:
+
+* ``model.resize_token_embeddings`` (Hugging Face models) raises at once: it copies the old
+  embedding, whose storage is freed while its chunk is resharded.
+* a forward pre-hook on the root module checks that every floating-point parameter is managed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_elixir.chunk.manager import ChunkManager
+
+__all__ = ["install_guards", "UNMANAGED_FIX"]
+
+UNMANAGED_FIX = ("make such changes (resize_token_embeddings, new modules or parameters, PEFT adapters) before "
+                 "hf_elixir.prepare, then prepare the model and build the optimizer on its final parameters")
+
+
+def _refuse_resize(*args, **kwargs):
+    raise ValueError("model.resize_token_embeddings(...) after hf_elixir.prepare is not supported: the embedding "
+                     f"lives in sharded chunks and the new one would not be managed; {UNMANAGED_FIX}")
+
+
+def check_all_managed(model: torch.nn.Module, manager: ChunkManager) -> None:
+    """Raise ``ValueError`` naming the first floating-point parameter ``prepare`` did not pack."""
+    slot_of = manager.slot_of
+    for name, param in model.named_parameters():
+        if param not in slot_of and param.is_floating_point():
+            raise ValueError(
+                f"parameter {name!r} (shape {tuple(param.shape)}) is not managed by hf_elixir: it was added or "
+                f"replaced after hf_elixir.prepare, so it would not be sharded, reduced or stepped; {UNMANAGED_FIX}")
+
+
+def install_guards(model: torch.nn.Module, manager: ChunkManager) -> list:
+    """Install the guards; returns removable hook handles."""
+    if callable(getattr(model, "resize_token_embeddings", None)):
+        model.resize_token_embeddings = _refuse_resize  # instance attribute shadows the method
+    return [model.register_forward_pre_hook(lambda module, args: check_all_managed(module, manager), prepend=True)]
