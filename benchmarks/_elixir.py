@@ -93,7 +93,13 @@ def _find_budget(model, spec) -> tuple[int | None, dict[str, Any]]:
         raise RuntimeError(f"the all-resident hf_elixir probe failed, so no budget can be derived: {error}")
     info: dict[str, Any] = {"resident_peak_bytes": resident_peak}
     if "budget_fraction" in options:
-        return int(resident_peak * options["budget_fraction"]), info
+        # a fraction of the all-resident peak, but never below what prepare accepts (tiny models)
+        budget = int(resident_peak * options["budget_fraction"])
+        floor = _library_min_budget(model, spec)
+        if floor is not None and budget < floor:
+            info["raised_to_library_min_bytes"] = floor
+            budget = floor
+        return budget, info
     # start from the library's own minimum (hf_elixir.min_device_budget_bytes); if a step does not run
     # there, bisect between it and the all-resident peak
     floor = _library_min_budget(model, spec)
