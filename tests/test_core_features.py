@@ -344,3 +344,20 @@ def test_replicated_placement_keeps_chunks_whole_and_all_reduces():
         assert rel < 1e-5
         assert names and all(".ln_" in n for n in names)
         assert whole and placement == "replicated"
+
+
+def test_full_parameters_reads_and_writes_between_steps():
+    ref = tiny_model("gpt2")
+    # a budget that holds the whole model unsharded at once (what full_parameters needs), but not the
+    # optimizer states: chunks are offloaded and resharded between uses
+    model, opt = _prepare(copy.deepcopy(ref), device_memory_budget_bytes=300_000)
+    _train_elixir(model, opt, [[batch("gpt2", 0, 2)]])
+    assert hf_elixir.memory_stats(model)["h2d_bytes"] > 0
+    expected = _state(model)
+    with hf_elixir.full_parameters(model, writeback=True):
+        w = model.transformer.h[1].mlp.c_fc.weight
+        assert torch.equal(w, expected["transformer.h.1.mlp.c_fc.weight"])
+        w.data.mul_(0.0)
+    assert float(model.state_dict()["transformer.h.1.mlp.c_fc.weight"].abs().sum()) == 0.0
+    _train_elixir(model, opt, [[batch("gpt2", 1, 2)]])  # the zeroed weight trains on from the write-back
+    assert hf_elixir.memory_stats(model)["device_peak_bytes"] > 0

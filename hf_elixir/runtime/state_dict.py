@@ -9,11 +9,13 @@ masters), so ``save_pretrained`` / ``from_pretrained``-style round trips work on
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from hf_elixir.chunk.manager import ChunkManager
 
-__all__ = ["install_state_dict_hooks"]
+__all__ = ["full_parameters", "install_state_dict_hooks"]
 
 
 def _ensure_full(manager: ChunkManager, chunk) -> None:
@@ -72,3 +74,40 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
 
     removables.append(model.register_load_state_dict_post_hook(load_post_hook))
     return removables
+
+
+@contextlib.contextmanager
+def full_parameters(model: torch.nn.Module, *, writeback: bool = False):
+    """Unshard every chunk so parameters can be read (and, with ``writeback=True``, written) outside
+    forward/backward; reshard afterwards. Collective under torch.distributed (every rank enters).
+
+    Between steps a resharded parameter's storage is freed ([Note: parameters as views] in
+    ``hf_elixir/chunk/chunk.py``): reading it directly is undefined. Use this, or ``model.state_dict()``,
+    to look at weights. Same role as FSDP's ``summon_full_params`` and DeepSpeed's ``GatheredParameters``.
+
+    Args:
+        model: a model prepared by :func:`hf_elixir.prepare`.
+        writeback: copy in-place edits of the parameters back into the shards (and the fp32 masters).
+
+    Raises:
+        DeviceBudgetExceededError: the whole model does not fit the device budget at once.
+    """
+    from hf_elixir.api import get_state  # noqa: PLC0415 (api imports this module)
+
+    state = get_state(model)
+    manager = state.manager
+    pinned = []
+    try:
+        for chunk in manager.chunks:
+            _ensure_full(manager, chunk)
+            chunk.pins += 1
+            pinned.append(chunk)
+        yield model
+        if writeback:
+            for chunk in manager.chunks:
+                chunk.write_back()
+            if state.optimizer is not None:
+                state.optimizer.sync_masters_from_params()
+    finally:
+        for chunk in pinned:
+            chunk.pins -= 1
