@@ -81,7 +81,7 @@ def _environment() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/gpu_out")
-    parser.add_argument("--time-box-s", type=float, default=450.0, help="stop launching runs after this")
+    parser.add_argument("--time-box-s", type=float, default=390.0, help="stop launching runs after this")
     parser.add_argument("--budget-gib", type=float, default=6.0)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)
