@@ -305,11 +305,17 @@ class Chunk:
         with torch.no_grad():
             self.grad_full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
 
-    def reduce_scatter_grad(self, grad_shard: torch.Tensor) -> None:
+    def reduce_scatter_grad(self, grad_shard: torch.Tensor, async_op: bool = False):
         """Reduce-scatter (mean over ranks) the gradient buffer and add the result into ``grad_shard``.
 
         Args:
             grad_shard: fp32 tensor ``[shard_numel]`` where the optimizer state lives (host or device).
+            async_op: issue the collective asynchronously and return a callable that waits for it,
+                accumulates into ``grad_shard`` and frees the buffers (the manager calls it later, so the
+                communication overlaps the rest of backward, as DDP's bucketed all-reduce does).
+
+        Returns:
+            ``None`` when done, or the finishing callable (``async_op=True``).
 
         Every rank calls this for every trainable chunk exactly once per backward, in the manager's
         fixed order, even when it received no gradient for the chunk (zeros), so ranks never hang.
@@ -323,38 +329,52 @@ class Chunk:
         # the accumulation into the shard gradient run on the manager's reduce stream, overlapping the
         # rest of backward; record_stream keeps the caching allocator from reusing the buffers early and
         # the end-of-backward callback joins the stream. Host optimizer state needs the result on the
-        # host, so that case stays on the current stream.
+        # host, so that case stays on the current stream. Off CUDA the collective is issued with
+        # ``async_op`` and finished later by the manager.
         stream = self.manager.reduce_stream if self.optim_on_device else None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+        stream_ctx = (lambda: torch.cuda.stream(stream)) if stream is not None else contextlib.nullcontext
+        grad_full, work, divisor, shard_grad_bytes = self.grad_full, None, 1, 0
+        with torch.no_grad(), stream_ctx():
             if self.world_size > 1:
                 shard_grad_bytes = self.grad_full_bytes // self.world_size
                 self.manager.make_room(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
                 pool.charge(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
                 out = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.compute_device)
-                dist.reduce_scatter_tensor(out, self.grad_full, op=dist.ReduceOp.SUM, group=self.group)
+                work = dist.reduce_scatter_tensor(out, grad_full, op=dist.ReduceOp.SUM, group=self.group,
+                                                  async_op=async_op)
                 counters.reduce_scatter_bytes += self.grad_full_bytes
-                out.div_(self.world_size)
+                divisor = self.world_size
             else:
-                out = self.grad_full
-                shard_grad_bytes = 0
+                out = grad_full
                 if self.replicate_group is not None:
-                    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.replicate_group)
+                    work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=async_op)
                     counters.reduce_scatter_bytes += self.grad_full_bytes
-                    out.div_(dist.get_world_size(self.replicate_group))
-            if not self.optim_on_device:
-                counters.d2h_bytes += self.shard_numel * out.element_size()
-            grad_shard.add_(out.to(grad_shard.device, grad_shard.dtype))
-            if stream is not None:
-                self.grad_full.record_stream(stream)
-                out.record_stream(stream)
-            del out
-        if shard_grad_bytes:
-            pool.release(shard_grad_bytes)
-        pool.release(self.grad_full_bytes)
-        self.grad_full = None
+                    divisor = dist.get_world_size(self.replicate_group)
+        self.grad_full = None  # a gradient arriving later starts a new buffer
         self.reduced_this_backward = True
         for slot in self.slots:
             if slot.state is TensorState.READY_FOR_REDUCE:
                 slot.set_state(TensorState.HOLD_AFTER_BWD if (self.unsharded or self.full_alias) else TensorState.FREE)
+
+        def finish() -> None:
+            if work is not None and async_op:
+                work.wait()
+            with torch.no_grad(), stream_ctx():
+                if divisor > 1:
+                    out.div_(divisor)
+                if not self.optim_on_device:
+                    counters.d2h_bytes += self.shard_numel * out.element_size()
+                grad_shard.add_(out.to(grad_shard.device, grad_shard.dtype))
+                if stream is not None:
+                    grad_full.record_stream(stream)
+                    out.record_stream(stream)
+            if shard_grad_bytes:
+                pool.release(shard_grad_bytes)
+            pool.release(self.grad_full_bytes)
+
+        if async_op and work is not None:
+            return finish
+        finish()
+        return None

@@ -48,6 +48,10 @@ class ChunkManager:
         self.copy_stream = torch.cuda.Stream() if compute_device.type == "cuda" else None
         # gradient reduce-scatters of device-optimizer chunks overlap backward on CUDA
         self.reduce_stream = torch.cuda.Stream() if compute_device.type == "cuda" else None
+        # off CUDA, gradient collectives are issued asynchronously and finished a few chunks later
+        self.async_reduce = compute_device.type != "cuda"
+        self.max_pending_reduces = 2
+        self._pending: list = []
         self.chunks: list[Chunk] = []
         self.slot_of: dict[torch.nn.Parameter, ParamSlot] = {}
         self.chunk_of: dict[torch.nn.Parameter, Chunk] = {}
@@ -98,6 +102,8 @@ class ChunkManager:
             DeviceBudgetExceededError: nothing left to evict and still no room.
         """
         exclude = exclude or set()
+        while not self.pool.fits(nbytes) and self._pending:
+            self._pending.pop(0)()  # finishing an in-flight reduce frees its gradient buffers
         while not self.pool.fits(nbytes):
             victim = self._victim(exclude)
             if victim is None:
@@ -259,8 +265,17 @@ class ChunkManager:
             self._reduce_cursor += 1
 
     def _reduce(self, chunk: Chunk) -> None:
-        chunk.reduce_scatter_grad(self.grad_shards[chunk.chunk_id])
+        finish = chunk.reduce_scatter_grad(self.grad_shards[chunk.chunk_id], async_op=self.async_reduce)
         chunk.arrived_slots.clear()
+        if finish is not None:
+            self._pending.append(finish)
+            while len(self._pending) > self.max_pending_reduces:
+                self._pending.pop(0)()
+
+    def drain_reduces(self) -> None:
+        """Wait for every in-flight gradient collective and accumulate its result."""
+        while self._pending:
+            self._pending.pop(0)()
 
     def finish_backward(self) -> None:
         """End-of-backward callback: flush remaining reduce-scatters in the fixed order, merge the
@@ -273,6 +288,7 @@ class ChunkManager:
         for chunk in self._reduce_order:
             if chunk.grad_full is not None:
                 self._reduce(chunk)
+        self.drain_reduces()
         if self.reduce_stream is not None:
             torch.cuda.current_stream().wait_stream(self.reduce_stream)
         flags = self._backward_flags
