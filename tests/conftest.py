@@ -8,3 +8,19 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def single_rank_group():
+    """A one-rank gloo process group on a free port (torch.distributed APIs without spawning)."""
+    import torch.distributed as dist
+
+    from tests._dist import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

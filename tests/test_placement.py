@@ -1,7 +1,5 @@
 """resolve_placements: registry specs, glob overrides, and the user errors (single process)."""
 
-import os
-import socket
 
 import pytest
 import torch
@@ -135,19 +133,6 @@ def test_fused_qkv_split_is_per_head_and_merges_back():
     # rank 1 holds heads 2,3 of q, of k and of v: columns 4..7, 12..15, 20..23
     assert shards[1][0].tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
     assert torch.equal(merge_shards(shards, TPShardLayout(1, 3)), full)
-
-
-@pytest.fixture
-def single_rank_group():
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_world_size_must_factor_into_the_mesh(single_rank_group):

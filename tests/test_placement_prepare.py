@@ -1,8 +1,6 @@
 """hf_elixir.prepare on placed / parallelized models, single process: placements recorded in the plan,
 the user errors, gathering a prepared model, and a chunk-state regression found by the tp tests."""
 
-import os
-import socket
 
 import pytest
 import torch
@@ -20,19 +18,6 @@ def gpt2():
 
 def cfg(**kw):
     return hf_elixir.ElixirConfig(**kw)
-
-
-@pytest.fixture
-def single_rank_group():
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_prepare_records_placements_in_the_plan():
