@@ -106,6 +106,55 @@ def _default_chunk_size(numels: list[int], budget_bytes: int | None, world_size:
     return min(c.chunk_size_numel for c in result.candidates if c.waste_fraction <= least + 0.05)
 
 
+#: Replicated chunks are gradient all-reduce buckets: DistributedDataParallel's default bucket (25 MiB).
+_REPLICATED_BUCKET_BYTES = 25 * 2**20
+
+
+def _replicated_chunk_size(numels: list[int], element_bytes: int) -> int:
+    """Chunk size for replicated placement: chunks are never offloaded, so only the all-reduce
+    granularity matters; DDP-sized buckets (``bucket_cap_mb=25``), at least the largest parameter."""
+    return max(max(numels or [1]), min(sum(numels) or 1, _REPLICATED_BUCKET_BYTES // element_bytes))
+
+
+def _replicated_fits(numels: list[int], config: ElixirConfig, optimizer, element_bytes: int) -> tuple[bool, str]:
+    """Would the whole model, its gradients and its optimizer states fit each rank's device budget
+    (what ``DistributedDataParallel`` needs)? Returns ``(fits, reason)``."""
+    total = sum(numels)
+    grad_bytes = 4 if config.reduce_dtype == "fp32" else element_bytes
+    optim = 0
+    if optimizer is not None and config.offload_optimizer is not True:
+        master = 0 if config.precision == "fp32" else 4
+        optim = total * (4 * (1 + optimizer_state_numel_factor(optimizer)) + master)
+    needed = total * (element_bytes + grad_bytes) + optim
+    budget = config.device_memory_budget_bytes
+    if budget is None and torch.cuda.is_available():
+        budget = torch.cuda.mem_get_info()[0] // 2  # leave half of the free memory to activations
+    if budget is None:
+        return True, f"replicated: no device budget (model, gradients, optimizer states: {needed} bytes)"
+    fits = needed <= budget
+    return fits, (f"{'replicated' if fits else 'sharded'}: model, gradients and optimizer states need {needed} "
+                  f"bytes per rank replicated; budget {budget} bytes")
+
+
+def _resolve_default_placement(model, config: ElixirConfig, plan: ElixirPlan | None, numels: list[int],
+                               optimizer, world_size: int, element_bytes: int) -> tuple[ElixirConfig, str]:
+    """Turn ``default_placement="auto"`` into "sharded" or "replicated" (see ElixirConfig)."""
+    from hf_elixir.parallel import get_parallel_state, placements_for_plan  # noqa: PLC0415
+
+    if config.default_placement != "auto":
+        return config, ""
+    sharded = dataclasses.replace(config, default_placement="sharded")
+    if world_size == 1 or get_parallel_state(model) is not None:
+        return sharded, ""
+    replicated = dataclasses.replace(config, default_placement="replicated")
+    if plan is not None and plan.placements:
+        if dict(plan.placements) == placements_for_plan(model, replicated):
+            return replicated, "replicated: the plan's placements"
+        return sharded, ""
+    fits, reason = _replicated_fits(numels, config, optimizer, element_bytes)
+    return (replicated if fits else sharded), "default_placement='auto' -> " + reason
+
+
 def _load_plan(config: ElixirConfig) -> ElixirPlan | None:
     plan = config.plan
     if plan is None or isinstance(plan, ElixirPlan):
@@ -301,7 +350,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         raise ValueError("this model is already prepared by hf_elixir.prepare; prepare it only once")
     from hf_elixir.parallel import placements_for_plan  # noqa: PLC0415 (avoid an import cycle)
 
-    placements = placements_for_plan(model, config)  # validates tp/ep sizes against the model first
+    placements_for_plan(model, config)  # validates tp/ep sizes and placement globs before anything moves
     plan = _load_plan(config)
     if plan is None and config.search == "auto":
         if sample_batch is None:
@@ -319,6 +368,10 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     params = [p for p in names if p.is_floating_point()]
     if len(params) != len(names):
         logger.warning("%d non-floating-point parameters are left unmanaged", len(names) - len(params))
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    config, placement_reason = _resolve_default_placement(model, config, plan, [p.numel() for p in params],
+                                                          optimizer, world_size, element_bytes)
+    placements = placements_for_plan(model, config)
     if plan is not None and plan.param_order:
         by_name = {names[p][0]: p for p in params}
         unknown = [n for n in plan.param_order if n not in by_name]
@@ -330,8 +383,10 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         params = ordered + [p for p in params if p not in seen]
     numels = [p.numel() for p in params]
     chunk_size = config.chunk_size_numel or (plan.chunk_size_numel if plan and plan.chunk_size_numel else None)
+    if not chunk_size and world_size > 1 and placements and all(v == "replicated" for v in placements.values()):
+        chunk_size = _replicated_chunk_size(numels, element_bytes)
     chunk_size = chunk_size or _default_chunk_size(numels, config.device_memory_budget_bytes, world_size,
-                                                   torch.empty((), dtype=dtype).element_size())
+                                                   element_bytes)
     manager = ChunkManager(compute_device=device, budget_bytes=config.device_memory_budget_bytes,
                            reduce_dtype=torch.float32 if config.reduce_dtype == "fp32" else None,
                            prefetch_depth=plan.prefetch_depth if plan else config.prefetch_depth)
@@ -366,6 +421,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     sizes = _Sizes(chunks, optim_factor if optimizer is not None else 0, config.precision)
     working_set = _working_set([h.chunks for h in handles], sizes, chunks)
     reasons = _place(chunks, plan, config, sizes, working_set, world_size)
+    if placement_reason:
+        reasons.insert(0, placement_reason)
     for chunk in chunks:
         if chunk.replicate_group is not None:  # "replicated": whole on every rank, kept on the device
             chunk.resident = chunk.shard_on_device = True

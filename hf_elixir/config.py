@@ -18,6 +18,7 @@ __all__ = ["ElixirConfig", "LossScalePolicy", "PRECISIONS"]
 PRECISIONS = ("fp32", "bf16", "fp16")
 _SEARCH_MODES = ("off", "auto")
 _PLACEMENT_NAMES = ("sharded", "replicated", "column", "row", "expert")
+_DEFAULT_PLACEMENTS = ("auto", "sharded", "replicated")
 
 
 def _check_type(name: str, value: Any, types: tuple[type, ...], fix: str) -> None:
@@ -125,6 +126,15 @@ class ElixirConfig:
             `"auto"` profiles one step and searches for the fastest plan inside `prepare`.
         placements (`dict[str, str]`, *optional*):
             Module-name glob -> placement (`"sharded"`, `"replicated"`, `"column"`, `"row"`, `"expert"`).
+        default_placement (`str`, defaults to `"auto"`):
+            Placement of the modules no `placements` glob (and no tensor/expert-parallel spec) covers:
+            `"sharded"` (ZeRO-3: parameters, gradients and optimizer states sharded over the
+            data-parallel group), `"replicated"` (a whole copy per rank, gradients all-reduced, as
+            `DistributedDataParallel`), or `"auto"`: replicated when the whole model, its gradients and
+            its optimizer states fit `device_memory_budget_bytes` on every rank (with no budget: always
+            on CPU, and within half the free memory on CUDA), sharded otherwise; a plan's placements win
+            (Elixir, arXiv 2212.05339 section 5: no partitioning when memory allows). Models rewritten by
+            `hf_elixir.parallel.parallelize` treat `"auto"` as `"sharded"`.
         tensor_parallel_size / expert_parallel_size (`int`, defaults to 1):
             Sizes of the tensor-parallel / expert-parallel mesh axes.
         loss_scale (`LossScalePolicy`): dynamic loss-scale settings (fp16 only).
@@ -149,6 +159,7 @@ class ElixirConfig:
     plan: Any = None
     search: str = "off"
     placements: Mapping[str, str] = field(default_factory=dict)
+    default_placement: str = "auto"
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
     loss_scale: LossScalePolicy = field(default_factory=LossScalePolicy)
@@ -195,6 +206,11 @@ class ElixirConfig:
                     f"ElixirConfig.placements[{pattern!r}]={placement!r} is not a placement; use one of "
                     f"{_PLACEMENT_NAMES}.{_closest(str(placement), list(_PLACEMENT_NAMES))}"
                 )
+        if self.default_placement not in _DEFAULT_PLACEMENTS:
+            raise ValueError(
+                f"ElixirConfig.default_placement={self.default_placement!r} must be one of {_DEFAULT_PLACEMENTS}."
+                f"{_closest(str(self.default_placement), list(_DEFAULT_PLACEMENTS))}"
+            )
         for name in ("tensor_parallel_size", "expert_parallel_size"):
             value = getattr(self, name)
             _check_type(name, value, (int,), "give a whole number >= 1")

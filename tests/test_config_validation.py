@@ -38,6 +38,8 @@ CONFIG_CASES = [
     ("placements", ["sharded"], TypeError, "placements=\\['sharded'\\] must be a dict"),
     ("placements", {"h.*": "zero3"}, ValueError, "placements\\['h.\\*'\\]='zero3' is not a placement"),
     ("placements", {3: "sharded"}, TypeError, "placements key 3 must be a module-name glob"),
+    ("default_placement", "zero3", ValueError, "default_placement='zero3' must be one of"),
+    ("default_placement", "replicate", ValueError, "default_placement='replicate' must be one of .* Did you mean 'replicated'"),
     ("tensor_parallel_size", "2", TypeError, "tensor_parallel_size='2' has type str"),
     ("tensor_parallel_size", 0, ValueError, "tensor_parallel_size=0 must be >= 1"),
     ("expert_parallel_size", 0, ValueError, "expert_parallel_size=0 must be >= 1"),

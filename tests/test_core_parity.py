@@ -1,5 +1,6 @@
 """Parity of hf_elixir with plain PyTorch (same seeds, dropout off): GPT-2, OPT, Switch; world sizes
-1, 2, 4; everything resident, about half the chunks off the device, and the smallest budget that runs.
+1, 2, 4; everything resident (replicated by ``default_placement="auto"`` at world size > 1, and
+forced sharded), about half the chunks off the device, and the smallest budget that runs.
 
 Reference (DESIGN.md): one process running plain ``torch.optim.AdamW`` on the concatenation of every
 rank's batch (same per-rank shapes, mean loss). 10 steps, two param groups, a LR schedule, clipping.
@@ -44,7 +45,7 @@ def _reference(kind: str, world_size: int):
 
 
 def _budget(kind: str, mode: str, world_size: int) -> int | None:
-    if mode == "resident":
+    if mode.startswith("resident"):
         return None
     model = tiny_model(kind)
     cfg = hf_elixir.ElixirConfig(chunk_size_numel=CHUNK)
@@ -59,8 +60,10 @@ def _elixir_run(rank: int, world_size: int, kind: str, mode: str):
     model = tiny_model(kind)
     opt = torch.optim.AdamW(two_groups(model), lr=5e-3)
     budget = _budget(kind, mode, world_size)
-    model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(chunk_size_numel=CHUNK,
-                                                                       device_memory_budget_bytes=budget))
+    # "resident": default_placement="auto", which replicates when everything fits (world size > 1)
+    placement = "sharded" if mode == "resident-sharded" else "auto"
+    model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(
+        chunk_size_numel=CHUNK, device_memory_budget_bytes=budget, default_placement=placement))
     sched = _schedule(opt)
     losses = []
     for step in range(STEPS):
@@ -86,13 +89,14 @@ def _worker(rank: int, world_size: int):
     out = {}
     for kind in KINDS:
         ref_losses, ref_state = _reference(kind, world_size)
-        for mode in ("resident", "half", "min"):
+        for mode in ("resident", "resident-sharded", "half", "min"):
             losses, state, stats, budget = _elixir_run(rank, world_size, kind, mode)
             out[(kind, mode)] = {
                 "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
                 "param_rel": rel_l2(state, ref_state),
                 "peak": stats["device_peak_bytes"], "budget": budget, "h2d": stats["h2d_bytes"],
-                "evictions": stats["num_evictions"],
+                "evictions": stats["num_evictions"], "allgather": stats["allgather_bytes"],
+                "allreduce": stats["reduce_scatter_bytes"],
             }
     return out
 
@@ -108,5 +112,9 @@ def test_fp32_parity_all_models_all_budgets(world_size):
             if r["budget"] is not None:
                 assert r["peak"] <= r["budget"], f"{where}: device peak {r['peak']} > budget {r['budget']}"
                 assert r["h2d"] > 0, f"{where}: a budgeted run must onload from the host"
+            if world_size > 1 and mode == "resident":  # auto -> replicated: DDP's traffic, no all-gather
+                assert r["allgather"] == 0 and r["allreduce"] > 0, f"{where}: not replicated: {r}"
+            if world_size > 1 and mode != "resident":
+                assert r["allgather"] > 0, f"{where}: sharded chunks must all-gather"
             if mode == "min":
                 assert r["evictions"] > 0, f"{where}: the smallest budget must evict"

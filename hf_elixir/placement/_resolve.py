@@ -1,6 +1,7 @@
 """Resolve every module's placement from the registry spec and the user's glob overrides.
 
-Order of precedence (later wins): ``"sharded"`` everywhere -> the model spec's tensor-parallel globs
+Order of precedence (later wins): ``ElixirConfig.default_placement`` everywhere (``"auto"`` resolves to
+``"sharded"`` here; ``hf_elixir.prepare`` decides it) -> the model spec's tensor-parallel globs
 (only when ``tensor_parallel_size > 1``) and expert-parallel globs (only when
 ``expert_parallel_size > 1``) -> ``ElixirConfig.placements`` in insertion order. A glob matches a
 module's FQN or any module below it (``"*.mlp"`` covers ``h.0.mlp.c_fc``).
@@ -197,7 +198,9 @@ def resolve_placements_detailed(model: nn.Module, config: Any) -> ResolvedPlacem
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     spec = get_model_spec(model_type)
     modules = _param_modules(model)
-    placements = {fqn: "sharded" for fqn in modules}
+    # "auto" is decided by hf_elixir.prepare (it knows the budget); resolved alone it is "sharded"
+    base = getattr(config, "default_placement", "sharded")
+    placements = {fqn: base if base in ("sharded", "replicated") else "sharded" for fqn in modules}
     if tp_size > 1:
         _apply_globs(placements, spec.tensor_parallel, f"placement spec {spec.model_type!r}", must_match=False)
     if ep_size > 1:
