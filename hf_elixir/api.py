@@ -208,12 +208,14 @@ def _working_set_bytes(per_unit_full: list[int], grad_bytes: list[int], staging_
 
 
 def _working_set(handles_chunks: list[list[Chunk]], sizes: _Sizes, chunks: list[Chunk]) -> int:
-    per_unit = [sum(sizes.full[c.chunk_id] for c in cs) for cs in handles_chunks]
+    # replicated chunks never leave the device: counted once, not per unit
+    replicated = sum(sizes.full[c.chunk_id] for c in chunks if c.replicate_group is not None)
+    per_unit = [sum(sizes.full[c.chunk_id] for c in cs if c.replicate_group is None) for cs in handles_chunks]
     # onload staging of a host shard, or the reduce-scatter output shard; a chunk's own group decides
     # (a tensor-parallel model's chunks are sharded over the data-parallel axis only)
     staging = max([max(sizes.shard[c.chunk_id], sizes.grad[c.chunk_id] // c.world_size)
                    for c in chunks if c.world_size > 1] or [0])
-    return _working_set_bytes(per_unit, list(sizes.grad.values()), staging)
+    return _working_set_bytes(per_unit, list(sizes.grad.values()), staging) + replicated
 
 
 def _place(chunks: list[Chunk], plan: ElixirPlan | None, config: ElixirConfig, sizes: _Sizes,
@@ -251,6 +253,10 @@ def _place(chunks: list[Chunk], plan: ElixirPlan | None, config: ElixirConfig, s
     for cid in ids:
         c = chunks[cid]
         cost = sizes.full if c.world_size == 1 else sizes.shard
+        if c.replicate_group is not None:  # whole on the device, already in the working set
+            c.resident = c.shard_on_device = True
+            c.optim_on_device = offload_opt is False
+            continue
         c.resident = False
         c.optim_on_device = offload_opt is False
         c.shard_on_device = used + cost[cid] <= spare // 2

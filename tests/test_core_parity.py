@@ -1,6 +1,6 @@
 """Parity of hf_elixir with plain PyTorch (same seeds, dropout off): GPT-2, OPT, Switch; world sizes
 1, 2, 4; everything resident (replicated by ``default_placement="auto"`` at world size > 1, and
-forced sharded), about half the chunks off the device, and the smallest budget that runs.
+forced sharded; replicated with the optimizer on the host under a budget), about half the chunks off the device, and the smallest budget that runs.
 
 Reference (DESIGN.md): one process running plain ``torch.optim.AdamW`` on the concatenation of every
 rank's batch (same per-rank shapes, mean loss). 10 steps, two param groups, a LR schedule, clipping.
@@ -48,6 +48,8 @@ def _budget(kind: str, mode: str, world_size: int) -> int | None:
     if mode.startswith("resident"):
         return None
     model = tiny_model(kind)
+    if mode == "replicated-offload":  # whole parameters + a few gradient buffers; optimizer on the host
+        return sum(p.numel() * 4 for p in set(model.parameters())) + 4 * CHUNK * 4
     cfg = hf_elixir.ElixirConfig(chunk_size_numel=CHUNK)
     smallest = hf_elixir.min_device_budget_bytes(model, config=cfg, world_size=world_size)
     if mode == "min":
@@ -61,7 +63,7 @@ def _elixir_run(rank: int, world_size: int, kind: str, mode: str):
     opt = torch.optim.AdamW(two_groups(model), lr=5e-3)
     budget = _budget(kind, mode, world_size)
     # "resident": default_placement="auto", which replicates when everything fits (world size > 1)
-    placement = "sharded" if mode == "resident-sharded" else "auto"
+    placement = {"resident-sharded": "sharded", "replicated-offload": "replicated"}.get(mode, "auto")
     model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(
         chunk_size_numel=CHUNK, device_memory_budget_bytes=budget, default_placement=placement))
     sched = _schedule(opt)
@@ -89,7 +91,8 @@ def _worker(rank: int, world_size: int):
     out = {}
     for kind in KINDS:
         ref_losses, ref_state = _reference(kind, world_size)
-        for mode in ("resident", "resident-sharded", "half", "min"):
+        modes = ("resident", "resident-sharded", "half", "min") + (("replicated-offload",) if world_size > 1 else ())
+        for mode in modes:
             losses, state, stats, budget = _elixir_run(rank, world_size, kind, mode)
             out[(kind, mode)] = {
                 "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
@@ -112,9 +115,9 @@ def test_fp32_parity_all_models_all_budgets(world_size):
             if r["budget"] is not None:
                 assert r["peak"] <= r["budget"], f"{where}: device peak {r['peak']} > budget {r['budget']}"
                 assert r["h2d"] > 0, f"{where}: a budgeted run must onload from the host"
-            if world_size > 1 and mode == "resident":  # auto -> replicated: DDP's traffic, no all-gather
+            if world_size > 1 and mode in ("resident", "replicated-offload"):  # DDP's traffic, no all-gather
                 assert r["allgather"] == 0 and r["allreduce"] > 0, f"{where}: not replicated: {r}"
-            if world_size > 1 and mode != "resident":
+            if world_size > 1 and mode not in ("resident", "replicated-offload"):
                 assert r["allgather"] > 0, f"{where}: sharded chunks must all-gather"
             if mode == "min":
                 assert r["evictions"] > 0, f"{where}: the smallest budget must evict"
