@@ -10,6 +10,7 @@ Options read from ``RunSpec.options`` (at most one of the first three):
         its step runs and its device peak stays within the budget. Every rank runs the same probes, so
         the collectives stay matched.
     chunk_size_numel (int | None): ``ElixirConfig.chunk_size_numel`` (None = the library's choice).
+    default_placement (str): ``ElixirConfig.default_placement`` ("auto" unless given).
     search (bool): use the plan ``hf_elixir.search.auto_plan`` finds for that budget (else the core's
         heuristic placement).
     profile_dir (str): on CUDA, profile the last timed step with ``torch.profiler`` and write its Chrome
@@ -43,7 +44,7 @@ def elixir_available() -> str:
     return f"hf_elixir has no {', '.join(missing)} yet (the core has not landed)" if missing else ""
 
 
-def _prepare(model, spec, budget_bytes, plan=None):
+def _prepare(model, spec, budget_bytes, plan=None, default_placement=None):
     import hf_elixir
 
     from benchmarks.peers import _ADAM_KW
@@ -54,12 +55,13 @@ def _prepare(model, spec, budget_bytes, plan=None):
                 if buf is not None:
                     module._buffers[name] = buf.to(spec.device)
     config = hf_elixir.ElixirConfig(precision="fp32", device_memory_budget_bytes=budget_bytes,
-                                    chunk_size_numel=spec.options.get("chunk_size_numel"), plan=plan)
+                                    chunk_size_numel=spec.options.get("chunk_size_numel"), plan=plan,
+                                    default_placement=default_placement or spec.options.get("default_placement", "auto"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, **_ADAM_KW)
     return hf_elixir.prepare(model, optimizer, config=config)
 
 
-def _probe(model, spec, budget_bytes) -> tuple[bool, int | None, str]:
+def _probe(model, spec, budget_bytes, default_placement=None) -> tuple[bool, int | None, str]:
     """One step of a deep copy of ``model`` at ``budget_bytes``: (passed, device peak, error)."""
     import copy
 
@@ -67,7 +69,7 @@ def _probe(model, spec, budget_bytes) -> tuple[bool, int | None, str]:
 
     probe = copy.deepcopy(model)
     try:
-        probe, optimizer = _prepare(probe, spec, budget_bytes)
+        probe, optimizer = _prepare(probe, spec, budget_bytes, default_placement=default_placement)
         ids = torch.randint(0, spec.model.vocab_size, (spec.model.batch_size, spec.model.seq_len),
                             generator=torch.Generator().manual_seed(7)).to(spec.device)
         probe(input_ids=ids, labels=ids).loss.backward()
@@ -88,7 +90,9 @@ def _find_budget(model, spec) -> tuple[int | None, dict[str, Any]]:
         return options["budget_bytes"], {}
     if "budget_fraction" not in options and "min_budget_probes" not in options:
         return None, {}
-    ok, resident_peak, error = _probe(model, spec, None)
+    # the sharded all-resident peak (replicating everything would need more): budgets stay comparable
+    # across runs and with the peers' per-rank shares
+    ok, resident_peak, error = _probe(model, spec, None, default_placement="sharded")
     if not ok or resident_peak is None:
         raise RuntimeError(f"the all-resident hf_elixir probe failed, so no budget can be derived: {error}")
     info: dict[str, Any] = {"resident_peak_bytes": resident_peak}
@@ -134,7 +138,8 @@ def _searched_plan(model, spec, budget_bytes, info: dict[str, Any]):
     ids = torch.randint(0, spec.model.vocab_size, (spec.model.batch_size, spec.model.seq_len),
                         generator=torch.Generator().manual_seed(11)).to(spec.device)
     config = hf_elixir.ElixirConfig(precision="fp32", device_memory_budget_bytes=budget_bytes,
-                                    chunk_size_numel=spec.options.get("chunk_size_numel"))
+                                    chunk_size_numel=spec.options.get("chunk_size_numel"),
+                                    default_placement=spec.options.get("default_placement", "auto"))
     start = time.perf_counter()
     plan = auto_plan(model, {"input_ids": ids, "labels": ids}, config)
     model.zero_grad(set_to_none=True)

@@ -16,7 +16,10 @@ Peers (``PEERS`` keys):
   everything resident; with ``device_memory_budget_bytes = options["budget_fraction"] x
   (everything-resident peak)`` and the core's heuristic placement, or the plan
   ``hf_elixir.search.auto_plan`` finds; and with the smallest budget that runs (see
-  ``benchmarks/_elixir.py``).
+  ``benchmarks/_elixir.py``). ``elixir_resident`` uses ``default_placement="auto"`` (replicated when
+  everything fits, at 2 ranks); ``elixir_resident_sharded`` forces ZeRO-3 sharding with everything
+  resident; ``elixir_budget_replicated`` is the 50% budget with ``default_placement="replicated"``
+  (whole parameters on the device, optimizer states on the host, gradients all-reduced).
 
 Every peer uses AdamW with the same hyper-parameters (lr from the spec, betas (0.9, 0.999), eps 1e-8,
 weight decay 0), no gradient clipping, fp32.
@@ -201,7 +204,10 @@ PEERS: dict[str, Peer] = {p.name: p for p in [
     Peer("ds_zero3_offload", "DeepSpeed ZeRO-3 + opt+param offload", (1, 2), _setup_ds_zero3,
          needs="deepspeed", deepspeed=True, offloads="params+grads+optim"),
     Peer("elixir_resident", "hf_elixir (all resident)", (1, 2), _setup_elixir),
+    Peer("elixir_resident_sharded", "hf_elixir (all resident, forced sharded)", (2,), _setup_elixir),
     Peer("elixir_budget", "hf_elixir (50% budget, heuristic)", (1, 2), _setup_elixir, offloads="planned"),
     Peer("elixir_search", "hf_elixir (50% budget, searched plan)", (1, 2), _setup_elixir, offloads="planned"),
     Peer("elixir_min", "hf_elixir (smallest budget)", (1, 2), _setup_elixir, offloads="planned"),
+    Peer("elixir_budget_replicated", "hf_elixir (50% budget, replicated + host optimizer)", (2,), _setup_elixir,
+         offloads="planned"),
 ]}

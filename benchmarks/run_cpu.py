@@ -142,7 +142,7 @@ def _run_moe(cfg: SuiteConfig) -> dict[str, Any]:
 
 
 HEADLINE_PEERS = [("plain", 1), ("elixir_resident", 1), ("ddp", 2), ("elixir_resident", 2), ("elixir_budget", 2),
-                  ("ds_zero3_offload", 2), ("fsdp2_offload", 2)]
+                  ("elixir_search", 2), ("elixir_budget_replicated", 2), ("ds_zero3_offload", 2), ("fsdp2_offload", 2)]
 
 
 def _repeat_headline_peers(runs: list[RunResult], work_dir: Path, cfg: SuiteConfig) -> None:
@@ -177,6 +177,10 @@ def _elixir_options(name: str, cfg: SuiteConfig) -> dict[str, Any]:
         return {"budget_fraction": cfg.budget_fraction, "search": True}
     if name == "elixir_min":
         return {"min_budget_probes": cfg.min_budget_probes}
+    if name == "elixir_resident_sharded":
+        return {"default_placement": "sharded"}
+    if name == "elixir_budget_replicated":
+        return {"budget_fraction": cfg.budget_fraction, "default_placement": "replicated"}
     return {}
 
 
@@ -339,7 +343,7 @@ def headline(runs: list[RunResult], traffic_facts: list[dict[str, Any]], largest
             alt = f"min-step ratio {min(res.step_times_s) / min(ref.step_times_s):.2f}x"
             lines.append(_verdict(f"hf_elixir all-resident step time / {'PyTorch' if ws == 1 else 'DDP'} "
                                   f"({ws} rank{'s' if ws > 1 else ''})", ratio, 1.05, lower_is_better=True, alt=alt))
-    for name in ("elixir_budget", "elixir_search"):
+    for name in ("elixir_budget", "elixir_search", "elixir_budget_replicated"):
         offload = get(name, 2)
         for peer in ("ds_zero3_offload", "fsdp2_offload"):
             other = get(peer, 2)
@@ -406,7 +410,8 @@ def write_report(out_dir: Path, cfg: SuiteConfig, suite: dict[str, Any], command
             "plan_chunk_size_numel", "plan_resident_chunks", "plan_device_shard_chunks", "plan_device_optim_chunks",
             "plan_prefetch_depth", "plan_predicted_step_s")
     budgets = {r.spec.key(): {k: r.extra[k] for k in keys if k in r.extra}
-               for r in runs if r.ok and r.spec.peer in ("elixir_budget", "elixir_search", "elixir_min")}
+               for r in runs if r.ok and r.spec.peer in ("elixir_budget", "elixir_search", "elixir_min",
+                                                          "elixir_budget_replicated")}
     if budgets:
         lines += ["hf_elixir budgets per rank (bytes; resident peak from an all-resident probe in the same process): "
                   "`" + json.dumps(budgets) + "`", ""]
