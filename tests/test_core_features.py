@@ -361,3 +361,26 @@ def test_full_parameters_reads_and_writes_between_steps():
     assert float(model.state_dict()["transformer.h.1.mlp.c_fc.weight"].abs().sum()) == 0.0
     _train_elixir(model, opt, [[batch("gpt2", 1, 2)]])  # the zeroed weight trains on from the write-back
     assert hf_elixir.memory_stats(model)["device_peak_bytes"] > 0
+
+
+def test_nadam_scalar_state_survives_a_consolidated_resume():
+    """NAdam keeps a 0-d ``mu_product`` per parameter next to ``step``; a resume that dropped it would
+    restart the momentum-decay product at 1 and diverge from the uninterrupted run."""
+    def prepare(seed):
+        model = tiny_model("gpt2", seed=seed)
+        opt = torch.optim.NAdam(model.parameters(), lr=5e-3, momentum_decay=4e-3)
+        return hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(chunk_size_numel=CHUNK,
+                                                                    device_memory_budget_bytes=140_000))
+
+    batches = [[batch("gpt2", s, 2)] for s in range(6)]
+    model, opt = prepare(0)
+    _train_elixir(model, opt, batches[:3])
+    msd, osd = model.state_dict(), opt.state_dict()
+    mu = [entry["mu_product"] for entry in osd["state"].values()]
+    assert mu and all(float(m) < 1.0 for m in mu), "mu_product missing from the consolidated state"
+    _train_elixir(model, opt, batches[3:])
+    resumed, ropt = prepare(7)
+    resumed.load_state_dict(msd)
+    ropt.load_state_dict(osd)
+    _train_elixir(resumed, ropt, batches[3:])
+    assert rel_l2(_state(resumed), _state(model)) == 0.0

@@ -499,17 +499,19 @@ class ElixirOptimizer(torch.optim.Optimizer):
                     flat[view.lo:view.hi] = value.detach().float().cpu()
         return flat
 
-    def _steps_by_slot(self) -> dict[str, float]:
-        steps: dict[str, float] = {}
+    def _scalars_by_slot(self) -> dict[str, dict[str, float]]:
+        """Per-parameter scalar state (``step``; NAdam's ``mu_product``, ...): ``{name: {key: value}}``.
+        Every view of one parameter holds the same values (they are updated in lockstep)."""
+        scalars: dict[str, dict[str, float]] = {}
         for view in self.views:
             if id(view.tensor) in self.fused_steps:
                 if self.fused_steps[id(view.tensor)]:
-                    steps[view.slot.name] = float(self.fused_steps[id(view.tensor)])
+                    scalars.setdefault(view.slot.name, {})["step"] = float(self.fused_steps[id(view.tensor)])
                 continue
-            value = self.inner.state.get(view.tensor, {}).get("step") if self.inner else None
-            if value is not None:
-                steps[view.slot.name] = float(value)
-        return steps
+            for key, value in (self.inner.state.get(view.tensor, {}) if self.inner else {}).items():
+                if isinstance(value, (int, float)) or (torch.is_tensor(value) and value.dim() == 0):
+                    scalars.setdefault(view.slot.name, {})[key] = float(value)
+        return scalars
 
     def state_dict(self) -> dict:
         """Consolidated optimizer state keyed by original parameter names (collective on all ranks).
@@ -534,14 +536,16 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 for slot in chunk.slots:
                     if slot.trainable and slot.param in self._param_group_of:
                         state[slot.name][key] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
-        steps = self._steps_by_slot()
+        scalars = self._scalars_by_slot()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, steps)
+            dist.all_gather_object(gathered, scalars)
             for part in gathered:
-                steps.update(part)
-        for name, step in steps.items():
-            state[name]["step"] = torch.tensor(step)
+                for name, values in part.items():
+                    scalars.setdefault(name, {}).update(values)
+        for name, values in scalars.items():
+            for key, value in values.items():
+                state[name][key] = torch.tensor(value)
         groups = []
         for group in self.param_groups:
             entry = {k: v for k, v in group.items() if k != "params"}
@@ -591,6 +595,9 @@ class ElixirOptimizer(torch.optim.Optimizer):
                     target["step"] = torch.tensor(float(value), dtype=torch.float32)
                     if fused is not None:
                         self.fused_steps[id(view.tensor)] = int(float(value))
+                    continue
+                if not torch.is_tensor(value) or value.dim() == 0:  # other scalar state (NAdam mu_product)
+                    target[key] = torch.tensor(float(value), dtype=torch.float32)
                     continue
                 part = value.reshape(-1)[view.start:view.stop].to(view.tensor.device, torch.float32)
                 if key == "master":
