@@ -384,3 +384,17 @@ def test_nadam_scalar_state_survives_a_consolidated_resume():
     ropt.load_state_dict(osd)
     _train_elixir(resumed, ropt, batches[3:])
     assert rel_l2(_state(resumed), _state(model)) == 0.0
+
+
+def test_one_rank_gradients_accumulate_straight_into_the_optimizer_shard():
+    """One rank, optimizer state on the device: backward adds gradients into the optimizer's gradient
+    shard (no transient gradient buffer), so a training step does not raise the device peak above what
+    prepare charged; the result still matches plain PyTorch (two micro-batches accumulated)."""
+    ref = tiny_model("gpt2")
+    model, opt = _prepare(copy.deepcopy(ref))
+    before = hf_elixir.memory_stats(model)["device_used_bytes"]
+    batches = [[batch("gpt2", 2 * s, 2), batch("gpt2", 2 * s + 1, 2)] for s in range(3)]
+    _train_elixir(model, opt, batches, accumulate=2)
+    assert hf_elixir.memory_stats(model)["device_peak_bytes"] == before
+    _train_ref(ref, batches, accumulate=2)
+    assert rel_l2(_state(model), _state(ref)) < 1e-5

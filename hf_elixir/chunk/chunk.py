@@ -296,9 +296,26 @@ class Chunk:
         self.full_version = self.version
 
     # -- gradients -----------------------------------------------------------------------------
+    def direct_grad_shard(self) -> torch.Tensor | None:
+        """The optimizer's gradient shard when gradients can be accumulated straight into it: one rank
+        (nothing to reduce), optimizer state on the device, same dtype. Saves the gradient buffer's
+        allocation, zero-fill and the copy into the shard (what plain PyTorch's ``AccumulateGrad``
+        saves by stealing the gradient)."""
+        if self.world_size != 1 or self.replicate_group is not None or not self.optim_on_device:
+            return None
+        shard = self.manager.grad_shards.get(self.chunk_id)
+        if shard is None or shard.dtype != self.grad_dtype or shard.numel() != self.chunk_numel:
+            return None
+        return shard
+
     def accumulate_grad(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         """Add ``grad`` (shape ``slot.shape``) into the chunk's gradient buffer."""
         if self.grad_full is None:
+            direct = self.direct_grad_shard()
+            if direct is not None:
+                with torch.no_grad():
+                    direct[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+                return
             self.manager.make_room(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
             self.manager.pool.charge(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
             self.grad_full = torch.zeros(self.chunk_numel, dtype=self.grad_dtype, device=self.compute_device)
@@ -322,6 +339,12 @@ class Chunk:
         """
         counters = self.manager.counters
         pool = self.manager.pool
+        if self.grad_full is None and self.direct_grad_shard() is not None:  # already in grad_shard
+            self.reduced_this_backward = True
+            for slot in self.slots:
+                if slot.state is TensorState.READY_FOR_REDUCE:
+                    slot.set_state(TensorState.HOLD_AFTER_BWD if (self.unsharded or self.full_alias) else TensorState.FREE)
+            return None
         if self.grad_full is None:
             pool.charge(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
             self.grad_full = torch.zeros(self.chunk_numel, dtype=self.grad_dtype, device=self.compute_device)
