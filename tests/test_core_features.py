@@ -398,3 +398,25 @@ def test_one_rank_gradients_accumulate_straight_into_the_optimizer_shard():
     assert hf_elixir.memory_stats(model)["device_peak_bytes"] == before
     _train_ref(ref, batches, accumulate=2)
     assert rel_l2(_state(model), _state(ref)) < 1e-5
+
+
+def test_stale_parameters_read_nan_between_steps_instead_of_freed_memory():
+    """After a step under a tight budget, parameters whose chunk is resharded (or stale) point at NaN
+    placeholders: reading gives NaN with the right shape (freed storage used to crash the process),
+    writing raises, and state_dict / the next forward see the updated values."""
+    ref = tiny_model("gpt2")
+    model, opt = _prepare(copy.deepcopy(ref), device_memory_budget_bytes=140_000)
+    b = batch("gpt2", 0, 2)
+    _train_elixir(model, opt, [[b]])
+    weight = model.transformer.h[0].mlp.c_proj.weight
+    assert weight.shape == ref.transformer.h[0].mlp.c_proj.weight.shape
+    assert model.num_parameters() == ref.num_parameters()
+    assert torch.isnan(weight).all()
+    with pytest.raises(RuntimeError, match="more than one element"), torch.no_grad():
+        weight.add_(1.0)
+    _train_ref(ref, [[b]])
+    state = model.state_dict()
+    assert not any(torch.isnan(v).any() for v in state.values())
+    assert rel_l2(state, _state(ref)) < 1e-5
+    with torch.no_grad():
+        assert torch.allclose(model(**b).logits, ref(**b).logits, atol=1e-5)

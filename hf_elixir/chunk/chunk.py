@@ -55,6 +55,12 @@ class ParamSlot:
         self.state = new
 
 
+def _stale_placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A NaN scalar expanded to ``shape``: right shape/dtype/device, no memory, reads NaN, and an in-place
+    write raises (several elements share one memory location)."""
+    return torch.full((), float("nan"), dtype=dtype, device=device).expand(shape)
+
+
 def _free_storage(tensor: torch.Tensor) -> None:
     storage = tensor.untyped_storage()
     if storage.size() != 0:
@@ -123,6 +129,7 @@ class Chunk:
         self.host_full: torch.Tensor | None = None
         self.host_full_version = -1
         self.ready_event = None  # CUDA event of a side-stream unshard (prefetch)
+        self.hidden = False  # parameters point at NaN placeholders (see hide_stale_params)
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -205,6 +212,7 @@ class Chunk:
                 :meth:`wait_ready` then orders the compute stream after them. ``None``: the current stream.
         """
         if not self.needs_fill():
+            self.show_params()
             return
         counters = self.manager.counters
         pool = self.manager.pool
@@ -219,9 +227,32 @@ class Chunk:
         counters.num_unshards += 1
         self.unsharded = True
         self.full_version = self.version
+        self.show_params()
         for slot in self.slots:
             if slot.state is TensorState.FREE:
                 slot.set_state(TensorState.HOLD)
+
+    def hide_stale_params(self) -> None:
+        """Between steps, point the parameters of a chunk whose unsharded copy is freed or stale at NaN
+        placeholders (:func:`_stale_placeholder`), so reading one directly gives NaN (not freed memory,
+        which can crash the process, nor pre-update values) and writing one raises; ``shape``,
+        ``dtype`` and ``numel()`` stay right. The next unshard (forward hook, ``state_dict``,
+        :func:`hf_elixir.full_parameters`) points them back at ``full``. Only called at the optimizer
+        step, when no autograd graph holds the parameters (mid-step, evicted parameters keep their
+        views: saved tensors see the data again on unshard, see [Note: parameters as views])."""
+        if self.hidden or not self.needs_fill():
+            return
+        for slot in self.slots:
+            slot.param.data = _stale_placeholder(slot.shape, self.dtype, self.compute_device)
+        self.hidden = True
+
+    def show_params(self) -> None:
+        """Undo :meth:`hide_stale_params`: parameters are views into ``full`` again."""
+        if not self.hidden:
+            return
+        for slot in self.slots:
+            slot.param.data = self.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        self.hidden = False
 
     def wait_ready(self) -> None:
         """Order the current CUDA stream after a side-stream unshard, and tell the caching allocator

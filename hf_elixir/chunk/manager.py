@@ -200,6 +200,8 @@ class ChunkManager:
                 positions[cid].append(i)
             self.prev_positions = dict(positions)
         self.trace = []
+        for chunk in self.chunks:
+            chunk.hide_stale_params()
         now = self.counters.as_dict()
         self.last_step = {f"step_{k}": now[k] - self._step_start.get(k, 0)
                           for k in ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes",

@@ -81,8 +81,8 @@ def full_parameters(model: torch.nn.Module, *, writeback: bool = False):
     """Unshard every chunk so parameters can be read (and, with ``writeback=True``, written) outside
     forward/backward; reshard afterwards. Collective under torch.distributed (every rank enters).
 
-    Between steps a resharded parameter's storage is freed ([Note: parameters as views] in
-    ``hf_elixir/chunk/chunk.py``): reading it directly is undefined. Use this, or ``model.state_dict()``,
+    Between steps a parameter whose chunk is resharded or stale points at a NaN placeholder
+    (``Chunk.hide_stale_params``): reading it directly gives NaN. Use this, or ``model.state_dict()``,
     to look at weights. Same role as FSDP's ``summon_full_params`` and DeepSpeed's ``GatheredParameters``.
 
     Args:
