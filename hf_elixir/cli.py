@@ -48,7 +48,7 @@ def _build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="search a plan offline for a model config (meta device)")
     plan.add_argument("--model", required=True, help="built-in name (gpt2-xl, facebook/opt-30b, "
                       "switch-base-8, ...), a local model directory or a config.json")
-    plan.add_argument("--num-gpus", type=int, default=1, help="data-parallel ranks (chunks are sharded over them)")
+    plan.add_argument("--num-gpus", type=int, default=1, help="data-parallel ranks (chunks are sharded over them, or replicated on each)")
     plan.add_argument("--gpu-memory", default=None, help="device memory per rank, e.g. 40GiB "
                       "(default: measured on this machine)")
     plan.add_argument("--host-memory", default=None, help="host memory per node, e.g. 512GiB (default: measured)")
@@ -126,13 +126,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     model, batch = meta_model_and_batch(config, batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype)
     profile = profile_step(model, batch, device="meta")
     hardware, notes = _target_hardware(args)
+    placements = _placements(model, args)
+    # replicated data parallelism (whole chunks, gradient all-reduce) is searched for plain data parallel
+    model_parallel = args.tensor_parallel_size > 1 or args.expert_parallel_size > 1
     result = search(profile, hardware, world_size=args.num_gpus, precision=args.precision,
                     device_memory_budget_bytes=hardware.device_total_bytes, safety_margin=args.safety_margin,
                     activations_on_device=not args.no_activations_on_device,
-                    host_memory_bytes=hardware.host_total_bytes)
+                    host_memory_bytes=hardware.host_total_bytes,
+                    data_parallel="sharded" if model_parallel else "auto",
+                    replicated_placements={fqn: "replicated" for fqn in placements})
     plan, best = result.plan, result.best
     plan.reasons.extend(notes)
-    plan.placements = _placements(model, args)
+    if best.data_parallel == "sharded":
+        plan.placements = placements
     if profile.static:
         plan.reasons.append("the model could not run on meta; a static trace (module order) was used")
 
@@ -154,6 +160,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     chosen = Table(title="chosen plan")
     chosen.add_column("field")
     chosen.add_column("value")
+    chosen.add_row("data parallel", best.data_parallel)
     for key in ("chunk_size_numel", "resident_chunks", "device_shard_chunks", "device_optim_chunks",
                 "prefetch_depth", "activation_checkpointing", "predicted_step_s"):
         value = getattr(plan, key)
@@ -165,11 +172,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     console.print(chosen)
 
     alts = Table(title="next-best alternatives")
-    for col in ("chunk", "resident", "cache blocks", "device optim", "prefetch", "ckpt", "step s", "device peak"):
+    for col in ("data parallel", "chunk", "resident", "cache blocks", "device optim", "prefetch", "ckpt", "step s",
+                "device peak"):
         alts.add_column(col)
-    for cand in [best] + result.alternatives:
+    others = [c for c in result.best_by_mode.values() if c is not best and c not in result.alternatives]
+    for cand in [best] + result.alternatives + others:
         k = cand.knobs
-        alts.add_row(str(cand.chunk_size_numel), str(len(k.resident)), str(k.cache_blocks), str(len(k.device_optim)),
+        alts.add_row(cand.data_parallel, str(cand.chunk_size_numel), str(len(k.resident)), str(k.cache_blocks), str(len(k.device_optim)),
                      str(k.prefetch_depth), str(cand.activation_checkpointing), f"{cand.prediction.step_s:.4g}",
                      _gib(cand.prediction.device_peak_bytes))
     console.print(alts)

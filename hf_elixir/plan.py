@@ -51,7 +51,8 @@ class ElixirPlan:
     Attributes:
         model_type: ``model.config.model_type`` the plan was made for (checked by ``prepare``).
         num_params: total parameter count (tied parameters once) the plan was made for.
-        world_size: data-parallel ranks the chunks are sharded over.
+        world_size: data-parallel ranks the chunks are sharded over (or, with every placement
+            ``"replicated"``, that each hold whole: chunk ids then come from world-size-1 packing).
         precision: ``"fp32" | "bf16" | "fp16"``.
         chunk_size_numel: elements per chunk (>= the largest parameter's numel).
         param_order: canonical parameter names (first FQN of each tied group) in packing order;

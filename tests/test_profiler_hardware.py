@@ -33,6 +33,7 @@ def _probe_worker(rank, world, port, cache_dir):
         # rank 0 finds a (partial) cache entry, rank 1 none: both must still time the collectives together
         hw = probe_hardware("cpu", cache_path=f"{cache_dir}/hw{rank}.json", size_bytes=2**18, repeats=1)
         assert hw.world_size == world and hw.allgather_bytes_per_s > 0 and hw.reduce_scatter_bytes_per_s > 0
+        assert hw.allreduce_bytes_per_s > 0
     finally:
         dist.destroy_process_group()
 

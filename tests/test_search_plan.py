@@ -133,3 +133,88 @@ def test_auto_plan_uses_the_config_budget_and_precision():
     assert plan.precision == "fp32" and plan.world_size == 1
     assert plan.predicted_peak_device_bytes <= budget
     assert all(p.grad is None for p in model.parameters()) and all(p.device.type == "cpu" for p in model.parameters())
+
+
+def _two_rank_cpu(budget: int, collective_bytes_per_s: float, allreduce_bytes_per_s: float) -> HardwareProfile:
+    from dataclasses import replace
+
+    return replace(_cpu(budget), world_size=2, allgather_bytes_per_s=collective_bytes_per_s,
+                   reduce_scatter_bytes_per_s=collective_bytes_per_s, allreduce_bytes_per_s=allreduce_bytes_per_s)
+
+
+def test_search_replicates_when_sharded_collectives_are_slow_and_shards_when_memory_is_tight():
+    """Elixir section 5: replicated data parallelism (no all-gathers, one all-reduce per chunk) where it fits
+    and the measured rates make it faster; sharded chunks where the budget is too tight for a whole copy."""
+    profile = _tiny_real_profile()
+    numel = profile.num_params
+    roomy = numel * 4 * 20
+    slow = _two_rank_cpu(roomy, 1e7, 1e9)  # all-gather / reduce-scatter 100x slower than all-reduce
+    result = search(profile, slow, world_size=2, precision="fp32", device_memory_budget_bytes=roomy)
+    best, plan = result.best, result.plan
+    assert best.data_parallel == "replicated" and set(result.best_by_mode) == {"sharded", "replicated"}
+    assert best.prediction.step_s < result.best_by_mode["sharded"].prediction.step_s
+    assert best.prediction.allgather_bytes == 0 and best.prediction.onloads == 0
+    assert best.prediction.reduce_scatter_bytes > 0  # the gradient all-reduces
+    layout = pack_chunks(profile.param_numels, plan.chunk_size_numel, 1)  # world-size-1 packing
+    every = list(range(layout.num_chunks))
+    assert plan.resident_chunks == every and plan.device_shard_chunks == every
+    assert plan.world_size == 2 and plan.param_order == profile.param_names
+    assert plan.placements and set(plan.placements.values()) == {"replicated"}
+    assert set(plan.placements) == set(profile.param_modules) and "lm_head" in plan.placements  # tied alias too
+    assert any("replicated data parallelism wins" in r for r in plan.reasons)
+    # the same machine with fast sharded collectives and a slow all-reduce: sharded wins
+    fast = _two_rank_cpu(roomy, 1e12, 1e6)
+    assert search(profile, fast, world_size=2, precision="fp32", device_memory_budget_bytes=roomy).best.data_parallel \
+        == "sharded"
+    # a budget below one whole copy of the parameters: replicated cannot fit, sharded is chosen
+    tight = numel * 4 * 7 // 10
+    tight_result = search(profile, _two_rank_cpu(tight, 1e7, 1e9), world_size=2, precision="fp32",
+                          device_memory_budget_bytes=tight)
+    assert tight_result.best.data_parallel == "sharded" and "replicated" not in tight_result.best_by_mode
+    assert not tight_result.plan.placements  # sharded plans get their placements from auto_plan / the CLI
+    assert any("no replicated configuration fits" in r for r in tight_result.plan.reasons)
+
+
+def test_replicated_candidates_respect_host_memory_per_machine():
+    """A replicated host optimizer holds the whole model's states on every rank: world_size x the host
+    bytes of a sharded plan on one machine. Host memory that only the sharded plan fits rejects it."""
+    profile = _tiny_real_profile()
+    numel = profile.num_params
+    budget = numel * 4 * 2 + numel  # whole params + gradients fit, optimizer states must live on the host
+    hw = _two_rank_cpu(budget, 1e7, 1e9)
+    free = search(profile, hw, world_size=2, precision="fp32", device_memory_budget_bytes=budget)
+    assert free.best.data_parallel == "replicated"
+    host_per_rank = free.best.prediction.host_bytes
+    assert host_per_rank >= numel * 16  # fp32 gradient, two moments and a master for every element
+    sharded_host = free.best_by_mode["sharded"].prediction.host_bytes
+    limit = 2 * host_per_rank - 1  # two ranks on one host: the replicated plan no longer fits
+    assert 2 * sharded_host <= limit
+    capped = search(profile, hw, world_size=2, precision="fp32", device_memory_budget_bytes=budget,
+                    host_memory_bytes=limit)
+    assert capped.best.data_parallel == "sharded"
+    assert search(profile, hw, world_size=2, precision="fp32", device_memory_budget_bytes=budget,
+                  host_memory_bytes=limit, ranks_per_host=1).best.data_parallel == "replicated"
+    with pytest.raises(ValueError, match="host memory"):
+        search(profile, hw, world_size=2, precision="fp32", device_memory_budget_bytes=budget, host_memory_bytes=1)
+
+
+def test_one_rank_and_explicit_data_parallel_modes():
+    profile = _tiny_real_profile()
+    roomy = profile.num_params * 4 * 20
+    hw = _two_rank_cpu(roomy, 1e7, 1e9)
+    one = search(profile, hw, world_size=1, precision="fp32", device_memory_budget_bytes=roomy)
+    assert one.best.data_parallel == "sharded" and set(one.best_by_mode) == {"sharded"}
+    forced = search(profile, hw, world_size=2, precision="fp32", device_memory_budget_bytes=roomy,
+                    data_parallel="sharded")
+    assert forced.best.data_parallel == "sharded" and forced.best.prediction.allgather_bytes > 0
+    with pytest.raises(ValueError, match="data_parallel"):
+        search(profile, hw, world_size=2, device_memory_budget_bytes=roomy, data_parallel="ddp")
+
+
+def test_old_hardware_profiles_without_allreduce_derive_it():
+    old = {"allgather_bytes_per_s": 2e9, "reduce_scatter_bytes_per_s": 1e9, "world_size": 2}
+    hw = HardwareProfile.from_dict(old)
+    assert hw.allreduce_bytes_per_s is None
+    assert hw.allreduce_rate() == pytest.approx(1 / (1 / 1e9 + 1 / 2e9))
+    assert HardwareProfile().allreduce_rate() is None
+    assert HardwareProfile.from_dict(dict(old, allreduce_bytes_per_s=5e9)).allreduce_rate() == 5e9

@@ -100,3 +100,88 @@ def test_benchmark_rows_compare_prediction_and_grid(hardware):
     (row,) = bench.run(kinds=("gpt2",), fractions=(1.4,), steps=6, rounds=2, hardware=hardware)
     assert row["grid_points"] >= 1 and row["measured_s"] > 0 and row["grid_fastest_s"] > 0
     assert row["predicted_s"] > 0  # accuracy is a benchmark's job (benchmarks/search_accuracy.py), not a timed test
+
+
+STEPS = 4
+ROWS_PER_RANK = 2
+
+
+def _replicated_worker(rank: int, world_size: int, cache_dir: str):
+    # tight: params + gradient buffers fit, optimizer states do not; roomy: small chunks whose in-flight
+    # gradient all-reduces (finished two chunks later off CUDA) raise the peak, which must be predicted
+    return [_replicated_run(rank, world_size, cache_dir, chunk, factor)
+            for chunk, factor in ((None, 2.2), (8192, 2.2), (8192, 20.0))]
+
+
+def _replicated_run(rank: int, world_size: int, cache_dir: str, chunk_size_numel: int | None, budget_factor: float):
+    """Search (auto_plan) a plan for tiny GPT-2 at ``budget_factor`` x its fp32 parameter bytes, with
+    all-gather / reduce-scatter priced slow (so the choice does not hang on this machine's timings),
+    prepare it, train and return what the test checks."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    hw = probe_hardware(cache_path=f"{cache_dir}/hw{rank}.json", size_bytes=2**20, repeats=1)
+    assert hw.world_size == world_size and hw.allreduce_bytes_per_s > 0
+    hw = dataclasses.replace(hw, allgather_bytes_per_s=hw.allreduce_bytes_per_s / 100,
+                             reduce_scatter_bytes_per_s=hw.allreduce_bytes_per_s / 100)
+    model = tiny_model("gpt2")
+    numel = _numel(model)
+    budget = int(numel * 4 * budget_factor)
+    full = batch("gpt2", 0, ROWS_PER_RANK * world_size, 16)
+    mine = {k: v[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK] for k, v in full.items()}
+    config = ElixirConfig(search="auto", device_memory_budget_bytes=budget, chunk_size_numel=chunk_size_numel)
+    plan = auto_plan(model, mine, config, hardware=hw)
+    model, opt = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=5e-3),
+                                   ElixirConfig(plan=plan, device_memory_budget_bytes=budget))
+    losses = []
+    for step in range(STEPS):
+        full = batch("gpt2", step, ROWS_PER_RANK * world_size, 16)
+        mine = {k: v[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK] for k, v in full.items()}
+        loss = model(**mine).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        losses.append(global_loss.item() / world_size)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return plan, losses, state, hf_elixir.memory_stats(model), budget
+
+
+def _plain_reference(world_size: int):
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    losses = []
+    for step in range(STEPS):
+        loss = model(**batch("gpt2", step, ROWS_PER_RANK * world_size, 16)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_searched_replicated_plan_trains_like_pytorch_within_budget(tmp_path):
+    from _dist import run_distributed
+    from _models import rel_l2
+
+    results = run_distributed(_replicated_worker, 2, str(tmp_path), timeout_s=300)
+    ref_losses, ref_state = _plain_reference(2)
+    runs = [(rank, run) for rank, per_rank in enumerate(results) for run in per_rank]
+    assert [run[3]["num_chunks"] for _, run in runs] == [1, 6, 6] * 2  # the 25 MiB bucket; 8192-element chunks
+    for rank, (plan, losses, state, stats, budget) in runs:
+        where = f"rank {rank} chunk {plan.chunk_size_numel}"
+        assert set(plan.placements.values()) == {"replicated"}, f"{where}: {plan.reasons}"
+        assert any("replicated data parallelism wins" in r for r in plan.reasons), plan.reasons
+        assert plan.resident_chunks == list(range(stats["num_chunks"])), where
+        assert stats["allgather_bytes"] == 0 and stats["reduce_scatter_bytes"] > 0, f"{where}: {stats}"
+        if budget < _numel(tiny_model("gpt2")) * 4 * 3:
+            assert len(plan.device_optim_chunks) < stats["num_chunks"], f"{where}: optimizer states must be offloaded"
+            assert stats["h2d_bytes"] > 0, f"{where}: host optimizer refreshes the parameters"
+        assert stats["device_peak_bytes"] <= budget, f"{where}: peak {stats['device_peak_bytes']} > {budget}"
+        # the cost model never under-predicts the replicated plan's device peak
+        assert plan.predicted_peak_device_bytes >= stats["device_peak_bytes"], f"{where}: {stats}"
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) < 1e-5, f"{where}: {losses} {ref_losses}"
+        assert rel_l2(state, ref_state) < 1e-5, where
+    assert [run[0] for run in results[0]] == [run[0] for run in results[1]]  # every rank made the same plans

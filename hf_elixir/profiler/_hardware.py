@@ -49,6 +49,9 @@ class HardwareProfile:
         allgather_bytes_per_s / reduce_scatter_bytes_per_s: gathered (output) bytes per second of
             ``all_gather_into_tensor`` / input bytes per second of ``reduce_scatter_tensor`` on the
             current group; ``None`` when no process group was initialised.
+        allreduce_bytes_per_s: bytes of the reduced tensor per second of ``all_reduce`` on the current
+            group (what replicated chunks' gradients cost, DDP-style); ``None`` without a group or in a
+            profile cached before it was measured (:meth:`allreduce_rate` then derives it).
         host_adam_numel_per_s / device_adam_numel_per_s: fp32 elements per second of one AdamW step.
         device_flops_per_s: fp32 (CPU) or bf16 (CUDA) matmul throughput, to turn FLOPs into seconds.
         hook_event_s: hf_elixir's own cost per module call (forward or backward hooks, gradient copy),
@@ -72,6 +75,7 @@ class HardwareProfile:
     d2h_bytes_per_s: float = 0.0
     allgather_bytes_per_s: float | None = None
     reduce_scatter_bytes_per_s: float | None = None
+    allreduce_bytes_per_s: float | None = None
     host_adam_numel_per_s: float = 0.0
     device_adam_numel_per_s: float = 0.0
     device_flops_per_s: float = 0.0
@@ -83,6 +87,16 @@ class HardwareProfile:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def allreduce_rate(self) -> float | None:
+        """All-reduce bytes per second: measured, else a reduce-scatter followed by an all-gather of the
+        same tensor (``1 / (1 / reduce_scatter + 1 / all_gather)``, how ring all-reduce works), else
+        ``None`` (no collective was timed)."""
+        if self.allreduce_bytes_per_s:
+            return self.allreduce_bytes_per_s
+        if self.reduce_scatter_bytes_per_s and self.allgather_bytes_per_s:
+            return 1.0 / (1.0 / self.reduce_scatter_bytes_per_s + 1.0 / self.allgather_bytes_per_s)
+        return None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "HardwareProfile":
@@ -231,7 +245,8 @@ def _measure_collectives(device: torch.device, group: Any, numel: int, repeats: 
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return {"allgather_bytes_per_s": None, "reduce_scatter_bytes_per_s": None, "world_size": 1}
+        return {"allgather_bytes_per_s": None, "reduce_scatter_bytes_per_s": None, "allreduce_bytes_per_s": None,
+                "world_size": 1}
     world = dist.get_world_size(group)
     coll_device = device if dist.get_backend(group) != "gloo" else torch.device("cpu")
     shard = max(1, numel // (4 * world))
@@ -239,11 +254,13 @@ def _measure_collectives(device: torch.device, group: Any, numel: int, repeats: 
     full = torch.empty(shard * world, device=coll_device)
     ag = _best_time(lambda: dist.all_gather_into_tensor(full, inp, group=group), repeats, sync)
     rs = _best_time(lambda: dist.reduce_scatter_tensor(inp, full, group=group), repeats, sync)
+    ar = _best_time(lambda: dist.all_reduce(full, group=group), repeats, sync)
     # every rank must agree on the numbers (they feed identical plans): take the slowest
-    times = torch.tensor([ag, rs], dtype=torch.float64, device=coll_device)
+    times = torch.tensor([ag, rs, ar], dtype=torch.float64, device=coll_device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return {"allgather_bytes_per_s": full.numel() * 4 / float(times[0]),
-            "reduce_scatter_bytes_per_s": full.numel() * 4 / float(times[1]), "world_size": world}
+    nbytes = full.numel() * 4
+    return {"allgather_bytes_per_s": nbytes / float(times[0]), "reduce_scatter_bytes_per_s": nbytes / float(times[1]),
+            "allreduce_bytes_per_s": nbytes / float(times[2]), "world_size": world}
 
 
 def probe_hardware(device: str | torch.device | None = None, *, budget_bytes: int | None = None,
@@ -284,6 +301,8 @@ def probe_hardware(device: str | torch.device | None = None, *, budget_bytes: in
             logger.warning("ignoring unreadable hardware cache %s (%s)", path, exc)
     measured = cache.get(key) if not refresh else None
     need = measured is None or any(f not in measured for f in _MEASURED_FIELDS)
+    if world > 1 and not need and measured.get("allreduce_bytes_per_s") is None:
+        need = True  # cached before all-reduce was timed: time the collectives again
     if world > 1:
         # collectives must be timed by every rank or none (a rank that skips would hang the others)
         flag_device = dev if dist.get_backend(process_group) != "gloo" else torch.device("cpu")

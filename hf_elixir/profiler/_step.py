@@ -107,6 +107,9 @@ class StepProfile:
         forward_flops / backward_flops: counted FLOPs.
         activation_dtype_bytes: element size of the activations profiled (to rescale for other precisions).
         device: ``"cpu"``, ``"cuda"`` or ``"meta"``; ``static`` marks a trace built without running.
+        param_modules: FQNs of every module that owns parameters directly (tied aliases included), in
+            ``named_modules`` order: the keys of ``ElixirPlan.placements`` (empty in profiles saved before
+            it was recorded).
     """
 
     model_type: str = ""
@@ -128,6 +131,7 @@ class StepProfile:
     static: bool = False
     plain_forward_s: float | None = None
     plain_backward_s: float | None = None
+    param_modules: list[str] = field(default_factory=list)
 
     @property
     def num_params(self) -> int:
@@ -187,6 +191,11 @@ def _tensors_in(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _param_module_names(model: nn.Module) -> list[str]:
+    """FQNs of the modules that own parameters directly (``named_modules`` order)."""
+    return [fqn for fqn, mod in model.named_modules() if any(True for _ in mod.parameters(recurse=False))]
 
 
 def _block_names(model: nn.Module) -> set[str]:
@@ -516,6 +525,7 @@ def _profile_once(model: nn.Module, sample_batch: Any, device: str, loss_fn: Cal
     if tracer.saved_total and tracer.params:
         act_dtype = tracer.params[0].element_size() if tracer.params[0].is_floating_point() else 4
     return StepProfile(
+        param_modules=_param_module_names(model),
         model_type=str(getattr(getattr(model, "config", None), "model_type", "") or ""),
         param_names=[tracer.names[i] for i in order],
         param_numels=[tracer.params[i].numel() for i in order],
@@ -579,6 +589,7 @@ def static_profile(model: nn.Module, sample_batch: Any = None, *, tokens: int | 
     elem = params[0].element_size() if params else 4
     per_block = 34 * hidden * tokens * elem // 2
     return StepProfile(
+        param_modules=_param_module_names(model),
         model_type=str(getattr(config, "model_type", "") or ""),
         param_names=[names[i] for i in order],
         param_numels=[params[i].numel() for i in order],

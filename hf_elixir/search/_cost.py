@@ -20,7 +20,20 @@ the chunk manager's pool charges (``Chunk.materialize``, ``ElixirOptimizer._buil
 * unsharded non-resident chunks stay on the device until the pool needs room; the manager then evicts
   the unpinned one whose next use is farthest (Belady over the previous step's order). So the cache is
   *whatever the budget leaves*, and ``Knobs.cache_blocks`` only reports it;
-* activations are outside the pool; they count toward the device only when ``activations_on_device``.
+* activations are outside the pool; they count toward the device only when ``activations_on_device``;
+* off CUDA the manager issues gradient collectives asynchronously and finishes each one two reduces
+  later (or when the pool needs the room, or at the end of backward): its gradient buffer (and
+  reduce-scatter output) stays charged until then.
+
+[Note: replicated data parallelism] (Elixir section 5: partition parameters only when memory requires
+it.) A replicated step (``ChunkedStep.replicate_world_size > 1``, :func:`build_chunked_step` with
+``replicated=True``) packs chunks for world size 1: every rank holds every chunk whole and resident
+(``n_c * b`` each, as ``Chunk.full_alias``), never all-gathers, and all-reduces each chunk's full
+gradient buffer (``4 n_c`` bytes at ``HardwareProfile.allreduce_rate``) in the same fixed order the
+sharded reduce-scatters use. Its optimizer state covers the whole chunk on every rank: on the device
+``4 n_c (1 + k)`` (no master in fp32), on the host ``4 n_c (2 + k)`` per rank (gradient, states,
+master), i.e. ``world_size`` times the host memory of a sharded plan; host-optimizer chunks pay the D2H
+of their full reduced gradient and the H2D of their full updated parameters every step.
 
 [Note: time model] The compute of each profiled event (rescaled from the traced to the untraced
 step time), plus, all measured by :func:`~hf_elixir.profiler.probe_hardware`: hf_elixir's hook cost per
@@ -45,6 +58,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 _INF = float("inf")
+_MAX_PENDING_REDUCES = 2  # ChunkManager.max_pending_reduces
 
 
 @dataclass(frozen=True)
@@ -105,6 +119,12 @@ class ChunkedStep:
     activation_checkpointing: bool
     optim_states: int = 2
     grad_elem_bytes: int = 4
+    replicate_world_size: int = 1  # > 1: chunks whole on that many ranks, gradients all-reduced
+
+    @property
+    def replicated(self) -> bool:
+        """Replicated data parallelism (see [Note: replicated data parallelism])."""
+        return self.replicate_world_size > 1
 
     @property
     def num_chunks(self) -> int:
@@ -196,10 +216,19 @@ def _event_seconds(profile: StepProfile, events: list, hardware: HardwareProfile
 
 def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_size: int, precision: str,
                        hardware: HardwareProfile, activation_checkpointing: bool = False,
-                       optim_states: int = 2, grad_elem_bytes: int = 4) -> ChunkedStep:
+                       optim_states: int = 2, grad_elem_bytes: int = 4, replicated: bool = False) -> ChunkedStep:
     """Pack the profile's parameters at ``chunk_size_numel`` and precompute the chunk trace, the
     gradient-buffer lifetimes (reduce order as in ``ChunkManager.start_backward``) and the optimizer's
-    parameter views."""
+    parameter views.
+
+    Args:
+        world_size: data-parallel ranks.
+        replicated: replicated data parallelism over ``world_size`` ranks (chunks packed for world size 1,
+            gradients all-reduced; see [Note: replicated data parallelism]) instead of sharded chunks.
+    """
+    replicate_world_size = world_size if replicated else 1
+    if replicated:
+        world_size = 1
     layout = pack_chunks(profile.param_numels, chunk_size_numel, world_size)
     chunk_of = {m: c for c, members in enumerate(layout.members) for m in members}
     events = _checkpointed_events(profile) if activation_checkpointing else list(profile.events)
@@ -267,7 +296,7 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
         grad_arrive=grad_arrive, grad_reduce=grad_reduce, grad_peak_bytes=peak, accesses=accesses,
         views=views, activation_bytes=activation_bytes(profile, precision, activation_checkpointing),
         activation_checkpointing=activation_checkpointing, optim_states=optim_states,
-        grad_elem_bytes=grad_elem_bytes,
+        grad_elem_bytes=grad_elem_bytes, replicate_world_size=replicate_world_size,
     )
 
 
@@ -324,6 +353,10 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     d2h_rate = hardware.d2h_bytes_per_s or 1e10
     ag_rate = hardware.allgather_bytes_per_s or h2d_rate
     rs_rate = hardware.reduce_scatter_bytes_per_s or d2h_rate
+    ar_rate = hardware.allreduce_rate() or 1.0 / (1.0 / rs_rate + 1.0 / ag_rate)
+    # off CUDA a gradient collective finishes (frees its buffers) two reduces later, as in ChunkManager._reduce
+    async_reduce = hardware.device_kind != "cuda" and (ws > 1 or step.replicated)
+    pending: list[tuple[int, int]] = []  # (bytes charged, of which gradient buffer) of unfinished reduces
     overlap = hardware.can_overlap and knobs.prefetch_depth > 0
     # next use of each chunk after each event (Belady's victim choice, as the manager's)
     next_use: list[dict[int, float]] = [dict() for _ in step.groups]
@@ -352,8 +385,16 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     points: list[tuple[float, int, str]] = []
     gathered: set[int] = set()  # ws > 1: gathered once this step (later refills are local copies)
 
+    def finish_reduce() -> None:
+        nonlocal used, grad_live
+        nbytes, grad = pending.pop(0)
+        used -= nbytes
+        grad_live -= grad
+
     def make_room(nbytes: int, pinned: tuple[int, ...], k: int) -> bool:
         nonlocal used, evictions, d2h_bytes
+        while used + nbytes > pool_bytes and pending:
+            finish_reduce()  # finishing an in-flight reduce frees its buffers first (ChunkManager.make_room)
         while used + nbytes > pool_bytes:
             victims = [c for c in cached if c not in pinned]
             if not victims:
@@ -421,17 +462,28 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         for c in reduce_at.get(k, []):
             g = step.chunk_numels[c] * step.grad_elem_bytes
             shard_g = step.shard_numel(c) * 4
-            if ws > 1:
-                peak = max(peak, used + g // ws)
+            out = 0
+            if ws > 1:  # reduce-scatter into a charged output shard
+                out = g // ws
+                if not make_room(out, group, k):
+                    return None
+                used += out
+                peak = max(peak, used)
                 rs_bytes += g
                 t_compute += g / rs_rate
+            elif step.replicated:  # all-reduce in place
+                rs_bytes += g
+                t_compute += g / ar_rate
             if c not in knobs.device_optim:
                 d2h_bytes += shard_g
             t_compute += shard_g / d2h_rate  # reduced gradient added into the fp32 gradient shard
-            used -= g
-            grad_live -= g
+            pending.append((g + out, g))
+            while len(pending) > (_MAX_PENDING_REDUCES if async_reduce else 0):
+                finish_reduce()
         if timeline:
             points.append((t_compute, used, f"{step.event_phase[k]}:{loaded} onloads"))
+    while pending:  # the end of backward drains every in-flight reduce
+        finish_reduce()
     fwd_bwd = max(t_compute, t_copy)
     compute_s = sum(step.event_compute_s)
     host_numel = dev_numel = 0

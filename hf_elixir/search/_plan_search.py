@@ -8,9 +8,16 @@ checkpointing (only when activations live on the device), the search walks a fin
 * prefetch depth (only where copies overlap compute),
 
 and fills the memory left over with device shards and device optimizer states greedily by predicted
-seconds saved per byte. Every point is priced by :func:`hf_elixir.search._cost.predict`; points whose
-device bytes exceed ``budget * (1 - safety_margin)`` are dropped. The fastest remaining point becomes
-the :class:`~hf_elixir.plan.ElixirPlan`, with its reasons; the runners-up are returned too.
+seconds saved per byte. With several data-parallel ranks it also prices **replicated** data parallelism
+(every chunk whole and resident on every rank, gradients all-reduced, no all-gathers; chunk sizes: DDP's
+25 MiB bucket and the usual candidates packed for world size 1; the spare memory buys device optimizer
+states): Elixir section 5 partitions parameters only when memory requires it, so replicated wins where it
+fits and the measured all-reduce beats the sharded plan's all-gathers and reduce-scatters.
+
+Every point is priced by :func:`hf_elixir.search._cost.predict`; points whose device bytes exceed
+``budget * (1 - safety_margin)``, or whose host bytes times the ranks per machine exceed its host memory,
+are dropped. The fastest remaining point becomes the :class:`~hf_elixir.plan.ElixirPlan`, with its
+reasons; the runners-up are returned too.
 
 Source: Elixir (arXiv 2212.05339) section 5 (search over chunk size, offloading and caching with a
 profiled cost model); Gemini's placement policies for the resident/offloaded split.
@@ -19,6 +26,7 @@ profiled cost model); Gemini's placement policies for the resident/offloaded spl
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
@@ -44,10 +52,12 @@ class Candidate:
     activation_checkpointing: bool
     knobs: Knobs
     prediction: Prediction
+    data_parallel: str = "sharded"  # "sharded" (ZeRO-3 chunks) or "replicated" (whole chunks, all-reduce)
 
     def summary(self) -> str:
         k = self.knobs
-        return (f"chunk={self.chunk_size_numel} resident={len(k.resident)} cache_blocks={k.cache_blocks} "
+        return (f"{self.data_parallel} chunk={self.chunk_size_numel} resident={len(k.resident)} "
+                f"cache_blocks={k.cache_blocks} "
                 f"device_shards={len(k.device_shard)} device_optim={len(k.device_optim)} "
                 f"prefetch={k.prefetch_depth} ckpt={self.activation_checkpointing}: "
                 f"{self.prediction.step_s:.4g} s, {self.prediction.device_peak_bytes / 2**30:.3g} GiB")
@@ -63,6 +73,7 @@ class SearchResult:
     evaluated: int = 0
     search_s: float = 0.0
     profile: StepProfile | None = None
+    best_by_mode: dict[str, Candidate] = field(default_factory=dict)  # fastest "sharded" / "replicated"
 
 
 def _spread(lo: int, hi: int, count: int) -> list[int]:
@@ -165,6 +176,31 @@ def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, l
     return found, evaluated
 
 
+def _search_replicated(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, limit_bytes: int,
+                       activations_on_device: bool) -> tuple[list[Candidate], int]:
+    """Replicated data parallelism: every chunk resident (nothing to cache or prefetch); the spare bytes
+    go to device optimizer states in a few shares (the rest stays on the host)."""
+    everything = frozenset(range(step.num_chunks))
+    base = Knobs(resident=everything, device_shard=everything)
+    fixed, _, _ = fixed_memory(step, base)
+    floor = fixed + step.working_set_bytes(everything)
+    if floor > limit_bytes:
+        return [], 0
+    order = sorted(range(step.num_chunks), key=lambda c: (-step.accesses[c], c))
+    found: list[Candidate] = []
+    seen: set[Knobs] = set()
+    for fraction in _FILL_FRACTIONS:
+        knobs = _fill(step, base, int((limit_bytes - floor) * fraction), hardware, order, {})
+        if knobs in seen:
+            continue
+        seen.add(knobs)
+        pred = predict(step, knobs, hardware, pool_bytes=pool_bytes, activations_on_device=activations_on_device)
+        if pred is not None and _fits(step, knobs, pred, pool_bytes, limit_bytes):
+            found.append(Candidate(step.chunk_size_numel, step.activation_checkpointing,
+                                   replace(knobs, cache_blocks=pred.cache_blocks), pred, "replicated"))
+    return found, len(seen)
+
+
 def _fits(step: ChunkedStep, knobs: Knobs, pred: Prediction, pool_bytes: int, limit_bytes: int) -> bool:
     fixed, _, _ = fixed_memory(step, knobs)
     held = knobs.resident | knobs.device_shard if step.world_size == 1 else knobs.resident
@@ -183,12 +219,49 @@ def _resolve_profile(model_or_profile: Any, sample_batch: Any) -> StepProfile:
     raise TypeError(f"search_plan expects an nn.Module or a StepProfile, got {type(model_or_profile).__name__}")
 
 
+_DATA_PARALLEL = ("auto", "sharded", "replicated")
+
+
+def _data_parallel_modes(data_parallel: str, world_size: int) -> tuple[str, ...]:
+    if data_parallel not in _DATA_PARALLEL:
+        raise ValueError(f"data_parallel={data_parallel!r} must be one of {_DATA_PARALLEL}")
+    if world_size == 1:
+        return ("sharded",)  # one rank: a replicated chunk is a resident world-size-1 chunk
+    return ("sharded", "replicated") if data_parallel == "auto" else (data_parallel,)
+
+
+def _chunk_sizes(profile: StepProfile, world_size: int, b: int, limit: int, chunk_size_numel: int | None,
+                 num_chunk_sizes: int, replicated: bool) -> tuple[list[int], str]:
+    """Chunk sizes to try and why: the caller's; else the chunk-size search's best few; replicated chunks
+    (packed for world size 1) try DDP's 25 MiB bucket, which ``prepare`` defaults to, and the same few
+    (smaller chunks: smaller gradient buffers in flight)."""
+    if chunk_size_numel is not None:
+        return [chunk_size_numel], f"chunk_size_numel={chunk_size_numel} given by the caller"
+    result = search_chunk_size(profile.param_numels, [e.params for e in profile.events], world_size=world_size,
+                               element_bytes=b, cache_bytes=max(1, limit // 4))
+    sizes = [c.chunk_size_numel for c in result.candidates[:max(1, num_chunk_sizes)]]
+    if not replicated:
+        return sizes, result.reason
+    from hf_elixir.api import _replicated_chunk_size  # noqa: PLC0415 (api imports this package lazily)
+
+    bucket = _replicated_chunk_size(profile.param_numels, b)
+    return [bucket] + [n for n in sizes if n != bucket], (f"replicated chunk sizes: DDP's 25 MiB bucket ({bucket} "
+                                                          f"elements) and the sharded candidates; {result.reason}")
+
+
+def _ranks_per_host(world_size: int, ranks_per_host: int | None) -> int:
+    if ranks_per_host is None:
+        ranks_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return max(1, min(world_size, ranks_per_host))
+
+
 def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int = 1, precision: str = "fp32",
            device_memory_budget_bytes: int | None = None, sample_batch: Any = None, safety_margin: float = 0.05,
            activations_on_device: bool | None = None, activation_checkpointing: bool | None = None,
            chunk_size_numel: int | None = None, num_chunk_sizes: int = 3, grid_points: int = 12,
            prefetch_depths: Iterable[int] | None = None, host_memory_bytes: int | None = None,
-           max_alternatives: int = 4, optim_states: int = 2) -> SearchResult:
+           max_alternatives: int = 4, optim_states: int = 2, data_parallel: str = "auto",
+           replicated_placements: dict[str, str] | None = None, ranks_per_host: int | None = None) -> SearchResult:
     """Profile (if given a model) and search; see :func:`search_plan` for the arguments.
 
     Returns:
@@ -201,6 +274,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         raise ValueError(f"world_size={world_size!r} must be an int >= 1")
     if not 0.0 <= safety_margin < 1.0:
         raise ValueError(f"safety_margin={safety_margin} must be in [0, 1), e.g. 0.05")
+    modes = _data_parallel_modes(data_parallel, world_size)
     profile = _resolve_profile(model_or_profile, sample_batch)
     if activations_on_device is None:
         activations_on_device = hardware.device_kind == "cuda"
@@ -211,36 +285,48 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         raise ValueError(f"device_memory_budget_bytes={budget!r} must be > 0")
     limit = int(budget * (1.0 - safety_margin))
     b = DTYPE_BYTES[precision]
-    if chunk_size_numel is not None:
-        sizes = [chunk_size_numel]
-        size_reason = f"chunk_size_numel={chunk_size_numel} given by the caller"
-    else:
-        cache_guess = max(1, limit // 4)
-        chunk_result = search_chunk_size(profile.param_numels, [e.params for e in profile.events],
-                                         world_size=world_size, element_bytes=b, cache_bytes=cache_guess)
-        sizes = [c.chunk_size_numel for c in chunk_result.candidates[:max(1, num_chunk_sizes)]]
-        size_reason = chunk_result.reason
     if prefetch_depths is None:
         prefetch_depths = (0, 1, 2) if hardware.can_overlap else (0,)
     ckpt_options = [False, True] if activation_checkpointing is None and activations_on_device else \
         [bool(activation_checkpointing)]
+    host_limit = host_memory_bytes if host_memory_bytes is not None else (hardware.host_total_bytes or None)
+    per_host = _ranks_per_host(world_size, ranks_per_host)
     found: list[Candidate] = []
-    evaluated = 0
-    for ckpt in ckpt_options:
-        if ckpt and not profile.block_activation_bytes:
-            continue
-        for size in sizes:
-            step = build_chunked_step(profile, size, world_size=world_size, precision=precision,
-                                      hardware=hardware, activation_checkpointing=ckpt, optim_states=optim_states)
-            act = step.activation_bytes if activations_on_device else 0
-            # the pool prepare() gets: the budget on CPU (activations are outside the simulated pool),
-            # what the activations leave of the margin-reduced budget on a real device
-            pool = budget if not activations_on_device else limit - act
-            more, count = _search_one(step, hardware, pool, limit - act, activations_on_device, grid_points,
-                                      tuple(prefetch_depths))
-            found += more
-            evaluated += count
+    evaluated = over_host = 0
+    size_reasons: dict[str, str] = {}
+    for mode in modes:
+        replicated = mode == "replicated"
+        sizes, size_reasons[mode] = _chunk_sizes(profile, world_size, b, limit, chunk_size_numel, num_chunk_sizes,
+                                                 replicated)
+        for ckpt in ckpt_options:
+            if ckpt and not profile.block_activation_bytes:
+                continue
+            for size in sizes:
+                step = build_chunked_step(profile, size, world_size=world_size, precision=precision,
+                                          hardware=hardware, activation_checkpointing=ckpt, optim_states=optim_states,
+                                          replicated=replicated)
+                act = step.activation_bytes if activations_on_device else 0
+                # the pool prepare() gets: the budget on CPU (activations are outside the simulated pool),
+                # what the activations leave of the margin-reduced budget on a real device
+                pool = budget if not activations_on_device else limit - act
+                if replicated:
+                    more, count = _search_replicated(step, hardware, pool, limit - act, activations_on_device)
+                else:
+                    more, count = _search_one(step, hardware, pool, limit - act, activations_on_device, grid_points,
+                                              tuple(prefetch_depths))
+                if host_limit is not None:  # host memory is per machine: every local rank holds its part
+                    kept = [c for c in more if c.prediction.host_bytes * per_host <= host_limit]
+                    over_host += len(more) - len(kept)
+                    more = kept
+                found += more
+                evaluated += count
     if not found:
+        if over_host:
+            raise ValueError(
+                f"no configuration fits host memory {host_limit} bytes with {per_host} rank(s) per host (and "
+                f"device_memory_budget_bytes={budget}); {over_host} fitting the device need more host memory. "
+                "Use more machines, a larger budget, or pass host_memory_bytes= if the host is larger")
+        sizes = _chunk_sizes(profile, world_size, b, limit, chunk_size_numel, num_chunk_sizes, False)[0]
         need = _minimum_bytes(profile, world_size, precision, sizes[0], activations_on_device, hardware)
         raise ValueError(
             f"no configuration fits device_memory_budget_bytes={budget} (with safety_margin={safety_margin}: "
@@ -249,6 +335,9 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         )
     found.sort(key=lambda c: (c.prediction.step_s, c.prediction.device_peak_bytes))
     best = found[0]
+    best_by_mode: dict[str, Candidate] = {}
+    for cand in found:
+        best_by_mode.setdefault(cand.data_parallel, cand)
     alternatives: list[Candidate] = []
     seen = {best.summary()}
     for cand in found[1:]:
@@ -257,10 +346,47 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         if cand.summary() not in seen:
             seen.add(cand.summary())
             alternatives.append(cand)
-    plan = _to_plan(profile, best, world_size, precision, budget, limit, size_reason, evaluated,
-                    host_memory_bytes, activations_on_device)
+    plan = _to_plan(profile, best, world_size, precision, budget, limit, size_reasons[best.data_parallel], evaluated,
+                    host_limit, activations_on_device, per_host)
+    plan.reasons[2:2] = _data_parallel_reasons(modes, best, best_by_mode, world_size)
+    if best.data_parallel == "replicated":
+        modules = replicated_placements if replicated_placements is not None else (
+            _default_replicated_placements(model_or_profile, profile))
+        plan.placements = dict(modules)
+        if not modules:
+            logger.warning("search: replicated data parallelism won, but the profile does not name the modules; "
+                           "set ElixirPlan.placements to resolve_placements(model, ElixirConfig("
+                           "default_placement='replicated')) before hf_elixir.prepare")
+            plan.reasons.append("placements unknown (an old profile): set them before hf_elixir.prepare")
     return SearchResult(plan=plan, best=best, alternatives=alternatives, evaluated=evaluated,
-                        search_s=time.perf_counter() - started, profile=profile)
+                        search_s=time.perf_counter() - started, profile=profile, best_by_mode=best_by_mode)
+
+
+def _default_replicated_placements(model_or_profile: Any, profile: StepProfile) -> dict[str, str]:
+    """Every parameter-owning module replicated (no user overrides known here)."""
+    if isinstance(model_or_profile, nn.Module):
+        from hf_elixir.config import ElixirConfig  # noqa: PLC0415
+        from hf_elixir.placement import resolve_placements  # noqa: PLC0415
+
+        return resolve_placements(model_or_profile, ElixirConfig(default_placement="replicated"))
+    return {fqn: "replicated" for fqn in profile.param_modules}
+
+
+def _data_parallel_reasons(modes: tuple[str, ...], best: Candidate, best_by_mode: dict[str, Candidate],
+                           world_size: int) -> list[str]:
+    """Why sharded or replicated data parallelism won (Elixir section 5: partition only when needed)."""
+    if len(modes) == 1:
+        return [f"data parallel over {world_size} rank(s): {modes[0]} only"] if world_size > 1 else []
+    other = "sharded" if best.data_parallel == "replicated" else "replicated"
+    mine = best.prediction
+    if other not in best_by_mode:
+        why = ("no replicated configuration fits the budget (whole model + gradient buffers per rank)"
+               if other == "replicated" else "no sharded configuration fits")
+        return [f"{best.data_parallel} data parallelism: {why}; predicted {mine.step_s:.4g} s"]
+    theirs = best_by_mode[other].prediction
+    return [f"{best.data_parallel} data parallelism wins: predicted {mine.step_s:.4g} s vs {theirs.step_s:.4g} s for "
+            f"the best {other} plan ({other} device peak {theirs.device_peak_bytes} bytes, "
+            f"{best.data_parallel} {mine.device_peak_bytes} bytes)"]
 
 
 def _minimum_bytes(profile: StepProfile, world_size: int, precision: str, size: int, act_on_device: bool,
@@ -270,7 +396,8 @@ def _minimum_bytes(profile: StepProfile, world_size: int, precision: str, size: 
 
 
 def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: str, budget: int, limit: int,
-             size_reason: str, evaluated: int, host_memory_bytes: int | None, act_on_device: bool) -> ElixirPlan:
+             size_reason: str, evaluated: int, host_memory_bytes: int | None, act_on_device: bool,
+             ranks_per_host: int = 1) -> ElixirPlan:
     k, p = best.knobs, best.prediction
     gib = 2**30
     reasons = [
@@ -285,11 +412,11 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
         reasons.append("activations are not counted in the device budget (CPU simulated pool holds model data only)")
     if best.activation_checkpointing:
         reasons.append("activation checkpointing on: without it the activations do not leave room for a faster plan")
-    if k.prefetch_depth == 0:
+    if k.prefetch_depth == 0 and best.data_parallel == "sharded":
         reasons.append("prefetch depth 0: copies do not overlap compute here, or blocks are better spent on caching")
     if host_memory_bytes is not None:
-        verdict = "fits" if p.host_bytes <= host_memory_bytes else "DOES NOT FIT"
-        reasons.append(f"host bytes {p.host_bytes / gib:.3g} GiB {verdict} in host memory {host_memory_bytes / gib:.3g} GiB")
+        reasons.append(f"host bytes {p.host_bytes / gib:.3g} GiB per rank x {ranks_per_host} rank(s) per host fit "
+                       f"in host memory {host_memory_bytes / gib:.3g} GiB")
     return ElixirPlan(
         model_type=profile.model_type, num_params=profile.num_params, world_size=world_size, precision=precision,
         chunk_size_numel=best.chunk_size_numel, param_order=list(profile.param_names),
@@ -308,14 +435,21 @@ def search_plan(model_or_profile: Any, hardware: HardwareProfile, *, world_size:
         model_or_profile: an ``nn.Module`` (then ``sample_batch=`` is required and one step is profiled)
             or a :class:`~hf_elixir.profiler.StepProfile`.
         hardware: :func:`~hf_elixir.profiler.probe_hardware` output.
-        world_size: data-parallel ranks (chunks are sharded over them; all numbers are per rank).
+        world_size: data-parallel ranks (chunks are sharded over them, or replicated on each; all numbers
+            are per rank).
         precision: ``"fp32" | "bf16" | "fp16"``.
         device_memory_budget_bytes: device bytes per rank; default: the hardware's free device memory.
             On CPU (activations not on the device) it bounds model data only, like the simulated pool.
         **kwargs: ``sample_batch``, ``safety_margin`` (fraction kept free, default 0.05),
             ``activations_on_device`` (default: CUDA), ``activation_checkpointing`` (``None``: search it),
             ``chunk_size_numel`` (``None``: search it), ``num_chunk_sizes``, ``grid_points``,
-            ``prefetch_depths``, ``host_memory_bytes`` (checked, reported in reasons).
+            ``prefetch_depths``, ``host_memory_bytes`` (host RAM per machine, bytes; default the hardware's
+            ``host_total_bytes``: candidates whose host bytes times ``ranks_per_host`` exceed it are
+            rejected), ``ranks_per_host`` (default ``$LOCAL_WORLD_SIZE``, else ``world_size``),
+            ``data_parallel`` (``"auto"``: with ``world_size > 1`` price both sharded and replicated data
+            parallelism, Elixir section 5; ``"sharded"`` / ``"replicated"``: only that),
+            ``replicated_placements`` (``ElixirPlan.placements`` to record if replicated wins; default
+            every parameter-owning module ``"replicated"``).
 
     Returns:
         the plan; ``plan.reasons`` says why.
@@ -333,7 +467,11 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
     world size (the config's process group, else the default group, else 1) and chunk size.
 
     The model must still be a plain module (before ``prepare`` installs its hooks); gradients the profiled
-    step creates are cleared.
+    step creates are cleared. With several ranks, replicated data parallelism is searched too (see
+    :func:`search`'s ``data_parallel``) unless the model is tensor/expert parallel, the config's
+    ``default_placement`` is ``"sharded"``, or its ``placements`` would mix the two; a replicated plan's
+    ``placements`` are ``resolve_placements`` with ``default_placement="replicated"`` (the user's globs
+    kept), which is how ``prepare`` recognises it. Every rank returns rank 0's plan.
     """
     import torch.distributed as dist
 
@@ -352,12 +490,45 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
     budget = config.device_memory_budget_bytes
     if budget is None and hardware.device_kind != "cuda":
         budget = hardware.device_total_bytes
-    plan = search_plan(profile, hardware, world_size=world_size, precision=config.precision,
-                       device_memory_budget_bytes=budget, chunk_size_numel=config.chunk_size_numel)
+    data_parallel, replicated_placements, note = _auto_data_parallel(model, config, world_size)
+    result = search(profile, hardware, world_size=world_size, precision=config.precision,
+                    device_memory_budget_bytes=budget, chunk_size_numel=config.chunk_size_numel,
+                    data_parallel=data_parallel, replicated_placements=replicated_placements)
+    plan = result.plan
+    if note:
+        plan.reasons.append(note)
+    if result.best.data_parallel == "sharded":
+        from hf_elixir.placement import resolve_placements  # noqa: PLC0415
+
+        plan.placements = resolve_placements(model, config)
+    if world_size > 1:
+        # each rank profiled its own step: timings differ, and ranks with different plans (one replicated,
+        # one sharded) would issue different collectives and hang. Every rank takes rank 0's plan.
+        group = getattr(config, "process_group", None)
+        box = [plan]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        plan = box[0]
+    return plan
+
+
+def _auto_data_parallel(model: nn.Module, config: Any, world_size: int) -> tuple[str, dict[str, str] | None, str]:
+    """``(data_parallel, replicated placements, note)`` for :func:`auto_plan`: both kinds for a plain data-parallel
+    model under ``default_placement="auto"``; only sharded for tensor/expert-parallel models, for
+    ``default_placement="sharded"``, and where the user's ``ElixirConfig.placements`` would mix the two
+    (the cost model prices one kind per plan). The replicated placements keep the user's globs."""
+    from hf_elixir.parallel import get_parallel_state  # noqa: PLC0415
     from hf_elixir.placement import resolve_placements  # noqa: PLC0415
 
-    plan.placements = resolve_placements(model, config)
-    return plan
+    default = getattr(config, "default_placement", "sharded")
+    parallel = (get_parallel_state(model) is not None or getattr(config, "tensor_parallel_size", 1) > 1
+                or getattr(config, "expert_parallel_size", 1) > 1)
+    if world_size == 1 or parallel or default == "sharded":
+        return "sharded", None, ""
+    placements = resolve_placements(model, replace(config, default_placement="replicated"))
+    if set(placements.values()) != {"replicated"}:
+        return "sharded", None, ("replicated data parallelism not searched: ElixirConfig.placements mixes "
+                                 "placements (the search prices one kind per plan)")
+    return ("replicated" if default == "replicated" else "auto"), placements, ""
 
 
 def brute_force_grid(profile: StepProfile, hardware: HardwareProfile, *, world_size: int = 1, precision: str = "fp32",
