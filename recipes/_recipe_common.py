@@ -396,4 +396,11 @@ def run(default_model_type: str, print_sample: Callable[[Any, Any, str], str]) -
 
         with open(os.path.join(train_args.output_dir, "recipe_results.json"), "w") as f:
             json.dump(result, f, indent=2)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # every rank waits for rank 0's evaluation, then tears the group down: a rank exiting with its
+        # gloo/NCCL threads still up can abort at interpreter shutdown
+        dist.barrier()
+        dist.destroy_process_group()
     return result

@@ -82,6 +82,11 @@ SCRIPT = textwrap.dedent(
             files=sorted(os.listdir(os.path.join(out, "final"))),
             ckpt_files=sorted(os.listdir(os.path.join(out, "elixir", "checkpoint-3"))),
         ), open(os.path.join(out, "result.json"), "w"))
+    # tear the process group down on every rank before exit: a rank leaving while its gloo threads are
+    # still up can abort ("terminate called without an active exception") at interpreter shutdown
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     '''
 )
 
