@@ -108,6 +108,8 @@ SCRIPT = textwrap.dedent(
             restored_logit_diff=float((logits - logits_restored).abs().max()),
             optimizer_type=type(el_opt.optimizer).__name__,
         ), open(os.path.join(out_dir, "result.json"), "w"))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroys the process group on every rank before exit
     '''
 )
 
