@@ -48,3 +48,19 @@ def test_hardware_probe_times_collectives_on_the_current_group(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     mp.spawn(_probe_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+
+
+def test_cached_adam_rate_timed_without_the_fused_kernel_is_measured_again(tmp_path):
+    """ElixirOptimizer runs PyTorch's fused AdamW on shards; a cache entry timed with the default
+    (per-tensor) implementation under-rates the host optimizer several-fold and skews the search."""
+    cache = tmp_path / "hw.json"
+    first = probe_hardware("cpu", cache_path=cache, size_bytes=2**20, repeats=1)
+    stored = json.loads(cache.read_text())
+    key = next(iter(stored))
+    assert stored[key]["adam_impl"] == "fused"
+    del stored[key]["adam_impl"]
+    stored[key]["host_adam_numel_per_s"] = 1.0  # as an old cache that timed another implementation
+    cache.write_text(json.dumps(stored))
+    again = probe_hardware("cpu", cache_path=cache, size_bytes=2**20, repeats=1)
+    assert again.host_adam_numel_per_s > 1.0 and first.host_adam_numel_per_s > 1.0
+    assert json.loads(cache.read_text())[key]["adam_impl"] == "fused"

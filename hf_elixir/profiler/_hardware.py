@@ -28,6 +28,9 @@ __all__ = ["HardwareProfile", "probe_hardware", "default_cache_path"]
 
 logger = logging.getLogger(__name__)
 
+#: how the Adam rates were timed; cached entries timed otherwise are measured again
+_ADAM_IMPL = "fused"
+
 _MEASURED_FIELDS = (
     "h2d_bytes_per_s", "d2h_bytes_per_s", "allgather_bytes_per_s", "reduce_scatter_bytes_per_s",
     "host_adam_numel_per_s", "device_adam_numel_per_s", "device_flops_per_s",
@@ -158,14 +161,19 @@ def _measure(device: torch.device, process_group: Any, size_bytes: int, repeats:
     del host, dev
 
     def adam_rate(on: torch.device) -> float:
-        adam_numel = min(numel, 2**20)  # states exceed caches, as real chunks do
+        adam_numel = min(numel, 2**22)  # states (64 MiB) exceed caches, as real chunks do
         param = torch.nn.Parameter(torch.zeros(adam_numel, device=on))
         param.grad = torch.ones_like(param)
-        # the implementation torch picks by default, which is what ElixirOptimizer's inner optimizer runs
-        opt = torch.optim.AdamW([param], lr=1e-3)
+        # what ElixirOptimizer runs on shards when the user left the implementation to PyTorch:
+        # PyTorch's fused AdamW (see [Note: fused shard update] in hf_elixir/optim/optimizer.py)
+        try:
+            opt = torch.optim.AdamW([param], lr=1e-3, fused=True)
+        except (RuntimeError, ValueError):  # no fused kernel for this device type
+            opt = torch.optim.AdamW([param], lr=1e-3)
         sync_on = torch.cuda.synchronize if on.type == "cuda" else (lambda: None)
         return adam_numel / _best_time(opt.step, repeats, sync_on)
 
+    out["adam_impl"] = _ADAM_IMPL
     out["host_adam_numel_per_s"] = adam_rate(torch.device("cpu"))
     out["device_adam_numel_per_s"] = adam_rate(device) if is_cuda else out["host_adam_numel_per_s"]
     side = 2048 if is_cuda else 256
@@ -303,6 +311,8 @@ def probe_hardware(device: str | torch.device | None = None, *, budget_bytes: in
     need = measured is None or any(f not in measured for f in _MEASURED_FIELDS)
     if world > 1 and not need and measured.get("allreduce_bytes_per_s") is None:
         need = True  # cached before all-reduce was timed: time the collectives again
+    if not need and measured.get("adam_impl") != _ADAM_IMPL:
+        need = True  # Adam rates timed with another implementation than the one the optimizer runs
     if world > 1:
         # collectives must be timed by every rank or none (a rank that skips would hang the others)
         flag_device = dev if dist.get_backend(process_group) != "gloo" else torch.device("cpu")
