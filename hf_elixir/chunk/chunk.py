@@ -130,6 +130,7 @@ class Chunk:
         self.host_full_version = -1
         self.ready_event = None  # CUDA event of a side-stream unshard (prefetch)
         self.hidden = False  # parameters point at NaN placeholders (see hide_stale_params)
+        self.grad_shard_clean = True  # the optimizer's gradient shard is zero (set by zero_grad)
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -328,12 +329,16 @@ class Chunk:
 
     # -- gradients -----------------------------------------------------------------------------
     def direct_grad_shard(self) -> torch.Tensor | None:
-        """The optimizer's gradient shard when gradients can be accumulated straight into it: one rank
-        (nothing to reduce), optimizer state on the device, same dtype. Saves the gradient buffer's
-        allocation, zero-fill and the copy into the shard (what plain PyTorch's ``AccumulateGrad``
-        saves by stealing the gradient)."""
-        if self.world_size != 1 or self.replicate_group is not None or not self.optim_on_device:
+        """The optimizer's gradient shard when gradients can be accumulated straight into it: the chunk is
+        whole on this rank (one rank, or "replicated" while the shard holds no all-reduced gradient yet,
+        then all-reduced in place as DDP's ``gradient_as_bucket_view``), optimizer state on the device,
+        same dtype. Saves the gradient buffer's allocation, zero-fill and the copy into the shard (what
+        plain PyTorch's ``AccumulateGrad`` saves by stealing the gradient)."""
+        if self.world_size != 1 or not self.optim_on_device:
             return None
+        if self.replicate_group is not None and not self.grad_shard_clean:
+            return None  # holds an earlier micro-batch's averaged gradient (all-reducing it again is exact only
+            # for power-of-two world sizes): later micro-batches use a separate buffer
         shard = self.manager.grad_shards.get(self.chunk_id)
         if shard is None or shard.dtype != self.grad_dtype or shard.numel() != self.chunk_numel:
             return None
@@ -370,11 +375,28 @@ class Chunk:
         """
         counters = self.manager.counters
         pool = self.manager.pool
-        if self.grad_full is None and self.direct_grad_shard() is not None:  # already in grad_shard
+        direct = self.direct_grad_shard() if self.grad_full is None else None
+        if direct is not None:  # gradients are already in the optimizer's shard
             self.reduced_this_backward = True
             for slot in self.slots:
                 if slot.state is TensorState.READY_FOR_REDUCE:
                     slot.set_state(TensorState.HOLD_AFTER_BWD if (self.unsharded or self.full_alias) else TensorState.FREE)
+            if self.replicate_group is None:
+                return None
+            self.grad_shard_clean = False  # later gradients of this step go to a buffer
+            group = self.replicate_group
+            work = dist.all_reduce(direct, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+            counters.reduce_scatter_bytes += self.grad_full_bytes
+
+            def finish_in_place() -> None:
+                if async_op:
+                    work.wait()
+                with torch.no_grad():
+                    direct.div_(dist.get_world_size(group))
+
+            if async_op:
+                return finish_in_place
+            finish_in_place()
             return None
         if self.grad_full is None:
             pool.charge(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")

@@ -312,6 +312,8 @@ class ChunkManager:
     def zero_grad(self) -> None:
         for grad_shard in self.grad_shards.values():
             grad_shard.zero_()
+        for chunk in self.chunks:
+            chunk.grad_shard_clean = True
         self.has_grad_flags.zero_()
 
 
