@@ -131,12 +131,21 @@ class ModuleHandle:
         else:
             leaves = tree_flatten(output)[0]
         tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
+        if len(tensors) == 1:  # one tensor hook: a fraction of register_multi_grad_hook's Python objects
+            tensors[0].register_hook(self._pre_backward_with_inputs if self._call_has_grad_inputs
+                                     else self._pre_backward_without_inputs)
+        elif tensors:
             hook = functools.partial(self.pre_backward, has_grad_inputs=self._call_has_grad_inputs)
             register_multi_grad_hook(tensors, hook, mode="any")
         return output
 
     # -- backward ------------------------------------------------------------------------------
+    def _pre_backward_with_inputs(self, grad) -> None:
+        self.pre_backward(grad, has_grad_inputs=True)
+
+    def _pre_backward_without_inputs(self, grad) -> None:
+        self.pre_backward(grad, has_grad_inputs=False)
+
     def pre_backward(self, grad, has_grad_inputs: bool = True) -> None:
         self.manager.start_backward()
         if not self.unshard_for_backward:
