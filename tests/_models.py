@@ -41,6 +41,13 @@ def batch(kind: str, step: int, rows: int, seq: int = 12, seed: int = 1234) -> d
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+def rank_batch(kind: str, step: int, rank: int, world_size: int, rows: int) -> dict[str, torch.Tensor]:
+    """This rank's ``rows`` of the global batch ``batch(kind, step, rows * world_size)`` (the reference
+    trains on the whole global batch)."""
+    full = batch(kind, step, rows * world_size)
+    return {k: v[rank * rows:(rank + 1) * rows] for k, v in full.items()}
+
+
 def two_groups(model: torch.nn.Module, weight_decay: float = 0.1) -> list[dict]:
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]

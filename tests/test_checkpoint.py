@@ -16,7 +16,7 @@ import torch
 import hf_elixir
 from hf_elixir.checkpoint import load_checkpoint, read_manifest, save_checkpoint
 from tests._dist import run_distributed
-from tests._models import batch, tiny_model, two_groups
+from tests._models import batch, rank_batch, tiny_model, two_groups
 
 CHUNK = 8192
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,8 +33,7 @@ def _prepare(model, precision="fp32", budget=200_000, lr=5e-3):
 def _train(model, opt, sched, steps, rows=2, rank=0, world_size=1):
     losses = []
     for s in steps:
-        full = batch("gpt2", s, rows * world_size)
-        mine = {k: v[rank * rows:(rank + 1) * rows] for k, v in full.items()}
+        mine = rank_batch("gpt2", s, rank, world_size, rows)
         loss = model(**mine).loss
         opt.backward(loss)
         opt.clip_grad_norm(1.0)

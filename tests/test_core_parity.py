@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import hf_elixir
 from tests._dist import run_distributed
-from tests._models import batch, rel_l2, tiny_model, two_groups
+from tests._models import batch, rank_batch, rel_l2, tiny_model, two_groups
 
 STEPS = 10
 ROWS_PER_RANK = 2
@@ -69,8 +69,7 @@ def _elixir_run(rank: int, world_size: int, kind: str, mode: str):
     sched = _schedule(opt)
     losses = []
     for step in range(STEPS):
-        full = batch(kind, step, ROWS_PER_RANK * world_size)
-        mine = {k: v[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK] for k, v in full.items()}
+        mine = rank_batch(kind, step, rank, world_size, ROWS_PER_RANK)
         loss = model(**mine).loss
         opt.backward(loss)
         opt.clip_grad_norm(0.5)
@@ -132,8 +131,7 @@ def _accumulation_worker(rank: int, world_size: int):
                                                                           default_placement=placement))
         for step in range(3):
             for micro in range(2):
-                full = batch(kind, 2 * step + micro, ROWS_PER_RANK * world_size)
-                mine = {k: v[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK] for k, v in full.items()}
+                mine = rank_batch(kind, 2 * step + micro, rank, world_size, ROWS_PER_RANK)
                 opt.backward(model(**mine).loss / 2)
             opt.step()
             opt.zero_grad()

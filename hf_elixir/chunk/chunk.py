@@ -358,6 +358,13 @@ class Chunk:
         with torch.no_grad():
             self.grad_full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
 
+    def _mark_reduced(self) -> None:
+        """This backward's gradients of the chunk are handed to the reduce: slots leave READY_FOR_REDUCE."""
+        self.reduced_this_backward = True
+        for slot in self.slots:
+            if slot.state is TensorState.READY_FOR_REDUCE:
+                slot.set_state(TensorState.HOLD_AFTER_BWD if (self.unsharded or self.full_alias) else TensorState.FREE)
+
     def reduce_scatter_grad(self, grad_shard: torch.Tensor, async_op: bool = False):
         """Reduce-scatter (mean over ranks) the gradient buffer and add the result into ``grad_shard``.
 
@@ -377,10 +384,7 @@ class Chunk:
         pool = self.manager.pool
         direct = self.direct_grad_shard() if self.grad_full is None else None
         if direct is not None:  # gradients are already in the optimizer's shard
-            self.reduced_this_backward = True
-            for slot in self.slots:
-                if slot.state is TensorState.READY_FOR_REDUCE:
-                    slot.set_state(TensorState.HOLD_AFTER_BWD if (self.unsharded or self.full_alias) else TensorState.FREE)
+            self._mark_reduced()
             if self.replicate_group is None:
                 return None
             self.grad_shard_clean = False  # later gradients of this step go to a buffer
@@ -429,10 +433,7 @@ class Chunk:
                     counters.reduce_scatter_bytes += self.grad_full_bytes
                     divisor = dist.get_world_size(self.replicate_group)
         self.grad_full = None  # a gradient arriving later starts a new buffer
-        self.reduced_this_backward = True
-        for slot in self.slots:
-            if slot.state is TensorState.READY_FOR_REDUCE:
-                slot.set_state(TensorState.HOLD_AFTER_BWD if (self.unsharded or self.full_alias) else TensorState.FREE)
+        self._mark_reduced()
 
         def finish() -> None:
             if work is not None and async_op:
