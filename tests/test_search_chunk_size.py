@@ -43,6 +43,14 @@ def test_moves_rank_candidates_when_cache_given():
     assert result.candidates[0].moved_bytes == min(c.moved_bytes for c in feasible
                                                    if c.waste_fraction <= min(x.waste_fraction for x in result.candidates) + 0.05)
 
+    # the reason line describes any candidate by its own numbers (a plan search may pick another one)
+    assert result.reason == result.describe(result.chunk_size_numel)
+    other = next(c for c in result.candidates[1:] if c.num_chunks != result.candidates[0].num_chunks)
+    line = result.describe(other.chunk_size_numel)
+    assert line.startswith(f"chunk_size_numel={other.chunk_size_numel}: {other.num_chunks} chunks")
+    assert f"ranked {result.candidates.index(other) + 1} of {len(result.candidates)}" in line
+    assert "not among" in result.describe(12345)
+
 
 class _Shared(nn.Module):
     def __init__(self):

@@ -42,6 +42,8 @@ def test_search_on_mid_size_configs_is_fast(name):
     assert time.perf_counter() - start < 10
     assert result.plan.predicted_peak_device_bytes <= 16 * GIB * 0.95
     assert result.evaluated > 10 and result.plan.reasons
+    # the first reason is about the chunk size the plan uses (not the chunk-size search's own first pick)
+    assert result.plan.reasons[0].startswith(f"chunk_size_numel={result.plan.chunk_size_numel}:")
 
 
 def test_opt_30b_on_one_40gib_gpu_is_sensible():
@@ -162,6 +164,7 @@ def test_search_replicates_when_sharded_collectives_are_slow_and_shards_when_mem
     assert plan.placements and set(plan.placements.values()) == {"replicated"}
     assert set(plan.placements) == set(profile.param_modules) and "lm_head" in plan.placements  # tied alias too
     assert any("replicated data parallelism wins" in r for r in plan.reasons)
+    assert plan.reasons[0].startswith(f"chunk_size_numel={plan.chunk_size_numel}:")
     # the same machine with fast sharded collectives and a slow all-reduce: sharded wins
     fast = _two_rank_cpu(roomy, 1e12, 1e6)
     assert search(profile, fast, world_size=2, precision="fp32", device_memory_budget_bytes=roomy).best.data_parallel \
@@ -173,6 +176,7 @@ def test_search_replicates_when_sharded_collectives_are_slow_and_shards_when_mem
     assert tight_result.best.data_parallel == "sharded" and "replicated" not in tight_result.best_by_mode
     assert not tight_result.plan.placements  # sharded plans get their placements from auto_plan / the CLI
     assert any("no replicated configuration fits" in r for r in tight_result.plan.reasons)
+    assert tight_result.plan.reasons[0].startswith(f"chunk_size_numel={tight_result.plan.chunk_size_numel}:")
 
 
 def test_replicated_candidates_respect_host_memory_per_machine():

@@ -48,6 +48,27 @@ class ChunkSizeResult:
     chunk_size_numel: int
     candidates: list[ChunkSizeCandidate] = field(default_factory=list)
     reason: str = ""
+    lo: int = 0
+    hi: int = 0
+    cache_bytes: int | None = None
+
+    def describe(self, chunk_size_numel: int) -> str:
+        """One line on ``chunk_size_numel`` (this search's choice or another of its candidates, e.g. the
+        one a plan search picked by predicted step time); ``reason`` is this line for the choice."""
+        ranked = [c.chunk_size_numel for c in self.candidates]
+        if chunk_size_numel not in ranked:
+            return f"chunk_size_numel={chunk_size_numel} (not among the chunk-size search's candidates)"
+        c = self.candidates[ranked.index(chunk_size_numel)]
+        least_waste = min(x.waste_fraction for x in self.candidates)
+        line = (f"chunk_size_numel={c.chunk_size_numel}: {c.num_chunks} chunks, {100 * c.waste_fraction:.1f}% "
+                f"padding (least of {len(self.candidates)} candidates in [{self.lo}, {self.hi}]: "
+                f"{100 * least_waste:.1f}%)")
+        if c.moves is not None and c.moves >= 0 and self.cache_bytes is not None:
+            line += f", {c.moves} Belady onloads with a {self.cache_bytes / 2**20:.0f} MiB cache"
+        if chunk_size_numel != self.chunk_size_numel:
+            line += (f"; ranked {ranked.index(chunk_size_numel) + 1} of {len(ranked)} by padding and traffic, "
+                     f"the fastest predicted step")
+        return line
 
 
 def chunk_groups(layout: ChunkLayout, param_trace: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
@@ -136,9 +157,6 @@ def search_chunk_size(numels: Sequence[int], param_trace: Sequence[Sequence[int]
 
     candidates.sort(key=key)
     best = candidates[0]
-    reason = (f"chunk_size_numel={best.chunk_size_numel}: {best.num_chunks} chunks, "
-              f"{100 * best.waste_fraction:.1f}% padding (least of {len(candidates)} candidates in "
-              f"[{lo}, {hi}]: {100 * least_waste:.1f}%)")
-    if best.moves is not None and best.moves >= 0:
-        reason += f", {best.moves} Belady onloads with a {cache_bytes / 2**20:.0f} MiB cache"
-    return ChunkSizeResult(best.chunk_size_numel, candidates, reason)
+    result = ChunkSizeResult(best.chunk_size_numel, candidates, lo=lo, hi=hi, cache_bytes=cache_bytes)
+    result.reason = result.describe(best.chunk_size_numel)
+    return result

@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from torch import nn
 
@@ -231,22 +231,28 @@ def _data_parallel_modes(data_parallel: str, world_size: int) -> tuple[str, ...]
 
 
 def _chunk_sizes(profile: StepProfile, world_size: int, b: int, limit: int, chunk_size_numel: int | None,
-                 num_chunk_sizes: int, replicated: bool) -> tuple[list[int], str]:
-    """Chunk sizes to try and why: the caller's; else the chunk-size search's best few; replicated chunks
-    (packed for world size 1) try DDP's 25 MiB bucket, which ``prepare`` defaults to, and the same few
-    (smaller chunks: smaller gradient buffers in flight)."""
+                 num_chunk_sizes: int, replicated: bool) -> tuple[list[int], Callable[[int], str]]:
+    """Chunk sizes to try, and a function saying why for the size that wins: the caller's; else the
+    chunk-size search's best few; replicated chunks (packed for world size 1) try DDP's 25 MiB bucket,
+    which ``prepare`` defaults to, and the same few (smaller chunks: smaller gradient buffers in flight)."""
     if chunk_size_numel is not None:
-        return [chunk_size_numel], f"chunk_size_numel={chunk_size_numel} given by the caller"
+        return [chunk_size_numel], lambda size: f"chunk_size_numel={size} given by the caller"
     result = search_chunk_size(profile.param_numels, [e.params for e in profile.events], world_size=world_size,
                                element_bytes=b, cache_bytes=max(1, limit // 4))
     sizes = [c.chunk_size_numel for c in result.candidates[:max(1, num_chunk_sizes)]]
     if not replicated:
-        return sizes, result.reason
+        return sizes, result.describe
     from hf_elixir.api import _replicated_chunk_size  # noqa: PLC0415 (api imports this package lazily)
 
     bucket = _replicated_chunk_size(profile.param_numels, b)
-    return [bucket] + [n for n in sizes if n != bucket], (f"replicated chunk sizes: DDP's 25 MiB bucket ({bucket} "
-                                                          f"elements) and the sharded candidates; {result.reason}")
+
+    def why(size: int) -> str:
+        if size == bucket:
+            return (f"chunk_size_numel={bucket}: DDP's 25 MiB gradient bucket, the fastest predicted step among "
+                    f"it and the chunk-size search's best {len(sizes)}")
+        return f"replicated chunks of the chunk-size search's candidate {result.describe(size)}"
+
+    return [bucket] + [n for n in sizes if n != bucket], why
 
 
 def _ranks_per_host(world_size: int, ranks_per_host: int | None) -> int:
@@ -293,7 +299,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     per_host = _ranks_per_host(world_size, ranks_per_host)
     found: list[Candidate] = []
     evaluated = over_host = 0
-    size_reasons: dict[str, str] = {}
+    size_reasons: dict[str, Callable[[int], str]] = {}
     for mode in modes:
         replicated = mode == "replicated"
         sizes, size_reasons[mode] = _chunk_sizes(profile, world_size, b, limit, chunk_size_numel, num_chunk_sizes,
@@ -346,7 +352,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         if cand.summary() not in seen:
             seen.add(cand.summary())
             alternatives.append(cand)
-    plan = _to_plan(profile, best, world_size, precision, budget, limit, size_reasons[best.data_parallel], evaluated,
+    plan = _to_plan(profile, best, world_size, precision, budget, limit,
+                    size_reasons[best.data_parallel](best.chunk_size_numel), evaluated,
                     host_limit, activations_on_device, per_host)
     plan.reasons[2:2] = _data_parallel_reasons(modes, best, best_by_mode, world_size)
     if best.data_parallel == "replicated":
