@@ -510,29 +510,95 @@ def reset_memory_stats(model: torch.nn.Module) -> None:
     manager._step_start = manager.counters.as_dict()
 
 
+@dataclass
+class _ChunkSpec:
+    """The sizes of a chunk ``prepare`` would build (what :class:`_Sizes` and :func:`_working_set` read)."""
+
+    chunk_id: int
+    chunk_numel: int
+    world_size: int
+    element_size: int
+    grad_element_size: int
+    trainable: bool
+    replicate_group: object = None  # not None: a "replicated" chunk (kept whole on every rank)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.chunk_numel // self.world_size
+
+    @property
+    def full_bytes(self) -> int:
+        return self.chunk_numel * self.element_size
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.shard_numel * self.element_size
+
+    @property
+    def grad_full_bytes(self) -> int:
+        return self.chunk_numel * self.grad_element_size
+
+
 def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                             config: ElixirConfig | None = None, world_size: int = 1) -> int:
     """Smallest ``device_memory_budget_bytes`` that ``prepare`` accepts for this model (optimizer
-    states offloaded), computed without preparing it (no data moves)."""
+    states offloaded), computed without preparing it (no data moves): the same chunk packing, placements
+    and working-set rule as :func:`prepare`.
+
+    Args:
+        model: the model ``prepare`` will get (after :func:`hf_elixir.parallel.parallelize`, if used).
+        optimizer: unused for the minimum (optimizer states go to the host); kept for symmetry.
+        config: the ``ElixirConfig`` ``prepare`` will get. ``default_placement="auto"`` counts as
+            ``"sharded"`` (at the smallest budget a replicated copy does not fit); ``"replicated"``
+            modules count whole on every rank (world size > 1).
+        world_size: ranks of the default process group ``prepare`` will see. A parallelized model
+            uses its mesh's group sizes instead.
+
+    Returns:
+        bytes per rank (int).
+
+    Raises:
+        ValueError: as ``prepare`` for bad placements or tensor/expert-parallel sizes.
+    """
+    from hf_elixir.parallel import get_parallel_state, placements_for_plan  # noqa: PLC0415 (import cycle)
+    from hf_elixir.runtime.hooks import _units  # noqa: PLC0415
+
     config = config or ElixirConfig()
+    if config.default_placement == "auto":
+        config = dataclasses.replace(config, default_placement="sharded")
+    placements = placements_for_plan(model, config)
     names = _unique_params(model)
     params = [p for p in names if p.is_floating_point()]
     numels = [p.numel() for p in params]
-    chunk_size = config.chunk_size_numel or _default_chunk_size(
-        numels, config.device_memory_budget_bytes if config.device_memory_budget_bytes is not None else 1,
-        world_size, torch.empty((), dtype=_DTYPES[config.precision]).element_size())
-    layout = pack_chunks(numels, chunk_size, world_size)
     esize = torch.empty((), dtype=_DTYPES[config.precision]).element_size()
     gsize = 4 if config.reduce_dtype == "fp32" else esize
-    chunk_of = {}
-    for cid, members in enumerate(layout.members):
-        for m in members:
-            chunk_of[params[m]] = cid
-    from hf_elixir.runtime.hooks import _units  # noqa: PLC0415
-
-    units = [sorted({chunk_of[p] for p in ps}) for _, _, ps, _ in _units(model, set(params))]
-    per_unit = [sum(layout.chunk_numels[c] * esize for c in cs) for cs in units]
-    trainable = [cid for cid, members in enumerate(layout.members) if any(params[m].requires_grad for m in members)]
-    grads = [layout.chunk_numels[c] * gsize for c in trainable]
-    staging = max(n // world_size for n in layout.chunk_numels) * max(esize, gsize) if world_size > 1 else 0
-    return _working_set_bytes(per_unit, grads, staging)
+    pstate = get_parallel_state(model)
+    if pstate is not None:
+        world_size = pstate.mesh.world_size
+    chunk_size = config.chunk_size_numel
+    if not chunk_size and world_size > 1 and placements and all(v == "replicated" for v in placements.values()):
+        chunk_size = _replicated_chunk_size(numels, esize)
+    chunk_size = chunk_size or _default_chunk_size(numels, config.device_memory_budget_bytes, world_size, esize)
+    buckets: dict[tuple[int, bool], list[torch.nn.Parameter]] = {}
+    for p in params:  # as _comm_buckets: (group size, replicated), parameter order kept
+        name = names[p][0]
+        replicated = placements.get(name.rsplit(".", 1)[0] if "." in name else "") == "replicated"
+        if pstate is None:
+            group_size = world_size
+        else:
+            group = pstate.mesh.expert_dp_group if pstate.is_expert_param(name) else pstate.mesh.dp_group
+            group_size = dist.get_world_size(group) if group is not None else 1
+        buckets.setdefault((group_size, replicated), []).append(p)
+    specs: list[_ChunkSpec] = []
+    chunk_of: dict[torch.nn.Parameter, int] = {}
+    for (group_size, replicated), bucket in buckets.items():
+        layout = pack_chunks([p.numel() for p in bucket], chunk_size, 1 if replicated else group_size)
+        for members, chunk_numel in zip(layout.members, layout.chunk_numels):
+            cid = len(specs)
+            specs.append(_ChunkSpec(cid, chunk_numel, 1 if replicated else group_size, esize, gsize,
+                                    any(bucket[m].requires_grad for m in members),
+                                    replicate_group=group_size if replicated and group_size > 1 else None))
+            for m in members:
+                chunk_of[bucket[m]] = cid
+    units = [[specs[c] for c in sorted({chunk_of[p] for p in ps})] for _, _, ps, _ in _units(model, set(params))]
+    return _working_set(units, _Sizes(specs, 0, config.precision), specs)

@@ -4,6 +4,7 @@ modules called twice, activation checkpointing, eval and generate(), precisions,
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import transformers
 import hf_elixir
 from hf_elixir.chunk.states import TRANSITIONS, TensorState, check_transition
 from tests._dist import run_distributed
-from tests._models import batch, rel_l2, tiny_model, two_groups
+from tests._models import batch, rank_batch, rel_l2, tiny_model, two_groups
 
 CHUNK = 8192
 
@@ -344,6 +345,36 @@ def test_replicated_placement_keeps_chunks_whole_and_all_reduces():
         assert rel < 1e-5
         assert names and all(".ln_" in n for n in names)
         assert whole and placement == "replicated"
+
+
+def _min_budget_worker(rank, world_size):
+    """min_device_budget_bytes, computed without a process group, is exactly the bytes prepare needs."""
+    results = []
+    for extra in ({"default_placement": "sharded"}, {"default_placement": "replicated"},
+                  {"placements": {"*ln_*": "replicated"}}):
+        cfg = hf_elixir.ElixirConfig(chunk_size_numel=CHUNK, **extra)
+        need = hf_elixir.min_device_budget_bytes(tiny_model("gpt2"), config=cfg, world_size=world_size)
+        try:
+            hf_elixir.prepare(tiny_model("gpt2"), torch.optim.AdamW(tiny_model("gpt2").parameters()),
+                              dataclasses.replace(cfg, device_memory_budget_bytes=need - 1))
+            below = "accepted"
+        except ValueError as err:
+            below = str(err)
+        model = tiny_model("gpt2")
+        model, opt = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=5e-3),
+                                       dataclasses.replace(cfg, device_memory_budget_bytes=need))
+        _train_elixir(model, opt, [[rank_batch("gpt2", s, rank, world_size, 2)] for s in range(2)])
+        results.append((need, below, hf_elixir.memory_stats(model)["device_peak_bytes"]))
+    return results
+
+
+def test_min_device_budget_is_exact_for_sharded_replicated_and_mixed_placements():
+    for results in run_distributed(_min_budget_worker, 2, timeout_s=120):
+        (sharded, *_), (replicated, *_), _ = results
+        assert replicated > sharded  # whole parameters on every rank vs two units' worth
+        for need, below, peak in results:
+            assert f"needs {need} bytes" in below
+            assert peak <= need
 
 
 def test_full_parameters_reads_and_writes_between_steps():
