@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hf_elixir.chunk.chunk import Chunk, ParamSlot
+from hf_elixir.chunk.chunk import Chunk, ChunkBytes, ParamSlot
 from hf_elixir.chunk.manager import ChunkManager, budget_error
 from hf_elixir.chunk.packing import ChunkLayout, pack_chunks
 from hf_elixir.config import ElixirConfig
@@ -511,7 +511,7 @@ def reset_memory_stats(model: torch.nn.Module) -> None:
 
 
 @dataclass
-class _ChunkSpec:
+class _ChunkSpec(ChunkBytes):
     """The sizes of a chunk ``prepare`` would build (what :class:`_Sizes` and :func:`_working_set` read)."""
 
     chunk_id: int
@@ -525,14 +525,6 @@ class _ChunkSpec:
     @property
     def shard_numel(self) -> int:
         return self.chunk_numel // self.world_size
-
-    @property
-    def full_bytes(self) -> int:
-        return self.chunk_numel * self.element_size
-
-    @property
-    def shard_bytes(self) -> int:
-        return self.shard_numel * self.element_size
 
     @property
     def grad_full_bytes(self) -> int:

@@ -74,7 +74,24 @@ def _alloc_storage(tensor: torch.Tensor) -> None:
         storage.resize_(nbytes)
 
 
-class Chunk:
+class ChunkBytes:
+    """Byte sizes of a chunk from ``chunk_numel``, ``shard_numel`` and ``element_size`` (the chunk
+    itself, and the sizes-only stand-in ``hf_elixir.min_device_budget_bytes`` builds)."""
+
+    chunk_numel: int
+    shard_numel: int
+    element_size: int
+
+    @property
+    def full_bytes(self) -> int:
+        return self.chunk_numel * self.element_size
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.shard_numel * self.element_size
+
+
+class Chunk(ChunkBytes):
     """A contiguous 1-D buffer of ``chunk_numel`` elements of ``dtype`` holding ``slots``.
 
     The chunk is sharded over ``group`` (``world_size`` ranks): this rank owns elements
@@ -133,14 +150,6 @@ class Chunk:
         self.grad_shard_clean = True  # the optimizer's gradient shard is zero (set by zero_grad)
 
     # -- sizes ---------------------------------------------------------------------------------
-    @property
-    def full_bytes(self) -> int:
-        return self.chunk_numel * self.element_size
-
-    @property
-    def shard_bytes(self) -> int:
-        return self.shard_numel * self.element_size
-
     @property
     def grad_dtype(self) -> torch.dtype:
         return self.manager.reduce_dtype or self.dtype
