@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from hf_elixir.chunk.chunk import Chunk, ChunkBytes, ParamSlot
 from hf_elixir.chunk.manager import ChunkManager, budget_error
-from hf_elixir.chunk.packing import ChunkLayout, pack_chunks
+from hf_elixir.chunk.packing import ChunkLayout, pack_chunks, replicated_chunk_size
 from hf_elixir.config import ElixirConfig
 from hf_elixir.optim.optimizer import ElixirOptimizer, optimizer_state_numel_factor
 from hf_elixir.plan import ElixirPlan
@@ -104,16 +104,6 @@ def _default_chunk_size(numels: list[int], budget_bytes: int | None, world_size:
     result = search_chunk_size(numels, world_size=world_size, element_bytes=element_bytes, upper_bound_numel=upper)
     least = min(c.waste_fraction for c in result.candidates)
     return min(c.chunk_size_numel for c in result.candidates if c.waste_fraction <= least + 0.05)
-
-
-#: Replicated chunks are gradient all-reduce buckets: DistributedDataParallel's default bucket (25 MiB).
-_REPLICATED_BUCKET_BYTES = 25 * 2**20
-
-
-def _replicated_chunk_size(numels: list[int], element_bytes: int) -> int:
-    """Chunk size for replicated placement: chunks are never offloaded, so only the all-reduce
-    granularity matters; DDP-sized buckets (``bucket_cap_mb=25``), at least the largest parameter."""
-    return max(max(numels or [1]), min(sum(numels) or 1, _REPLICATED_BUCKET_BYTES // element_bytes))
 
 
 def _replicated_fits(numels: list[int], config: ElixirConfig, optimizer, element_bytes: int) -> tuple[bool, str]:
@@ -390,7 +380,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     numels = [p.numel() for p in params]
     chunk_size = config.chunk_size_numel or (plan.chunk_size_numel if plan and plan.chunk_size_numel else None)
     if not chunk_size and world_size > 1 and placements and all(v == "replicated" for v in placements.values()):
-        chunk_size = _replicated_chunk_size(numels, element_bytes)
+        chunk_size = replicated_chunk_size(numels, element_bytes)
     chunk_size = chunk_size or _default_chunk_size(numels, config.device_memory_budget_bytes, world_size,
                                                    element_bytes)
     manager = ChunkManager(compute_device=device, budget_bytes=config.device_memory_budget_bytes,
@@ -569,7 +559,7 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
         world_size = pstate.mesh.world_size
     chunk_size = config.chunk_size_numel
     if not chunk_size and world_size > 1 and placements and all(v == "replicated" for v in placements.values()):
-        chunk_size = _replicated_chunk_size(numels, esize)
+        chunk_size = replicated_chunk_size(numels, esize)
     chunk_size = chunk_size or _default_chunk_size(numels, config.device_memory_budget_bytes, world_size, esize)
     buckets: dict[tuple[int, bool], list[torch.nn.Parameter]] = {}
     for p in params:  # as _comm_buckets: (group size, replicated), parameter order kept

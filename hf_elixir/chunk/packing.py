@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ChunkLayout", "pack_chunks", "round_up"]
+__all__ = ["ChunkLayout", "pack_chunks", "replicated_chunk_size", "round_up"]
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -89,3 +89,14 @@ def pack_chunks(numels: list[int], chunk_size_numel: int, world_size: int = 1,
     if chunk_numels:
         chunk_numels[-1] = max(round_up(used[-1], world_size), world_size)
     return ChunkLayout(members, offsets, chunk_numels, used)
+
+
+#: Replicated chunks are gradient all-reduce buckets: DistributedDataParallel's default bucket (25 MiB).
+REPLICATED_BUCKET_BYTES = 25 * 2**20
+
+
+def replicated_chunk_size(numels: list[int], element_bytes: int) -> int:
+    """Chunk size (elements) for "replicated" placement: such chunks are never offloaded, so only the
+    all-reduce granularity matters: DDP-sized buckets (``bucket_cap_mb=25``, upstream
+    ``torch.nn.parallel.DistributedDataParallel``), at least the largest parameter, at most the model."""
+    return max(max(numels or [1]), min(sum(numels) or 1, REPLICATED_BUCKET_BYTES // element_bytes))

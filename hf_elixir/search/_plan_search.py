@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable
 
 from torch import nn
 
+from hf_elixir.chunk.packing import replicated_chunk_size
 from hf_elixir.plan import ElixirPlan
 from hf_elixir.profiler import HardwareProfile, StepProfile, profile_step
 from hf_elixir.search._chunk_size import search_chunk_size
@@ -242,9 +243,7 @@ def _chunk_sizes(profile: StepProfile, world_size: int, b: int, limit: int, chun
     sizes = [c.chunk_size_numel for c in result.candidates[:max(1, num_chunk_sizes)]]
     if not replicated:
         return sizes, result.describe
-    from hf_elixir.api import _replicated_chunk_size  # noqa: PLC0415 (api imports this package lazily)
-
-    bucket = _replicated_chunk_size(profile.param_numels, b)
+    bucket = replicated_chunk_size(profile.param_numels, b)
 
     def why(size: int) -> str:
         if size == bucket:
