@@ -560,7 +560,8 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
     chunk_size = config.chunk_size_numel
     if not chunk_size and world_size > 1 and placements and all(v == "replicated" for v in placements.values()):
         chunk_size = replicated_chunk_size(numels, esize)
-    chunk_size = chunk_size or _default_chunk_size(numels, config.device_memory_budget_bytes, world_size, esize)
+    # prepare will get a budget (this one): its default chunk size is the budgeted one, whatever the config says
+    chunk_size = chunk_size or _default_chunk_size(numels, 1, world_size, esize)
     buckets: dict[tuple[int, bool], list[torch.nn.Parameter]] = {}
     for p in params:  # as _comm_buckets: (group size, replicated), parameter order kept
         name = names[p][0]

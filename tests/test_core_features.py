@@ -226,6 +226,11 @@ def test_budget_too_small_fails_before_the_first_step_naming_bytes():
     need = hf_elixir.min_device_budget_bytes(model, config=hf_elixir.ElixirConfig(chunk_size_numel=CHUNK))
     with pytest.raises(ValueError, match=f"needs {need} bytes"):
         _prepare(model, device_memory_budget_bytes=need - 1)
+    # the library's default chunk size (a budget given): the minimum is exact too
+    need = hf_elixir.min_device_budget_bytes(model)
+    with pytest.raises(ValueError, match=f"needs {need} bytes"):
+        hf_elixir.prepare(tiny_model("gpt2"), None, hf_elixir.ElixirConfig(device_memory_budget_bytes=need - 1))
+    hf_elixir.prepare(tiny_model("gpt2"), None, hf_elixir.ElixirConfig(device_memory_budget_bytes=need))
 
 
 def test_budget_is_never_exceeded_and_traffic_is_counted():
@@ -351,8 +356,8 @@ def _min_budget_worker(rank, world_size):
     """min_device_budget_bytes, computed without a process group, is exactly the bytes prepare needs."""
     results = []
     for extra in ({"default_placement": "sharded"}, {"default_placement": "replicated"},
-                  {"placements": {"*ln_*": "replicated"}}):
-        cfg = hf_elixir.ElixirConfig(chunk_size_numel=CHUNK, **extra)
+                  {"placements": {"*ln_*": "replicated"}}, {"chunk_size_numel": None}):
+        cfg = hf_elixir.ElixirConfig(**{"chunk_size_numel": CHUNK, **extra})  # None: prepare's default size
         need = hf_elixir.min_device_budget_bytes(tiny_model("gpt2"), config=cfg, world_size=world_size)
         try:
             hf_elixir.prepare(tiny_model("gpt2"), torch.optim.AdamW(tiny_model("gpt2").parameters()),
@@ -370,7 +375,7 @@ def _min_budget_worker(rank, world_size):
 
 def test_min_device_budget_is_exact_for_sharded_replicated_and_mixed_placements():
     for results in run_distributed(_min_budget_worker, 2, timeout_s=120):
-        (sharded, *_), (replicated, *_), _ = results
+        (sharded, *_), (replicated, *_), _, _ = results
         assert replicated > sharded  # whole parameters on every rank vs two units' worth
         for need, below, peak in results:
             assert f"needs {need} bytes" in below
