@@ -458,6 +458,34 @@ def test_stale_parameters_read_nan_between_steps_instead_of_freed_memory():
         assert torch.allclose(model(**b).logits, ref(**b).logits, atol=1e-5)
 
 
+@pytest.mark.parametrize("write", ["zero_", "data.fill_", "data =", "data = then state_dict"])
+def test_writes_to_stale_parameters_raise_instead_of_being_lost(write):
+    """fill_/zero_ on a NaN placeholder, and ``param.data = t``, do not raise by themselves and cannot
+    reach the chunk: the next forward (or state_dict) raises, naming the parameter and the supported
+    ways; the write is discarded, and training goes on exactly as without it."""
+    ref = tiny_model("gpt2")
+    model, opt = _prepare(copy.deepcopy(ref), device_memory_budget_bytes=140_000)
+    batches = [[batch("gpt2", s, 2)] for s in range(3)]
+    _train_elixir(model, opt, batches[:1])
+    weight = model.transformer.h[0].mlp.c_proj.weight
+    assert torch.isnan(weight).all()
+    with torch.no_grad():
+        if write == "zero_":
+            weight.zero_()
+        elif write == "data.fill_":
+            weight.data.fill_(3.0)
+        else:
+            weight.data = torch.zeros_like(weight)
+    with pytest.raises(RuntimeError, match=r"transformer\.h\.0\.mlp\.c_proj\.weight.*full_parameters"):
+        if write == "data = then state_dict":
+            model.state_dict()
+        else:
+            model(**batches[1][0])
+    _train_elixir(model, opt, batches[1:])
+    _train_ref(ref, batches)
+    assert rel_l2(_state(model), _state(ref)) < 1e-5
+
+
 def _cyclic_garbage_of_one_step(model, opt, b) -> int:
     import gc
 

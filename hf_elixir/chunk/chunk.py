@@ -55,12 +55,6 @@ class ParamSlot:
         self.state = new
 
 
-def _stale_placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A NaN scalar expanded to ``shape``: right shape/dtype/device, no memory, reads NaN, and an in-place
-    write raises (several elements share one memory location)."""
-    return torch.full((), float("nan"), dtype=dtype, device=device).expand(shape)
-
-
 def _free_storage(tensor: torch.Tensor) -> None:
     storage = tensor.untyped_storage()
     if storage.size() != 0:
@@ -147,6 +141,7 @@ class Chunk(ChunkBytes):
         self.host_full_version = -1
         self.ready_event = None  # CUDA event of a side-stream unshard (prefetch)
         self.hidden = False  # parameters point at NaN placeholders (see hide_stale_params)
+        self.stale_values: torch.Tensor | None = None  # [len(slots)] NaN, one element per placeholder
         self.grad_shard_clean = True  # the optimizer's gradient shard is zero (set by zero_grad)
 
     # -- sizes ---------------------------------------------------------------------------------
@@ -244,17 +239,34 @@ class Chunk(ChunkBytes):
 
     def hide_stale_params(self) -> None:
         """Between steps, point the parameters of a chunk whose unsharded copy is freed or stale at NaN
-        placeholders (:func:`_stale_placeholder`), so reading one directly gives NaN (not freed memory,
-        which can crash the process, nor pre-update values) and writing one raises; ``shape``,
-        ``dtype`` and ``numel()`` stay right. The next unshard (forward hook, ``state_dict``,
+        placeholders, so reading one directly gives NaN (not freed memory, which can crash the process,
+        nor pre-update values); ``shape``, ``dtype``, ``device`` and ``numel()`` stay right. Placeholder
+        ``i`` is element ``i`` of :attr:`stale_values` expanded to slot ``i``'s shape (no memory): most
+        in-place writes raise (several elements share one memory location); the ones that do not
+        (``fill_``, ``zero_``) change that element, and ``param.data = t`` changes the pointer, both of
+        which :meth:`stale_writes` finds. The next unshard (forward hook, ``state_dict``,
         :func:`hf_elixir.full_parameters`) points them back at ``full``. Only called at the optimizer
         step, when no autograd graph holds the parameters (mid-step, evicted parameters keep their
         views: saved tensors see the data again on unshard, see [Note: parameters as views])."""
         if self.hidden or not self.needs_fill():
             return
-        for slot in self.slots:
-            slot.param.data = _stale_placeholder(slot.shape, self.dtype, self.compute_device)
+        if self.stale_values is None:
+            self.stale_values = torch.full((len(self.slots),), float("nan"), dtype=self.dtype,
+                                           device=self.compute_device)
+        for i, slot in enumerate(self.slots):
+            slot.param.data = self.stale_values[i].expand(slot.shape)
         self.hidden = True
+
+    def stale_writes(self, written: torch.Tensor) -> list[str]:
+        """Names of this hidden chunk's parameters written since :meth:`hide_stale_params`, given
+        ``written`` (bool ``[len(slots)]``: the placeholder element is no longer NaN); resets the
+        placeholders to NaN (the write is discarded: ``full`` and the shard are untouched)."""
+        base, step = self.stale_values.data_ptr(), self.stale_values.element_size()
+        names = [slot.name for i, slot in enumerate(self.slots)
+                 if bool(written[i]) or slot.param.data_ptr() != base + i * step]
+        if names:
+            self.stale_values.fill_(float("nan"))
+        return names
 
     def show_params(self) -> None:
         """Undo :meth:`hide_stale_params`: parameters are views into ``full`` again."""

@@ -19,6 +19,8 @@ __all__ = ["full_parameters", "install_state_dict_hooks"]
 
 
 def _ensure_full(manager: ChunkManager, chunk) -> None:
+    if not manager.stale_checked:
+        manager.check_stale_writes()
     if chunk.needs_fill():
         chunk.pins += 1
         try:
@@ -82,7 +84,8 @@ def full_parameters(model: torch.nn.Module, *, writeback: bool = False):
     forward/backward; reshard afterwards. Collective under torch.distributed (every rank enters).
 
     Between steps a parameter whose chunk is resharded or stale points at a NaN placeholder
-    (``Chunk.hide_stale_params``): reading it directly gives NaN. Use this, or ``model.state_dict()``,
+    (``Chunk.hide_stale_params``): reading it directly gives NaN, and a write to it raises (at once, or
+    here / at the next forward, ``ChunkManager.check_stale_writes``). Use this, or ``model.state_dict()``,
     to look at weights. Same role as FSDP's ``summon_full_params`` and DeepSpeed's ``GatheredParameters``.
 
     Args:
