@@ -45,6 +45,16 @@ class ElixirState:
     optimizer: ElixirOptimizer | None = None
 
 
+def _refuse_deepcopy(memo) -> None:
+    """Set as the prepared model's ``__deepcopy__`` (``copy.deepcopy`` looks it up on the instance), so
+    a copy fails at once instead of cloning every parameter first and failing at its first forward."""
+    raise TypeError(
+        "copy.deepcopy of a model prepared by hf_elixir.prepare is not supported: its parameters are views "
+        "into chunk buffers (sharded, offloaded) that a copy cannot own. Copy the model before prepare, or "
+        "build a plain copy from its full weights: `other = type(model)(model.config); "
+        "other.load_state_dict(model.state_dict())`")
+
+
 def get_state(model: torch.nn.Module) -> ElixirState:
     """The :class:`ElixirState` of a prepared model.
 
@@ -430,6 +440,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         chunk.materialize()
         if not chunk.resident and not chunk.full_alias:
             chunk.reshard()
+    manager.hide_stale()  # resharded parameters read NaN until their first use (not freed memory)
     manager._trainable_chunks = [c for c in chunks if c.trainable]
     if plan is None:
         plan = ElixirPlan(
@@ -462,6 +473,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     manager.reset_peak()
     manager._step_start = counters.as_dict()
     setattr(model, _ATTR, state)
+    model.__deepcopy__ = _refuse_deepcopy
     logger.info("hf_elixir: %d params in %d chunks of %d elements; %s", num_params, len(chunks), chunk_size,
                 "; ".join(reasons))
     return model, elixir_optimizer

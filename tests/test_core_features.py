@@ -243,6 +243,22 @@ def test_budget_is_never_exceeded_and_traffic_is_counted():
     assert stats["h2d_bytes"] > 0 and stats["num_evictions"] > 0 and stats["step_h2d_bytes"] > 0
 
 
+def test_deepcopy_of_a_prepared_model_raises_with_the_way_out():
+    """A deep copy (EMA / reference models) used to succeed and fail at its first forward with an
+    unrelated message; it now fails at once, and the suggested plain copy works."""
+    model, _ = _prepare(tiny_model("gpt2"), device_memory_budget_bytes=140_000)
+    # prepare resharded this chunk: its parameters read NaN until first use (they used to point at
+    # freed storage, and the deep copy below crashed the process)
+    assert torch.isnan(model.transformer.h[0].mlp.c_proj.weight).all()
+    with pytest.raises(TypeError, match="deepcopy.*load_state_dict"):
+        copy.deepcopy(model)
+    other = type(model)(model.config)
+    other.load_state_dict(model.state_dict())
+    b = batch("gpt2", 0, 2)
+    with torch.no_grad():
+        assert torch.allclose(other(**b).logits, model(**b).logits, atol=1e-6)
+
+
 def test_unsupported_optimizer_is_rejected_with_the_list():
     model = tiny_model("gpt2")
     with pytest.raises(TypeError, match="torch.optim.AdamW"):

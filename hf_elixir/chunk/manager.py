@@ -208,15 +208,20 @@ class ChunkManager:
                 positions[cid].append(i)
             self.prev_positions = dict(positions)
         self.trace = []
-        for chunk in self.chunks:
-            chunk.hide_stale_params()
-        self.stale_checked = not any(c.hidden for c in self.chunks)
+        self.hide_stale()
         now = self.counters.as_dict()
         self.last_step = {f"step_{k}": now[k] - self._step_start.get(k, 0)
                           for k in ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes",
                                     "num_evictions", "num_onloads", "num_prefetches")}
         self.last_step["step_device_peak_bytes"] = self.counters.device_peak_bytes
         self._step_start = now
+
+    def hide_stale(self) -> None:
+        """Point the parameters of every chunk without a current unsharded copy at NaN placeholders
+        (:meth:`Chunk.hide_stale_params`); the next first access checks them for writes."""
+        for chunk in self.chunks:
+            chunk.hide_stale_params()
+        self.stale_checked = not any(c.hidden for c in self.chunks)
 
     def check_stale_writes(self) -> None:
         """Once per step, before the first unshard: did the user write a parameter that pointed at a
