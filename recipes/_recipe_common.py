@@ -118,6 +118,13 @@ class RecipeTrainingArguments(TrainingArguments):
     logging_first_step: bool = field(default=True, metadata={"help": "also log the first step (the starting loss)"})
     save_strategy: str = field(default="no", metadata={"help": "Trainer checkpoints: no | steps | epoch"})
 
+    def __post_init__(self):
+        # Before TrainingArguments sets up accelerate's process state: with use_cpu left False on a
+        # machine without a GPU, a 2-process `accelerate launch` / `torchrun` came up as two
+        # non-distributed processes (same batches on both ranks, every main-process line twice).
+        self.use_cpu = self.use_cpu or not torch.cuda.is_available()
+        super().__post_init__()
+
 
 def parse_args(default_model_type: str):
     from transformers import HfArgumentParser
@@ -341,7 +348,6 @@ def train_with_trainer(model, tokenizer, train_ds, collate, model_args, elixir_a
         if overrides:
             config = ElixirConfig.from_dict({**{f: getattr(config, f) for f in config.__dataclass_fields__}, **overrides})
         callbacks.append(ElixirCallback(config))
-    train_args.use_cpu = train_args.use_cpu or not torch.cuda.is_available()
     trainer = Trainer(model=model, args=train_args, train_dataset=train_ds, data_collator=collate,
                       processing_class=tokenizer, callbacks=callbacks)
     trainer.train(resume_from_checkpoint=train_args.resume_from_checkpoint)
@@ -381,8 +387,11 @@ def run(default_model_type: str, print_sample: Callable[[Any, Any, str], str]) -
         print(f"eval perplexity before training: {ppl_before:.2f}", flush=True)
     path = train_with_trainer if elixir_args.trainer else train_with_accelerate
     losses = path(model, tokenizer, train_ds, collate, model_args, elixir_args, train_args)
+    from accelerate import PartialState
+
     result = {"eval_ppl_before": ppl_before, "first_loss": losses[0] if losses else float("nan"),
-              "last_loss": losses[-1] if losses else float("nan")}
+              "last_loss": losses[-1] if losses else float("nan"),
+              "num_processes": PartialState().num_processes}  # the data-parallel world accelerate saw
     if is_main:
         cls = AutoModelForSeq2SeqLM if model_args.model_type == "switch_transformers" else AutoModelForCausalLM
         reloaded = cls.from_pretrained(train_args.output_dir)  # plain transformers, no hf_elixir

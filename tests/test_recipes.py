@@ -49,12 +49,12 @@ def test_load_text_dataset_from_a_local_file(tmp_path):
         load_text_dataset(dataset_name="x", train_file=str(path))
 
 
-def _run_recipe(tmp_path: Path, script: str, *extra: str) -> dict:
+def _run_recipe(tmp_path: Path, script: str, *extra: str, launcher: tuple[str, ...] = ()) -> dict:
     env = dict(os.environ)
     env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     out = tmp_path / "model"
-    cmd = [sys.executable, str(REPO / "recipes" / script), *FAST, "--output_dir", str(out), *extra]
+    cmd = [sys.executable, *launcher, str(REPO / "recipes" / script), *FAST, "--output_dir", str(out), *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "eval perplexity before training" in proc.stdout and "sample:" in proc.stdout
@@ -76,3 +76,23 @@ def test_recipe_runs_end_to_end_under_elixir(tmp_path, script, extra):
     r = _run_recipe(tmp_path, script, *extra)
     assert r["last_loss"] < r["first_loss"]
     assert r["eval_ppl_after"] < r["eval_ppl_before"]
+    assert r["num_processes"] == 1
+
+
+@pytest.mark.parametrize("path", [[], ["--trainer"]], ids=["accelerate", "trainer"])
+def test_recipe_under_torchrun_on_cpu_is_really_distributed(tmp_path, path):
+    """Two CPU processes are one data-parallel job of two (each its own batches), not two copies of a
+    one-process job: TrainingArguments used to set accelerate's state up as non-distributed on CPU."""
+    launcher = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()))
+    r = _run_recipe(tmp_path, "finetune_clm.py", "--model_type", "gpt2", "--max_steps", "2", *path,
+                    launcher=launcher)
+    assert r["num_processes"] == 2
+    assert r["last_loss"] == r["last_loss"]  # finite: the job ran to the end on both ranks
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
