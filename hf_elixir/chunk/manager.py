@@ -276,8 +276,17 @@ class ChunkManager:
         self._reduce_ready_prefix()
 
     def start_backward(self) -> None:
+        """Called by the first backward hook of a backward: fix the reduce order (see [Note: reduce order]).
+
+        Raises:
+            RuntimeError: the model was prepared without an optimizer (no gradient shards to reduce into).
+        """
         if self.backward_pending:
             return
+        if self._trainable_chunks and not self.grad_shards:
+            raise RuntimeError("backward through a model prepared without an optimizer (hf_elixir.prepare(model, "
+                               "None, ...) is for inference): pass the optimizer to prepare to train, or run the "
+                               "forward under torch.no_grad()")
         self.backward_pending = True
         self._reduce_cursor = 0
         if not self.first_use and self._last_forward is not None:

@@ -8,6 +8,10 @@ freed chunk storage. These guards turn that into a clear error before any work i
 * ``model.resize_token_embeddings`` (Hugging Face models) raises at once: it copies the old
   embedding, whose storage is freed while its chunk is resharded.
 * a forward pre-hook on the root module checks that every floating-point parameter is managed.
+* ``model.to(dtype)`` / ``.half()`` / ``.bfloat16()`` / ``.to(other_device)`` (everything through the root's
+  ``Module._apply``) raises before it changes anything when it would change a parameter's dtype or
+  device: it would replace the chunk views by copies the optimizer never updates (training stops
+  silently). Conversions that change nothing (``model.to(the compute device)``) pass.
 """
 
 from __future__ import annotations
@@ -37,8 +41,29 @@ def check_all_managed(model: torch.nn.Module, manager: ChunkManager) -> None:
                 f"replaced after hf_elixir.prepare, so it would not be sharded, reduced or stepped; {UNMANAGED_FIX}")
 
 
+def _guard_apply(model: torch.nn.Module, manager: ChunkManager):
+    """A root ``_apply`` that runs the conversion on a probe tensor first (see the module docstring)."""
+    original = model._apply
+    dtype = manager.chunks[0].dtype if manager.chunks else torch.float32
+
+    def _apply(fn, *args, **kwargs):
+        probe = torch.empty(0, dtype=dtype, device=manager.compute_device)
+        out = fn(probe)
+        if isinstance(out, torch.Tensor) and (out.dtype != probe.dtype or out.device != probe.device):
+            raise ValueError(
+                f"converting a model prepared by hf_elixir (parameters {dtype} on {manager.compute_device}) to "
+                f"{out.dtype} on {out.device} is not supported: the copies would not be the chunks the optimizer "
+                "updates, so training would stop silently. Choose the compute dtype with "
+                "ElixirConfig(precision='bf16' | 'fp16' | 'fp32') before prepare; hf_elixir places parameters on "
+                "the device itself (ElixirConfig.device_memory_budget_bytes)")
+        return original(fn, *args, **kwargs)
+
+    return _apply
+
+
 def install_guards(model: torch.nn.Module, manager: ChunkManager) -> list:
     """Install the guards; returns removable hook handles."""
     if callable(getattr(model, "resize_token_embeddings", None)):
         model.resize_token_embeddings = _refuse_resize  # instance attribute shadows the method
+    model._apply = _guard_apply(model, manager)  # instance attribute: .to / .half / .cuda of the root
     return [model.register_forward_pre_hook(lambda module, args: check_all_managed(module, manager), prepend=True)]
