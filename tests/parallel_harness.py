@@ -233,9 +233,12 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
 def _save_and_reload(kind: str, model, full: dict, save_dir: str) -> dict:
     import transformers as T
 
-    from hf_elixir.parallel import save_pretrained_full
-
-    save_pretrained_full(model, save_dir)
+    model.save_pretrained(save_dir)  # the plain HF call gathers the unmodified model's folder (collective)
+    try:  # this rank's parts as state_dict= (what a Trainer would pass): refused, nothing written
+        model.save_pretrained(save_dir + "-partial", state_dict=model.state_dict())
+        partial_refused = False
+    except ValueError as err:
+        partial_refused = "save_pretrained_full" in str(err) and not os.path.exists(save_dir + "-partial")
     cls = {"gpt2": T.GPT2LMHeadModel, "opt": T.OPTForCausalLM,
            "switch": T.SwitchTransformersForConditionalGeneration}[kind]
     loaded = cls.from_pretrained(save_dir)
@@ -249,6 +252,7 @@ def _save_and_reload(kind: str, model, full: dict, save_dir: str) -> dict:
     return {
         "loaded_class": type(loaded).__name__,
         "loaded_bitwise": all(torch.equal(loaded_sd[k], full[k]) for k in full),
+        "partial_refused": partial_refused,
         "loaded_keys_match": set(loaded_sd) == set(full),
         "logits_rel": rel(out_loaded, out_parallel),
     }

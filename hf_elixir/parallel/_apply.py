@@ -90,6 +90,9 @@ def parallelize(model: nn.Module, config: Any, mesh: ElixirMesh | None = None) -
         new = ExpertParallelExperts(container, mesh.ep_group, mesh.ep_rank, mesh.ep_size)
         setattr(named[parent_fqn] if parent_fqn else model, child, new)
     setattr(model, _STATE_ATTR, state)
+    from hf_elixir.parallel._gather import install_save_guard  # noqa: PLC0415 (_gather imports this module)
+
+    install_save_guard(model)
     return state
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from hf_elixir.parallel._apply import get_parallel_state
 from hf_elixir.parallel._tensor_parallel import merge_shards
 
-__all__ = ["gather_full_state_dict", "save_pretrained_full"]
+__all__ = ["gather_full_state_dict", "install_save_guard", "save_pretrained_full"]
 
 
 def _all_gather(t: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:
@@ -85,3 +85,39 @@ def save_pretrained_full(model: nn.Module, save_directory: str | os.PathLike, **
     if dist.get_rank() == 0:
         model.save_pretrained(save_directory, state_dict=full, **kwargs)
     dist.barrier()
+
+
+def install_save_guard(model: nn.Module) -> None:
+    """Make ``model.save_pretrained`` of a parallelized model write the unmodified model's folder.
+
+    Hugging Face's ``save_pretrained(dir)`` saves ``model.state_dict()``: on a rewritten model, this
+    rank's tensor-parallel shards and experts only, a folder that fails to load (tp) or loads with
+    random experts (ep). Without ``state_dict=``, the call becomes :func:`save_pretrained_full`
+    (collective: every rank calls it). With a ``state_dict=`` (Trainer, ``accelerator.get_state_dict``)
+    whose keys or shapes are not the full model's, it raises ``ValueError`` instead of writing a broken
+    folder. Set as an instance attribute (shadows the class method); ``save_pretrained_full`` calls the
+    class method through it with the gathered dict.
+    """
+    if not callable(getattr(model, "save_pretrained", None)):
+        return
+    original = model.save_pretrained
+    state = get_parallel_state(model)
+
+    def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
+        if state_dict is None:
+            full = gather_full_state_dict(model, rank0_only=True)
+            if dist.get_rank() == 0:
+                original(save_directory, *args, state_dict=full, **kwargs)
+            dist.barrier()
+            return None
+        wrong = [k for k, shape in state.full_shapes.items()
+                 if k not in state_dict or tuple(state_dict[k].shape) != shape]
+        if wrong:
+            raise ValueError(
+                f"save_pretrained(state_dict=...) of a tensor/expert-parallel model got this rank's parts "
+                f"({len(wrong)} tensors missing or sharded, e.g. {wrong[:3]}): the folder would not load. Call "
+                "model.save_pretrained(dir) without state_dict on every rank, or "
+                "hf_elixir.parallel.save_pretrained_full(model, dir)")
+        return original(save_directory, *args, state_dict=state_dict, **kwargs)
+
+    model.save_pretrained = save_pretrained
