@@ -155,6 +155,19 @@ def _resolve_default_placement(model, config: ElixirConfig, plan: ElixirPlan | N
     return (replicated if fits else sharded), "default_placement='auto' -> " + reason
 
 
+def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """The plan's memory peak assumes activation checkpointing: turn it on (Hugging Face models)."""
+    enable = (getattr(model, "activation_checkpointing_enable", None)
+              or getattr(model, "gradient_checkpointing_enable", None))
+    if enable is None:
+        logger.warning("ElixirConfig.plan assumes activation checkpointing, but %s has no "
+                       "gradient_checkpointing_enable(); its activations may not fit the plan's peak",
+                       type(model).__name__)
+        return
+    enable()
+    logger.info("hf_elixir: activation checkpointing enabled, as the plan assumes")
+
+
 def _load_plan(config: ElixirConfig) -> ElixirPlan | None:
     plan = config.plan
     if plan is None or isinstance(plan, ElixirPlan):
@@ -168,7 +181,16 @@ def _load_plan(config: ElixirConfig) -> ElixirPlan | None:
 
 
 def _check_plan(plan: ElixirPlan, model: torch.nn.Module, num_params: int, world_size: int,
-                precision: str, num_chunks: int) -> None:
+                precision: str, num_chunks: int, budget: int | None = None) -> None:
+    if plan.precision != precision:  # the one mismatch the user fixes in the config, not by re-planning
+        raise ValueError(f"ElixirConfig.plan was made for precision={plan.precision!r} but ElixirConfig.precision="
+                         f"{precision!r} (the default is 'fp32'; `hf-elixir plan` defaults to bf16): set "
+                         f"ElixirConfig(precision={plan.precision!r}), or re-run `hf-elixir plan --precision "
+                         f"{precision}`")
+    if budget is not None and plan.predicted_peak_device_bytes and plan.predicted_peak_device_bytes > budget:
+        raise ValueError(f"ElixirConfig.plan predicts a device peak of {plan.predicted_peak_device_bytes} bytes but "
+                         f"device_memory_budget_bytes={budget}: the plan was made for a larger budget. Re-run the "
+                         "search (`hf-elixir plan --gpu-memory ...`) for this budget, or raise the budget")
     model_type = getattr(getattr(model, "config", None), "model_type", "")
     problems = []
     if plan.model_type and model_type and plan.model_type != model_type:
@@ -177,8 +199,6 @@ def _check_plan(plan: ElixirPlan, model: torch.nn.Module, num_params: int, world
         problems.append(f"num_params {plan.num_params} (this model has {num_params})")
     if plan.world_size != world_size:
         problems.append(f"world_size {plan.world_size} (this run has {world_size})")
-    if plan.precision != precision:
-        problems.append(f"precision {plan.precision!r} (ElixirConfig.precision is {precision!r})")
     bad = [c for c in plan.resident_chunks + plan.device_shard_chunks + plan.device_optim_chunks if c >= num_chunks]
     if bad:
         problems.append(f"chunk ids {sorted(set(bad))} (this model packs into {num_chunks} chunks)")
@@ -350,6 +370,12 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         TypeError: an unsupported optimizer.
     """
     config = config or ElixirConfig()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"hf_elixir.prepare(model=...) got {type(model).__name__}; pass a torch.nn.Module "
+                        "(e.g. a transformers model)")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"hf_elixir.prepare(optimizer=...) got {type(optimizer).__name__}; pass a torch.optim "
+                        "optimizer built on model.parameters(), or None for inference")
     if not isinstance(config, ElixirConfig):
         raise TypeError(f"hf_elixir.prepare(config={config!r}) must be an ElixirConfig")
     if getattr(model, _ATTR, None) is not None:
@@ -365,6 +391,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         from hf_elixir.search import auto_plan  # noqa: PLC0415 (optional heavy import)
 
         plan = auto_plan(model, sample_batch, config)
+    if plan is not None and plan.activation_checkpointing:
+        _enable_activation_checkpointing(model)
     device = _compute_device()
     _check_precision_supported(config.precision, device)
     group = _default_group(config)
@@ -420,7 +448,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     manager.flag_groups = flag_groups
     num_params = sum(numels)
     if plan is not None:
-        _check_plan(plan, model, num_params, world_size, config.precision, len(chunks))
+        _check_plan(plan, model, num_params, world_size, config.precision, len(chunks),
+                    config.device_memory_budget_bytes)
     handles = install_hooks(model, manager)
     install_guards(model, manager)
     optim_factor = optimizer_state_numel_factor(optimizer) if optimizer is not None else 0

@@ -54,7 +54,8 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--host-memory", default=None, help="host memory per node, e.g. 512GiB (default: measured)")
     plan.add_argument("--batch-size", type=int, default=1, help="micro-batch per rank")
     plan.add_argument("--seq-len", type=int, default=1024)
-    plan.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    plan.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"),
+                      help="compute precision (default: bf16); use the same ElixirConfig(precision=...)")
     plan.add_argument("--safety-margin", type=float, default=0.05, help="fraction of device memory kept free")
     plan.add_argument("--h2d-gbps", type=float, default=None, help="host->device GB/s of the target "
                       "(default: measured here)")

@@ -222,6 +222,10 @@ class ElixirConfig:
                             "(`hf-elixir plan --output plan.yaml`), or None")
         if not isinstance(self.loss_scale, LossScalePolicy):
             raise TypeError(f"ElixirConfig.loss_scale={self.loss_scale!r} must be a LossScalePolicy")
+        if self.process_group is not None and not callable(getattr(self.process_group, "size", None)):
+            raise TypeError(f"ElixirConfig.process_group={self.process_group!r} must be a torch.distributed "
+                            "process group (e.g. torch.distributed.new_group(ranks)) or None for the default "
+                            "group; the backend (nccl / gloo) is chosen at init_process_group")
 
     def _check_plan_field(self) -> None:
         from hf_elixir.plan import ElixirPlan  # noqa: PLC0415 (plan.py imports nothing from here)

@@ -69,7 +69,7 @@ class ModelArguments:
     """Which model and tokenizer to train."""
 
     model_type: str = field(default="gpt2", metadata={"help": "gpt2 | opt (finetune_clm.py); switch_transformers is implied by finetune_switch.py"})
-    model_size: str = field(default="tiny", metadata={"help": "named size built from config: tiny | small | 125m | 350m | ... (see --help_sizes)"})
+    model_size: str = field(default="tiny", metadata={"help": "named size built from config: tiny | small | 125m | 350m | ... (per model type: GPT2_SIZES / OPT_SIZES / SWITCH_SIZES in recipes/_recipe_common.py)"})
     model_name_or_path: str | None = field(default=None, metadata={"help": "hub name or local folder of a pretrained model (replaces --model_size)"})
     tokenizer_name: str | None = field(default=None, metadata={"help": "hub name or folder of a tokenizer (default: the model's, or a BPE trained on the data)"})
     vocab_size: int = field(default=2048, metadata={"help": "vocabulary of the BPE tokenizer trained when no tokenizer is given"})

@@ -162,7 +162,7 @@ def _plan_for(model, **changes):
     ({"model_type": "opt"}, "model_type 'opt' \\(this model is 'gpt2'\\)"),
     ({"world_size": 2}, "world_size 2 \\(this run has 1\\)"),
     ({"num_params": 12345}, "num_params 12345 \\(this model has \\d+\\)"),
-    ({"precision": "bf16"}, "precision 'bf16' \\(ElixirConfig.precision is 'fp32'\\)"),
+    ({"precision": "bf16"}, "precision='bf16' but ElixirConfig.precision='fp32'.*set ElixirConfig\\(precision='bf16'\\)"),
     ({"resident_chunks": [99]}, "chunk ids \\[99\\]"),
     ({"param_order": ["transformer.wte.weight", "encoder.block.0.weight"]}, "names parameters this model lacks"),
 ])
@@ -172,6 +172,30 @@ def test_plan_made_for_another_model_or_world_size_is_rejected(tmp_path, changes
     _plan_for(model, **changes).save(path)
     with pytest.raises(ValueError, match=message):
         hf_elixir.prepare(model, torch.optim.AdamW(model.parameters()), ElixirConfig(plan=str(path)))
+
+
+def test_prepare_arguments_and_process_group_of_the_wrong_kind_say_what_is_expected():
+    model = tiny_model("gpt2")
+    with pytest.raises(TypeError, match="prepare\\(model=...\\) got NoneType; pass a torch.nn.Module"):
+        hf_elixir.prepare(None)
+    with pytest.raises(TypeError, match="prepare\\(optimizer=...\\) got GPT2LMHeadModel"):
+        hf_elixir.prepare(model, model)
+    with pytest.raises(TypeError, match="process_group='nccl' must be a torch.distributed process group"):
+        ElixirConfig(process_group="nccl")
+
+
+def test_plan_for_a_larger_budget_is_rejected_and_its_checkpointing_is_applied(tmp_path):
+    model = tiny_model("gpt2")
+    path = tmp_path / "plan.json"
+    _plan_for(model, predicted_peak_device_bytes=500_000).save(path)
+    with pytest.raises(ValueError, match="predicts a device peak of 500000 bytes but device_memory_budget_bytes="
+                                         "400000: the plan was made for a larger budget"):
+        hf_elixir.prepare(model, torch.optim.AdamW(model.parameters()),
+                          ElixirConfig(plan=str(path), device_memory_budget_bytes=400_000))
+    _plan_for(model, activation_checkpointing=True).save(path)
+    assert not model.is_gradient_checkpointing
+    hf_elixir.prepare(model, torch.optim.AdamW(model.parameters()), ElixirConfig(plan=str(path)))
+    assert model.is_gradient_checkpointing  # the plan's memory peak assumes it
 
 
 @pytest.mark.parametrize("offload", [True, "auto"])

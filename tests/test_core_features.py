@@ -259,6 +259,32 @@ def test_deepcopy_of_a_prepared_model_raises_with_the_way_out():
         assert torch.allclose(other(**b).logits, model(**b).logits, atol=1e-6)
 
 
+def test_dtype_or_device_conversion_after_prepare_raises_and_training_goes_on():
+    """``model.to(bf16)`` / ``.half()`` used to replace the chunk views by copies the optimizer never
+    updates: the loss stopped moving, silently. Now it raises before changing anything; conversions that
+    change nothing still pass (accelerate / Trainer call ``model.to(device)``)."""
+    ref = tiny_model("gpt2")
+    model, opt = _prepare(copy.deepcopy(ref), device_memory_budget_bytes=140_000)
+    batches = [[batch("gpt2", s, 2)] for s in range(2)]
+    _train_elixir(model, opt, batches[:1])
+    model.to("cpu")
+    model.float()
+    for convert in (lambda: model.to(torch.bfloat16), model.half, model.double):
+        with pytest.raises(ValueError, match="ElixirConfig\\(precision="):
+            convert()
+    _train_elixir(model, opt, batches[1:])
+    _train_ref(ref, batches)
+    assert rel_l2(_state(model), _state(ref)) < 1e-5
+
+
+def test_backward_without_an_optimizer_says_so():
+    model, _ = hf_elixir.prepare(tiny_model("gpt2"), None, hf_elixir.ElixirConfig(chunk_size_numel=CHUNK))
+    with pytest.raises(RuntimeError, match="prepared without an optimizer"):
+        model(**batch("gpt2", 0, 2)).loss.backward()
+    with torch.no_grad():
+        assert torch.isfinite(model(**batch("gpt2", 0, 2)).loss)
+
+
 def test_unsupported_optimizer_is_rejected_with_the_list():
     model = tiny_model("gpt2")
     with pytest.raises(TypeError, match="torch.optim.AdamW"):

@@ -77,7 +77,7 @@ class ElixirPlugin:
 
     ```python
     >>> from accelerate import Accelerator
-    >>> from hf_elixir import ElixirPlugin
+    >>> from hf_elixir.integrations import ElixirPlugin
     >>> accelerator = Accelerator()
     >>> plugin = ElixirPlugin()  # settings from `accelerate launch --config_file elixir.yaml`
     >>> model, optimizer, train_dl, scheduler = plugin.prepare(accelerator, model, optimizer, train_dl, scheduler)

@@ -83,7 +83,7 @@ class ElixirCallback(TrainerCallback):
 
     ```python
     >>> from transformers import Trainer, TrainingArguments
-    >>> from hf_elixir import ElixirCallback
+    >>> from hf_elixir.integrations import ElixirCallback
     >>> trainer = Trainer(model, TrainingArguments("out", bf16=True), train_dataset=ds, callbacks=[ElixirCallback()])
     >>> trainer.train()
     >>> trainer.save_model("out/final")  # loads with AutoModel.from_pretrained, no hf_elixir needed
