@@ -263,8 +263,14 @@ def _place(chunks: list[Chunk], plan: ElixirPlan | None, config: ElixirConfig, s
     optim_dev = sum(sizes.optim.values()) if offload_opt is False else 0
     needed = working_set + optim_dev
     if budget < needed:
-        raise budget_error(needed, budget, "the largest pair of adjacent modules (unsharded chunks, two "
+        err = budget_error(needed, budget, "the largest pair of adjacent modules (unsharded chunks, two "
                            "gradient buffers" + (", device optimizer states" if optim_dev else "") + ")")
+        largest = max((s.numel for c in chunks for s in c.slots), default=0)
+        size = max((c.chunk_numel for c in chunks), default=0)
+        if largest and size > largest:
+            err = ValueError(f"{err}; or a smaller ElixirConfig.chunk_size_numel (now {size}; at least the largest "
+                             f"parameter, {largest}) shrinks that working set")
+        raise err
     spare = budget - needed
     reasons = [f"working set {working_set} bytes reserved; optimizer states on "
                f"{'device' if offload_opt is False else 'host'}"]

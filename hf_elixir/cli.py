@@ -14,28 +14,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
 from dataclasses import replace
 from typing import Sequence
 
+from hf_elixir.config import parse_bytes
+
 __all__ = ["main", "parse_bytes"]
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """``"40GiB"`` -> 42949672960; accepts B, KB/MB/GB/TB (powers of 10), KiB/MiB/GiB/TiB and K/M/G/T
-    (powers of 2), and plain integers.
-
-    Raises:
-        ValueError: unparseable text (naming it and the accepted forms).
-    """
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size; write e.g. 40GiB, 512GB, 1.5TiB or 1073741824")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def _gib(value: float | int | None) -> str:
@@ -88,6 +73,9 @@ def _target_hardware(args: argparse.Namespace):
     hw = probe_hardware()
     notes = [f"host-side rates measured on {hw.hostname} ({hw.device_name})"]
     changes: dict = {"world_size": args.num_gpus}
+    for flag, value in (("--gpu-memory", args.gpu_memory), ("--host-memory", args.host_memory)):
+        if value is not None and parse_bytes(value) <= 0:
+            raise SystemExit(f"hf-elixir plan: {flag} {value} must be a positive size, e.g. 40GiB")
     if args.gpu_memory is not None:
         size = parse_bytes(args.gpu_memory)
         changes.update(device_total_bytes=size, device_free_bytes=size)
@@ -111,6 +99,8 @@ def _target_hardware(args: argparse.Namespace):
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.output and not args.output.endswith((".yaml", ".yml", ".json")):
+        raise SystemExit(f"hf-elixir plan: --output {args.output} must end in .yaml, .yml or .json")
     import torch
     from rich.console import Console
     from rich.table import Table

@@ -10,6 +10,8 @@ import dataclasses
 import difflib
 import math
 import os
+import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -26,6 +28,23 @@ def _check_type(name: str, value: Any, types: tuple[type, ...], fix: str) -> Non
         raise TypeError(f"ElixirConfig.{name}={value!r} is a bool; {fix}")
     if not isinstance(value, types):
         raise TypeError(f"ElixirConfig.{name}={value!r} has type {type(value).__name__}; {fix}")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"40GiB"`` -> 42949672960; accepts B, KB/MB/GB/TB (powers of 10), KiB/MiB/GiB/TiB and K/M/G/T
+    (powers of 2), plain integers and ``1e9``-style numbers (YAML reads ``1e9`` as a string).
+
+    Raises:
+        ValueError: unparseable text (naming it and the accepted forms).
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 40GiB, 512GB, 1.5TiB or 1073741824")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def _closest(key: str, valid: list[str]) -> str:
@@ -105,8 +124,9 @@ class ElixirConfig:
         precision (`str`, defaults to `"fp32"`):
             Compute precision: `"fp32"`, `"bf16"` or `"fp16"`. Low precisions keep fp32 master
             weights in the optimizer state; `"fp16"` adds dynamic loss scaling (`loss_scale`).
-        device_memory_budget_bytes (`int`, *optional*):
-            Bytes of device memory the chunk manager may hold for model data (parameter shards,
+        device_memory_budget_bytes (`int` or `str`, *optional*):
+            Bytes (or a size such as `"40GiB"`, `"512MB"`) of device memory the chunk manager may hold
+            for model data (parameter shards,
             gathered chunks, gradient buffers, device optimizer states). `None` means all the device
             has (on CPU-only machines: unlimited, everything resident). Without CUDA the budget bounds a
             simulated device pool so every onload/offload/eviction path still runs.
@@ -168,8 +188,19 @@ class ElixirConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
             raise ValueError(
-                f"ElixirConfig.precision={self.precision!r} is not supported; use one of {PRECISIONS}"
+                f"ElixirConfig.precision={self.precision!r} is not supported; use one of {PRECISIONS}."
+                f"{_closest(str(self.precision).lower().replace('float', 'fp'), list(PRECISIONS))}"
             )
+        if isinstance(self.device_memory_budget_bytes, str):  # "40GiB" (YAML, env, CLI-style)
+            try:
+                object.__setattr__(self, "device_memory_budget_bytes", parse_bytes(self.device_memory_budget_bytes))
+            except ValueError as err:
+                raise ValueError(f"ElixirConfig.device_memory_budget_bytes: {err}") from None
+        if isinstance(self.loss_scale, Mapping):  # the YAML form
+            try:
+                object.__setattr__(self, "loss_scale", LossScalePolicy.from_dict(self.loss_scale))
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"ElixirConfig.loss_scale: {err}") from None
         if self.device_memory_budget_bytes is not None:
             _check_type("device_memory_budget_bytes", self.device_memory_budget_bytes, (int,),
                         "give a whole number of bytes, e.g. 8 * 2**30, or None for all the device has")
@@ -261,12 +292,20 @@ class ElixirConfig:
     @classmethod
     def from_env(cls, prefix: str = "ELIXIR_") -> "ElixirConfig":
         """Read ``ELIXIR_<FIELD>`` environment variables (how settings reach launched processes)."""
+        import yaml  # parse "1024", "true", "{a: b}" the way YAML does
+
+        names = [prefix + f.name.upper() for f in dataclasses.fields(cls)]
+        for key in os.environ:
+            if key.startswith(prefix) and key not in names and key != prefix + "CONFIG_FILE":
+                warnings.warn(f"environment variable {key} is not an ElixirConfig field and is ignored."
+                              f"{_closest(key, names)}", stacklevel=2)
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             raw = os.environ.get(prefix + f.name.upper())
-            if raw is None:
-                continue
-            import yaml  # parse "1024", "true", "{a: b}" the way YAML does
-
-            values[f.name] = yaml.safe_load(raw)
-        return cls.from_dict(values)
+            if raw is not None:
+                values[f.name] = yaml.safe_load(raw)
+        try:
+            return cls.from_dict(values)
+        except (TypeError, ValueError) as err:
+            used = [prefix + k.upper() for k in values]
+            raise type(err)(f"{err} (read from the environment: {', '.join(used)})") from None

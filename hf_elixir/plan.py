@@ -139,8 +139,14 @@ class ElixirPlan:
         return cls(**values)
 
     def save(self, path: str | Path) -> None:
-        """Write JSON (``.json``) or YAML (any other suffix)."""
+        """Write JSON (``.json``) or YAML (``.yaml`` / ``.yml``).
+
+        Raises:
+            ValueError: another suffix (the file would not say what it holds).
+        """
         path = Path(path)
+        if path.suffix not in (".json", ".yaml", ".yml"):
+            raise ValueError(f"ElixirPlan.save({str(path)!r}): use a .yaml, .yml or .json file name")
         if path.suffix == ".json":
             path.write_text(json.dumps(self.to_dict(), indent=2))
         else:

@@ -16,6 +16,7 @@ def test_parse_bytes():
     assert parse_bytes("512GB") == 512 * 10**9
     assert parse_bytes("1.5 KiB") == 1536
     assert parse_bytes("1024") == 1024
+    assert parse_bytes("1e9") == 10**9
     with pytest.raises(ValueError, match="40 gigs"):
         parse_bytes("40 gigs")
 
@@ -59,6 +60,15 @@ def test_plan_command_reads_a_local_config_json(tmp_path, capsys):
 def test_plan_command_reports_unknown_model(capsys):
     assert main(["plan", "--model", "no-such-model-anywhere"]) == 2
     assert "not a built-in config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpu-memory", "0"], "--gpu-memory 0 must be a positive size"),
+    (["--output", "plan.txt"], "--output plan.txt must end in .yaml, .yml or .json"),
+])
+def test_plan_command_names_the_bad_flag(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["plan", "--model", "gpt2", *argv])
 
 
 def test_profile_command_writes_a_png(tmp_path, capsys):

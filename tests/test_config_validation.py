@@ -43,7 +43,10 @@ CONFIG_CASES = [
     ("tensor_parallel_size", "2", TypeError, "tensor_parallel_size='2' has type str"),
     ("tensor_parallel_size", 0, ValueError, "tensor_parallel_size=0 must be >= 1"),
     ("expert_parallel_size", 0, ValueError, "expert_parallel_size=0 must be >= 1"),
-    ("loss_scale", {"init_scale": 2.0}, TypeError, "loss_scale=.* must be a LossScalePolicy"),
+    ("loss_scale", 2.0, TypeError, "loss_scale=.* must be a LossScalePolicy"),
+    ("loss_scale", {"init_scal": 2.0}, ValueError, "loss_scale: unknown LossScalePolicy key 'init_scal'. Did you mean"),
+    ("device_memory_budget_bytes", "lots", ValueError, "device_memory_budget_bytes: cannot read 'lots' as a size"),
+    ("precision", "BF16", ValueError, "precision='BF16' is not supported.*Did you mean 'bf16'"),
 ]
 
 
@@ -172,6 +175,19 @@ def test_plan_made_for_another_model_or_world_size_is_rejected(tmp_path, changes
     _plan_for(model, **changes).save(path)
     with pytest.raises(ValueError, match=message):
         hf_elixir.prepare(model, torch.optim.AdamW(model.parameters()), ElixirConfig(plan=str(path)))
+
+
+def test_yaml_and_env_forms_sizes_loss_scale_mapping_and_env_typos(monkeypatch):
+    cfg = ElixirConfig(device_memory_budget_bytes="40GiB", loss_scale={"init_scale": 2.0})
+    assert cfg.device_memory_budget_bytes == 40 * 2**30 and cfg.loss_scale == LossScalePolicy(init_scale=2.0)
+    monkeypatch.setenv("ELIXIR_DEVICE_MEMORY_BUDGET_BYTES", "1e9")  # YAML 1.1 reads 1e9 as a string
+    monkeypatch.setenv("ELIXIR_PRECISON", "bf16")
+    with pytest.warns(UserWarning, match="ELIXIR_PRECISON is not an ElixirConfig field.*ELIXIR_PRECISION"):
+        assert ElixirConfig.from_env().device_memory_budget_bytes == 10**9
+    monkeypatch.setenv("ELIXIR_DEVICE_MEMORY_BUDGET_BYTES", "-5")
+    with pytest.raises(ValueError, match="read from the environment: ELIXIR_DEVICE_MEMORY_BUDGET_BYTES"), \
+            pytest.warns(UserWarning):
+        ElixirConfig.from_env()
 
 
 def test_prepare_arguments_and_process_group_of_the_wrong_kind_say_what_is_expected():
