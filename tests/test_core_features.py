@@ -285,6 +285,40 @@ def test_backward_without_an_optimizer_says_so():
         assert torch.isfinite(model(**batch("gpt2", 0, 2)).loss)
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_set_to_none_semantics_match_pytorch_with_idle_experts(set_to_none):
+    """set_to_none=False keeps a zero gradient for every parameter that had one, so AdamW still moves
+    MoE experts that got no tokens this step (weight decay, momentum); True skips them."""
+    ref = tiny_model("switch")
+    model = copy.deepcopy(ref)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ref, model)]
+    model, eopt = hf_elixir.prepare(model, opts[1], hf_elixir.ElixirConfig(chunk_size_numel=CHUNK))
+    for step in range(4):
+        b = batch("switch", step, 1, seq=4)  # few tokens: some experts idle in some steps
+        ref(**b).loss.backward()
+        opts[0].step()
+        opts[0].zero_grad(set_to_none=set_to_none)
+        eopt.backward(model(**b).loss)
+        eopt.step()
+        eopt.zero_grad(set_to_none=set_to_none)
+    assert rel_l2(_state(model), _state(ref)) < 1e-5
+
+
+@pytest.mark.parametrize("change", ["unfreeze", "freeze"])
+def test_changing_requires_grad_after_prepare_raises(change):
+    model = tiny_model("gpt2")
+    head = model.transformer.wpe.weight
+    head.requires_grad_(change == "freeze")
+    model, opt = _prepare(model)
+    _train_elixir(model, opt, [[batch("gpt2", 0, 2)]])
+    head.requires_grad_(change == "unfreeze")
+    word = {"freeze": "frozen", "unfreeze": "unfrozen"}[change]
+    with pytest.raises(ValueError, match=f"transformer.wpe.weight' was {word} .* Set requires_grad before prepare"):
+        model(**batch("gpt2", 1, 2))
+    with torch.no_grad():  # evaluation does not care
+        model(**batch("gpt2", 1, 2))
+
+
 def test_unsupported_optimizer_is_rejected_with_the_list():
     model = tiny_model("gpt2")
     with pytest.raises(TypeError, match="torch.optim.AdamW"):

@@ -359,12 +359,15 @@ class ChunkManager:
 
     on_backward_end = None
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, keep_has_grad: bool = False) -> None:
+        """Zero every gradient shard; ``keep_has_grad``: parameters that had a gradient keep a (zero)
+        one for the next step (``zero_grad(set_to_none=False)``), else they have none until backward."""
         for grad_shard in self.grad_shards.values():
             grad_shard.zero_()
         for chunk in self.chunks:
             chunk.grad_shard_clean = True
-        self.has_grad_flags.zero_()
+        if not keep_has_grad:
+            self.has_grad_flags.zero_()
 
 
 def budget_error(needed: int, budget: int, what: str) -> ValueError:

@@ -460,10 +460,18 @@ class ElixirOptimizer(torch.optim.Optimizer):
             if chunk.full_alias:
                 chunk.full_version = chunk.version
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the reduced gradient shards and the has-gradient flags (``set_to_none`` is accepted for
-        API compatibility; shard gradients are always zero-filled buffers)."""
-        self.manager.zero_grad()
+    def zero_grad(self, set_to_none: bool | None = True) -> None:
+        """Zero the reduced gradient shards; ``p.grad`` stays ``None`` (gradients live in chunks).
+
+        ``torch.optim.Optimizer.zero_grad`` semantics: with ``set_to_none=True`` (the default; ``None``
+        counts as ``True``) a parameter with no gradient in the next backward is skipped by the next
+        step; with ``set_to_none=False`` every parameter that had a gradient keeps a zero one, so the
+        step still updates it (momentum, weight decay) — e.g. MoE experts that got no tokens.
+        """
+        self.manager.zero_grad(keep_has_grad=set_to_none is False)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None

@@ -32,13 +32,26 @@ def _refuse_resize(*args, **kwargs):
 
 
 def check_all_managed(model: torch.nn.Module, manager: ChunkManager) -> None:
-    """Raise ``ValueError`` naming the first floating-point parameter ``prepare`` did not pack."""
+    """Raise ``ValueError`` naming the first floating-point parameter ``prepare`` did not pack, or (in a
+    forward that records gradients) whose ``requires_grad`` changed since ``prepare``: chunks hold
+    gradient buffers and optimizer states for the parameters trainable at ``prepare`` only, so a
+    parameter unfrozen later would never be stepped, and one frozen later breaks the budget accounting."""
     slot_of = manager.slot_of
+    grad_enabled = torch.is_grad_enabled()
     for name, param in model.named_parameters():
-        if param not in slot_of and param.is_floating_point():
+        slot = slot_of.get(param)
+        if slot is None:
+            if param.is_floating_point():
+                raise ValueError(
+                    f"parameter {name!r} (shape {tuple(param.shape)}) is not managed by hf_elixir: it was added or "
+                    f"replaced after hf_elixir.prepare, so it would not be sharded, reduced or stepped; {UNMANAGED_FIX}")
+        elif grad_enabled and param.requires_grad != slot.trainable:
             raise ValueError(
-                f"parameter {name!r} (shape {tuple(param.shape)}) is not managed by hf_elixir: it was added or "
-                f"replaced after hf_elixir.prepare, so it would not be sharded, reduced or stepped; {UNMANAGED_FIX}")
+                f"parameter {name!r} was {'unfrozen' if param.requires_grad else 'frozen'} (requires_grad="
+                f"{param.requires_grad}) after hf_elixir.prepare, which laid out gradients and optimizer states for "
+                f"requires_grad={slot.trainable}. Set requires_grad before prepare; to change it mid-training, save "
+                "(hf_elixir.save_checkpoint or save_pretrained), rebuild the model with the new setting, prepare it "
+                "and load")
 
 
 def _guard_apply(model: torch.nn.Module, manager: ChunkManager):
