@@ -243,6 +243,39 @@ def test_budget_is_never_exceeded_and_traffic_is_counted():
     assert stats["h2d_bytes"] > 0 and stats["num_evictions"] > 0 and stats["step_h2d_bytes"] > 0
 
 
+def _full_parameters_edit_worker(rank, world_size):
+    """full_parameters(writeback=False): an edit inside is discarded on exit (as FSDP's
+    summon_full_params), whatever the layout; training goes on as if it never happened."""
+    results = []
+    for budget in (300_000, None):  # the whole model fits unsharded at once, the optimizer states do not
+        ref, model = tiny_model("gpt2"), tiny_model("gpt2")
+        model, opt = _prepare(model, device_memory_budget_bytes=budget, precision="fp32",
+                              default_placement="sharded")
+        batches = [[rank_batch("gpt2", s, rank, world_size, 2)] for s in range(2)]
+        _train_elixir(model, opt, batches[:1])
+        with hf_elixir.full_parameters(model), torch.no_grad():
+            if rank == 0:  # gathered: one rank may run a forward alone (no collective in it)
+                model(**batch("gpt2", 5, 1))
+            model.transformer.h[0].ln_1.weight.fill_(9.0)
+            edited = float(model.state_dict()["transformer.h.0.ln_1.weight"][0])
+        after = float(model.state_dict()["transformer.h.0.ln_1.weight"][0])
+        _train_elixir(model, opt, batches[1:])
+        ref_opt = torch.optim.AdamW(two_groups(ref), lr=5e-3)
+        for s in range(2):
+            ref(**batch("gpt2", s, 2 * world_size)).loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        results.append((edited, after, rel_l2(_state(model), _state(ref))))
+    return results
+
+
+def test_full_parameters_without_writeback_discards_edits():
+    for results in run_distributed(_full_parameters_edit_worker, 2, timeout_s=120):
+        for edited, after, rel in results:
+            assert edited == 9.0 and after != 9.0
+            assert rel < 1e-5
+
+
 def test_deepcopy_of_a_prepared_model_raises_with_the_way_out():
     """A deep copy (EMA / reference models) used to succeed and fail at its first forward with an
     unrelated message; it now fails at once, and the suggested plain copy works."""

@@ -321,7 +321,8 @@ class Chunk(ChunkBytes):
             return
         if self.dirty:
             self.write_back()
-        if self.world_size > 1 and self.host_full_version != self.version:
+        # keep a rank-local host copy only of a current gathered copy (not one full_parameters discarded)
+        if self.world_size > 1 and self.host_full_version != self.version and self.full_version == self.version:
             if self.host_full is None:
                 self.host_full = self.manager.host_empty(self.chunk_numel, self.dtype)
                 self.manager.counters.host_bytes += self.full_bytes

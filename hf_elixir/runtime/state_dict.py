@@ -81,7 +81,13 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
 @contextlib.contextmanager
 def full_parameters(model: torch.nn.Module, *, writeback: bool = False):
     """Unshard every chunk so parameters can be read (and, with ``writeback=True``, written) outside
-    forward/backward; reshard afterwards. Collective under torch.distributed (every rank enters).
+    forward/backward. Collective under torch.distributed (every rank enters).
+
+    With ``writeback=False`` (as FSDP's ``summon_full_params``) in-place edits are discarded on exit:
+    the gathered copies are marked stale, so the next use gathers the shards again and parameters read
+    NaN until then. One exception: at one rank with fp32 parameters resident on the device, the chunk
+    *is* the optimizer's parameter storage (no separate shard or master), so edits stay, as with
+    ``writeback=True``.
 
     Between steps a parameter whose chunk is resharded or stale points at a NaN placeholder
     (``Chunk.hide_stale_params``): reading it directly gives NaN, and a write to it raises (at once, or
@@ -111,6 +117,22 @@ def full_parameters(model: torch.nn.Module, *, writeback: bool = False):
                 chunk.write_back()
             if state.optimizer is not None:
                 state.optimizer.sync_masters_from_params()
+        else:
+            _discard_edits(manager, state.optimizer)
     finally:
         for chunk in pinned:
             chunk.pins -= 1
+    if not writeback:
+        manager.hide_stale()
+
+
+def _discard_edits(manager: ChunkManager, optimizer) -> None:
+    """Forget whatever was written into the gathered copies (``full_parameters(writeback=False)``)."""
+    masters = getattr(optimizer, "masters", {}) if optimizer is not None else {}
+    with torch.no_grad():
+        for chunk in manager.chunks:
+            if not chunk.full_alias:
+                chunk.full_version = -1  # stale: the next use refills from the untouched shard
+                chunk.host_full_version = -1  # and not from a rank-local host copy of the edited buffer
+            elif masters.get(chunk.chunk_id) is not None and masters[chunk.chunk_id] is not chunk.full:
+                chunk.full.copy_(masters[chunk.chunk_id])  # the fp32 master is the untouched copy
