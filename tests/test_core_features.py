@@ -276,6 +276,45 @@ def test_full_parameters_without_writeback_discards_edits():
             assert rel < 1e-5
 
 
+def test_plain_torch_optimizer_state_resumes_under_hf_elixir():
+    """A run started without hf_elixir (a stock Trainer's optimizer.pt) resumes under it: the plain
+    state's numbered parameters are matched by position to the param groups."""
+    ref = tiny_model("gpt2")
+    ropt = torch.optim.AdamW(two_groups(ref), lr=5e-3)
+    batches = [[batch("gpt2", s, 2)] for s in range(4)]
+    for (b,) in batches[:2]:
+        ref(**b).loss.backward()
+        ropt.step()
+        ropt.zero_grad()
+    model = tiny_model("gpt2", seed=7)
+    model.load_state_dict(ref.state_dict())
+    model, opt = _prepare(model, device_memory_budget_bytes=140_000)
+    opt.load_state_dict(copy.deepcopy(ropt.state_dict()))
+    _train_elixir(model, opt, batches[2:])
+    for (b,) in batches[2:]:
+        ref(**b).loss.backward()
+        ropt.step()
+        ropt.zero_grad()
+    assert rel_l2(_state(model), _state(ref)) < 1e-5
+    wrong = {"state": {}, "param_groups": [{"lr": 1.0, "params": [0, 1]}]}
+    with pytest.raises(ValueError, match="matched to this optimizer by position"):
+        opt.load_state_dict(wrong)
+
+
+def test_state_carried_over_warning_only_for_optimizers_that_stepped(caplog):
+    fresh = tiny_model("gpt2")  # Adagrad creates (step=0) state in __init__: nothing is lost
+    with caplog.at_level("WARNING"):
+        hf_elixir.prepare(fresh, torch.optim.Adagrad(fresh.parameters()), hf_elixir.ElixirConfig(chunk_size_numel=CHUNK))
+    assert "already has state" not in caplog.text
+    stepped = tiny_model("gpt2")
+    opt = torch.optim.AdamW(stepped.parameters())
+    stepped(**batch("gpt2", 0, 2)).loss.backward()
+    opt.step()
+    with caplog.at_level("WARNING"):
+        hf_elixir.prepare(stepped, opt, hf_elixir.ElixirConfig(chunk_size_numel=CHUNK))
+    assert "already has state" in caplog.text
+
+
 def test_deepcopy_of_a_prepared_model_raises_with_the_way_out():
     """A deep copy (EMA / reference models) used to succeed and fail at its first forward with an
     unrelated message; it now fails at once, and the suggested plain copy works."""

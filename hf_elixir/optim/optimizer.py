@@ -39,6 +39,12 @@ CONSOLIDATED_FORMAT = "hf_elixir.optimizer.consolidated.v1"
 SHARDED_FORMAT = "hf_elixir.optimizer.sharded.v1"
 
 
+def _is_plain_torch_state(state_dict: dict) -> bool:
+    groups = state_dict.get("param_groups")
+    return isinstance(groups, list) and isinstance(state_dict.get("state"), dict) and all(
+        isinstance(i, int) for g in groups for i in g.get("params", ()))
+
+
 def optimizer_state_numel_factor(optimizer: torch.optim.Optimizer) -> int:
     """fp32 state elements per parameter element (Adam: exp_avg + exp_avg_sq = 2)."""
     group = optimizer.defaults
@@ -86,7 +92,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 f"optimizer slices parameters into shards, which is exact only for element-wise optimizers. "
                 f"Use one of: {names}"
             )
-        if any(len(s) for s in optimizer.state.values()):
+        # state from steps taken (Adagrad creates step=0 state in __init__: nothing is lost there)
+        if any(float(s.get("step", 1)) > 0 for s in optimizer.state.values() if len(s)):
             logger.warning("the optimizer given to hf_elixir.prepare already has state; it is not carried over")
         self.manager = manager
         self.config = config
@@ -565,10 +572,16 @@ class ElixirOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a dict written by :meth:`state_dict` (any world size).
 
+        A plain ``torch.optim`` state dict of the same optimizer class (parameters numbered in
+        param-group order, e.g. a stock ``Trainer`` checkpoint's ``optimizer.pt``) is accepted too: its
+        parameters are matched by position to this optimizer's param groups.
+
         Raises:
-            ValueError: not an hf_elixir optimizer state, or its param groups do not match this
-                optimizer's (names the group, the expected and the found parameter names).
+            ValueError: not an optimizer state this class can read, or its param groups do not match
+                this optimizer's (names the group, the expected and the found parameter names).
         """
+        if "format" not in state_dict and _is_plain_torch_state(state_dict):
+            state_dict = self._from_plain_torch_state(state_dict)
         if state_dict.get("format") != CONSOLIDATED_FORMAT:
             raise ValueError(
                 f"optimizer state_dict format {state_dict.get('format')!r} is not {CONSOLIDATED_FORMAT!r}; "
@@ -619,6 +632,25 @@ class ElixirOptimizer(torch.optim.Optimizer):
         if "master" in self._per_element_keys_local(saved_state):
             self._refresh_compute_copies()
         self.scaler.load_state_dict(state_dict.get("loss_scaler", self.scaler.state_dict()))
+
+    def _from_plain_torch_state(self, state_dict: dict) -> dict:
+        """``torch.optim.Optimizer.state_dict()`` (integer ids) -> the consolidated form (names)."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(saved["params"]) != len(group["params"]) for saved, group in zip(saved_groups, self.param_groups)):
+            raise ValueError(
+                "a plain torch optimizer state_dict is matched to this optimizer by position: it has param groups of "
+                f"{[len(g['params']) for g in saved_groups]} parameters, this optimizer "
+                f"{[len(g['params']) for g in self.param_groups]}; build the optimizer with the same param groups "
+                "as the run that saved it")
+        name_of = {}
+        groups = []
+        for saved, group in zip(saved_groups, self.param_groups):
+            names = [self.manager.slot_of[p].name for p in group["params"]]
+            name_of.update(zip(saved["params"], names))
+            groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": names})
+        state = {name_of[i]: entry for i, entry in state_dict["state"].items() if i in name_of}
+        return {"format": CONSOLIDATED_FORMAT, "state": state, "param_groups": groups}
 
     @staticmethod
     def _per_element_keys_local(saved_state: dict) -> set[str]:
