@@ -110,9 +110,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from hf_elixir.search import search
 
     console = Console(width=None if sys.stdout.isatty() else 140)
-    if args.num_gpus < 1 or args.batch_size < 1 or args.seq_len < 1:
-        raise ValueError("--num-gpus, --batch-size and --seq-len must be >= 1")
     config = load_config(args.model)
+    _check_positions(config, args.seq_len)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     model, batch = meta_model_and_batch(config, batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype)
     profile = profile_step(model, batch, device="meta")
@@ -226,6 +225,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     torch.manual_seed(0)
     config = load_config(args.model)
+    _check_positions(config, args.seq_len)
     model, batch = meta_model_and_batch(config, batch_size=args.batch_size, seq_len=args.seq_len, device="cpu")
     profile = profile_step(model, batch, device="cpu")
     budget = parse_bytes(args.budget) if args.budget else max(1, profile.model_data_bytes("fp32")["total"] // 2)
@@ -261,12 +261,41 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Flag checks both commands share, before any work (each error names the flag).
+
+    Raises:
+        ValueError: a count below 1, a rate that is not a positive finite number, an --output in a
+            folder that does not exist, or a --seq-len beyond the model's positions.
+    """
+    import math
+    import os
+
+    for flag in ("batch_size", "seq_len", "num_gpus"):
+        if getattr(args, flag, 1) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
+    for flag in ("h2d_gbps", "device_tflops", "device_adam_gelems"):
+        value = getattr(args, flag, None)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{flag.replace('_', '-')} {value} must be a positive number")
+    folder = os.path.dirname(os.path.abspath(args.output)) if args.output else ""
+    if folder and not os.path.isdir(folder):
+        raise ValueError(f"--output {args.output}: the folder {folder} does not exist")
+
+
+def _check_positions(config, seq_len: int) -> None:
+    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if limit and seq_len > limit:
+        raise ValueError(f"--seq-len {seq_len} is longer than the model's {limit} positions")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hf-elixir`` console script; returns the exit status."""
     parser = _build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     try:
+        _check_args(args)
         if args.command == "plan":
             return _cmd_plan(args)
         return _cmd_profile(args)

@@ -71,6 +71,23 @@ def test_plan_command_names_the_bad_flag(argv, message):
         main(["plan", "--model", "gpt2", *argv])
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["plan", "--model", "gpt2", "--device-tflops", "nan"], "--device-tflops nan must be a positive number"),
+    (["plan", "--model", "gpt2", "--h2d-gbps", "0"], "--h2d-gbps 0.0 must be a positive number"),
+    (["plan", "--model", "gpt2", "--seq-len", "100000"], "--seq-len 100000 is longer than the model's 1024"),
+    (["plan", "--model", "gpt2", "--output", "/no/such/dir/plan.yaml"], "the folder /no/such/dir does not exist"),
+    (["profile", "--batch-size", "0"], "--batch-size 0 must be >= 1"),
+    (["profile", "--model", "{bad}"], "is not valid JSON"),
+])
+def test_cli_errors_name_the_flag_before_any_work(argv, message, capsys, tmp_path):
+    if "{bad}" in argv:
+        bad = tmp_path / "config.json"
+        bad.write_text("not json")
+        argv = [str(bad) if a == "{bad}" else a for a in argv]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_profile_command_writes_a_png(tmp_path, capsys):
     out = tmp_path / "step.png"
     assert main(["profile", "--output", str(out), "--seq-len", "16"]) == 0

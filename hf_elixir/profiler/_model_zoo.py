@@ -68,7 +68,10 @@ def load_config(model: str):
     if path.is_dir() and (path / "config.json").exists():
         path = path / "config.json"
     if path.is_file():
-        values = json.loads(path.read_text())
+        try:
+            values = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{str(path)!r} is not valid JSON ({err}); pass a transformers config.json") from None
         if "model_type" not in values:
             raise ValueError(f"{str(path)!r} has no 'model_type'; it is not a transformers config.json")
         return AutoConfig.for_model(values.pop("model_type"), **values)
