@@ -376,6 +376,34 @@ def test_zero_grad_set_to_none_semantics_match_pytorch_with_idle_experts(set_to_
     assert rel_l2(_state(model), _state(ref)) < 1e-5
 
 
+def test_many_idle_experts_train_at_the_minimum_budget_and_match_pytorch():
+    """32 experts, 3-token inputs: most experts get no tokens. Their chunks used to hold up the reduce
+    order, keeping every later chunk's gradient buffer alive past the working set that
+    min_device_budget_bytes promises ([Note: idle experts])."""
+    cfg = transformers.SwitchTransformersConfig(
+        vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, num_experts=32,
+        expert_capacity=8, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, dropout_rate=0.0,
+        router_jitter_noise=0.0, decoder_start_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    ref = transformers.SwitchTransformersForConditionalGeneration(cfg)
+    model = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    budget = hf_elixir.min_device_budget_bytes(model, opt)
+    model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(device_memory_budget_bytes=budget))
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 + step)
+        b = {"input_ids": torch.randint(1, 256, (2, 3), generator=g), "labels": torch.randint(1, 256, (2, 6), generator=g)}
+        opt.backward(model(**b).loss)
+        opt.step()
+        opt.zero_grad()
+        ref(**b).loss.backward()
+        ropt.step()
+        ropt.zero_grad()
+    assert hf_elixir.memory_stats(model)["device_peak_bytes"] <= budget
+    assert rel_l2(_state(model), _state(ref)) < 1e-5
+
+
 @pytest.mark.parametrize("change", ["unfreeze", "freeze"])
 def test_changing_requires_grad_after_prepare_raises(change):
     model = tiny_model("gpt2")

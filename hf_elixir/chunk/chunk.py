@@ -130,6 +130,7 @@ class Chunk(ChunkBytes):
         self.grad_full: torch.Tensor | None = None
         self.reduced_this_backward = False
         self.used_slots: set[int] = set()
+        self.subtree_only = False  # only MoE-expert (subtree unit) parameters: see [Note: idle experts]
         self.arrived_slots: set[int] = set()
         self.last_access = 0
         # [Note: rank-local refill] with world_size > 1 an evicted unsharded chunk is kept on the host
@@ -424,7 +425,11 @@ class Chunk(ChunkBytes):
                 return finish_in_place
             finish_in_place()
             return None
-        if self.grad_full is None:
+        if self.grad_full is None:  # no gradient on this rank (idle experts, unused branch)
+            if self.world_size == 1 and self.replicate_group is None:
+                self._mark_reduced()  # no collective to join: adding zeros changes nothing
+                return None
+            self.manager.make_room(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
             pool.charge(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
             self.grad_full = torch.zeros(self.chunk_numel, dtype=self.grad_dtype, device=self.compute_device)
         # [Note: reduce overlap] on CUDA, with the optimizer state on the device, the reduce-scatter and

@@ -10,7 +10,8 @@ one order fixed before the backward starts: descending position of the chunk's f
 preceding forward (a chunk's gradients are complete once backward passes its earliest forward use).
 The forward access sequence is identical on every rank (see the Chunk notes), so is this order. A chunk is reduced
 as soon as it and all chunks before it in that order are ready (all its trainable parameters that the
-forward used on this rank have their gradients); whatever is left is flushed at the end of backward.
+forward used on this rank have their gradients, or it holds only MoE-expert parameters none of which this
+forward used: [Note: idle experts] in hooks.py); whatever is left is flushed at the end of backward.
 Ranks whose MoE experts got no tokens therefore issue the same collectives in the same order.
 """
 
@@ -306,7 +307,11 @@ class ChunkManager:
         torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     def _chunk_ready(self, chunk: Chunk) -> bool:
-        return chunk.used_slots <= chunk.arrived_slots and bool(chunk.arrived_slots)
+        """All gradients this forward's use promises have arrived (at least one: a parameter used
+        functionally outside its unit is not marked), or an idle-experts chunk ([Note: idle experts])."""
+        if chunk.arrived_slots:
+            return chunk.used_slots <= chunk.arrived_slots
+        return not chunk.used_slots and chunk.subtree_only
 
     def _reduce_ready_prefix(self) -> None:
         while self._reduce_cursor < len(self._reduce_order):

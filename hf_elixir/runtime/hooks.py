@@ -248,6 +248,13 @@ def install_hooks(model: torch.nn.Module, manager: ChunkManager) -> list[ModuleH
                 slot.set_state(TensorState.HOLD_AFTER_BWD)
 
     manager.on_backward_end = on_backward_end
+    # [Note: idle experts] a chunk holding only parameters of subtree units (MoE experts), none of
+    # them used by this forward, gets no gradient this backward (children mark their own use; expert
+    # parameters are not used outside their expert). Such a chunk is ready for its (zero) reduce at once,
+    # so it does not hold up the reduce order and keep every later chunk's gradient buffer alive.
+    in_subtree = {id(s) for h in handles if h.subtree for s in h.slots}
+    for chunk in manager.chunks:
+        chunk.subtree_only = bool(chunk.slots) and all(id(s) in in_subtree for s in chunk.slots)
     owners: dict[torch.nn.Parameter, list[ModuleHandle]] = {}
     for handle in handles:
         for slot in handle.trainable_slots:
