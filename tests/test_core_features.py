@@ -247,10 +247,12 @@ def _full_parameters_edit_worker(rank, world_size):
     """full_parameters(writeback=False): an edit inside is discarded on exit (as FSDP's
     summon_full_params), whatever the layout; training goes on as if it never happened."""
     results = []
-    for budget in (300_000, None):  # the whole model fits unsharded at once, the optimizer states do not
+    # 300_000: the whole model fits unsharded at once, the optimizer states do not; None + replicated:
+    # the chunks are the parameters' only copy (snapshot on entry, restored on exit)
+    for budget, placement in ((300_000, "sharded"), (None, "sharded"), (None, "replicated")):
         ref, model = tiny_model("gpt2"), tiny_model("gpt2")
         model, opt = _prepare(model, device_memory_budget_bytes=budget, precision="fp32",
-                              default_placement="sharded")
+                              default_placement=placement)
         batches = [[rank_batch("gpt2", s, rank, world_size, 2)] for s in range(2)]
         _train_elixir(model, opt, batches[:1])
         with hf_elixir.full_parameters(model), torch.no_grad():
@@ -274,6 +276,9 @@ def test_full_parameters_without_writeback_discards_edits():
         for edited, after, rel in results:
             assert edited == 9.0 and after != 9.0
             assert rel < 1e-5
+    for edited, after, rel in _full_parameters_edit_worker(0, 1):  # one rank: fp32 chunks are the storage
+        assert edited == 9.0 and after != 9.0
+        assert rel < 1e-5
 
 
 def test_plain_torch_optimizer_state_resumes_under_hf_elixir():
@@ -341,7 +346,7 @@ def test_dtype_or_device_conversion_after_prepare_raises_and_training_goes_on():
     _train_elixir(model, opt, batches[:1])
     model.to("cpu")
     model.float()
-    for convert in (lambda: model.to(torch.bfloat16), model.half, model.double):
+    for convert in (lambda: model.to(torch.bfloat16), model.half, model.double, model.transformer.h[0].half):
         with pytest.raises(ValueError, match="ElixirConfig\\(precision="):
             convert()
     _train_elixir(model, opt, batches[1:])

@@ -8,8 +8,8 @@ freed chunk storage. These guards turn that into a clear error before any work i
 * ``model.resize_token_embeddings`` (Hugging Face models) raises at once: it copies the old
   embedding, whose storage is freed while its chunk is resharded.
 * a forward pre-hook on the root module checks that every floating-point parameter is managed.
-* ``model.to(dtype)`` / ``.half()`` / ``.bfloat16()`` / ``.to(other_device)`` (everything through the root's
-  ``Module._apply``) raises before it changes anything when it would change a parameter's dtype or
+* ``model.to(dtype)`` / ``.half()`` / ``.bfloat16()`` / ``.to(other_device)``, of the model or of any
+  submodule (everything through ``Module._apply``), raises before it changes anything when it would change a parameter's dtype or
   device: it would replace the chunk views by copies the optimizer never updates (training stops
   silently). Conversions that change nothing (``model.to(the compute device)``) pass.
 """
@@ -78,5 +78,6 @@ def install_guards(model: torch.nn.Module, manager: ChunkManager) -> list:
     """Install the guards; returns removable hook handles."""
     if callable(getattr(model, "resize_token_embeddings", None)):
         model.resize_token_embeddings = _refuse_resize  # instance attribute shadows the method
-    model._apply = _guard_apply(model, manager)  # instance attribute: .to / .half / .cuda of the root
+    for module in model.modules():  # instance attributes: .to / .half / .cuda of the root or any submodule
+        module._apply = _guard_apply(module, manager)
     return [model.register_forward_pre_hook(lambda module, args: check_all_managed(module, manager), prepend=True)]

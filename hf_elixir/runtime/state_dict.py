@@ -85,9 +85,9 @@ def full_parameters(model: torch.nn.Module, *, writeback: bool = False):
 
     With ``writeback=False`` (as FSDP's ``summon_full_params``) in-place edits are discarded on exit:
     the gathered copies are marked stale, so the next use gathers the shards again and parameters read
-    NaN until then. One exception: at one rank with fp32 parameters resident on the device, the chunk
-    *is* the optimizer's parameter storage (no separate shard or master), so edits stay, as with
-    ``writeback=True``.
+    NaN until then. Where the chunk *is* the optimizer's fp32 parameter storage (kept whole on the
+    device: one rank, or replicated placement), it is copied to the host on entry and restored on exit
+    (host memory for those chunks, for the duration of the context).
 
     Between steps a parameter whose chunk is resharded or stale points at a NaN placeholder
     (``Chunk.hide_stale_params``): reading it directly gives NaN, and a write to it raises (at once, or
@@ -111,6 +111,7 @@ def full_parameters(model: torch.nn.Module, *, writeback: bool = False):
             _ensure_full(manager, chunk)
             chunk.pins += 1
             pinned.append(chunk)
+        snapshots = {} if writeback else _snapshot_parameter_storage(manager, state.optimizer)
         yield model
         if writeback:
             for chunk in manager.chunks:
@@ -118,7 +119,7 @@ def full_parameters(model: torch.nn.Module, *, writeback: bool = False):
             if state.optimizer is not None:
                 state.optimizer.sync_masters_from_params()
         else:
-            _discard_edits(manager, state.optimizer)
+            _discard_edits(manager, state.optimizer, snapshots)
     finally:
         for chunk in pinned:
             chunk.pins -= 1
@@ -126,13 +127,27 @@ def full_parameters(model: torch.nn.Module, *, writeback: bool = False):
         manager.hide_stale()
 
 
-def _discard_edits(manager: ChunkManager, optimizer) -> None:
+def _snapshot_parameter_storage(manager: ChunkManager, optimizer) -> dict[int, torch.Tensor]:
+    """Host copies of the chunks that are themselves the parameters' only copy (whole on the device,
+    no separate shard or master), so ``writeback=False`` can restore them."""
+    masters = getattr(optimizer, "masters", {}) if optimizer is not None else {}
+
+    def only_copy(chunk) -> bool:
+        master = masters.get(chunk.chunk_id)
+        return chunk.full_alias and (master is None or master is chunk.full)
+
+    return {c.chunk_id: c.full.detach().to("cpu", copy=True) for c in manager.chunks if only_copy(c)}
+
+
+def _discard_edits(manager: ChunkManager, optimizer, snapshots: dict[int, torch.Tensor]) -> None:
     """Forget whatever was written into the gathered copies (``full_parameters(writeback=False)``)."""
     masters = getattr(optimizer, "masters", {}) if optimizer is not None else {}
     with torch.no_grad():
         for chunk in manager.chunks:
-            if not chunk.full_alias:
+            if chunk.chunk_id in snapshots:
+                chunk.full.copy_(snapshots[chunk.chunk_id])
+            elif not chunk.full_alias:
                 chunk.full_version = -1  # stale: the next use refills from the untouched shard
                 chunk.host_full_version = -1  # and not from a rank-local host copy of the edited buffer
-            elif masters.get(chunk.chunk_id) is not None and masters[chunk.chunk_id] is not chunk.full:
+            elif masters.get(chunk.chunk_id) is not None:
                 chunk.full.copy_(masters[chunk.chunk_id])  # the fp32 master is the untouched copy
