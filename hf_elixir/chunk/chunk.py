@@ -246,9 +246,10 @@ class Chunk(ChunkBytes):
         in-place writes raise (several elements share one memory location); the ones that do not
         (``fill_``, ``zero_``) change that element, and ``param.data = t`` changes the pointer, both of
         which :meth:`stale_writes` finds. The next unshard (forward hook, ``state_dict``,
-        :func:`hf_elixir.full_parameters`) points them back at ``full``. Only called at the optimizer
-        step, when no autograd graph holds the parameters (mid-step, evicted parameters keep their
-        views: saved tensors see the data again on unshard, see [Note: parameters as views])."""
+        :func:`hf_elixir.full_parameters`) points them back at ``full``. Called only where no autograd
+        graph holds the parameters: at the optimizer step, at the end of ``prepare`` and when
+        ``full_parameters(writeback=False)`` exits (mid-step, evicted parameters keep their views:
+        saved tensors see the data again on unshard, see [Note: parameters as views])."""
         if self.hidden or not self.needs_fill():
             return
         if self.stale_values is None:

@@ -127,10 +127,15 @@ def full_parameters(model: torch.nn.Module, *, writeback: bool = False):
         manager.hide_stale()
 
 
+def _masters(optimizer) -> dict[int, torch.Tensor]:
+    """Chunk id -> the optimizer's fp32 master shard (none without an optimizer)."""
+    return getattr(optimizer, "masters", {}) if optimizer is not None else {}
+
+
 def _snapshot_parameter_storage(manager: ChunkManager, optimizer) -> dict[int, torch.Tensor]:
     """Host copies of the chunks that are themselves the parameters' only copy (whole on the device,
     no separate shard or master), so ``writeback=False`` can restore them."""
-    masters = getattr(optimizer, "masters", {}) if optimizer is not None else {}
+    masters = _masters(optimizer)
 
     def only_copy(chunk) -> bool:
         master = masters.get(chunk.chunk_id)
@@ -141,7 +146,7 @@ def _snapshot_parameter_storage(manager: ChunkManager, optimizer) -> dict[int, t
 
 def _discard_edits(manager: ChunkManager, optimizer, snapshots: dict[int, torch.Tensor]) -> None:
     """Forget whatever was written into the gathered copies (``full_parameters(writeback=False)``)."""
-    masters = getattr(optimizer, "masters", {}) if optimizer is not None else {}
+    masters = _masters(optimizer)
     with torch.no_grad():
         for chunk in manager.chunks:
             if chunk.chunk_id in snapshots:
