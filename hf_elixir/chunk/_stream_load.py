@@ -14,6 +14,13 @@ Names: a parameter is looked up under its canonical name, then its aliases (tied
 file written by ``save_pretrained`` keeps only one), then each of those with the model's
 ``base_model_prefix`` added or removed (a base-model checkpoint loaded into a head model, or back).
 
+Model side (:class:`StreamedInit`): every parameter's tensor is found and its shape checked before
+anything moves; parameters on the meta device are swapped (``torch.utils.swap_tensors``, so their
+identity, which optimizers and tied modules hold, is kept) for memory-less CPU placeholders the chunks
+then re-point at views (tied weights are re-tied first: :func:`retie`); buffers still on the meta
+device are read from the files when persistent and saved, and otherwise rebuilt by the model's own ``_init_weights`` (a Hugging Face model recomputes
+rotary ``inv_freq`` there), as ``from_pretrained`` does for keys missing from a checkpoint.
+
 Source: the safetensors format (a little-endian u64 header size, a JSON header with dtype, shape and
 data offsets per tensor, then the raw bytes) and its ``safe_open``/``get_slice`` API; Hugging Face's
 sharded layout (``model.safetensors.index.json`` with a ``weight_map`` from tensor name to file).
@@ -28,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CheckpointReader", "SlotSource", "read_chunk_range"]
+__all__ = ["CheckpointReader", "SlotSource", "StreamedInit", "meta_parameter_names", "read_chunk_range", "retie"]
 
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
@@ -169,3 +176,137 @@ def read_chunk_range(reader: CheckpointReader, sources: list[SlotSource], begin:
             continue
         values = reader.read_flat(src.key, lo - src.offset, hi - src.offset)
         out[lo - begin:hi - begin].copy_(values)
+
+
+def meta_parameter_names(model: torch.nn.Module) -> list[str]:
+    """Names of ``model``'s parameters on the meta device (tied ones once)."""
+    seen: set[int] = set()
+    names = []
+    for name, param in model.named_parameters():
+        if param.is_meta and id(param) not in seen:
+            seen.add(id(param))
+            names.append(name)
+    return names
+
+
+def retie(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Re-tie a Hugging Face model's weights (``model.tie_weights()``, as ``from_pretrained`` does after
+    loading): accelerate's ``init_empty_weights()`` re-creates each registered parameter, so a model built
+    under it has ``lm_head.weight`` and the input embedding as two meta parameters. The optimizer's
+    param groups are pointed at the tied parameter (each parameter once)."""
+    tie = getattr(model, "tie_weights", None)
+    if tie is None:
+        return
+    before = dict(model.named_parameters(remove_duplicate=False))
+    tie()
+    after = dict(model.named_parameters(remove_duplicate=False))
+    replaced = {id(before[n]): after[n] for n in before if n in after and after[n] is not before[n]}
+    if not replaced or optimizer is None:
+        return
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            p = replaced.get(id(p), p)
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        group["params"] = params
+
+
+def _tied_sources(model: torch.nn.Module) -> dict[str, str]:
+    """Hugging Face ``_tied_weights_keys`` as ``{tied name: source name}`` (transformers 5 form; older
+    list forms give nothing, the shared ``nn.Parameter`` already names both)."""
+    tied = getattr(model, "_tied_weights_keys", None)
+    return dict(tied) if isinstance(tied, dict) else {}
+
+
+class StreamedInit:
+    """Prepare a model (on the meta device or not) to take its values from a Hugging Face folder.
+
+    Args:
+        model: the model ``prepare`` got.
+        folder: the checkpoint folder (see :class:`CheckpointReader`).
+        names: every managed parameter -> its names (canonical first, then aliases).
+        device: where rebuilt or loaded buffers go (the compute device).
+
+    Raises:
+        FileNotFoundError: as :class:`CheckpointReader`.
+        ValueError: a parameter has no tensor in the folder, or one of another shape (names them);
+            a buffer on the meta device can be neither loaded nor rebuilt.
+    """
+
+    def __init__(self, model: torch.nn.Module, folder: str | Path, names: dict, device: torch.device) -> None:
+        self.reader = CheckpointReader(folder)
+        self.prefix = getattr(model, "base_model_prefix", "") or ""
+        self.keys: dict[torch.nn.Parameter, str] = {}
+        try:
+            self._resolve(model, names)
+            self._materialize_buffers(model, device)
+            for param in names:
+                if param.is_meta:
+                    placeholder = torch.zeros(1, dtype=param.dtype).expand(param.shape)
+                    torch.utils.swap_tensors(param, torch.nn.Parameter(placeholder, requires_grad=param.requires_grad))
+        except BaseException:
+            self.close()
+            raise
+
+    def _resolve(self, model: torch.nn.Module, names: dict) -> None:
+        tied = _tied_sources(model)
+        missing, mismatched = [], []
+        for param, fqns in names.items():
+            key = self.reader.resolve(list(fqns) + [tied[n] for n in fqns if n in tied], self.prefix)
+            if key is None:
+                missing.append(fqns[0])
+                continue
+            shape = self.reader.shape(key)
+            if shape != param.shape:
+                mismatched.append(f"{fqns[0]} {tuple(param.shape)} vs {key!r} {tuple(shape)}")
+            self.keys[param] = key
+        folder = str(self.reader.folder)
+        if missing:
+            raise ValueError(f"checkpoint={folder!r} has no tensor for parameters {missing[:5]}"
+                             f"{' and more' if len(missing) > 5 else ''}; streamed loading needs every parameter "
+                             "in the folder (from_pretrained would initialise missing ones at random). Use the "
+                             "folder this model's architecture was saved to, or load it with from_pretrained and "
+                             "call prepare without checkpoint=")
+        if mismatched:
+            raise ValueError(f"checkpoint={folder!r} holds tensors of other shapes: {mismatched[:3]}; build the "
+                             "model from the folder's config.json (AutoConfig.from_pretrained(folder))")
+
+    def _materialize_buffers(self, model: torch.nn.Module, device: torch.device) -> None:
+        rebuild: list[tuple[torch.nn.Module, str]] = []
+        for module_name, module in model.named_modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is None or not buf.is_meta:
+                    continue
+                fqn = f"{module_name}.{name}" if module_name else name
+                key = None if name in module._non_persistent_buffers_set else self.reader.resolve([fqn], self.prefix)
+                if key is not None:
+                    module._buffers[name] = self.reader.read(key).to(device, buf.dtype)
+                else:
+                    module._buffers[name] = torch.empty_like(buf, device=device)
+                    rebuild.append((module, fqn))
+        if not rebuild:
+            return
+        init = getattr(model, "_init_weights", None)
+        if init is None:
+            raise ValueError(f"buffers {[f for _, f in rebuild][:5]} are on the meta device and not in checkpoint="
+                             f"{str(self.reader.folder)!r}, and {type(model).__name__} has no _init_weights to "
+                             "rebuild them: build the model with real buffers (accelerate's init_empty_weights() "
+                             "keeps buffers off the meta device)")
+        with torch.no_grad():
+            for module in dict.fromkeys(m for m, _ in rebuild):
+                init(module)  # the model's own code (e.g. rotary inv_freq); meta parameters are left alone
+
+    def fill_for(self, chunk):
+        """``fill(begin, end, out)`` for ``chunk``: its elements ``[begin, end)`` read from the folder."""
+        sources = [SlotSource(self.keys[slot.param], slot.offset, slot.numel) for slot in chunk.slots]
+
+        def fill(begin: int, end: int, out: torch.Tensor) -> None:
+            read_chunk_range(self.reader, sources, begin, end, out)
+
+        return fill
+
+    def close(self) -> None:
+        self.reader.close()
