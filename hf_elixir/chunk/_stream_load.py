@@ -18,8 +18,8 @@ Model side (:class:`StreamedInit`): every parameter's tensor is found and its sh
 anything moves; parameters on the meta device are swapped (``torch.utils.swap_tensors``, so their
 identity, which optimizers and tied modules hold, is kept) for memory-less CPU placeholders the chunks
 then re-point at views (tied weights are re-tied first: :func:`retie`); buffers still on the meta
-device are read from the files when persistent and saved, and otherwise rebuilt by the model's own ``_init_weights`` (a Hugging Face model recomputes
-rotary ``inv_freq`` there), as ``from_pretrained`` does for keys missing from a checkpoint.
+device are read from the files when persistent and saved, and otherwise rebuilt by the model's own
+``_init_weights`` (a Hugging Face model recomputes rotary ``inv_freq`` there), as ``from_pretrained`` does for keys missing from a checkpoint.
 
 Source: the safetensors format (a little-endian u64 header size, a JSON header with dtype, shape and
 data offsets per tensor, then the raw bytes) and its ``safe_open``/``get_slice`` API; Hugging Face's

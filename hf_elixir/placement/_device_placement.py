@@ -21,8 +21,8 @@ from hf_elixir.config import ElixirConfig
 from hf_elixir.optim.optimizer import optimizer_state_numel_factor
 from hf_elixir.plan import ElixirPlan
 
-__all__ = ["Sizes", "choose_host_copies", "default_host_budget_bytes", "place", "place_chunks", "replicated_fits", "resolve_default_placement", "working_set",
-           "working_set_bytes"]
+__all__ = ["Sizes", "choose_host_copies", "default_host_budget_bytes", "place", "place_chunks", "replicated_fits",
+           "resolve_default_placement", "working_set", "working_set_bytes"]
 
 
 class Sizes:
