@@ -305,6 +305,7 @@ class StreamedInit:
 
         def fill(begin: int, end: int, out: torch.Tensor) -> None:
             read_chunk_range(self.reader, sources, begin, end, out)
+            self.reader.close()  # unmap: the file pages read for this chunk leave the process's RSS
 
         return fill
 
