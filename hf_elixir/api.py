@@ -475,7 +475,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         chunk.materialize()
         if not chunk.resident and not chunk.full_alias:
             chunk.reshard()
-    manager.hide_stale()  # resharded parameters read NaN until their first use (not freed memory)
+    manager.hide_stale()  # resharded parameters raise on any read until their first use
     manager._trainable_chunks = [c for c in chunks if c.trainable]
     if plan is None:
         plan = ElixirPlan(

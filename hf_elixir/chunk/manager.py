@@ -74,7 +74,6 @@ class ChunkManager:
         self._reduce_cursor = 0
         self._step_start = self.counters.as_dict()
         self.last_step: dict[str, int] = {}
-        self.stale_checked = True  # False from end_step until check_stale_writes ran
 
     # -- memory helpers ------------------------------------------------------------------------
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -136,12 +135,7 @@ class ChunkManager:
     def access(self, chunks: list[Chunk]) -> None:
         """Unshard ``chunks`` for compute and pin them; record the access; prefetch ahead.
 
-        Raises:
-            RuntimeError: the first access after a step finds writes to stale parameters
-                (:meth:`check_stale_writes`).
         """
-        if not self.stale_checked:
-            self.check_stale_writes()
         pinned: set[int] = {c.chunk_id for c in chunks}
         for chunk in chunks:
             chunk.pins += 1  # pin first so that making room for a sibling never evicts it
@@ -218,38 +212,10 @@ class ChunkManager:
         self._step_start = now
 
     def hide_stale(self) -> None:
-        """Point the parameters of every chunk without a current unsharded copy at NaN placeholders
-        (:meth:`Chunk.hide_stale_params`); the next first access checks them for writes."""
+        """Point the parameters of every chunk without a current unsharded copy at stale placeholders
+        (:meth:`Chunk.hide_stale_params`): reading or writing one raises until its next unshard."""
         for chunk in self.chunks:
             chunk.hide_stale_params()
-        self.stale_checked = not any(c.hidden for c in self.chunks)
-
-    def check_stale_writes(self) -> None:
-        """Once per step, before the first unshard: did the user write a parameter that pointed at a
-        NaN placeholder (:meth:`Chunk.hide_stale_params`)? Such a write cannot reach the chunk (the
-        placeholder is not the parameter's storage); it used to be dropped silently. One device->host
-        read of every hidden chunk's placeholder values.
-
-        Raises:
-            RuntimeError: names the written parameters and the supported ways to write them; the
-                writes are discarded (parameters keep their trained values), so training can go on.
-        """
-        self.stale_checked = True
-        hidden = [c for c in self.chunks if c.hidden and c.stale_values is not None]
-        if not hidden:
-            return
-        written = (~torch.isnan(torch.cat([c.stale_values for c in hidden]))).cpu()
-        names, start = [], 0
-        for chunk in hidden:
-            names += chunk.stale_writes(written[start:start + len(chunk.slots)])
-            start += len(chunk.slots)
-        if names:
-            raise RuntimeError(
-                f"parameters {names[:5]}{' and more' if len(names) > 5 else ''} were written between optimizer "
-                "steps while their chunks were offloaded (hf_elixir points such parameters at NaN "
-                "placeholders); the write was discarded and they keep their trained values. Write "
-                "parameters inside `with hf_elixir.full_parameters(model, writeback=True):` or through "
-                "`model.load_state_dict(...)`")
 
     def reset_peak(self) -> None:
         self.counters.device_peak_bytes = self.counters.device_used_bytes

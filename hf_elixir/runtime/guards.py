@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from hf_elixir.chunk.manager import ChunkManager
+from hf_elixir.chunk.params import plain_classes
 
 __all__ = ["install_guards", "UNMANAGED_FIX"]
 
@@ -38,6 +39,11 @@ def check_all_managed(model: torch.nn.Module, manager: ChunkManager) -> None:
     parameter unfrozen later would never be stepped, and one frozen later breaks the budget accounting."""
     slot_of = manager.slot_of
     grad_enabled = torch.is_grad_enabled()
+    with torch._C.DisableTorchFunctionSubclass():  # metadata of stale placeholders, without dispatch
+        _check_params(model, slot_of, grad_enabled)
+
+
+def _check_params(model: torch.nn.Module, slot_of: dict, grad_enabled: bool) -> None:
     for name, param in model.named_parameters():
         slot = slot_of.get(param)
         if slot is None:
@@ -69,7 +75,8 @@ def _guard_apply(model: torch.nn.Module, manager: ChunkManager):
                 "updates, so training would stop silently. Choose the compute dtype with "
                 "ElixirConfig(precision='bf16' | 'fp16' | 'fp32') before prepare; hf_elixir places parameters on "
                 "the device itself (ElixirConfig.device_memory_budget_bytes)")
-        return original(fn, *args, **kwargs)
+        with plain_classes(manager.slot_of):  # a no-op conversion of a stale placeholder returns it unchanged
+            return original(fn, *args, **kwargs)
 
     return _apply
 
