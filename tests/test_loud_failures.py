@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hf_elixir
-from hf_elixir.chunk.params import StaleParameterError, is_stale
+from hf_elixir.chunk.params import StaleParameterError, UnconsumedGradientError, is_stale
 from tests._dist import run_distributed
 from tests._models import batch, rank_batch, rel_l2, tiny_model, two_groups
 
@@ -184,3 +184,150 @@ def test_parameters_evicted_by_an_eval_forward_or_state_dict_raise_not_freed_mem
                 p.sum()
         current = [p for p in model.parameters() if not is_stale(p)]
         assert all(torch.isfinite(p).all() for p in current)
+
+
+# -- 2. gradients nobody consumes ------------------------------------------------------------------
+
+def _unconsumed_worker(rank, world_size, budget):
+    """After a backward: another optimizer's step over the managed parameters (the one given to prepare,
+    or a new one) and torch.nn.utils.clip_grad_norm_ / clip_grad_value_ raise, naming the fix (they used
+    to do nothing, silently: p.grad is None). Nothing is lost: the run then matches plain PyTorch."""
+    ref = tiny_model("gpt2")
+    model = copy.deepcopy(ref)
+    user_opt = torch.optim.AdamW(two_groups(model), lr=5e-3)
+    model, opt = hf_elixir.prepare(model, user_opt, hf_elixir.ElixirConfig(
+        chunk_size_numel=CHUNK, default_placement="sharded", device_memory_budget_bytes=budget))
+    ref_opt = torch.optim.AdamW(two_groups(ref), lr=5e-3)
+    messages = {}
+    b = _batches(rank, world_size, 1)[0]
+    opt.backward(model(**b).loss)
+    attempts = {
+        "prepared optimizer's original": user_opt.step,
+        "another SGD": torch.optim.SGD(model.parameters(), lr=0.1).step,
+        "clip_grad_norm_": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
+        "clip_grad_value_": lambda: torch.nn.utils.clip_grad_value_(model.parameters(), 1.0),
+    }
+    for what, call in attempts.items():
+        try:
+            call()
+            messages[what] = None
+        except UnconsumedGradientError as err:
+            messages[what] = str(err)
+    norm = float(opt.clip_grad_norm(1.0))
+    opt.step()
+    opt.zero_grad()
+    ref(**batch("gpt2", 0, 2 * world_size)).loss.backward()
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return messages, abs(norm - ref_norm) / ref_norm, rel_l2(_state(model), _state(ref))
+
+
+def test_other_optimizers_and_torch_clipping_raise_on_chunk_gradients():
+    results = [_unconsumed_worker(0, 1, BUDGET), *run_distributed(_unconsumed_worker, 2, None, timeout_s=180)]
+    for messages, norm_err, rel in results:
+        for what, message in messages.items():
+            assert message is not None, f"{what} did not raise"
+            assert "hf_elixir.prepare" in message and "p.grad" in message
+        assert "clip_grad_norm" in messages["clip_grad_norm_"]
+        assert norm_err < 1e-5 and rel < 1e-5
+
+
+def test_clipping_without_pending_gradients_and_plain_models_are_untouched():
+    """No gradient waiting (before backward, after step + zero_grad): torch clipping sees p.grad None and
+    returns 0 as in PyTorch; a second, plain model's optimizer and clipping work as usual."""
+    model, opt = _prepare(tiny_model("gpt2"), BUDGET)
+    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) == 0.0
+    _step(model, opt, batch("gpt2", 0, 2))
+    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) == 0.0
+    plain = tiny_model("gpt2")
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    plain(**batch("gpt2", 0, 2)).loss.backward()
+    assert float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)) > 0
+    plain_opt.step()
+
+
+# -- 3. every way PyTorch users clear gradients clears them here --------------------------------------
+
+CLEARS = ("model.zero_grad()", "model.zero_grad(set_to_none=False)", "optimizer.zero_grad()",
+          "p.grad = None", "submodules zero_grad()", "requires_grad_(False) between steps")
+
+
+def _clear(way, model, opt):
+    if way == "model.zero_grad()":
+        model.zero_grad()
+    elif way == "model.zero_grad(set_to_none=False)":
+        model.zero_grad(set_to_none=False)
+    elif way == "optimizer.zero_grad()":
+        opt.zero_grad()
+    elif way == "p.grad = None" or way.startswith("requires_grad_"):
+        for p in model.parameters():
+            p.grad = None
+    elif way == "submodules zero_grad()":
+        for child in model.children():
+            child.zero_grad()
+
+
+def _clear_worker(rank, world_size, budget, way, accumulate):
+    """Three steps of SGD (momentum, weight decay) cleared the given way, against plain PyTorch cleared
+    the same way; gradients used to accumulate silently across steps for all but optimizer.zero_grad()."""
+    ref = tiny_model("gpt2")
+    model = copy.deepcopy(ref)
+    make = lambda m: torch.optim.SGD(two_groups(m, 0.01), lr=0.05, momentum=0.9)  # noqa: E731
+    model, opt = hf_elixir.prepare(model, make(model), hf_elixir.ElixirConfig(
+        chunk_size_numel=CHUNK, default_placement="sharded", device_memory_budget_bytes=budget))
+    ref_opt = make(ref)
+    for s in range(3):
+        if s == 1 and way.startswith("requires_grad_"):
+            model.transformer.h[0].requires_grad_(False)
+            ref.transformer.h[0].requires_grad_(False)
+        for i in range(accumulate):
+            micro = 3 * s + i
+            (model(**rank_batch("gpt2", micro, rank, world_size, 2)).loss / accumulate).backward()
+            (ref(**batch("gpt2", micro, 2 * world_size)).loss / accumulate).backward()
+        opt.step()
+        ref_opt.step()
+        _clear(way, model, opt)
+        _clear(way, ref, ref_opt)
+    return rel_l2(_state(model), _state(ref))
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("way", CLEARS)
+def test_every_way_of_clearing_gradients_matches_pytorch_one_rank(way, accumulate):
+    assert _clear_worker(0, 1, None, way, accumulate) < 1e-5
+    assert _clear_worker(0, 1, BUDGET, way, accumulate) < 1e-5
+
+
+def _clear_worker_all(rank, world_size):
+    return [(way, acc, _clear_worker(rank, world_size, None, way, acc)) for way in CLEARS for acc in (1, 2)]
+
+
+def test_every_way_of_clearing_gradients_matches_pytorch_two_ranks():
+    for results in run_distributed(_clear_worker_all, 2, timeout_s=300):
+        bad = [(way, acc, rel) for way, acc, rel in results if not rel < 1e-5]
+        assert bad == []
+
+
+def test_accelerate_loop_clearing_through_the_model_matches_pytorch():
+    """Accelerate's own test scripts clear with ``model.zero_grad()`` (not the optimizer); with
+    ElixirPlugin that now clears the chunk gradients too (they used to pile up across steps)."""
+    from accelerate import Accelerator
+
+    from hf_elixir.integrations import ElixirPlugin
+
+    accelerator = Accelerator(cpu=True)
+    ref = tiny_model("gpt2")
+    model = copy.deepcopy(ref)
+    plugin = ElixirPlugin(config=hf_elixir.ElixirConfig(chunk_size_numel=CHUNK, device_memory_budget_bytes=BUDGET))
+    model, opt = plugin.prepare(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for s in range(3):
+        b = batch("gpt2", s, 2)
+        accelerator.backward(model(**b).loss)
+        opt.step()
+        model.zero_grad()
+        ref(**b).loss.backward()
+        ref_opt.step()
+        ref.zero_grad()
+    assert rel_l2(_state(model), _state(ref)) < 1e-5

@@ -180,7 +180,7 @@ class Chunk(ChunkBytes):
             dist.broadcast(full, src=dist.get_global_rank(self.replicate_group, 0), group=self.replicate_group)
         self.full = full
         for slot in self.slots:
-            mark_managed(slot.param, slot.name)
+            mark_managed(slot.param, slot.name, self.manager)
             slot.param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
             slot.state = TensorState.HOLD
         self.full_alias = self.world_size == 1 and self.shard_on_device

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from hf_elixir.chunk.chunk import Chunk, ParamSlot
 from hf_elixir.chunk.memory import DeviceBudgetExceededError, DevicePool, MemoryCounters
+from hf_elixir.chunk.params import raw_grad, set_raw_grad
 from hf_elixir.chunk.states import TensorState
 
 __all__ = ["ChunkManager"]
@@ -74,6 +75,9 @@ class ChunkManager:
         self._reduce_cursor = 0
         self._step_start = self.counters.as_dict()
         self.last_step: dict[str, int] = {}
+        # reduced gradients wait in the shards for the optimizer: set at the end of backward, cleared by the
+        # step and by zero_grad ([Note: gradients in chunks] in params.py)
+        self.grads_pending = False
 
     # -- memory helpers ------------------------------------------------------------------------
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -203,6 +207,7 @@ class ChunkManager:
                 positions[cid].append(i)
             self.prev_positions = dict(positions)
         self.trace = []
+        self.grads_pending = False  # consumed by the step
         self.hide_stale()
         now = self.counters.as_dict()
         self.last_step = {f"step_{k}": now[k] - self._step_start.get(k, 0)
@@ -229,13 +234,13 @@ class ChunkManager:
     # -- gradients -----------------------------------------------------------------------------
     def on_grad(self, param: torch.nn.Parameter) -> None:
         """Post-accumulate-grad hook body: move ``param.grad`` into its chunk's gradient buffer."""
-        grad = param.grad
+        grad = raw_grad(param)
         if grad is None:
             return
         slot = self.slot_of[param]
         chunk = self.chunk_of[param]
         chunk.accumulate_grad(slot, grad)
-        param.grad = None
+        set_raw_grad(param, None)
         chunk.arrived_slots.add(slot.index_in_chunk)
         self._backward_flags[slot.flag_index] = 1.0
         if slot.state is not TensorState.READY_FOR_REDUCE:
@@ -325,6 +330,7 @@ class ChunkManager:
             chunk.used_slots.clear()
             chunk.arrived_slots.clear()
         self.backward_pending = False
+        self.grads_pending = True
         if self.on_backward_end is not None:
             self.on_backward_end()
 
@@ -339,6 +345,24 @@ class ChunkManager:
             chunk.grad_shard_clean = True
         if not keep_has_grad:
             self.has_grad_flags.zero_()
+        self.grads_pending = False
+
+    def clear_param_grad(self, param: torch.nn.Parameter, keep_has_grad: bool = False) -> None:
+        """One parameter's :meth:`zero_grad` (``p.grad = None``, ``submodule.zero_grad()``): zero its
+        elements of this rank's gradient shard; without ``keep_has_grad`` it has no gradient until the
+        next backward gives it one (the step skips it, as PyTorch's optimizers skip ``p.grad is None``)."""
+        slot = self.slot_of.get(param)
+        if slot is None or not slot.trainable or self.backward_pending:
+            return  # backward's own hook clears p.grad after moving it into the chunk
+        chunk = self.chunk_of[param]
+        grad_shard = self.grad_shards.get(chunk.chunk_id)
+        if grad_shard is not None:
+            lo = max(slot.offset, chunk.shard_begin) - chunk.shard_begin
+            hi = min(slot.offset + slot.numel, chunk.shard_begin + chunk.shard_numel) - chunk.shard_begin
+            if hi > lo:
+                grad_shard[lo:hi].zero_()
+        if not keep_has_grad:
+            self.has_grad_flags[slot.flag_index] = 0.0
 
 
 def budget_error(needed: int, budget: int, what: str) -> ValueError:

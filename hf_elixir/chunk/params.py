@@ -22,16 +22,30 @@ pay nothing. Every unshard points the parameters back at the chunk (``Chunk.show
 autograd's saved copies of a leaf parameter see the data again, as with the freed storage before
 ([Note: parameters as views] in chunk.py). Library code that must handle a stale parameter as a tensor
 (``Module._apply`` for a no-op ``model.to``) does so under :func:`plain_classes`.
+
+[Note: gradients in chunks] Backward adds each parameter's gradient into its chunk's buffer and sets
+``p.grad`` back to ``None`` (``ChunkManager.on_grad``); the reduced shards belong to the ElixirOptimizer.
+Code written for ``p.grad`` would otherwise see "no gradient" and do nothing, silently, so the managed
+class makes the usual ways of touching gradients either work or raise :class:`UnconsumedGradientError`:
+``p.grad = None`` (and ``del p.grad``) clears that parameter's chunk gradient, as in PyTorch (the
+manager's ``clear_param_grad``); assigning a tensor raises; ``torch.nn.utils.clip_grad_norm_`` /
+``clip_grad_value_`` reading ``p.grad`` while the chunks hold gradients not yet stepped or cleared raises
+(other readers, such as the Trainer's DTensor check, get ``None`` as before); and a global optimizer
+step pre-hook refuses any optimizer other than hf_elixir's that holds managed parameters (it would
+update nothing). ``model.zero_grad()`` is routed by runtime/guards.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["StaleParameterError", "managed_class", "stale_class", "is_stale", "hide", "show", "plain_classes"]
+__all__ = ["StaleParameterError", "UnconsumedGradientError", "managed_class", "stale_class", "is_stale",
+           "mark_managed", "hide", "show", "plain_classes", "raw_grad", "set_raw_grad"]
 
 _T = torch._C.TensorBase
 
@@ -62,6 +76,15 @@ FIX = ("read or write parameters between steps inside `with hf_elixir.full_param
 
 class StaleParameterError(RuntimeError):
     """A tensor operation touched a managed parameter whose data is not current (see the module Note)."""
+
+
+class UnconsumedGradientError(RuntimeError):
+    """Code that cannot see hf_elixir's chunk gradients tried to use them ([Note: gradients in chunks])."""
+
+
+GRAD_FIX = ("backward adds each gradient into its chunk's buffer and reduce-scatters it, so p.grad stays None and "
+            "only the optimizer hf_elixir.prepare returned (`model, optimizer = hf_elixir.prepare(model, "
+            "optimizer)`) steps, clips and clears these gradients.")
 
 
 def _op_name(func) -> str:
@@ -99,8 +122,43 @@ _MANAGED: dict[type, type] = {}
 _STALE: dict[type, type] = {}
 
 
+def _read_by_clipping() -> bool:
+    """Is the code reading ``p.grad`` (two frames up) PyTorch's gradient clipping?"""
+    frame = sys._getframe(2)
+    return frame.f_globals.get("__name__") == "torch.nn.utils.clip_grad"
+
+
 class _ManagedMixin:
-    """Marks a parameter whose data lives in a chunk (the current, zero-overhead class)."""
+    """Marks a parameter whose data lives in a chunk (the current class: no ``__torch_function__``, so
+    forward and backward pay nothing). ``grad`` is a property ([Note: gradients in chunks])."""
+
+    @property
+    def grad(self):
+        value = _T.grad.__get__(self)
+        if value is None:
+            owner = self.__dict__.get("_hf_elixir_owner")
+            if owner is not None and owner.grads_pending and _read_by_clipping():
+                raise UnconsumedGradientError(
+                    f"torch.nn.utils clipping reads p.grad of {self._hf_elixir_name!r}, which is None under "
+                    f"hf_elixir: {GRAD_FIX} To clip, call optimizer.clip_grad_norm(max_norm) on the optimizer "
+                    "hf_elixir.prepare returned (or accelerator.clip_grad_norm_ with ElixirPlugin / ElixirCallback)")
+        return value
+
+    @grad.setter
+    def grad(self, value) -> None:
+        owner = self.__dict__.get("_hf_elixir_owner")
+        if value is not None:
+            raise RuntimeError(
+                f"assigning a tensor to p.grad of {self.__dict__.get('_hf_elixir_name', '?')!r} is not supported "
+                f"under hf_elixir: {GRAD_FIX} Clear gradients with p.grad = None, model.zero_grad() or "
+                "optimizer.zero_grad(set_to_none=...)")
+        if owner is not None:
+            owner.clear_param_grad(self)
+        _T.grad.__set__(self, None)
+
+    @grad.deleter
+    def grad(self) -> None:
+        self.grad = None
 
 
 def _base_of(cls: type) -> type:
@@ -131,10 +189,44 @@ def is_stale(param: torch.Tensor) -> bool:
     return isinstance(param, _StaleMixin)
 
 
-def mark_managed(param: torch.nn.Parameter, name: str) -> None:
-    """Give ``param`` its managed class and remember its name for error messages (``prepare``)."""
+def mark_managed(param: torch.nn.Parameter, name: str, owner) -> None:
+    """Give ``param`` its managed class; remember its name (for messages) and ``owner``, the chunk
+    manager that keeps its gradient (``grads_pending``, ``clear_param_grad(param)``)."""
     param._hf_elixir_name = name
+    param._hf_elixir_owner = owner
     param.__class__ = managed_class(type(param))
+    _install_step_guard()
+
+
+def raw_grad(param: torch.Tensor):
+    """``param.grad`` as autograd left it (bypasses the managed property)."""
+    return _T.grad.__get__(param)
+
+
+def set_raw_grad(param: torch.Tensor, value) -> None:
+    _T.grad.__set__(param, value)
+
+
+def _foreign_step_guard(optimizer, args, kwargs) -> None:
+    """Global optimizer step pre-hook: an optimizer other than hf_elixir's over managed parameters
+    would update nothing (their p.grad is None), silently."""
+    if getattr(optimizer, "manager", None) is not None and hasattr(optimizer, "masters"):
+        return  # hf_elixir's ElixirOptimizer (its inner optimizers hold shard views, never parameters)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if isinstance(p, _ManagedMixin):
+                raise UnconsumedGradientError(
+                    f"{type(optimizer).__name__}.step() over parameters managed by hf_elixir (e.g. "
+                    f"{p._hf_elixir_name!r}) would update nothing: {GRAD_FIX} Step that optimizer; keep "
+                    "managed parameters out of any other optimizer")
+
+
+_STEP_GUARD = []
+
+
+def _install_step_guard() -> None:
+    if not _STEP_GUARD:
+        _STEP_GUARD.append(register_optimizer_step_pre_hook(_foreign_step_guard))
 
 
 def hide(param: torch.nn.Parameter, placeholder: torch.Tensor) -> None:
