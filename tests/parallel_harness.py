@@ -290,6 +290,55 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
     return metrics
 
 
+class _CountLaunches:
+    """Stands in for a ``@triton.jit`` kernel and counts its launches (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def kernels_case() -> dict:
+    """One forward and backward of the ep-2 Switch model twice, same weights and batch: the MoE
+    permutation through the PyTorch references, then through the Triton kernels
+    (``ExpertParallelExperts.force_triton``, the interpreter on CPU; needs ``TRITON_INTERPRET=1``)."""
+    import hf_elixir
+    import triton_kernels.moe_permutation as moe
+    from hf_elixir.parallel import ExpertParallelExperts, build_mesh, parallelize
+
+    model = make_model("switch")
+    cfg = hf_elixir.ElixirConfig(expert_parallel_size=2)
+    parallelize(model, cfg, build_mesh(cfg))
+    batch = make_batch("switch", 0, dist.get_rank())
+    kernels = {"_gather_rows_kernel": _CountLaunches(moe._gather_rows_kernel),
+               "_combine_rows_kernel": _CountLaunches(moe._combine_rows_kernel)}
+    runs = []
+    for force in (False, True):
+        ExpertParallelExperts.force_triton = force
+        for name, counter in kernels.items():
+            setattr(moe, name, counter if force else counter.kernel)
+        model.zero_grad(set_to_none=True)
+        out = model(**batch)
+        out.loss.backward()
+        runs.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    for name, counter in kernels.items():
+        setattr(moe, name, counter.kernel)
+    ExpertParallelExperts.force_triton = False
+    (logits_ref, grads_ref), (logits_kernel, grads_kernel) = runs
+    last_experts = [n for n in grads_ref if n.startswith("decoder.block.1.") and ".experts." in n]
+    return {
+        "logits_bitwise": torch.equal(logits_kernel, logits_ref),
+        "grad_keys_equal": set(grads_kernel) == set(grads_ref),
+        "grad_rel": max(rel(grads_kernel[n], grads_ref[n]) for n in grads_ref),
+        "num_last_experts": len(last_experts),
+        "last_experts_bitwise": all(torch.equal(grads_kernel[n], grads_ref[n]) for n in last_experts),
+        "launches": min(c.launches for c in kernels.values()),
+    }
+
+
 def _save_and_reload(kind: str, model, full: dict, save_dir: str) -> dict:
     import transformers as T
 
@@ -328,6 +377,7 @@ CASES = {
     "switch_ep2_dp2": lambda d: train_case("switch", ep=2),
     "switch_ep2_empty": lambda d: train_case("switch", ep=2, empty_experts=True),
     "switch_ep2_idle": lambda d: train_case("switch", ep=2, idle=True),
+    "switch_ep2_kernels": lambda d: kernels_case(),
     "switch_ep4_idle": lambda d: train_case("switch", ep=4, idle=True),
     "switch_ep2_dp2_idle": lambda d: train_case("switch", ep=2, idle=True),
     # the same on prepared (chunked) models: hf_elixir.prepare after parallelize
@@ -400,7 +450,7 @@ def run_cases(world_size: int, cases: list[str], out_dir: str, timeout_s: float 
 SUITES = {
     2: ["gpt2_tp2", "opt_tp2", "switch_ep2", "switch_ep2_empty", "elixir_gpt2_tp2", "elixir_gpt2_tp2_tight",
         "elixir_opt_tp2_tight", "elixir_switch_ep2", "elixir_switch_ep2_tight", "elixir_switch_ep2_empty_tight",
-        "switch_ep2_idle", "elixir_switch_ep2_idle"],
+        "switch_ep2_idle", "elixir_switch_ep2_idle", "switch_ep2_kernels"],
     4: ["gpt2_tp2_dp2", "switch_ep4", "switch_ep2_dp2", "elixir_gpt2_tp2_dp2_tight", "elixir_switch_ep2_dp2_tight",
         "switch_ep4_idle", "switch_ep2_dp2_idle", "elixir_switch_ep4_idle_tight", "elixir_switch_ep2_dp2_idle_tight"],
 }

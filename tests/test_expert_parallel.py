@@ -132,3 +132,21 @@ def test_prepared_ep_save_loads_into_unmodified_class(ep_on_2):
     assert m["loaded_class"] == "SwitchTransformersForConditionalGeneration"
     assert m["loaded_keys_match"] and m["loaded_bitwise"] and m["partial_refused"], m
     assert m["logits_rel"] < TOL, m
+
+
+def test_ep_dispatch_and_combine_run_the_triton_kernels(ep_on_2):
+    """Issue 12 item 10: token dispatch/combine around the all-to-all go through triton_kernels.moe_permute /
+    moe_unpermute; forced through the Triton interpreter they match the PyTorch references.
+
+    Bitwise: the logits, and the gradients of the last sparse layer's experts. Every kernel there copies
+    a row or scales it by one gate (single fp32 products, no sums), so nothing can round differently.
+    To fp32 tolerance: every other gradient. The router probability's gradient is a dot product over the
+    hidden dimension, which the kernel sums in another order than torch; it feeds the router and, through
+    the residual stream, every layer below."""
+    m = ep_on_2["switch_ep2_kernels"]
+    assert "error" not in m, m["error"]
+    assert m["launches"] >= 8, m  # 4 sparse layers, forward and backward: the kernels really ran
+    assert m["logits_bitwise"], m
+    assert m["num_last_experts"] == 4 and m["last_experts_bitwise"], m
+    assert m["grad_keys_equal"], m
+    assert m["grad_rel"] < TOL, m
