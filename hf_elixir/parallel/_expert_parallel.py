@@ -97,9 +97,9 @@ class ExpertParallelExperts(nn.ModuleDict):
         send_counts = send_counts_E.view(self.ep_size, -1)
         recv_counts = torch.empty_like(send_counts)  # [src ep rank, local expert]
         torch.distributed.all_to_all_single(recv_counts, send_counts, group=self.group)
-        send_splits = send_counts.sum(dim=1).tolist()
-        recv_splits = recv_counts.sum(dim=1).tolist()
-        expert_rows = recv_counts.sum(dim=0).tolist()
+        sent, received = torch.stack([send_counts, recv_counts]).tolist()  # one host read: the splits
+        send_splits, recv_splits = [sum(row) for row in sent], [sum(row) for row in received]
+        expert_rows = [sum(column) for column in zip(*received)]  # rows per local expert
 
         x_recv = all_to_all(x_send, recv_splits, send_splits, self.group)
         x_by_expert, regroup_map = self._group_by_local_expert(x_recv, recv_counts)
