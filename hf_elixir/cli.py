@@ -227,7 +227,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     config = load_config(args.model)
     _check_positions(config, args.seq_len)
     model, batch = meta_model_and_batch(config, batch_size=args.batch_size, seq_len=args.seq_len, device="cpu")
-    profile = profile_step(model, batch, device="cpu")
+    # probe_hardware() below describes the GPU where there is one: price the CPU-profiled step by its FLOPs there
+    profile = profile_step(model, batch, device="cpu", count_flops=torch.cuda.is_available())
     budget = parse_bytes(args.budget) if args.budget else max(1, profile.model_data_bytes("fp32")["total"] // 2)
     hardware = probe_hardware(budget_bytes=budget)
     result = search(profile, hardware, precision="fp32", device_memory_budget_bytes=budget,
