@@ -242,6 +242,8 @@ def _rel(a: float, b: float) -> float:
 
 
 def _rel_l2(state, ref) -> float:
+    missing = sorted(set(ref) - set(state))
+    assert not missing, f"the prepared model's state_dict lacks {missing[:5]}"
     num = den = 0.0
     for key, want in ref.items():
         got = state[key].detach().double().cpu()
@@ -287,9 +289,7 @@ def section_parity(ctx: Context) -> None:
                 ctx.row({"run": f"hf_elixir {precision} {budget_name}", "skipped": "section time cap"})
                 continue
             try:
-                model = copy.deepcopy(master)
-                if precision == "bf16":
-                    model = model.to(torch.bfloat16)
+                model = copy.deepcopy(master)  # fp32: prepare() makes the bf16 compute copy, fp32 masters
                 budget = {"resident": None, "minimum": _min_budget(model, precision)}.get(budget_name)
                 if budget_name == "half":
                     floor = _min_budget(model, precision)
