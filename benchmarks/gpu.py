@@ -258,26 +258,22 @@ def section_parity(ctx: Context) -> None:
     import torch
 
     from benchmarks._harness import ModelSpec, build_model
+    from benchmarks.peers import _ADAM_KW
 
     torch.backends.cuda.matmul.allow_tf32 = False  # exact fp32 parity needs real fp32 matmuls on both sides
     torch.backends.cudnn.allow_tf32 = False
     deadline = ctx.started + ctx.cap_s - 5
     shape = TINY_GPT2 if ctx.dry_run else GPT2_SMALL
     spec = ModelSpec(**shape, batch_size=2 if ctx.dry_run else 4, seq_len=32 if ctx.dry_run else 512)
-    steps = 2 if ctx.dry_run else 5
-    lr = 1e-4
+    steps, lr = (2 if ctx.dry_run else 5), 1e-4
     torch.manual_seed(0)
     master = build_model(spec)
     ctx.record(model=spec.label(), num_params=sum(p.numel() for p in master.parameters()), steps=steps, lr=lr)
     batches = _batches(spec, steps, ctx.device)
-    # plain PyTorch, fp32: the reference for every run
-    plain = copy.deepcopy(master).to(ctx.device)
-    from benchmarks.peers import _ADAM_KW
-
+    plain = copy.deepcopy(master).to(ctx.device)  # plain PyTorch, fp32: the reference for every run
     rows = _train(plain, torch.optim.AdamW(plain.parameters(), lr=lr, **_ADAM_KW), batches, ctx.device, False,
                   deadline)
-    ref_losses = [r["loss"] for r in rows if "loss" in r]
-    ref_state = {k: v.detach().cpu().clone() for k, v in plain.state_dict().items()}
+    ref = ([r["loss"] for r in rows if "loss" in r], {k: v.detach().cpu().clone() for k, v in plain.state_dict().items()})
     ctx.row({"run": "plain PyTorch fp32", "precision": "fp32", "budget": "-", "steps": rows})
     del plain
     _release(ctx.device)
@@ -285,33 +281,41 @@ def section_parity(ctx: Context) -> None:
     for precision in ("fp32", "bf16"):
         resident_peak = None
         for budget_name in ("resident", "half", "minimum"):
+            run = f"hf_elixir {precision} {budget_name}"
             if time.perf_counter() > deadline:
-                ctx.row({"run": f"hf_elixir {precision} {budget_name}", "skipped": "section time cap"})
+                ctx.row({"run": run, "skipped": "section time cap"})
                 continue
             try:
-                model = copy.deepcopy(master)  # fp32: prepare() makes the bf16 compute copy, fp32 masters
-                budget = {"resident": None, "minimum": _min_budget(model, precision)}.get(budget_name)
-                if budget_name == "half":
-                    floor = _min_budget(model, precision)
-                    budget = max(floor, resident_peak // 2) if resident_peak else floor
-                model, optimizer = _elixir_model(model, precision, budget, ctx.device, lr)
-                steps_rows = _train(model, optimizer, batches, ctx.device, True, deadline)
-                losses = [r["loss"] for r in steps_rows if "loss" in r]
-                if budget_name == "resident" and steps_rows and "pool_peak_bytes" in steps_rows[0]:
-                    resident_peak = max(r.get("pool_peak_bytes", 0) for r in steps_rows)
-                row = _parity_row(precision, budget_name, budget, steps_rows, losses, ref_losses, model, ref_state)
-                ctx.row(row)
-                if not row["ok"]:
-                    failures.append(row["run"])
-                del model, optimizer
+                row = _parity_run(ctx, copy.deepcopy(master), precision, budget_name, resident_peak, batches, lr,
+                                  deadline, ref)
+                if budget_name == "resident":
+                    resident_peak = max((r.get("pool_peak_bytes", 0) for r in row["steps"]), default=0) or None
             except Exception as exc:  # one configuration failing must not lose the others
-                ctx.row({"run": f"hf_elixir {precision} {budget_name}", "ok": False,
-                         "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]})
-                failures.append(f"hf_elixir {precision} {budget_name}")
+                row = {"run": run, "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                       "traceback": traceback.format_exc()[-3000:]}
+            ctx.row(row)
+            if not row["ok"]:
+                failures.append(run)
             _release(ctx.device)
     ctx.record(failed_runs=failures)
     if failures:
         raise AssertionError(f"parity not met: {failures}")
+
+
+def _parity_run(ctx: Context, model, precision: str, budget_name: str, resident_peak: int | None, batches: list,
+                lr: float, deadline: float, ref: tuple[list[float], dict]) -> dict[str, Any]:
+    """One hf_elixir run of the parity grid (``model``: an fp32 copy; ``prepare`` makes the bf16 compute copy
+    and keeps fp32 masters). Budgets: ``resident`` None, ``minimum`` the library's, ``half`` half the
+    resident run's pool peak (never below the minimum)."""
+    budget = None
+    if budget_name != "resident":
+        budget = _min_budget(model, precision)
+        if budget_name == "half" and resident_peak:
+            budget = max(budget, resident_peak // 2)
+    model, optimizer = _elixir_model(model, precision, budget, ctx.device, lr)
+    steps_rows = _train(model, optimizer, batches, ctx.device, True, deadline)
+    losses = [r["loss"] for r in steps_rows if "loss" in r]
+    return _parity_row(precision, budget_name, budget, steps_rows, losses, ref[0], model, ref[1])
 
 
 def _parity_row(precision, budget_name, budget, steps_rows, losses, ref_losses, model, ref_state) -> dict:

@@ -86,7 +86,8 @@ def _target_hardware(args: argparse.Namespace):
         changes.update(h2d_bytes_per_s=args.h2d_gbps * 1e9, d2h_bytes_per_s=args.h2d_gbps * 1e9)
         notes.append(f"host<->device {args.h2d_gbps} GB/s given")
     if args.device_tflops is not None:
-        changes["device_flops_per_s"] = args.device_tflops * 1e12
+        # one rate for every precision: the measured fp32 rate of this machine must not override it
+        changes["device_flops_per_s"] = changes["device_fp32_flops_per_s"] = args.device_tflops * 1e12
         notes.append(f"device {args.device_tflops} TFLOP/s given")
     if args.device_adam_gelems is not None:
         changes["device_adam_numel_per_s"] = args.device_adam_gelems * 1e9

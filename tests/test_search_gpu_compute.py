@@ -125,3 +125,15 @@ def test_reduce_of_device_optimizer_chunks_runs_on_the_reduce_stream():
     host = Knobs(resident=everything, device_shard=everything)
     assert predict(step, host, _gpu(2), pool_bytes=GIB).forward_backward_s == pytest.approx(
         predict(step, host, replace(_gpu(2), can_overlap=False), pool_bytes=GIB).forward_backward_s)
+
+
+def test_plan_device_tflops_applies_to_fp32_plans_too(monkeypatch):
+    """``hf-elixir plan --device-tflops`` gives the target's rate; this machine's measured fp32 rate must not
+    replace it for an fp32 plan."""
+    from hf_elixir import cli
+
+    monkeypatch.setattr("hf_elixir.profiler.probe_hardware", lambda *a, **k: replace(
+        _gpu(), device_kind="cpu", device_flops_per_s=1e11, device_fp32_flops_per_s=1e11))
+    args = cli._build_parser().parse_args(["plan", "--model", "gpt2", "--gpu-memory", "40GiB", "--device-tflops", "300"])
+    hardware, _ = cli._target_hardware(args)
+    assert hardware.flops_rate("fp32") == hardware.flops_rate("bf16") == 300e12
