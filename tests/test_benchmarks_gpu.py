@@ -20,8 +20,8 @@ def test_gpu_script_dry_run_runs_every_section(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     sections = results["sections"]
     assert results["dry_run"] is True
-    assert set(sections) == {"env", "kernels", "adamw_bw", "parity", "opt_elixir", "opt_fsdp2", "opt_plain",
-                             "opt_deepspeed"}
+    assert set(sections) == {"env", "kernels", "adamw_bw", "parity", "search", "opt_elixir", "opt_fsdp2",
+                             "opt_plain", "opt_deepspeed"}
     assert all(s["status"] in ("ok", "skipped") for s in sections.values()), {n: s.get("error") for n, s in sections.items()}
     # nothing the lent GPU image lacks is imported
     assert sections["env"]["unneeded_imports"] == []
@@ -37,6 +37,9 @@ def test_gpu_script_dry_run_runs_every_section(tmp_path):
     assert all("pool_peak_bytes" in step for r in runs[1:] for step in r["steps"])
     minimum = next(r for r in runs if r["run"] == "hf_elixir fp32 minimum")
     assert minimum["budget_bytes"] > 0 and any(step["onloads"] > 0 for step in minimum["steps"])
+    # the search priced the step from counted FLOPs (a meta profile) and its plan ran
+    search = sections["search"]
+    assert search["flops"] > 0 and search["predicted_compute_s"] > 0 and search["measured_step_s"] > 0
     # the OPT-1.3B configuration is real and its budget forces offload
     meta = sections["opt_elixir"]["meta_models"]["opt_1_3b"]
     assert meta["num_params"] > 1.3e9 and meta["min_budget_bytes"] < meta["fp32_adamw_model_data_bytes"]
