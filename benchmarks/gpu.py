@@ -533,10 +533,10 @@ def _run_child(name: str, out: Path, args: argparse.Namespace, cap_s: float) -> 
     started = time.perf_counter()
     with open(log, "w") as handle:
         try:
-            proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, timeout=cap_s + 10)
+            proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, timeout=cap_s + 5)
             status = None if proc.returncode in (0, 1) else f"crashed (exit status {proc.returncode})"
         except subprocess.TimeoutExpired:
-            status = f"timeout (killed after {cap_s + 10:.0f} s)"
+            status = f"timeout (killed after {cap_s + 5:.0f} s)"
     result: dict[str, Any] = {"rows": []}
     if path.exists():
         try:
