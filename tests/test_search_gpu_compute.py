@@ -137,3 +137,19 @@ def test_plan_device_tflops_applies_to_fp32_plans_too(monkeypatch):
     args = cli._build_parser().parse_args(["plan", "--model", "gpt2", "--gpu-memory", "40GiB", "--device-tflops", "300"])
     hardware, _ = cli._target_hardware(args)
     assert hardware.flops_rate("fp32") == hardware.flops_rate("bf16") == 300e12
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_copies_within_the_device_are_not_priced_at_the_pcie_rate(precision):
+    """Everything resident with its optimizer on the device moves nothing over PCIe: the gradient copies into
+    their buffers and the refresh of the compute copies run at the device's memory rate (derived from the
+    fused AdamW rate), so the predicted step does not depend on the host<->device bandwidth."""
+    model, sample = tiny_model("gpt2"), batch("gpt2", 0, 2, seq=8)
+    step = build_chunked_step(profile_step(model, sample, device="cpu", count_flops=True), 4096, world_size=1,
+                              precision=precision, hardware=_gpu())
+    everything = frozenset(range(step.num_chunks))
+    knobs = Knobs(resident=everything, device_shard=everything, device_optim=everything)
+    fast = predict(step, knobs, _gpu(), pool_bytes=GIB)
+    slow = predict(step, knobs, replace(_gpu(), h2d_bytes_per_s=1e6, d2h_bytes_per_s=1e6), pool_bytes=GIB)
+    assert fast.h2d_bytes == fast.d2h_bytes == 0
+    assert slow.step_s == pytest.approx(fast.step_s, rel=1e-9)

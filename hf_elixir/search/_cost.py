@@ -40,7 +40,8 @@ step time), plus, all measured by :func:`~hf_elixir.profiler.probe_hardware`: hf
 module call (``hook_event_s``), per onload a fixed cost (``onload_fixed_s``) and the bytes at the
 copy/all-gather bandwidth, per trained chunk its gradient copies and reduce-scatter, then the optimizer
 step (per parameter view ``optim_tensor_s`` plus elements at the host/device AdamW rate) and the
-copies refreshing compute copies whose master lives elsewhere. Where copies overlap compute
+copies refreshing compute copies whose master lives elsewhere (copies within a CUDA device at its memory
+rate, :func:`_local_copy_rate`; across PCIe at the copy bandwidth). Where copies overlap compute
 (``hardware.can_overlap``, CUDA) a local onload may start ``prefetch_depth`` events early on its own stream;
 on CPU everything is serial. See [Note: overlap] for exactly what overlaps.
 
@@ -338,6 +339,16 @@ def optim_bytes_per_numel(precision: str, master: bool = False, optim_states: in
     return 4 + 4 * optim_states + (4 if (master or precision != "fp32") else 0)
 
 
+def _local_copy_rate(hardware: HardwareProfile) -> float:
+    """Bytes/s of a copy within the device (gradient into its buffer, a cast refreshing a compute copy).
+    Off CUDA the "device" is host memory: the measured copy rate. On CUDA the copy is bound by HBM, which
+    the fused AdamW rate measures: 28 bytes of traffic per element (see ``profiler/_gpu_presets.py``), a
+    copy 2 bytes of traffic per byte copied."""
+    if hardware.device_kind == "cuda" and hardware.device_adam_numel_per_s:
+        return hardware.device_adam_numel_per_s * 28 / 2
+    return hardware.h2d_bytes_per_s or 1e10
+
+
 def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, int]]:
     """(fixed device bytes, host bytes, breakdown) per rank; see [Note: memory accounting]."""
     b = DTYPE_BYTES[step.precision]
@@ -385,6 +396,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     d2h_rate = hardware.d2h_bytes_per_s or 1e10
     ag_rate = hardware.allgather_bytes_per_s or h2d_rate
     rs_rate = hardware.reduce_scatter_bytes_per_s or d2h_rate
+    local_rate = _local_copy_rate(hardware)
     ar_rate = hardware.allreduce_rate() or 1.0 / (1.0 / rs_rate + 1.0 / ag_rate)
     # off CUDA a gradient collective finishes (frees its buffers) two reduces later, as in ChunkManager._reduce
     async_reduce = hardware.device_kind != "cuda" and (ws > 1 or step.replicated)
@@ -489,7 +501,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             used += g
             grad_live += g
             peak = max(peak, used)
-            t_compute += step.trained_numels[c] * 4 / h2d_rate  # gradients copied into the buffer
+            t_compute += step.trained_numels[c] * 4 / local_rate  # gradients copied into the buffer
         grad_peak = max(grad_peak, grad_live)
         for c in reduce_at.get(k, []):
             g = step.chunk_numels[c] * step.grad_elem_bytes
@@ -509,7 +521,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 reduce_s += g / ar_rate
             if c not in knobs.device_optim:
                 d2h_bytes += shard_g
-            reduce_s += shard_g / d2h_rate  # reduced gradient added into the fp32 gradient shard
+            # reduced gradient added into the fp32 gradient shard (on the host unless its optimizer is on the device)
+            reduce_s += shard_g / (local_rate if c in knobs.device_optim else d2h_rate)
             if hardware.can_overlap and c in knobs.device_optim:  # the reduce stream ([Note: reduce overlap])
                 t_reduce = max(t_reduce, t_compute) + reduce_s
             else:
@@ -524,7 +537,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     fwd_bwd = max(t_compute, t_copy, t_reduce)  # the end of backward joins the copy and reduce streams
     compute_s = sum(step.event_compute_s)
     host_numel = dev_numel = 0
-    refresh_bytes = 0
+    refresh_bytes = device_refresh_bytes = 0  # casts refreshing compute copies; of which within the device
     views = 0
     for c in range(step.num_chunks):
         if not step.trained_numels[c]:
@@ -539,11 +552,14 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             refresh_bytes += step.shard_numel(c) * b
             if (c in knobs.device_optim) != (c in held):
                 h2d_bytes += step.shard_numel(c) * b
+            elif c in held:
+                device_refresh_bytes += step.shard_numel(c) * b
     host_s = host_numel / (hardware.host_adam_numel_per_s or 1e9)
     dev_s = dev_numel / (hardware.device_adam_numel_per_s or 1e9)
     regather = sum(step.full_bytes(c) for c in knobs.resident if step.trained_numels[c]) if ws > 1 else 0
     ag_bytes += regather
-    tail_s = refresh_bytes / h2d_rate + regather / ag_rate + views * hardware.optim_tensor_s
+    tail_s = ((refresh_bytes - device_refresh_bytes) / h2d_rate + device_refresh_bytes / local_rate
+              + regather / ag_rate + views * hardware.optim_tensor_s)
     optim_s = host_s + dev_s + tail_s  # host update, then the device kernels (see [Note: overlap])
     breakdown = dict(breakdown, cache=cache_peak, grad_buffers=grad_peak)
     breakdown["activations"] = step.activation_bytes if activations_on_device else 0

@@ -557,12 +557,14 @@ def _auto_data_parallel(model: nn.Module, config: Any, world_size: int) -> tuple
 def brute_force_grid(profile: StepProfile, hardware: HardwareProfile, *, world_size: int = 1, precision: str = "fp32",
                      device_memory_budget_bytes: int, chunk_size_numel: int, safety_margin: float = 0.05,
                      activations_on_device: bool = False, prefetch_depths: Iterable[int] = (0,),
-                     optim_states: int = 2) -> list[Candidate]:
+                     optim_states: int = 2, activation_checkpointing: bool = False) -> list[Candidate]:
     """Every (resident prefix, device-shard prefix, device-optimizer prefix, prefetch) point that fits,
     priced with the same pool as :func:`search` (for small models; used to check the search against
-    exhaustive enumeration). Sorted fastest first."""
+    exhaustive enumeration), at one chunk size and one ``activation_checkpointing`` setting. Sorted
+    fastest first."""
     step = build_chunked_step(profile, chunk_size_numel, world_size=world_size, precision=precision,
-                              hardware=hardware, optim_states=optim_states)
+                              hardware=hardware, optim_states=optim_states,
+                              activation_checkpointing=activation_checkpointing)
     limit = int(device_memory_budget_bytes * (1.0 - safety_margin))
     act = step.activation_bytes if activations_on_device else 0
     pool = device_memory_budget_bytes if not activations_on_device else limit - act
@@ -581,7 +583,8 @@ def brute_force_grid(profile: StepProfile, hardware: HardwareProfile, *, world_s
                                   prefetch_depth=depth)
                     pred = predict(step, knobs, hardware, pool_bytes=pool, activations_on_device=activations_on_device)
                     if pred is not None and _fits(step, knobs, pred, pool, limit - act):
-                        out.append(Candidate(chunk_size_numel, False, replace(knobs, cache_blocks=pred.cache_blocks),
+                        out.append(Candidate(chunk_size_numel, activation_checkpointing,
+                                             replace(knobs, cache_blocks=pred.cache_blocks),
                                              pred))
     out.sort(key=lambda c: c.prediction.step_s)
     return out
