@@ -31,7 +31,8 @@ import torch
 
 __all__ = ["setup_elixir", "elixir_available"]
 
-_COUNTERS = ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes", "num_evictions")
+_COUNTERS = ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes", "num_evictions", "gather_wait_s",
+             "reduce_wait_s")
 
 
 def elixir_available() -> str:
@@ -192,7 +193,7 @@ def setup_elixir(model, spec, rank):
 
     def stats() -> dict[str, Any]:
         end = dict(hf_elixir.memory_stats(model))
-        out: dict[str, Any] = {k: int(v) for k, v in end.items()}
+        out: dict[str, Any] = {k: v if isinstance(v, float) else int(v) for k, v in end.items()}
         out["budget_bytes"] = budget_bytes
         out.update(budget_info)
         timed = state["steps"] - spec.warmup_steps

@@ -52,6 +52,8 @@ class ModelSpec:
     n_positions: int = 128
     batch_size: int = 4
     seq_len: int = 128
+    word_embed_proj_dim: int = 0  # OPT only: embedding width projected to n_embd (0 = n_embd, no projection)
+    layer_norm_before: bool = True  # OPT only: pre-LN (False: OPT-350m's post-LN)
 
     def __post_init__(self) -> None:
         if self.family not in ("gpt2", "opt"):
@@ -141,20 +143,22 @@ def build_model(spec: ModelSpec):
     from transformers import OPTConfig, OPTForCausalLM
 
     config = OPTConfig(hidden_size=spec.n_embd, num_hidden_layers=spec.n_layer, num_attention_heads=spec.n_head,
-                       ffn_dim=4 * spec.n_embd, vocab_size=spec.vocab_size, word_embed_proj_dim=spec.n_embd,
+                       ffn_dim=4 * spec.n_embd, vocab_size=spec.vocab_size,
+                       word_embed_proj_dim=spec.word_embed_proj_dim or spec.n_embd,
+                       do_layer_norm_before=spec.layer_norm_before,
                        max_position_embeddings=spec.n_positions, dropout=0.0, attention_dropout=0.0,
                        pad_token_id=1, bos_token_id=2, eos_token_id=2)
     return OPTForCausalLM(config)
 
 
 def count_params(spec: ModelSpec) -> int:
-    """Parameters of GPT2LMHeadModel(spec) with the tied lm_head counted once (analytic, exact).
-
-    Raises:
-        ValueError: ``spec.family`` is not ``"gpt2"`` (only GPT-2 is counted analytically).
-    """
+    """Parameters of the model for ``spec`` with the tied lm_head counted once: GPT-2 analytically (exact),
+    OPT by building it on the meta device (nothing allocated)."""
     if spec.family != "gpt2":
-        raise ValueError(f"count_params: ModelSpec.family={spec.family!r}; only 'gpt2' is counted analytically")
+        import torch
+
+        with torch.device("meta"):
+            return sum(p.numel() for p in build_model(spec).parameters())
     d, v, p, layers = spec.n_embd, spec.vocab_size, spec.n_positions, spec.n_layer
     per_layer = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
     return v * d + p * d + layers * per_layer + 2 * d

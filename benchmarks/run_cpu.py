@@ -5,6 +5,12 @@ Run from the repository root (about 10-15 minutes on 2 cores)::
     PYTHONPATH=$PWD python benchmarks/run_cpu.py
 
 ``--quick`` uses a microscopic model and 1 step per peer (what ``tests/test_benchmarks.py`` runs).
+``--model gpt2-124m`` / ``--model opt-350m`` run the real Hugging Face shapes (GPT-2 small: 12 layers,
+d 768, 12 heads, vocab 50257, 1024 positions; OPT-350m: 24 layers, d 1024, 16 heads, ffn 4096, 512-wide
+embeddings projected to 1024, post-LN, vocab 50272, 2048 positions; configs built offline) at 2 ranks,
+batch 2 x 256 per rank, for DDP, FSDP2 with and without CPUOffload, DeepSpeed ZeRO-3 offload and
+hf_elixir all-resident / 50% budget searched / minimum budget (hours on 2 busy cores: run it on a quiet
+machine). ``--model tiny`` (the default) is the 5M-parameter GPT-2 of the full suite.
 Writes ``RESULTS.md`` (markdown tables, headline ratios against the project's targets), ``results.png``
 and ``results.json`` into ``--out-dir`` (default: ``benchmarks/``). Every peer runs in its own spawned
 process group (see ``benchmarks/_harness.py``); the per-rank logs go to ``--work-dir``.
@@ -35,6 +41,17 @@ __all__ = ["main", "run_suite", "SuiteConfig"]
 
 MIB = 2**20
 
+#: ``--model`` presets (real Hugging Face shapes except ``tiny``), batch per rank
+PRESETS: dict[str, ModelSpec] = {
+    "tiny": ModelSpec(),
+    "gpt2-124m": ModelSpec(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024, batch_size=2,
+                           seq_len=256),
+    "opt-350m": ModelSpec(family="opt", n_layer=24, n_embd=1024, n_head=16, vocab_size=50272, n_positions=2048,
+                          word_embed_proj_dim=512, layer_norm_before=False, batch_size=2, seq_len=256),
+}
+#: the rows issue 14 asks of a realistic preset (2 ranks)
+PRESET_PEERS = ("ddp", "fsdp2", "fsdp2_offload", "ds_zero3_offload", "elixir_resident", "elixir_search", "elixir_min")
+
 
 @dataclasses.dataclass(kw_only=True)
 class SuiteConfig:
@@ -61,6 +78,21 @@ class SuiteConfig:
     @classmethod
     def full(cls) -> "SuiteConfig":
         return cls(model=ModelSpec(), largest_base=ModelSpec(batch_size=1, seq_len=64))
+
+    @classmethod
+    def preset(cls, name: str) -> "SuiteConfig":
+        """``tiny``: :meth:`full`; a realistic preset: :data:`PRESET_PEERS` at 2 ranks, 1 warm-up + 4 timed steps.
+
+        Raises:
+            ValueError: ``name`` is not a key of :data:`PRESETS`.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"--model {name!r} is not a preset; use one of {', '.join(PRESETS)}")
+        if name == "tiny":
+            return cls.full()
+        return cls(model=PRESETS[name], largest_base=ModelSpec(batch_size=1, seq_len=64), warmup_steps=1, steps=4,
+                   world_sizes=(2,), peers=PRESET_PEERS, run_largest=False, run_moe=False, profile=False, rounds=1,
+                   timeout_s=4 * 3600.0)
 
     @classmethod
     def quick(cls) -> "SuiteConfig":
@@ -218,7 +250,9 @@ def _run_largest(cfg: SuiteConfig, work_dir: Path, skipped: dict[str, str], elix
 # report
 
 MAIN_COLUMNS = ["peer", "ranks", "median step (s)", "min (s)", "max (s)", "tokens/s", "vs PyTorch",
-                "peak RSS/rank (MiB)", "device peak (MiB)", "H2D/step (MiB)", "D2H/step (MiB)", "loss first->last"]
+                "peak RSS/rank (MiB)", "device peak (MiB)", "H2D/step (MiB)", "D2H/step (MiB)",
+                "all-gather/step (MiB)", "reduce-scatter/step (MiB)", "blocked in gathers/reduces per step (s)",
+                "loss first->last"]
 
 
 def _reference(runs: list[RunResult], world_size: int) -> RunResult | None:
@@ -244,9 +278,19 @@ def main_table_rows(runs: list[RunResult]) -> list[list[str]]:
             f"{e['device_peak_bytes'] / MIB:.2f}" if "device_peak_bytes" in e else "-",
             f"{e['h2d_bytes_per_step'] / MIB:.2f}" if "h2d_bytes_per_step" in e else "-",
             f"{e['d2h_bytes_per_step'] / MIB:.2f}" if "d2h_bytes_per_step" in e else "-",
-            f"{r.losses[0]:.3f}->{r.losses[-1]:.3f}",
+            f"{e['allgather_bytes_per_step'] / MIB:.2f}" if "allgather_bytes_per_step" in e else "-",
+            f"{e['reduce_scatter_bytes_per_step'] / MIB:.2f}" if "reduce_scatter_bytes_per_step" in e else "-",
+            _blocked(e), f"{r.losses[0]:.3f}->{r.losses[-1]:.3f}",
         ])
     return rows
+
+
+def _blocked(extra: dict[str, Any]) -> str:
+    """hf_elixir's blocked-wait timers (rank 0, ``memory_stats``), per timed step: gathers + reduces."""
+    if "gather_wait_s_per_step" not in extra:
+        return "-"
+    gather, reduce = extra["gather_wait_s_per_step"], extra.get("reduce_wait_s_per_step", 0.0)
+    return f"{gather + reduce:.4f} ({gather:.4f} + {reduce:.4f})"
 
 
 TRAFFIC_COLUMNS = ["system", "ranks", "H2D/step (MiB)", "D2H/step (MiB)", "Belady H2D bound (MiB)",
@@ -403,7 +447,9 @@ def write_report(out_dir: Path, cfg: SuiteConfig, suite: dict[str, Any], command
         "timed steps are pooled (see `rounds` in results.json). "
         "`vs PyTorch` = median step / the plain PyTorch (1 rank) or DDP (2 ranks) median. "
         "Peak RSS is the rank process's high-water mark (getrusage), including the Python/torch runtime. "
-        "`device peak` is hf_elixir's simulated device pool (model data only).", "",
+        "`device peak` is hf_elixir's simulated device pool (model data only). Traffic and blocked time are "
+        "hf_elixir's rank-0 counters (`memory_stats`: all-gather + reduce-scatter wait) averaged over the timed "
+        "steps; the peers' traffic by construction is in the next section.", "",
         _md_table(MAIN_COLUMNS, main_table_rows(runs)), "",
     ]
     keys = ("resident_peak_bytes", "budget_bytes", "library_min_budget_bytes", "min_budget_probes_log", "search_s",
@@ -527,21 +573,25 @@ def _chart(path: Path, runs: list[RunResult], largest: dict[str, Any]) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="microscopic model, 1 step per peer (for tests)")
+    parser.add_argument("--model", default="tiny", choices=tuple(PRESETS),
+                        help="model preset (ignored with --quick); gpt2-124m / opt-350m: the issue-14 rows at 2 ranks")
     parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parent), help="where RESULTS.md goes")
     parser.add_argument("--work-dir", default=None, help="per-rank logs and records (default: a temp dir)")
-    parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated PEERS keys")
-    parser.add_argument("--world-sizes", default="1,2")
+    parser.add_argument("--peers", default=None, help="comma-separated PEERS keys (default: the preset's)")
+    parser.add_argument("--world-sizes", default=None, help="comma-separated (default: the preset's)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--no-largest", action="store_true", help="skip the largest-model search")
     parser.add_argument("--largest-max-layers", type=int, default=None)
     args = parser.parse_args(argv)
-    cfg = SuiteConfig.quick() if args.quick else SuiteConfig.full()
-    unknown = [p for p in args.peers.split(",") if p not in PEERS]
-    if unknown:
-        parser.error(f"--peers: unknown {unknown}; choose from {list(PEERS)}")
-    cfg.peers = tuple(args.peers.split(","))
-    cfg.world_sizes = tuple(int(w) for w in args.world_sizes.split(","))
+    cfg = SuiteConfig.quick() if args.quick else SuiteConfig.preset(args.model)
+    if args.peers is not None:
+        unknown = [p for p in args.peers.split(",") if p not in PEERS]
+        if unknown:
+            parser.error(f"--peers: unknown {unknown}; choose from {list(PEERS)}")
+        cfg.peers = tuple(args.peers.split(","))
+    if args.world_sizes is not None:
+        cfg.world_sizes = tuple(int(w) for w in args.world_sizes.split(","))
     cfg.steps = args.steps if args.steps is not None else cfg.steps
     cfg.warmup_steps = args.warmup if args.warmup is not None else cfg.warmup_steps
     cfg.run_largest = not args.no_largest

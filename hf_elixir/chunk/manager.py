@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections import defaultdict
 
 import torch
@@ -117,7 +118,7 @@ class ChunkManager:
         """
         exclude = exclude or set()
         while not self.pool.fits(nbytes) and self._pending:
-            self._pending.pop(0)()  # finishing an in-flight reduce frees its gradient buffers
+            self._finish_reduce()  # finishing an in-flight reduce frees its gradient buffers
         while not self.pool.fits(nbytes):
             victim = self._victim(exclude)
             if victim is None:
@@ -159,10 +160,14 @@ class ChunkManager:
         for chunk in chunks:
             if not gathered:
                 self._record(chunk)
+            gather = chunk.needs_fill() and chunk.needs_collective()
             if chunk.needs_fill():
                 self.make_room(chunk.fill_bytes_needed(), f"chunk {chunk.chunk_id}", exclude=pinned)
+                started = time.perf_counter()
                 chunk.unshard()
             chunk.wait_ready()
+            if gather:
+                self.counters.gather_wait_s += time.perf_counter() - started
         if self.prefetch_depth and self.prev_trace:
             self._prefetch(pinned)
 
@@ -226,7 +231,8 @@ class ChunkManager:
         now = self.counters.as_dict()
         self.last_step = {f"step_{k}": now[k] - self._step_start.get(k, 0)
                           for k in ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes",
-                                    "num_evictions", "num_onloads", "num_prefetches")}
+                                    "num_evictions", "num_onloads", "num_prefetches", "gather_wait_s",
+                                    "reduce_wait_s")}
         self.last_step["step_device_peak_bytes"] = self.counters.device_peak_bytes
         self._step_start = now
 
@@ -307,17 +313,32 @@ class ChunkManager:
             self._reduce_cursor += 1
 
     def _reduce(self, chunk: Chunk) -> None:
+        before, started = self.counters.reduce_scatter_bytes, time.perf_counter()
         finish = chunk.reduce_scatter_grad(self.grad_shards[chunk.chunk_id], async_op=self.async_reduce)
+        collective = self.counters.reduce_scatter_bytes != before  # one rank, not replicated: a local add
+        if collective:
+            self.counters.reduce_wait_s += time.perf_counter() - started
         chunk.arrived_slots.clear()
         if finish is not None:
-            self._pending.append(finish)
+            self._pending.append(self._timed_wait(finish) if collective else finish)
             while len(self._pending) > self.max_pending_reduces:
-                self._pending.pop(0)()
+                self._finish_reduce()
+
+    def _timed_wait(self, finish):
+        """``finish`` adding the seconds it blocks to ``counters.reduce_wait_s``."""
+        def timed() -> None:
+            started = time.perf_counter()
+            finish()
+            self.counters.reduce_wait_s += time.perf_counter() - started
+        return timed
+
+    def _finish_reduce(self) -> None:
+        self._pending.pop(0)()
 
     def drain_reduces(self) -> None:
         """Wait for every in-flight gradient collective and accumulate its result."""
         while self._pending:
-            self._pending.pop(0)()
+            self._finish_reduce()
 
     def finish_backward(self) -> None:
         """End-of-backward callback: flush remaining reduce-scatters in the fixed order, merge the

@@ -34,6 +34,10 @@ class MemoryCounters:
     num_onloads: int = 0
     num_prefetches: int = 0
     num_unshards: int = 0
+    # seconds the compute thread spent blocked in all-gathers (inside an access) and in gradient
+    # reduce-scatters / all-reduces (issuing them and waiting for them to finish)
+    gather_wait_s: float = 0.0
+    reduce_wait_s: float = 0.0
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

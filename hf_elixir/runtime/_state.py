@@ -28,7 +28,7 @@ _ATTR = "_hf_elixir_state"
 
 #: the traffic counters ``prepare`` and ``reset_memory_stats`` zero
 _TRAFFIC_COUNTERS = ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes", "num_evictions",
-                     "num_onloads", "num_prefetches", "num_unshards")
+                     "num_onloads", "num_prefetches", "num_unshards", "gather_wait_s", "reduce_wait_s")
 
 
 @dataclass
@@ -109,7 +109,9 @@ def memory_stats(model: torch.nn.Module) -> dict[str, int | float]:
     optimizer step; bytes are ints. Keys: ``device_used_bytes``, ``device_peak_bytes``, ``host_bytes``,
     ``h2d_bytes``, ``d2h_bytes``, ``allgather_bytes``, ``reduce_scatter_bytes``, ``num_evictions``,
     ``num_onloads``, ``num_prefetches``, ``num_unshards``, ``device_budget_bytes`` (-1 = unlimited),
-    ``num_chunks``, ``chunk_size_numel``, ``loss_scale`` (float, when an optimizer is attached).
+    ``num_chunks``, ``chunk_size_numel``, ``loss_scale`` (float, when an optimizer is attached),
+    ``gather_wait_s`` / ``reduce_wait_s`` (float seconds the training thread was blocked in all-gathers and
+    in gradient reduce-scatters / all-reduces; ``step_*`` deltas too).
 
     Raises:
         ValueError: the model was not prepared.
