@@ -44,15 +44,15 @@ HOST_BYTES = 2**40
 GRID_MAX_CHUNKS = 24  # the 2-rank grid is cubic in the chunk count
 
 
-def gpu_profiles(base: HardwareProfile, world_size: int, precision: str) -> dict[str, HardwareProfile]:
+def gpu_profiles(base: HardwareProfile, world_size: int) -> dict[str, HardwareProfile]:
     """``a100-40gb-pcie4``: the A100-40GB preset with its peers over PCIe Gen4 (the PCIe card has no
     NVLink without a bridge); ``h200-pcie5``: the H200 preset (PCIe Gen5 host link, NVLink peers)."""
-    a100 = preset_hardware("a100-40gb", base, precision=precision, world_size=world_size)
+    a100 = preset_hardware("a100-40gb", base, world_size=world_size)
     a100 = replace(a100, device_name="NVIDIA A100-PCIE-40GB")
     if world_size > 1:
         ring = GPU_PRESETS["a100-40gb"].pcie_bytes_per_s * ACHIEVED_FRACTION["pcie"] * world_size / (world_size - 1)
         a100 = replace(a100, allgather_bytes_per_s=ring, reduce_scatter_bytes_per_s=ring, allreduce_bytes_per_s=ring / 2)
-    h200 = preset_hardware("h200", base, precision=precision, world_size=world_size)
+    h200 = preset_hardware("h200", base, world_size=world_size)
     return {"a100-40gb-pcie4": a100, "h200-pcie5": h200}
 
 
@@ -77,7 +77,7 @@ def rows_for(model: str, *, batch: int, seq: int, precision: str, host_adam: flo
                    host_available_bytes=HOST_BYTES)
     out = []
     for ws in (1, 2):
-        for gpu, hw in gpu_profiles(base, ws, precision).items():
+        for gpu, hw in gpu_profiles(base, ws).items():
             row: dict = {"model": model, "params": profile.num_params, "gpu": gpu, "gpus": ws,
                          "tokens_per_rank": batch * seq}
             limit = int(hw.device_total_bytes * 0.95)  # the search's safety margin, for every system
