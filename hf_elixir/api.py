@@ -448,10 +448,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         chunks += new
         num_flags = end_flag
     manager.chunks = chunks
-    manager.num_flags = num_flags
-    manager.has_grad_flags = torch.zeros(num_flags)
-    manager._backward_flags = torch.zeros(num_flags)
-    manager.flag_groups = flag_groups
+    manager.init_flags(num_flags, flag_groups)
     num_params = sum(numels)
     if plan is not None:
         _check_plan(plan, model, num_params, world_size, config.precision, len(chunks),

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hf_elixir.chunk import strict
 from hf_elixir.chunk.states import TensorState, check_transition
 
 __all__ = ["ParamSlot", "Chunk"]
@@ -173,7 +174,7 @@ class Chunk(ChunkBytes):
             dist.broadcast(full, src=dist.get_global_rank(self.group, 0), group=self.group)
         elif self.replicate_group is not None:
             dist.broadcast(full, src=dist.get_global_rank(self.replicate_group, 0), group=self.replicate_group)
-        self.full = full
+        self.full = strict.register_device(full)
         for slot in self.slots:
             slot.param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
             slot.state = TensorState.HOLD
@@ -184,11 +185,12 @@ class Chunk(ChunkBytes):
         else:
             src = full[self.shard_begin:self.shard_begin + self.shard_numel]
             if self.shard_on_device:
-                self.shard = src.clone()
+                self.shard = strict.register_device(src.clone())
                 self.manager.pool.charge(self.shard_bytes, f"chunk {self.chunk_id} shard")
             else:
                 self.shard = self.manager.host_empty(self.shard_numel, self.dtype)
-                self.shard.copy_(src)
+                with strict.host_copies():
+                    self.shard.copy_(src)
                 counters.host_bytes += self.shard_bytes
         self.unsharded = True
         self.full_version = self.version
@@ -291,7 +293,7 @@ class Chunk(ChunkBytes):
         if not self.unsharded and not self.full_alias:
             pool.charge(self.full_bytes, f"unsharded chunk {self.chunk_id}")
             _alloc_storage(self.full)
-        with torch.no_grad():
+        with torch.no_grad(), strict.host_copies():
             if self.world_size > 1 and self.host_full_version == self.version:
                 self.full.copy_(self.host_full, non_blocking=True)
                 counters.h2d_bytes += self.full_bytes
@@ -328,7 +330,7 @@ class Chunk(ChunkBytes):
             if self.host_full is None:
                 self.host_full = self.manager.host_empty(self.chunk_numel, self.dtype)
                 self.manager.counters.host_bytes += self.full_bytes
-            with torch.no_grad():
+            with torch.no_grad(), strict.host_copies():
                 self.host_full.copy_(self.full)
             self.host_full_version = self.version
             self.manager.counters.d2h_bytes += self.full_bytes
@@ -342,7 +344,7 @@ class Chunk(ChunkBytes):
 
     def write_back(self) -> None:
         """Copy this rank's slice of ``full`` into the shard (after ``load_state_dict`` wrote ``full``)."""
-        with torch.no_grad():
+        with torch.no_grad(), strict.host_copies():
             if not self.full_alias:
                 self.shard.copy_(self.full[self.shard_begin:self.shard_begin + self.shard_numel])
                 if not self.shard_on_device:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hf_elixir.chunk.chunk import Chunk, ParamSlot
+from hf_elixir.chunk import strict
 from hf_elixir.chunk.memory import DeviceBudgetExceededError, DevicePool, MemoryCounters
 from hf_elixir.chunk.states import TensorState
 
@@ -58,9 +59,13 @@ class ChunkManager:
         self.chunk_of: dict[torch.nn.Parameter, Chunk] = {}
         self.grad_shards: dict[int, torch.Tensor] = {}  # chunk id -> fp32 [shard_numel]
         self.num_flags = 0
-        self.has_grad_flags = torch.zeros(0)
+        # [Note: has-gradient flags] one element per trainable parameter: 1.0 if it has a gradient
+        # since the last zero_grad. On the compute device (they are all-reduced over the flag groups,
+        # and NCCL takes device memory only); this backward's arrivals are kept on the host
+        # (``arrived_flags``, read by the hooks without a device sync) and uploaded once at its end.
+        self.has_grad_flags = torch.zeros(0, device=compute_device)
         self.flag_groups: list[tuple[object, torch.Tensor]] = []  # (group of size > 1, flag indices)
-        self._backward_flags = torch.zeros(0)
+        self.arrived_flags: set[int] = set()
         # access trace (chunk ids) of the previous and the current step
         self.prev_trace: list[int] = []
         self.prev_positions: dict[int, list[int]] = {}
@@ -76,11 +81,23 @@ class ChunkManager:
         self.last_step: dict[str, int] = {}
         self.stale_checked = True  # False from end_step until check_stale_writes ran
 
+    def init_flags(self, num_flags: int, flag_groups: list[tuple[object, torch.Tensor]]) -> None:
+        """Allocate the has-gradient flags ([Note: has-gradient flags]) on the compute device.
+
+        Args:
+            num_flags: number of trainable parameters.
+            flag_groups: ``(group, int64 indices)``: the flags of the parameters whose gradients are
+                reduced over ``group`` (size > 1) are max-reduced over it at the end of backward.
+        """
+        self.num_flags = num_flags
+        self.has_grad_flags = torch.zeros(num_flags, device=self.compute_device)
+        self.flag_groups = [(group, indices.to(self.compute_device)) for group, indices in flag_groups]
+
     # -- memory helpers ------------------------------------------------------------------------
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A host tensor (pinned when the compute device is CUDA, for async copies)."""
-        pin = self.compute_device.type == "cuda"
-        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin)
+        """A host tensor (pinned when the compute device is CUDA, for async copies), registered as host
+        memory ([Note: strict device] in ``hf_elixir/chunk/strict.py``)."""
+        return strict.host_empty(numel, dtype, pin=self.compute_device.type == "cuda")
 
     def _next_use(self, chunk: Chunk) -> float:
         positions = self.prev_positions.get(chunk.chunk_id)
@@ -271,7 +288,7 @@ class ChunkManager:
         chunk.accumulate_grad(slot, grad)
         param.grad = None
         chunk.arrived_slots.add(slot.index_in_chunk)
-        self._backward_flags[slot.flag_index] = 1.0
+        self.arrived_flags.add(slot.flag_index)
         if slot.state is not TensorState.READY_FOR_REDUCE:
             slot.set_state(TensorState.READY_FOR_REDUCE)
         self._reduce_ready_prefix()
@@ -348,13 +365,7 @@ class ChunkManager:
         self.drain_reduces()
         if self.reduce_stream is not None:
             torch.cuda.current_stream().wait_stream(self.reduce_stream)
-        flags = self._backward_flags
-        for group, indices in self.flag_groups:
-            part = flags[indices]
-            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
-            flags[indices] = part
-        self.has_grad_flags = torch.maximum(self.has_grad_flags, flags)
-        self._backward_flags = torch.zeros_like(flags)
+        self._merge_flags()
         for chunk in self.chunks:
             chunk.used_slots.clear()
             chunk.arrived_slots.clear()
@@ -363,6 +374,20 @@ class ChunkManager:
             self.on_backward_end()
 
     on_backward_end = None
+
+    def _merge_flags(self) -> None:
+        """This backward's arrivals -> ``has_grad_flags``: one upload of the arrived indices, then a MAX
+        all-reduce per flag group, all on the compute device (no host read)."""
+        flags = torch.zeros(self.num_flags, device=self.compute_device)
+        if self.arrived_flags:
+            arrived = torch.tensor(sorted(self.arrived_flags), dtype=torch.int64)
+            flags[arrived.to(self.compute_device, non_blocking=True)] = 1.0
+        for group, indices in self.flag_groups:
+            part = flags[indices]
+            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
+            flags[indices] = part
+        self.has_grad_flags = torch.maximum(self.has_grad_flags, flags)
+        self.arrived_flags = set()
 
     def zero_grad(self, keep_has_grad: bool = False) -> None:
         """Zero every gradient shard; ``keep_has_grad``: parameters that had a gradient keep a (zero)

@@ -21,6 +21,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from hf_elixir.chunk import strict
 from hf_elixir.chunk.chunk import Chunk, ParamSlot
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.config import ElixirConfig
@@ -160,7 +161,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
             nbytes = chunk.shard_numel * 4
             if chunk.optim_on_device:
                 manager.pool.charge(nbytes, f"gradient shard of chunk {chunk.chunk_id}")
-                grad_shard = torch.zeros(chunk.shard_numel, dtype=torch.float32, device=location)
+                grad_shard = strict.register_device(torch.zeros(chunk.shard_numel, dtype=torch.float32,
+                                                                device=location))
             else:
                 grad_shard = manager.host_empty(chunk.shard_numel, torch.float32).zero_()
                 counters.host_bytes += nbytes
@@ -171,11 +173,14 @@ class ElixirOptimizer(torch.optim.Optimizer):
             else:
                 if chunk.optim_on_device:
                     manager.pool.charge(nbytes, f"fp32 master shard of chunk {chunk.chunk_id}")
-                    master = shard_view.detach().to(location, torch.float32).clone()
+                    master = strict.register_device(shard_view.detach().to(location, torch.float32).clone())
                 else:
                     master = manager.host_empty(chunk.shard_numel, torch.float32)
-                    master.copy_(shard_view)
+                    with strict.host_copies():
+                        master.copy_(shard_view)
                     counters.host_bytes += nbytes
+                    if chunk.shard_on_device:
+                        counters.d2h_bytes += chunk.shard_bytes
             self.masters[chunk.chunk_id] = master
             begin, end = chunk.shard_begin, chunk.shard_begin + chunk.shard_numel
             for slot in chunk.slots:
@@ -213,8 +218,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
             if chunk.trainable and chunk.optim_on_device and any(v.chunk is chunk for v in self.views):
                 device = self.masters[chunk.chunk_id].device
                 self.fused_chunks[chunk.chunk_id] = {
-                    "exp_avg": torch.zeros(chunk.shard_numel, dtype=torch.float32, device=device),
-                    "exp_avg_sq": torch.zeros(chunk.shard_numel, dtype=torch.float32, device=device)}
+                    key: strict.register_device(torch.zeros(chunk.shard_numel, dtype=torch.float32, device=device))
+                    for key in ("exp_avg", "exp_avg_sq")}
         for view in self.views:
             if view.chunk.chunk_id in self.fused_chunks:
                 self.fused_steps[id(view.tensor)] = 0
@@ -456,7 +461,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
             master = self.masters[chunk.chunk_id]
             target = chunk.full if chunk.full_alias else chunk.shard
             if master is not target:
-                target.copy_(master, non_blocking=True)
+                with strict.host_copies():
+                    target.copy_(master, non_blocking=True)
                 if chunk.optim_on_device != chunk.shard_on_device:
                     nbytes = chunk.shard_bytes
                     if chunk.shard_on_device:
@@ -604,7 +610,11 @@ class ElixirOptimizer(torch.optim.Optimizer):
             for key, value in saved.items():
                 if key != "params":
                     group[key] = value
-        saved_state = state_dict["state"]
+        with strict.host_copies():  # the loaded state is host memory
+            self._load_view_states(state_dict["state"])
+        self.scaler.load_state_dict(state_dict.get("loss_scaler", self.scaler.state_dict()))
+
+    def _load_view_states(self, saved_state: dict) -> None:
         for view in self.views:
             entry = saved_state.get(view.slot.name)
             if not entry:
@@ -631,7 +641,6 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 self.inner.state[view.tensor] = target
         if "master" in self._per_element_keys_local(saved_state):
             self._refresh_compute_copies()
-        self.scaler.load_state_dict(state_dict.get("loss_scaler", self.scaler.state_dict()))
 
     def _from_plain_torch_state(self, state_dict: dict) -> dict:
         """``torch.optim.Optimizer.state_dict()`` (integer ids) -> the consolidated form (names)."""
@@ -663,4 +672,5 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 master = self.masters[chunk.chunk_id]
                 source = chunk.full if chunk.full_alias else chunk.shard
                 if master is not source:
-                    master.copy_(source)
+                    with strict.host_copies():
+                        master.copy_(source)

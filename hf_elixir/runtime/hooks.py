@@ -169,8 +169,8 @@ class ModuleHandle:
         """A trainable parameter of this unit got its gradient: release grad pins once all have."""
         if not self.grad_pins:
             return
-        flags = self.manager._backward_flags
-        if all(flags[s.flag_index] > 0 for s in self.trainable_slots):
+        arrived = self.manager.arrived_flags
+        if all(s.flag_index in arrived for s in self.trainable_slots):
             while self.grad_pins:
                 self.grad_pins -= 1
                 self.manager.release(self.chunks)
