@@ -89,6 +89,14 @@ def _default_group(config: ElixirConfig):
     return None
 
 
+def _job_group(model: torch.nn.Module, group):
+    """The group of every rank training this model (the optimizer's norm and overflow reductions): the
+    data-parallel group, or the whole mesh (the world) of a tensor/expert-parallel model."""
+    from hf_elixir.parallel import get_parallel_state  # noqa: PLC0415 (avoid an import cycle)
+
+    return dist.group.WORLD if get_parallel_state(model) is not None else group
+
+
 def _unique_params(model: torch.nn.Module) -> dict[torch.nn.Parameter, list[str]]:
     names: dict[torch.nn.Parameter, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -430,6 +438,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     manager = ChunkManager(compute_device=device, budget_bytes=config.device_memory_budget_bytes,
                            reduce_dtype=torch.float32 if config.reduce_dtype == "fp32" else None,
                            prefetch_depth=plan.prefetch_depth if plan else config.prefetch_depth)
+    manager.job_group = _job_group(model, group)
     chunks: list[Chunk] = []
     num_flags = 0
     flag_groups = []

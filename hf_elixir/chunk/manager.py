@@ -58,6 +58,9 @@ class ChunkManager:
         self.slot_of: dict[torch.nn.Parameter, ParamSlot] = {}
         self.chunk_of: dict[torch.nn.Parameter, Chunk] = {}
         self.grad_shards: dict[int, torch.Tensor] = {}  # chunk id -> fp32 [shard_numel]
+        # every rank training this model (``None``: one rank): the optimizer's norm and overflow
+        # reductions run over it, never over WORLD by default (two jobs can share one world)
+        self.job_group = None
         self.num_flags = 0
         # [Note: has-gradient flags] one element per trainable parameter: 1.0 if it has a gradient
         # since the last zero_grad. On the compute device (they are all-reduced over the flag groups,

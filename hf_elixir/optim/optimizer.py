@@ -326,11 +326,16 @@ class ElixirOptimizer(torch.optim.Optimizer):
     def _grad_shards(self) -> list[torch.Tensor]:
         return list(self.manager.grad_shards.values())
 
+    def _job_world_size(self) -> int:
+        group = self.manager.job_group
+        return dist.get_world_size(group) if group is not None else 1
+
     def _all_reduce(self, tensor: torch.Tensor, op) -> torch.Tensor:
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        """All-reduce over the ranks training this model (``manager.job_group``, never WORLD by default)."""
+        if self._job_world_size() > 1:
             device = tensor.device
             moved = tensor.to(self.manager.compute_device)
-            dist.all_reduce(moved, op=op)
+            dist.all_reduce(moved, op=op, group=self.manager.job_group)
             tensor = moved.to(device)
         return tensor
 
@@ -499,9 +504,9 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 if torch.is_tensor(value) and value.numel() == view.tensor.numel() and value.dim() > 0:
                     keys.add(key)
         gathered = [keys]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, keys)
+        if self._job_world_size() > 1:
+            gathered = [None] * self._job_world_size()
+            dist.all_gather_object(gathered, keys, group=self.manager.job_group)
         union = set().union(*gathered)
         if self.config.precision != "fp32":
             union.add("master")
@@ -558,9 +563,9 @@ class ElixirOptimizer(torch.optim.Optimizer):
                     if slot.trainable and slot.param in self._param_group_of:
                         state[slot.name][key] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         scalars = self._scalars_by_slot()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, scalars)
+        if self._job_world_size() > 1:
+            gathered = [None] * self._job_world_size()
+            dist.all_gather_object(gathered, scalars, group=self.manager.job_group)
             for part in gathered:
                 for name, values in part.items():
                     scalars.setdefault(name, {}).update(values)
