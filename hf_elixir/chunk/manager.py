@@ -214,11 +214,12 @@ class ChunkManager:
             chunk.unshard(side_stream=self.copy_stream)
             self.counters.num_prefetches += 1
 
-    def synchronize(self) -> None:
-        """Wait for side-stream copies (before the host optimizer touches host shards)."""
+    def join_side_streams(self) -> None:
+        """Order the current CUDA stream after the prefetch and reduce streams, without waiting on the
+        host (the optimizer step's one host read then covers their work too)."""
         for stream in (self.copy_stream, self.reduce_stream):
             if stream is not None:
-                stream.synchronize()
+                torch.cuda.current_stream().wait_stream(stream)
 
     def end_step(self) -> None:
         """Called at the optimizer step: the current trace becomes the reference for eviction."""
@@ -258,7 +259,7 @@ class ChunkManager:
         hidden = [c for c in self.chunks if c.hidden and c.stale_values is not None]
         if not hidden:
             return
-        written = (~torch.isnan(torch.cat([c.stale_values for c in hidden]))).cpu()
+        written = strict.host_read(~torch.isnan(torch.cat([c.stale_values for c in hidden])))
         names, start = [], 0
         for chunk in hidden:
             names += chunk.stale_writes(written[start:start + len(chunk.slots)])

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["HostMemoryError", "STRICT_ENV", "enable", "disable", "enabled", "host_copies", "host_empty",
-           "is_host", "is_managed_device", "register_device", "register_host", "to_device", "to_host"]
+           "host_read", "is_host", "is_managed_device", "register_device", "register_host", "to_device", "to_host"]
 
 STRICT_ENV = "HF_ELIXIR_STRICT_DEVICE"
 
@@ -126,6 +126,22 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     out = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
     with host_copies():
         out.copy_(tensor, non_blocking=True)
+    return out
+
+
+def host_read(tensor: torch.Tensor) -> torch.Tensor:
+    """Read ``tensor`` on the host: the one sanctioned host sync of a training step.
+
+    On CUDA the copy is issued non-blocking into pinned memory and ordered with an event recorded after
+    it on the current stream; the host waits for that event only (not for other streams). Elsewhere a
+    plain host copy. Returns the host tensor (registered as host memory).
+    """
+    if not tensor.is_cuda:
+        return to_host(tensor)
+    out = to_host(tensor, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
     return out
 
 
