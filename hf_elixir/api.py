@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from hf_elixir.chunk._build import build_chunks, chunk_specs, materialize_chunks
 from hf_elixir.chunk.manager import ChunkManager
+from hf_elixir.chunk.memory import resolve_budget_bytes
 from hf_elixir.chunk.packing import replicated_chunk_size
 from hf_elixir.config import ElixirConfig
 from hf_elixir.optim.optimizer import ElixirOptimizer
@@ -170,6 +171,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     device = _compute_device()
     _check_precision_supported(config.precision, device)
     group = _default_group(config)
+    budget, whole_device = resolve_budget_bytes(config.device_memory_budget_bytes, device, group)
+    config = dataclasses.replace(config, device_memory_budget_bytes=budget)  # None on CUDA: the card
     world_size = dist.get_world_size(group) if group is not None else 1
     dtype = _DTYPES[config.precision]
     names = _unique_params(model)
@@ -189,6 +192,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                            reduce_dtype=torch.float32 if config.reduce_dtype == "fp32" else None,
                            prefetch_depth=plan.prefetch_depth if plan else config.prefetch_depth)
     manager.job_group = job_group_of(model, group)
+    manager.pool.whole_device = whole_device
     chunks = build_chunks(manager, params, names, placements, chunk_group_of(model, group), chunk_size, dtype,
                           device)
     num_params = sum(numels)

@@ -18,7 +18,9 @@ Ranks whose MoE experts got no tokens therefore issue the same collectives in th
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
+import weakref
 from collections import defaultdict
 
 import torch
@@ -69,6 +71,8 @@ class ChunkManager:
         self.has_grad_flags = torch.zeros(0, device=compute_device)
         self.flag_groups: list[tuple[object, torch.Tensor]] = []  # (group of size > 1, flag indices)
         self.arrived_flags: set[int] = set()
+        # activation storages charged -> their bytes (see saved_tensors_accounting)
+        self._saved_storages: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # access trace (chunk ids) of the previous and the current step
         self.prev_trace: list[int] = []
         self.prev_positions: dict[int, list[int]] = {}
@@ -83,6 +87,44 @@ class ChunkManager:
         self._step_start = self.counters.as_dict()
         self.last_step: dict[str, int] = {}
         self.stale_checked = True  # False from end_step until check_stale_writes ran
+
+    # -- activations ([Note: activations in the budget] in memory.py) ----------------------------
+    def saved_tensors_accounting(self):
+        """A context (entered around the model's forward) that charges every storage autograd saves for
+        backward, other than the chunks', to the pool's activation bytes while the storage lives (dead
+        storages are dropped at the next :meth:`sync_activation_bytes`: each forward, each end of
+        backward, and before evicting for an activation)."""
+        self.sync_activation_bytes()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, _unpack_saved)
+
+    def sync_activation_bytes(self) -> None:
+        """Set the pool's activation bytes to the storages still alive (a weak mapping forgets the dead)."""
+        live = sum(self._saved_storages.values())
+        self.pool.release_activation(self.counters.activation_bytes - live)
+
+    def _pack_saved(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device != self.compute_device or tensor.layout != torch.strided:
+            return tensor
+        storage = tensor.untyped_storage()
+        if storage in self._saved_storages or strict.is_managed_device(tensor):
+            return tensor
+        nbytes = storage.nbytes()
+        if self.pool.whole_device and not self.pool.fits(nbytes):
+            self.sync_activation_bytes()
+            self.make_room(nbytes, f"activations saved for backward ({nbytes} bytes, tensor of shape "
+                                   f"{tuple(tensor.shape)}); a smaller batch or activation checkpointing needs less")
+        self.pool.charge_activation(nbytes)
+        self._saved_storages[storage] = nbytes
+        return tensor
+
+    def charge_temporary(self, nbytes: int, what: str):
+        """Context: ``nbytes`` of an autograd temporary live on the device inside (charged only when the
+        budget is the whole device; chunks are evicted to make room)."""
+        if not self.pool.whole_device:
+            return contextlib.nullcontext()
+        self.make_room(nbytes, what)
+        self.pool.charge(nbytes, what)
+        return _Release(self.pool, nbytes)
 
     def init_flags(self, num_flags: int, flag_groups: list[tuple[object, torch.Tensor]]) -> None:
         """Allocate the has-gradient flags ([Note: has-gradient flags]) on the compute device.
@@ -124,6 +166,8 @@ class ChunkManager:
             DeviceBudgetExceededError: nothing left to evict and still no room.
         """
         exclude = exclude or set()
+        if self.pool.whole_device and not self.pool.fits(nbytes):
+            self.sync_activation_bytes()  # activations freed since the last count give their room back
         while not self.pool.fits(nbytes) and self._pending:
             self._pending.pop(0)()  # finishing an in-flight reduce frees its gradient buffers
         while not self.pool.fits(nbytes):
@@ -237,6 +281,9 @@ class ChunkManager:
                                     "num_evictions", "num_onloads", "num_prefetches")}
         self.last_step["step_device_peak_bytes"] = self.counters.device_peak_bytes
         self._step_start = now
+        self.sync_activation_bytes()
+        if self.compute_device.type == "cuda":
+            self.pool.reconcile_cuda(self.compute_device)
 
     def hide_stale(self) -> None:
         """Point the parameters of every chunk without a current unsharded copy at NaN placeholders
@@ -273,7 +320,10 @@ class ChunkManager:
                 "`model.load_state_dict(...)`")
 
     def reset_peak(self) -> None:
-        self.counters.device_peak_bytes = self.counters.device_used_bytes
+        counters = self.counters
+        counters.device_peak_bytes = counters.device_used_bytes
+        counters.activation_peak_bytes = counters.activation_bytes
+        counters.device_total_peak_bytes = counters.device_used_bytes + counters.activation_bytes
 
     def reshard_all(self) -> None:
         """Free every evictable unsharded chunk (e.g. after the optimizer step made them stale)."""
@@ -289,8 +339,11 @@ class ChunkManager:
             return
         slot = self.slot_of[param]
         chunk = self.chunk_of[param]
-        chunk.accumulate_grad(slot, grad)
-        param.grad = None
+        with self.charge_temporary(grad.numel() * grad.element_size(), f"gradient of {slot.name} before it "
+                                   "lands in its chunk"):
+            chunk.accumulate_grad(slot, grad)
+            param.grad = None
+            del grad
         chunk.arrived_slots.add(slot.index_in_chunk)
         self.arrived_flags.add(slot.flag_index)
         if slot.state is not TensorState.READY_FOR_REDUCE:
@@ -370,6 +423,7 @@ class ChunkManager:
         if self.reduce_stream is not None:
             torch.cuda.current_stream().wait_stream(self.reduce_stream)
         self._merge_flags()
+        self.sync_activation_bytes()
         for chunk in self.chunks:
             chunk.used_slots.clear()
             chunk.arrived_slots.clear()
@@ -402,6 +456,23 @@ class ChunkManager:
             chunk.grad_shard_clean = True
         if not keep_has_grad:
             self.has_grad_flags.zero_()
+
+
+def _unpack_saved(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class _Release:
+    """Context that releases ``nbytes`` from ``pool`` on exit (see ``ChunkManager.charge_temporary``)."""
+
+    def __init__(self, pool: DevicePool, nbytes: int) -> None:
+        self.pool, self.nbytes = pool, nbytes
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        self.pool.release(self.nbytes)
 
 
 def budget_error(needed: int, budget: int, what: str) -> ValueError:

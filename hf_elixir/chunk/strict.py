@@ -82,14 +82,13 @@ def register_host(tensor: torch.Tensor) -> torch.Tensor:
 def register_device(tensor: torch.Tensor) -> torch.Tensor:
     """Record ``tensor``'s storage as a device buffer the chunk manager owns (chunks, device shards,
     gradient shards, fp32 masters, optimizer moments); returns ``tensor``."""
-    if tensor.device.type == "cpu":
-        _device_storages.add(tensor.untyped_storage())
+    _device_storages.add(tensor.untyped_storage())
     return tensor
 
 
 def is_managed_device(tensor: torch.Tensor) -> bool:
     """``tensor`` is (a view of) a device buffer the chunk manager owns (:func:`register_device`)."""
-    return tensor.is_cuda or (tensor.device.type == "cpu" and tensor.untyped_storage() in _device_storages)
+    return tensor.untyped_storage() in _device_storages
 
 
 def is_host(tensor: torch.Tensor) -> bool:
