@@ -103,3 +103,22 @@ def test_reconcile_reads_the_cuda_allocator(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="hf_elixir.chunk.memory"):
         assert pool.reconcile_cuda(torch.device("cuda", 0))
     assert "5000 bytes" in caplog.text and "8192" in caplog.text
+
+
+def test_activation_accounting_keeps_an_enclosing_saved_tensors_hook_working():
+    """A nested ``saved_tensors_hooks`` context replaces the outer one; the accounting chains to the
+    outer hooks (e.g. ``profile_step``'s tracer on a prepared model), which still see every tensor."""
+    model = tiny_model("gpt2")
+    model, opt = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters()),
+                                   hf_elixir.ElixirConfig(chunk_size_numel=4096))
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**batch("gpt2", 0, 2)).loss
+    loss.backward()
+    assert len(packed) > 10
+    assert hf_elixir.memory_stats(model)["activation_peak_bytes"] > 0

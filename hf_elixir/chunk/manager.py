@@ -95,7 +95,11 @@ class ChunkManager:
         storages are dropped at the next :meth:`sync_activation_bytes`: each forward, each end of
         backward, and before evicting for an activation)."""
         self.sync_activation_bytes()
-        return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, _unpack_saved)
+        outer = _active_saved_tensors_hooks()
+        if outer is None:
+            return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, _unpack_saved)
+        outer_pack, outer_unpack = outer  # e.g. the profiler's tracer: keep it seeing every saved tensor
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: outer_pack(self._pack_saved(t)), outer_unpack)
 
     def sync_activation_bytes(self) -> None:
         """Set the pool's activation bytes to the storages still alive (a weak mapping forgets the dead)."""
@@ -460,6 +464,13 @@ class ChunkManager:
 
 def _unpack_saved(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _active_saved_tensors_hooks():
+    """The ``(pack, unpack)`` pair of an enclosing ``saved_tensors_hooks`` context, or ``None`` (a nested
+    context replaces the outer one, so the accounting chains to it instead)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
 
 
 class _Release:
