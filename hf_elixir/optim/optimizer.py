@@ -529,6 +529,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
         return self._view_by_tensor[id(tensor)].slot.flag_index
 
     def _refresh_compute_copies(self) -> None:
+        import triton_kernels  # noqa: PLC0415
+
         counters = self.manager.counters
         for chunk in self.manager.chunks:
             if not chunk.trainable:
@@ -536,8 +538,13 @@ class ElixirOptimizer(torch.optim.Optimizer):
             master = self.masters[chunk.chunk_id]
             target = chunk.full if chunk.full_alias else chunk.shard
             if master is not target:
-                with strict.host_copies():
-                    target.copy_(master, non_blocking=True)
+                same_side = master.device == target.device and strict.is_host(master) == strict.is_host(target)
+                if same_side and master.dtype != target.dtype:
+                    # fp32 master -> bf16/fp16 compute copy on one device: the cast kernel (Triton on CUDA)
+                    triton_kernels.cast_(master, target, force_triton=self._force_fused)
+                else:
+                    with strict.host_copies():  # onload / offload of the refreshed shard, counted below
+                        target.copy_(master, non_blocking=True)
                 if chunk.optim_on_device != chunk.shard_on_device:
                     nbytes = chunk.shard_bytes
                     if chunk.shard_on_device:
