@@ -19,12 +19,28 @@ from dataclasses import replace
 from typing import Sequence
 
 from hf_elixir.config import parse_bytes
+from hf_elixir.profiler._gpu_presets import DEFAULT_PRESET, GPU_PRESETS
 
 __all__ = ["main", "parse_bytes"]
 
 
 def _gib(value: float | int | None) -> str:
     return "-" if value is None else f"{value / 2**30:.2f} GiB"
+
+
+def _human_s(seconds: float | None) -> str:
+    """A duration in the unit a person reads: ``"812 ms"``, ``"3.41 s"``, ``"2.5 min"``, ``"1.2 h"``."""
+    if seconds is None:
+        return "-"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g} us"
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.3g} ms"
+    if seconds < 120.0:
+        return f"{seconds:.3g} s"
+    if seconds < 7200.0:
+        return f"{seconds / 60:.3g} min"
+    return f"{seconds / 3600:.3g} h"
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -34,8 +50,11 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--model", required=True, help="built-in name (gpt2-xl, facebook/opt-30b, "
                       "switch-base-8, ...), a local model directory or a config.json")
     plan.add_argument("--num-gpus", type=int, default=1, help="data-parallel ranks (chunks are sharded over them, or replicated on each)")
+    plan.add_argument("--gpu", default=None, choices=tuple(GPU_PRESETS),
+                      help="target GPU: device rates and memory from its spec sheet (default: this machine's GPU, "
+                      f"measured; without one, the {DEFAULT_PRESET} preset)")
     plan.add_argument("--gpu-memory", default=None, help="device memory per rank, e.g. 40GiB "
-                      "(default: measured on this machine)")
+                      "(default: the --gpu preset's, or measured on this machine)")
     plan.add_argument("--host-memory", default=None, help="host memory per node, e.g. 512GiB (default: measured)")
     plan.add_argument("--batch-size", type=int, default=1, help="micro-batch per rank")
     plan.add_argument("--seq-len", type=int, default=1024)
@@ -68,14 +87,28 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _target_hardware(args: argparse.Namespace):
+    """The target's :class:`HardwareProfile` and notes saying where each rate came from: a ``--gpu``
+    preset (the default one when this machine has no GPU), else this machine's GPU, measured; then the
+    explicit ``--gpu-memory`` / ``--h2d-gbps`` / ``--device-tflops`` / ... flags."""
     from hf_elixir.profiler import probe_hardware
+    from hf_elixir.profiler._gpu_presets import preset_hardware
 
-    hw = probe_hardware()
-    notes = [f"host-side rates measured on {hw.hostname} ({hw.device_name})"]
-    changes: dict = {"world_size": args.num_gpus}
     for flag, value in (("--gpu-memory", args.gpu_memory), ("--host-memory", args.host_memory)):
         if value is not None and parse_bytes(value) <= 0:
             raise SystemExit(f"hf-elixir plan: {flag} {value} must be a positive size, e.g. 40GiB")
+    hw = probe_hardware()
+    notes = [f"host-side rates measured on {hw.hostname}"]
+    preset = args.gpu
+    if preset is None and hw.device_kind != "cuda":
+        preset = DEFAULT_PRESET
+        notes.append(f"no GPU on this machine: device rates from the {preset} preset (pass --gpu "
+                     f"{'|'.join(GPU_PRESETS)} for another target)")
+    if preset is not None:
+        hw = preset_hardware(preset, hw, precision=args.precision, world_size=args.num_gpus)
+        notes.append(f"device: {hw.device_name}, rates from the {GPU_PRESETS[preset].source} derated to what a step reaches")
+    else:
+        notes.append(f"device rates measured on this machine's {hw.device_name}")
+    changes: dict = {"world_size": args.num_gpus}
     if args.gpu_memory is not None:
         size = parse_bytes(args.gpu_memory)
         changes.update(device_total_bytes=size, device_free_bytes=size)
@@ -90,11 +123,6 @@ def _target_hardware(args: argparse.Namespace):
         notes.append(f"device {args.device_tflops} TFLOP/s given")
     if args.device_adam_gelems is not None:
         changes["device_adam_numel_per_s"] = args.device_adam_gelems * 1e9
-    if hw.device_kind != "cuda" and args.gpu_memory is not None:
-        changes.update(device_kind="cuda", can_overlap=True)
-        if args.device_tflops is None:
-            notes.append("no GPU here: device compute/copy rates are this machine's; pass --device-tflops and "
-                         "--h2d-gbps for the target's")
     return replace(hw, **changes), notes
 
 
@@ -152,30 +180,31 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     chosen.add_column("value")
     chosen.add_row("data parallel", best.data_parallel)
     for key in ("chunk_size_numel", "resident_chunks", "device_shard_chunks", "device_optim_chunks",
-                "prefetch_depth", "activation_checkpointing", "predicted_step_s"):
+                "prefetch_depth", "activation_checkpointing"):
         value = getattr(plan, key)
         if isinstance(value, list):
             value = f"{len(value)} chunks {value[:12]}{'...' if len(value) > 12 else ''}"
         chosen.add_row(key, str(value))
+    chosen.add_row("predicted step time", _human_s(plan.predicted_step_s))
     chosen.add_row("predicted peak device", _gib(plan.predicted_peak_device_bytes))
     chosen.add_row("onloads / step", str(best.prediction.onloads))
     console.print(chosen)
 
     alts = Table(title="next-best alternatives")
-    for col in ("data parallel", "chunk", "resident", "cache blocks", "device optim", "prefetch", "ckpt", "step s",
+    for col in ("data parallel", "chunk", "resident", "cache blocks", "device optim", "prefetch", "ckpt", "step time",
                 "device peak"):
         alts.add_column(col)
     others = [c for c in result.best_by_mode.values() if c is not best and c not in result.alternatives]
     for cand in [best] + result.alternatives + others:
         k = cand.knobs
         alts.add_row(cand.data_parallel, str(cand.chunk_size_numel), str(len(k.resident)), str(k.cache_blocks), str(len(k.device_optim)),
-                     str(k.prefetch_depth), str(cand.activation_checkpointing), f"{cand.prediction.step_s:.4g}",
+                     str(k.prefetch_depth), str(cand.activation_checkpointing), _human_s(cand.prediction.step_s),
                      _gib(cand.prediction.device_peak_bytes))
     console.print(alts)
     console.print(_placement_table(plan.placements))
     for line in plan.reasons:
         console.print(f"- {line}")
-    console.print(f"searched {result.evaluated} configurations in {result.search_s:.2f} s")
+    console.print(f"searched {result.evaluated} configurations in {_human_s(result.search_s)}")
     if args.output:
         plan.save(args.output)
         console.print(f"plan written to {args.output}")
