@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hf_elixir._compat import all_gather_single, reduce_scatter_single
 from hf_elixir.chunk.states import TensorState, check_transition
 
 __all__ = ["ParamSlot", "Chunk"]
@@ -310,7 +311,7 @@ class Chunk(ChunkBytes):
                     src.copy_(self.shard, non_blocking=True)
                     counters.h2d_bytes += self.shard_bytes
                     counters.num_onloads += 1
-                dist.all_gather_into_tensor(self.full, src, group=self.group)
+                all_gather_single(self.full, src, group=self.group)
                 counters.allgather_bytes += self.full_bytes
                 if staged:
                     del src
@@ -450,8 +451,8 @@ class Chunk(ChunkBytes):
                 self.manager.make_room(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
                 pool.charge(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
                 out = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.compute_device)
-                work = dist.reduce_scatter_tensor(out, grad_full, op=dist.ReduceOp.SUM, group=self.group,
-                                                  async_op=async_op)
+                work = reduce_scatter_single(out, grad_full, op=dist.ReduceOp.SUM, group=self.group,
+                                             async_op=async_op)
                 counters.reduce_scatter_bytes += self.grad_full_bytes
                 divisor = self.world_size
             else:
