@@ -44,7 +44,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from hf_elixir.api import get_state
+from hf_elixir.runtime._state import get_state
 from hf_elixir.optim.optimizer import CONSOLIDATED_FORMAT, ElixirOptimizer
 
 __all__ = ["CHECKPOINT_FORMAT_VERSION", "save_checkpoint", "load_checkpoint", "read_manifest"]

@@ -186,6 +186,19 @@ def _measure(device: torch.device, process_group: Any, size_bytes: int, repeats:
     return out
 
 
+# [Note: runtime probe] hf_elixir's own overheads are timed on small models prepared by
+# ``hf_elixir.prepare``, which lives in a layer above this one (``hf_elixir.api``, which calls the search,
+# which calls this probe). So that nothing below imports it, ``hf_elixir.api`` hands its entry points
+# down when it is imported (:func:`register_prepare`); importing any part of hf_elixir runs the package
+# ``__init__``, which imports ``hf_elixir.api``, so they are set before any probe runs.
+_PREPARE: dict[str, Callable] = {}
+
+
+def register_prepare(prepare: Callable, memory_stats: Callable, min_device_budget_bytes: Callable) -> None:
+    """Give the runtime probe ``hf_elixir.prepare`` and its two companions (see [Note: runtime probe])."""
+    _PREPARE.update(prepare=prepare, memory_stats=memory_stats, min_device_budget_bytes=min_device_budget_bytes)
+
+
 def _measure_runtime(device: torch.device, rates: dict[str, Any], repeats: int,
                      sync: Callable[[], None]) -> dict[str, float]:
     """Time hf_elixir's own overheads on a small ``nn.Sequential`` of ``nn.Linear`` layers (one layer per
@@ -196,8 +209,11 @@ def _measure_runtime(device: torch.device, rates: dict[str, Any], repeats: int,
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return {"hook_event_s": 0.0, "onload_fixed_s": 0.0, "optim_tensor_s": 0.0}
-    from hf_elixir.api import memory_stats, min_device_budget_bytes, prepare  # noqa: PLC0415 (cycle)
+    assert _PREPARE, "hf_elixir.api registers prepare on import (see [Note: runtime probe])"
     from hf_elixir.config import ElixirConfig  # noqa: PLC0415
+
+    prepare, memory_stats, min_device_budget_bytes = (
+        _PREPARE["prepare"], _PREPARE["memory_stats"], _PREPARE["min_device_budget_bytes"])
 
     width, depth = 64, 8
     chunk = width * width + width

@@ -14,6 +14,7 @@ import contextlib
 import torch
 
 from hf_elixir.chunk.manager import ChunkManager
+from hf_elixir.runtime._state import get_state
 
 __all__ = ["full_parameters", "install_state_dict_hooks"]
 
@@ -101,8 +102,6 @@ def full_parameters(model: torch.nn.Module, *, writeback: bool = False):
     Raises:
         DeviceBudgetExceededError: the whole model does not fit the device budget at once.
     """
-    from hf_elixir.api import get_state  # noqa: PLC0415 (api imports this module)
-
     state = get_state(model)
     manager = state.manager
     pinned = []

@@ -3,7 +3,8 @@ device shards, device optimizer states, prefetch, checkpointing) priced by a mea
 producing an :class:`~hf_elixir.plan.ElixirPlan`."""
 
 from hf_elixir.search._belady import belady_moves, belady_schedule, brute_force_moves
-from hf_elixir.search._chunk_size import ChunkSizeCandidate, ChunkSizeResult, chunk_groups, search_chunk_size
+from hf_elixir.search._chunk_size import (ChunkSizeCandidate, ChunkSizeResult, chunk_groups, default_chunk_size,
+                                         search_chunk_size)
 from hf_elixir.search._cost import ChunkedStep, Knobs, Prediction, build_chunked_step, predict
 from hf_elixir.search._plan_search import (Candidate, SearchResult, auto_plan, brute_force_grid, search,
                                            search_plan)
@@ -11,5 +12,5 @@ from hf_elixir.search._plan_search import (Candidate, SearchResult, auto_plan, b
 __all__ = [
     "Candidate", "ChunkSizeCandidate", "ChunkSizeResult", "ChunkedStep", "Knobs", "Prediction", "SearchResult",
     "auto_plan", "belady_moves", "belady_schedule", "brute_force_grid", "brute_force_moves",
-    "build_chunked_step", "chunk_groups", "predict", "search", "search_chunk_size", "search_plan",
+    "build_chunked_step", "chunk_groups", "default_chunk_size", "predict", "search", "search_chunk_size", "search_plan",
 ]

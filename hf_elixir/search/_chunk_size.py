@@ -160,3 +160,30 @@ def search_chunk_size(numels: Sequence[int], param_trace: Sequence[Sequence[int]
     result = ChunkSizeResult(best.chunk_size_numel, candidates, lo=lo, hi=hi, cache_bytes=cache_bytes)
     result.reason = result.describe(best.chunk_size_numel)
     return result
+
+
+def default_chunk_size(numels: Sequence[int], budget_bytes: int | None, world_size: int, element_bytes: int) -> int:
+    """Chunk size ``prepare`` uses when neither the config nor a plan gives one.
+
+    Without a budget, few large chunks (an eighth of the model, at least the largest parameter): fewer
+    collectives. Under a budget the working set (two units' chunks) must fit, so the smallest size with
+    near-least padding between the largest parameter and twice it (:func:`search_chunk_size`'s waste
+    ranking); a default that grew with the model would stop fitting a fixed budget as the model grows.
+
+    Args:
+        numels: element counts of the parameters in packing order.
+        budget_bytes: the device budget (bytes), or ``None`` for none.
+        world_size: ranks a chunk is sharded over.
+        element_bytes: bytes per element of the compute dtype.
+
+    Returns:
+        elements per chunk (int).
+    """
+    numels = list(numels) or [1]
+    largest, total = max(max(numels), 1), sum(numels)
+    if budget_bytes is None:
+        return max(largest, -(-total // 8))
+    upper = min(max(total, largest), max(2 * largest, 2**16))
+    result = search_chunk_size(numels, world_size=world_size, element_bytes=element_bytes, upper_bound_numel=upper)
+    least = min(c.waste_fraction for c in result.candidates)
+    return min(c.chunk_size_numel for c in result.candidates if c.waste_fraction <= least + 0.05)

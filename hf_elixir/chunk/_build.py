@@ -1,0 +1,176 @@
+"""Building a model's chunks: parameters split into communication buckets, each bucket packed into
+chunks (:func:`~hf_elixir.chunk.packing.pack_chunks`), the chunks built and registered with the
+:class:`~hf_elixir.chunk.manager.ChunkManager`; and the same packing as sizes only (:class:`ChunkSpec`),
+for the minimum budget, which moves no data.
+
+Which process group a parameter's chunk is sharded over is decided above this layer (plain data
+parallel, or a tensor/expert-parallel mesh); it comes in as ``group_of(name) -> (group, replicas)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from hf_elixir.chunk.chunk import Chunk, ChunkBytes, ParamSlot
+from hf_elixir.chunk.manager import ChunkManager
+from hf_elixir.chunk.packing import ChunkLayout, pack_chunks
+
+__all__ = ["ChunkSpec", "GroupOf", "build_chunks", "chunk_specs", "comm_buckets", "materialize_chunks",
+           "module_of"]
+
+#: ``group_of(parameter name) -> (process group or None, gradient-norm replicas)``
+GroupOf = Callable[[str], tuple[object, int]]
+
+
+def module_of(param_name: str) -> str:
+    """The qualified name of the module owning ``param_name`` (``""`` for the root)."""
+    return param_name.rsplit(".", 1)[0] if "." in param_name else ""
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def comm_buckets(params, names, placements: dict[str, str], group_of: GroupOf):
+    """Split ``params`` (order kept) by (process group, grad-norm replicas, replicated).
+
+    Plain data parallel: one bucket over the default group. A model rewritten by
+    :func:`hf_elixir.parallel.parallelize` gets the groups of its mesh (see [Note: gradient groups] in
+    ``hf_elixir/parallel/_mesh.py``): expert parameters are sharded over the expert-data-parallel group,
+    the rest over the data-parallel group; parameters replicated across tensor-parallel ranks count
+    once in the global gradient norm (``replicas = tp``). Parameters of modules placed ``"replicated"``
+    go to chunks every rank keeps whole (no all-gather), whose gradients are all-reduced over the group.
+
+    Returns:
+        list of ``(group, replicas, replicated, params)``.
+    """
+    buckets: dict[tuple[int, int, bool], tuple] = {}
+    for p in params:
+        name = names[p][0]
+        replicated = placements.get(module_of(name)) == "replicated"
+        group, replicas = group_of(name)
+        key = (id(group), replicas, replicated)
+        if key not in buckets:
+            buckets[key] = (group, replicas, replicated, [])
+        buckets[key][3].append(p)
+    return list(buckets.values())
+
+
+def _build_bucket(params_in_order, names, layout: ChunkLayout, dtype, group, device, manager,
+                  first_id: int = 0, first_flag: int = 0, replicas: int = 1):
+    chunks: list[Chunk] = []
+    flag_index = first_flag
+    for local_id, (members, offsets) in enumerate(zip(layout.members, layout.offsets)):
+        cid = first_id + local_id
+        slots = []
+        for i, (member, offset) in enumerate(zip(members, offsets)):
+            param = params_in_order[member]
+            trainable = param.requires_grad
+            slot = ParamSlot(name=names[param][0], param=param, offset=offset, numel=param.numel(),
+                             shape=param.shape, trainable=trainable,
+                             flag_index=flag_index if trainable else -1, index_in_chunk=i,
+                             aliases=names[param][1:])
+            flag_index += int(trainable)
+            slots.append(slot)
+            manager.slot_of[param] = slot
+        chunk = Chunk(cid, slots, layout.chunk_numels[local_id], dtype, group, device, manager)
+        chunk.norm_replicas = replicas
+        for slot in slots:
+            manager.chunk_of[slot.param] = chunk
+        chunks.append(chunk)
+    return chunks, flag_index
+
+
+def build_chunks(manager: ChunkManager, params, names, placements: dict[str, str], group_of: GroupOf,
+                 chunk_size: int, dtype: torch.dtype, device: torch.device) -> list[Chunk]:
+    """Pack ``params`` (order kept) into chunks of ``chunk_size`` elements per communication bucket and
+    register them (chunks, slots, has-gradient flags and their groups) with ``manager``. No data moves:
+    the chunks are built empty (see :func:`materialize_chunks`)."""
+    chunks: list[Chunk] = []
+    num_flags = 0
+    flag_groups = []
+    for bucket_group, replicas, replicated, bucket in comm_buckets(params, names, placements, group_of):
+        bucket_ws = _group_size(bucket_group)
+        storage_group = None if replicated else bucket_group
+        layout = pack_chunks([p.numel() for p in bucket], chunk_size, 1 if replicated else bucket_ws)
+        new, end_flag = _build_bucket(bucket, names, layout, dtype, storage_group, device, manager,
+                                      first_id=len(chunks), first_flag=num_flags,
+                                      replicas=replicas * (bucket_ws if replicated else 1))
+        if replicated and bucket_ws > 1:
+            for chunk in new:
+                chunk.replicate_group = bucket_group
+        if bucket_ws > 1 and end_flag > num_flags:
+            flag_groups.append((bucket_group, torch.arange(num_flags, end_flag)))
+        chunks += new
+        num_flags = end_flag
+    manager.chunks = chunks
+    manager.num_flags = num_flags
+    manager.has_grad_flags = torch.zeros(num_flags)
+    manager._backward_flags = torch.zeros(num_flags)
+    manager.flag_groups = flag_groups
+    return chunks
+
+
+def materialize_chunks(manager: ChunkManager) -> None:
+    """Copy every parameter into its chunk (placed as the chunks' flags say), reshard the chunks that
+    are not resident, and hide the resharded parameters' stale values."""
+    for chunk in manager.chunks:
+        manager.make_room(chunk.full_bytes + chunk.shard_bytes, f"materialising chunk {chunk.chunk_id}")
+        chunk.materialize()
+        if not chunk.resident and not chunk.full_alias:
+            chunk.reshard()
+    manager.hide_stale()  # resharded parameters read NaN until their first use (not freed memory)
+    manager._trainable_chunks = [c for c in manager.chunks if c.trainable]
+
+
+@dataclass
+class ChunkSpec(ChunkBytes):
+    """The sizes of a chunk :func:`build_chunks` would build, without its buffers (what the placement
+    layer's sizes and working set read)."""
+
+    chunk_id: int
+    chunk_numel: int
+    world_size: int
+    element_size: int
+    grad_element_size: int
+    trainable: bool
+    replicate_group: object = None  # not None: a "replicated" chunk (kept whole on every rank)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.chunk_numel // self.world_size
+
+    @property
+    def grad_full_bytes(self) -> int:
+        return self.chunk_numel * self.grad_element_size
+
+
+def chunk_specs(params, names, placements: dict[str, str], group_size_of: Callable[[str], int], chunk_size: int,
+                element_size: int, grad_element_size: int) -> tuple[list[ChunkSpec], dict[torch.nn.Parameter, int]]:
+    """The chunks :func:`build_chunks` would build, as sizes: the same buckets (group size, replicated;
+    parameter order kept) and packing.
+
+    Returns:
+        ``(specs, chunk_of)``: one :class:`ChunkSpec` per chunk, and each parameter's chunk id.
+    """
+    buckets: dict[tuple[int, bool], list[torch.nn.Parameter]] = {}
+    for p in params:
+        name = names[p][0]
+        replicated = placements.get(module_of(name)) == "replicated"
+        buckets.setdefault((group_size_of(name), replicated), []).append(p)
+    specs: list[ChunkSpec] = []
+    chunk_of: dict[torch.nn.Parameter, int] = {}
+    for (group_size, replicated), bucket in buckets.items():
+        layout = pack_chunks([p.numel() for p in bucket], chunk_size, 1 if replicated else group_size)
+        for members, chunk_numel in zip(layout.members, layout.chunk_numels):
+            cid = len(specs)
+            specs.append(ChunkSpec(cid, chunk_numel, 1 if replicated else group_size, element_size,
+                                   grad_element_size, any(bucket[m].requires_grad for m in members),
+                                   replicate_group=group_size if replicated and group_size > 1 else None))
+            for m in members:
+                chunk_of[bucket[m]] = cid
+    return specs, chunk_of

@@ -1,0 +1,49 @@
+"""Which process group each parameter's chunk is sharded over, as the chunk layer asks for it
+(``group_of(name) -> (group, replicas)``; see :func:`hf_elixir.chunk._build.comm_buckets`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch.distributed as dist
+from torch import nn
+
+from hf_elixir.parallel._apply import get_parallel_state
+
+__all__ = ["chunk_group_of", "chunk_group_size_of"]
+
+
+def chunk_group_of(model: nn.Module, default_group: Any) -> Callable[[str], tuple[Any, int]]:
+    """``name -> (group, replicas)`` for ``model``'s parameters.
+
+    Plain data parallel: ``default_group`` (``None``: one rank) and one replica. A model rewritten by
+    :func:`~hf_elixir.parallel.parallelize` (see [Note: gradient groups] in ``_mesh.py``): expert
+    parameters over the expert-data-parallel group, the rest over the data-parallel group; a parameter
+    replicated across tensor-parallel ranks counts ``tp`` times in the global gradient norm.
+    """
+    pstate = get_parallel_state(model)
+    if pstate is None:
+        return lambda name: (default_group, 1)
+    mesh = pstate.mesh
+
+    def group_of(name: str) -> tuple[Any, int]:
+        group = mesh.expert_dp_group if pstate.is_expert_param(name) else mesh.dp_group
+        replicas = mesh.tp_size if mesh.tp_size > 1 and name not in pstate.tp_layouts else 1
+        return group, replicas
+
+    return group_of
+
+
+def chunk_group_size_of(model: nn.Module, world_size: int) -> Callable[[str], int]:
+    """``name -> ranks its chunk is sharded over``: ``world_size`` for a plain model, the mesh's group
+    sizes for a parallelized one (without a process group: the size a run would see)."""
+    pstate = get_parallel_state(model)
+    if pstate is None:
+        return lambda name: world_size
+    mesh = pstate.mesh
+
+    def size_of(name: str) -> int:
+        group = mesh.expert_dp_group if pstate.is_expert_param(name) else mesh.dp_group
+        return dist.get_world_size(group) if group is not None else 1
+
+    return size_of

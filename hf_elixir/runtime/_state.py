@@ -1,0 +1,114 @@
+"""What ``hf_elixir.prepare`` attaches to a model, and its lookup: :class:`ElixirState`,
+:func:`get_state`, :func:`memory_stats`, :func:`reset_memory_stats`.
+
+The state lives on the model object (attribute ``_hf_elixir_state``), so every layer that is handed a
+prepared model (``full_parameters``, checkpointing, the integrations) finds its chunk manager here
+without importing ``hf_elixir.api``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from hf_elixir.chunk.manager import ChunkManager
+from hf_elixir.config import ElixirConfig
+from hf_elixir.plan import ElixirPlan
+from hf_elixir.runtime.hooks import ModuleHandle
+
+if TYPE_CHECKING:  # the optimizer layer sits above this one
+    from hf_elixir.optim.optimizer import ElixirOptimizer
+
+__all__ = ["ElixirState", "attach_state", "get_state", "is_prepared", "memory_stats", "reset_memory_stats"]
+
+_ATTR = "_hf_elixir_state"
+
+#: the traffic counters ``prepare`` and ``reset_memory_stats`` zero
+_TRAFFIC_COUNTERS = ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes", "num_evictions",
+                     "num_onloads", "num_prefetches", "num_unshards")
+
+
+@dataclass
+class ElixirState:
+    """What ``prepare`` attached to a model (``get_state(model)``)."""
+
+    manager: ChunkManager
+    handles: list[ModuleHandle]
+    config: ElixirConfig
+    plan: ElixirPlan
+    optimizer: ElixirOptimizer | None = None
+
+
+def _refuse_deepcopy(memo) -> None:
+    """Set as the prepared model's ``__deepcopy__`` (``copy.deepcopy`` looks it up on the instance), so
+    a copy fails at once instead of cloning every parameter first and failing at its first forward."""
+    raise TypeError(
+        "copy.deepcopy of a model prepared by hf_elixir.prepare is not supported: its parameters are views "
+        "into chunk buffers (sharded, offloaded) that a copy cannot own. Copy the model before prepare, or "
+        "build a plain copy from its full weights: `other = type(model)(model.config); "
+        "other.load_state_dict(model.state_dict())`")
+
+
+def is_prepared(model: torch.nn.Module) -> bool:
+    """Whether ``model`` carries an :class:`ElixirState`."""
+    return getattr(model, _ATTR, None) is not None
+
+
+def get_state(model: torch.nn.Module) -> ElixirState:
+    """The :class:`ElixirState` of a prepared model.
+
+    Raises:
+        ValueError: the model was not prepared by :func:`hf_elixir.prepare`.
+    """
+    state = getattr(model, _ATTR, None)
+    if state is None:
+        raise ValueError("this model was not prepared by hf_elixir.prepare(model, ...); call that first")
+    return state
+
+
+def attach_state(model: torch.nn.Module, state: ElixirState) -> None:
+    """Zero the traffic counters (preparing is not a step), attach ``state`` and refuse ``deepcopy``."""
+    _reset_counters(state.manager)
+    setattr(model, _ATTR, state)
+    model.__deepcopy__ = _refuse_deepcopy
+
+
+def _reset_counters(manager: ChunkManager) -> None:
+    for name in _TRAFFIC_COUNTERS:
+        setattr(manager.counters, name, 0)
+    manager.reset_peak()
+    manager._step_start = manager.counters.as_dict()
+
+
+def memory_stats(model: torch.nn.Module) -> dict[str, int | float]:
+    """Counters of the chunk manager: cumulative since ``prepare`` plus ``step_*`` deltas of the last
+    optimizer step; bytes are ints. Keys: ``device_used_bytes``, ``device_peak_bytes``, ``host_bytes``,
+    ``h2d_bytes``, ``d2h_bytes``, ``allgather_bytes``, ``reduce_scatter_bytes``, ``num_evictions``,
+    ``num_onloads``, ``num_prefetches``, ``num_unshards``, ``device_budget_bytes`` (-1 = unlimited),
+    ``num_chunks``, ``chunk_size_numel``, ``loss_scale`` (float, when an optimizer is attached).
+
+    Raises:
+        ValueError: the model was not prepared.
+    """
+    state = get_state(model)
+    manager = state.manager
+    stats: dict[str, int | float] = dict(manager.counters.as_dict())
+    stats.update(manager.last_step)
+    stats["device_budget_bytes"] = -1 if manager.pool.budget_bytes is None else manager.pool.budget_bytes
+    stats["num_chunks"] = len(manager.chunks)
+    stats["chunk_size_numel"] = max((c.chunk_numel for c in manager.chunks), default=0)
+    if state.optimizer is not None:
+        stats["loss_scale"] = state.optimizer.loss_scale
+        stats["num_skipped_steps"] = state.optimizer.scaler.num_skipped_steps
+    return stats
+
+
+def reset_memory_stats(model: torch.nn.Module) -> None:
+    """Zero the traffic counters and set the peak to the current use.
+
+    Raises:
+        ValueError: the model was not prepared.
+    """
+    _reset_counters(get_state(model).manager)
