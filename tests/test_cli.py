@@ -160,3 +160,66 @@ def test_times_print_in_human_units(seconds, text):
     from hf_elixir.cli import _human_s
 
     assert _human_s(seconds) == text
+
+
+def _profile_figure(monkeypatch, argv):
+    """Run `hf-elixir profile` and return (exit code, the drawn figure, printed text)."""
+    import hf_elixir.cli as cli
+
+    drawn = []
+    original = cli._draw_profile
+    monkeypatch.setattr(cli, "_draw_profile", lambda *a: drawn.append(original(*a)) or drawn[-1])
+    code = main(["profile", *argv])
+    return code, (drawn[-1] if drawn else None)
+
+
+def _axes_report(fig):
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    legend = ax.get_legend()
+    labels = [t.get_text() for t in legend.get_texts()]
+    return ax, legend, labels
+
+
+def test_profile_png_default_budget_onloads_y_from_zero_legend_outside(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "step.png"
+    code, fig = _profile_figure(monkeypatch, ["--output", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import re
+
+    onloads = int(re.search(r"(\d+) onloads", text).group(1))
+    assert onloads > 0, text  # the default budget (--budget-fraction 0.5) forces offload
+    ax, legend, labels = _axes_report(fig)
+    assert ax.get_ylim()[0] == 0.0
+    assert labels == ["device model data", "budget", "chunk onload"]
+    # the legend sits outside the plotting area: it cannot cover the curve
+    assert legend.get_window_extent().y0 >= ax.get_window_extent().y1 - 1
+
+
+def test_profile_png_has_no_legend_entry_for_an_empty_series(tmp_path, capsys, monkeypatch):
+    code, fig = _profile_figure(monkeypatch, ["--output", str(tmp_path / "s.png"), "--budget-fraction", "1"])
+    assert code == 0 and " 0 onloads" in capsys.readouterr().out
+    _, _, labels = _axes_report(fig)
+    assert labels == ["device model data", "budget"]
+
+
+def test_profile_takes_ranks_and_checkpointing_and_agrees_with_plan_on_budgets(tmp_path, capsys, monkeypatch):
+    """Same flags, same search: a budget plan accepts, profile accepts (it refused 60KiB at 2 ranks: it had no
+    --num-gpus and searched fp32 while plan defaults to bf16)."""
+    shape = ["--model", "tiny-gpt2", "--batch-size", "2", "--seq-len", "32", "--num-gpus", "2", "--precision", "bf16",
+             "--no-activations-on-device", "--activation-checkpointing", "off"]
+    for budget, fits in (("60KiB", True), ("30KiB", False)):
+        plan = main(["plan", *shape, "--gpu-memory", budget])
+        plan_err = capsys.readouterr().err
+        code, fig = _profile_figure(monkeypatch, [*shape[2:], "--budget", budget, "--output", str(tmp_path / "p.png")])
+        prof_err = capsys.readouterr().err
+        assert (plan == 0, code == 0) == (fits, fits), (budget, plan_err, prof_err)
+        if not fits:
+            assert "no configuration fits device_memory_budget_bytes=30720" in plan_err
+            assert "no configuration fits device_memory_budget_bytes=30720" in prof_err
+    code, fig = _profile_figure(monkeypatch, ["--activations-on-device", "--activation-checkpointing", "on",
+                                              "--output", str(tmp_path / "c.png")])
+    assert code == 0 and "ckpt True" in fig.axes[0].get_title()
+    _, _, labels = _axes_report(fig)
+    assert "budget minus activations" in labels
