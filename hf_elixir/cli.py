@@ -130,7 +130,7 @@ def _target_hardware(args: argparse.Namespace):
         notes.append(f"no GPU on this machine: device rates from the {preset} preset (pass --gpu "
                      f"{'|'.join(GPU_PRESETS)} for another target)")
     if preset is not None:
-        hw = preset_hardware(preset, hw, precision=args.precision, world_size=args.num_gpus)
+        hw = preset_hardware(preset, hw, world_size=args.num_gpus)
         notes.append(f"device: {hw.device_name}, rates from the {GPU_PRESETS[preset].source} derated to what a step reaches")
     else:
         notes.append(f"device rates measured on this machine's {hw.device_name}")
@@ -145,7 +145,8 @@ def _target_hardware(args: argparse.Namespace):
         changes.update(h2d_bytes_per_s=args.h2d_gbps * 1e9, d2h_bytes_per_s=args.h2d_gbps * 1e9)
         notes.append(f"host<->device {args.h2d_gbps} GB/s given")
     if args.device_tflops is not None:
-        changes["device_flops_per_s"] = args.device_tflops * 1e12
+        # one rate for every precision: the measured fp32 rate of this machine must not override it
+        changes["device_flops_per_s"] = changes["device_fp32_flops_per_s"] = args.device_tflops * 1e12
         notes.append(f"device {args.device_tflops} TFLOP/s given")
     if args.device_adam_gelems is not None:
         changes["device_adam_numel_per_s"] = args.device_adam_gelems * 1e9
@@ -274,7 +275,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     config = load_config(args.model)
     _check_positions(config, args.seq_len)
     model, batch = meta_model_and_batch(config, batch_size=args.batch_size, seq_len=args.seq_len, device="cpu")
-    profile = profile_step(model, batch, device="cpu")
+    # probe_hardware() below describes the GPU where there is one: price the CPU-profiled step by its FLOPs there
+    profile = profile_step(model, batch, device="cpu", count_flops=torch.cuda.is_available())
     hardware = probe_hardware(budget_bytes=1)  # the CPU's rates; the budget is set below
     budget = parse_bytes(args.budget) if args.budget else _budget_from_fraction(args, profile, hardware)
     hardware = replace(hardware, device_total_bytes=budget, device_free_bytes=budget)

@@ -108,7 +108,7 @@ GPU_PRESETS: Mapping[str, GpuPreset] = MappingProxyType({p.name: p for p in (
 DEFAULT_PRESET = "a100-80gb"
 
 
-def preset_hardware(name: str, base: HardwareProfile, *, precision: str = "bf16", world_size: int = 1) -> HardwareProfile:
+def preset_hardware(name: str, base: HardwareProfile, *, world_size: int = 1) -> HardwareProfile:
     """``base`` (host-side rates and host memory measured on this machine) with the device-side rates of
     the preset ``name``, derated to what a step reaches (:data:`ACHIEVED_FRACTION`).
 
@@ -116,27 +116,27 @@ def preset_hardware(name: str, base: HardwareProfile, *, precision: str = "bf16"
         name: a key of :data:`GPU_PRESETS`.
         base: the profile to start from (its host memory, host AdamW rate and hf_elixir's per-event
             overheads are kept).
-        precision: compute precision of the plan, ``"fp32" | "bf16" | "fp16"`` (selects the TFLOP/s).
         world_size: data-parallel ranks; above 1 the collective rates are ring rates over NVLink (or PCIe).
 
     Returns:
-        A new :class:`HardwareProfile` with ``device_kind="cuda"`` and ``can_overlap=True``.
+        A new :class:`HardwareProfile` with ``device_kind="cuda"`` and ``can_overlap=True``; its
+        ``device_flops_per_s`` is the bf16 rate and ``device_fp32_flops_per_s`` the fp32 one (what
+        :meth:`HardwareProfile.flops_rate` picks from by precision, as for a measured GPU).
 
     Raises:
-        ValueError: unknown preset or precision.
+        ValueError: unknown preset.
     """
     if name not in GPU_PRESETS:
         raise ValueError(f"--gpu {name!r} is not a GPU preset; use one of {', '.join(GPU_PRESETS)}")
     preset = GPU_PRESETS[name]
-    if precision not in preset.tflops:
-        raise ValueError(f"precision={precision!r} has no TFLOP/s in preset {name}; use one of {sorted(preset.tflops)}")
     frac = ACHIEVED_FRACTION
     pcie = preset.pcie_bytes_per_s * frac["pcie"]
     values: dict = dict(
         device_name=preset.device_name, device_kind="cuda", can_overlap=True,
         device_total_bytes=preset.memory_bytes, device_free_bytes=preset.memory_bytes,
         h2d_bytes_per_s=pcie, d2h_bytes_per_s=pcie,
-        device_flops_per_s=preset.tflops[precision] * 1e12 * frac["matmul"],
+        device_flops_per_s=preset.tflops["bf16"] * 1e12 * frac["matmul"],
+        device_fp32_flops_per_s=preset.tflops["fp32"] * 1e12 * frac["matmul"],
         device_adam_numel_per_s=preset.hbm_bytes_per_s * frac["hbm"] / _ADAM_BYTES_PER_NUMEL,
         world_size=world_size,
     )
