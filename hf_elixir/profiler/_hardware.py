@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 import torch
 
+from hf_elixir.profiler._device import nvml_handle, select_compute_device
+
 __all__ = ["HardwareProfile", "probe_hardware", "default_cache_path"]
 
 logger = logging.getLogger(__name__)
@@ -146,9 +148,10 @@ def _device_memory(device: torch.device, budget_bytes: int | None, host_total: i
 
             try:
                 pynvml.nvmlInit()
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                return name, int(info.total), int(info.free)
+                handle = nvml_handle(pynvml, index)  # by UUID / PCI bus id: NVML ignores CUDA_VISIBLE_DEVICES
+                if handle is not None:
+                    info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                    return name, int(info.total), int(info.free)
             except pynvml.NVMLError as exc:
                 logger.info("pynvml failed (%s); using torch.cuda.mem_get_info", exc)
         except ImportError:
@@ -311,7 +314,8 @@ def probe_hardware(device: str | torch.device | None = None, *, budget_bytes: in
     """Measure (or load from the per-machine cache) this machine's :class:`HardwareProfile`.
 
     Args:
-        device: compute device; default ``cuda`` when available, else ``cpu``.
+        device: compute device; default: the one ``hf_elixir.prepare`` would use
+            (:func:`hf_elixir.profiler._device.select_compute_device`).
         budget_bytes: device bytes to report on CPU (the simulated pool's budget); ignored on CUDA.
         cache_path: JSON cache file; default :func:`default_cache_path`. Entries are keyed by
             ``hostname|device name|world size``.
@@ -325,7 +329,7 @@ def probe_hardware(device: str | torch.device | None = None, *, budget_bytes: in
     """
     import psutil
 
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device) if device is not None else select_compute_device()
     vm = psutil.virtual_memory()
     name, total, free = _device_memory(dev, budget_bytes, int(vm.total))
     if dev.type != "cuda" and budget_bytes is None:
