@@ -83,6 +83,9 @@ class ElixirCallback(TrainerCallback):
         log_all_stats (`bool`, defaults to `False`):
             Log every counter of `hf_elixir.memory_stats(model)` (cumulative and per-step traffic, chunk
             counts, evictions, prefetches, ...) instead of the few in `DEFAULT_LOG_KEYS`.
+        checkpoint (`str`, *optional*):
+            A Hugging Face model folder to stream the parameters from when the Trainer's model was built
+            on the meta device (`hf_elixir.prepare(..., checkpoint=)`): each process reads only its shards.
 
     Example:
 
@@ -99,10 +102,11 @@ class ElixirCallback(TrainerCallback):
     DEFAULT_LOG_KEYS = ("device_peak_bytes", "step_h2d_bytes", "step_d2h_bytes", "loss_scale")
 
     def __init__(self, config: ElixirConfig | None = None, log_memory_stats: bool = True,
-                 log_all_stats: bool = False) -> None:
+                 checkpoint: str | None = None, log_all_stats: bool = False) -> None:
         if config is not None and not isinstance(config, ElixirConfig):
             raise TypeError(f"ElixirCallback(config={config!r}) must be an hf_elixir.ElixirConfig or None")
         self.config = config
+        self.checkpoint = checkpoint
         self.log_memory_stats = log_memory_stats
         self.log_all_stats = log_all_stats
         self.trainer = None
@@ -149,7 +153,8 @@ class ElixirCallback(TrainerCallback):
         if self.optimizer is None and any(o is model for o in objects):
             optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
             if len(optimizers) == 1:
-                prepared_model, prepared_opt = elixir_prepare(trainer.accelerator, model, optimizers[0], self.config)
+                prepared_model, prepared_opt = elixir_prepare(trainer.accelerator, model, optimizers[0], self.config,
+                                                             checkpoint=self.checkpoint)
                 self.model, self.optimizer = prepared_model, prepared_opt.optimizer
                 out = [prepared_model if o is model else prepared_opt if o is optimizers[0] else o for o in objects]
                 rest = [o for o in out if o is not prepared_model and o is not prepared_opt]
