@@ -27,6 +27,12 @@ def test_collective_over_host_memory_raises(single_rank_group, async_op):
         dist.all_reduce(host, async_op=async_op)
     with pytest.raises(strict.HostMemoryError, match="all_gather_into_tensor"):
         dist.all_gather_into_tensor(torch.empty(2), host[:2])  # a view of a host buffer is host memory
+    from hf_elixir._compat import all_gather_single, reduce_scatter_single
+
+    with pytest.raises(strict.HostMemoryError, match="all_gather_(single|into_tensor)"):
+        all_gather_single(torch.empty(2), host[:2])  # the names the library calls (torch >= 2.13)
+    with pytest.raises(strict.HostMemoryError, match="reduce_scatter_(single|tensor)"):
+        reduce_scatter_single(torch.empty(6), host)
     with pytest.raises(strict.HostMemoryError, match="all_gather over"):
         dist.all_gather([torch.empty(6)], host)
     with pytest.raises(strict.HostMemoryError, match="broadcast"):

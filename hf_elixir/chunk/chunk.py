@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hf_elixir._compat import all_gather_single, reduce_scatter_single
 from hf_elixir.chunk import strict
 from hf_elixir.chunk.params import hide as hide_param
 from hf_elixir.chunk.params import mark_managed
@@ -204,7 +205,7 @@ class Chunk(ChunkBytes):
                 own = full[self.shard_begin:self.shard_begin + self.shard_numel]
                 fill(self.shard_begin, self.shard_begin + self.shard_numel, own)
                 if self.resident:
-                    dist.all_gather_into_tensor(full, own, group=self.group)
+                    all_gather_single(full, own, group=self.group)
                     counters.allgather_bytes += self.full_bytes
                 partial = not self.resident
         if fill is None and self.world_size > 1:
@@ -337,7 +338,7 @@ class Chunk(ChunkBytes):
                     src.copy_(self.shard, non_blocking=True)
                     counters.h2d_bytes += self.shard_bytes
                     counters.num_onloads += 1
-                dist.all_gather_into_tensor(self.full, src, group=self.group)
+                all_gather_single(self.full, src, group=self.group)
                 counters.allgather_bytes += self.full_bytes
                 if staged:
                     del src
@@ -479,8 +480,8 @@ class Chunk(ChunkBytes):
                 self.manager.make_room(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
                 pool.charge(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
                 out = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.compute_device)
-                work = dist.reduce_scatter_tensor(out, grad_full, op=dist.ReduceOp.SUM, group=self.group,
-                                                  async_op=async_op)
+                work = reduce_scatter_single(out, grad_full, op=dist.ReduceOp.SUM, group=self.group,
+                                             async_op=async_op)
                 counters.reduce_scatter_bytes += self.grad_full_bytes
                 divisor = self.world_size
             else:

@@ -21,7 +21,8 @@ Under strict mode (``HF_ELIXIR_STRICT_DEVICE=1``, or :func:`enable`; ``tests/con
 for the whole test suite and its spawned ranks):
 
 * a collective of ``torch.distributed`` (``all_reduce``, ``all_gather``, ``all_gather_into_tensor``,
-  ``reduce_scatter``, ``reduce_scatter_tensor``, ``broadcast``, ``all_to_all``,
+  ``all_gather_single``, ``reduce_scatter``, ``reduce_scatter_tensor``, ``reduce_scatter_single``,
+  ``broadcast``, ``all_to_all``,
   ``all_to_all_single``, ``reduce``; ``async_op=True`` included) over a host tensor raises
   :class:`HostMemoryError`, as NCCL does. Object collectives (``all_gather_object``, ...) are exempt:
   they stage through the backend's own buffers.
@@ -54,8 +55,9 @@ __all__ = ["HostMemoryError", "STRICT_ENV", "enable", "disable", "enabled", "hos
 
 STRICT_ENV = "HF_ELIXIR_STRICT_DEVICE"
 
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-                "broadcast", "all_to_all", "all_to_all_single", "reduce")
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+                "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "all_to_all", "all_to_all_single",
+                "reduce")
 
 _host_storages: weakref.WeakSet = weakref.WeakSet()
 _device_storages: weakref.WeakSet = weakref.WeakSet()

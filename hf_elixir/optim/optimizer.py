@@ -21,6 +21,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from hf_elixir._compat import all_gather_single
 from hf_elixir.chunk import strict
 from hf_elixir.chunk.chunk import Chunk, ParamSlot
 from hf_elixir.chunk.manager import ChunkManager
@@ -627,7 +628,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 flat = self._shard_flat(chunk, key)
                 if chunk.world_size > 1:
                     full = torch.empty(chunk.chunk_numel, dtype=torch.float32, device=self.manager.compute_device)
-                    dist.all_gather_into_tensor(full, flat.to(full.device), group=chunk.group)
+                    all_gather_single(full, flat.to(full.device), group=chunk.group)
                     full = full.cpu()
                 else:
                     full = flat
