@@ -482,12 +482,6 @@ class ElixirOptimizer(torch.optim.Optimizer):
         step still updates it (momentum, weight decay) — e.g. MoE experts that got no tokens.
         """
         self.manager.zero_grad(keep_has_grad=set_to_none is False)
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
 
     # -- state dicts ---------------------------------------------------------------------------
     def _per_element_keys(self) -> list[str]:
