@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import torch
 import torch.distributed as dist
 
 from hf_elixir.chunk._build import build_chunks, chunk_specs, materialize_chunks
+from hf_elixir.chunk._stream_load import StreamedInit, meta_parameter_names, retie
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.chunk.packing import replicated_chunk_size
 from hf_elixir.config import ElixirConfig
@@ -170,8 +172,31 @@ def _chunk_size(config: ElixirConfig, plan: ElixirPlan | None, numels: list[int]
     return chunk_size or default_chunk_size(numels, budget_bytes, world_size, element_bytes)
 
 
+def _check_streamed_init(model, config: ElixirConfig, checkpoint) -> None:
+    """Refuse what streamed init does not support, and a meta model without ``checkpoint=``."""
+    meta = meta_parameter_names(model)
+    if checkpoint is None:
+        if meta:
+            raise ValueError(f"parameters {meta[:5]}{' and more' if len(meta) > 5 else ''} are on the meta device "
+                             "(no data): pass hf_elixir.prepare(model, optimizer, config, checkpoint='path/to/"
+                             "hf_folder') to load them from a Hugging Face folder, or build the model with real "
+                             "weights (from_pretrained)")
+        return
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise TypeError(f"hf_elixir.prepare(checkpoint={checkpoint!r}) must be a path to a Hugging Face folder")
+    if get_parallel_state(model) is not None:
+        raise ValueError("hf_elixir.prepare(checkpoint=...) does not support tensor- or expert-parallel models yet "
+                         "(parallelize needs real weights to split): load the model with from_pretrained, "
+                         "parallelize it, and call prepare without checkpoint=")
+    if config.search == "auto" and config.plan is None:
+        raise ValueError("ElixirConfig.search='auto' profiles a real training step, which a model streamed from "
+                         "checkpoint= cannot run before prepare: write a plan first (`hf-elixir plan`) and pass "
+                         "ElixirConfig(plan=...), or leave search='off'")
+
+
 def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-            config: ElixirConfig | None = None, *, sample_batch: dict | None = None):
+            config: ElixirConfig | None = None, *, sample_batch: dict | None = None,
+            checkpoint: str | os.PathLike | None = None):
     """Put ``model`` under chunk memory management; wrap ``optimizer``.
 
     Args:
@@ -182,6 +207,14 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         config: :class:`~hf_elixir.config.ElixirConfig`; default all-resident fp32.
         sample_batch: a batch (``model(**sample_batch)`` returns ``.loss``) to profile one step with,
             required by ``ElixirConfig(search="auto")``.
+        checkpoint: a Hugging Face folder (``model.safetensors``, or shards with
+            ``model.safetensors.index.json``) to take the parameters' values from. The model may then be
+            on the meta device (``torch.device("meta")`` or accelerate's ``init_empty_weights()``): each
+            rank reads only its own shards' byte ranges and no rank holds the whole model (as DeepSpeed's
+            ``zero.Init`` / FSDP2's meta-device init). Tied weights stay tied; buffers left on the meta
+            device are read or rebuilt by the model's ``_init_weights``. The result equals
+            ``from_pretrained(folder)`` + ``prepare`` bit for bit. Not with tensor/expert-parallel models
+            or ``search="auto"`` yet. See [Note: streamed init] in ``hf_elixir/chunk/_stream_load.py``.
 
     Returns:
         ``(model, optimizer)``: the same model object, and an
@@ -189,11 +222,16 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
 
     Raises:
         ValueError: the model is already prepared; the budget is too small (names the bytes needed);
-            the plan was made for another model/world size/precision.
+            the plan was made for another model/world size/precision; parameters on the meta device
+            without ``checkpoint=``; a checkpoint missing parameters or with other shapes.
+        FileNotFoundError: ``checkpoint`` is not a folder with safetensors weights.
         TypeError: an unsupported optimizer.
     """
     config = config or ElixirConfig()
     _check_arguments(model, optimizer, config)
+    _check_streamed_init(model, config, checkpoint)
+    if checkpoint is not None:
+        retie(model, optimizer)
     placements_for_plan(model, config)  # validates tp/ep sizes and placement globs before anything moves
     device = _compute_device()
     _check_precision_supported(config.precision, device)
@@ -209,6 +247,15 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     params = [p for p in names if p.is_floating_point()]
     if len(params) != len(names):
         logger.warning("%d non-floating-point parameters are left unmanaged", len(names) - len(params))
+    stream = StreamedInit(model, checkpoint, {p: names[p] for p in params}, device) if checkpoint else None
+    try:
+        return _prepare(model, optimizer, config, plan, device, group, world_size, dtype, names, params, stream)
+    finally:
+        if stream is not None:
+            stream.close()
+
+
+def _prepare(model, optimizer, config, plan, device, group, world_size, dtype, names, params, stream):
     element_bytes = torch.empty((), dtype=dtype).element_size()
     config, placement_reason = resolve_default_placement(
         config, plan, [p.numel() for p in params], optimizer, world_size, element_bytes,
@@ -238,7 +285,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         _agree_placements(chunks, agree_group, device)
     if placement_reason:
         reasons.insert(0, placement_reason)
-    materialize_chunks(manager)
+    materialize_chunks(manager, stream.fill_for if stream is not None else None)
     if plan is None:
         plan = ElixirPlan(
             model_type=getattr(getattr(model, "config", None), "model_type", ""), num_params=num_params,
@@ -247,6 +294,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             resident_chunks=[c.chunk_id for c in chunks if c.resident],
             device_shard_chunks=[c.chunk_id for c in chunks if c.shard_on_device],
             device_optim_chunks=[c.chunk_id for c in chunks if c.optim_on_device],
+            host_copy_chunks=[c.chunk_id for c in chunks if c.keep_host_copy],
             prefetch_depth=manager.prefetch_depth, reasons=reasons)
     check_plan_placements(plan, placements)
     if not plan.placements:
