@@ -35,8 +35,9 @@ from hf_elixir.config import ElixirConfig
 from hf_elixir.optim.optimizer import ElixirOptimizer
 from hf_elixir.parallel import get_parallel_state, placements_for_plan
 from hf_elixir.parallel._groups import chunk_group_of, chunk_group_size_of
-from hf_elixir.placement._agree import agree_min, agree_object
-from hf_elixir.placement._device_placement import Sizes, place_chunks, resolve_default_placement, working_set
+from hf_elixir.placement._agree import agree_min, agree_object, agreement_group_size
+from hf_elixir.placement._device_placement import (Sizes, default_host_budget_bytes, place_chunks,
+                                                     resolve_default_placement, working_set)
 from hf_elixir.placement._plan_check import check_plan, check_plan_placements, load_plan
 from hf_elixir.plan import ElixirPlan
 from hf_elixir.profiler._hardware import register_prepare
@@ -90,16 +91,22 @@ def _agree_budget(config: ElixirConfig, group, device: torch.device) -> ElixirCo
         logger.info("hf_elixir: device_memory_budget_bytes %s on this rank; %s, the smallest over the ranks, "
                     "is used", config.device_memory_budget_bytes, budget)
         config = dataclasses.replace(config, device_memory_budget_bytes=budget)
+    if agreement_group_size(group) > 1:  # the host budget picks rank-local host copies (no re-all-gather)
+        host = agree_min(config.host_memory_budget_bytes or default_host_budget_bytes(), group, device)
+        config = dataclasses.replace(config, host_memory_budget_bytes=host)
     return config
 
 
 def _agree_placements(chunks, group, device: torch.device) -> None:
-    """Every rank takes rank 0's per-chunk placement (resident, shard and optimizer states on the device)."""
-    flags = agree_object([(c.resident, c.shard_on_device, c.optim_on_device) for c in chunks], group, device)
+    """Every rank takes rank 0's per-chunk placement (resident, shard and optimizer states on the device,
+    rank-local host copy)."""
+    flags = agree_object([(c.resident, c.shard_on_device, c.optim_on_device, c.keep_host_copy) for c in chunks],
+                         group, device)
     assert len(flags) == len(chunks), (f"rank {dist.get_rank()}: {len(chunks)} chunks, rank 0 placed "
                                        f"{len(flags)}")
-    for chunk, (resident, shard_on_device, optim_on_device) in zip(chunks, flags):
+    for chunk, (resident, shard_on_device, optim_on_device, keep_host_copy) in zip(chunks, flags):
         chunk.resident, chunk.shard_on_device, chunk.optim_on_device = resident, shard_on_device, optim_on_device
+        chunk.keep_host_copy = keep_host_copy
 
 
 def _unique_params(model: torch.nn.Module) -> dict[torch.nn.Parameter, list[str]]:
@@ -249,13 +256,14 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         logger.warning("%d non-floating-point parameters are left unmanaged", len(names) - len(params))
     stream = StreamedInit(model, checkpoint, {p: names[p] for p in params}, device) if checkpoint else None
     try:
-        return _prepare(model, optimizer, config, plan, device, group, world_size, dtype, names, params, stream)
+        return _prepare(model, optimizer, config, plan, device, group, agree_group, world_size, dtype, names, params,
+                        stream)
     finally:
         if stream is not None:
             stream.close()
 
 
-def _prepare(model, optimizer, config, plan, device, group, world_size, dtype, names, params, stream):
+def _prepare(model, optimizer, config, plan, device, group, agree_group, world_size, dtype, names, params, stream):
     element_bytes = torch.empty((), dtype=dtype).element_size()
     config, placement_reason = resolve_default_placement(
         config, plan, [p.numel() for p in params], optimizer, world_size, element_bytes,

@@ -51,6 +51,7 @@ def _decisions(model) -> dict:
         "resident": [c.resident for c in chunks],
         "shard_on_device": [c.shard_on_device for c in chunks],
         "optim_on_device": [c.optim_on_device for c in chunks],
+        "host_copy": [c.keep_host_copy for c in chunks],
         "plan": dataclasses.replace(state.plan, reasons=[]).to_dict(),
     }
 
