@@ -30,11 +30,12 @@ import torch.distributed as dist
 from hf_elixir.chunk._build import build_chunks, chunk_specs, materialize_chunks
 from hf_elixir.chunk._stream_load import StreamedInit, meta_parameter_names, retie
 from hf_elixir.chunk.manager import ChunkManager
+from hf_elixir.chunk.memory import resolve_budget_bytes
 from hf_elixir.chunk.packing import replicated_chunk_size
 from hf_elixir.config import ElixirConfig
 from hf_elixir.optim.optimizer import ElixirOptimizer
 from hf_elixir.parallel import get_parallel_state, placements_for_plan
-from hf_elixir.parallel._groups import chunk_group_of, chunk_group_size_of
+from hf_elixir.parallel._groups import chunk_group_of, chunk_group_size_of, job_group_of
 from hf_elixir.placement._agree import agree_min, agree_object, agreement_group_size
 from hf_elixir.placement._device_placement import (Sizes, default_host_budget_bytes, place_chunks,
                                                      resolve_default_placement, working_set)
@@ -73,14 +74,6 @@ def _default_group(config: ElixirConfig):
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist.group.WORLD
     return None
-
-
-def _agreement_group(model: torch.nn.Module, group):
-    """The ranks that must take the same decisions for ``model``: its data-parallel group (``None``: one
-    rank), or the whole mesh, i.e. the world, of a model rewritten by ``hf_elixir.parallel.parallelize``."""
-    if get_parallel_state(model) is not None and dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return group
 
 
 def _agree_budget(config: ElixirConfig, group, device: torch.device) -> ElixirConfig:
@@ -243,8 +236,10 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     device = _compute_device()
     _check_precision_supported(config.precision, device)
     group = _default_group(config)
-    agree_group = _agreement_group(model, group)
-    config = _agree_budget(config, agree_group, device)
+    agree_group = job_group_of(model, group)
+    # this rank's figure (on CUDA the free memory less the reserve), then the smallest over the ranks
+    budget, whole_device = resolve_budget_bytes(config.device_memory_budget_bytes, device, None)
+    config = _agree_budget(dataclasses.replace(config, device_memory_budget_bytes=budget), agree_group, device)
     plan = agree_object(_resolve_plan(model, config, sample_batch), agree_group, device)
     if plan is not None and plan.activation_checkpointing:
         _enable_activation_checkpointing(model)
@@ -257,13 +252,14 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     stream = StreamedInit(model, checkpoint, {p: names[p] for p in params}, device) if checkpoint else None
     try:
         return _prepare(model, optimizer, config, plan, device, group, agree_group, world_size, dtype, names, params,
-                        stream)
+                        stream, whole_device)
     finally:
         if stream is not None:
             stream.close()
 
 
-def _prepare(model, optimizer, config, plan, device, group, agree_group, world_size, dtype, names, params, stream):
+def _prepare(model, optimizer, config, plan, device, group, agree_group, world_size, dtype, names, params, stream,
+             whole_device: bool = False):
     element_bytes = torch.empty((), dtype=dtype).element_size()
     config, placement_reason = resolve_default_placement(
         config, plan, [p.numel() for p in params], optimizer, world_size, element_bytes,
@@ -280,6 +276,8 @@ def _prepare(model, optimizer, config, plan, device, group, agree_group, world_s
     manager = ChunkManager(compute_device=device, budget_bytes=config.device_memory_budget_bytes,
                            reduce_dtype=torch.float32 if config.reduce_dtype == "fp32" else None,
                            prefetch_depth=plan.prefetch_depth if plan else config.prefetch_depth)
+    manager.job_group = job_group_of(model, group)
+    manager.pool.whole_device = whole_device
     chunks = build_chunks(manager, params, names, placements, chunk_group_of(model, group), chunk_size, dtype,
                           device)
     num_params = sum(numels)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hf_elixir.chunk import strict
 from hf_elixir.chunk.params import hide as hide_param
 from hf_elixir.chunk.params import mark_managed
 from hf_elixir.chunk.params import show as show_param
@@ -210,7 +211,7 @@ class Chunk(ChunkBytes):
             dist.broadcast(full, src=dist.get_global_rank(self.group, 0), group=self.group)
         elif fill is None and self.replicate_group is not None:
             dist.broadcast(full, src=dist.get_global_rank(self.replicate_group, 0), group=self.replicate_group)
-        self.full = full
+        self.full = strict.register_device(full)
         for slot in self.slots:
             mark_managed(slot.param, slot.name, self.manager)
             slot.param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
@@ -225,11 +226,12 @@ class Chunk(ChunkBytes):
             if self.shard_in_full:
                 self.shard = src
             elif self.shard_on_device:
-                self.shard = src.clone()
+                self.shard = strict.register_device(src.clone())
                 self.manager.pool.charge(self.shard_bytes, f"chunk {self.chunk_id} shard")
             else:
                 self.shard = self.manager.host_empty(self.shard_numel, self.dtype)
-                self.shard.copy_(src)
+                with strict.host_copies():
+                    self.shard.copy_(src)
         self.unsharded = True
         self.full_version = -1 if partial else self.version  # partial: only this rank's slice was read
 
@@ -316,7 +318,7 @@ class Chunk(ChunkBytes):
         if not self.unsharded and not self.full_alias:
             pool.charge(self.full_bytes, f"unsharded chunk {self.chunk_id}")
             _alloc_storage(self.full)
-        with torch.no_grad():
+        with torch.no_grad(), strict.host_copies():
             if self.world_size > 1 and self.host_full_version == self.version:
                 self.full.copy_(self.host_full, non_blocking=True)
                 counters.h2d_bytes += self.full_bytes
@@ -354,7 +356,7 @@ class Chunk(ChunkBytes):
                 and self.full_version == self.version):
             if self.host_full is None:
                 self.host_full = self.manager.host_empty(self.chunk_numel, self.dtype)
-            with torch.no_grad():
+            with torch.no_grad(), strict.host_copies():
                 self.host_full.copy_(self.full)
             self.host_full_version = self.version
             self.manager.counters.d2h_bytes += self.full_bytes
@@ -369,7 +371,7 @@ class Chunk(ChunkBytes):
 
     def write_back(self) -> None:
         """Copy this rank's slice of ``full`` into the shard (after ``load_state_dict`` wrote ``full``)."""
-        with torch.no_grad():
+        with torch.no_grad(), strict.host_copies():
             if not self.full_alias:
                 self.shard.copy_(self.full[self.shard_begin:self.shard_begin + self.shard_numel])
                 if not self.shard_on_device:
