@@ -3,7 +3,9 @@ optimizer. Also ``min_device_budget_bytes``, and (from ``hf_elixir.runtime``) ``
 
 A façade: each phase lives in its layer, and ``prepare`` calls them in order:
 
-1. checks and plan (``placement/_plan_check.py``; the search for ``search="auto"``);
+1. checks; the ranks agree on the budget (the smallest), and take rank 0's plan, default placement,
+   chunk size and per-chunk placement (``placement/_agree.py``, [Note: ranks agree]); the plan
+   (``placement/_plan_check.py``; the search for ``search="auto"``);
 2. ``default_placement="auto"`` resolved (``placement/_device_placement.py``);
 3. chunk size (``search/_chunk_size.py``), chunks built (``chunk/_build.py``);
 4. hooks and guards installed (``runtime/``);
@@ -28,12 +30,15 @@ import torch.distributed as dist
 from hf_elixir.chunk._build import build_chunks, chunk_specs, materialize_chunks
 from hf_elixir.chunk._stream_load import StreamedInit, meta_parameter_names, retie
 from hf_elixir.chunk.manager import ChunkManager
+from hf_elixir.chunk.memory import resolve_budget_bytes
 from hf_elixir.chunk.packing import replicated_chunk_size
 from hf_elixir.config import ElixirConfig
 from hf_elixir.optim.optimizer import ElixirOptimizer
 from hf_elixir.parallel import get_parallel_state, placements_for_plan
-from hf_elixir.parallel._groups import chunk_group_of, chunk_group_size_of
-from hf_elixir.placement._device_placement import Sizes, place_chunks, resolve_default_placement, working_set
+from hf_elixir.parallel._groups import chunk_group_of, chunk_group_size_of, job_group_of
+from hf_elixir.placement._agree import agree_min, agree_object, agreement_group_size
+from hf_elixir.placement._device_placement import (Sizes, default_host_budget_bytes, place_chunks,
+                                                     resolve_default_placement, working_set)
 from hf_elixir.placement._plan_check import check_plan, check_plan_placements, load_plan
 from hf_elixir.plan import ElixirPlan
 from hf_elixir.profiler._hardware import register_prepare
@@ -69,6 +74,32 @@ def _default_group(config: ElixirConfig):
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist.group.WORLD
     return None
+
+
+def _agree_budget(config: ElixirConfig, group, device: torch.device) -> ElixirConfig:
+    """The config with the smallest ``device_memory_budget_bytes`` over ``group`` ([Note: ranks agree]):
+    a rank given (or measuring) less memory than its peers makes every rank place for that figure."""
+    budget = agree_min(config.device_memory_budget_bytes, group, device)
+    if budget != config.device_memory_budget_bytes:
+        logger.info("hf_elixir: device_memory_budget_bytes %s on this rank; %s, the smallest over the ranks, "
+                    "is used", config.device_memory_budget_bytes, budget)
+        config = dataclasses.replace(config, device_memory_budget_bytes=budget)
+    if agreement_group_size(group) > 1:  # the host budget picks rank-local host copies (no re-all-gather)
+        host = agree_min(config.host_memory_budget_bytes or default_host_budget_bytes(), group, device)
+        config = dataclasses.replace(config, host_memory_budget_bytes=host)
+    return config
+
+
+def _agree_placements(chunks, group, device: torch.device) -> None:
+    """Every rank takes rank 0's per-chunk placement (resident, shard and optimizer states on the device,
+    rank-local host copy)."""
+    flags = agree_object([(c.resident, c.shard_on_device, c.optim_on_device, c.keep_host_copy) for c in chunks],
+                         group, device)
+    assert len(flags) == len(chunks), (f"rank {dist.get_rank()}: {len(chunks)} chunks, rank 0 placed "
+                                       f"{len(flags)}")
+    for chunk, (resident, shard_on_device, optim_on_device, keep_host_copy) in zip(chunks, flags):
+        chunk.resident, chunk.shard_on_device, chunk.optim_on_device = resident, shard_on_device, optim_on_device
+        chunk.keep_host_copy = keep_host_copy
 
 
 def _unique_params(model: torch.nn.Module) -> dict[torch.nn.Parameter, list[str]]:
@@ -202,12 +233,16 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     if checkpoint is not None:
         retie(model, optimizer)
     placements_for_plan(model, config)  # validates tp/ep sizes and placement globs before anything moves
-    plan = _resolve_plan(model, config, sample_batch)
-    if plan is not None and plan.activation_checkpointing:
-        _enable_activation_checkpointing(model)
     device = _compute_device()
     _check_precision_supported(config.precision, device)
     group = _default_group(config)
+    agree_group = job_group_of(model, group)
+    # this rank's figure (on CUDA the free memory less the reserve), then the smallest over the ranks
+    budget, whole_device = resolve_budget_bytes(config.device_memory_budget_bytes, device, None)
+    config = _agree_budget(dataclasses.replace(config, device_memory_budget_bytes=budget), agree_group, device)
+    plan = agree_object(_resolve_plan(model, config, sample_batch), agree_group, device)
+    if plan is not None and plan.activation_checkpointing:
+        _enable_activation_checkpointing(model)
     world_size = dist.get_world_size(group) if group is not None else 1
     dtype = _DTYPES[config.precision]
     names = _unique_params(model)
@@ -216,25 +251,33 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         logger.warning("%d non-floating-point parameters are left unmanaged", len(names) - len(params))
     stream = StreamedInit(model, checkpoint, {p: names[p] for p in params}, device) if checkpoint else None
     try:
-        return _prepare(model, optimizer, config, plan, device, group, world_size, dtype, names, params, stream)
+        return _prepare(model, optimizer, config, plan, device, group, agree_group, world_size, dtype, names, params,
+                        stream, whole_device)
     finally:
         if stream is not None:
             stream.close()
 
 
-def _prepare(model, optimizer, config, plan, device, group, world_size, dtype, names, params, stream):
+def _prepare(model, optimizer, config, plan, device, group, agree_group, world_size, dtype, names, params, stream,
+             whole_device: bool = False):
     element_bytes = torch.empty((), dtype=dtype).element_size()
     config, placement_reason = resolve_default_placement(
         config, plan, [p.numel() for p in params], optimizer, world_size, element_bytes,
-        is_parallel=get_parallel_state(model) is not None, placements_of=lambda c: placements_for_plan(model, c))
-    placements = placements_for_plan(model, config)
+        is_parallel=get_parallel_state(model) is not None, placements_of=lambda c: placements_for_plan(model, c),
+        group=agree_group, device=device)
     params = _ordered_params(plan, params, names)
     numels = [p.numel() for p in params]
-    chunk_size = _chunk_size(config, plan, numels, placements, world_size, element_bytes,
+    chunk_size = _chunk_size(config, plan, numels, placements_for_plan(model, config), world_size, element_bytes,
                              config.device_memory_budget_bytes)
+    # decided once: rank 0's default placement and chunk size ([Note: ranks agree])
+    default_placement, chunk_size = agree_object((config.default_placement, chunk_size), agree_group, device)
+    config = dataclasses.replace(config, default_placement=default_placement)
+    placements = placements_for_plan(model, config)
     manager = ChunkManager(compute_device=device, budget_bytes=config.device_memory_budget_bytes,
                            reduce_dtype=torch.float32 if config.reduce_dtype == "fp32" else None,
                            prefetch_depth=plan.prefetch_depth if plan else config.prefetch_depth)
+    manager.job_group = job_group_of(model, group)
+    manager.pool.whole_device = whole_device
     chunks = build_chunks(manager, params, names, placements, chunk_group_of(model, group), chunk_size, dtype,
                           device)
     num_params = sum(numels)
@@ -244,6 +287,8 @@ def _prepare(model, optimizer, config, plan, device, group, world_size, dtype, n
     handles = install_hooks(model, manager)
     install_guards(model, manager)
     reasons = place_chunks(chunks, [h.chunks for h in handles], plan, config, optimizer, world_size)
+    if get_parallel_state(model) is None:  # a mesh's ranks hold different chunks: placed from agreed inputs
+        _agree_placements(chunks, agree_group, device)
     if placement_reason:
         reasons.insert(0, placement_reason)
     materialize_chunks(manager, stream.fill_for if stream is not None else None)

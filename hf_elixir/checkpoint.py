@@ -44,6 +44,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from hf_elixir.chunk import strict
 from hf_elixir.runtime._state import get_state
 from hf_elixir.optim.optimizer import CONSOLIDATED_FORMAT, ElixirOptimizer
 
@@ -203,7 +204,8 @@ def _set_view_state(optimizer: ElixirOptimizer, view, target: dict[str, Any]) ->
         if key == "step":
             optimizer.fused_steps[id(view.tensor)] = int(float(value))
         else:
-            fused[key][view.lo:view.hi].copy_(value)
+            with strict.host_copies():  # loaded from a file: host memory
+                fused[key][view.lo:view.hi].copy_(value)
 
 
 def _sharded_payload(optimizer: ElixirOptimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -536,7 +538,8 @@ def _apply_own_shards(optimizer: ElixirOptimizer, tensors: dict, meta: dict, gro
     masters = {cid: tensors.get(f"chunk{cid}.master") for cid in optimizer.masters}
     if masters and all(v is not None for v in masters.values()):
         for cid, value in masters.items():
-            optimizer.masters[cid].copy_(value)
+            with strict.host_copies():  # loaded from a file: host memory
+                optimizer.masters[cid].copy_(value)
         optimizer._refresh_compute_copies()
     optimizer.scaler.load_state_dict(groups["loss_scaler"])
 

@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from hf_elixir.config import parse_bytes
+from hf_elixir.profiler._gpu_presets import DEFAULT_PRESET, GPU_PRESETS
 
 __all__ = ["main", "parse_bytes"]
 
@@ -27,21 +28,36 @@ def _gib(value: float | int | None) -> str:
     return "-" if value is None else f"{value / 2**30:.2f} GiB"
 
 
+def _human_s(seconds: float | None) -> str:
+    """A duration in the unit a person reads: ``"812 ms"``, ``"3.41 s"``, ``"2.5 min"``, ``"1.2 h"``."""
+    if seconds is None:
+        return "-"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g} us"
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.3g} ms"
+    if seconds < 120.0:
+        return f"{seconds:.3g} s"
+    if seconds < 7200.0:
+        return f"{seconds / 60:.3g} min"
+    return f"{seconds / 3600:.3g} h"
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-elixir", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="search a plan offline for a model config (meta device)")
     plan.add_argument("--model", required=True, help="built-in name (gpt2-xl, facebook/opt-30b, "
                       "switch-base-8, ...), a local model directory or a config.json")
-    plan.add_argument("--num-gpus", type=int, default=1, help="data-parallel ranks (chunks are sharded over them, or replicated on each)")
+    _add_step_flags(plan)
+    plan.add_argument("--gpu", default=None, choices=tuple(GPU_PRESETS),
+                      help="target GPU: device rates and memory from its spec sheet (default: this machine's GPU, "
+                      f"measured; without one, the {DEFAULT_PRESET} preset)")
     plan.add_argument("--gpu-memory", default=None, help="device memory per rank, e.g. 40GiB "
-                      "(default: measured on this machine)")
+                      "(default: the --gpu preset's, or measured on this machine)")
     plan.add_argument("--host-memory", default=None, help="host memory per node, e.g. 512GiB (default: measured)")
     plan.add_argument("--batch-size", type=int, default=1, help="micro-batch per rank")
     plan.add_argument("--seq-len", type=int, default=1024)
-    plan.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"),
-                      help="compute precision (default: bf16); use the same ElixirConfig(precision=...)")
-    plan.add_argument("--safety-margin", type=float, default=0.05, help="fraction of device memory kept free")
     plan.add_argument("--h2d-gbps", type=float, default=None, help="host->device GB/s of the target "
                       "(default: measured here)")
     plan.add_argument("--device-tflops", type=float, default=None, help="device matmul TFLOP/s of the target "
@@ -52,30 +68,73 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="tensor-parallel ranks within --num-gpus (placements column/row)")
     plan.add_argument("--expert-parallel-size", type=int, default=1,
                       help="expert-parallel ranks within --num-gpus (MoE experts placed 'expert')")
-    plan.add_argument("--no-activations-on-device", action="store_true",
-                      help="budget model data only (the CPU simulated pool's accounting)")
     plan.add_argument("--output", default=None, help="write the plan (.yaml/.yml or .json)")
     prof = sub.add_parser("profile", help="run one real step of a small model and draw the memory timeline")
     prof.add_argument("--model", default="tiny-gpt2", help="built-in name or local config (small!)")
     prof.add_argument("--batch-size", type=int, default=2)
     prof.add_argument("--seq-len", type=int, default=32)
-    prof.add_argument("--budget", default=None, help="device budget for model data, e.g. 300KiB "
-                      "(default: half of the fp32 model data)")
+    _add_step_flags(prof)
+    prof.add_argument("--budget", default=None, help="device budget per rank, e.g. 300KiB (default: see "
+                      "--budget-fraction)")
+    prof.add_argument("--budget-fraction", type=float, default=0.5,
+                      help="without --budget: 0 = the smallest budget the search accepts, 1 = the smallest with no "
+                      "chunk onload; in between the step offloads and onloads chunks (default: 0.5)")
     prof.add_argument("--chunk-size-numel", type=int, default=None)
     prof.add_argument("--output", default="hf_elixir_profile.png", help="PNG to write")
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
 
 
-def _target_hardware(args: argparse.Namespace):
-    from hf_elixir.profiler import probe_hardware
+def _add_step_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags ``plan`` and ``profile`` share: what is trained and how the budget is counted (the same
+    values give the same search, so both accept or both refuse a budget)."""
+    parser.add_argument("--num-gpus", type=int, default=1,
+                        help="data-parallel ranks (chunks are sharded over them, or replicated on each)")
+    parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"),
+                        help="compute precision (default: bf16); use the same ElixirConfig(precision=...)")
+    parser.add_argument("--activation-checkpointing", default="auto", choices=("auto", "on", "off"),
+                        help="auto: the search decides (only when activations count in the budget)")
+    parser.add_argument("--safety-margin", type=float, default=0.05, help="fraction of device memory kept free")
+    on_device = parser.prog.endswith("plan")
+    parser.add_argument("--activations-on-device", default=on_device, action=argparse.BooleanOptionalAction,
+                        help="count activations in the device budget (a GPU's accounting; default for plan) or "
+                        "model data only (the CPU simulated pool's; default for profile, whose step runs on this CPU)")
 
-    hw = probe_hardware()
-    notes = [f"host-side rates measured on {hw.hostname} ({hw.device_name})"]
-    changes: dict = {"world_size": args.num_gpus}
+
+def _search(args: argparse.Namespace, profile, hardware, budget: int, **extra):
+    """The search both commands run, from the shared flags (:func:`_add_step_flags`)."""
+    from hf_elixir.search import search
+
+    return search(profile, hardware, world_size=args.num_gpus, precision=args.precision,
+                  device_memory_budget_bytes=budget, safety_margin=args.safety_margin,
+                  activations_on_device=args.activations_on_device,
+                  activation_checkpointing={"auto": None, "on": True, "off": False}[args.activation_checkpointing],
+                  **extra)
+
+
+def _target_hardware(args: argparse.Namespace):
+    """The target's :class:`HardwareProfile` and notes saying where each rate came from: a ``--gpu``
+    preset (the default one when this machine has no GPU), else this machine's GPU, measured; then the
+    explicit ``--gpu-memory`` / ``--h2d-gbps`` / ``--device-tflops`` / ... flags."""
+    from hf_elixir.profiler import probe_hardware
+    from hf_elixir.profiler._gpu_presets import preset_hardware
+
     for flag, value in (("--gpu-memory", args.gpu_memory), ("--host-memory", args.host_memory)):
         if value is not None and parse_bytes(value) <= 0:
             raise SystemExit(f"hf-elixir plan: {flag} {value} must be a positive size, e.g. 40GiB")
+    hw = probe_hardware()
+    notes = [f"host-side rates measured on {hw.hostname}"]
+    preset = args.gpu
+    if preset is None and hw.device_kind != "cuda":
+        preset = DEFAULT_PRESET
+        notes.append(f"no GPU on this machine: device rates from the {preset} preset (pass --gpu "
+                     f"{'|'.join(GPU_PRESETS)} for another target)")
+    if preset is not None:
+        hw = preset_hardware(preset, hw, world_size=args.num_gpus)
+        notes.append(f"device: {hw.device_name}, rates from the {GPU_PRESETS[preset].source} derated to what a step reaches")
+    else:
+        notes.append(f"device rates measured on this machine's {hw.device_name}")
+    changes: dict = {"world_size": args.num_gpus}
     if args.gpu_memory is not None:
         size = parse_bytes(args.gpu_memory)
         changes.update(device_total_bytes=size, device_free_bytes=size)
@@ -91,11 +150,6 @@ def _target_hardware(args: argparse.Namespace):
         notes.append(f"device {args.device_tflops} TFLOP/s given")
     if args.device_adam_gelems is not None:
         changes["device_adam_numel_per_s"] = args.device_adam_gelems * 1e9
-    if hw.device_kind != "cuda" and args.gpu_memory is not None:
-        changes.update(device_kind="cuda", can_overlap=True)
-        if args.device_tflops is None:
-            notes.append("no GPU here: device compute/copy rates are this machine's; pass --device-tflops and "
-                         "--h2d-gbps for the target's")
     return replace(hw, **changes), notes
 
 
@@ -108,7 +162,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from hf_elixir.profiler import profile_step
     from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
-    from hf_elixir.search import search
 
     console = Console(width=None if sys.stdout.isatty() else 140)
     config = load_config(args.model)
@@ -120,12 +173,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     placements = _placements(model, args)
     # replicated data parallelism (whole chunks, gradient all-reduce) is searched for plain data parallel
     model_parallel = args.tensor_parallel_size > 1 or args.expert_parallel_size > 1
-    result = search(profile, hardware, world_size=args.num_gpus, precision=args.precision,
-                    device_memory_budget_bytes=hardware.device_total_bytes, safety_margin=args.safety_margin,
-                    activations_on_device=not args.no_activations_on_device,
-                    host_memory_bytes=hardware.host_total_bytes,
-                    data_parallel="sharded" if model_parallel else "auto",
-                    replicated_placements={fqn: "replicated" for fqn in placements})
+    result = _search(args, profile, hardware, hardware.device_total_bytes, host_memory_bytes=hardware.host_total_bytes,
+                     data_parallel="sharded" if model_parallel else "auto",
+                     replicated_placements={fqn: "replicated" for fqn in placements})
     plan, best = result.plan, result.best
     plan.reasons.extend(notes)
     if best.data_parallel == "sharded":
@@ -153,30 +203,31 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     chosen.add_column("value")
     chosen.add_row("data parallel", best.data_parallel)
     for key in ("chunk_size_numel", "resident_chunks", "device_shard_chunks", "device_optim_chunks",
-                "host_copy_chunks", "prefetch_depth", "activation_checkpointing", "predicted_step_s"):
+                "host_copy_chunks", "prefetch_depth", "activation_checkpointing"):
         value = getattr(plan, key)
         if isinstance(value, list):
             value = f"{len(value)} chunks {value[:12]}{'...' if len(value) > 12 else ''}"
         chosen.add_row(key, str(value))
+    chosen.add_row("predicted step time", _human_s(plan.predicted_step_s))
     chosen.add_row("predicted peak device", _gib(plan.predicted_peak_device_bytes))
     chosen.add_row("onloads / step", str(best.prediction.onloads))
     console.print(chosen)
 
     alts = Table(title="next-best alternatives")
-    for col in ("data parallel", "chunk", "resident", "cache blocks", "device optim", "prefetch", "ckpt", "step s",
+    for col in ("data parallel", "chunk", "resident", "cache blocks", "device optim", "prefetch", "ckpt", "step time",
                 "device peak"):
         alts.add_column(col)
     others = [c for c in result.best_by_mode.values() if c is not best and c not in result.alternatives]
     for cand in [best] + result.alternatives + others:
         k = cand.knobs
         alts.add_row(cand.data_parallel, str(cand.chunk_size_numel), str(len(k.resident)), str(k.cache_blocks), str(len(k.device_optim)),
-                     str(k.prefetch_depth), str(cand.activation_checkpointing), f"{cand.prediction.step_s:.4g}",
+                     str(k.prefetch_depth), str(cand.activation_checkpointing), _human_s(cand.prediction.step_s),
                      _gib(cand.prediction.device_peak_bytes))
     console.print(alts)
     console.print(_placement_table(plan.placements))
     for line in plan.reasons:
         console.print(f"- {line}")
-    console.print(f"searched {result.evaluated} configurations in {result.search_s:.2f} s")
+    console.print(f"searched {result.evaluated} configurations in {_human_s(result.search_s)}")
     if args.output:
         plan.save(args.output)
         console.print(f"plan written to {args.output}")
@@ -214,15 +265,11 @@ def _placement_table(placements: dict[str, str]):
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import torch
 
     from hf_elixir.profiler import probe_hardware, profile_step
     from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
-    from hf_elixir.search import build_chunked_step, predict, search
+    from hf_elixir.search import build_chunked_step, predict
 
     torch.manual_seed(0)
     config = load_config(args.model)
@@ -230,37 +277,98 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     model, batch = meta_model_and_batch(config, batch_size=args.batch_size, seq_len=args.seq_len, device="cpu")
     # probe_hardware() below describes the GPU where there is one: price the CPU-profiled step by its FLOPs there
     profile = profile_step(model, batch, device="cpu", count_flops=torch.cuda.is_available())
-    budget = parse_bytes(args.budget) if args.budget else max(1, profile.model_data_bytes("fp32")["total"] // 2)
-    hardware = probe_hardware(budget_bytes=budget)
-    result = search(profile, hardware, precision="fp32", device_memory_budget_bytes=budget,
-                    chunk_size_numel=args.chunk_size_numel)
+    hardware = probe_hardware(budget_bytes=1)  # the CPU's rates; the budget is set below
+    budget = parse_bytes(args.budget) if args.budget else _budget_from_fraction(args, profile, hardware)
+    hardware = replace(hardware, device_total_bytes=budget, device_free_bytes=budget)
+    result = _search(args, profile, hardware, budget, chunk_size_numel=args.chunk_size_numel)
     best = result.best
-    step = build_chunked_step(profile, best.chunk_size_numel, world_size=1, precision="fp32", hardware=hardware,
-                              activation_checkpointing=best.activation_checkpointing)
-    pred = predict(step, best.knobs, hardware, timeline=True)
-    assert pred is not None
-    times = [0.0] + [t for t, _, _ in pred.timeline]
-    used = [pred.timeline[0][1]] + [u for _, u, _ in pred.timeline]
-    onload_times = [t for (t, _, label) in pred.timeline if not label.endswith(":0 onloads")]
-    fig, (ax, bar) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
-    ax.step([t * 1e3 for t in times], [u / 2**20 for u in used], where="post", label="device model data")
-    ax.axhline(budget / 2**20, color="red", linestyle="--", label="budget")
-    for t in onload_times:
-        ax.axvline(t * 1e3, color="gray", alpha=0.3)
-    ax.set_xlabel("predicted time in step (ms); gray = chunk onloads")
-    ax.set_ylabel("MiB")
-    ax.set_title(f"{args.model}: chunk {best.chunk_size_numel}, resident {len(best.knobs.resident)}, "
-                 f"cache blocks {best.knobs.cache_blocks}")
-    ax.legend(loc="lower right")
+    step = build_chunked_step(profile, best.chunk_size_numel, world_size=args.num_gpus, precision=args.precision,
+                              hardware=hardware, activation_checkpointing=best.activation_checkpointing,
+                              replicated=best.data_parallel == "replicated")
+    pred = predict(step, best.knobs, hardware, activations_on_device=args.activations_on_device, timeline=True)
+    assert pred is not None, "the search's best candidate must fit when priced again"
     measured = (profile.forward_s or 0.0) + (profile.backward_s or 0.0)
-    bar.bar(["measured", "predicted"], [measured * 1e3, pred.forward_backward_s * 1e3])
-    bar.set_title("forward+backward")
+    import matplotlib.pyplot as plt
+
+    plt.close(_draw_profile(args, best, pred, budget, measured))
+    print(f"wrote {args.output}: measured fwd+bwd {_human_s(measured)} (fp32 step on this CPU), predicted "
+          f"{_human_s(pred.forward_backward_s)}, {pred.onloads} onloads, peak {pred.device_model_bytes} bytes of model "
+          f"data in a budget of {budget} ({args.num_gpus} rank(s), {args.precision})")
+    return 0
+
+
+def _budget_from_fraction(args: argparse.Namespace, profile, hardware) -> int:
+    """``--budget-fraction`` F: ``lo + F * (hi - lo)`` bytes, where ``lo`` is the smallest budget the search
+    accepts and ``hi`` the smallest at which its plan onloads no chunk (both found by bisection to 1%, with
+    the same flags; a search of a small model takes milliseconds). Below 1.0 the step offloads and onloads.
+
+    Raises:
+        ValueError: F is not in [0, 1], or no budget up to 64x the model data fits.
+    """
+    import math
+
+    if not (math.isfinite(args.budget_fraction) and 0.0 <= args.budget_fraction <= 1.0):
+        raise ValueError(f"--budget-fraction {args.budget_fraction} must be in [0, 1], e.g. 0.5")
+    ceiling = 64 * profile.model_data_bytes(args.precision, args.num_gpus)["total"] + 2**24
+
+    def best_at(budget: int):
+        try:
+            return _search(args, profile, hardware, budget, chunk_size_numel=args.chunk_size_numel).best
+        except ValueError:
+            return None
+
+    def smallest(ok) -> int:
+        lo, hi = 0, ceiling  # ok(hi) holds, ok(lo) does not
+        while hi - lo > max(64, lo // 100):
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+        return hi
+
+    if best_at(ceiling) is None:
+        raise ValueError(f"no budget up to {ceiling} bytes fits {args.model} at batch {args.batch_size} x "
+                         f"{args.seq_len}; pass a smaller --batch-size/--seq-len or more --num-gpus")
+    lo = smallest(lambda b: best_at(b) is not None)
+    hi = max(lo, smallest(lambda b: (c := best_at(b)) is not None and c.prediction.onloads == 0))
+    return int(lo + args.budget_fraction * (hi - lo))
+
+
+def _draw_profile(args: argparse.Namespace, best, pred, budget: int, measured_s: float):
+    """The PNG: device model data over the predicted step (y from 0, onloads marked, legend outside the
+    axes, an entry only for series that have points) and measured vs predicted forward+backward."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    times_ms = [0.0] + [t * 1e3 for t, _, _ in pred.timeline]
+    used_mib = [pred.timeline[0][1] / 2**20] + [u / 2**20 for _, u, _ in pred.timeline]
+    onload_ms = [t * 1e3 for (t, _, label) in pred.timeline
+                 if label.endswith(" onloads") and not label.endswith(":0 onloads")]
+    fig, (ax, bar) = plt.subplots(1, 2, figsize=(11, 4.6), gridspec_kw={"width_ratios": [3, 1]})
+    ax.step(times_ms, used_mib, where="post", label="device model data")
+    ax.axhline(budget / 2**20, color="red", linestyle="--", label="budget")
+    activations = pred.breakdown.get("activations", 0)
+    if activations:
+        ax.axhline((budget - activations) / 2**20, color="orange", linestyle=":", label="budget minus activations")
+    for i, t in enumerate(onload_ms):  # one legend entry for the series, none when it is empty
+        ax.axvline(t, color="gray", alpha=0.35, linewidth=1, label="chunk onload" if i == 0 else None)
+    ax.set_ylim(bottom=0, top=max(budget / 2**20, max(used_mib)) * 1.08)
+    ax.set_xlim(left=0)
+    ax.set_xlabel("predicted time in step (ms)")
+    ax.set_ylabel("MiB")
+    k = best.knobs
+    ax.set_title(f"{args.model}, {args.num_gpus} rank(s), {args.precision}: chunk {best.chunk_size_numel}, "
+                 f"resident {len(k.resident)}, cache blocks {k.cache_blocks}, ckpt {best.activation_checkpointing}",
+                 fontsize=10, pad=28)
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles, labels, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=len(labels), frameon=False,
+              fontsize=9)  # above the axes: never over the curve
+    bar.bar(["measured\n(fp32, CPU)", "predicted"], [measured_s * 1e3, pred.forward_backward_s * 1e3])
+    bar.set_title("forward+backward", fontsize=10)
     bar.set_ylabel("ms")
     fig.tight_layout()
-    fig.savefig(args.output, dpi=100)
-    print(f"wrote {args.output}: measured fwd+bwd {measured * 1e3:.2f} ms, predicted {pred.forward_backward_s * 1e3:.2f} ms, "
-          f"{pred.onloads} onloads, peak {pred.device_model_bytes} bytes of {budget}")
-    return 0
+    fig.savefig(args.output, dpi=100, bbox_inches="tight")
+    return fig
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -276,7 +384,7 @@ def _check_args(args: argparse.Namespace) -> None:
     for flag in ("batch_size", "seq_len", "num_gpus"):
         if getattr(args, flag, 1) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
-    for flag in ("h2d_gbps", "device_tflops", "device_adam_gelems"):
+    for flag in ("h2d_gbps", "device_tflops", "device_adam_gelems", "budget_fraction"):
         value = getattr(args, flag, None)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"--{flag.replace('_', '-')} {value} must be a positive number")

@@ -127,9 +127,12 @@ class ElixirConfig:
         device_memory_budget_bytes (`int` or `str`, *optional*):
             Bytes (or a size such as `"40GiB"`, `"512MB"`) of device memory the chunk manager may hold
             for model data (parameter shards,
-            gathered chunks, gradient buffers, device optimizer states). `None` means all the device
-            has (on CPU-only machines: unlimited, everything resident). Without CUDA the budget bounds a
-            simulated device pool so every onload/offload/eviction path still runs.
+            gathered chunks, gradient buffers, device optimizer states); leave the activations' room outside
+            it. `None` means all the device has: on CUDA the free memory at `prepare` less a reserve
+            (the smallest over the ranks), and then activations and autograd's temporaries are charged
+            to it too (`hf_elixir/chunk/memory.py`, [Note: activations in the budget]); on CPU-only
+            machines unlimited, everything resident. Without CUDA the budget bounds a simulated device
+            pool so every onload/offload/eviction path still runs.
         host_memory_budget_bytes (`int` or `str`, *optional*):
             Bytes (or a size such as `"64GiB"`) of host RAM this rank may hold for model data (host
             shards, host optimizer states, rank-local refill copies of gathered chunks). Refill copies
@@ -158,7 +161,7 @@ class ElixirConfig:
             data-parallel group), `"replicated"` (a whole copy per rank, gradients all-reduced, as
             `DistributedDataParallel`), or `"auto"`: replicated when the whole model, its gradients and
             its optimizer states fit `device_memory_budget_bytes` on every rank (with no budget: always
-            on CPU, and within half the free memory on CUDA), sharded otherwise; a plan's placements win
+            on CPU; on CUDA the budget is the card's), sharded otherwise; a plan's placements win
             (Elixir, arXiv 2212.05339 section 5: no partitioning when memory allows). Models rewritten by
             `hf_elixir.parallel.parallelize` treat `"auto"` as `"sharded"`.
         tensor_parallel_size / expert_parallel_size (`int`, defaults to 1):

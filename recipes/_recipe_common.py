@@ -117,6 +117,8 @@ class RecipeTrainingArguments(TrainingArguments):
     logging_steps: float = field(default=25, metadata={"help": "log every N optimizer steps"})
     logging_first_step: bool = field(default=True, metadata={"help": "also log the first step (the starting loss)"})
     save_strategy: str = field(default="no", metadata={"help": "Trainer checkpoints: no | steps | epoch"})
+    # transformers 5 dropped TrainingArguments.overwrite_output_dir; the recipes keep the flag themselves
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "write into an --output_dir that already holds files (another run's model)"})
 
     def __post_init__(self):
         # Before TrainingArguments sets up accelerate's process state: with use_cpu left False on a
@@ -143,7 +145,38 @@ def parse_args(default_model_type: str):
     if train_args.output_dir is None or train_args.output_dir == "trainer_output":
         name = model_args.model_name_or_path or f"{model_args.model_type}-{model_args.model_size}"
         train_args.output_dir = os.path.join("outputs", name.replace("/", "--"))
+    check_output_dir(train_args)
     return model_args, data_args, elixir_args, train_args
+
+
+def check_output_dir(train_args) -> None:
+    """Refuse to write over another run's files unless ``--overwrite_output_dir`` (or resuming).
+
+    Raises:
+        ValueError: ``--output_dir`` exists and is not empty, naming the two ways out.
+    """
+    out = train_args.output_dir
+    if train_args.overwrite_output_dir or train_args.resume_from_checkpoint or not os.path.isdir(out):
+        return
+    entries = sorted(os.listdir(out))
+    if entries:
+        raise ValueError(
+            f"--output_dir {out} already holds another run's files ({', '.join(entries[:4])}"
+            f"{', ...' if len(entries) > 4 else ''}); pass --overwrite_output_dir to write over them, "
+            f"or choose another --output_dir"
+        )
+
+
+def describe_processes() -> str:
+    """One line naming the job's processes: count, ranks, nodes, backend and device (accelerate's view)."""
+    from accelerate import PartialState
+
+    state = PartialState()
+    n = state.num_processes
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", n))
+    ranks = "rank 0" if n == 1 else f"ranks 0-{n - 1}"
+    return (f"job: {n} process{'es' if n > 1 else ''} ({ranks}, {max(1, n // max(per_node, 1))} node(s)), "
+            f"backend {state.backend or 'none'}, device {state.device}")
 
 
 # ----------------------------------------------------------------------------- tokenizer / model / data
@@ -199,8 +232,8 @@ def build_model(model_args: ModelArguments, tokenizer, max_positions: int, on_me
             from transformers import AutoConfig
 
             with torch.device("meta"):
-                return cls.from_config(AutoConfig.from_pretrained(model_args.model_name_or_path))
-        return cls.from_pretrained(model_args.model_name_or_path)
+                return _mark_loss_kwargs(cls.from_config(AutoConfig.from_pretrained(model_args.model_name_or_path)))
+        return _mark_loss_kwargs(cls.from_pretrained(model_args.model_name_or_path))
     size = dict(SIZES[model_args.model_type][model_args.model_size])
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     if model_args.model_type == "gpt2":
@@ -212,8 +245,24 @@ def build_model(model_args: ModelArguments, tokenizer, max_positions: int, on_me
             vocab_size=len(tokenizer), decoder_start_token_id=tokenizer.pad_token_id,
             output_router_logits=True, **size, **ids,
         )
-        return AutoModelForSeq2SeqLM.from_config(config)
+        return _mark_loss_kwargs(AutoModelForSeq2SeqLM.from_config(config))
     return AutoModelForCausalLM.from_config(config)
+
+
+def _mark_loss_kwargs(model: torch.nn.Module) -> torch.nn.Module:
+    """Tell the Trainer when the model's loss is a per-batch mean that ignores ``num_items_in_batch``.
+
+    The Trainer decides from ``forward``'s signature: a ``**kwargs`` there means "the loss takes
+    ``num_items_in_batch``", so it passes the token count summed over all processes and multiplies the
+    returned loss by ``num_processes`` (the loss is then a share of the global sum, and DDP's mean
+    gradient comes out right). Switch-Transformers' ``forward`` has ``**kwargs`` but computes a plain
+    ``CrossEntropyLoss`` mean (transformers 5.x ``modeling_switch_transformers.py``), so at 2
+    processes the logged loss and the gradients were twice the true ones. ``accepts_loss_kwargs =
+    False`` is the attribute transformers' own models set for this case (``Trainer.__init__`` reads it).
+    """
+    if model.config.model_type == "switch_transformers":
+        model.accepts_loss_kwargs = False
+    return model
 
 
 def build_datasets(model_args, data_args, tokenizer, raw):
@@ -272,7 +321,16 @@ def elixir_config_overrides(elixir_args: ElixirArguments) -> dict[str, Any]:
     return values
 
 
-def build_optimizer_and_scheduler(model, train_args, num_steps: int):
+def build_optimizer_and_scheduler(model, train_args, num_steps: int, scheduler_calls_per_step: int = 1):
+    """AdamW (no weight decay on biases and norms) and the ``--lr_scheduler_type`` schedule.
+
+    Args:
+        num_steps: optimizer steps of the run (``--max_steps``).
+        scheduler_calls_per_step: how many times the schedule advances per optimizer step. Accelerate's
+            prepared scheduler advances once per process on every ``scheduler.step()`` (it assumes the
+            schedule was sized for one process seeing the whole batch), so the Accelerate loop passes
+            ``num_processes``; warm-up and length are scaled by it and the schedule spans the whole run.
+    """
     from transformers import get_scheduler
 
     decay, no_decay = [], []
@@ -283,8 +341,9 @@ def build_optimizer_and_scheduler(model, train_args, num_steps: int):
     groups = [{"params": decay, "weight_decay": train_args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=train_args.learning_rate, betas=(train_args.adam_beta1, train_args.adam_beta2),
                                   eps=train_args.adam_epsilon)
-    scheduler = get_scheduler(train_args.lr_scheduler_type, optimizer, num_warmup_steps=int(train_args.warmup_steps),
-                              num_training_steps=num_steps)
+    scheduler = get_scheduler(train_args.lr_scheduler_type, optimizer,
+                              num_warmup_steps=int(train_args.warmup_steps) * scheduler_calls_per_step,
+                              num_training_steps=num_steps * scheduler_calls_per_step)
     return optimizer, scheduler
 
 
@@ -292,7 +351,7 @@ def build_optimizer_and_scheduler(model, train_args, num_steps: int):
 def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixir_args, train_args,
                           checkpoint: str | None = None, on_prepared=None) -> list[float]:
     """Plain Accelerate loop (+ ElixirPlugin; ``checkpoint``: stream the weights of a meta model from that
-    folder; ``on_prepared(model)`` runs once the model holds its weights). Returns the logged mean losses."""
+    folder; ``on_prepared(model)`` runs once the model holds its weights). Returns the logged mean losses and ``{step: lr}`` at them."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
@@ -303,7 +362,10 @@ def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixi
     set_seed(train_args.seed)
     loader = torch.utils.data.DataLoader(train_ds, batch_size=train_args.per_device_train_batch_size, shuffle=True,
                                          collate_fn=collate, drop_last=True)
-    optimizer, scheduler = build_optimizer_and_scheduler(model, train_args, train_args.max_steps)
+    # accelerate's AcceleratedScheduler.step() advances the schedule num_processes times per optimizer
+    # step (unless split_batches): sized for max_steps alone, 2 processes reached lr 0 at half the run
+    calls = accelerator.num_processes if accelerator.step_scheduler_with_optimizer and not accelerator.split_batches else 1
+    optimizer, scheduler = build_optimizer_and_scheduler(model, train_args, train_args.max_steps, calls)
     if elixir_args.use_elixir:
         import dataclasses
 
@@ -322,6 +384,7 @@ def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixi
         on_prepared(model)
     model.train()
     losses: list[float] = []
+    lrs: dict[int, float] = {}  # learning rate after each logged step
     window: list[torch.Tensor] = []
     bar = tqdm(total=train_args.max_steps, disable=not accelerator.is_local_main_process, desc="train")
     step, start = 0, time.perf_counter()
@@ -344,6 +407,7 @@ def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixi
                 mean = accelerator.reduce(torch.stack(window).mean(), reduction="mean").item()
                 window.clear()
                 losses.append(mean)
+                lrs[step] = scheduler.get_last_lr()[0]
                 bar.set_postfix(loss=f"{mean:.3f}", ppl=f"{math.exp(min(mean, 50)):.1f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
                 if accelerator.is_main_process:
                     tqdm.write(f"step {step:5d}  loss {mean:.4f}  ppl {math.exp(min(mean, 50)):9.2f}  "
@@ -357,11 +421,11 @@ def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixi
     if accelerator.is_main_process:
         tokenizer.save_pretrained(train_args.output_dir)
     accelerator.wait_for_everyone()
-    return losses
+    return losses, lrs
 
 
 def train_with_trainer(model, tokenizer, train_ds, collate, model_args, elixir_args, train_args) -> list[float]:
-    """transformers.Trainer (+ ElixirCallback). Returns the logged losses."""
+    """transformers.Trainer (+ ElixirCallback). Returns the logged losses and ``{step: lr}`` at them."""
     from transformers import Trainer
 
     callbacks = []
@@ -379,10 +443,11 @@ def train_with_trainer(model, tokenizer, train_ds, collate, model_args, elixir_a
                       processing_class=tokenizer, callbacks=callbacks)
     trainer.train(resume_from_checkpoint=train_args.resume_from_checkpoint)
     trainer.save_model(train_args.output_dir)
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    return [h["loss"] for h in history], {h["step"]: h["learning_rate"] for h in history if "learning_rate" in h}
 
 
-def run(default_model_type: str, print_sample: Callable[[Any, Any, str], str]) -> dict[str, float]:
+def run(default_model_type: str, print_sample: Callable[[Any, Any, str], str]) -> dict[str, Any]:
     """Parse arguments, evaluate, train, save, reload with plain transformers, evaluate, sample."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -392,6 +457,8 @@ def run(default_model_type: str, print_sample: Callable[[Any, Any, str], str]) -
     from hf_elixir.data import load_text_dataset
 
     is_main = int(os.environ.get("RANK", "0")) == 0
+    if is_main:
+        print(describe_processes(), flush=True)
     set_seed(train_args.seed)
     if data_args.dataset_name is None and data_args.train_file is None:
         from hf_elixir.data import load_shakespeare
@@ -419,19 +486,20 @@ def run(default_model_type: str, print_sample: Callable[[Any, Any, str], str]) -
 
     if checkpoint is None:
         evaluate_before(model)
-        losses = (train_with_trainer if elixir_args.trainer else train_with_accelerate)(
+        losses, lrs = (train_with_trainer if elixir_args.trainer else train_with_accelerate)(
             model, tokenizer, train_ds, collate, model_args, elixir_args, train_args)
     else:  # weights streamed into the prepared model: evaluate once it holds them
         if is_main:
             logger.info("streaming the weights from %s (each process reads only its shards)", checkpoint)
-        losses = train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixir_args, train_args,
-                                       checkpoint=checkpoint, on_prepared=evaluate_before)
+        losses, lrs = train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixir_args, train_args,
+                                            checkpoint=checkpoint, on_prepared=evaluate_before)
     ppl_before = before[0]
     from accelerate import PartialState
 
     result = {"eval_ppl_before": ppl_before, "first_loss": losses[0] if losses else float("nan"),
               "last_loss": losses[-1] if losses else float("nan"),
-              "num_processes": PartialState().num_processes}  # the data-parallel world accelerate saw
+              "num_processes": PartialState().num_processes,  # the data-parallel world accelerate saw
+              "learning_rates": lrs}
     if is_main:
         cls = AutoModelForSeq2SeqLM if model_args.model_type == "switch_transformers" else AutoModelForCausalLM
         reloaded = cls.from_pretrained(train_args.output_dir)  # plain transformers, no hf_elixir

@@ -1,4 +1,6 @@
-"""Test set-up: CPU only, no hub access, Triton in interpreter mode (set before any @triton.jit runs)."""
+"""Test set-up: CPU only, no hub access, Triton in interpreter mode (set before any @triton.jit runs),
+strict device simulation on (collectives over host memory and uncounted host<->device copies raise,
+[Note: strict device] in hf_elixir/chunk/strict.py; spawned ranks inherit it through the environment)."""
 
 import os
 
@@ -8,6 +10,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ["HF_ELIXIR_STRICT_DEVICE"] = "1"
 
 
 import pytest  # noqa: E402

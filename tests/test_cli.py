@@ -27,7 +27,7 @@ def test_plan_command_prints_tables_and_writes_a_loadable_plan(tmp_path, capsys)
                  "--batch-size", "1", "--seq-len", "128", "--precision", "bf16", "--output", str(out)])
     text = capsys.readouterr().out
     assert code == 0
-    for word in ("model data: optimizer", "chosen plan", "next-best alternatives", "predicted_step_s"):
+    for word in ("model data: optimizer", "chosen plan", "next-best alternatives", "predicted step time"):
         assert word in text
     plan = ElixirPlan.load(out)
     assert plan.world_size == 2 and plan.precision == "bf16" and plan.model_type == "gpt2"
@@ -93,3 +93,133 @@ def test_profile_command_writes_a_png(tmp_path, capsys):
     assert main(["profile", "--output", str(out), "--seq-len", "16"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "predicted" in capsys.readouterr().out
+
+
+def test_plan_without_a_gpu_uses_a_preset_says_which_and_prints_human_times(tmp_path, capsys):
+    """No GPU here: the plan used to time this CPU as the device (the README's OPT-30B example predicted
+    19,813 s per step). A preset from the spec sheet stands in, the output names it, times read in ms/s/min."""
+    import torch
+
+    assert not torch.cuda.is_available()  # the suite runs on CPU machines
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "--model", "gpt2", "--seq-len", "128", "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "no GPU on this machine: device rates from the a100-80gb preset" in text
+    assert "NVIDIA A100-SXM4-80GB" in text
+    plan = ElixirPlan.load(out)
+    # GPT-2 124M, 128 tokens, everything on an A100: a few ms (on this CPU's rates it was seconds)
+    assert plan.predicted_step_s < 0.1, plan.predicted_step_s
+    import re
+
+    row = re.search(r"predicted step time\s*│\s*([0-9.]+) (us|ms|s|min|h)\s", text)
+    assert row is not None and row.group(2) in ("ms", "us"), text[-3000:]
+
+
+def test_plan_gpu_flag_selects_the_preset(tmp_path, capsys):
+    steps = {}
+    for gpu in ("rtx4090", "h100"):
+        out = tmp_path / f"{gpu}.yaml"
+        assert main(["plan", "--model", "gpt2-xl", "--gpu", gpu, "--seq-len", "512", "--batch-size", "4",
+                     "--output", str(out)]) == 0
+        text = capsys.readouterr().out
+        assert ("NVIDIA GeForce RTX 4090" if gpu == "rtx4090" else "NVIDIA H100") in text
+        assert "no GPU on this machine" not in text  # the target was named
+        plan = ElixirPlan.load(out)
+        assert plan.predicted_peak_device_bytes <= 24 * 2**30 if gpu == "rtx4090" else True
+        steps[gpu] = plan.predicted_step_s
+    assert steps["h100"] < steps["rtx4090"], steps
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "gpt2", "--gpu", "a200"])
+    assert "invalid choice: 'a200'" in capsys.readouterr().err
+
+
+def test_gpu_presets_hold_spec_sheet_numbers_and_derive_rates():
+    from hf_elixir.profiler._gpu_presets import ACHIEVED_FRACTION, GPU_PRESETS, preset_hardware
+    from hf_elixir.profiler._hardware import HardwareProfile
+
+    for name in ("a100-40gb", "a100-80gb", "h100", "h200", "rtx4090"):
+        p = GPU_PRESETS[name]
+        assert set(p.tflops) == {"fp32", "tf32", "bf16", "fp16"} and p.source and p.memory_bytes > 16 * 2**30
+    assert GPU_PRESETS["a100-80gb"].tflops["bf16"] == 312.0 and GPU_PRESETS["h100"].hbm_bytes_per_s == 3.35e12
+    base = HardwareProfile(hostname="here", host_adam_numel_per_s=1e9, hook_event_s=1e-5)
+    one = preset_hardware("h200", base)
+    assert one.device_kind == "cuda" and one.can_overlap and one.host_adam_numel_per_s == 1e9
+    assert one.flops_rate("bf16") == pytest.approx(989.5e12 * ACHIEVED_FRACTION["matmul"])
+    assert one.flops_rate("fp32") == pytest.approx(67e12 * ACHIEVED_FRACTION["matmul"])
+    assert one.allgather_bytes_per_s is None
+    two = preset_hardware("h200", base, world_size=2)  # ring over NVLink: each rank sends half
+    assert two.allgather_bytes_per_s == pytest.approx(2 * 450e9 * ACHIEVED_FRACTION["nvlink"])
+    assert two.allreduce_bytes_per_s == pytest.approx(two.allgather_bytes_per_s / 2)
+    with pytest.raises(ValueError, match="--gpu 'a200' is not a GPU preset"):
+        preset_hardware("a200", base)
+
+
+@pytest.mark.parametrize("seconds,text", [(2.5e-4, "250 us"), (0.0123, "12.3 ms"), (3.456, "3.46 s"),
+                                          (19813.0, "5.5 h"), (600.0, "10 min")])
+def test_times_print_in_human_units(seconds, text):
+    from hf_elixir.cli import _human_s
+
+    assert _human_s(seconds) == text
+
+
+def _profile_figure(monkeypatch, argv):
+    """Run `hf-elixir profile` and return (exit code, the drawn figure, printed text)."""
+    import hf_elixir.cli as cli
+
+    drawn = []
+    original = cli._draw_profile
+    monkeypatch.setattr(cli, "_draw_profile", lambda *a: drawn.append(original(*a)) or drawn[-1])
+    code = main(["profile", *argv])
+    return code, (drawn[-1] if drawn else None)
+
+
+def _axes_report(fig):
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    legend = ax.get_legend()
+    labels = [t.get_text() for t in legend.get_texts()]
+    return ax, legend, labels
+
+
+def test_profile_png_default_budget_onloads_y_from_zero_legend_outside(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "step.png"
+    code, fig = _profile_figure(monkeypatch, ["--output", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import re
+
+    onloads = int(re.search(r"(\d+) onloads", text).group(1))
+    assert onloads > 0, text  # the default budget (--budget-fraction 0.5) forces offload
+    ax, legend, labels = _axes_report(fig)
+    assert ax.get_ylim()[0] == 0.0
+    assert labels == ["device model data", "budget", "chunk onload"]
+    # the legend sits outside the plotting area: it cannot cover the curve
+    assert legend.get_window_extent().y0 >= ax.get_window_extent().y1 - 1
+
+
+def test_profile_png_has_no_legend_entry_for_an_empty_series(tmp_path, capsys, monkeypatch):
+    code, fig = _profile_figure(monkeypatch, ["--output", str(tmp_path / "s.png"), "--budget-fraction", "1"])
+    assert code == 0 and " 0 onloads" in capsys.readouterr().out
+    _, _, labels = _axes_report(fig)
+    assert labels == ["device model data", "budget"]
+
+
+def test_profile_takes_ranks_and_checkpointing_and_agrees_with_plan_on_budgets(tmp_path, capsys, monkeypatch):
+    """Same flags, same search: a budget plan accepts, profile accepts (it refused 60KiB at 2 ranks: it had no
+    --num-gpus and searched fp32 while plan defaults to bf16)."""
+    shape = ["--model", "tiny-gpt2", "--batch-size", "2", "--seq-len", "32", "--num-gpus", "2", "--precision", "bf16",
+             "--no-activations-on-device", "--activation-checkpointing", "off"]
+    for budget, fits in (("60KiB", True), ("30KiB", False)):
+        plan = main(["plan", *shape, "--gpu-memory", budget])
+        plan_err = capsys.readouterr().err
+        code, fig = _profile_figure(monkeypatch, [*shape[2:], "--budget", budget, "--output", str(tmp_path / "p.png")])
+        prof_err = capsys.readouterr().err
+        assert (plan == 0, code == 0) == (fits, fits), (budget, plan_err, prof_err)
+        if not fits:
+            assert "no configuration fits device_memory_budget_bytes=30720" in plan_err
+            assert "no configuration fits device_memory_budget_bytes=30720" in prof_err
+    code, fig = _profile_figure(monkeypatch, ["--activations-on-device", "--activation-checkpointing", "on",
+                                              "--output", str(tmp_path / "c.png")])
+    assert code == 0 and "ckpt True" in fig.axes[0].get_title()
+    _, _, labels = _axes_report(fig)
+    assert "budget minus activations" in labels

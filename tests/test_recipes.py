@@ -49,18 +49,25 @@ def test_load_text_dataset_from_a_local_file(tmp_path):
         load_text_dataset(dataset_name="x", train_file=str(path))
 
 
-def _run_recipe(tmp_path: Path, script: str, *extra: str, launcher: tuple[str, ...] = ()) -> dict:
+def _recipe_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("ELIXIR_CONFIG_FILE", None)
+    return env
+
+
+def _run_recipe(tmp_path: Path, script: str, *extra: str, launcher: tuple[str, ...] = ()) -> dict:
     out = tmp_path / "model"
     cmd = [sys.executable, *launcher, str(REPO / "recipes" / script), *FAST, "--output_dir", str(out), *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(cmd, env=_recipe_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "eval perplexity before training" in proc.stdout and "sample:" in proc.stdout
     files = set(os.listdir(out))
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= files, files
-    return json.loads((out / "recipe_results.json").read_text())
+    result = json.loads((out / "recipe_results.json").read_text())
+    result["stdout"] = proc.stdout
+    return result
 
 
 @pytest.mark.parametrize(
@@ -77,6 +84,7 @@ def test_recipe_runs_end_to_end_under_elixir(tmp_path, script, extra):
     assert r["last_loss"] < r["first_loss"]
     assert r["eval_ppl_after"] < r["eval_ppl_before"]
     assert r["num_processes"] == 1
+    assert "job: 1 process (rank 0, 1 node(s))" in r["stdout"]
 
 
 @pytest.mark.parametrize("path", [[], ["--trainer"]], ids=["accelerate", "trainer"])
@@ -96,6 +104,52 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_lr_schedule_spans_the_run_under_accelerate_launch_with_2_processes(tmp_path):
+    """README's `accelerate launch --config_file recipes/gpt2/elixir.yaml` (2 processes): accelerate's
+    prepared scheduler advances once per process on each step, so a schedule sized for --max_steps alone
+    reached lr 0 at half the run. 40 steps of linear decay from the peak: half the peak at step 20."""
+    launcher = ("-m", "accelerate.commands.launch", "--config_file", str(REPO / "recipes" / "gpt2" / "elixir.yaml"),
+                "--main_process_port", str(_free_port()))
+    peak = 5e-3  # FAST's --learning_rate
+    r = _run_recipe(tmp_path, "finetune_clm.py", "--model_type", "gpt2", "--max_steps", "40", "--logging_steps", "20",
+                    "--lr_scheduler_type", "linear", "--block_size", "32", "--per_device_train_batch_size", "2",
+                    launcher=launcher)
+    assert r["num_processes"] == 2
+    assert "job: 2 processes (ranks 0-1, 1 node(s)), backend gloo" in r["stdout"]
+    lrs = {int(k): v for k, v in r["learning_rates"].items()}
+    assert sorted(lrs) == [1, 20, 40]
+    assert abs(lrs[1] - peak * 39 / 40) < 1e-9 and abs(lrs[20] - peak / 2) < 1e-9, lrs
+    assert abs(lrs[40]) < 1e-12, lrs
+
+
+def test_switch_trainer_logs_the_true_mean_loss_at_2_processes(tmp_path):
+    """Switch's forward takes **kwargs but its loss is a per-batch mean: the Trainer multiplied it by the
+    number of processes (it assumed the loss used the global token count). The first logged loss of the
+    untrained model is its cross-entropy, about log(held-out perplexity) (+ small router losses)."""
+    import math
+
+    launcher = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()))
+    r = _run_recipe(tmp_path, "finetune_switch.py", "--trainer", "--max_steps", "2", "--learning_rate", "1e-9",
+                    "--per_device_train_batch_size", "8", launcher=launcher)
+    assert r["num_processes"] == 2
+    true_loss = math.log(r["eval_ppl_before"])  # ~ log(vocab 512) = 6.2; twice it was 12.5
+    assert abs(r["first_loss"] - true_loss) < 0.5, (r["first_loss"], true_loss)
+
+
+def test_recipe_refuses_to_overwrite_another_runs_output_dir(tmp_path):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"another run")
+    cmd = [sys.executable, str(REPO / "recipes" / "finetune_clm.py"), "--output_dir", str(out)]
+    proc = subprocess.run(cmd, env=_recipe_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert f"--output_dir {out} already holds another run's files (model.safetensors)" in proc.stderr
+    assert "--overwrite_output_dir" in proc.stderr
+    assert (out / "model.safetensors").read_bytes() == b"another run"
+    r = _run_recipe(tmp_path, "finetune_clm.py", "--max_steps", "1", "--overwrite_output_dir")
+    assert r["num_processes"] == 1 and (out / "model.safetensors").read_bytes() != b"another run"
 
 
 def test_recipe_streams_a_local_folder_into_a_meta_model(tmp_path):

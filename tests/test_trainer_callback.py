@@ -120,7 +120,7 @@ def test_trainer_with_elixir_callback(tmp_path, num_processes):
         assert a == pytest.approx(b, rel=1e-4)
     assert r["max_param_diff"] < 1e-4
     # Elixir's counters in the Trainer logs
-    assert "elixir/device_peak_bytes" in r["elixir_keys"] and "elixir/h2d_bytes" in r["elixir_keys"]
+    assert r["elixir_keys"] == ["elixir/device_peak_bytes", "elixir/loss_scale", "elixir/step_d2h_bytes", "elixir/step_h2d_bytes"]
     # save_model: a standard HF folder, same logits after from_pretrained
     assert "model.safetensors" in r["files"] and "config.json" in r["files"]
     assert {"optimizer.pt", "scheduler.pt", "trainer_state.json"} <= set(r["ckpt_files"])

@@ -108,10 +108,7 @@ def build_chunks(manager: ChunkManager, params, names, placements: dict[str, str
         chunks += new
         num_flags = end_flag
     manager.chunks = chunks
-    manager.num_flags = num_flags
-    manager.has_grad_flags = torch.zeros(num_flags)
-    manager._backward_flags = torch.zeros(num_flags)
-    manager.flag_groups = flag_groups
+    manager.init_flags(num_flags, flag_groups)
     return chunks
 
 

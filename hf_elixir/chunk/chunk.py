@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hf_elixir._compat import all_gather_single, reduce_scatter_single
+from hf_elixir.chunk import strict
 from hf_elixir.chunk.params import hide as hide_param
 from hf_elixir.chunk.params import mark_managed
 from hf_elixir.chunk.params import show as show_param
@@ -203,14 +205,14 @@ class Chunk(ChunkBytes):
                 own = full[self.shard_begin:self.shard_begin + self.shard_numel]
                 fill(self.shard_begin, self.shard_begin + self.shard_numel, own)
                 if self.resident:
-                    dist.all_gather_into_tensor(full, own, group=self.group)
+                    all_gather_single(full, own, group=self.group)
                     counters.allgather_bytes += self.full_bytes
                 partial = not self.resident
         if fill is None and self.world_size > 1:
             dist.broadcast(full, src=dist.get_global_rank(self.group, 0), group=self.group)
         elif fill is None and self.replicate_group is not None:
             dist.broadcast(full, src=dist.get_global_rank(self.replicate_group, 0), group=self.replicate_group)
-        self.full = full
+        self.full = strict.register_device(full)
         for slot in self.slots:
             mark_managed(slot.param, slot.name, self.manager)
             slot.param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
@@ -225,11 +227,12 @@ class Chunk(ChunkBytes):
             if self.shard_in_full:
                 self.shard = src
             elif self.shard_on_device:
-                self.shard = src.clone()
+                self.shard = strict.register_device(src.clone())
                 self.manager.pool.charge(self.shard_bytes, f"chunk {self.chunk_id} shard")
             else:
                 self.shard = self.manager.host_empty(self.shard_numel, self.dtype)
-                self.shard.copy_(src)
+                with strict.host_copies():
+                    self.shard.copy_(src)
         self.unsharded = True
         self.full_version = -1 if partial else self.version  # partial: only this rank's slice was read
 
@@ -316,7 +319,7 @@ class Chunk(ChunkBytes):
         if not self.unsharded and not self.full_alias:
             pool.charge(self.full_bytes, f"unsharded chunk {self.chunk_id}")
             _alloc_storage(self.full)
-        with torch.no_grad():
+        with torch.no_grad(), strict.host_copies():
             if self.world_size > 1 and self.host_full_version == self.version:
                 self.full.copy_(self.host_full, non_blocking=True)
                 counters.h2d_bytes += self.full_bytes
@@ -335,7 +338,7 @@ class Chunk(ChunkBytes):
                     src.copy_(self.shard, non_blocking=True)
                     counters.h2d_bytes += self.shard_bytes
                     counters.num_onloads += 1
-                dist.all_gather_into_tensor(self.full, src, group=self.group)
+                all_gather_single(self.full, src, group=self.group)
                 counters.allgather_bytes += self.full_bytes
                 if staged:
                     del src
@@ -354,7 +357,7 @@ class Chunk(ChunkBytes):
                 and self.full_version == self.version):
             if self.host_full is None:
                 self.host_full = self.manager.host_empty(self.chunk_numel, self.dtype)
-            with torch.no_grad():
+            with torch.no_grad(), strict.host_copies():
                 self.host_full.copy_(self.full)
             self.host_full_version = self.version
             self.manager.counters.d2h_bytes += self.full_bytes
@@ -369,7 +372,7 @@ class Chunk(ChunkBytes):
 
     def write_back(self) -> None:
         """Copy this rank's slice of ``full`` into the shard (after ``load_state_dict`` wrote ``full``)."""
-        with torch.no_grad():
+        with torch.no_grad(), strict.host_copies():
             if not self.full_alias:
                 self.shard.copy_(self.full[self.shard_begin:self.shard_begin + self.shard_numel])
                 if not self.shard_on_device:
@@ -477,8 +480,8 @@ class Chunk(ChunkBytes):
                 self.manager.make_room(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
                 pool.charge(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
                 out = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.compute_device)
-                work = dist.reduce_scatter_tensor(out, grad_full, op=dist.ReduceOp.SUM, group=self.group,
-                                                  async_op=async_op)
+                work = reduce_scatter_single(out, grad_full, op=dist.ReduceOp.SUM, group=self.group,
+                                             async_op=async_op)
                 counters.reduce_scatter_bytes += self.grad_full_bytes
                 divisor = self.world_size
             else:

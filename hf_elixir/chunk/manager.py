@@ -18,14 +18,17 @@ Ranks whose MoE experts got no tokens therefore issue the same collectives in th
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
+import weakref
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
 from hf_elixir.chunk.chunk import Chunk, ParamSlot
+from hf_elixir.chunk import strict
 from hf_elixir.chunk.host_blocks import HostBlockAllocator
 from hf_elixir.chunk.memory import DeviceBudgetExceededError, DevicePool, MemoryCounters
 from hf_elixir.chunk.params import raw_grad, set_raw_grad
@@ -61,10 +64,19 @@ class ChunkManager:
         self.slot_of: dict[torch.nn.Parameter, ParamSlot] = {}
         self.chunk_of: dict[torch.nn.Parameter, Chunk] = {}
         self.grad_shards: dict[int, torch.Tensor] = {}  # chunk id -> fp32 [shard_numel]
+        # every rank training this model (``None``: one rank): the optimizer's norm and overflow
+        # reductions run over it, never over WORLD by default (two jobs can share one world)
+        self.job_group = None
         self.num_flags = 0
-        self.has_grad_flags = torch.zeros(0)
+        # [Note: has-gradient flags] one element per trainable parameter: 1.0 if it has a gradient
+        # since the last zero_grad. On the compute device (they are all-reduced over the flag groups,
+        # and NCCL takes device memory only); this backward's arrivals are kept on the host
+        # (``arrived_flags``, read by the hooks without a device sync) and uploaded once at its end.
+        self.has_grad_flags = torch.zeros(0, device=compute_device)
         self.flag_groups: list[tuple[object, torch.Tensor]] = []  # (group of size > 1, flag indices)
-        self._backward_flags = torch.zeros(0)
+        self.arrived_flags: set[int] = set()
+        # activation storages charged -> their bytes (see saved_tensors_accounting)
+        self._saved_storages: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # access trace (chunk ids) of the previous and the current step
         self.prev_trace: list[int] = []
         self.prev_positions: dict[int, list[int]] = {}
@@ -82,14 +94,69 @@ class ChunkManager:
         # step and by zero_grad ([Note: gradients in chunks] in params.py)
         self.grads_pending = False
 
+    # -- activations ([Note: activations in the budget] in memory.py) ----------------------------
+    def saved_tensors_accounting(self):
+        """A context (entered around the model's forward) that charges every storage autograd saves for
+        backward, other than the chunks', to the pool's activation bytes while the storage lives (dead
+        storages are dropped at the next :meth:`sync_activation_bytes`: each forward, each end of
+        backward, and before evicting for an activation)."""
+        self.sync_activation_bytes()
+        outer = _active_saved_tensors_hooks()
+        if outer is None:
+            return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, _unpack_saved)
+        outer_pack, outer_unpack = outer  # e.g. the profiler's tracer: keep it seeing every saved tensor
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: outer_pack(self._pack_saved(t)), outer_unpack)
+
+    def sync_activation_bytes(self) -> None:
+        """Set the pool's activation bytes to the storages still alive (a weak mapping forgets the dead)."""
+        live = sum(self._saved_storages.values())
+        self.pool.release_activation(self.counters.activation_bytes - live)
+
+    def _pack_saved(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device != self.compute_device or tensor.layout != torch.strided:
+            return tensor
+        storage = tensor.untyped_storage()
+        if storage in self._saved_storages or strict.is_managed_device(tensor):
+            return tensor
+        nbytes = storage.nbytes()
+        if self.pool.whole_device and not self.pool.fits(nbytes):
+            self.sync_activation_bytes()
+            self.make_room(nbytes, f"activations saved for backward ({nbytes} bytes, tensor of shape "
+                                   f"{tuple(tensor.shape)}); a smaller batch or activation checkpointing needs less")
+        self.pool.charge_activation(nbytes)
+        self._saved_storages[storage] = nbytes
+        return tensor
+
+    def charge_temporary(self, nbytes: int, what: str):
+        """Context: ``nbytes`` of an autograd temporary live on the device inside (charged only when the
+        budget is the whole device; chunks are evicted to make room)."""
+        if not self.pool.whole_device:
+            return contextlib.nullcontext()
+        self.make_room(nbytes, what)
+        self.pool.charge(nbytes, what)
+        return _Release(self.pool, nbytes)
+
+    def init_flags(self, num_flags: int, flag_groups: list[tuple[object, torch.Tensor]]) -> None:
+        """Allocate the has-gradient flags ([Note: has-gradient flags]) on the compute device.
+
+        Args:
+            num_flags: number of trainable parameters.
+            flag_groups: ``(group, int64 indices)``: the flags of the parameters whose gradients are
+                reduced over ``group`` (size > 1) are max-reduced over it at the end of backward.
+        """
+        self.num_flags = num_flags
+        self.has_grad_flags = torch.zeros(num_flags, device=self.compute_device)
+        self.flag_groups = [(group, indices.to(self.compute_device)) for group, indices in flag_groups]
+
     # -- memory helpers ------------------------------------------------------------------------
     def _count_host(self, delta_bytes: int) -> None:
         self.counters.host_bytes += delta_bytes
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host tensor ``[numel]`` sliced from the manager's host blocks (pinned when the compute device
-        is CUDA, for async copies); ``host_bytes`` counts the blocks (see [Note: host blocks])."""
-        return self.host.empty(numel, dtype)
+        is CUDA, for async copies); ``host_bytes`` counts the blocks (see [Note: host blocks]). Registered
+        as host memory ([Note: strict device] in ``hf_elixir/chunk/strict.py``)."""
+        return strict.register_host(self.host.empty(numel, dtype))
 
     def host_free(self, tensor: torch.Tensor) -> None:
         """Give back a tensor :meth:`host_empty` returned (drop every reference to it)."""
@@ -117,6 +184,8 @@ class ChunkManager:
             DeviceBudgetExceededError: nothing left to evict and still no room.
         """
         exclude = exclude or set()
+        if self.pool.whole_device and not self.pool.fits(nbytes):
+            self.sync_activation_bytes()  # activations freed since the last count give their room back
         while not self.pool.fits(nbytes) and self._pending:
             self._finish_reduce()  # finishing an in-flight reduce frees its gradient buffers
         while not self.pool.fits(nbytes):
@@ -211,11 +280,12 @@ class ChunkManager:
             chunk.unshard(side_stream=self.copy_stream)
             self.counters.num_prefetches += 1
 
-    def synchronize(self) -> None:
-        """Wait for side-stream copies (before the host optimizer touches host shards)."""
+    def join_side_streams(self) -> None:
+        """Order the current CUDA stream after the prefetch and reduce streams, without waiting on the
+        host (the optimizer step's one host read then covers their work too)."""
         for stream in (self.copy_stream, self.reduce_stream):
             if stream is not None:
-                stream.synchronize()
+                torch.cuda.current_stream().wait_stream(stream)
 
     def end_step(self) -> None:
         """Called at the optimizer step: the current trace becomes the reference for eviction."""
@@ -235,6 +305,9 @@ class ChunkManager:
                                     "reduce_wait_s")}
         self.last_step["step_device_peak_bytes"] = self.counters.device_peak_bytes
         self._step_start = now
+        self.sync_activation_bytes()
+        if self.compute_device.type == "cuda":
+            self.pool.reconcile_cuda(self.compute_device)
 
     def hide_stale(self) -> None:
         """Point the parameters of every chunk without a current unsharded copy at stale placeholders
@@ -243,7 +316,10 @@ class ChunkManager:
             chunk.hide_stale_params()
 
     def reset_peak(self) -> None:
-        self.counters.device_peak_bytes = self.counters.device_used_bytes
+        counters = self.counters
+        counters.device_peak_bytes = counters.device_used_bytes
+        counters.activation_peak_bytes = counters.activation_bytes
+        counters.device_total_peak_bytes = counters.device_used_bytes + counters.activation_bytes
 
     def reshard_all(self) -> None:
         """Free every evictable unsharded chunk (e.g. after the optimizer step made them stale)."""
@@ -259,10 +335,13 @@ class ChunkManager:
             return
         slot = self.slot_of[param]
         chunk = self.chunk_of[param]
-        chunk.accumulate_grad(slot, grad)
-        set_raw_grad(param, None)
+        with self.charge_temporary(grad.numel() * grad.element_size(), f"gradient of {slot.name} before it "
+                                   "lands in its chunk"):
+            chunk.accumulate_grad(slot, grad)
+            set_raw_grad(param, None)
+            del grad
         chunk.arrived_slots.add(slot.index_in_chunk)
-        self._backward_flags[slot.flag_index] = 1.0
+        self.arrived_flags.add(slot.flag_index)
         if slot.state is not TensorState.READY_FOR_REDUCE:
             slot.set_state(TensorState.READY_FOR_REDUCE)
         self._reduce_ready_prefix()
@@ -354,13 +433,8 @@ class ChunkManager:
         self.drain_reduces()
         if self.reduce_stream is not None:
             torch.cuda.current_stream().wait_stream(self.reduce_stream)
-        flags = self._backward_flags
-        for group, indices in self.flag_groups:
-            part = flags[indices]
-            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
-            flags[indices] = part
-        self.has_grad_flags = torch.maximum(self.has_grad_flags, flags)
-        self._backward_flags = torch.zeros_like(flags)
+        self._merge_flags()
+        self.sync_activation_bytes()
         for chunk in self.chunks:
             chunk.used_slots.clear()
             chunk.arrived_slots.clear()
@@ -370,6 +444,20 @@ class ChunkManager:
             self.on_backward_end()
 
     on_backward_end = None
+
+    def _merge_flags(self) -> None:
+        """This backward's arrivals -> ``has_grad_flags``: one upload of the arrived indices, then a MAX
+        all-reduce per flag group, all on the compute device (no host read)."""
+        flags = torch.zeros(self.num_flags, device=self.compute_device)
+        if self.arrived_flags:
+            arrived = torch.tensor(sorted(self.arrived_flags), dtype=torch.int64)
+            flags[arrived.to(self.compute_device, non_blocking=True)] = 1.0
+        for group, indices in self.flag_groups:
+            part = flags[indices]
+            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
+            flags[indices] = part
+        self.has_grad_flags = torch.maximum(self.has_grad_flags, flags)
+        self.arrived_flags = set()
 
     def zero_grad(self, keep_has_grad: bool = False) -> None:
         """Zero every gradient shard; ``keep_has_grad``: parameters that had a gradient keep a (zero)
@@ -398,6 +486,30 @@ class ChunkManager:
                 grad_shard[lo:hi].zero_()
         if not keep_has_grad:
             self.has_grad_flags[slot.flag_index] = 0.0
+
+
+def _unpack_saved(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _active_saved_tensors_hooks():
+    """The ``(pack, unpack)`` pair of an enclosing ``saved_tensors_hooks`` context, or ``None`` (a nested
+    context replaces the outer one, so the accounting chains to it instead)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+class _Release:
+    """Context that releases ``nbytes`` from ``pool`` on exit (see ``ChunkManager.charge_temporary``)."""
+
+    def __init__(self, pool: DevicePool, nbytes: int) -> None:
+        self.pool, self.nbytes = pool, nbytes
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        self.pool.release(self.nbytes)
 
 
 def budget_error(needed: int, budget: int, what: str) -> ValueError:

@@ -3,16 +3,84 @@
 [Note: simulated device pool] Without CUDA the compute device is the CPU. The pool still holds a
 byte budget and every "device" allocation of model data (shards, unsharded chunks, gradient buffers,
 device optimizer states) is charged to it, so onload/offload/eviction/prefetch run and are counted
-on CPU-only CI exactly as they would on a GPU. Activations are not charged: like Gemini's chunk
-budget, the pool bounds model data; the profiler measures activations separately.
+on CPU-only CI exactly as they would on a GPU.
+
+[Note: activations in the budget] The activations autograd saves during forward are measured (the
+bytes of every distinct storage packed by ``torch.autograd.graph.saved_tensors_hooks`` that is not a
+chunk, released when the storage dies after backward) and reported (``activation_bytes``,
+``activation_peak_bytes``, ``device_total_peak_bytes`` = the peak of model data plus activations).
+When the budget is the whole device (``device_memory_budget_bytes=None`` on CUDA: what the card has,
+:func:`whole_device_budget_bytes`) activations and autograd's temporaries (a parameter's ``.grad``
+before it lands in its chunk) are *charged*: chunks are evicted to make room for them and a step whose
+activations do not fit raises :class:`DeviceBudgetExceededError` instead of running out of memory
+later. An explicit ``device_memory_budget_bytes`` bounds model data only (its documented meaning;
+``hf_elixir.min_device_budget_bytes`` is the smallest such budget): leave the activations' room
+outside it. Each step on CUDA the pool is reconciled with ``torch.cuda.memory_allocated`` (one
+warning when they drift apart by more than 10%).
+
+[Note: device reserve] Of the free memory ``torch.cuda.mem_get_info`` reports at ``prepare``, a
+reserve is left to what the pool cannot see: the caching allocator's fragmentation and rounding (a
+few percent of the card), cuBLAS / cuDNN workspaces and NCCL's communicator buffers (each tens to
+hundreds of MiB): ``max(512 MiB, 8% of the card's total memory)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
-__all__ = ["DeviceBudgetExceededError", "MemoryCounters", "DevicePool"]
+import torch
+import torch.distributed as dist
+
+__all__ = ["DEVICE_RESERVE_FRACTION", "DEVICE_RESERVE_MIN_BYTES", "DeviceBudgetExceededError", "MemoryCounters",
+           "DevicePool", "device_reserve_bytes", "resolve_budget_bytes", "whole_device_budget_bytes"]
+
+logger = logging.getLogger(__name__)
+
+DEVICE_RESERVE_FRACTION = 0.08
+DEVICE_RESERVE_MIN_BYTES = 512 * 2**20
+DRIFT_WARN_FRACTION = 0.10
+
+
+def device_reserve_bytes(total_bytes: int) -> int:
+    """Bytes of the card kept out of the budget ([Note: device reserve])."""
+    return max(DEVICE_RESERVE_MIN_BYTES, int(total_bytes * DEVICE_RESERVE_FRACTION))
+
+
+def whole_device_budget_bytes(device: torch.device, group=None) -> int:
+    """``device_memory_budget_bytes=None`` on CUDA: the free memory of ``device`` at ``prepare`` less the
+    reserve ([Note: device reserve]), the smallest over the ranks of ``group`` (placement decisions
+    choose collectives, so every rank must make them from the same figure).
+
+    Args:
+        device: a CUDA device.
+        group: the model's data-parallel group (``None``: this rank alone).
+
+    Returns:
+        bytes (>= 0).
+    """
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    budget = max(0, int(free_bytes) - device_reserve_bytes(int(total_bytes)))
+    if group is not None and dist.get_world_size(group) > 1:
+        figure = torch.tensor([budget], dtype=torch.int64, device=device)
+        dist.all_reduce(figure, op=dist.ReduceOp.MIN, group=group)
+        budget = int(figure.item())  # once, at prepare
+    return budget
+
+
+def resolve_budget_bytes(budget_bytes: int | None, device: torch.device, group=None) -> tuple[int | None, bool]:
+    """The budget ``prepare`` enforces for ``ElixirConfig.device_memory_budget_bytes=budget_bytes``.
+
+    Returns:
+        ``(budget, whole_device)``: an explicit budget as given (model data only); ``None`` on a CUDA
+        device: :func:`whole_device_budget_bytes` with ``whole_device=True`` (activations and
+        temporaries are charged too, [Note: activations in the budget]); ``None`` elsewhere stays
+        unlimited (the simulated device has no card to measure).
+    """
+    if budget_bytes is not None or device.type != "cuda":
+        return budget_bytes, False
+    return whole_device_budget_bytes(device, group), True
 
 
 class DeviceBudgetExceededError(RuntimeError):
@@ -25,6 +93,9 @@ class MemoryCounters:
 
     device_used_bytes: int = 0
     device_peak_bytes: int = 0
+    activation_bytes: int = 0
+    activation_peak_bytes: int = 0
+    device_total_peak_bytes: int = 0  # model data + activations + temporaries
     host_bytes: int = 0
     h2d_bytes: int = 0
     d2h_bytes: int = 0
@@ -47,19 +118,57 @@ class DevicePool:
     """Charges device allocations of model data against ``budget_bytes`` (``None`` = unlimited).
 
     The pool does not allocate itself; callers :meth:`charge` before allocating and :meth:`release`
-    after freeing, and ask :meth:`fits` before deciding to evict.
+    after freeing, and ask :meth:`fits` before deciding to evict. With ``whole_device`` the budget is
+    the card and activations / temporaries count too ([Note: activations in the budget]).
     """
 
-    def __init__(self, budget_bytes: int | None, counters: MemoryCounters) -> None:
+    def __init__(self, budget_bytes: int | None, counters: MemoryCounters, whole_device: bool = False) -> None:
         self.budget_bytes = budget_bytes
         self.counters = counters
+        self.whole_device = whole_device
+        self.drift_warned = False
 
     @property
     def used_bytes(self) -> int:
-        return self.counters.device_used_bytes
+        extra = self.counters.activation_bytes if self.whole_device else 0
+        return self.counters.device_used_bytes + extra
 
     def fits(self, nbytes: int) -> bool:
         return self.budget_bytes is None or self.used_bytes + nbytes <= self.budget_bytes
+
+    def _note_total_peak(self) -> None:
+        total = self.counters.device_used_bytes + self.counters.activation_bytes
+        self.counters.device_total_peak_bytes = max(self.counters.device_total_peak_bytes, total)
+
+    def charge_activation(self, nbytes: int) -> None:
+        """Record ``nbytes`` of activations (the caller made room first when ``whole_device``)."""
+        self.counters.activation_bytes += nbytes
+        self.counters.activation_peak_bytes = max(self.counters.activation_peak_bytes, self.counters.activation_bytes)
+        self._note_total_peak()
+
+    def release_activation(self, nbytes: int) -> None:
+        self.counters.activation_bytes -= nbytes
+        assert self.counters.activation_bytes >= 0, "device pool released more activation bytes than it charged"
+
+    def reconcile(self, allocated_bytes: int, reserved_bytes: int) -> bool:
+        """Compare what the pool charges (model data + activations) with the allocator's
+        ``memory_allocated``; log ONE warning (per pool) giving both figures when they differ by more than
+        10%. Returns whether they drifted."""
+        charged = self.counters.device_used_bytes + self.counters.activation_bytes
+        drift = abs(allocated_bytes - charged) > DRIFT_WARN_FRACTION * max(allocated_bytes, charged, 1)
+        if drift and not self.drift_warned:
+            self.drift_warned = True
+            logger.warning(
+                "device memory drift: hf_elixir's pool charges %d bytes (model data %d + activations %d) but "
+                "torch.cuda.memory_allocated reports %d bytes (memory_reserved %d); the budget is enforced on "
+                "the pool's figure, so allocations it does not see can run the device out of memory",
+                charged, self.counters.device_used_bytes, self.counters.activation_bytes, allocated_bytes,
+                reserved_bytes)
+        return drift
+
+    def reconcile_cuda(self, device: torch.device) -> bool:
+        """:meth:`reconcile` with ``torch.cuda.memory_allocated`` / ``memory_reserved`` of ``device``."""
+        return self.reconcile(int(torch.cuda.memory_allocated(device)), int(torch.cuda.memory_reserved(device)))
 
     def charge(self, nbytes: int, what: str) -> None:
         if not self.fits(nbytes):
@@ -70,6 +179,7 @@ class DevicePool:
             )
         self.counters.device_used_bytes += nbytes
         self.counters.device_peak_bytes = max(self.counters.device_peak_bytes, self.counters.device_used_bytes)
+        self._note_total_peak()
 
     def release(self, nbytes: int) -> None:
         self.counters.device_used_bytes -= nbytes

@@ -69,15 +69,20 @@ class ElixirCallback(TrainerCallback):
     `max_grad_norm` clipped by Elixir's global norm, the LR scheduler driving the Elixir optimizer,
     `gradient_accumulation_steps`, `bf16=True`/`fp16=True` mapped to Elixir precision,
     `trainer.save_model()` writing a standard Hugging Face folder and `resume_from_checkpoint`
-    restoring model, optimizer (incl. loss scale), scheduler and RNG. Elixir's counters
-    (`memory_stats`, loss scale) are added to every log line under `elixir/...`.
+    restoring model, optimizer (incl. loss scale), scheduler and RNG. A few of Elixir's counters are
+    added to every log line under `elixir/...`: the device peak, the bytes moved host->device and
+    device->host in the last step, and the loss scale (`DEFAULT_LOG_KEYS`); `log_all_stats=True` adds
+    every `hf_elixir.memory_stats` counter.
 
     Args:
         config (`hf_elixir.ElixirConfig`, *optional*):
             Elixir settings; `None` = `ElixirConfig()` with `ELIXIR_<FIELD>` environment overrides. Its
             precision is merged with the `TrainingArguments` (`bf16`/`fp16`); a conflict raises `ValueError`.
         log_memory_stats (`bool`, defaults to `True`):
-            Add `hf_elixir.memory_stats(model)` and the loss scale to the Trainer's logs.
+            Add Elixir's counters to the Trainer's logs (`False`: none).
+        log_all_stats (`bool`, defaults to `False`):
+            Log every counter of `hf_elixir.memory_stats(model)` (cumulative and per-step traffic, chunk
+            counts, evictions, prefetches, ...) instead of the few in `DEFAULT_LOG_KEYS`.
         checkpoint (`str`, *optional*):
             A Hugging Face model folder to stream the parameters from when the Trainer's model was built
             on the meta device (`hf_elixir.prepare(..., checkpoint=)`): each process reads only its shards.
@@ -93,13 +98,17 @@ class ElixirCallback(TrainerCallback):
     ```
     """
 
+    #: `memory_stats` keys logged by default (as `elixir/<key>`): device peak, last step's traffic, loss scale
+    DEFAULT_LOG_KEYS = ("device_peak_bytes", "step_h2d_bytes", "step_d2h_bytes", "loss_scale")
+
     def __init__(self, config: ElixirConfig | None = None, log_memory_stats: bool = True,
-                 checkpoint: str | None = None) -> None:
+                 checkpoint: str | None = None, log_all_stats: bool = False) -> None:
         if config is not None and not isinstance(config, ElixirConfig):
             raise TypeError(f"ElixirCallback(config={config!r}) must be an hf_elixir.ElixirConfig or None")
         self.config = config
         self.checkpoint = checkpoint
         self.log_memory_stats = log_memory_stats
+        self.log_all_stats = log_all_stats
         self.trainer = None
         self.model: torch.nn.Module | None = None
         self.optimizer = None
@@ -185,10 +194,12 @@ class ElixirCallback(TrainerCallback):
             return
         import hf_elixir
 
-        extra: dict[str, Any] = {f"elixir/{k}": v for k, v in hf_elixir.memory_stats(self.model).items()}
+        stats = dict(hf_elixir.memory_stats(self.model))
         scale = _loss_scale(self.optimizer)
         if scale is not None:
-            extra["elixir/loss_scale"] = scale
+            stats["loss_scale"] = scale
+        keep = stats if self.log_all_stats else {k: stats[k] for k in self.DEFAULT_LOG_KEYS if k in stats}
+        extra: dict[str, Any] = {f"elixir/{k}": v for k, v in keep.items()}
         logs.update(extra)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(extra)

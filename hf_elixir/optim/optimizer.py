@@ -21,6 +21,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from hf_elixir._compat import all_gather_single
+from hf_elixir.chunk import strict
 from hf_elixir.chunk.chunk import Chunk, ParamSlot
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.config import ElixirConfig
@@ -100,7 +102,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self.user_optimizer = optimizer
         self.scaler = DynamicLossScaler(config.loss_scale, enabled=config.precision == "fp16")
         self._unscaled = False
-        self._found_inf = False
+        self._found_inf: torch.Tensor | None = None  # fp32 [1] on the device (fp16), see _unscale
+        self._host_clip_coef: torch.Tensor | None = None  # clip factor still owed to host gradients
         self._kernel_sq_norms: dict[int, torch.Tensor] = {}
         self._scaled_backward = False
         self._warned_unscaled = False
@@ -123,6 +126,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self._build_shard_state()
         self.fused_chunks: dict[int, dict[str, torch.Tensor]] = {}  # chunk id -> flat Adam moments
         self.fused_steps: dict[int, int] = {}  # id(view.tensor) -> steps taken (fused chunks)
+        self._fused_views: dict[int, list[_ShardView]] = {}  # chunk id -> its views by shard offset
+        self._fused_tables: dict[int, dict] = {}  # chunk id -> segment tables (see _segment_table)
         self._setup_fused()
         self.inner = self._build_inner(type(optimizer))
 
@@ -163,7 +168,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
             nbytes = chunk.shard_numel * 4
             if chunk.optim_on_device:
                 manager.pool.charge(nbytes, f"gradient shard of chunk {chunk.chunk_id}")
-                grad_shard = torch.zeros(chunk.shard_numel, dtype=torch.float32, device=location)
+                grad_shard = strict.register_device(torch.zeros(chunk.shard_numel, dtype=torch.float32,
+                                                                device=location))
             else:
                 grad_shard = manager.host_empty(chunk.shard_numel, torch.float32).zero_()
             manager.grad_shards[chunk.chunk_id] = grad_shard
@@ -173,10 +179,13 @@ class ElixirOptimizer(torch.optim.Optimizer):
             else:
                 if chunk.optim_on_device:
                     manager.pool.charge(nbytes, f"fp32 master shard of chunk {chunk.chunk_id}")
-                    master = shard_view.detach().to(location, torch.float32).clone()
+                    master = strict.register_device(shard_view.detach().to(location, torch.float32).clone())
                 else:
                     master = manager.host_empty(chunk.shard_numel, torch.float32)
-                    master.copy_(shard_view)
+                    with strict.host_copies():
+                        master.copy_(shard_view)
+                    if chunk.shard_on_device:
+                        manager.counters.d2h_bytes += chunk.shard_bytes
             self.masters[chunk.chunk_id] = master
             begin, end = chunk.shard_begin, chunk.shard_begin + chunk.shard_numel
             for slot in chunk.slots:
@@ -214,22 +223,57 @@ class ElixirOptimizer(torch.optim.Optimizer):
             if chunk.trainable and chunk.optim_on_device and any(v.chunk is chunk for v in self.views):
                 device = self.masters[chunk.chunk_id].device
                 self.fused_chunks[chunk.chunk_id] = {
-                    "exp_avg": torch.zeros(chunk.shard_numel, dtype=torch.float32, device=device),
-                    "exp_avg_sq": torch.zeros(chunk.shard_numel, dtype=torch.float32, device=device)}
+                    key: strict.register_device(torch.zeros(chunk.shard_numel, dtype=torch.float32, device=device))
+                    for key in ("exp_avg", "exp_avg_sq")}
         for view in self.views:
             if view.chunk.chunk_id in self.fused_chunks:
                 self.fused_steps[id(view.tensor)] = 0
+        self._fused_views = {cid: sorted((v for v in self.views if v.chunk.chunk_id == cid), key=lambda v: v.lo)
+                             for cid in self.fused_chunks}
 
     def _decoupled(self, group: dict) -> bool:
         return isinstance(self.user_optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
 
-    def _fused_step(self) -> None:
+    def _segment_table(self, chunk: Chunk, views: list[_ShardView]) -> dict:
+        """The chunk's segment tables for ``fused_adamw_`` ([Note: segment lookup] in
+        ``triton_kernels/fused_adam.py``), built once on the device: boundaries never change; the
+        lr / weight-decay values are re-uploaded (one small host->device copy, no sync) only when a
+        scheduler or the user changed them."""
+        table = self._fused_tables.get(chunk.chunk_id)
+        if table is None:
+            bounds, members, cursor = [0], [], 0
+            for v in views:
+                if v.lo > cursor:  # padding / frozen / foreign elements: lr 0 leaves them unchanged
+                    bounds.append(v.lo)
+                    members.append(None)
+                bounds.append(v.hi)
+                members.append(v.group_index)
+                cursor = v.hi
+            if cursor < chunk.shard_numel:
+                bounds.append(chunk.shard_numel)
+                members.append(None)
+            assert bounds == sorted(bounds) and bounds[-1] == chunk.shard_numel, f"chunk {chunk.chunk_id}: {bounds}"
+            device = self.masters[chunk.chunk_id].device
+            table = {"members": members, "values": None,
+                     "bounds": torch.tensor(bounds, dtype=torch.int64, device=device),
+                     "lr": torch.zeros(len(members), dtype=torch.float32, device=device),
+                     "wd": torch.zeros(len(members), dtype=torch.float32, device=device)}
+            self._fused_tables[chunk.chunk_id] = table
+        values = [(0.0, 0.0) if i is None else (float(self.param_groups[i]["lr"]),
+                                                  float(self.param_groups[i]["weight_decay"]))
+                  for i in table["members"]]
+        if values != table["values"]:
+            table["lr"].copy_(torch.tensor([lr for lr, _ in values]), non_blocking=True)
+            table["wd"].copy_(torch.tensor([wd for _, wd in values]), non_blocking=True)
+            table["values"] = values
+        return table
+
+    def _fused_step(self, flags: list[float]) -> None:
         import triton_kernels  # noqa: PLC0415
 
-        flags = self.manager.has_grad_flags
         for cid, moments in self.fused_chunks.items():
             chunk = self.manager.chunks[cid]
-            views = sorted((v for v in self.views if v.chunk is chunk), key=lambda v: v.lo)
+            views = self._fused_views[cid]
             flagged = [v for v in views if flags[v.slot.flag_index] > 0]
             if not flagged:
                 continue
@@ -238,25 +282,13 @@ class ElixirOptimizer(torch.optim.Optimizer):
             same_hyper = len({(tuple(g["betas"]), g["eps"], self._decoupled(g)) for g in groups}) == 1
             master, grad = self.masters[cid], self.manager.grad_shards[cid]
             if len(flagged) == len(views) and len(steps) == 1 and same_hyper:
-                bounds, lrs, wds, cursor = [0], [], [], 0
-                for v, g in zip(flagged, groups):
-                    if v.lo > cursor:  # padding / frozen / foreign elements: lr 0 leaves them unchanged
-                        bounds.append(v.lo)
-                        lrs.append(0.0)
-                        wds.append(0.0)
-                    bounds.append(v.hi)
-                    lrs.append(float(g["lr"]))
-                    wds.append(float(g["weight_decay"]))
-                    cursor = v.hi
-                if cursor < chunk.shard_numel:
-                    bounds.append(chunk.shard_numel)
-                    lrs.append(0.0)
-                    wds.append(0.0)
+                table = self._segment_table(chunk, views)
                 beta1, beta2 = groups[0]["betas"]
                 triton_kernels.fused_adamw_(
-                    master, grad, moments["exp_avg"], moments["exp_avg_sq"], seg_bounds=bounds, seg_lr=lrs,
-                    seg_weight_decay=wds, beta1=beta1, beta2=beta2, eps=groups[0]["eps"], step=steps.pop() + 1,
-                    decoupled_weight_decay=self._decoupled(groups[0]), force_triton=self._force_fused)
+                    master, grad, moments["exp_avg"], moments["exp_avg_sq"], seg_bounds=table["bounds"],
+                    seg_lr=table["lr"], seg_weight_decay=table["wd"], beta1=beta1, beta2=beta2,
+                    eps=groups[0]["eps"], step=steps.pop() + 1, decoupled_weight_decay=self._decoupled(groups[0]),
+                    force_triton=self._force_fused, validate_bounds=False)
             else:  # some parameters skip this step or differ in step count: per-parameter update
                 for v, g in zip(flagged, groups):
                     beta1, beta2 = g["betas"]
@@ -322,76 +354,103 @@ class ElixirOptimizer(torch.optim.Optimizer):
     def _grad_shards(self) -> list[torch.Tensor]:
         return list(self.manager.grad_shards.values())
 
+    def _job_world_size(self) -> int:
+        group = self.manager.job_group
+        return dist.get_world_size(group) if group is not None else 1
+
     def _all_reduce(self, tensor: torch.Tensor, op) -> torch.Tensor:
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        """All-reduce over the ranks training this model (``manager.job_group``, never WORLD by default)."""
+        if self._job_world_size() > 1:
             device = tensor.device
             moved = tensor.to(self.manager.compute_device)
-            dist.all_reduce(moved, op=op)
+            dist.all_reduce(moved, op=op, group=self.manager.job_group)
             tensor = moved.to(device)
         return tensor
 
     def _unscale(self) -> None:
-        """Divide gradients by the loss scale and find non-finite values on any rank (fp16)."""
+        """Divide gradients by the loss scale and find non-finite values on any rank (fp16).
+
+        The overflow flag stays on the compute device (``_found_inf``, fp32 ``[1]``, max-reduced over
+        the job's group); :meth:`step` reads it in its one host read ([Note: one host read])."""
         if self._unscaled:
             return
         self._unscaled = True
-        self._found_inf = False
+        self._found_inf = None
         self._kernel_sq_norms = {}
         if not self.scaler.enabled:
             return
         inv = 1.0 / self.scaler.scale
-        found = torch.zeros(1, dtype=torch.float32)
+        device = self.manager.compute_device
+        found = torch.zeros(1, dtype=torch.float32, device=device)
         for cid, grad in self.manager.grad_shards.items():
             if self._use_kernels(grad):
                 # one fused pass: unscale, overflow flag and squared norm (Triton issue #3, kernel 2);
-                # the norm is kept on the device for clip_grad_norm, no host sync per chunk
+                # the norm is kept on the device for clip_grad_norm
                 import triton_kernels  # noqa: PLC0415
 
-                flag = torch.zeros(1, dtype=torch.float32, device=grad.device)
                 self._kernel_sq_norms[cid] = triton_kernels.unscale_norm_(
-                    grad, inv_scale=inv, found_inf=flag, force_triton=self._force_fused)
-                found = torch.maximum(found, flag.cpu())
+                    grad, inv_scale=inv, found_inf=found, force_triton=self._force_fused)
             else:
                 grad.mul_(inv)
-                found = torch.maximum(found, (~torch.isfinite(grad)).any().float().reshape(1).cpu())
-        found = self._all_reduce(found, dist.ReduceOp.MAX)
-        self._found_inf = bool(found.item())
+                bad = (~torch.isfinite(grad)).any().float().reshape(1)
+                found = torch.maximum(found, bad.to(device, non_blocking=True))
+        self._found_inf = self._all_reduce(found, dist.ReduceOp.MAX)
+
+    def _is_host(self, tensor: torch.Tensor) -> bool:
+        return strict.is_host(tensor) or tensor.device != self.manager.compute_device
 
     def _use_kernels(self, tensor: torch.Tensor) -> bool:
         import triton_kernels  # noqa: PLC0415
 
         return triton_kernels.HAS_TRITON and (tensor.device.type == "cuda" or self._force_fused)
 
+    def _local_norm(self, norm_type: float) -> torch.Tensor:
+        """This rank's share of the global gradient norm (fp64 ``[1]`` on the compute device): the max of
+        |g| (``inf``), else the sum of |g|^p, tensor-parallel replicas counted once."""
+        device = self.manager.compute_device
+        chunks = {c.chunk_id: c for c in self.manager.chunks}
+        local = torch.zeros(1, dtype=torch.float64, device=device)
+        cached = self._kernel_sq_norms if norm_type == 2.0 else {}
+        for cid, g in self.manager.grad_shards.items():
+            if norm_type == float("inf"):
+                if g.numel():
+                    local = torch.maximum(local, g.abs().max().double().reshape(1).to(device, non_blocking=True))
+                continue
+            part = cached[cid].double() if cid in cached else g.double().norm(norm_type) ** norm_type
+            local += part.reshape(1).to(device, non_blocking=True) / chunks[cid].norm_replicas
+        return local
+
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip all gradients by one global norm over every rank and chunk.
+        """Clip all gradients by one global norm over every rank and chunk, without a host sync.
 
         Same rule as ``torch.nn.utils.clip_grad_norm_``: ``coef = max_norm / (total_norm + 1e-6)``,
-        applied when ``coef < 1``. Padding elements have zero gradient and do not contribute.
+        clamped to 1 and multiplied into every gradient. Padding elements have zero gradient and do not
+        contribute. Gradients on the device are scaled at once on the device; gradients of host
+        optimizer states are scaled in :meth:`step` after its one host read ([Note: one host read]).
 
         Returns:
-            the total norm before clipping (fp32 0-d tensor; ``inf`` when fp16 gradients overflowed).
+            the total norm before clipping (fp32 0-d tensor on the compute device; ``inf`` when fp16
+            gradients overflowed, and then nothing is scaled). Reading it (``float(norm)``) is a
+            host sync the caller chooses.
         """
         self._unscale()
-        if self._found_inf:
-            return torch.tensor(float("inf"))
-        grads = self._grad_shards()
-        chunks = {c.chunk_id: c for c in self.manager.chunks}
         norm_type = float(norm_type)
+        local = self._local_norm(norm_type)
         if norm_type == float("inf"):
-            local = torch.stack([g.abs().max().cpu() for g in grads if g.numel()]).max() if grads else torch.zeros(())
-            total = self._all_reduce(local.reshape(1).float(), dist.ReduceOp.MAX)[0]
+            total = self._all_reduce(local, dist.ReduceOp.MAX)[0]
         else:
-            cached = self._kernel_sq_norms if norm_type == 2.0 else {}
-            local = sum((cached[cid].double().cpu() if cid in cached
-                         else (g.double().norm(norm_type) ** norm_type).cpu()) / chunks[cid].norm_replicas
-                        for cid, g in self.manager.grad_shards.items()) if grads else torch.zeros(())
-            total = self._all_reduce(torch.as_tensor(local, dtype=torch.float64).reshape(1), dist.ReduceOp.SUM)[0]
-            total = total ** (1.0 / norm_type)
+            total = self._all_reduce(local, dist.ReduceOp.SUM)[0] ** (1.0 / norm_type)
         total = total.float()
-        coef = max_norm / (float(total) + 1e-6)
-        if coef < 1.0:
-            for g in grads:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if self._found_inf is not None:
+            overflow = self._found_inf[0] > 0
+            total = torch.where(overflow, torch.full_like(total, float("inf")), total)
+            coef = torch.where(overflow, torch.ones_like(coef), coef)
+        for g in self._grad_shards():
+            if not self._is_host(g):
                 g.mul_(coef)
+        if any(self._is_host(g) for g in self._grad_shards()):
+            self._host_clip_coef = coef if self._host_clip_coef is None else coef * self._host_clip_coef
         self._kernel_sq_norms = {}  # stale once clipped
         return total
 
@@ -400,6 +459,13 @@ class ElixirOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """Update every shard where its optimizer state lives, then refresh the compute copies.
 
+        [Note: one host read] The step reads the device once: the overflow flag, the clip factor owed
+        to host gradients and the has-gradient flags, concatenated on the device and copied to the
+        host in one transfer (:func:`hf_elixir.chunk.strict.host_read`). Everything else (unscale,
+        norm, clipping, the fused update, the copies back) is issued without waiting; the loss scale
+        is updated on the host from that read (``torch.amp.GradScaler`` reads its ``found_inf`` the
+        same way, once per step).
+
         Raises:
             ValueError: a closure was given (not supported: forward/backward run outside the step).
         """
@@ -407,31 +473,46 @@ class ElixirOptimizer(torch.optim.Optimizer):
             raise ValueError("ElixirOptimizer.step(closure) is not supported; call forward/backward before step()")
         assert not self.manager.backward_pending, "optimizer.step() called while a backward is still running"
         self._check_groups_unchanged()
-        self.manager.synchronize()
+        self.manager.join_side_streams()
         if self.scaler.enabled and not self._scaled_backward and not self._warned_unscaled:
             self._warned_unscaled = True
             logger.warning("precision='fp16' but the loss was not scaled: call optimizer.backward(loss) (or "
                            "accelerator.backward) instead of loss.backward(), or fp16 gradients may underflow")
         self._scaled_backward = False
         self._unscale()
+        found_inf, host_coef, flags = self._read_step_state()
         self.user_optimizer._opt_called = True  # tells LR schedulers built on the user's optimizer
-        if self._found_inf:
+        if found_inf:
             logger.warning("fp16 gradient overflow: skipping this step, loss scale %.1f -> %.1f",
                            self.scaler.scale, self.scaler.scale * self.config.loss_scale.backoff_factor)
             self.scaler.update(True)
         else:
+            if host_coef < 1.0:
+                for g in self._grad_shards():
+                    if self._is_host(g):
+                        g.mul_(host_coef)
             if self.inner is not None:
-                self._inner_step()
-            self._fused_step()
+                self._inner_step(flags)
+            self._fused_step(flags)
             self.scaler.update(False)
-        if not self._found_inf:
             self._refresh_compute_copies()
         self._unscaled = False
+        self._found_inf = self._host_clip_coef = None
         self.manager.end_step()
         return None
 
-    def _inner_step(self) -> None:
-        flags = self.manager.has_grad_flags
+    def _read_step_state(self) -> tuple[bool, float, list[float]]:
+        """The step's one host read ([Note: one host read]): ``(overflow, clip factor owed to host
+        gradients, has-gradient flags)``."""
+        device = self.manager.compute_device
+        found = self._found_inf if self._found_inf is not None else torch.zeros(1, device=device)
+        coef = self._host_clip_coef if self._host_clip_coef is not None else torch.ones((), device=device)
+        packed = torch.cat([found.reshape(1).float(), coef.reshape(1).float(),
+                            self.manager.has_grad_flags.float()])
+        values = strict.host_read(packed).tolist()
+        return values[0] > 0, values[1], values[2:]
+
+    def _inner_step(self, flags: list[float]) -> None:
         for inner_group, user_group, full in zip(self.inner.param_groups, self.param_groups, self._full_group_params):
             for key, value in user_group.items():
                 if key != "params":
@@ -459,11 +540,13 @@ class ElixirOptimizer(torch.optim.Optimizer):
             master = self.masters[chunk.chunk_id]
             target = chunk.full if chunk.full_alias else chunk.shard
             if master is not target:
-                if master.device == target.device and master.dtype != target.dtype:
+                same_side = master.device == target.device and strict.is_host(master) == strict.is_host(target)
+                if same_side and master.dtype != target.dtype:
                     # fp32 master -> bf16/fp16 compute copy on one device: the cast kernel (Triton on CUDA)
                     triton_kernels.cast_(master, target, force_triton=self._force_fused)
                 else:
-                    target.copy_(master, non_blocking=True)
+                    with strict.host_copies():  # onload / offload of the refreshed shard, counted below
+                        target.copy_(master, non_blocking=True)
                 if chunk.optim_on_device != chunk.shard_on_device:
                     nbytes = chunk.shard_bytes
                     if chunk.shard_on_device:
@@ -494,9 +577,9 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 if torch.is_tensor(value) and value.numel() == view.tensor.numel() and value.dim() > 0:
                     keys.add(key)
         gathered = [keys]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, keys)
+        if self._job_world_size() > 1:
+            gathered = [None] * self._job_world_size()
+            dist.all_gather_object(gathered, keys, group=self.manager.job_group)
         union = set().union(*gathered)
         if self.config.precision != "fp32":
             union.add("master")
@@ -545,7 +628,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 flat = self._shard_flat(chunk, key)
                 if chunk.world_size > 1:
                     full = torch.empty(chunk.chunk_numel, dtype=torch.float32, device=self.manager.compute_device)
-                    dist.all_gather_into_tensor(full, flat.to(full.device), group=chunk.group)
+                    all_gather_single(full, flat.to(full.device), group=chunk.group)
                     full = full.cpu()
                 else:
                     full = flat
@@ -553,9 +636,9 @@ class ElixirOptimizer(torch.optim.Optimizer):
                     if slot.trainable and slot.param in self._param_group_of:
                         state[slot.name][key] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         scalars = self._scalars_by_slot()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, scalars)
+        if self._job_world_size() > 1:
+            gathered = [None] * self._job_world_size()
+            dist.all_gather_object(gathered, scalars, group=self.manager.job_group)
             for part in gathered:
                 for name, values in part.items():
                     scalars.setdefault(name, {}).update(values)
@@ -605,7 +688,11 @@ class ElixirOptimizer(torch.optim.Optimizer):
             for key, value in saved.items():
                 if key != "params":
                     group[key] = value
-        saved_state = state_dict["state"]
+        with strict.host_copies():  # the loaded state is host memory
+            self._load_view_states(state_dict["state"])
+        self.scaler.load_state_dict(state_dict.get("loss_scaler", self.scaler.state_dict()))
+
+    def _load_view_states(self, saved_state: dict) -> None:
         for view in self.views:
             entry = saved_state.get(view.slot.name)
             if not entry:
@@ -632,7 +719,6 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 self.inner.state[view.tensor] = target
         if "master" in self._per_element_keys_local(saved_state):
             self._refresh_compute_copies()
-        self.scaler.load_state_dict(state_dict.get("loss_scaler", self.scaler.state_dict()))
 
     def _from_plain_torch_state(self, state_dict: dict) -> dict:
         """``torch.optim.Optimizer.state_dict()`` (integer ids) -> the consolidated form (names)."""
@@ -664,4 +750,5 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 master = self.masters[chunk.chunk_id]
                 source = chunk.full if chunk.full_alias else chunk.shard
                 if master is not source:
-                    master.copy_(source)
+                    with strict.host_copies():
+                        master.copy_(source)

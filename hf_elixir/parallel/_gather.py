@@ -9,16 +9,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_elixir.chunk.strict import register_host, to_device, to_host
 from hf_elixir.parallel._apply import get_parallel_state
 from hf_elixir.parallel._tensor_parallel import merge_shards
 
 __all__ = ["gather_full_state_dict", "install_save_guard", "save_pretrained_full"]
 
 
+def _collective_device(group: Any) -> torch.device:
+    """Where ``group``'s collectives take their tensors: the current CUDA device under NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _all_gather(t: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(size)]
-    dist.all_gather(out, t.detach().contiguous(), group=group)
-    return out
+    """All-gather ``t`` (a host tensor of ``state_dict()``) over ``group`` on the device; host copies out.
+
+    NCCL takes device memory only ([Note: strict device] in ``hf_elixir/chunk/strict.py``): the tensor
+    goes to the device, is gathered there, and the parts come back to the host after."""
+    device = _collective_device(group)
+    src = to_device(t.detach().contiguous(), device)
+    out = [torch.empty_like(src) for _ in range(size)]
+    dist.all_gather(out, src, group=group)
+    return [to_host(part) for part in out]
 
 
 @torch.no_grad()
@@ -63,7 +77,8 @@ def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict
         if key in full:
             continue
         if key in state.tp_layouts:
-            full[key] = merge_shards(_all_gather(local[key], mesh.tp_group, mesh.tp_size), state.tp_layouts[key]).cpu()
+            parts = _all_gather(local[key], mesh.tp_group, mesh.tp_size)
+            full[key] = register_host(merge_shards(parts, state.tp_layouts[key]).cpu())  # merged on the host
         else:
             full[key] = local[key].detach().cpu()
     ordered = {}

@@ -10,7 +10,15 @@ from torch import nn
 
 from hf_elixir.parallel._apply import get_parallel_state
 
-__all__ = ["chunk_group_of", "chunk_group_size_of"]
+__all__ = ["chunk_group_of", "chunk_group_size_of", "job_group_of"]
+
+
+def job_group_of(model: nn.Module, default_group: Any) -> Any:
+    """The group of every rank training ``model``, over which the optimizer reduces the gradient norm
+    and the overflow flag: ``default_group`` (the data-parallel group; ``None``: one rank), or the whole
+    mesh, i.e. the world, of a model rewritten by :func:`~hf_elixir.parallel.parallelize`. Never WORLD
+    for a plain model given its own ``ElixirConfig.process_group`` (two jobs may share one world)."""
+    return dist.group.WORLD if get_parallel_state(model) is not None else default_group
 
 
 def chunk_group_of(model: nn.Module, default_group: Any) -> Callable[[str], tuple[Any, int]]:

@@ -19,6 +19,7 @@ import torch
 from hf_elixir.chunk.manager import budget_error
 from hf_elixir.config import ElixirConfig
 from hf_elixir.optim.optimizer import optimizer_state_numel_factor
+from hf_elixir.placement._agree import agree_min
 from hf_elixir.plan import ElixirPlan
 
 __all__ = ["Sizes", "choose_host_copies", "default_host_budget_bytes", "place", "place_chunks", "replicated_fits",
@@ -192,9 +193,12 @@ def choose_host_copies(chunks, plan: ElixirPlan | None, config: ElixirConfig, si
     return [f"rank-local host copies of chunks {kept} (plan), {used} host bytes of budget {budget}"]
 
 
-def replicated_fits(numels: list[int], config: ElixirConfig, optimizer, element_bytes: int) -> tuple[bool, str]:
+def replicated_fits(numels: list[int], config: ElixirConfig, optimizer, element_bytes: int, *,
+                    group=None, device: torch.device | None = None) -> tuple[bool, str]:
     """Would the whole model, its gradients and its optimizer states fit each rank's device budget
-    (what ``DistributedDataParallel`` needs)? Returns ``(fits, reason)``."""
+    (what ``DistributedDataParallel`` needs)? Without a budget on CUDA, half the free memory, the
+    smallest over ``group`` (a collective: every rank of ``group`` calls it; [Note: ranks agree] in
+    ``placement/_agree.py``). Returns ``(fits, reason)``."""
     total = sum(numels)
     grad_bytes = 4 if config.reduce_dtype == "fp32" else element_bytes
     optim = 0
@@ -204,7 +208,8 @@ def replicated_fits(numels: list[int], config: ElixirConfig, optimizer, element_
     needed = total * (element_bytes + grad_bytes) + optim
     budget = config.device_memory_budget_bytes
     if budget is None and torch.cuda.is_available():
-        budget = torch.cuda.mem_get_info()[0] // 2  # leave half of the free memory to activations
+        # leave half of the free memory to activations; every rank decides from the same figure
+        budget = agree_min(torch.cuda.mem_get_info()[0] // 2, group, device)
     if budget is None:
         return True, f"replicated: no device budget (model, gradients, optimizer states: {needed} bytes)"
     fits = needed <= budget
@@ -214,12 +219,14 @@ def replicated_fits(numels: list[int], config: ElixirConfig, optimizer, element_
 
 def resolve_default_placement(config: ElixirConfig, plan: ElixirPlan | None, numels: list[int], optimizer,
                               world_size: int, element_bytes: int, *, is_parallel: bool,
-                              placements_of: Callable[[ElixirConfig], dict[str, str]]) -> tuple[ElixirConfig, str]:
+                              placements_of: Callable[[ElixirConfig], dict[str, str]], group=None,
+                              device: torch.device | None = None) -> tuple[ElixirConfig, str]:
     """Turn ``default_placement="auto"`` into "sharded" or "replicated" (see ElixirConfig).
 
     Args:
         is_parallel: the model is tensor/expert parallel (always sharded).
         placements_of: the model's per-module placements under a config (to recognise a replicated plan).
+        group, device: the group whose ranks must agree (see :func:`replicated_fits`) and the compute device.
 
     Returns:
         ``(config, reason)``: the config with a concrete ``default_placement``; the reason ("" when
@@ -235,5 +242,5 @@ def resolve_default_placement(config: ElixirConfig, plan: ElixirPlan | None, num
         if dict(plan.placements) == placements_of(replicated):
             return replicated, "replicated: the plan's placements"
         return sharded, ""
-    fits, reason = replicated_fits(numels, config, optimizer, element_bytes)
+    fits, reason = replicated_fits(numels, config, optimizer, element_bytes, group=group, device=device)
     return (replicated if fits else sharded), "default_placement='auto' -> " + reason

@@ -295,8 +295,10 @@ def _measure_collectives(device: torch.device, group: Any, numel: int, repeats: 
     shard = max(1, numel // (4 * world))
     inp = torch.ones(shard, device=coll_device)
     full = torch.empty(shard * world, device=coll_device)
-    ag = _best_time(lambda: dist.all_gather_into_tensor(full, inp, group=group), repeats, sync)
-    rs = _best_time(lambda: dist.reduce_scatter_tensor(inp, full, group=group), repeats, sync)
+    from hf_elixir._compat import all_gather_single, reduce_scatter_single
+
+    ag = _best_time(lambda: all_gather_single(full, inp, group=group), repeats, sync)
+    rs = _best_time(lambda: reduce_scatter_single(inp, full, group=group), repeats, sync)
     ar = _best_time(lambda: dist.all_reduce(full, group=group), repeats, sync)
     # every rank must agree on the numbers (they feed identical plans): take the slowest
     times = torch.tensor([ag, rs, ar], dtype=torch.float64, device=coll_device)

@@ -106,7 +106,9 @@ def _reset_counters(manager: ChunkManager) -> None:
 
 def memory_stats(model: torch.nn.Module) -> dict[str, int | float]:
     """Counters of the chunk manager: cumulative since ``prepare`` plus ``step_*`` deltas of the last
-    optimizer step; bytes are ints. Keys: ``device_used_bytes``, ``device_peak_bytes``, ``host_bytes``,
+    optimizer step; bytes are ints. Keys: ``device_used_bytes``, ``device_peak_bytes`` (model data),
+    ``activation_bytes`` / ``activation_peak_bytes`` (what autograd saved for backward, live / peak),
+    ``device_total_peak_bytes`` (model data + activations + temporaries), ``host_bytes``,
     ``h2d_bytes``, ``d2h_bytes``, ``allgather_bytes``, ``reduce_scatter_bytes``, ``num_evictions``,
     ``num_onloads``, ``num_prefetches``, ``num_unshards``, ``device_budget_bytes`` (-1 = unlimited),
     ``num_chunks``, ``chunk_size_numel``, ``loss_scale`` (float, when an optimizer is attached),
@@ -118,6 +120,7 @@ def memory_stats(model: torch.nn.Module) -> dict[str, int | float]:
     """
     state = get_state(model)
     manager = state.manager
+    manager.sync_activation_bytes()
     stats: dict[str, int | float] = dict(manager.counters.as_dict())
     stats.update(manager.last_step)
     stats["device_budget_bytes"] = -1 if manager.pool.budget_bytes is None else manager.pool.budget_bytes

@@ -171,8 +171,8 @@ class ModuleHandle:
         """A trainable parameter of this unit got its gradient: release grad pins once all have."""
         if not self.grad_pins:
             return
-        flags = self.manager._backward_flags
-        if all(flags[s.flag_index] > 0 for s in self.trainable_slots if s.param.requires_grad):
+        arrived = self.manager.arrived_flags
+        if all(s.flag_index in arrived for s in self.trainable_slots if s.param.requires_grad):
             while self.grad_pins:
                 self.grad_pins -= 1
                 self.manager.release(self.chunks)
@@ -274,4 +274,26 @@ def install_hooks(model: torch.nn.Module, manager: ChunkManager) -> list[ModuleH
             hook_handle = param.register_post_accumulate_grad_hook(hook)
             if handles:
                 handles[0].removables.append(hook_handle)
+    if handles:
+        handles[0].removables += _install_activation_accounting(model, manager)
     return handles
+
+
+def _install_activation_accounting(model: torch.nn.Module, manager: ChunkManager) -> list:
+    """Around the outermost forward with grad enabled, charge what autograd saves for backward
+    (:meth:`ChunkManager.saved_tensors_accounting`); the post-hook runs also when forward raises."""
+    depth, active = [0], []
+
+    def enter(module, args):
+        if depth[0] == 0 and torch.is_grad_enabled():
+            active.append(manager.saved_tensors_accounting())
+            active[-1].__enter__()
+        depth[0] += 1
+
+    def leave(module, args, output):
+        depth[0] -= 1
+        if depth[0] == 0 and active:
+            active.pop().__exit__(None, None, None)
+
+    return [model.register_forward_pre_hook(enter, prepend=True),
+            model.register_forward_hook(leave, always_call=True)]

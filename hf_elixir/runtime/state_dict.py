@@ -14,6 +14,7 @@ import contextlib
 import torch
 
 from hf_elixir.chunk.manager import ChunkManager
+from hf_elixir.chunk.strict import host_copies, to_host
 from hf_elixir.runtime._state import get_state
 
 __all__ = ["full_parameters", "install_state_dict_hooks"]
@@ -48,7 +49,6 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
             optimizer refreshes its fp32 masters there).
     """
     removables = []
-    to_host = manager.compute_device.type != "cpu"
 
     for module in model.modules():
         own = {name: p for name, p in module._parameters.items() if p is not None and p in manager.slot_of}
@@ -66,8 +66,7 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
                 if key not in destination:
                     continue
                 _ensure_full(manager, manager.chunk_of[param])
-                value = param.detach().clone()
-                destination[key] = value.cpu() if to_host else value
+                destination[key] = to_host(param.detach())  # host memory, as on CUDA
 
         def load_pre_hook(state_dict, prefix, local_metadata, strict, missing, unexpected, errors, _own=own):
             chunks = {manager.chunk_of[p] for name, p in _own.items() if prefix + name in state_dict}
@@ -79,7 +78,19 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
         removables.append(module._register_state_dict_hook(save_hook))
         removables.append(module._register_load_state_dict_pre_hook(load_pre_hook))
 
+    # PyTorch copies the (host) state-dict tensors into the unsharded chunks between the root's
+    # load pre-hook and its post-hook: a manager copy path ([Note: strict device])
+    copies = []
+
+    def enter_copies(*args):
+        copies.append(host_copies())
+        copies[-1].__enter__()
+
+    removables.append(model._register_load_state_dict_pre_hook(enter_copies))
+
     def load_post_hook(mod, incompatible_keys):
+        while copies:
+            copies.pop().__exit__(None, None, None)
         for chunk in manager.chunks:
             if chunk.dirty:
                 if chunk.unsharded:
@@ -163,7 +174,7 @@ def _snapshot_parameter_storage(manager: ChunkManager, optimizer) -> dict[int, t
 def _discard_edits(manager: ChunkManager, optimizer, snapshots: dict[int, torch.Tensor]) -> None:
     """Forget whatever was written into the gathered copies (``full_parameters(writeback=False)``)."""
     masters = _masters(optimizer)
-    with torch.no_grad():
+    with torch.no_grad(), host_copies():
         for chunk in manager.chunks:
             if chunk.shard_in_full:
                 chunk.shard.copy_(snapshots[chunk.chunk_id])

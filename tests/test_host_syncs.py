@@ -1,0 +1,117 @@
+"""Host syncs in the training step's hot path are counted; one per optimizer step is the ceiling
+(DESIGN.md, "The simulation must be as strict as the hardware"; [Note: one host read] in
+hf_elixir/optim/optimizer.py).
+
+A ``TorchFunctionMode`` counts the calls that make the host wait for the device: ``.item()``,
+``.tolist()``, ``.cpu()``, ``.numpy()``, ``bool()`` / ``float()`` / ``int()`` of a tensor, and blocking
+device->host ``copy_``; ``torch.cuda.synchronize`` too. On the simulated device a tensor is on the host
+when it is (a view of) a registered host buffer ([Note: strict device]); reading such a tensor is free,
+as it is on CUDA. Calls made from inside Triton's interpreter (it runs kernels on numpy copies) are the
+stand-in for a kernel launch and are not counted.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import hf_elixir
+from hf_elixir.chunk import strict
+from hf_elixir.optim.optimizer import ElixirOptimizer
+from tests._dist import run_distributed
+from tests._models import batch, rank_batch, tiny_model, two_groups
+
+STEPS = 3
+_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
+          torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__}
+
+
+class SyncCounter(TorchFunctionMode):
+    """Counts host syncs (see the module docstring); ``where`` names the caller of each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.where: list[str] = []
+
+    def _caller(self) -> str | None:
+        """``module:line`` of the caller and the names of the functions above it; ``None`` inside Triton."""
+        frame = sys._getframe(2)
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith("triton"):
+            return None
+        where, chain = f"{module}:{frame.f_lineno}", []
+        while frame is not None and len(chain) < 8:
+            chain.append(frame.f_code.co_name)
+            frame = frame.f_back
+        return f"{where} in {'<'.join(chain)}"
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        sync = False
+        if func in _READS and isinstance(args[0], torch.Tensor) and not strict.is_host(args[0]):
+            sync = True
+        elif func is torch.Tensor.copy_ and strict.is_host(args[0]) and not strict.is_host(args[1]):
+            sync = not (kwargs.get("non_blocking") or (len(args) > 2 and args[2]))
+        if sync:
+            caller = self._caller()
+            if caller is not None:
+                self.where.append(f"{func.__name__} at {caller}")
+        return func(*args, **kwargs)
+
+
+def _train(model, opt, batches, max_norm: float) -> list[list[str]]:
+    """Run the steps; the syncs of each step after the first (warm-up builds tables once)."""
+    per_step = []
+    for b in batches:
+        counter = SyncCounter()
+        with counter:
+            opt.backward(model(**b).loss)
+            opt.clip_grad_norm(max_norm)
+            opt.step()
+            opt.zero_grad()
+        per_step.append(counter.where)
+    return per_step[1:]
+
+
+def _check(per_step: list[list[str]]) -> None:
+    for i, where in enumerate(per_step):  # forward, backward, clipping, step and zero_grad together
+        assert len(where) <= 1, f"step {i + 1}: {len(where)} host syncs per optimizer step: {where}"
+    assert any(per_step), "the step's one host read was not seen: is the counter blind?"
+
+
+@pytest.mark.parametrize("precision,fused", [("fp32", False), ("fp16", False), ("fp16", True)])
+def test_one_host_sync_per_step_on_one_rank(single_rank_group, monkeypatch, precision, fused):
+    monkeypatch.setattr(ElixirOptimizer, "_force_fused", fused)  # the Triton kernels under the interpreter
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(two_groups(model), lr=1e-3)
+    model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(precision=precision, chunk_size_numel=4096))
+    assert bool(opt.fused_chunks) == fused
+    _check(_train(model, opt, [batch("gpt2", s, 2) for s in range(STEPS)], max_norm=0.05))
+
+
+def _worker(rank: int, world_size: int, precision: str):
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(two_groups(model), lr=1e-3)
+    model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(
+        precision=precision, chunk_size_numel=4096, default_placement="sharded"))
+    return _train(model, opt, [rank_batch("gpt2", s, rank, world_size, 2) for s in range(STEPS)], max_norm=0.05)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_one_host_sync_per_step_on_two_ranks(precision):
+    for per_step in run_distributed(_worker, 2, precision, timeout_s=300):
+        _check(per_step)
+
+
+def test_counter_sees_the_old_per_chunk_reads():
+    """The counter is not blind: a per-chunk ``.cpu()`` and a ``float()`` of a device norm count."""
+    counter = SyncCounter()
+    grads = [torch.ones(3), torch.ones(4)]
+    with counter:
+        local = sum(g.norm().cpu() for g in grads)
+        float(local)
+        strict.to_host(torch.ones(2)).tolist()  # reading a host copy is free; making it is the sync
+    assert len(counter.where) == 4, counter.where
