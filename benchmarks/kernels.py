@@ -187,6 +187,109 @@ def bench_moe(copy_gbs: float, num_tokens: int = 16384, hidden: int = 2048, num_
     _row("moe_unpermute", nbytes + num_tokens * hidden * 2, ms, copy_gbs, base)
 
 
+# -- correctness on the device: every kernel against its PyTorch reference (benchmarks/gpu.py) --------------
+# (atol, rtol) per stored dtype; bf16/fp16 outputs may differ by one rounding step from the CPU reference
+_CHECK_TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-2, 2 ** -7), torch.float16: (1e-3, 2 ** -10)}
+
+
+def _compare(name: str, case: str, got: torch.Tensor, want: torch.Tensor) -> dict:
+    got, want = got.detach().cpu(), want.detach().cpu()
+    atol, rtol = _CHECK_TOL.get(want.dtype, (1e-6, 1e-5))
+    err = float((got.double() - want.double()).abs().max()) if want.numel() else 0.0
+    ok = got.shape == want.shape and bool(torch.allclose(got.double(), want.double(), atol=atol, rtol=rtol))
+    return {"kernel": name, "case": case, "max_abs_err": err, "atol": atol, "rtol": rtol, "ok": ok}
+
+
+def check_kernels(device: str = "cuda", force_triton: bool = False, large: bool = True) -> list[dict]:
+    """Run every Triton op on ``device`` tensors (the kernel: CUDA, or the CPU with ``force_triton`` under
+    ``TRITON_INTERPRET=1``) and on CPU clones (the PyTorch reference) at odd sizes (``large``: also ~1M
+    elements, many blocks); one row per output compared: ``{"kernel", "case", "max_abs_err", "atol", "rtol",
+    "ok"}``."""
+    from triton_kernels import cast_, fused_adamw_, unscale_norm_
+
+    gen = torch.Generator().manual_seed(0)
+    rows: list[dict] = []
+    hp = dict(beta1=0.9, beta2=0.999, eps=1e-8, step=3)
+    for n in (1, 4097) + (((1 << 20) + 3,) if large else ()):
+        for grad_dtype in (torch.float32, torch.bfloat16):
+            cut = max(1, n // 3)
+            table = dict(seg_bounds=torch.tensor([0, cut, n]), seg_lr=torch.tensor([1e-3, 2e-3]),
+                         seg_weight_decay=torch.tensor([0.01, 0.0]))
+            state = [torch.randn(n, generator=gen), torch.randn(n, generator=gen).to(grad_dtype),
+                     torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01]
+            outs = []
+            for dev, force in ((device, force_triton), ("cpu", False)):
+                p, g, m, v = (t.clone().to(dev) for t in state)
+                lowp = torch.zeros(n, dtype=torch.bfloat16, device=dev)
+                fused_adamw_(p, g, m, v, **{k: t.to(dev) for k, t in table.items()}, **hp,
+                             grad_scale=torch.tensor([0.5], device=dev), out_lowp=lowp, force_triton=force)
+                outs.append((p, m, v, lowp))
+            case = f"n={n} grad={str(grad_dtype).split('.')[-1]}"
+            for label, got, want in zip(("param", "exp_avg", "exp_avg_sq", "bf16 copy"), *outs):
+                rows.append(_compare("fused_adamw_", f"{case} {label}", got, want))
+    for n in (5000,) + (((1 << 20) + 7,) if large else ()):
+        grad = torch.randn(n, generator=gen)
+        outs = []
+        for dev, force in ((device, force_triton), ("cpu", False)):
+            g = grad.clone().to(dev)
+            found = torch.zeros(1, device=dev)
+            sq = unscale_norm_(g, inv_scale=torch.tensor([0.25], device=dev), found_inf=found, force_triton=force)
+            outs.append((g, sq.reshape(-1), found))
+        rows.append(_compare("unscale_norm_", f"n={n} grad", outs[0][0], outs[1][0]))
+        got, want = outs[0][1].double(), outs[1][1].double()
+        rows.append({"kernel": "unscale_norm_", "case": f"n={n} squared norm", "ok": bool(torch.allclose(
+            got.cpu(), want.cpu(), rtol=1e-5)), "max_abs_err": float((got.cpu() - want.cpu()).abs().max()),
+            "atol": 0.0, "rtol": 1e-5})
+    grad = torch.randn(4097, generator=gen)
+    grad[17] = float("inf")
+    found = torch.zeros(1, device=device)
+    unscale_norm_(grad.to(device), inv_scale=1.0, found_inf=found, force_triton=force_triton)
+    rows.append({"kernel": "unscale_norm_", "case": "inf sets found_inf", "ok": float(found.cpu()[0]) == 1.0,
+                 "max_abs_err": 0.0, "atol": 0.0, "rtol": 0.0})
+    src = torch.randn(5003, generator=gen)
+    outs = []
+    for dev, force in ((device, force_triton), ("cpu", False)):
+        dst = torch.zeros(5003, dtype=torch.bfloat16, device=dev)
+        cast_(src.to(dev), dst, force_triton=force)
+        outs.append(dst)
+    rows.append(_compare("cast_", "fp32->bf16 n=5003", *outs))
+    rows += _check_moe(device, force_triton, gen, hidden=1100 if large else 40)
+    return rows
+
+
+def _check_moe(device: str, force_triton: bool, gen: torch.Generator, hidden: int) -> list[dict]:
+    from triton_kernels import moe_permute, moe_unpermute
+
+    tokens, experts = 257, 4
+    x = torch.randn(tokens, hidden, generator=gen)
+    expert_index = torch.randint(0, experts, (tokens,), generator=gen)
+    gates = torch.rand(tokens, generator=gen)
+    outs = []
+    for dev, force in ((device, force_triton), ("cpu", False)):
+        permuted, row_map, counts = moe_permute(x.to(dev), expert_index.to(dev), experts, 80, force_triton=force)
+        back = moe_unpermute(permuted, row_map, gates.to(dev), tokens, force_triton=force)
+        outs.append((permuted, row_map, counts, back))
+    (p1, r1, c1, b1), (p2, r2, c2, b2) = outs
+    rows = [_compare("moe_permute", f"T={tokens} H={hidden} E={experts} rows", p1, p2),
+            _compare("moe_unpermute", f"T={tokens} H={hidden} E={experts} combine", b1, b2)]
+    same_map = torch.equal(r1.cpu(), r2.cpu()) and torch.equal(c1.cpu(), c2.cpu())
+    rows.append({"kernel": "moe_permute", "case": "row map and counts", "ok": same_map, "max_abs_err": 0.0,
+                 "atol": 0.0, "rtol": 0.0})
+    return rows
+
+
+def adamw_bandwidth(numel: int) -> dict[str, float]:
+    """Device copy bandwidth and the fused AdamW kernel's (and torch's fused AdamW's) on one ``numel`` fp32
+    shard: ``{"copy_gbs", "adamw_fp32_gbs", "adamw_fraction_of_copy", "adamw_fp32_ms", "torch_fused_ms",
+    "speedup_vs_torch_fused"}`` (GB/s counts each byte the op must read or write once)."""
+    copy_gbs = bench_copy(numel)
+    res = bench_adamw(numel, copy_gbs, sweep=False)
+    return {"copy_gbs": copy_gbs, "adamw_fp32_gbs": res["adamw_fp32_gbs"],
+            "adamw_fraction_of_copy": res["adamw_fp32_gbs"] / copy_gbs, "adamw_fp32_ms": res["adamw_fp32_ms"],
+            "torch_fused_ms": res["torch_fused_ms"], "speedup_vs_torch_fused": res["torch_fused_ms"] / res["adamw_fp32_ms"],
+            "shard_bytes": numel * 4}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shard-mib", type=int, default=64, help="size of the fp32 shard in MiB (default 64)")

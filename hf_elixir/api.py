@@ -59,9 +59,9 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _compute_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    from hf_elixir.profiler._device import select_compute_device  # noqa: PLC0415 (see [Note: device selection])
+
+    return select_compute_device()
 
 
 def _check_precision_supported(precision: str, device: torch.device) -> None:

@@ -86,7 +86,8 @@ def _target_hardware(args: argparse.Namespace):
         changes.update(h2d_bytes_per_s=args.h2d_gbps * 1e9, d2h_bytes_per_s=args.h2d_gbps * 1e9)
         notes.append(f"host<->device {args.h2d_gbps} GB/s given")
     if args.device_tflops is not None:
-        changes["device_flops_per_s"] = args.device_tflops * 1e12
+        # one rate for every precision: the measured fp32 rate of this machine must not override it
+        changes["device_flops_per_s"] = changes["device_fp32_flops_per_s"] = args.device_tflops * 1e12
         notes.append(f"device {args.device_tflops} TFLOP/s given")
     if args.device_adam_gelems is not None:
         changes["device_adam_numel_per_s"] = args.device_adam_gelems * 1e9
@@ -227,7 +228,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     config = load_config(args.model)
     _check_positions(config, args.seq_len)
     model, batch = meta_model_and_batch(config, batch_size=args.batch_size, seq_len=args.seq_len, device="cpu")
-    profile = profile_step(model, batch, device="cpu")
+    # probe_hardware() below describes the GPU where there is one: price the CPU-profiled step by its FLOPs there
+    profile = profile_step(model, batch, device="cpu", count_flops=torch.cuda.is_available())
     budget = parse_bytes(args.budget) if args.budget else max(1, profile.model_data_bytes("fp32")["total"] // 2)
     hardware = probe_hardware(budget_bytes=budget)
     result = search(profile, hardware, precision="fp32", device_memory_budget_bytes=budget,

@@ -3,9 +3,14 @@
 Every case trains a tiny model for ``STEPS`` AdamW steps twice on every rank: once rewritten by
 :func:`hf_elixir.parallel.parallelize` (each rank on its own data-parallel batch, gradients synced
 with :func:`hf_elixir.parallel.reduce_gradients`) and once as the single-process reference (the
-unmodified model, loss = mean of the per-batch losses over every distinct batch of the step,
-``None`` gradients -> zeros as a chunk's gradient buffer would hold them). Each case returns
-metrics; the test asserts on them. Rank 0 writes ``results.json`` (worst value over ranks).
+unmodified model, loss = mean of the per-batch losses over every distinct batch of the step, plain
+``torch.optim.AdamW``: a parameter whose ``.grad`` is ``None``, such as an expert no token of the step
+was routed to, is skipped, no moment update and no weight decay). Each case returns metrics; the
+test asserts on them. Rank 0 writes ``results.json`` (worst value over ranks).
+
+``*_idle`` cases mask router logits (:class:`RouterMask`, the same hook on both models) so that
+chosen experts get no token in chosen steps: globally idle (PyTorch leaves their ``.grad`` ``None``)
+or idle in only some batches (PyTorch gives them a gradient; under ep x dp one replica is idle).
 
 ``elixir_*`` cases additionally run ``hf_elixir.prepare`` on the parallelized model (chunks of
 ``CHUNK_NUMEL`` sharded over the data-parallel groups, no budget or a tight one that forces
@@ -76,6 +81,43 @@ def make_batch(kind: str, step: int, index: int) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
+class RouterMask:
+    """Forward hook on every Switch ``router.classifier``: adds -1e4 to the logits of the experts that
+    :attr:`SCHEDULE` masks for the current ``(step, batch)``, so they win no token (the same hook on
+    the parallel model and the reference; the z-loss sees exp(-1e4) = 0 for them)."""
+
+    #: step -> (expert, batches it is masked in: "all", or "first half" of the step's batches)
+    SCHEDULE = {2: ((3, "all"),), 3: ((2, "first half"), (1, "all"))}
+
+    def __init__(self, model, num_batches: int) -> None:
+        self.step, self.batch, self.num_batches = 0, 0, num_batches
+        for name, module in model.named_modules():
+            if name.endswith("router.classifier"):
+                module.register_forward_hook(self._hook)
+
+    def masked(self) -> list[int]:
+        half = max(1, self.num_batches // 2)
+        return [e for e, where in self.SCHEDULE.get(self.step, ()) if where == "all" or self.batch < half]
+
+    def _hook(self, module, args, logits):
+        masked = self.masked()
+        if not masked:
+            return logits
+        bias = torch.zeros(logits.shape[-1], dtype=logits.dtype)
+        bias[masked] = -1e4
+        return logits + bias
+
+
+def _none_grad_layers(ref) -> dict[str, int]:
+    """Expert index -> number of sparse layers where PyTorch left that expert's gradient ``None``."""
+    out: dict[str, int] = {}
+    for name, p in ref.named_parameters():
+        if ".experts.expert_" in name and name.endswith("wi.weight"):
+            e = name.split(".experts.expert_")[1].split(".")[0]
+            out[e] = out.get(e, 0) + int(p.grad is None)
+    return out
+
+
 NULL_GRAD = 1e-6  # |grad| below this in every step: see [Note: null-gradient elements]
 
 
@@ -96,6 +138,8 @@ def _grad_parity(local_grads: dict, ref_params: dict, state) -> tuple[float, flo
     pairs = []
     for name, grad in local_grads.items():
         ref_grad = ref_params[name].grad
+        if grad is None or ref_grad is None:  # has-gradient agreement is counted per step in train_case
+            continue
         if name in state.tp_layouts:
             lay = state.tp_layouts[name]
             ref_grad = _split(ref_grad, lay.dim, lay.parts, mesh.tp_rank, mesh.tp_size)
@@ -120,7 +164,7 @@ def _tight_budget(model, optimizer, cfg, mesh) -> int:
 
 
 def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = False, save_dir: str | None = None,
-               elixir: str | None = None):
+               elixir: str | None = None, idle: bool = False):
     """One parity case; ``elixir`` = ``None`` (plain parallel layers + :func:`reduce_gradients` + AdamW),
     ``"unbudgeted"`` or ``"tight"`` (``hf_elixir.prepare`` on the parallelized model, chunks sharded
     over the data-parallel groups, no device budget or one that forces evictions; steps go through
@@ -141,6 +185,9 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
     state = parallelize(model, cfg, mesh)
     my_batch = mesh.device_mesh.get_local_rank("dp") if mesh.mp_axis == "tp" else dist.get_rank()
     num_batches = mesh.num_batches
+    masks = (RouterMask(model, num_batches), RouterMask(ref, num_batches)) if idle else ()
+    none_grad_layers = []
+    has_grad_mismatch = 0
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
@@ -157,6 +204,10 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
     grad_rel = grad_rel_worst = 0.0
     grad_max = {k: torch.zeros_like(p) for k, p in ref.named_parameters()}
     for step in range(STEPS):
+        for mask in masks:
+            mask.step = step
+        if masks:
+            masks[0].batch = my_batch
         opt.zero_grad()
         loss = model(**make_batch(kind, step, my_batch)).loss
         if elixir is not None:
@@ -165,23 +216,30 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
         else:
             loss.backward()
             reduce_gradients(model)
-            if step == 0:
-                local_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            local_grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
 
         opt_ref.zero_grad()
-        ref_losses = [ref(**make_batch(kind, step, b)).loss for b in range(num_batches)]
-        torch.stack(ref_losses).mean().backward()
+        ref_losses = []
+        for b in range(num_batches):
+            if masks:
+                masks[1].batch = b
+            ref_losses.append(ref(**make_batch(kind, step, b)).loss)
+        torch.stack(ref_losses).mean().backward()  # plain PyTorch: unused parameters keep .grad None
+        ref_params = dict(ref.named_parameters())
+        if elixir is None:  # the same parameters have a gradient as in PyTorch, every step
+            has_grad_mismatch += sum((g is None) != (ref_params[n].grad is None) for n, g in local_grads.items())
+        if kind == "switch":
+            none_grad_layers.append(_none_grad_layers(ref))
         for k, p in ref.named_parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            torch.maximum(grad_max[k], p.grad.abs(), out=grad_max[k])
+            if p.grad is not None:
+                torch.maximum(grad_max[k], p.grad.abs(), out=grad_max[k])
         if elixir is not None:
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
             norm_rels.append(abs(float(norm) - float(ref_norm)) / float(ref_norm))
             extra["clipped_steps"] = extra.get("clipped_steps", 0) + int(float(ref_norm) > MAX_NORM)
         elif step == 0:
-            grad_rel, grad_rel_worst = _grad_parity(local_grads, dict(ref.named_parameters()), state)
+            grad_rel, grad_rel_worst = _grad_parity(local_grads, ref_params, state)
         opt_ref.step()
         step_rel = abs(loss.item() - ref_losses[my_batch].item()) / abs(ref_losses[my_batch].item())
         loss_rel = max(loss_rel, step_rel)
@@ -210,8 +268,12 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
         "worst": sorted((rel(full[k].masked_fill(null[k], 0), ref_sd[k].masked_fill(null[k], 0)), k) for k in param_keys)[-3:],
         "null_grad_numel": sum(int(null[k].sum()) for k in param_keys if not _is_idle_expert(k, empty_experts)),
         "same_keys": list(full) == list(ref_sd),
-        "params_moved": min(rel(ref_sd[k], init[k]) for k in ref_sd if k.endswith("weight")),
+        # every weight the reference trained moved (never-routed experts stay put: PyTorch skips them)
+        "params_moved": min(rel(ref_sd[k], init[k]) for k in ref_sd
+                            if k.endswith("weight") and not _is_idle_expert(k, empty_experts)),
         "placements": {k: v for k, v in state.placements.items() if v != "sharded"},
+        "has_grad_mismatch": has_grad_mismatch,  # plain path: parameters whose .grad is None only on one side
+        "none_grad_layers": none_grad_layers,  # per step: expert -> sparse layers where PyTorch gave no gradient
         **extra,
     }
     if elixir is not None:
@@ -224,12 +286,61 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
         decay = (1 - LR * WEIGHT_DECAY) ** STEPS
         idle = [k for k in full if ".experts.expert_2." in k or ".experts.expert_3." in k]
         busy = [k for k in full if ".experts.expert_0." in k or ".experts.expert_1." in k]
-        metrics["idle_decay_only_rel"] = max(rel(full[k], init[k] * decay) for k in idle)
+        metrics["idle_moved_rel"] = max(rel(full[k], init[k]) for k in idle)  # PyTorch skips them: unchanged
         metrics["busy_moved_rel"] = min(rel(full[k], init[k] * decay) for k in busy)
         metrics["num_idle_tensors"] = len(idle)
     if save_dir is not None:
         metrics.update(_save_and_reload(kind, model, full, save_dir))
     return metrics
+
+
+class _CountLaunches:
+    """Stands in for a ``@triton.jit`` kernel and counts its launches (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def kernels_case() -> dict:
+    """One forward and backward of the ep-2 Switch model twice, same weights and batch: the MoE
+    permutation through the PyTorch references, then through the Triton kernels
+    (``ExpertParallelExperts.force_triton``, the interpreter on CPU; needs ``TRITON_INTERPRET=1``)."""
+    import hf_elixir
+    import triton_kernels.moe_permutation as moe
+    from hf_elixir.parallel import ExpertParallelExperts, build_mesh, parallelize
+
+    model = make_model("switch")
+    cfg = hf_elixir.ElixirConfig(expert_parallel_size=2)
+    parallelize(model, cfg, build_mesh(cfg))
+    batch = make_batch("switch", 0, dist.get_rank())
+    kernels = {"_gather_rows_kernel": _CountLaunches(moe._gather_rows_kernel),
+               "_combine_rows_kernel": _CountLaunches(moe._combine_rows_kernel)}
+    runs = []
+    for force in (False, True):
+        ExpertParallelExperts.force_triton = force
+        for name, counter in kernels.items():
+            setattr(moe, name, counter if force else counter.kernel)
+        model.zero_grad(set_to_none=True)
+        out = model(**batch)
+        out.loss.backward()
+        runs.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    for name, counter in kernels.items():
+        setattr(moe, name, counter.kernel)
+    ExpertParallelExperts.force_triton = False
+    (logits_ref, grads_ref), (logits_kernel, grads_kernel) = runs
+    last_experts = [n for n in grads_ref if n.startswith("decoder.block.1.") and ".experts." in n]
+    return {
+        "logits_bitwise": torch.equal(logits_kernel, logits_ref),
+        "grad_keys_equal": set(grads_kernel) == set(grads_ref),
+        "grad_rel": max(rel(grads_kernel[n], grads_ref[n]) for n in grads_ref),
+        "num_last_experts": len(last_experts),
+        "last_experts_bitwise": all(torch.equal(grads_kernel[n], grads_ref[n]) for n in last_experts),
+        "launches": min(c.launches for c in kernels.values()),
+    }
 
 
 def _save_and_reload(kind: str, model, full: dict, save_dir: str) -> dict:
@@ -269,6 +380,10 @@ CASES = {
     "switch_ep4": lambda d: train_case("switch", ep=4),
     "switch_ep2_dp2": lambda d: train_case("switch", ep=2),
     "switch_ep2_empty": lambda d: train_case("switch", ep=2, empty_experts=True),
+    "switch_ep2_idle": lambda d: train_case("switch", ep=2, idle=True),
+    "switch_ep2_kernels": lambda d: kernels_case(),
+    "switch_ep4_idle": lambda d: train_case("switch", ep=4, idle=True),
+    "switch_ep2_dp2_idle": lambda d: train_case("switch", ep=2, idle=True),
     # the same on prepared (chunked) models: hf_elixir.prepare after parallelize
     "elixir_gpt2_tp2": lambda d: train_case("gpt2", tp=2, elixir="unbudgeted", save_dir=os.path.join(d, "e_gpt2")),
     "elixir_gpt2_tp2_tight": lambda d: train_case("gpt2", tp=2, elixir="tight"),
@@ -278,6 +393,9 @@ CASES = {
     "elixir_switch_ep2_tight": lambda d: train_case("switch", ep=2, elixir="tight"),
     "elixir_switch_ep2_empty_tight": lambda d: train_case("switch", ep=2, empty_experts=True, elixir="tight"),
     "elixir_switch_ep2_dp2_tight": lambda d: train_case("switch", ep=2, elixir="tight"),
+    "elixir_switch_ep2_idle": lambda d: train_case("switch", ep=2, elixir="unbudgeted", idle=True),
+    "elixir_switch_ep4_idle_tight": lambda d: train_case("switch", ep=4, elixir="tight", idle=True),
+    "elixir_switch_ep2_dp2_idle_tight": lambda d: train_case("switch", ep=2, elixir="tight", idle=True),
 }
 
 
@@ -335,13 +453,15 @@ def run_cases(world_size: int, cases: list[str], out_dir: str, timeout_s: float 
 #: every case, by the number of ranks it runs on (one spawn per world size for the whole session)
 SUITES = {
     2: ["gpt2_tp2", "opt_tp2", "switch_ep2", "switch_ep2_empty", "elixir_gpt2_tp2", "elixir_gpt2_tp2_tight",
-        "elixir_opt_tp2_tight", "elixir_switch_ep2", "elixir_switch_ep2_tight", "elixir_switch_ep2_empty_tight"],
-    4: ["gpt2_tp2_dp2", "switch_ep4", "switch_ep2_dp2", "elixir_gpt2_tp2_dp2_tight", "elixir_switch_ep2_dp2_tight"],
+        "elixir_opt_tp2_tight", "elixir_switch_ep2", "elixir_switch_ep2_tight", "elixir_switch_ep2_empty_tight",
+        "switch_ep2_idle", "elixir_switch_ep2_idle", "switch_ep2_kernels"],
+    4: ["gpt2_tp2_dp2", "switch_ep4", "switch_ep2_dp2", "elixir_gpt2_tp2_dp2_tight", "elixir_switch_ep2_dp2_tight",
+        "switch_ep4_idle", "switch_ep2_dp2_idle", "elixir_switch_ep4_idle_tight", "elixir_switch_ep2_dp2_idle_tight"],
 }
 _SUITE_RESULTS: dict[int, object] = {}
 
 
-def run_suite(world_size: int, out_dir: str, timeout_s: float = 200.0) -> dict:
+def run_suite(world_size: int, out_dir: str, timeout_s: float = 420.0) -> dict:
     """All of ``SUITES[world_size]`` in one spawn, run once per test session (starting 2 or 4 ranks that
     import transformers costs more than the cases): the tensor- and expert-parallel test files share
     the result. A failure (hang) is remembered and re-raised for every caller."""

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 import hf_elixir
+from hf_elixir.chunk.params import StaleParameterError
 from hf_elixir.chunk.states import TRANSITIONS, TensorState, check_transition
 from tests._dist import run_distributed
 from tests._models import batch, rank_batch, rel_l2, tiny_model, two_groups
@@ -326,9 +327,10 @@ def test_deepcopy_of_a_prepared_model_raises_with_the_way_out():
     """A deep copy (EMA / reference models) used to succeed and fail at its first forward with an
     unrelated message; it now fails at once, and the suggested plain copy works."""
     model, _ = _prepare(tiny_model("gpt2"), device_memory_budget_bytes=140_000)
-    # prepare resharded this chunk: its parameters read NaN until first use (they used to point at
-    # freed storage, and the deep copy below crashed the process)
-    assert torch.isnan(model.transformer.h[0].mlp.c_proj.weight).all()
+    # prepare resharded this chunk: its parameters raise on any read until first use (they used to point
+    # at freed storage, and the deep copy below crashed the process; then at NaN placeholders)
+    with pytest.raises(StaleParameterError):
+        model.transformer.h[0].mlp.c_proj.weight.sum()
     with pytest.raises(TypeError, match="deepcopy.*load_state_dict"):
         copy.deepcopy(model)
     other = type(model)(model.config)
@@ -411,16 +413,16 @@ def test_many_idle_experts_train_at_the_minimum_budget_and_match_pytorch():
     assert rel_l2(_state(model), _state(ref)) < 1e-5
 
 
-@pytest.mark.parametrize("change", ["unfreeze", "freeze"])
-def test_changing_requires_grad_after_prepare_raises(change):
+def test_unfreezing_a_parameter_after_prepare_raises():
+    """A parameter frozen at prepare has no gradient buffer or optimizer state: unfreezing it later
+    raises. (Freezing a trainable one later works as in PyTorch: tests/test_loud_failures.py.)"""
     model = tiny_model("gpt2")
     head = model.transformer.wpe.weight
-    head.requires_grad_(change == "freeze")
+    head.requires_grad_(False)
     model, opt = _prepare(model)
     _train_elixir(model, opt, [[batch("gpt2", 0, 2)]])
-    head.requires_grad_(change == "unfreeze")
-    word = {"freeze": "frozen", "unfreeze": "unfrozen"}[change]
-    with pytest.raises(ValueError, match=f"transformer.wpe.weight' was {word} .* Set requires_grad before prepare"):
+    head.requires_grad_(True)
+    with pytest.raises(ValueError, match="transformer.wpe.weight' was unfrozen .* Set requires_grad before prepare"):
         model(**batch("gpt2", 1, 2))
     with torch.no_grad():  # evaluation does not care
         model(**batch("gpt2", 1, 2))
@@ -621,10 +623,11 @@ def test_one_rank_gradients_accumulate_straight_into_the_optimizer_shard():
     assert rel_l2(_state(model), _state(ref)) < 1e-5
 
 
-def test_stale_parameters_read_nan_between_steps_instead_of_freed_memory():
-    """After a step under a tight budget, parameters whose chunk is resharded (or stale) point at NaN
-    placeholders: reading gives NaN with the right shape (freed storage used to crash the process),
-    writing raises, and state_dict / the next forward see the updated values."""
+def test_stale_parameters_raise_between_steps_instead_of_reading_freed_memory():
+    """After a step under a tight budget, parameters whose chunk is resharded (or stale) are placeholders:
+    metadata is right, any read raises naming the parameter and the way out (freed storage used to
+    crash the process, NaN placeholders let reads through), and state_dict / the next forward see the
+    updated values."""
     ref = tiny_model("gpt2")
     model, opt = _prepare(copy.deepcopy(ref), device_memory_budget_bytes=140_000)
     b = batch("gpt2", 0, 2)
@@ -632,8 +635,9 @@ def test_stale_parameters_read_nan_between_steps_instead_of_freed_memory():
     weight = model.transformer.h[0].mlp.c_proj.weight
     assert weight.shape == ref.transformer.h[0].mlp.c_proj.weight.shape
     assert model.num_parameters() == ref.num_parameters()
-    assert torch.isnan(weight).all()
-    with pytest.raises(RuntimeError, match="more than one element"), torch.no_grad():
+    with pytest.raises(StaleParameterError, match=r"transformer\.h\.0\.mlp\.c_proj\.weight.*full_parameters"):
+        torch.isnan(weight)
+    with pytest.raises(StaleParameterError), torch.no_grad():
         weight.add_(1.0)
     _train_ref(ref, [[b]])
     state = model.state_dict()
@@ -643,29 +647,26 @@ def test_stale_parameters_read_nan_between_steps_instead_of_freed_memory():
         assert torch.allclose(model(**b).logits, ref(**b).logits, atol=1e-5)
 
 
-@pytest.mark.parametrize("write", ["zero_", "data.fill_", "data =", "data = then state_dict"])
+@pytest.mark.parametrize("write", ["zero_", "data.fill_", "data =", "fill_(nan)"])
 def test_writes_to_stale_parameters_raise_instead_of_being_lost(write):
-    """fill_/zero_ on a NaN placeholder, and ``param.data = t``, do not raise by themselves and cannot
-    reach the chunk: the next forward (or state_dict) raises, naming the parameter and the supported
-    ways; the write is discarded, and training goes on exactly as without it."""
+    """A write to a stale parameter cannot reach the chunk: it raises at once, whatever the value
+    (NaN too), naming the parameter and the supported ways; the write is discarded, and training goes
+    on exactly as without it."""
     ref = tiny_model("gpt2")
     model, opt = _prepare(copy.deepcopy(ref), device_memory_budget_bytes=140_000)
     batches = [[batch("gpt2", s, 2)] for s in range(3)]
     _train_elixir(model, opt, batches[:1])
     weight = model.transformer.h[0].mlp.c_proj.weight
-    assert torch.isnan(weight).all()
-    with torch.no_grad():
-        if write == "zero_":
-            weight.zero_()
-        elif write == "data.fill_":
-            weight.data.fill_(3.0)
-        else:
-            weight.data = torch.zeros_like(weight)
-    with pytest.raises(RuntimeError, match=r"transformer\.h\.0\.mlp\.c_proj\.weight.*full_parameters"):
-        if write == "data = then state_dict":
-            model.state_dict()
-        else:
-            model(**batches[1][0])
+    with pytest.raises(StaleParameterError, match=r"transformer\.h\.0\.mlp\.c_proj\.weight.*full_parameters"):
+        with torch.no_grad():
+            if write == "zero_":
+                weight.zero_()
+            elif write == "data.fill_":
+                weight.data.fill_(3.0)
+            elif write == "fill_(nan)":
+                weight.fill_(float("nan"))
+            else:
+                weight.data = torch.zeros(weight.shape)
     _train_elixir(model, opt, batches[1:])
     _train_ref(ref, batches)
     assert rel_l2(_state(model), _state(ref)) < 1e-5

@@ -46,7 +46,7 @@ out["unscale"] = ptx_counts(
     dict(grad_ptr="*fp32", partial_ptr="*fp32", found_inf_ptr="*fp32", inv_scale_ptr="*fp32", n_elements="i64"),
     dict(HAS_SCALE_PTR=True, BLOCK_SIZE=unscale_norm.BLOCK_SIZE), unscale_norm.NUM_WARPS)
 out["cast"] = ptx_counts(cast._cast_kernel, dict(src_ptr="*fp32", dst_ptr="*bf16", n_elements="i64"),
-                         dict(BLOCK_SIZE=cast.BLOCK_SIZE), cast.NUM_WARPS)
+                         dict(FROM_BF16=False, TO_BF16=True, BLOCK_SIZE=cast.BLOCK_SIZE), cast.NUM_WARPS)
 out["gather"] = ptx_counts(
     moe_permutation._gather_rows_kernel,
     dict(src_ptr="*bf16", dst_ptr="*bf16", src_row_ptr="*i64", weight_ptr="*fp32", other_ptr="*bf16",

@@ -31,6 +31,7 @@ def _check_parity(m: dict, elixir: bool = False) -> None:
         assert m["norm_rel"] < TOL, m  # replicated (non-tp) parameters counted once across tp ranks
     else:
         assert m["grad_rel"] < TOL and m["grad_rel_worst_tensor"] < TOL, m  # step 0, before Adam amplifies noise
+        assert m["has_grad_mismatch"] == 0, m  # .grad None exactly where PyTorch leaves it None, every step
     assert m["loss_rel"] < TOL, m
     assert m["param_rel"] < TOL, m
     assert m["param_rel_worst_tensor"] < 10 * TOL, m["worst"]

@@ -192,7 +192,8 @@ def moe_routing_map(expert_index: torch.Tensor, num_experts: int, capacity: int 
     """Row map and per-expert counts for ``expert_index`` (see [Note: capacity and dropping], [Note: row map]).
 
     Args:
-        expert_index: int tensor ``[T]`` (top-1) or ``[T, k]`` of expert ids in ``[0, num_experts)``.
+        expert_index: int tensor ``[T]`` (top-1) or ``[T, k]`` of expert ids in ``[0, num_experts)``,
+            or ``-1`` for a choice that is not routed (dropped before, e.g. by HF's router).
         num_experts: ``E``.
         capacity: max tokens per expert per group; ``None`` = no dropping.
         group_size: tokens per capacity group (HF Switch: ``sequence_length``); ``None`` = all ``T``.
@@ -204,6 +205,12 @@ def moe_routing_map(expert_index: torch.Tensor, num_experts: int, capacity: int 
     return row_map, counts
 
 
+def _as_2d(index: torch.Tensor) -> torch.Tensor:
+    """``[T]`` -> ``[T, 1]``, ``[T, k]`` unchanged (a ``reshape(T, -1)`` fails for ``T = 0``: a rank
+    that routes no token, which expert parallelism meets)."""
+    return index.unsqueeze(1) if index.dim() == 1 else index
+
+
 def _histogram(values: torch.Tensor, size: int) -> torch.Tensor:
     """int64 counts of ``values`` in ``[0, size)``; unlike ``torch.bincount`` it never syncs on CUDA."""
     return torch.zeros(size, dtype=torch.int64, device=values.device).scatter_add_(0, values, torch.ones_like(values))
@@ -211,21 +218,26 @@ def _histogram(values: torch.Tensor, size: int) -> torch.Tensor:
 
 def _routing_map(expert_index, num_experts, capacity, group_size):
     """moe_routing_map plus the number of kept rows (an int, read on the host once)."""
-    ei = expert_index.reshape(expert_index.shape[0], -1).to(torch.int64)
+    ei = _as_2d(expert_index).to(torch.int64)
     num_tokens, k = ei.shape
     device = ei.device
     group = num_tokens if group_size is None else group_size
     num_groups = num_tokens // group if group > 0 else 0
+    # a choice of -1 (not routed) goes to the extra bucket ``num_experts``, which is never kept
+    routed = ei >= 0
+    ei = torch.where(routed, ei, torch.full_like(ei, num_experts))
+    buckets = num_experts + 1
     # priority order (group, choice, token): rank of each assignment within its (group, expert)
     prio_e = ei.reshape(num_groups, group, k).transpose(1, 2).reshape(-1)
     prio_g = torch.arange(num_groups, device=device).repeat_interleave(group * k)
-    key = prio_g * num_experts + prio_e
+    key = prio_g * buckets + prio_e
     sorted_key, order = torch.sort(key, stable=True)
-    sizes = _histogram(key, num_groups * num_experts)
+    sizes = _histogram(key, num_groups * buckets)
     starts = torch.cumsum(sizes, 0) - sizes
     rank_sorted = torch.arange(key.numel(), device=device) - starts[sorted_key]
     rank_prio = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
     keep_prio = rank_prio < capacity if capacity is not None else torch.ones_like(rank_prio, dtype=torch.bool)
+    keep_prio &= prio_e < num_experts
     # back to (token, choice) order
     keep = keep_prio.reshape(num_groups, k, group).transpose(1, 2).reshape(num_tokens, k)
     flat_e = ei.reshape(-1)
@@ -307,8 +319,9 @@ def _check_expert_index(expert_index, num_tokens, num_experts, capacity, group_s
                          f"got {group_size!r}")
     if expert_index.device.type == "cpu" and expert_index.numel():  # range check is a host sync elsewhere
         lo, hi = int(expert_index.min()), int(expert_index.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"expert_index values must lie in [0, {num_experts}), got min {lo} max {hi}")
+        if lo < -1 or hi >= num_experts:
+            raise ValueError(f"expert_index values must lie in [0, {num_experts}) or be -1 (not routed), "
+                             f"got min {lo} max {hi}")
 
 
 def moe_permute(
@@ -324,7 +337,9 @@ def moe_permute(
 
     Args:
         hidden: ``[T, H]`` token activations (any float dtype); differentiable.
-        expert_index: ``[T]`` (top-1) or ``[T, k]`` integer expert ids in ``[0, E)``.
+        expert_index: ``[T]`` (top-1) or ``[T, k]`` integer expert ids in ``[0, E)``; ``-1`` marks a choice
+            that is not routed (its ``row_map`` entry is ``-1`` and it uses no capacity), as an all-zero
+            row of HF Switch's one-hot dispatch mask (a token the router already dropped).
         num_experts: ``E``.
         capacity: tokens an expert takes per group (HF: ``config.expert_capacity``); ``None`` keeps all.
         group_size: tokens per capacity group; HF Switch counts capacity per sequence, so pass
@@ -346,7 +361,7 @@ def moe_permute(
     if expert_index.device != hidden.device:
         raise ValueError(f"expert_index is on {expert_index.device} but hidden on {hidden.device}")
     row_map, counts, num_rows = _routing_map(expert_index, num_experts, capacity, group_size)
-    row_map_2d = row_map.reshape(hidden.shape[0], -1)
+    row_map_2d = _as_2d(row_map)
     permuted = _MoePermute.apply(hidden.contiguous(), row_map_2d, num_rows, use_triton(hidden, force_triton))
     return permuted, row_map, counts
 
@@ -383,7 +398,7 @@ def moe_unpermute(
     if row_map.dim() not in (1, 2) or row_map.shape[0] != num_tokens or row_map.dtype != torch.int64:
         raise ValueError(f"row_map must be int64 [T] or [T, k] with T={num_tokens}, got {row_map.dtype} "
                          f"{tuple(row_map.shape)}; pass the row_map returned by moe_permute")
-    row_map_2d = row_map.reshape(num_tokens, -1)
+    row_map_2d = _as_2d(row_map)
     if gates.numel() != row_map_2d.numel():
         raise ValueError(f"gates has {gates.numel()} elements, expected T*k={row_map_2d.numel()} "
                          f"(one weight per token and choice)")

@@ -130,7 +130,7 @@ def materialize_chunks(manager: ChunkManager) -> None:
         chunk.materialize()
         if not chunk.resident and not chunk.full_alias:
             chunk.reshard()
-    manager.hide_stale()  # resharded parameters read NaN until their first use (not freed memory)
+    manager.hide_stale()  # resharded parameters raise on any read until their first use
     manager._trainable_chunks = [c for c in manager.chunks if c.trainable]
 
 

@@ -11,6 +11,8 @@ data again. This is how PyTorch FSDP keeps saved activations valid (``alloc_stor
 and refreshes the shard, which bumps ``version``; an unsharded copy with an older version is stale and
 is refilled on its next use. Parameters are read-only during forward/backward, so resharding needs no
 write-back (no device->host traffic), except after ``load_state_dict`` wrote into ``full`` (``dirty``).
+Between uses, a parameter without a current copy is a placeholder that raises on any read or write
+([Note: stale placeholder] in params.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hf_elixir.chunk.params import hide as hide_param
+from hf_elixir.chunk.params import mark_managed
+from hf_elixir.chunk.params import show as show_param
 from hf_elixir.chunk.states import TensorState, check_transition
 
 __all__ = ["ParamSlot", "Chunk"]
@@ -141,8 +146,8 @@ class Chunk(ChunkBytes):
         self.host_full: torch.Tensor | None = None
         self.host_full_version = -1
         self.ready_event = None  # CUDA event of a side-stream unshard (prefetch)
-        self.hidden = False  # parameters point at NaN placeholders (see hide_stale_params)
-        self.stale_values: torch.Tensor | None = None  # [len(slots)] NaN, one element per placeholder
+        self.hidden = False  # parameters are stale placeholders (see hide_stale_params)
+        self.stale_values: torch.Tensor | None = None  # [len(slots)] NaN, backing one placeholder each
         self.grad_shard_clean = True  # the optimizer's gradient shard is zero (set by zero_grad)
 
     # -- sizes ---------------------------------------------------------------------------------
@@ -175,6 +180,7 @@ class Chunk(ChunkBytes):
             dist.broadcast(full, src=dist.get_global_rank(self.replicate_group, 0), group=self.replicate_group)
         self.full = full
         for slot in self.slots:
+            mark_managed(slot.param, slot.name, self.manager)
             slot.param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
             slot.state = TensorState.HOLD
         self.full_alias = self.world_size == 1 and self.shard_on_device
@@ -239,43 +245,28 @@ class Chunk(ChunkBytes):
                 slot.set_state(TensorState.HOLD)
 
     def hide_stale_params(self) -> None:
-        """Between steps, point the parameters of a chunk whose unsharded copy is freed or stale at NaN
-        placeholders, so reading one directly gives NaN (not freed memory, which can crash the process,
-        nor pre-update values); ``shape``, ``dtype``, ``device`` and ``numel()`` stay right. Placeholder
-        ``i`` is element ``i`` of :attr:`stale_values` expanded to slot ``i``'s shape (no memory): most
-        in-place writes raise (several elements share one memory location); the ones that do not
-        (``fill_``, ``zero_``) change that element, and ``param.data = t`` changes the pointer, both of
-        which :meth:`stale_writes` finds. The next unshard (forward hook, ``state_dict``,
-        :func:`hf_elixir.full_parameters`) points them back at ``full``. Called only where no autograd
-        graph holds the parameters: at the optimizer step, at the end of ``prepare`` and when
-        ``full_parameters(writeback=False)`` exits (mid-step, evicted parameters keep their views:
-        saved tensors see the data again on unshard, see [Note: parameters as views])."""
+        """Point the parameters of a chunk without a current unsharded copy (freed, or older than the shard)
+        at stale placeholders that raise on any data access ([Note: stale placeholder] in params.py);
+        ``shape``, ``dtype``, ``device`` and ``numel()`` stay right. Placeholder ``i`` is element ``i`` of
+        :attr:`stale_values` expanded to slot ``i``'s shape (no memory). Called whenever the chunk is
+        resharded, and at the optimizer step, the end of ``prepare`` and when
+        ``full_parameters(writeback=False)`` exits; the next unshard (:meth:`show_params`) points them
+        back at ``full`` before any use, so autograd's saved copies see the data again."""
         if self.hidden or not self.needs_fill():
             return
         if self.stale_values is None:
             self.stale_values = torch.full((len(self.slots),), float("nan"), dtype=self.dtype,
                                            device=self.compute_device)
         for i, slot in enumerate(self.slots):
-            slot.param.data = self.stale_values[i].expand(slot.shape)
+            hide_param(slot.param, self.stale_values[i].expand(slot.shape))
         self.hidden = True
-
-    def stale_writes(self, written: torch.Tensor) -> list[str]:
-        """Names of this hidden chunk's parameters written since :meth:`hide_stale_params`, given
-        ``written`` (bool ``[len(slots)]``: the placeholder element is no longer NaN); resets the
-        placeholders to NaN (the write is discarded: ``full`` and the shard are untouched)."""
-        base, step = self.stale_values.data_ptr(), self.stale_values.element_size()
-        names = [slot.name for i, slot in enumerate(self.slots)
-                 if bool(written[i]) or slot.param.data_ptr() != base + i * step]
-        if names:
-            self.stale_values.fill_(float("nan"))
-        return names
 
     def show_params(self) -> None:
         """Undo :meth:`hide_stale_params`: parameters are views into ``full`` again."""
         if not self.hidden:
             return
         for slot in self.slots:
-            slot.param.data = self.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            show_param(slot.param, self.full[slot.offset:slot.offset + slot.numel].view(slot.shape))
         self.hidden = False
 
     def wait_ready(self) -> None:
@@ -339,6 +330,7 @@ class Chunk(ChunkBytes):
         for slot in self.slots:
             if slot.state is not TensorState.READY_FOR_REDUCE:
                 slot.set_state(TensorState.FREE)
+        self.hide_stale_params()  # the views point at freed storage: reading them must raise
 
     def write_back(self) -> None:
         """Copy this rank's slice of ``full`` into the shard (after ``load_state_dict`` wrote ``full``)."""

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from hf_elixir.chunk.chunk import Chunk, ParamSlot
 from hf_elixir.chunk.memory import DeviceBudgetExceededError, DevicePool, MemoryCounters
+from hf_elixir.chunk.params import raw_grad, set_raw_grad
 from hf_elixir.chunk.states import TensorState
 
 __all__ = ["ChunkManager"]
@@ -74,7 +75,9 @@ class ChunkManager:
         self._reduce_cursor = 0
         self._step_start = self.counters.as_dict()
         self.last_step: dict[str, int] = {}
-        self.stale_checked = True  # False from end_step until check_stale_writes ran
+        # reduced gradients wait in the shards for the optimizer: set at the end of backward, cleared by the
+        # step and by zero_grad ([Note: gradients in chunks] in params.py)
+        self.grads_pending = False
 
     # -- memory helpers ------------------------------------------------------------------------
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -136,12 +139,7 @@ class ChunkManager:
     def access(self, chunks: list[Chunk]) -> None:
         """Unshard ``chunks`` for compute and pin them; record the access; prefetch ahead.
 
-        Raises:
-            RuntimeError: the first access after a step finds writes to stale parameters
-                (:meth:`check_stale_writes`).
         """
-        if not self.stale_checked:
-            self.check_stale_writes()
         pinned: set[int] = {c.chunk_id for c in chunks}
         for chunk in chunks:
             chunk.pins += 1  # pin first so that making room for a sibling never evicts it
@@ -209,6 +207,7 @@ class ChunkManager:
                 positions[cid].append(i)
             self.prev_positions = dict(positions)
         self.trace = []
+        self.grads_pending = False  # consumed by the step
         self.hide_stale()
         now = self.counters.as_dict()
         self.last_step = {f"step_{k}": now[k] - self._step_start.get(k, 0)
@@ -218,38 +217,10 @@ class ChunkManager:
         self._step_start = now
 
     def hide_stale(self) -> None:
-        """Point the parameters of every chunk without a current unsharded copy at NaN placeholders
-        (:meth:`Chunk.hide_stale_params`); the next first access checks them for writes."""
+        """Point the parameters of every chunk without a current unsharded copy at stale placeholders
+        (:meth:`Chunk.hide_stale_params`): reading or writing one raises until its next unshard."""
         for chunk in self.chunks:
             chunk.hide_stale_params()
-        self.stale_checked = not any(c.hidden for c in self.chunks)
-
-    def check_stale_writes(self) -> None:
-        """Once per step, before the first unshard: did the user write a parameter that pointed at a
-        NaN placeholder (:meth:`Chunk.hide_stale_params`)? Such a write cannot reach the chunk (the
-        placeholder is not the parameter's storage); it used to be dropped silently. One device->host
-        read of every hidden chunk's placeholder values.
-
-        Raises:
-            RuntimeError: names the written parameters and the supported ways to write them; the
-                writes are discarded (parameters keep their trained values), so training can go on.
-        """
-        self.stale_checked = True
-        hidden = [c for c in self.chunks if c.hidden and c.stale_values is not None]
-        if not hidden:
-            return
-        written = (~torch.isnan(torch.cat([c.stale_values for c in hidden]))).cpu()
-        names, start = [], 0
-        for chunk in hidden:
-            names += chunk.stale_writes(written[start:start + len(chunk.slots)])
-            start += len(chunk.slots)
-        if names:
-            raise RuntimeError(
-                f"parameters {names[:5]}{' and more' if len(names) > 5 else ''} were written between optimizer "
-                "steps while their chunks were offloaded (hf_elixir points such parameters at NaN "
-                "placeholders); the write was discarded and they keep their trained values. Write "
-                "parameters inside `with hf_elixir.full_parameters(model, writeback=True):` or through "
-                "`model.load_state_dict(...)`")
 
     def reset_peak(self) -> None:
         self.counters.device_peak_bytes = self.counters.device_used_bytes
@@ -263,13 +234,13 @@ class ChunkManager:
     # -- gradients -----------------------------------------------------------------------------
     def on_grad(self, param: torch.nn.Parameter) -> None:
         """Post-accumulate-grad hook body: move ``param.grad`` into its chunk's gradient buffer."""
-        grad = param.grad
+        grad = raw_grad(param)
         if grad is None:
             return
         slot = self.slot_of[param]
         chunk = self.chunk_of[param]
         chunk.accumulate_grad(slot, grad)
-        param.grad = None
+        set_raw_grad(param, None)
         chunk.arrived_slots.add(slot.index_in_chunk)
         self._backward_flags[slot.flag_index] = 1.0
         if slot.state is not TensorState.READY_FOR_REDUCE:
@@ -359,6 +330,7 @@ class ChunkManager:
             chunk.used_slots.clear()
             chunk.arrived_slots.clear()
         self.backward_pending = False
+        self.grads_pending = True
         if self.on_backward_end is not None:
             self.on_backward_end()
 
@@ -373,6 +345,24 @@ class ChunkManager:
             chunk.grad_shard_clean = True
         if not keep_has_grad:
             self.has_grad_flags.zero_()
+        self.grads_pending = False
+
+    def clear_param_grad(self, param: torch.nn.Parameter, keep_has_grad: bool = False) -> None:
+        """One parameter's :meth:`zero_grad` (``p.grad = None``, ``submodule.zero_grad()``): zero its
+        elements of this rank's gradient shard; without ``keep_has_grad`` it has no gradient until the
+        next backward gives it one (the step skips it, as PyTorch's optimizers skip ``p.grad is None``)."""
+        slot = self.slot_of.get(param)
+        if slot is None or not slot.trainable or self.backward_pending:
+            return  # backward's own hook clears p.grad after moving it into the chunk
+        chunk = self.chunk_of[param]
+        grad_shard = self.grad_shards.get(chunk.chunk_id)
+        if grad_shard is not None:
+            lo = max(slot.offset, chunk.shard_begin) - chunk.shard_begin
+            hi = min(slot.offset + slot.numel, chunk.shard_begin + chunk.shard_numel) - chunk.shard_begin
+            if hi > lo:
+                grad_shard[lo:hi].zero_()
+        if not keep_has_grad:
+            self.has_grad_flags[slot.flag_index] = 0.0
 
 
 def budget_error(needed: int, budget: int, what: str) -> ValueError:

@@ -449,6 +449,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
         return self._view_by_tensor[id(tensor)].slot.flag_index
 
     def _refresh_compute_copies(self) -> None:
+        import triton_kernels  # noqa: PLC0415
+
         counters = self.manager.counters
         for chunk in self.manager.chunks:
             if not chunk.trainable:
@@ -456,7 +458,11 @@ class ElixirOptimizer(torch.optim.Optimizer):
             master = self.masters[chunk.chunk_id]
             target = chunk.full if chunk.full_alias else chunk.shard
             if master is not target:
-                target.copy_(master, non_blocking=True)
+                if master.device == target.device and master.dtype != target.dtype:
+                    # fp32 master -> bf16/fp16 compute copy on one device: the cast kernel (Triton on CUDA)
+                    triton_kernels.cast_(master, target, force_triton=self._force_fused)
+                else:
+                    target.copy_(master, non_blocking=True)
                 if chunk.optim_on_device != chunk.shard_on_device:
                     nbytes = chunk.shard_bytes
                     if chunk.shard_on_device:
@@ -476,12 +482,6 @@ class ElixirOptimizer(torch.optim.Optimizer):
         step still updates it (momentum, weight decay) — e.g. MoE experts that got no tokens.
         """
         self.manager.zero_grad(keep_has_grad=set_to_none is False)
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
 
     # -- state dicts ---------------------------------------------------------------------------
     def _per_element_keys(self) -> list[str]:

@@ -143,11 +143,25 @@ def reduce_gradients(model: nn.Module) -> None:
 
     Averages each gradient over its group from :func:`param_process_groups`, so the result equals
     the gradient of the mean of the per-batch losses.
-    A parameter that got no gradient (an expert without tokens) contributes zeros, so every rank
-    issues the same all-reduces in the same order.
+    A parameter that got no gradient on this rank (an expert without tokens) contributes zeros. A
+    parameter that got no gradient on any rank of its group keeps ``.grad = None``, as PyTorch would
+    have left it, so the optimizer skips it (no moment update, no weight decay): see [Note: idle
+    experts] in ``_expert_parallel.py``. One MAX all-reduce of has-gradient flags per group decides
+    it first, so every rank then issues the same all-reduces in the same order.
     """
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    by_group: dict[int, tuple[Any, list[nn.Parameter]]] = {}
+    for name, param in params:
+        group = _group_of(model, name)
+        by_group.setdefault(id(group), (group, []))[1].append(param)
+    had_grad: dict[nn.Parameter, bool] = {}
+    for group, members in by_group.values():  # same groups in the same order on every rank
+        flags = torch.tensor([float(p.grad is not None) for p in members], device=members[0].device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        had_grad.update(zip(members, (flags > 0).tolist()))
+    for name, param in params:
+        if not had_grad[param]:  # the flags agree on every rank: all of them skip this all-reduce
+            param.grad = None
             continue
         group = _group_of(model, name)
         if param.grad is None:

@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 import torch
 
+from hf_elixir.profiler._device import nvml_handle, select_compute_device
+
 __all__ = ["HardwareProfile", "probe_hardware", "default_cache_path"]
 
 logger = logging.getLogger(__name__)
@@ -33,7 +35,7 @@ _ADAM_IMPL = "fused"
 
 _MEASURED_FIELDS = (
     "h2d_bytes_per_s", "d2h_bytes_per_s", "allgather_bytes_per_s", "reduce_scatter_bytes_per_s",
-    "host_adam_numel_per_s", "device_adam_numel_per_s", "device_flops_per_s",
+    "host_adam_numel_per_s", "device_adam_numel_per_s", "device_flops_per_s", "device_fp32_flops_per_s",
     "hook_event_s", "onload_fixed_s", "optim_tensor_s",
 )
 
@@ -57,6 +59,9 @@ class HardwareProfile:
             profile cached before it was measured (:meth:`allreduce_rate` then derives it).
         host_adam_numel_per_s / device_adam_numel_per_s: fp32 elements per second of one AdamW step.
         device_flops_per_s: fp32 (CPU) or bf16 (CUDA) matmul throughput, to turn FLOPs into seconds.
+        device_fp32_flops_per_s: fp32 matmul throughput (on CUDA with the TF32 setting at probe time);
+            ``None`` in profiles cached before it was measured (:meth:`flops_rate` then uses
+            ``device_flops_per_s``).
         hook_event_s: hf_elixir's own cost per module call (forward or backward hooks, gradient copy),
             timed on a small model prepared all-resident against the same model run plainly.
         onload_fixed_s: cost of one chunk onload + eviction beyond the bytes copied (allocation, the
@@ -82,6 +87,7 @@ class HardwareProfile:
     host_adam_numel_per_s: float = 0.0
     device_adam_numel_per_s: float = 0.0
     device_flops_per_s: float = 0.0
+    device_fp32_flops_per_s: float | None = None
     hook_event_s: float = 0.0
     onload_fixed_s: float = 0.0
     optim_tensor_s: float = 0.0
@@ -100,6 +106,13 @@ class HardwareProfile:
         if self.reduce_scatter_bytes_per_s and self.allgather_bytes_per_s:
             return 1.0 / (1.0 / self.reduce_scatter_bytes_per_s + 1.0 / self.allgather_bytes_per_s)
         return None
+
+    def flops_rate(self, precision: str) -> float:
+        """Matmul FLOPs per second for a step in ``precision`` (``"fp32" | "bf16" | "fp16"``): the fp32 rate
+        for fp32 when measured, else ``device_flops_per_s``; 0.0 when nothing was measured."""
+        if precision == "fp32" and self.device_fp32_flops_per_s:
+            return self.device_fp32_flops_per_s
+        return self.device_flops_per_s
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "HardwareProfile":
@@ -135,9 +148,10 @@ def _device_memory(device: torch.device, budget_bytes: int | None, host_total: i
 
             try:
                 pynvml.nvmlInit()
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                return name, int(info.total), int(info.free)
+                handle = nvml_handle(pynvml, index)  # by UUID / PCI bus id: NVML ignores CUDA_VISIBLE_DEVICES
+                if handle is not None:
+                    info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                    return name, int(info.total), int(info.free)
             except pynvml.NVMLError as exc:
                 logger.info("pynvml failed (%s); using torch.cuda.mem_get_info", exc)
         except ImportError:
@@ -181,6 +195,11 @@ def _measure(device: torch.device, process_group: Any, size_bytes: int, repeats:
     a = torch.randn(side, side, device=device, dtype=dtype)
     b = torch.randn(side, side, device=device, dtype=dtype)
     out["device_flops_per_s"] = 2 * side**3 / _best_time(lambda: torch.mm(a, b), repeats, sync)
+    if is_cuda:
+        a, b = a.float(), b.float()
+        out["device_fp32_flops_per_s"] = 2 * side**3 / _best_time(lambda: torch.mm(a, b), repeats, sync)
+    else:
+        out["device_fp32_flops_per_s"] = out["device_flops_per_s"]
     out.update(_measure_collectives(device, process_group, numel, repeats, sync))
     out.update(_measure_runtime(device, out, repeats, sync))
     return out
@@ -295,7 +314,8 @@ def probe_hardware(device: str | torch.device | None = None, *, budget_bytes: in
     """Measure (or load from the per-machine cache) this machine's :class:`HardwareProfile`.
 
     Args:
-        device: compute device; default ``cuda`` when available, else ``cpu``.
+        device: compute device; default: the one ``hf_elixir.prepare`` would use
+            (:func:`hf_elixir.profiler._device.select_compute_device`).
         budget_bytes: device bytes to report on CPU (the simulated pool's budget); ignored on CUDA.
         cache_path: JSON cache file; default :func:`default_cache_path`. Entries are keyed by
             ``hostname|device name|world size``.
@@ -309,7 +329,7 @@ def probe_hardware(device: str | torch.device | None = None, *, budget_bytes: in
     """
     import psutil
 
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device) if device is not None else select_compute_device()
     vm = psutil.virtual_memory()
     name, total, free = _device_memory(dev, budget_bytes, int(vm.total))
     if dev.type != "cuda" and budget_bytes is None:

@@ -410,8 +410,12 @@ def profile_step(model: nn.Module, sample_batch: Mapping[str, Any] | tuple | tor
             with :func:`static_profile` instead of raising.
         warmup_steps: untraced forward+backward passes run first when timing for real (first calls
             pay one-off allocation and dispatch costs that would skew the per-event times).
-        count_flops: count FLOPs per event (``torch.utils.flop_counter``); default only on meta, because
-            the counter slows real runs down enough to spoil the measured times.
+        count_flops: count FLOPs per event (``torch.utils.flop_counter.FlopCounterMode``); default only on
+            meta. When timing for real, the FLOPs come from one extra traced step run after the timed ones
+            (the counter dispatches every op through Python, which would spoil the measured times). Needed
+            when the step is priced on another device than the one it was profiled on (a model still on
+            the CPU, a hardware profile of a GPU): the cost model then turns FLOPs into seconds with the
+            device's rate (see ``hf_elixir.search._cost._event_seconds``).
         repeats: traced steps to run when timing for real; the fastest one's times are kept (a
             busy machine makes single timings noisy).
 
@@ -437,7 +441,8 @@ def profile_step(model: nn.Module, sample_batch: Mapping[str, Any] | tuple | tor
         best: StepProfile | None = None
         runs: list[StepProfile] = []
         for _ in range(max(1, repeats) if timed else 1):
-            result = _profile_once(model, sample_batch, device, loss_fn, static_fallback, count_flops)
+            result = _profile_once(model, sample_batch, device, loss_fn, static_fallback,
+                                   False if timed else count_flops)
             runs.append(result)
             if best is None or (result.forward_s or 0) + (result.backward_s or 0) < \
                     (best.forward_s or 0) + (best.backward_s or 0):
@@ -447,12 +452,33 @@ def profile_step(model: nn.Module, sample_batch: Mapping[str, Any] | tuple | tor
                                            for r in runs):
             for i, event in enumerate(best.events):
                 event.compute_s = min(r.events[i].compute_s or 0.0 for r in runs)
+        if timed and count_flops and best is not None:
+            counted = _profile_once(model, sample_batch, device, loss_fn, static_fallback, True)
+            _copy_flops(counted, best)
     finally:
         model.train(was_training)
     assert best is not None
     if plain is not None:
         best.plain_forward_s, best.plain_backward_s = plain
     return best
+
+
+def _copy_flops(counted: StepProfile, timed: StepProfile) -> None:
+    """Give ``timed`` the FLOPs of ``counted`` (the same step traced again under the FLOP counter): event by
+    event where both traces visit the same modules, else spread each phase's total over its events in
+    proportion to their measured seconds (a data-dependent model may take another path)."""
+    timed.forward_flops, timed.backward_flops = counted.forward_flops, counted.backward_flops
+    if [(e.phase, e.module) for e in counted.events] == [(e.phase, e.module) for e in timed.events]:
+        for mine, theirs in zip(timed.events, counted.events):
+            mine.flops = theirs.flops
+        return
+    logger.warning("profile_step: the FLOP-counting pass visited other modules than the timed one; FLOPs are "
+                   "spread over the timed events in proportion to their measured time")
+    for phase, total in (("fwd", counted.forward_flops), ("bwd", counted.backward_flops)):
+        events = [e for e in timed.events if e.phase == phase]
+        seconds = sum(e.compute_s or 0.0 for e in events)
+        for e in events:
+            e.flops = total * ((e.compute_s or 0.0) / seconds if seconds else 1.0 / len(events))
 
 
 def _profile_once(model: nn.Module, sample_batch: Any, device: str, loss_fn: Callable | None,

@@ -47,10 +47,12 @@ class _PostBackward(torch.autograd.Function):
 
 
 def mark_used(manager: ChunkManager, slots: list[ParamSlot]) -> None:
-    """Record that this forward used these trainable parameters (their gradients will be awaited)."""
+    """Record that this forward used these trainable parameters (their gradients will be awaited), those
+    that still require grad (one frozen after ``prepare`` gets none, as in PyTorch)."""
     chunk_of = manager.chunk_of
     for slot in slots:
-        chunk_of[slot.param].used_slots.add(slot.index_in_chunk)
+        if slot.param.requires_grad:
+            chunk_of[slot.param].used_slots.add(slot.index_in_chunk)
 
 
 class ModuleHandle:
@@ -170,7 +172,7 @@ class ModuleHandle:
         if not self.grad_pins:
             return
         flags = self.manager._backward_flags
-        if all(flags[s.flag_index] > 0 for s in self.trainable_slots):
+        if all(flags[s.flag_index] > 0 for s in self.trainable_slots if s.param.requires_grad):
             while self.grad_pins:
                 self.grad_pins -= 1
                 self.manager.release(self.chunks)
@@ -230,7 +232,7 @@ def install_hooks(model: torch.nn.Module, manager: ChunkManager) -> list[ModuleH
         if subtree:  # children that actually run mark their own parameters as used
             for child in module.modules():
                 own = [manager.slot_of[p] for p in child.parameters(recurse=False)
-                       if p in managed and p.requires_grad]
+                       if p in managed and manager.slot_of[p].trainable]
                 if own:
                     def mark(mod, args, _own=own):
                         if torch.is_grad_enabled():

@@ -20,16 +20,24 @@ __all__ = ["full_parameters", "install_state_dict_hooks"]
 
 
 def _ensure_full(manager: ChunkManager, chunk) -> None:
-    if not manager.stale_checked:
-        manager.check_stale_writes()
-    if chunk.needs_fill():
-        chunk.pins += 1
-        try:
-            manager.make_room(chunk.fill_bytes_needed(), f"state_dict access of chunk {chunk.chunk_id}",
-                              exclude={chunk.chunk_id})
-        finally:
+    _ensure_all_full(manager, [chunk])
+
+
+def _ensure_all_full(manager: ChunkManager, chunks) -> None:
+    """Unshard ``chunks`` together (pinned while the others are made room for), so their parameters are
+    current views when this returns; nothing is evicted before the next unshard elsewhere."""
+    pinned = []
+    try:
+        for chunk in chunks:
+            if chunk.needs_fill():
+                manager.make_room(chunk.fill_bytes_needed(), f"state_dict access of chunk {chunk.chunk_id}",
+                                  exclude={c.chunk_id for c in pinned} | {chunk.chunk_id})
+            chunk.unshard()  # also points current parameters back at their views
+            chunk.pins += 1
+            pinned.append(chunk)
+    finally:
+        for chunk in pinned:
             chunk.pins -= 1
-        chunk.unshard()
 
 
 def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_loaded) -> list:
@@ -47,6 +55,11 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
         if not own:
             continue
 
+        own_chunks = sorted({manager.chunk_of[p] for p in own.values()}, key=lambda c: c.chunk_id)
+
+        def save_pre_hook(mod, prefix, keep_vars, _chunks=own_chunks):
+            _ensure_all_full(manager, _chunks)  # Module._save_to_state_dict detaches the parameters next
+
         def save_hook(mod, destination, prefix, local_metadata, _own=own):
             for name, param in _own.items():
                 key = prefix + name
@@ -57,12 +70,12 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
                 destination[key] = value.cpu() if to_host else value
 
         def load_pre_hook(state_dict, prefix, local_metadata, strict, missing, unexpected, errors, _own=own):
-            for name, param in _own.items():
-                if prefix + name in state_dict:
-                    chunk = manager.chunk_of[param]
-                    _ensure_full(manager, chunk)
-                    chunk.dirty = True
+            chunks = {manager.chunk_of[p] for name, p in _own.items() if prefix + name in state_dict}
+            _ensure_all_full(manager, sorted(chunks, key=lambda c: c.chunk_id))  # Module copies into them next
+            for chunk in chunks:
+                chunk.dirty = True
 
+        removables.append(module.register_state_dict_pre_hook(save_pre_hook))
         removables.append(module._register_state_dict_hook(save_hook))
         removables.append(module._register_load_state_dict_pre_hook(load_pre_hook))
 
@@ -85,15 +98,15 @@ def full_parameters(model: torch.nn.Module, *, writeback: bool = False):
     forward/backward. Collective under torch.distributed (every rank enters).
 
     With ``writeback=False`` (as FSDP's ``summon_full_params``) in-place edits are discarded on exit:
-    the gathered copies are marked stale, so the next use gathers the shards again and parameters read
-    NaN until then. Where the chunk *is* the optimizer's fp32 parameter storage (kept whole on the
-    device: one rank, or replicated placement), it is copied to the host on entry and restored on exit
-    (host memory for those chunks, for the duration of the context).
+    the gathered copies are marked stale, so the next use gathers the shards again and parameters are
+    stale placeholders until then. Where the chunk *is* the optimizer's fp32 parameter storage (kept
+    whole on the device: one rank, or replicated placement), it is copied to the host on entry and
+    restored on exit (host memory for those chunks, for the duration of the context).
 
-    Between steps a parameter whose chunk is resharded or stale points at a NaN placeholder
-    (``Chunk.hide_stale_params``): reading it directly gives NaN, and a write to it raises (at once, or
-    here / at the next forward, ``ChunkManager.check_stale_writes``). Use this, or ``model.state_dict()``,
-    to look at weights. Same role as FSDP's ``summon_full_params`` and DeepSpeed's ``GatheredParameters``.
+    Between steps a parameter whose chunk is resharded, offloaded or stale is a placeholder that raises
+    :class:`~hf_elixir.chunk.params.StaleParameterError` on any read or write ([Note: stale placeholder]
+    in chunk/params.py). Use this, or ``model.state_dict()``, to look at weights. Same role as FSDP's
+    ``summon_full_params`` and DeepSpeed's ``GatheredParameters``.
 
     Args:
         model: a model prepared by :func:`hf_elixir.prepare`.

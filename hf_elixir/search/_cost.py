@@ -41,8 +41,26 @@ module call (``hook_event_s``), per onload a fixed cost (``onload_fixed_s``) and
 copy/all-gather bandwidth, per trained chunk its gradient copies and reduce-scatter, then the optimizer
 step (per parameter view ``optim_tensor_s`` plus elements at the host/device AdamW rate) and the
 copies refreshing compute copies whose master lives elsewhere. Where copies overlap compute
-(``hardware.can_overlap``, CUDA) an onload may start ``prefetch_depth`` events early on its own stream;
-on CPU everything is serial.
+(``hardware.can_overlap``, CUDA) a local onload may start ``prefetch_depth`` events early on its own stream;
+on CPU everything is serial. See [Note: overlap] for exactly what overlaps.
+
+[Note: overlap] The model overlaps only what the runtime overlaps today (CUDA, ``hardware.can_overlap``):
+
+* a **local** onload (world size 1: the host shard; more ranks: the rank-local refill copy of an evicted
+  gathered chunk) is prefetched ``prefetch_depth`` events ahead on the manager's copy stream
+  (``ChunkManager._prefetch`` -> ``Chunk.unshard(side_stream=...)``);
+* an **all-gather** is never prefetched (``ChunkManager._prefetch`` skips ``needs_collective()`` chunks): it
+  runs inside the pre-forward/pre-backward hook and the compute waits for it, whatever ``prefetch_depth``;
+* the reduce-scatter (or replicated all-reduce) of a chunk whose optimizer state is on the device runs on the
+  manager's reduce stream, overlapping the rest of backward ([Note: reduce overlap] in ``chunk/chunk.py``);
+  a host-optimizer chunk's reduce and its device->host gradient copy stay on the compute stream;
+* the optimizer step starts after backward ends, updates the host shards (``ElixirOptimizer._inner_step``)
+  and then the device shards (``_fused_step``): ``host + device``, never ``max(host, device)``.
+
+Issue 14 changes this: when all-gathers are prefetched on a side stream (an async collective ahead of use),
+the ``collective`` branch in :func:`predict` joins the copy-stream branch; when the host optimizer runs
+during backward (SuperOffload-style), ``optimizer_s``'s host part moves into the backward timeline, starting
+at each chunk's reduce.
 """
 
 from __future__ import annotations
@@ -195,12 +213,23 @@ def activation_bytes(profile: StepProfile, precision: str, checkpointing: bool) 
     return int(peak * scale)
 
 
-def _event_seconds(profile: StepProfile, events: list, hardware: HardwareProfile) -> list[float]:
+def _event_seconds(profile: StepProfile, events: list, hardware: HardwareProfile, precision: str) -> list[float]:
     """Per-event compute seconds: measured (rescaled per phase to the untraced step time) when the
-    profile ran on this kind of device, else FLOPs at the measured matmul rate."""
+    profile ran on this kind of device, else counted FLOPs at the device's matmul rate
+    (:meth:`HardwareProfile.flops_rate` for ``precision``).
+
+    Raises:
+        ValueError: the profile ran on another device than ``hardware`` describes and counted no FLOPs
+            (``profile_step(..., count_flops=True)`` fixes it), so its compute cannot be priced there.
+    """
     measured = all(e.compute_s is not None for e in events) and profile.device == hardware.device_kind
     if not measured:
-        rate = hardware.device_flops_per_s or 1e12
+        if events and not any(e.flops for e in events):
+            raise ValueError(
+                f"StepProfile(device={profile.device!r}) counted no FLOPs, so its compute cannot be priced on "
+                f"HardwareProfile(device_kind={hardware.device_kind!r}); profile with "
+                "profile_step(model, batch, count_flops=True) (or on device='meta')")
+        rate = hardware.flops_rate(precision) or 1e12
         return [e.flops / rate for e in events]
     scale = {"fwd": 1.0, "bwd": 1.0}
     if profile.plain_forward_s and profile.forward_s:
@@ -292,7 +321,7 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
     return ChunkedStep(
         chunk_size_numel=chunk_size_numel, world_size=world_size, precision=precision,
         chunk_numels=list(layout.chunk_numels), trained_numels=trained, groups=groups,
-        event_compute_s=_event_seconds(profile, events, hardware), event_phase=[e.phase for e in events],
+        event_compute_s=_event_seconds(profile, events, hardware, precision), event_phase=[e.phase for e in events],
         grad_arrive=grad_arrive, grad_reduce=grad_reduce, grad_peak_bytes=peak, accesses=accesses,
         views=views, activation_bytes=activation_bytes(profile, precision, activation_checkpointing),
         activation_checkpointing=activation_checkpointing, optim_states=optim_states,
@@ -380,7 +409,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     onloads = evictions = 0
     chunk_onloads: dict[int, int] = {}
     h2d_bytes = d2h_bytes = ag_bytes = rs_bytes = 0
-    t_compute = t_copy = 0.0
+    t_compute = t_copy = t_reduce = 0.0  # the compute, copy (prefetch) and reduce streams
     starts: list[float] = []
     points: list[tuple[float, int, str]] = []
     gathered: set[int] = set()  # ws > 1: gathered once this step (later refills are local copies)
@@ -440,11 +469,11 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             else:
                 h2d_bytes += full
                 copy_s += full / h2d_rate
-            if overlap:
+            if overlap and not collective:  # side-stream prefetch: only local copies (ChunkManager._prefetch)
                 t_copy = max(t_copy, issue) + copy_s
                 ready = max(ready, t_copy)
-            else:
-                t_compute += copy_s
+            else:  # an all-gather blocks the pre-forward hook (see [Note: overlap])
+                t_compute = max(t_compute, ready) + copy_s
                 ready = t_compute
         cache_peak = max(cache_peak, sum(cached.values()))
         start = max(t_compute, ready)
@@ -463,6 +492,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             g = step.chunk_numels[c] * step.grad_elem_bytes
             shard_g = step.shard_numel(c) * 4
             out = 0
+            reduce_s = 0.0
             if ws > 1:  # reduce-scatter into a charged output shard
                 out = g // ws
                 if not make_room(out, group, k):
@@ -470,13 +500,17 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 used += out
                 peak = max(peak, used)
                 rs_bytes += g
-                t_compute += g / rs_rate
+                reduce_s += g / rs_rate
             elif step.replicated:  # all-reduce in place
                 rs_bytes += g
-                t_compute += g / ar_rate
+                reduce_s += g / ar_rate
             if c not in knobs.device_optim:
                 d2h_bytes += shard_g
-            t_compute += shard_g / d2h_rate  # reduced gradient added into the fp32 gradient shard
+            reduce_s += shard_g / d2h_rate  # reduced gradient added into the fp32 gradient shard
+            if hardware.can_overlap and c in knobs.device_optim:  # the reduce stream ([Note: reduce overlap])
+                t_reduce = max(t_reduce, t_compute) + reduce_s
+            else:
+                t_compute += reduce_s
             pending.append((g + out, g))
             while len(pending) > (_MAX_PENDING_REDUCES if async_reduce else 0):
                 finish_reduce()
@@ -484,7 +518,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             points.append((t_compute, used, f"{step.event_phase[k]}:{loaded} onloads"))
     while pending:  # the end of backward drains every in-flight reduce
         finish_reduce()
-    fwd_bwd = max(t_compute, t_copy)
+    fwd_bwd = max(t_compute, t_copy, t_reduce)  # the end of backward joins the copy and reduce streams
     compute_s = sum(step.event_compute_s)
     host_numel = dev_numel = 0
     refresh_bytes = 0
@@ -507,7 +541,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     regather = sum(step.full_bytes(c) for c in knobs.resident if step.trained_numels[c]) if ws > 1 else 0
     ag_bytes += regather
     tail_s = refresh_bytes / h2d_rate + regather / ag_rate + views * hardware.optim_tensor_s
-    optim_s = (max(host_s, dev_s) if hardware.can_overlap else host_s + dev_s) + tail_s
+    optim_s = host_s + dev_s + tail_s  # host update, then the device kernels (see [Note: overlap])
     breakdown = dict(breakdown, cache=cache_peak, grad_buffers=grad_peak)
     breakdown["activations"] = step.activation_bytes if activations_on_device else 0
     device_peak = peak + breakdown["activations"]

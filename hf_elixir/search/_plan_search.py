@@ -208,7 +208,7 @@ def _fits(step: ChunkedStep, knobs: Knobs, pred: Prediction, pool_bytes: int, li
     return pred.device_model_bytes <= pool_bytes and fixed + step.working_set_bytes(held) <= limit_bytes
 
 
-def _resolve_profile(model_or_profile: Any, sample_batch: Any) -> StepProfile:
+def _resolve_profile(model_or_profile: Any, sample_batch: Any, hardware: HardwareProfile) -> StepProfile:
     if isinstance(model_or_profile, StepProfile):
         return model_or_profile
     if isinstance(model_or_profile, nn.Module):
@@ -216,8 +216,15 @@ def _resolve_profile(model_or_profile: Any, sample_batch: Any) -> StepProfile:
             raise ValueError("search_plan(model, ...) needs sample_batch= to profile a step (or pass a StepProfile)")
         param = next(model_or_profile.parameters(), None)
         device = param.device.type if param is not None else "cpu"
-        return profile_step(model_or_profile, sample_batch, device=device)
+        return _profile_for(model_or_profile, sample_batch, device, hardware)
     raise TypeError(f"search_plan expects an nn.Module or a StepProfile, got {type(model_or_profile).__name__}")
+
+
+def _profile_for(model: nn.Module, sample_batch: Any, device: str, hardware: HardwareProfile) -> StepProfile:
+    """Profile one step on ``device``; FLOPs are counted when ``hardware`` is another kind of device (a model
+    still on the CPU priced for a GPU), since the measured seconds then say nothing about it."""
+    return profile_step(model, sample_batch, device=device,
+                        count_flops=True if device != hardware.device_kind else None)
 
 
 _DATA_PARALLEL = ("auto", "sharded", "replicated")
@@ -280,7 +287,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     if not 0.0 <= safety_margin < 1.0:
         raise ValueError(f"safety_margin={safety_margin} must be in [0, 1), e.g. 0.05")
     modes = _data_parallel_modes(data_parallel, world_size)
-    profile = _resolve_profile(model_or_profile, sample_batch)
+    profile = _resolve_profile(model_or_profile, sample_batch, hardware)
     if activations_on_device is None:
         activations_on_device = hardware.device_kind == "cuda"
     budget = device_memory_budget_bytes
@@ -492,7 +499,7 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
         hardware = probe_hardware(device if device is not None and device.type == "cuda" else None,
                                   budget_bytes=config.device_memory_budget_bytes,
                                   process_group=getattr(config, "process_group", None))
-    profile = profile_step(model, sample_batch, device=device.type if device is not None else "cpu")
+    profile = _profile_for(model, sample_batch, device.type if device is not None else "cpu", hardware)
     budget = config.device_memory_budget_bytes
     if budget is None and hardware.device_kind != "cuda":
         budget = hardware.device_total_bytes

@@ -1,0 +1,139 @@
+"""The search prices compute on another device than the profiled one (issue 12 item 8): counted FLOPs at
+the device's rate; and the cost model overlaps only what the runtime overlaps ([Note: overlap] in
+``hf_elixir/search/_cost.py``)."""
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from hf_elixir.profiler import HardwareProfile, profile_step
+from hf_elixir.search import build_chunked_step, predict, search
+from hf_elixir.search._cost import Knobs
+from tests._models import batch, tiny_model
+
+GIB = 2**30
+BF16_RATE = 500e12
+FP32_RATE = 50e12
+
+
+def _gpu(world_size: int = 1) -> HardwareProfile:
+    return HardwareProfile(device_kind="cuda", device_name="test-gpu", device_total_bytes=16 * GIB,
+                           device_free_bytes=16 * GIB, host_total_bytes=128 * GIB, host_available_bytes=128 * GIB,
+                           h2d_bytes_per_s=20e9, d2h_bytes_per_s=20e9, allgather_bytes_per_s=50e9,
+                           reduce_scatter_bytes_per_s=50e9, host_adam_numel_per_s=1e9, device_adam_numel_per_s=4e10,
+                           device_flops_per_s=BF16_RATE, device_fp32_flops_per_s=FP32_RATE, can_overlap=True,
+                           world_size=world_size)
+
+
+def _counted_flops(model, sample) -> float:
+    """FLOPs of one plain forward + backward, counted independently of the profiler."""
+    probe = copy.deepcopy(model)
+    with FlopCounterMode(display=False) as counter:
+        probe(**sample).loss.backward()
+    return float(counter.get_total_flops())
+
+
+@pytest.mark.parametrize("precision, rate", [("fp32", FP32_RATE), ("bf16", BF16_RATE)])
+def test_cpu_profile_priced_for_a_gpu_takes_counted_flops_at_the_device_rate(precision, rate):
+    model, sample = tiny_model("gpt2"), batch("gpt2", 0, 4, seq=16)
+    flops = _counted_flops(model, sample)
+    assert flops > 0
+    result = search(model, _gpu(), sample_batch=sample, precision=precision, device_memory_budget_bytes=GIB)
+    profile = result.profile
+    assert profile.device == "cpu" and profile.forward_s > 0  # measured times kept (not spoiled by the counter)
+    assert profile.forward_flops + profile.backward_flops == pytest.approx(flops, rel=1e-9)
+    # per access unit: every module that runs a matmul got its share
+    assert sum(e.flops for e in profile.events) == pytest.approx(flops, rel=1e-9)
+    assert any(e.flops > 0 for e in profile.events if e.module.endswith("attn.c_attn"))
+    assert result.best.prediction.compute_s == pytest.approx(flops / rate, rel=1e-6)
+
+
+def test_auto_plan_of_a_model_still_on_the_cpu_for_a_gpu_prices_its_compute():
+    from hf_elixir import ElixirConfig
+    from hf_elixir.search import auto_plan
+
+    model, sample = tiny_model("gpt2"), batch("gpt2", 0, 4, seq=16)
+    flops = _counted_flops(model, sample)
+    plan = auto_plan(model, sample, ElixirConfig(device_memory_budget_bytes=GIB, search="auto"), hardware=_gpu())
+    # the compute part of the step is the counted FLOPs at the fp32 rate; the rest is hooks, copies, optimizer
+    assert plan.predicted_step_s >= flops / FP32_RATE > 0
+    compute = [r for r in plan.reasons if r.startswith("predicted step")]
+    assert compute and f"compute {flops / FP32_RATE:.4g} s" in compute[0]
+
+
+def test_profile_without_flops_cannot_be_priced_on_another_device():
+    model, sample = tiny_model("gpt2"), batch("gpt2", 0, 2, seq=8)
+    profile = profile_step(model, sample, device="cpu")  # timed, no FLOPs counted
+    with pytest.raises(ValueError, match="count_flops=True"):
+        build_chunked_step(profile, 4096, world_size=1, precision="fp32", hardware=_gpu())
+
+
+def _step(world_size: int):
+    model, sample = tiny_model("gpt2"), batch("gpt2", 0, 2, seq=8)
+    profile = profile_step(model, sample, device="cpu", count_flops=True)
+    return build_chunked_step(profile, 4096, world_size=world_size, precision="fp32", hardware=_gpu(world_size))
+
+
+def test_all_gathers_are_not_overlapped_but_local_onloads_are():
+    """The runtime never prefetches a gather (ChunkManager._prefetch skips collectives): with 2 ranks and no
+    resident chunk every onload is a gather, so prefetch depth changes nothing and the step pays every gather
+    on the compute stream. With one rank the onloads are host copies, which the copy stream prefetches."""
+    hw = _gpu(2)
+    step = _step(2)
+    assert step.num_chunks > 2
+    serial = predict(step, Knobs(prefetch_depth=0), hw, pool_bytes=GIB)
+    deep = predict(step, Knobs(prefetch_depth=2), hw, pool_bytes=GIB)
+    assert serial.allgather_bytes > 0 and deep.forward_backward_s == pytest.approx(serial.forward_backward_s)
+    gathers_s = serial.allgather_bytes / hw.allgather_bytes_per_s
+    assert serial.forward_backward_s >= serial.compute_s + gathers_s
+    one = _step(1)
+    budget = sum(one.full_bytes(c) for c in range(one.num_chunks)) // 2 + one.grad_peak_bytes \
+        + max(one.full_bytes(c) for c in range(one.num_chunks)) * 2
+    plain = predict(one, Knobs(prefetch_depth=0), _gpu(), pool_bytes=budget)
+    ahead = predict(one, Knobs(prefetch_depth=2), _gpu(), pool_bytes=budget)
+    assert plain.onloads > 0 and ahead.forward_backward_s < plain.forward_backward_s
+
+
+def test_optimizer_step_is_host_then_device_not_overlapped():
+    hw = _gpu()
+    step = _step(1)
+    trained = [c for c in range(step.num_chunks) if step.trained_numels[c]]
+    everything = frozenset(range(step.num_chunks))
+    half = frozenset(trained[: len(trained) // 2])
+    knobs = Knobs(resident=everything, device_shard=everything, device_optim=half)
+    pred = predict(step, knobs, hw, pool_bytes=GIB)
+    host_numel = sum(step.shard_numel(c) for c in trained if c not in half)
+    dev_numel = sum(step.shard_numel(c) for c in trained if c in half)
+    host_s, dev_s = host_numel / hw.host_adam_numel_per_s, dev_numel / hw.device_adam_numel_per_s
+    refresh_s = host_numel * 4 / hw.h2d_bytes_per_s  # host masters refresh the resident compute copies
+    assert host_s > 0 and dev_s > 0
+    assert pred.optimizer_s == pytest.approx(host_s + dev_s + refresh_s)  # serial, not max(host_s, dev_s)
+
+
+def test_reduce_of_device_optimizer_chunks_runs_on_the_reduce_stream():
+    """[Note: reduce overlap]: on CUDA a device-optimizer chunk's reduce-scatter overlaps the rest of
+    backward; a host-optimizer chunk's stays on the compute stream."""
+    step = _step(2)
+    everything = frozenset(range(step.num_chunks))
+    knobs = Knobs(resident=everything, device_shard=everything, device_optim=everything)
+    cuda = predict(step, knobs, _gpu(2), pool_bytes=GIB)
+    serial = predict(step, knobs, replace(_gpu(2), can_overlap=False), pool_bytes=GIB)
+    assert cuda.reduce_scatter_bytes > 0 and cuda.forward_backward_s < serial.forward_backward_s
+    host = Knobs(resident=everything, device_shard=everything)
+    assert predict(step, host, _gpu(2), pool_bytes=GIB).forward_backward_s == pytest.approx(
+        predict(step, host, replace(_gpu(2), can_overlap=False), pool_bytes=GIB).forward_backward_s)
+
+
+def test_plan_device_tflops_applies_to_fp32_plans_too(monkeypatch):
+    """``hf-elixir plan --device-tflops`` gives the target's rate; this machine's measured fp32 rate must not
+    replace it for an fp32 plan."""
+    from hf_elixir import cli
+
+    monkeypatch.setattr("hf_elixir.profiler.probe_hardware", lambda *a, **k: replace(
+        _gpu(), device_kind="cpu", device_flops_per_s=1e11, device_fp32_flops_per_s=1e11))
+    args = cli._build_parser().parse_args(["plan", "--model", "gpt2", "--gpu-memory", "40GiB", "--device-tflops", "300"])
+    hardware, _ = cli._target_hardware(args)
+    assert hardware.flops_rate("fp32") == hardware.flops_rate("bf16") == 300e12
