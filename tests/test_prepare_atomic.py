@@ -54,6 +54,8 @@ def _assert_as_before(model: torch.nn.Module, before: dict) -> None:
         assert keys2 == keys, f"module {name!r}: attributes were left: {sorted(keys2 ^ keys)}"
         assert attrs2 == attrs, f"module {name!r}: attributes changed"
         assert pnames2 == pnames
+    for name, p in model.named_parameters():  # no managed/stale class or owner left on a parameter
+        assert type(p) is torch.nn.Parameter and not vars(p), f"{name}: {type(p).__name__} {sorted(vars(p))}"
     with pytest.raises(ValueError, match="not prepared"):
         hf_elixir.get_state(model)
 

@@ -5,11 +5,12 @@ part-way leaves the model exactly as it was (``prepare`` is all or nothing).
 (arguments, plan, meta parameters, shared modules, the optimizer, the budget: chunks are built and
 placed as sizes only). Only then does it change the model: hooks and guards (module hook dicts,
 instance attributes such as ``_apply`` and ``resize_token_embeddings``), parameter storage (each
-parameter's ``.data`` becomes a view into its chunk, or a placeholder once resharded), gradient hooks,
+parameter's ``.data`` becomes a view into its chunk, or a placeholder once resharded, and its class a
+managed or stale one with attributes naming its owner: [Note: stale placeholder]), gradient hooks,
 state-dict hooks, activation checkpointing and the attached state. A :class:`ModelSnapshot` taken
 just before restores every one of those on failure: the original ``.data`` tensors (the model's own
-storage, kept alive by the snapshot), ``requires_grad``, gradients and gradient hooks of every
-parameter, and every module's instance attributes and hook dicts. The chunk manager, its device
+storage, kept alive by the snapshot), class, attributes, ``requires_grad``, gradients and gradient
+hooks of every parameter, and every module's instance attributes and hook dicts. The chunk manager, its device
 pool and host buffers are dropped with it; nothing else refers to them.
 """
 
@@ -39,13 +40,17 @@ class ModelSnapshot:
         self._params = []
         for param in {id(p): p for p in model.parameters()}.values():
             grad_hooks = getattr(param, "_post_accumulate_grad_hooks", None)
-            self._params.append((param, param.data, param.requires_grad, param.grad,
+            self._params.append((param, type(param), dict(vars(param)), param.data, param.requires_grad, param.grad,
                                  grad_hooks, None if grad_hooks is None else OrderedDict(grad_hooks)))
 
     def restore(self) -> None:
-        """Put everything recorded back (parameters first: their original storage, then flags)."""
+        """Put everything recorded back (parameters first: their class and attributes, their original
+        storage, then flags)."""
         with torch.no_grad():
-            for param, data, requires_grad, grad, grad_hooks, grad_hook_items in self._params:
+            for param, cls, attrs, data, requires_grad, grad, grad_hooks, grad_hook_items in self._params:
+                param.__class__ = cls  # first: a managed or stale class ([Note: stale placeholder]) guards .data
+                vars(param).clear()
+                vars(param).update(attrs)
                 param.data = data
                 param.grad = grad
                 param.requires_grad_(requires_grad)
