@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import torch
 import torch.distributed as dist
 
 from hf_elixir.chunk._build import build_chunks, chunk_specs, materialize_chunks
+from hf_elixir.chunk._stream_load import StreamedInit, meta_parameter_names, retie
 from hf_elixir.chunk.manager import ChunkManager, budget_error
 from hf_elixir.chunk.packing import replicated_chunk_size
 from hf_elixir.config import ElixirConfig
@@ -100,15 +102,26 @@ def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
     logger.info("hf_elixir: activation checkpointing enabled, as the plan assumes")
 
 
-def _refuse_meta(names: dict[torch.nn.Parameter, list[str]]) -> None:
-    meta = [n[0] for p, n in names.items() if p.is_meta]
-    if meta:
-        raise ValueError(
-            f"hf_elixir.prepare got {len(meta)} parameters on the meta device (no values to pack into chunks): "
-            f"{', '.join(meta[:5])}{f' and {len(meta) - 5} more' if len(meta) > 5 else ''}; materialise the model "
-            "first (build it on the CPU, or "
-            "`model.to_empty(device='cpu')` then load its weights), or pass a checkpoint to load from where "
-            "hf_elixir.prepare supports one")
+def _check_streamed_init(model, config: ElixirConfig, checkpoint) -> None:
+    """Refuse what streamed init does not support, and a meta model without ``checkpoint=``."""
+    meta = meta_parameter_names(model)
+    if checkpoint is None:
+        if meta:
+            raise ValueError(f"parameters {meta[:5]}{' and more' if len(meta) > 5 else ''} are on the meta device "
+                             "(no data): pass hf_elixir.prepare(model, optimizer, config, checkpoint='path/to/"
+                             "hf_folder') to load them from a Hugging Face folder, or build the model with real "
+                             "weights (from_pretrained)")
+        return
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise TypeError(f"hf_elixir.prepare(checkpoint={checkpoint!r}) must be a path to a Hugging Face folder")
+    if get_parallel_state(model) is not None:
+        raise ValueError("hf_elixir.prepare(checkpoint=...) does not support tensor- or expert-parallel models yet "
+                         "(parallelize needs real weights to split): load the model with from_pretrained, "
+                         "parallelize it, and call prepare without checkpoint=")
+    if config.search == "auto" and config.plan is None:
+        raise ValueError("ElixirConfig.search='auto' profiles a real training step, which a model streamed from "
+                         "checkpoint= cannot run before prepare: write a plan first (`hf-elixir plan`) and pass "
+                         "ElixirConfig(plan=...), or leave search='off'")
 
 
 def _check_arguments(model, optimizer, config) -> None:
@@ -171,7 +184,8 @@ def _unit_chunks(model: torch.nn.Module, chunk_of: dict) -> list[list]:
 
 
 def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-            config: ElixirConfig | None = None, *, sample_batch: dict | None = None):
+            config: ElixirConfig | None = None, *, sample_batch: dict | None = None,
+            checkpoint: str | os.PathLike | None = None):
     """Put ``model`` under chunk memory management; wrap ``optimizer``.
 
     All or nothing: when ``prepare`` raises, the model is as it was (no hooks, the same parameter storage
@@ -185,6 +199,15 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         config: :class:`~hf_elixir.config.ElixirConfig`; default all-resident fp32.
         sample_batch: a batch (``model(**sample_batch)`` returns ``.loss``) to profile one step with,
             required by ``ElixirConfig(search="auto")``.
+        checkpoint: a Hugging Face folder (``model.safetensors``, or shards with
+            ``model.safetensors.index.json``) to take the parameters' values from. The model may then be
+            on the meta device (``torch.device("meta")`` or accelerate's ``init_empty_weights()``): each
+            rank reads only its own shards' byte ranges and no rank holds the whole model (as DeepSpeed's
+            ``zero.Init`` / FSDP2's meta-device init). Tied weights stay tied; buffers left on the meta
+            device are read or rebuilt by the model's ``_init_weights``. The result equals
+            ``from_pretrained(folder)`` + ``prepare`` bit for bit. Not with tensor/expert-parallel models
+            or ``search="auto"`` yet. See [Note: streamed init] in ``hf_elixir/chunk/_stream_load.py``.
+
 
     Returns:
         ``(model, optimizer)``: the same model object, and an
@@ -192,15 +215,19 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
 
     Raises:
         ValueError: the model is already prepared, or shares a module with another prepared model;
-            parameters on the meta device (names them); the budget is below
-            :func:`min_device_budget_bytes` (names the bytes needed); the plan was made for another
-            model/world size/precision; the optimizer holds parameters outside the model.
+            parameters on the meta device without ``checkpoint=`` (names them); a checkpoint missing
+            parameters or with other shapes; the budget is below :func:`min_device_budget_bytes` (names
+            the bytes needed); the plan was made for another model/world size/precision; the optimizer
+            holds parameters outside the model.
+        FileNotFoundError: ``checkpoint`` is not a folder with safetensors weights.
         TypeError: an unsupported optimizer.
     """
     config = config or ElixirConfig()
     _check_arguments(model, optimizer, config)
+    _check_streamed_init(model, config, checkpoint)
+    if checkpoint is not None:
+        retie(model, optimizer)  # what from_pretrained does after loading (kept if prepare fails)
     names = _unique_params(model)
-    _refuse_meta(names)
     check_unclaimed(model, names)
     params = [p for p in names if p.is_floating_point()]
     if optimizer is not None:
@@ -208,7 +235,13 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     snapshot = ModelSnapshot(model)  # the profiled step of search="auto" runs the model too
     try:
         layout = _lay_out(model, optimizer, config, sample_batch, names, params)
-        return _apply_layout(model, optimizer, names, layout)
+        stream = (StreamedInit(model, checkpoint, {p: names[p] for p in params}, layout.manager.compute_device)
+                  if checkpoint else None)
+        try:
+            return _apply_layout(model, optimizer, names, layout, stream)
+        finally:
+            if stream is not None:
+                stream.close()
     except BaseException:
         snapshot.restore()
         raise
@@ -270,12 +303,13 @@ def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params
                    ([placement_reason] if placement_reason else []) + reasons)
 
 
-def _apply_layout(model, optimizer, names, layout: _Layout):
-    """Phases 5-7 of ``prepare``: the model changes (``prepare`` undoes them all if one fails)."""
+def _apply_layout(model, optimizer, names, layout: _Layout, stream: StreamedInit | None):
+    """Phases 5-7 of ``prepare``: the model changes (``prepare`` undoes them all if one fails); with
+    ``stream``, each chunk is filled from the checkpoint instead of the parameters."""
     manager, config, chunks = layout.manager, layout.config, layout.manager.chunks
     handles = install_hooks(model, manager)
     install_guards(model, manager)
-    materialize_chunks(manager)
+    materialize_chunks(manager, stream.fill_for if stream is not None else None)
     plan = layout.plan or ElixirPlan(
         model_type=getattr(getattr(model, "config", None), "model_type", ""),
         num_params=sum(p.numel() for p in layout.params), world_size=layout.world_size, precision=config.precision,
@@ -283,6 +317,7 @@ def _apply_layout(model, optimizer, names, layout: _Layout):
         resident_chunks=[c.chunk_id for c in chunks if c.resident],
         device_shard_chunks=[c.chunk_id for c in chunks if c.shard_on_device],
         device_optim_chunks=[c.chunk_id for c in chunks if c.optim_on_device],
+        host_copy_chunks=[c.chunk_id for c in chunks if c.keep_host_copy],
         prefetch_depth=manager.prefetch_depth, reasons=layout.reasons)
     if not plan.placements:
         plan = dataclasses.replace(plan, placements=layout.placements)

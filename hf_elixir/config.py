@@ -130,6 +130,12 @@ class ElixirConfig:
             gathered chunks, gradient buffers, device optimizer states). `None` means all the device
             has (on CPU-only machines: unlimited, everything resident). Without CUDA the budget bounds a
             simulated device pool so every onload/offload/eviction path still runs.
+        host_memory_budget_bytes (`int` or `str`, *optional*):
+            Bytes (or a size such as `"64GiB"`) of host RAM this rank may hold for model data (host
+            shards, host optimizer states, rank-local refill copies of gathered chunks). Refill copies
+            (a full compute-dtype copy of a chunk, which saves re-gathering it in backward) are kept
+            only where the plan chooses them and they fit this budget. `None`: 80% of this machine's
+            RAM (psutil) divided by the ranks on this machine (`LOCAL_WORLD_SIZE`).
         chunk_size_numel (`int`, *optional*):
             Elements per chunk; must be >= the largest parameter's numel. `None` lets the search (or a
             heuristic) pick it.
@@ -172,6 +178,7 @@ class ElixirConfig:
 
     precision: str = "fp32"
     device_memory_budget_bytes: int | None = None
+    host_memory_budget_bytes: int | None = None
     chunk_size_numel: int | None = None
     reduce_dtype: str | None = "fp32"
     offload_optimizer: bool | str = "auto"
@@ -196,6 +203,17 @@ class ElixirConfig:
                 object.__setattr__(self, "device_memory_budget_bytes", parse_bytes(self.device_memory_budget_bytes))
             except ValueError as err:
                 raise ValueError(f"ElixirConfig.device_memory_budget_bytes: {err}") from None
+        if isinstance(self.host_memory_budget_bytes, str):
+            try:
+                object.__setattr__(self, "host_memory_budget_bytes", parse_bytes(self.host_memory_budget_bytes))
+            except ValueError as err:
+                raise ValueError(f"ElixirConfig.host_memory_budget_bytes: {err}") from None
+        if self.host_memory_budget_bytes is not None:
+            _check_type("host_memory_budget_bytes", self.host_memory_budget_bytes, (int,),
+                        "give a whole number of bytes, e.g. 64 * 2**30, or None for a share of this machine's RAM")
+            if self.host_memory_budget_bytes <= 0:
+                raise ValueError(f"ElixirConfig.host_memory_budget_bytes={self.host_memory_budget_bytes} must be > 0 "
+                                 "(or None for a share of this machine's RAM)")
         if isinstance(self.loss_scale, Mapping):  # the YAML form
             try:
                 object.__setattr__(self, "loss_scale", LossScalePolicy.from_dict(self.loss_scale))

@@ -34,6 +34,7 @@ _FIELD_TYPES: tuple[tuple[str, tuple[type, ...], str], ...] = (
     ("resident_chunks", (list,), "give a list of chunk ids"),
     ("device_shard_chunks", (list,), "give a list of chunk ids"),
     ("device_optim_chunks", (list,), "give a list of chunk ids"),
+    ("host_copy_chunks", (list,), "give a list of chunk ids"),
     ("prefetch_depth", (int,), _INT + " >= 0"),
     ("activation_checkpointing", (bool,), "use true or false"),
     ("placements", (dict,), "give a mapping of module name -> placement"),
@@ -62,6 +63,9 @@ class ElixirPlan:
             shards live on the host and are onloaded on demand.
         device_optim_chunks: chunk ids whose optimizer state (fp32 master, moments, grad shard)
             lives on the device; the others' live on the host (updated by the host optimizer).
+        host_copy_chunks: chunk ids that keep a rank-local host copy of their gathered chunk (a full
+            compute-dtype copy per rank: host RAM traded for the all-gather a re-unshard in the same step
+            would cost; see [Note: rank-local refill] in ``hf_elixir/chunk/chunk.py``).
         prefetch_depth: chunks unsharded ahead of use in the profiled order.
         activation_checkpointing: whether the plan expects HF gradient checkpointing on.
         placements: module FQN -> placement name (``"sharded"``, ``"column"``, ...).
@@ -79,6 +83,7 @@ class ElixirPlan:
     resident_chunks: list[int] = field(default_factory=list)
     device_shard_chunks: list[int] = field(default_factory=list)
     device_optim_chunks: list[int] = field(default_factory=list)
+    host_copy_chunks: list[int] = field(default_factory=list)
     prefetch_depth: int = 2
     activation_checkpointing: bool = False
     placements: dict[str, str] = field(default_factory=dict)
@@ -102,7 +107,7 @@ class ElixirPlan:
             raise ValueError(f"ElixirPlan.world_size={self.world_size} must be >= 1")
         if self.precision not in _PRECISIONS:
             raise ValueError(f"ElixirPlan.precision={self.precision!r} must be one of {_PRECISIONS}")
-        for name in ("resident_chunks", "device_shard_chunks", "device_optim_chunks"):
+        for name in ("resident_chunks", "device_shard_chunks", "device_optim_chunks", "host_copy_chunks"):
             ids = getattr(self, name)
             if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
                 raise ValueError(f"ElixirPlan.{name}={ids!r} must be a list of chunk ids (ints >= 0)")

@@ -164,8 +164,26 @@ def build_tokenizer(model_args: ModelArguments, raw):
     return tok
 
 
-def build_model(model_args: ModelArguments, tokenizer, max_positions: int) -> torch.nn.Module:
-    """The pretrained model, or one built from config at a named size (random init, seeded)."""
+def streamed_checkpoint(model_args: ModelArguments, elixir_args) -> str | None:
+    """The local Hugging Face folder hf_elixir streams the weights from, or None.
+
+    With hf_elixir on the Accelerate path and ``--model_name_or_path`` a local folder of safetensors
+    weights, the model is built on the meta device and ``ElixirPlugin(checkpoint=folder)`` has each
+    process read only its own shards (no process holds the whole model; ``hf_elixir.prepare(...,
+    checkpoint=)``)."""
+    from pathlib import Path
+
+    path = model_args.model_name_or_path
+    if path is None or not elixir_args.use_elixir or elixir_args.trainer or not Path(path).is_dir():
+        return None
+    if not any((Path(path) / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
+        return None
+    return path
+
+
+def build_model(model_args: ModelArguments, tokenizer, max_positions: int, on_meta: bool = False) -> torch.nn.Module:
+    """The pretrained model (on the meta device when ``on_meta``: weights come later from the folder), or
+    one built from config at a named size (random init, seeded)."""
     from transformers import (
         AutoModelForCausalLM,
         AutoModelForSeq2SeqLM,
@@ -177,6 +195,11 @@ def build_model(model_args: ModelArguments, tokenizer, max_positions: int) -> to
     seq2seq = model_args.model_type == "switch_transformers"
     if model_args.model_name_or_path is not None:
         cls = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+        if on_meta:
+            from transformers import AutoConfig
+
+            with torch.device("meta"):
+                return cls.from_config(AutoConfig.from_pretrained(model_args.model_name_or_path))
         return cls.from_pretrained(model_args.model_name_or_path)
     size = dict(SIZES[model_args.model_type][model_args.model_size])
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -266,8 +289,10 @@ def build_optimizer_and_scheduler(model, train_args, num_steps: int):
 
 
 # ----------------------------------------------------------------------------- the two paths
-def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixir_args, train_args) -> list[float]:
-    """Plain Accelerate loop (+ ElixirPlugin). Returns the logged mean losses."""
+def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixir_args, train_args,
+                          checkpoint: str | None = None, on_prepared=None) -> list[float]:
+    """Plain Accelerate loop (+ ElixirPlugin; ``checkpoint``: stream the weights of a meta model from that
+    folder; ``on_prepared(model)`` runs once the model holds its weights). Returns the logged mean losses."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
@@ -284,7 +309,7 @@ def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixi
 
         from hf_elixir.integrations import ElixirPlugin
 
-        plugin = ElixirPlugin()
+        plugin = ElixirPlugin(checkpoint=checkpoint)
         overrides = elixir_config_overrides(elixir_args)
         if overrides:
             plugin.config = dataclasses.replace(plugin.config, **overrides)
@@ -293,6 +318,8 @@ def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixi
             logger.info("hf_elixir: %s (settings from %s)", plugin.config, plugin.source_file or "defaults/env")
     else:
         model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    if on_prepared is not None:
+        on_prepared(model)
     model.train()
     losses: list[float] = []
     window: list[torch.Tensor] = []
@@ -375,18 +402,31 @@ def run(default_model_type: str, print_sample: Callable[[Any, Any, str], str]) -
                                 data_args.validation_file, text_column=data_args.text_column)
     tokenizer = build_tokenizer(model_args, raw)
     train_ds, eval_ds = build_datasets(model_args, data_args, tokenizer, raw)
-    model = build_model(model_args, tokenizer, data_args.block_size)
+    checkpoint = streamed_checkpoint(model_args, elixir_args)
+    model = build_model(model_args, tokenizer, data_args.block_size, on_meta=checkpoint is not None)
     collate = make_collator(model_args, tokenizer, model)
     n_params = sum(p.numel() for p in model.parameters())
     if is_main:
         logger.info("%s (%s): %.2fM parameters; %d training / %d held-out examples", model_args.model_type,
                     model_args.model_name_or_path or model_args.model_size, n_params / 1e6, len(train_ds), len(eval_ds))
     eval_bs = max(1, train_args.per_device_eval_batch_size)
-    ppl_before = evaluate_perplexity(model, eval_ds, collate, eval_bs, "cpu")
-    if is_main:
-        print(f"eval perplexity before training: {ppl_before:.2f}", flush=True)
-    path = train_with_trainer if elixir_args.trainer else train_with_accelerate
-    losses = path(model, tokenizer, train_ds, collate, model_args, elixir_args, train_args)
+    before: list[float] = []
+
+    def evaluate_before(prepared) -> None:  # every rank: a sharded model's forward is a collective
+        before.append(evaluate_perplexity(prepared, eval_ds, collate, eval_bs, "cpu"))
+        if is_main:
+            print(f"eval perplexity before training: {before[0]:.2f}", flush=True)
+
+    if checkpoint is None:
+        evaluate_before(model)
+        losses = (train_with_trainer if elixir_args.trainer else train_with_accelerate)(
+            model, tokenizer, train_ds, collate, model_args, elixir_args, train_args)
+    else:  # weights streamed into the prepared model: evaluate once it holds them
+        if is_main:
+            logger.info("streaming the weights from %s (each process reads only its shards)", checkpoint)
+        losses = train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixir_args, train_args,
+                                       checkpoint=checkpoint, on_prepared=evaluate_before)
+    ppl_before = before[0]
     from accelerate import PartialState
 
     result = {"eval_ppl_before": ppl_before, "first_loss": losses[0] if losses else float("nan"),

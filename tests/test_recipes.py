@@ -96,3 +96,22 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_recipe_streams_a_local_folder_into_a_meta_model(tmp_path):
+    """--model_name_or_path of a local folder under hf_elixir (Accelerate path): the model is built on
+    the meta device and ElixirPlugin(checkpoint=folder) streams each process's shards; its held-out
+    perplexity before training is the one the folder's model had when it was saved."""
+    first = _run_recipe(tmp_path, "finetune_clm.py", "--model_type", "gpt2", "--max_steps", "2")
+    folder = tmp_path / "pretrained"
+    (tmp_path / "model").rename(folder)
+    env = dict(os.environ)
+    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, str(REPO / "recipes" / "finetune_clm.py"), *FAST, "--model_type", "gpt2", "--max_steps",
+           "2", "--model_name_or_path", str(folder), "--output_dir", str(tmp_path / "again")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "streaming the weights from" in proc.stdout + proc.stderr
+    second = json.loads((tmp_path / "again" / "recipe_results.json").read_text())
+    assert second["eval_ppl_before"] == pytest.approx(first["eval_ppl_after"], rel=1e-5)

@@ -222,3 +222,27 @@ def test_old_hardware_profiles_without_allreduce_derive_it():
     assert hw.allreduce_rate() == pytest.approx(1 / (1 / 1e9 + 1 / 2e9))
     assert HardwareProfile().allreduce_rate() is None
     assert HardwareProfile.from_dict(dict(old, allreduce_bytes_per_s=5e9)).allreduce_rate() == 5e9
+
+
+def test_rank_local_host_copies_are_priced_against_host_memory():
+    from dataclasses import replace
+
+    """Several ranks under a tight budget: keeping a host copy of each gathered chunk saves the backward
+    all-gathers (slow here), so the search keeps them when host memory allows, and not when it does not
+    (issue 13: no full per-rank host replica unless the plan chooses one)."""
+    profile = _tiny_real_profile()
+    numel = profile.num_params
+    budget = numel * 4  # a fraction of the model's state: chunks are evicted and re-needed in backward
+    hw = _two_rank_cpu(budget, 1e6, 1e9)  # all-gathers far slower than host copies (5 GB/s)
+    roomy = search(profile, hw, world_size=2, precision="fp32", device_memory_budget_bytes=budget,
+                   data_parallel="sharded")
+    assert roomy.best.knobs.host_copies and roomy.plan.host_copy_chunks
+    step = build_chunked_step(profile, roomy.plan.chunk_size_numel, world_size=2, precision="fp32", hardware=hw)
+    without = predict(step, replace(roomy.best.knobs, host_copies=False), hw, pool_bytes=budget)
+    assert without.host_bytes < roomy.best.prediction.host_bytes  # copies are counted as host memory
+    assert without.allgather_bytes > roomy.best.prediction.allgather_bytes  # and save all-gathers
+    tight = without.host_bytes
+    capped = search(profile, hw, world_size=2, precision="fp32", device_memory_budget_bytes=budget,
+                    data_parallel="sharded", host_memory_bytes=tight, ranks_per_host=1)
+    assert not capped.best.knobs.host_copies and capped.plan.host_copy_chunks == []
+    assert capped.best.prediction.allgather_bytes > roomy.best.prediction.allgather_bytes

@@ -122,12 +122,19 @@ def _materialize_bytes(chunk: Chunk) -> int:
     return chunk.full_bytes + (chunk.shard_bytes if chunk.shard_on_device and not aliased else 0)
 
 
-def materialize_chunks(manager: ChunkManager) -> None:
+def materialize_chunks(manager: ChunkManager, fill_of=None) -> None:
     """Copy every parameter into its chunk (placed as the chunks' flags say), reshard the chunks that
-    are not resident, and hide the resharded parameters' stale values."""
+    are not resident, and hide the resharded parameters' stale values.
+
+    Args:
+        fill_of: streamed init: ``fill_of(chunk)`` gives the chunk's ``fill`` callable (see
+            :meth:`~hf_elixir.chunk.chunk.Chunk.materialize`); ``None`` copies the parameters' data.
+    """
+    host_shards = [(c.shard_numel, c.dtype) for c in manager.chunks if not c.shard_on_device]
+    manager.host.reserve_for(host_shards)  # one host block for every host shard ([Note: host blocks])
     for chunk in manager.chunks:
         manager.make_room(_materialize_bytes(chunk), f"materialising chunk {chunk.chunk_id}")
-        chunk.materialize()
+        chunk.materialize(fill_of(chunk) if fill_of is not None else None)
         if not chunk.resident and not chunk.full_alias:
             chunk.reshard()
     manager.hide_stale()  # resharded parameters raise on any read until their first use

@@ -138,13 +138,23 @@ class Chunk(ChunkBytes):
         self.subtree_only = False  # only MoE-expert (subtree unit) parameters: see [Note: idle experts]
         self.arrived_slots: set[int] = set()
         self.last_access = 0
-        # [Note: rank-local refill] with world_size > 1 an evicted unsharded chunk is kept on the host
+        # [Note: rank-local refill] with world_size > 1 an evicted unsharded chunk may be kept on the host
         # (``host_full``) until the shard changes, so re-unsharding it in the same step (backward,
-        # recomputation, the next micro-batch) is a local onload, not a collective. Only the first
-        # unshard after a step gathers, and that happens in forward order, identical on every rank:
-        # ranks whose MoE experts got no tokens therefore never issue a different all-gather sequence.
+        # recomputation, the next micro-batch) is a local onload, not a collective. It costs a full
+        # compute-dtype copy of the chunk in host RAM on every rank, so it is a choice of the plan
+        # (``keep_host_copy``, priced by the search against the all-gather it saves, bounded by
+        # ``ElixirConfig.host_memory_budget_bytes``), not the default. Without it every rank re-gathers
+        # in backward; dense modules run in the same order on every rank, so the gathers match. Chunks
+        # holding MoE-expert parameters (``host_copy_required``) always keep it: only the first unshard
+        # after a step gathers, in forward order, identical on every rank, so ranks whose experts got no
+        # tokens never issue a different all-gather sequence.
+        self.keep_host_copy = False
+        self.host_copy_required = False
         self.host_full: torch.Tensor | None = None
         self.host_full_version = -1
+        # a resident chunk sharded over several ranks: its shard is a view into ``full`` (one buffer, not
+        # the gathered copy plus a separate shard copy); the all-gather then runs in place
+        self.shard_in_full = False
         self.ready_event = None  # CUDA event of a side-stream unshard (prefetch)
         self.hidden = False  # parameters are stale placeholders (see hide_stale_params)
         self.stale_values: torch.Tensor | None = None  # [len(slots)] NaN, backing one placeholder each
@@ -160,23 +170,45 @@ class Chunk(ChunkBytes):
         return self.chunk_numel * torch.empty((), dtype=self.grad_dtype).element_size()
 
     @property
+    def wants_host_copy(self) -> bool:
+        """Keep a rank-local host copy of the gathered chunk (see [Note: rank-local refill])."""
+        return self.world_size > 1 and (self.keep_host_copy or self.host_copy_required)
+
+    @property
     def evictable(self) -> bool:
         return self.unsharded and not self.full_alias and not self.resident and self.pins == 0
 
     # -- construction --------------------------------------------------------------------------
-    def materialize(self) -> None:
+    def materialize(self, fill=None) -> None:
         """Copy the parameters' current data into the chunk, shard it, and point params at views.
 
         Called once by ``prepare``. Rank 0's values win (broadcast), so ranks start identical.
+
+        Args:
+            fill: streamed init ([Note: streamed init] in ``_stream_load.py``): ``fill(begin, end, out)``
+                writes chunk elements ``[begin, end)`` into ``out``, read from a checkpoint, instead of
+                the parameters' data. A chunk sharded over several ranks then reads only this rank's
+                shard; a resident one all-gathers the rest, the others keep no gathered copy.
         """
         counters = self.manager.counters
         full = torch.zeros(self.chunk_numel, dtype=self.dtype, device=self.compute_device)
+        partial = False
         with torch.no_grad():
-            for slot in self.slots:
-                full[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
-        if self.world_size > 1:
+            if fill is None:
+                for slot in self.slots:
+                    full[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+            elif self.world_size == 1:  # whole on this rank (one rank, or "replicated"): read all of it
+                fill(0, self.chunk_numel, full)
+            else:
+                own = full[self.shard_begin:self.shard_begin + self.shard_numel]
+                fill(self.shard_begin, self.shard_begin + self.shard_numel, own)
+                if self.resident:
+                    dist.all_gather_into_tensor(full, own, group=self.group)
+                    counters.allgather_bytes += self.full_bytes
+                partial = not self.resident
+        if fill is None and self.world_size > 1:
             dist.broadcast(full, src=dist.get_global_rank(self.group, 0), group=self.group)
-        elif self.replicate_group is not None:
+        elif fill is None and self.replicate_group is not None:
             dist.broadcast(full, src=dist.get_global_rank(self.replicate_group, 0), group=self.replicate_group)
         self.full = full
         for slot in self.slots:
@@ -189,15 +221,17 @@ class Chunk(ChunkBytes):
             self.shard = full
         else:
             src = full[self.shard_begin:self.shard_begin + self.shard_numel]
-            if self.shard_on_device:
+            self.shard_in_full = self.resident and self.shard_on_device
+            if self.shard_in_full:
+                self.shard = src
+            elif self.shard_on_device:
                 self.shard = src.clone()
                 self.manager.pool.charge(self.shard_bytes, f"chunk {self.chunk_id} shard")
             else:
                 self.shard = self.manager.host_empty(self.shard_numel, self.dtype)
                 self.shard.copy_(src)
-                counters.host_bytes += self.shard_bytes
         self.unsharded = True
-        self.full_version = self.version
+        self.full_version = -1 if partial else self.version  # partial: only this rank's slice was read
 
     # -- unshard / reshard ---------------------------------------------------------------------
     def needs_fill(self) -> bool:
@@ -314,11 +348,12 @@ class Chunk(ChunkBytes):
             return
         if self.dirty:
             self.write_back()
+        assert not self.shard_in_full, f"rank {self.rank}: resharding chunk {self.chunk_id}, whose shard is in full"
         # keep a rank-local host copy only of a current gathered copy (not one full_parameters discarded)
-        if self.world_size > 1 and self.host_full_version != self.version and self.full_version == self.version:
+        if (self.wants_host_copy and self.host_full_version != self.version
+                and self.full_version == self.version):
             if self.host_full is None:
                 self.host_full = self.manager.host_empty(self.chunk_numel, self.dtype)
-                self.manager.counters.host_bytes += self.full_bytes
             with torch.no_grad():
                 self.host_full.copy_(self.full)
             self.host_full_version = self.version

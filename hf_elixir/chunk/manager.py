@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hf_elixir.chunk.chunk import Chunk, ParamSlot
+from hf_elixir.chunk.host_blocks import HostBlockAllocator
 from hf_elixir.chunk.memory import DeviceBudgetExceededError, DevicePool, MemoryCounters
 from hf_elixir.chunk.params import raw_grad, set_raw_grad
 from hf_elixir.chunk.states import TensorState
@@ -44,6 +45,7 @@ class ChunkManager:
         self.compute_device = compute_device
         self.counters = MemoryCounters()
         self.pool = DevicePool(budget_bytes, self.counters)
+        self.host = HostBlockAllocator(pin=compute_device.type == "cuda", on_change=self._count_host)
         self.reduce_dtype = reduce_dtype
         self.prefetch_depth = prefetch_depth
         # prefetches are issued on a side stream on CUDA, overlapped with compute
@@ -80,10 +82,17 @@ class ChunkManager:
         self.grads_pending = False
 
     # -- memory helpers ------------------------------------------------------------------------
+    def _count_host(self, delta_bytes: int) -> None:
+        self.counters.host_bytes += delta_bytes
+
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A host tensor (pinned when the compute device is CUDA, for async copies)."""
-        pin = self.compute_device.type == "cuda"
-        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin)
+        """A host tensor ``[numel]`` sliced from the manager's host blocks (pinned when the compute device
+        is CUDA, for async copies); ``host_bytes`` counts the blocks (see [Note: host blocks])."""
+        return self.host.empty(numel, dtype)
+
+    def host_free(self, tensor: torch.Tensor) -> None:
+        """Give back a tensor :meth:`host_empty` returned (drop every reference to it)."""
+        self.host.free(tensor)
 
     def _next_use(self, chunk: Chunk) -> float:
         positions = self.prev_positions.get(chunk.chunk_id)
@@ -141,10 +150,15 @@ class ChunkManager:
 
         """
         pinned: set[int] = {c.chunk_id for c in chunks}
+        # inside a gathered context (full_parameters pins every chunk; one rank may run a forward alone):
+        # not part of a step, so not recorded; the eviction state stays identical on every rank, which
+        # chunks without a rank-local host copy rely on ([Note: rank-local refill] in chunk.py)
+        gathered = not torch.is_grad_enabled() and all(c.pins > 0 and not c.needs_fill() for c in chunks)
         for chunk in chunks:
             chunk.pins += 1  # pin first so that making room for a sibling never evicts it
         for chunk in chunks:
-            self._record(chunk)
+            if not gathered:
+                self._record(chunk)
             if chunk.needs_fill():
                 self.make_room(chunk.fill_bytes_needed(), f"chunk {chunk.chunk_id}", exclude=pinned)
                 chunk.unshard()

@@ -136,7 +136,7 @@ def binding_of(accelerator) -> _Binding:
     return binding
 
 
-def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config):
+def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config, checkpoint=None):
     """Run :func:`hf_elixir.prepare` and register the result with ``accelerator`` without DDP.
 
     Args:
@@ -144,6 +144,8 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
         model: the unwrapped model (an ``nn.Module``; not yet prepared by accelerate).
         optimizer: a torch optimizer over ``model``'s parameters.
         config: the :class:`hf_elixir.ElixirConfig` (precision already merged).
+        checkpoint: a Hugging Face folder to stream the parameters from (``hf_elixir.prepare(...,
+            checkpoint=)``; the model may be on the meta device), or ``None``.
 
     Returns:
         ``(model, accelerated_optimizer)``: the same model object (registered in
@@ -161,7 +163,7 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
     binding = binding_of(accelerator)
     if config.precision == "fp16" and accelerator.scaler is not None:
         accelerator.scaler = None  # Elixir's loss scaler replaces accelerate's GradScaler
-    model, elixir_optimizer = hf_elixir.prepare(model, optimizer, config=config)
+    model, elixir_optimizer = hf_elixir.prepare(model, optimizer, config=config, checkpoint=checkpoint)
     wrapped = ElixirAcceleratedOptimizer(elixir_optimizer)
     model._is_accelerate_prepared = True  # accelerate: register, do not wrap (no DDP, no autocast)
     wrapped._is_accelerate_prepared = True

@@ -69,6 +69,10 @@ class ElixirPlugin:
             `$ELIXIR_CONFIG_FILE`), then `ELIXIR_<FIELD>` environment variables override single fields.
         config_file (`str`, *optional*):
             Path of the accelerate/Elixir YAML to read when `config` is `None`.
+        checkpoint (`str`, *optional*):
+            A Hugging Face model folder (safetensors) to stream the parameters from, for a model built on
+            the meta device (`with torch.device("meta"): model = AutoModelForCausalLM.from_config(cfg)`):
+            each process reads only its own shards (`hf_elixir.prepare(..., checkpoint=)`).
 
     The precision follows the accelerator's `mixed_precision` (`"bf16"`/`"fp16"`) unless the Elixir
     config sets one; conflicting settings raise `ValueError`.
@@ -93,6 +97,7 @@ class ElixirPlugin:
 
     config: ElixirConfig | None = field(default=None, metadata={"help": "ElixirConfig; None = read the launch YAML"})
     config_file: str | None = field(default=None, metadata={"help": "accelerate/Elixir YAML to read"})
+    checkpoint: str | None = field(default=None, metadata={"help": "Hugging Face folder to stream the weights from"})
     source_file: Path | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -122,7 +127,7 @@ class ElixirPlugin:
         """
         config = merge_precision(self.config, accelerator.mixed_precision)
         self.config = config
-        model, optimizer = elixir_prepare(accelerator, model, optimizer, config)
+        model, optimizer = elixir_prepare(accelerator, model, optimizer, config, checkpoint=self.checkpoint)
         if not others:
             return model, optimizer
         prepared = accelerator.prepare(*others)

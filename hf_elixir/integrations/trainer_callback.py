@@ -78,6 +78,9 @@ class ElixirCallback(TrainerCallback):
             precision is merged with the `TrainingArguments` (`bf16`/`fp16`); a conflict raises `ValueError`.
         log_memory_stats (`bool`, defaults to `True`):
             Add `hf_elixir.memory_stats(model)` and the loss scale to the Trainer's logs.
+        checkpoint (`str`, *optional*):
+            A Hugging Face model folder to stream the parameters from when the Trainer's model was built
+            on the meta device (`hf_elixir.prepare(..., checkpoint=)`): each process reads only its shards.
 
     Example:
 
@@ -90,10 +93,12 @@ class ElixirCallback(TrainerCallback):
     ```
     """
 
-    def __init__(self, config: ElixirConfig | None = None, log_memory_stats: bool = True) -> None:
+    def __init__(self, config: ElixirConfig | None = None, log_memory_stats: bool = True,
+                 checkpoint: str | None = None) -> None:
         if config is not None and not isinstance(config, ElixirConfig):
             raise TypeError(f"ElixirCallback(config={config!r}) must be an hf_elixir.ElixirConfig or None")
         self.config = config
+        self.checkpoint = checkpoint
         self.log_memory_stats = log_memory_stats
         self.trainer = None
         self.model: torch.nn.Module | None = None
@@ -139,7 +144,8 @@ class ElixirCallback(TrainerCallback):
         if self.optimizer is None and any(o is model for o in objects):
             optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
             if len(optimizers) == 1:
-                prepared_model, prepared_opt = elixir_prepare(trainer.accelerator, model, optimizers[0], self.config)
+                prepared_model, prepared_opt = elixir_prepare(trainer.accelerator, model, optimizers[0], self.config,
+                                                             checkpoint=self.checkpoint)
                 self.model, self.optimizer = prepared_model, prepared_opt.optimizer
                 out = [prepared_model if o is model else prepared_opt if o is optimizers[0] else o for o in objects]
                 rest = [o for o in out if o is not prepared_model and o is not prepared_opt]

@@ -152,7 +152,10 @@ class ElixirOptimizer(torch.optim.Optimizer):
     # -- construction --------------------------------------------------------------------------
     def _build_shard_state(self) -> None:
         manager = self.manager
-        counters = manager.counters
+        host = [c for c in manager.chunks if c.trainable and not c.optim_on_device]
+        manager.host.reserve_for([(c.shard_numel, torch.float32) for c in host]  # gradient shards, masters
+                                 + [(c.shard_numel, torch.float32) for c in host if c.dtype != torch.float32
+                                    or c.shard_on_device])
         for chunk in manager.chunks:
             if not chunk.trainable:
                 continue
@@ -163,7 +166,6 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 grad_shard = torch.zeros(chunk.shard_numel, dtype=torch.float32, device=location)
             else:
                 grad_shard = manager.host_empty(chunk.shard_numel, torch.float32).zero_()
-                counters.host_bytes += nbytes
             manager.grad_shards[chunk.chunk_id] = grad_shard
             shard_view = chunk.shard if not chunk.full_alias else chunk.full
             if chunk.dtype == torch.float32 and chunk.optim_on_device == chunk.shard_on_device:
@@ -175,7 +177,6 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 else:
                     master = manager.host_empty(chunk.shard_numel, torch.float32)
                     master.copy_(shard_view)
-                    counters.host_bytes += nbytes
             self.masters[chunk.chunk_id] = master
             begin, end = chunk.shard_begin, chunk.shard_begin + chunk.shard_numel
             for slot in chunk.slots:

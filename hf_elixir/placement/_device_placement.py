@@ -10,8 +10,10 @@ mesh decides comes in as arguments, so this layer imports neither the parallel n
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable
 
+import psutil
 import torch
 
 from hf_elixir.chunk.manager import budget_error
@@ -19,8 +21,9 @@ from hf_elixir.config import ElixirConfig
 from hf_elixir.optim.optimizer import optimizer_state_numel_factor
 from hf_elixir.plan import ElixirPlan
 
-__all__ = ["Sizes", "device_floor_bytes", "place", "place_chunks", "replicated_bytes", "replicated_fits",
-           "resolve_default_placement", "run_sizes", "working_set", "working_set_bytes"]
+__all__ = ["Sizes", "choose_host_copies", "default_host_budget_bytes", "device_floor_bytes", "place", "place_chunks",
+           "replicated_bytes", "replicated_fits", "resolve_default_placement", "run_sizes", "working_set",
+           "working_set_bytes"]
 
 
 class Sizes:
@@ -186,14 +189,65 @@ def place_chunks(chunks, units_chunks: list[list], plan: ElixirPlan | None, conf
     Raises:
         ValueError: the budget is below the working set.
     """
-    reasons = place(chunks, plan, config, run_sizes(chunks, config, optimizer), units_chunks, world_size)
+    sizes = run_sizes(chunks, config, optimizer)
+    reasons = place(chunks, plan, config, sizes, units_chunks, world_size)
     for chunk in chunks:
         if chunk.replicate_group is not None:  # "replicated": whole on every rank, kept on the device
             chunk.resident = chunk.shard_on_device = True
     if optimizer is None:
         for c in chunks:
             c.optim_on_device = False
-    return reasons
+    return reasons + choose_host_copies(chunks, plan, config, sizes)
+
+
+def default_host_budget_bytes() -> int:
+    """80% of this machine's RAM divided by the ranks on it (``LOCAL_WORLD_SIZE``, set by torchrun and
+    ``accelerate launch``; 1 when unset)."""
+    local_ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+    return int(0.8 * psutil.virtual_memory().total) // local_ranks
+
+
+def host_bytes_without_copies(chunks, sizes: Sizes) -> int:
+    """Host bytes of this rank's model data other than refill copies: host shards and host optimizer
+    states (gradient shard, fp32 master where separate, moments)."""
+    shards = sum(sizes.shard[c.chunk_id] for c in chunks if not c.shard_on_device)
+    optim = sum(sizes.optim[c.chunk_id] for c in chunks if not c.optim_on_device)
+    return shards + optim
+
+
+def choose_host_copies(chunks, plan: ElixirPlan | None, config: ElixirConfig, sizes: Sizes) -> list[str]:
+    """Decide which chunks keep a rank-local host copy of their gathered chunk
+    ([Note: rank-local refill] in ``hf_elixir/chunk/chunk.py``). Returns reasons.
+
+    Candidates are chunks sharded over several ranks and not resident. Chunks holding MoE-expert
+    parameters (``host_copy_required``) need one: whether a rank re-needs them in backward depends on
+    its tokens. In a model with such chunks every candidate keeps one (the rank-local eviction of the
+    other chunks may then differ between ranks too, since expert gradient buffers do). Otherwise only
+    the plan's ``host_copy_chunks`` keep one, as long as they fit ``host_memory_budget_bytes`` (default:
+    :func:`default_host_budget_bytes`) next to the host shards and host optimizer states.
+    """
+    candidates = [c for c in chunks if c.world_size > 1 and not c.resident]
+    for c in chunks:
+        c.keep_host_copy = False
+    if not candidates:
+        return []
+    if any(c.host_copy_required for c in candidates):
+        for c in candidates:
+            c.keep_host_copy = True
+        return [f"rank-local host copies of all {len(candidates)} offloadable chunks (MoE experts: their use "
+                "differs between ranks)"]
+    wanted = set(plan.host_copy_chunks) if plan is not None else set()
+    if not wanted:
+        return ["no rank-local host copies (a re-unshard in the same step all-gathers again)"]
+    budget = config.host_memory_budget_bytes or default_host_budget_bytes()
+    used = host_bytes_without_copies(chunks, sizes)
+    kept = []
+    for c in candidates:
+        if c.chunk_id in wanted and used + sizes.full[c.chunk_id] <= budget:
+            c.keep_host_copy = True
+            used += sizes.full[c.chunk_id]
+            kept.append(c.chunk_id)
+    return [f"rank-local host copies of chunks {kept} (plan), {used} host bytes of budget {budget}"]
 
 
 def replicated_bytes(numels: list[int], config: ElixirConfig, optimizer, element_bytes: int) -> int:

@@ -51,7 +51,8 @@ def check_plan(plan: ElixirPlan, model: torch.nn.Module, num_params: int, world_
         problems.append(f"num_params {plan.num_params} (this model has {num_params})")
     if plan.world_size != world_size:
         problems.append(f"world_size {plan.world_size} (this run has {world_size})")
-    bad = [c for c in plan.resident_chunks + plan.device_shard_chunks + plan.device_optim_chunks if c >= num_chunks]
+    bad = [c for c in plan.resident_chunks + plan.device_shard_chunks + plan.device_optim_chunks
+           + plan.host_copy_chunks if c >= num_chunks]
     if bad:
         problems.append(f"chunk ids {sorted(set(bad))} (this model packs into {num_chunks} chunks)")
     if problems:

@@ -8,6 +8,7 @@ without importing ``hf_elixir.api``.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -108,11 +109,32 @@ def get_state(model: torch.nn.Module) -> ElixirState:
     return state
 
 
+def _synced_generate(model: torch.nn.Module, manager) -> None:
+    """Make ``model.generate`` default to ``synced_gpus=True`` (Hugging Face's mode for ZeRO-3 and FSDP):
+    a rank whose sequences finish first keeps joining the others' forward passes. Needed when chunks
+    sharded over several ranks keep no rank-local host copy ([Note: rank-local refill] in
+    ``hf_elixir/chunk/chunk.py``): every re-unshard then all-gathers, so every rank must run every
+    forward. Not inside :func:`hf_elixir.full_parameters` (every chunk gathered and pinned), where one
+    rank may generate alone."""
+    original = model.generate
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        if not all(c.pins > 0 for c in manager.chunks):
+            kwargs.setdefault("synced_gpus", True)
+        return original(*args, **kwargs)
+
+    model.generate = generate
+
+
 def attach_state(model: torch.nn.Module, state: ElixirState) -> None:
     """Zero the traffic counters (preparing is not a step), attach ``state`` and refuse ``deepcopy``."""
     _reset_counters(state.manager)
     setattr(model, _ATTR, state)
     model.__deepcopy__ = _refuse_deepcopy
+    regathers = any(c.world_size > 1 and not c.resident and not c.wants_host_copy for c in state.manager.chunks)
+    if regathers and callable(getattr(model, "generate", None)):
+        _synced_generate(model, state.manager)
 
 
 def _reset_counters(manager: ChunkManager) -> None:

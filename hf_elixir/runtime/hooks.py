@@ -257,6 +257,9 @@ def install_hooks(model: torch.nn.Module, manager: ChunkManager) -> list[ModuleH
     in_subtree = {id(s) for h in handles if h.subtree for s in h.slots}
     for chunk in manager.chunks:
         chunk.subtree_only = bool(chunk.slots) and all(id(s) in in_subtree for s in chunk.slots)
+        # whether a rank uses such a chunk in backward depends on its data: re-gathering it there could
+        # differ between ranks, so it keeps a rank-local host copy ([Note: rank-local refill])
+        chunk.host_copy_required = any(id(s) in in_subtree for s in chunk.slots)
     owners: dict[torch.nn.Parameter, list[ModuleHandle]] = {}
     for handle in handles:
         for slot in handle.trainable_slots:

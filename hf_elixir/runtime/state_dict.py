@@ -146,14 +146,18 @@ def _masters(optimizer) -> dict[int, torch.Tensor]:
 
 def _snapshot_parameter_storage(manager: ChunkManager, optimizer) -> dict[int, torch.Tensor]:
     """Host copies of the chunks that are themselves the parameters' only copy (whole on the device,
-    no separate shard or master), so ``writeback=False`` can restore them."""
+    no separate shard or master), and of shards that live inside the gathered copy, so
+    ``writeback=False`` can restore them."""
     masters = _masters(optimizer)
 
     def only_copy(chunk) -> bool:
         master = masters.get(chunk.chunk_id)
         return chunk.full_alias and (master is None or master is chunk.full)
 
-    return {c.chunk_id: c.full.detach().to("cpu", copy=True) for c in manager.chunks if only_copy(c)}
+    snapshots = {c.chunk_id: c.full.detach().to("cpu", copy=True) for c in manager.chunks if only_copy(c)}
+    # a resident sharded chunk's shard is a view into its gathered copy (Chunk.shard_in_full): keep it too
+    snapshots.update({c.chunk_id: c.shard.detach().to("cpu", copy=True) for c in manager.chunks if c.shard_in_full})
+    return snapshots
 
 
 def _discard_edits(manager: ChunkManager, optimizer, snapshots: dict[int, torch.Tensor]) -> None:
@@ -161,7 +165,10 @@ def _discard_edits(manager: ChunkManager, optimizer, snapshots: dict[int, torch.
     masters = _masters(optimizer)
     with torch.no_grad():
         for chunk in manager.chunks:
-            if chunk.chunk_id in snapshots:
+            if chunk.shard_in_full:
+                chunk.shard.copy_(snapshots[chunk.chunk_id])
+                chunk.full_version = -1  # the other ranks' slices: gathered again at the next use
+            elif chunk.chunk_id in snapshots:
                 chunk.full.copy_(snapshots[chunk.chunk_id])
             elif not chunk.full_alias:
                 chunk.full_version = -1  # stale: the next use refills from the untouched shard

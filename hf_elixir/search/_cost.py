@@ -92,6 +92,9 @@ class Knobs:
     device_optim: frozenset[int] = frozenset()
     cache_blocks: int = 0
     prefetch_depth: int = 0
+    # ws > 1: keep a rank-local host copy of each evicted gathered chunk (host RAM for the all-gather a
+    # re-unshard in the same step would cost; [Note: rank-local refill] in hf_elixir/chunk/chunk.py)
+    host_copies: bool = False
 
 
 @dataclass
@@ -355,7 +358,7 @@ def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, i
         else:
             host_optim += step.shard_numel(c) * optim_bytes_per_numel(step.precision, c in held, step.optim_states)
     host_params = sum(step.shard_numel(c) * b for c in range(step.num_chunks) if c not in held)
-    if ws > 1:  # rank-local refill copies of evicted unsharded chunks
+    if ws > 1 and knobs.host_copies:  # rank-local refill copies of evicted unsharded chunks
         host_params += sum(step.full_bytes(c) for c in range(step.num_chunks) if c not in knobs.resident)
     breakdown = {"resident_chunks": resident, "device_shards": shards, "device_optimizer": optim}
     return resident + shards + optim, host_params + host_optim, breakdown
@@ -412,7 +415,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     t_compute = t_copy = t_reduce = 0.0  # the compute, copy (prefetch) and reduce streams
     starts: list[float] = []
     points: list[tuple[float, int, str]] = []
-    gathered: set[int] = set()  # ws > 1: gathered once this step (later refills are local copies)
+    gathered: set[int] = set()  # ws > 1: gathered this step (with host copies later refills are local copies)
 
     def finish_reduce() -> None:
         nonlocal used, grad_live
@@ -431,7 +434,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             victim = max(victims, key=lambda c: (last_seen.get(c, _INF), -c))
             used -= cached.pop(victim)
             evictions += 1
-            if ws > 1 and victim in gathered and victim not in host_copied:
+            if ws > 1 and knobs.host_copies and victim in gathered and victim not in host_copied:
                 host_copied.add(victim)
                 d2h_bytes += step.full_bytes(victim)
         return True
@@ -448,7 +451,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 continue
             loaded += 1
             full = step.full_bytes(c)
-            collective = ws > 1 and c not in gathered
+            collective = ws > 1 and (c not in gathered or not knobs.host_copies)
             staging = step.shard_numel(c) * b if collective and c not in knobs.device_shard else 0
             if not make_room(full + staging, group, k):
                 return None

@@ -54,13 +54,14 @@ class Candidate:
     knobs: Knobs
     prediction: Prediction
     data_parallel: str = "sharded"  # "sharded" (ZeRO-3 chunks) or "replicated" (whole chunks, all-reduce)
+    num_chunks: int = 0
 
     def summary(self) -> str:
         k = self.knobs
         return (f"{self.data_parallel} chunk={self.chunk_size_numel} resident={len(k.resident)} "
                 f"cache_blocks={k.cache_blocks} "
                 f"device_shards={len(k.device_shard)} device_optim={len(k.device_optim)} "
-                f"prefetch={k.prefetch_depth} ckpt={self.activation_checkpointing}: "
+                f"prefetch={k.prefetch_depth} host_copies={k.host_copies} ckpt={self.activation_checkpointing}: "
                 f"{self.prediction.step_s:.4g} s, {self.prediction.device_peak_bytes / 2**30:.3g} GiB")
 
 
@@ -169,11 +170,16 @@ def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, l
                 if knobs in seen:
                     continue
                 seen.add(knobs)
-                pred = predict(step, knobs, hardware, pool_bytes=pool_bytes, activations_on_device=activations_on_device)
-                evaluated += 1
-                if pred is not None and _fits(step, knobs, pred, pool_bytes, limit_bytes):
-                    found.append(Candidate(step.chunk_size_numel, step.activation_checkpointing,
-                                           replace(knobs, cache_blocks=pred.cache_blocks), pred))
+                # with several ranks, each point with and without rank-local host copies (host RAM for
+                # all-gather traffic; the host limit filters the copies out where they do not fit)
+                for variant in ((knobs, replace(knobs, host_copies=True)) if step.world_size > 1 else (knobs,)):
+                    pred = predict(step, variant, hardware, pool_bytes=pool_bytes,
+                                   activations_on_device=activations_on_device)
+                    evaluated += 1
+                    if pred is not None and _fits(step, variant, pred, pool_bytes, limit_bytes):
+                        found.append(Candidate(step.chunk_size_numel, step.activation_checkpointing,
+                                               replace(variant, cache_blocks=pred.cache_blocks), pred,
+                                               num_chunks=step.num_chunks))
     return found, evaluated
 
 
@@ -435,6 +441,7 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
         chunk_size_numel=best.chunk_size_numel, param_order=list(profile.param_names),
         resident_chunks=sorted(k.resident), device_shard_chunks=sorted(k.device_shard | k.resident),
         device_optim_chunks=sorted(k.device_optim), prefetch_depth=k.prefetch_depth,
+        host_copy_chunks=sorted(set(range(best.num_chunks)) - set(k.resident)) if k.host_copies else [],
         activation_checkpointing=best.activation_checkpointing,
         predicted_step_s=float(p.step_s), predicted_peak_device_bytes=int(p.device_peak_bytes), reasons=reasons,
     )
@@ -504,9 +511,12 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
     if budget is None and hardware.device_kind != "cuda":
         budget = hardware.device_total_bytes
     data_parallel, replicated_placements, note = _auto_data_parallel(model, config, world_size)
+    host_budget = getattr(config, "host_memory_budget_bytes", None)  # per rank; the search limits per machine
+    per_host = _ranks_per_host(world_size, None)
     result = search(profile, hardware, world_size=world_size, precision=config.precision,
                     device_memory_budget_bytes=budget, chunk_size_numel=config.chunk_size_numel,
-                    data_parallel=data_parallel, replicated_placements=replicated_placements)
+                    data_parallel=data_parallel, replicated_placements=replicated_placements,
+                    host_memory_bytes=host_budget * per_host if host_budget else None, ranks_per_host=per_host)
     plan = result.plan
     if note:
         plan.reasons.append(note)

@@ -1,0 +1,313 @@
+"""Streamed init: read only the byte ranges a rank needs from a Hugging Face folder's safetensors files.
+
+[Note: streamed init] ``prepare(model_on_meta, ..., checkpoint=folder)`` never materialises the whole
+model on any rank (what DeepSpeed's ``zero.Init`` and FSDP2's meta-device init avoid too). Each rank
+fills its own shard of each chunk from the files: a chunk shard ``[lo, hi)`` (chunk elements) covers
+parts of one or more parameters, possibly starting or ending mid-tensor. For each covered parameter
+the reader asks ``safetensors`` for the rows that cover the flat range
+(``safe_open(...).get_slice(name)[row_begin:row_end]``, a view of the memory-mapped file: only the
+touched pages are read) and cuts the flat range out of them. So a rank reads its shard's bytes plus at
+most one row on each side of each cut, never a whole parameter it does not own.
+
+Names: a parameter is looked up under its canonical name, then its aliases (tied weights: the same
+``nn.Parameter`` under two names, e.g. GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``; a
+file written by ``save_pretrained`` keeps only one), then each of those with the model's
+``base_model_prefix`` added or removed (a base-model checkpoint loaded into a head model, or back).
+
+Model side (:class:`StreamedInit`): every parameter's tensor is found and its shape checked before
+anything moves; parameters on the meta device are swapped (``torch.utils.swap_tensors``, so their
+identity, which optimizers and tied modules hold, is kept) for memory-less CPU placeholders the chunks
+then re-point at views (tied weights are re-tied first: :func:`retie`); buffers still on the meta
+device are read from the files when persistent and saved, and otherwise rebuilt by the model's own
+``_init_weights`` (a Hugging Face model recomputes rotary ``inv_freq`` there), as ``from_pretrained`` does for keys missing from a checkpoint.
+
+Source: the safetensors format (a little-endian u64 header size, a JSON header with dtype, shape and
+data offsets per tensor, then the raw bytes) and its ``safe_open``/``get_slice`` API; Hugging Face's
+sharded layout (``model.safetensors.index.json`` with a ``weight_map`` from tensor name to file).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["CheckpointReader", "SlotSource", "StreamedInit", "meta_parameter_names", "read_chunk_range", "retie"]
+
+_SINGLE = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class SlotSource:
+    """One parameter's place in a chunk and the tensor in the folder it is read from.
+
+    Attributes:
+        key: the tensor's name in the folder's files.
+        offset / numel: element range ``[offset, offset + numel)`` inside the chunk.
+    """
+
+    key: str
+    offset: int
+    numel: int
+
+
+class CheckpointReader:
+    """Reads tensors, or flat element ranges of them, from a Hugging Face folder's safetensors files.
+
+    Args:
+        folder: a folder with ``model.safetensors``, or with ``model.safetensors.index.json`` and the
+            shard files it names (``save_pretrained`` writes either).
+
+    Attributes:
+        bytes_read: bytes of tensor data requested so far (the rows covering each requested range).
+
+    Raises:
+        FileNotFoundError: the folder is missing, or holds no safetensors weights (e.g. only
+            ``pytorch_model.bin``: re-save it with ``save_pretrained(folder, safe_serialization=True)``).
+
+    Use as a context manager (or call :meth:`close`): open files stay memory-mapped until then.
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise FileNotFoundError(f"checkpoint={str(folder)!r} is not a folder; pass a Hugging Face model folder "
+                                    "(written by save_pretrained) holding model.safetensors")
+        index = self.folder / _INDEX
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._file_of = {key: self.folder / name for key, name in weight_map.items()}
+        elif (self.folder / _SINGLE).is_file():
+            from safetensors import safe_open  # noqa: PLC0415 (optional dependency of this path only)
+
+            with safe_open(str(self.folder / _SINGLE), framework="pt") as handle:
+                self._file_of = {key: self.folder / _SINGLE for key in handle.keys()}
+        else:
+            found = sorted(p.name for p in self.folder.iterdir())[:10]
+            raise FileNotFoundError(
+                f"checkpoint={str(folder)!r} holds neither {_SINGLE} nor {_INDEX} (found {found}); streamed "
+                "loading reads safetensors only: re-save the model with save_pretrained(folder) "
+                "(safe_serialization is the default)")
+        self._handles: dict[Path, object] = {}
+        self.bytes_read = 0
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop every open file (their memory maps go with the last tensor viewing them)."""
+        self._handles.clear()
+
+    def keys(self) -> set[str]:
+        return set(self._file_of)
+
+    def _handle(self, key: str):
+        path = self._file_of[key]
+        handle = self._handles.get(path)
+        if handle is None:
+            from safetensors import safe_open  # noqa: PLC0415
+
+            handle = self._handles[path] = safe_open(str(path), framework="pt")
+        return handle
+
+    def resolve(self, names: list[str], prefix: str = "") -> str | None:
+        """The first of ``names`` (then each with ``prefix + "."`` added or removed) the files hold."""
+        candidates = list(names)
+        if prefix:
+            dotted = prefix + "."
+            candidates += [n[len(dotted):] if n.startswith(dotted) else dotted + n for n in names]
+        return next((n for n in candidates if n in self._file_of), None)
+
+    def shape(self, key: str) -> torch.Size:
+        return torch.Size(self._handle(key).get_slice(key).get_shape())
+
+    def read(self, key: str) -> torch.Tensor:
+        """The whole tensor ``key`` (a copy in its file dtype; for buffers and small tensors)."""
+        tensor = self._handle(key).get_tensor(key)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor.clone()
+
+    def read_flat(self, key: str, begin: int, end: int) -> torch.Tensor:
+        """Elements ``[begin, end)`` of tensor ``key`` flattened in row-major order.
+
+        Reads only the rows (slices along dim 0) that cover the range, then cuts it out.
+
+        Returns:
+            a 1-D tensor of ``end - begin`` elements in the file's dtype, viewing the memory-mapped
+            file (copy it where it must outlive the reader).
+        """
+        view = self._handle(key).get_slice(key)
+        shape = view.get_shape()
+        numel = math.prod(shape)
+        assert 0 <= begin <= end <= numel, f"range [{begin}, {end}) outside {key!r} of {numel} elements"
+        if begin == end:
+            return torch.empty(0)
+        if len(shape) == 0:
+            rows, first = view[...].reshape(-1), 0
+        else:
+            row_numel = numel // shape[0] if shape[0] else 1
+            first, last = begin // row_numel, -(-end // row_numel)
+            rows = view[first:last].reshape(-1)
+            first *= row_numel
+        self.bytes_read += rows.numel() * rows.element_size()
+        return rows[begin - first:end - first]
+
+
+def read_chunk_range(reader: CheckpointReader, sources: list[SlotSource], begin: int, end: int,
+                     out: torch.Tensor) -> None:
+    """Fill ``out`` (1-D, ``end - begin`` elements, any dtype/device) with chunk elements ``[begin, end)``.
+
+    Elements no source covers (chunk padding) are set to zero; every covered element is read from the
+    file (cast to ``out.dtype`` as ``Tensor.copy_`` does, which is what ``prepare`` does to a loaded
+    parameter).
+    """
+    assert out.numel() == end - begin, f"out has {out.numel()} elements for range [{begin}, {end})"
+    out.zero_()
+    for src in sources:
+        lo, hi = max(begin, src.offset), min(end, src.offset + src.numel)
+        if lo >= hi:
+            continue
+        values = reader.read_flat(src.key, lo - src.offset, hi - src.offset)
+        out[lo - begin:hi - begin].copy_(values)
+
+
+def meta_parameter_names(model: torch.nn.Module) -> list[str]:
+    """Names of ``model``'s parameters on the meta device (tied ones once)."""
+    seen: set[int] = set()
+    names = []
+    for name, param in model.named_parameters():
+        if param.is_meta and id(param) not in seen:
+            seen.add(id(param))
+            names.append(name)
+    return names
+
+
+def retie(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Re-tie a Hugging Face model's weights (``model.tie_weights()``, as ``from_pretrained`` does after
+    loading): accelerate's ``init_empty_weights()`` re-creates each registered parameter, so a model built
+    under it has ``lm_head.weight`` and the input embedding as two meta parameters. The optimizer's
+    param groups are pointed at the tied parameter (each parameter once)."""
+    tie = getattr(model, "tie_weights", None)
+    if tie is None:
+        return
+    before = dict(model.named_parameters(remove_duplicate=False))
+    tie()
+    after = dict(model.named_parameters(remove_duplicate=False))
+    replaced = {id(before[n]): after[n] for n in before if n in after and after[n] is not before[n]}
+    if not replaced or optimizer is None:
+        return
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            p = replaced.get(id(p), p)
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        group["params"] = params
+
+
+def _tied_sources(model: torch.nn.Module) -> dict[str, str]:
+    """Hugging Face ``_tied_weights_keys`` as ``{tied name: source name}`` (transformers 5 form; older
+    list forms give nothing, the shared ``nn.Parameter`` already names both)."""
+    tied = getattr(model, "_tied_weights_keys", None)
+    return dict(tied) if isinstance(tied, dict) else {}
+
+
+class StreamedInit:
+    """Prepare a model (on the meta device or not) to take its values from a Hugging Face folder.
+
+    Args:
+        model: the model ``prepare`` got.
+        folder: the checkpoint folder (see :class:`CheckpointReader`).
+        names: every managed parameter -> its names (canonical first, then aliases).
+        device: where rebuilt or loaded buffers go (the compute device).
+
+    Raises:
+        FileNotFoundError: as :class:`CheckpointReader`.
+        ValueError: a parameter has no tensor in the folder, or one of another shape (names them);
+            a buffer on the meta device can be neither loaded nor rebuilt.
+    """
+
+    def __init__(self, model: torch.nn.Module, folder: str | Path, names: dict, device: torch.device) -> None:
+        self.reader = CheckpointReader(folder)
+        self.prefix = getattr(model, "base_model_prefix", "") or ""
+        self.keys: dict[torch.nn.Parameter, str] = {}
+        try:
+            self._resolve(model, names)
+            self._materialize_buffers(model, device)
+            for param in names:
+                if param.is_meta:
+                    placeholder = torch.zeros(1, dtype=param.dtype).expand(param.shape)
+                    torch.utils.swap_tensors(param, torch.nn.Parameter(placeholder, requires_grad=param.requires_grad))
+        except BaseException:
+            self.close()
+            raise
+
+    def _resolve(self, model: torch.nn.Module, names: dict) -> None:
+        tied = _tied_sources(model)
+        missing, mismatched = [], []
+        for param, fqns in names.items():
+            key = self.reader.resolve(list(fqns) + [tied[n] for n in fqns if n in tied], self.prefix)
+            if key is None:
+                missing.append(fqns[0])
+                continue
+            shape = self.reader.shape(key)
+            if shape != param.shape:
+                mismatched.append(f"{fqns[0]} {tuple(param.shape)} vs {key!r} {tuple(shape)}")
+            self.keys[param] = key
+        folder = str(self.reader.folder)
+        if missing:
+            raise ValueError(f"checkpoint={folder!r} has no tensor for parameters {missing[:5]}"
+                             f"{' and more' if len(missing) > 5 else ''}; streamed loading needs every parameter "
+                             "in the folder (from_pretrained would initialise missing ones at random). Use the "
+                             "folder this model's architecture was saved to, or load it with from_pretrained and "
+                             "call prepare without checkpoint=")
+        if mismatched:
+            raise ValueError(f"checkpoint={folder!r} holds tensors of other shapes: {mismatched[:3]}; build the "
+                             "model from the folder's config.json (AutoConfig.from_pretrained(folder))")
+
+    def _materialize_buffers(self, model: torch.nn.Module, device: torch.device) -> None:
+        rebuild: list[tuple[torch.nn.Module, str]] = []
+        for module_name, module in model.named_modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is None or not buf.is_meta:
+                    continue
+                fqn = f"{module_name}.{name}" if module_name else name
+                key = None if name in module._non_persistent_buffers_set else self.reader.resolve([fqn], self.prefix)
+                if key is not None:
+                    module._buffers[name] = self.reader.read(key).to(device, buf.dtype)
+                else:
+                    module._buffers[name] = torch.empty_like(buf, device=device)
+                    rebuild.append((module, fqn))
+        if not rebuild:
+            return
+        init = getattr(model, "_init_weights", None)
+        if init is None:
+            raise ValueError(f"buffers {[f for _, f in rebuild][:5]} are on the meta device and not in checkpoint="
+                             f"{str(self.reader.folder)!r}, and {type(model).__name__} has no _init_weights to "
+                             "rebuild them: build the model with real buffers (accelerate's init_empty_weights() "
+                             "keeps buffers off the meta device)")
+        with torch.no_grad():
+            for module in dict.fromkeys(m for m, _ in rebuild):
+                init(module)  # the model's own code (e.g. rotary inv_freq); meta parameters are left alone
+
+    def fill_for(self, chunk):
+        """``fill(begin, end, out)`` for ``chunk``: its elements ``[begin, end)`` read from the folder."""
+        sources = [SlotSource(self.keys[slot.param], slot.offset, slot.numel) for slot in chunk.slots]
+
+        def fill(begin: int, end: int, out: torch.Tensor) -> None:
+            read_chunk_range(self.reader, sources, begin, end, out)
+            self.reader.close()  # unmap: the file pages read for this chunk leave the process's RSS
+
+        return fill
+
+    def close(self) -> None:
+        self.reader.close()
