@@ -224,9 +224,13 @@ def _elixir_model(model, precision: str, budget: int | None, device: str, lr: fl
 
 
 def _min_budget(model, precision: str) -> int:
+    import torch
+
     import hf_elixir
 
-    return int(hf_elixir.min_device_budget_bytes(model, None, hf_elixir.ElixirConfig(precision=precision)))
+    # the runs it sizes train with AdamW (None would be the inference floor: no gradient buffers)
+    return int(hf_elixir.min_device_budget_bytes(model, torch.optim.AdamW(model.parameters()),
+                                                 hf_elixir.ElixirConfig(precision=precision)))
 
 
 def _release(device: str) -> None:

@@ -81,7 +81,8 @@ def _budget(num_params: int, world_size: int, model) -> int:
     import hf_elixir
 
     cfg = hf_elixir.ElixirConfig(default_placement="sharded")
-    floor = hf_elixir.min_device_budget_bytes(model, config=cfg, world_size=world_size)
+    # the runs train with AdamW (optimizer=None would be the inference floor: no gradient buffers)
+    floor = hf_elixir.min_device_budget_bytes(model, torch.optim.AdamW(model.parameters()), cfg, world_size=world_size)
     return max(STATE_BYTES_PER_PARAM * num_params // world_size // 4, floor)
 
 

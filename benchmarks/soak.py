@@ -86,7 +86,8 @@ def _train(rank: int, world_size: int, steps: int, sample_every: int, beat=lambd
 
     model = _tiny_gpt2()
     probe = hf_elixir.ElixirConfig(chunk_size_numel=8192, offload_optimizer=True)
-    budget = hf_elixir.min_device_budget_bytes(model, config=probe, world_size=world_size)
+    budget = hf_elixir.min_device_budget_bytes(model, torch.optim.AdamW(model.parameters()), probe,
+                                               world_size=world_size)
     model, opt = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
                                    hf_elixir.ElixirConfig(chunk_size_numel=8192, offload_optimizer=True,
                                                           device_memory_budget_bytes=budget))

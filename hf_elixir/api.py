@@ -3,15 +3,22 @@ optimizer. Also ``min_device_budget_bytes``, and (from ``hf_elixir.runtime``) ``
 
 A façade: each phase lives in its layer, and ``prepare`` calls them in order:
 
-1. checks; the ranks agree on the budget (the smallest), and take rank 0's plan, default placement,
-   chunk size and per-chunk placement (``placement/_agree.py``, [Note: ranks agree]); the plan
-   (``placement/_plan_check.py``; the search for ``search="auto"``);
+1. checks: arguments, meta parameters, parameters another prepared model manages
+   (``runtime/_state.py``), the optimizer (``optim/_check.py``); the ranks agree on the budget (the
+   smallest), and take rank 0's plan, default placement, chunk size and per-chunk placement
+   (``placement/_agree.py``, [Note: ranks agree]); the plan (``placement/_plan_check.py``; the search
+   for ``search="auto"``);
 2. ``default_placement="auto"`` resolved (``placement/_device_placement.py``);
-3. chunk size (``search/_chunk_size.py``), chunks built (``chunk/_build.py``);
-4. hooks and guards installed (``runtime/``);
-5. working set sized and each chunk placed (``placement/_device_placement.py``);
+3. chunk size (``search/_chunk_size.py``), chunks built, still empty (``chunk/_build.py``);
+4. working set sized and each chunk placed (``placement/_device_placement.py``);
+
+and only then, with everything checked, it changes the model (undone on any failure, see
+[Note: all-or-nothing prepare] in ``runtime/_rollback.py``):
+
+5. hooks and guards installed (``runtime/``);
 6. parameters copied into their chunks (``chunk/_build.py``);
-7. optimizer wrapped (``optim/``), state-dict hooks, state attached (``runtime/_state.py``).
+7. optimizer wrapped (``optim/``), state-dict hooks, activation checkpointing, state attached
+   (``runtime/_state.py``).
 
 ``prepare`` extends the given model in place and returns the same object (as FSDP2's
 ``fully_shard`` does), so ``model.config``, ``generate()``, ``state_dict()`` and ``save_pretrained``
@@ -29,20 +36,23 @@ import torch.distributed as dist
 
 from hf_elixir.chunk._build import build_chunks, chunk_specs, materialize_chunks
 from hf_elixir.chunk._stream_load import StreamedInit, meta_parameter_names, retie
-from hf_elixir.chunk.manager import ChunkManager
+from hf_elixir.chunk.manager import ChunkManager, budget_error
 from hf_elixir.chunk.memory import resolve_budget_bytes
 from hf_elixir.chunk.packing import replicated_chunk_size
 from hf_elixir.config import ElixirConfig
+from hf_elixir.optim._check import check_optimizer
 from hf_elixir.optim.optimizer import ElixirOptimizer
 from hf_elixir.parallel import get_parallel_state, placements_for_plan
-from hf_elixir.parallel._groups import chunk_group_of, chunk_group_size_of, job_group_of
+from hf_elixir.parallel._groups import chunk_group_of, job_group_of, planned_chunk_groups
 from hf_elixir.placement._agree import agree_min, agree_object, agreement_group_size
-from hf_elixir.placement._device_placement import (Sizes, default_host_budget_bytes, place_chunks,
-                                                     resolve_default_placement, working_set)
+from hf_elixir.placement._device_placement import (default_host_budget_bytes, device_floor_bytes, place_chunks,
+                                                   replicated_bytes, resolve_default_placement)
 from hf_elixir.placement._plan_check import check_plan, check_plan_placements, load_plan
 from hf_elixir.plan import ElixirPlan
 from hf_elixir.profiler._hardware import register_prepare
-from hf_elixir.runtime._state import ElixirState, attach_state, get_state, is_prepared, memory_stats, reset_memory_stats
+from hf_elixir.runtime._rollback import ModelSnapshot
+from hf_elixir.runtime._state import (ElixirState, attach_state, check_unclaimed, claim_parameters, get_state,
+                                      is_prepared, memory_stats, reset_memory_stats)
 from hf_elixir.runtime.guards import install_guards
 from hf_elixir.runtime.hooks import _units, install_hooks
 from hf_elixir.runtime.state_dict import install_state_dict_hooks
@@ -122,6 +132,28 @@ def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
     logger.info("hf_elixir: activation checkpointing enabled, as the plan assumes")
 
 
+def _check_streamed_init(model, config: ElixirConfig, checkpoint) -> None:
+    """Refuse what streamed init does not support, and a meta model without ``checkpoint=``."""
+    meta = meta_parameter_names(model)
+    if checkpoint is None:
+        if meta:
+            raise ValueError(f"parameters {meta[:5]}{' and more' if len(meta) > 5 else ''} are on the meta device "
+                             "(no data): pass hf_elixir.prepare(model, optimizer, config, checkpoint='path/to/"
+                             "hf_folder') to load them from a Hugging Face folder, or build the model with real "
+                             "weights (from_pretrained)")
+        return
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise TypeError(f"hf_elixir.prepare(checkpoint={checkpoint!r}) must be a path to a Hugging Face folder")
+    if get_parallel_state(model) is not None:
+        raise ValueError("hf_elixir.prepare(checkpoint=...) does not support tensor- or expert-parallel models yet "
+                         "(parallelize needs real weights to split): load the model with from_pretrained, "
+                         "parallelize it, and call prepare without checkpoint=")
+    if config.search == "auto" and config.plan is None:
+        raise ValueError("ElixirConfig.search='auto' profiles a real training step, which a model streamed from "
+                         "checkpoint= cannot run before prepare: write a plan first (`hf-elixir plan`) and pass "
+                         "ElixirConfig(plan=...), or leave search='off'")
+
+
 def _check_arguments(model, optimizer, config) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"hf_elixir.prepare(model=...) got {type(model).__name__}; pass a torch.nn.Module "
@@ -172,26 +204,13 @@ def _chunk_size(config: ElixirConfig, plan: ElixirPlan | None, numels: list[int]
     return chunk_size or default_chunk_size(numels, budget_bytes, world_size, element_bytes)
 
 
-def _check_streamed_init(model, config: ElixirConfig, checkpoint) -> None:
-    """Refuse what streamed init does not support, and a meta model without ``checkpoint=``."""
-    meta = meta_parameter_names(model)
-    if checkpoint is None:
-        if meta:
-            raise ValueError(f"parameters {meta[:5]}{' and more' if len(meta) > 5 else ''} are on the meta device "
-                             "(no data): pass hf_elixir.prepare(model, optimizer, config, checkpoint='path/to/"
-                             "hf_folder') to load them from a Hugging Face folder, or build the model with real "
-                             "weights (from_pretrained)")
-        return
-    if not isinstance(checkpoint, (str, os.PathLike)):
-        raise TypeError(f"hf_elixir.prepare(checkpoint={checkpoint!r}) must be a path to a Hugging Face folder")
-    if get_parallel_state(model) is not None:
-        raise ValueError("hf_elixir.prepare(checkpoint=...) does not support tensor- or expert-parallel models yet "
-                         "(parallelize needs real weights to split): load the model with from_pretrained, "
-                         "parallelize it, and call prepare without checkpoint=")
-    if config.search == "auto" and config.plan is None:
-        raise ValueError("ElixirConfig.search='auto' profiles a real training step, which a model streamed from "
-                         "checkpoint= cannot run before prepare: write a plan first (`hf-elixir plan`) and pass "
-                         "ElixirConfig(plan=...), or leave search='off'")
+def _unit_chunks(model: torch.nn.Module, chunk_of: dict) -> list[list]:
+    """Per unit ``install_hooks`` will hook, the chunks (or chunk specs) its parameters live in, by id."""
+    units = []
+    for _, _, params, _ in _units(model, set(chunk_of)):
+        by_id = {chunk_of[p].chunk_id: chunk_of[p] for p in params}
+        units.append([by_id[c] for c in sorted(by_id)])
+    return units
 
 
 def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -199,11 +218,14 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             checkpoint: str | os.PathLike | None = None):
     """Put ``model`` under chunk memory management; wrap ``optimizer``.
 
+    All or nothing: when ``prepare`` raises, the model is as it was (no hooks, the same parameter storage
+    and ``requires_grad``, nothing attached), so fixing the cause and calling it again works.
+
     Args:
         model: a ``torch.nn.Module`` (typically a ``transformers.PreTrainedModel``), on CPU or on the
             compute device, identical on every rank (rank 0's values are broadcast anyway).
         optimizer: a ``torch.optim`` optimizer on ``model.parameters()`` (element-wise kinds only), or
-            ``None`` for inference.
+            ``None`` for inference (no gradient buffers are kept or counted in the budget).
         config: :class:`~hf_elixir.config.ElixirConfig`; default all-resident fp32.
         sample_batch: a batch (``model(**sample_batch)`` returns ``.loss``) to profile one step with,
             required by ``ElixirConfig(search="auto")``.
@@ -216,14 +238,17 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             ``from_pretrained(folder)`` + ``prepare`` bit for bit. Not with tensor/expert-parallel models
             or ``search="auto"`` yet. See [Note: streamed init] in ``hf_elixir/chunk/_stream_load.py``.
 
+
     Returns:
         ``(model, optimizer)``: the same model object, and an
         :class:`~hf_elixir.optim.optimizer.ElixirOptimizer` (or ``None``).
 
     Raises:
-        ValueError: the model is already prepared; the budget is too small (names the bytes needed);
-            the plan was made for another model/world size/precision; parameters on the meta device
-            without ``checkpoint=``; a checkpoint missing parameters or with other shapes.
+        ValueError: the model is already prepared, or shares a module with another prepared model;
+            parameters on the meta device without ``checkpoint=`` (names them); a checkpoint missing
+            parameters or with other shapes; the budget is below :func:`min_device_budget_bytes` (names
+            the bytes needed); the plan was made for another model/world size/precision; the optimizer
+            holds parameters outside the model.
         FileNotFoundError: ``checkpoint`` is not a folder with safetensors weights.
         TypeError: an unsupported optimizer.
     """
@@ -231,8 +256,48 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     _check_arguments(model, optimizer, config)
     _check_streamed_init(model, config, checkpoint)
     if checkpoint is not None:
-        retie(model, optimizer)
-    placements_for_plan(model, config)  # validates tp/ep sizes and placement globs before anything moves
+        retie(model, optimizer)  # what from_pretrained does after loading (kept if prepare fails)
+    names = _unique_params(model)
+    check_unclaimed(model, names)
+    params = [p for p in names if p.is_floating_point()]
+    if optimizer is not None:
+        check_optimizer(optimizer, {p: names[p] for p in params})
+    snapshot = ModelSnapshot(model)  # the profiled step of search="auto" runs the model too
+    try:
+        layout = _lay_out(model, optimizer, config, sample_batch, names, params)
+        stream = (StreamedInit(model, checkpoint, {p: names[p] for p in params}, layout.manager.compute_device)
+                  if checkpoint else None)
+        try:
+            return _apply_layout(model, optimizer, names, layout, stream)
+        finally:
+            if stream is not None:
+                stream.close()
+    except BaseException:
+        snapshot.restore()
+        raise
+
+
+@dataclasses.dataclass
+class _Layout:
+    """Everything ``prepare`` decided before touching the model: chunks built (empty) and placed."""
+
+    config: ElixirConfig
+    plan: ElixirPlan | None
+    manager: ChunkManager
+    params: list[torch.nn.Parameter]
+    placements: dict[str, str]
+    chunk_size: int
+    world_size: int
+    reasons: list[str]
+
+
+def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params) -> _Layout:
+    """Phases 1-4 of ``prepare``: plan, placements, chunks and their placement; the model is not changed.
+
+    Raises:
+        ValueError: as :func:`prepare`.
+    """
+    placements_for_plan(model, config)  # validates tp/ep sizes and placement globs
     device = _compute_device()
     _check_precision_supported(config.precision, device)
     group = _default_group(config)
@@ -241,34 +306,18 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     budget, whole_device = resolve_budget_bytes(config.device_memory_budget_bytes, device, None)
     config = _agree_budget(dataclasses.replace(config, device_memory_budget_bytes=budget), agree_group, device)
     plan = agree_object(_resolve_plan(model, config, sample_batch), agree_group, device)
-    if plan is not None and plan.activation_checkpointing:
-        _enable_activation_checkpointing(model)
     world_size = dist.get_world_size(group) if group is not None else 1
-    dtype = _DTYPES[config.precision]
-    names = _unique_params(model)
-    params = [p for p in names if p.is_floating_point()]
     if len(params) != len(names):
         logger.warning("%d non-floating-point parameters are left unmanaged", len(names) - len(params))
-    stream = StreamedInit(model, checkpoint, {p: names[p] for p in params}, device) if checkpoint else None
-    try:
-        return _prepare(model, optimizer, config, plan, device, group, agree_group, world_size, dtype, names, params,
-                        stream, whole_device)
-    finally:
-        if stream is not None:
-            stream.close()
-
-
-def _prepare(model, optimizer, config, plan, device, group, agree_group, world_size, dtype, names, params, stream,
-             whole_device: bool = False):
-    element_bytes = torch.empty((), dtype=dtype).element_size()
+    auto_config = config
     config, placement_reason = resolve_default_placement(
-        config, plan, [p.numel() for p in params], optimizer, world_size, element_bytes,
+        config, plan, [p.numel() for p in params], optimizer, world_size, _element_bytes(config),
         is_parallel=get_parallel_state(model) is not None, placements_of=lambda c: placements_for_plan(model, c),
         group=agree_group, device=device)
     params = _ordered_params(plan, params, names)
     numels = [p.numel() for p in params]
-    chunk_size = _chunk_size(config, plan, numels, placements_for_plan(model, config), world_size, element_bytes,
-                             config.device_memory_budget_bytes)
+    chunk_size = _chunk_size(config, plan, numels, placements_for_plan(model, config), world_size,
+                             _element_bytes(config), config.device_memory_budget_bytes)
     # decided once: rank 0's default placement and chunk size ([Note: ranks agree])
     default_placement, chunk_size = agree_object((config.default_placement, chunk_size), agree_group, device)
     config = dataclasses.replace(config, default_placement=default_placement)
@@ -276,60 +325,73 @@ def _prepare(model, optimizer, config, plan, device, group, agree_group, world_s
     manager = ChunkManager(compute_device=device, budget_bytes=config.device_memory_budget_bytes,
                            reduce_dtype=torch.float32 if config.reduce_dtype == "fp32" else None,
                            prefetch_depth=plan.prefetch_depth if plan else config.prefetch_depth)
-    manager.job_group = job_group_of(model, group)
+    manager.job_group = agree_group
     manager.pool.whole_device = whole_device
-    chunks = build_chunks(manager, params, names, placements, chunk_group_of(model, group), chunk_size, dtype,
-                          device)
-    num_params = sum(numels)
+    chunks = build_chunks(manager, params, names, placements, chunk_group_of(model, group), chunk_size,
+                          _DTYPES[config.precision], device)
     if plan is not None:
-        check_plan(plan, model, num_params, world_size, config.precision, len(chunks),
+        check_plan(plan, model, sum(numels), world_size, config.precision, len(chunks),
                    config.device_memory_budget_bytes)
-    handles = install_hooks(model, manager)
-    install_guards(model, manager)
-    reasons = place_chunks(chunks, [h.chunks for h in handles], plan, config, optimizer, world_size)
+        check_plan_placements(plan, placements)
+    try:
+        reasons = place_chunks(chunks, _unit_chunks(model, manager.chunk_of), plan, config, optimizer, world_size)
+    except ValueError as err:
+        if plan is None and auto_config is not config and config.default_placement == "sharded":
+            _raise_if_replicating_needs_less(model, optimizer, auto_config, world_size, err)
+        raise
     if get_parallel_state(model) is None:  # a mesh's ranks hold different chunks: placed from agreed inputs
         _agree_placements(chunks, agree_group, device)
-    if placement_reason:
-        reasons.insert(0, placement_reason)
+    return _Layout(config, plan, manager, params, placements, chunk_size, world_size,
+                   ([placement_reason] if placement_reason else []) + reasons)
+
+
+def _apply_layout(model, optimizer, names, layout: _Layout, stream: StreamedInit | None):
+    """Phases 5-7 of ``prepare``: the model changes (``prepare`` undoes them all if one fails); with
+    ``stream``, each chunk is filled from the checkpoint instead of the parameters."""
+    manager, config, chunks = layout.manager, layout.config, layout.manager.chunks
+    handles = install_hooks(model, manager)
+    install_guards(model, manager)
     materialize_chunks(manager, stream.fill_for if stream is not None else None)
-    if plan is None:
-        plan = ElixirPlan(
-            model_type=getattr(getattr(model, "config", None), "model_type", ""), num_params=num_params,
-            world_size=world_size, precision=config.precision, chunk_size_numel=chunk_size,
-            param_order=[names[p][0] for p in params],
-            resident_chunks=[c.chunk_id for c in chunks if c.resident],
-            device_shard_chunks=[c.chunk_id for c in chunks if c.shard_on_device],
-            device_optim_chunks=[c.chunk_id for c in chunks if c.optim_on_device],
-            host_copy_chunks=[c.chunk_id for c in chunks if c.keep_host_copy],
-            prefetch_depth=manager.prefetch_depth, reasons=reasons)
-    check_plan_placements(plan, placements)
+    plan = layout.plan or ElixirPlan(
+        model_type=getattr(getattr(model, "config", None), "model_type", ""),
+        num_params=sum(p.numel() for p in layout.params), world_size=layout.world_size, precision=config.precision,
+        chunk_size_numel=layout.chunk_size, param_order=[names[p][0] for p in layout.params],
+        resident_chunks=[c.chunk_id for c in chunks if c.resident],
+        device_shard_chunks=[c.chunk_id for c in chunks if c.shard_on_device],
+        device_optim_chunks=[c.chunk_id for c in chunks if c.optim_on_device],
+        host_copy_chunks=[c.chunk_id for c in chunks if c.keep_host_copy],
+        prefetch_depth=manager.prefetch_depth, reasons=layout.reasons)
     if not plan.placements:
-        plan = dataclasses.replace(plan, placements=placements)
+        plan = dataclasses.replace(plan, placements=layout.placements)
     state = ElixirState(manager=manager, handles=handles, config=config, plan=plan)
-    elixir_optimizer = None
     if optimizer is not None:
-        elixir_optimizer = ElixirOptimizer(optimizer, manager, config)
-        state.optimizer = elixir_optimizer
-    install_state_dict_hooks(model, manager,
-                             on_loaded=elixir_optimizer.sync_masters_from_params if elixir_optimizer else (lambda: None))
+        state.optimizer = ElixirOptimizer(optimizer, manager, config)
+    install_state_dict_hooks(model, manager, on_loaded=(
+        state.optimizer.sync_masters_from_params if state.optimizer is not None else (lambda: None)))
+    if plan.activation_checkpointing:
+        _enable_activation_checkpointing(model)
     attach_state(model, state)
-    logger.info("hf_elixir: %d params in %d chunks of %d elements; %s", num_params, len(chunks), chunk_size,
-                "; ".join(reasons))
-    return model, elixir_optimizer
+    claim_parameters(layout.params, model)
+    logger.info("hf_elixir: %d params in %d chunks of %d elements; %s", sum(p.numel() for p in layout.params),
+                len(chunks), layout.chunk_size, "; ".join(layout.reasons))
+    return model, state.optimizer
 
 
 def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                             config: ElixirConfig | None = None, world_size: int = 1) -> int:
-    """Smallest ``device_memory_budget_bytes`` that ``prepare`` accepts for this model (optimizer
-    states offloaded), computed without preparing it (no data moves): the same chunk packing, placements
-    and working-set rule as :func:`prepare`.
+    """Smallest ``device_memory_budget_bytes`` that ``prepare`` accepts for this model, computed without
+    preparing it (no data moves): the same chunk packing, placements, units and budget floor
+    (``placement/_device_placement.py: device_floor_bytes``) as :func:`prepare`.
 
     Args:
         model: the model ``prepare`` will get (after :func:`hf_elixir.parallel.parallelize`, if used).
-        optimizer: unused for the minimum (optimizer states go to the host); kept for symmetry.
-        config: the ``ElixirConfig`` ``prepare`` will get. ``default_placement="auto"`` counts as
-            ``"sharded"`` (at the smallest budget a replicated copy does not fit); ``"replicated"``
-            modules count whole on every rank (world size > 1).
+        optimizer: the optimizer ``prepare`` will get, or ``None`` for inference (no gradient buffers:
+            a smaller floor). Its kind sizes the optimizer states kept on the device with
+            ``ElixirConfig(offload_optimizer=False)``; otherwise they go to the host and do not count.
+        config: the ``ElixirConfig`` ``prepare`` will get. ``default_placement="auto"`` resolves as
+            ``prepare`` resolves it (replicated where the whole model with its gradients and optimizer
+            states fits the budget, else sharded); ``"replicated"`` modules count whole on every rank
+            (world size > 1).
         world_size: ranks of the default process group ``prepare`` will see. A parallelized model
             uses its mesh's group sizes instead.
 
@@ -340,23 +402,52 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
         ValueError: as ``prepare`` for bad placements or tensor/expert-parallel sizes.
     """
     config = config or ElixirConfig()
-    if config.default_placement == "auto":
-        config = dataclasses.replace(config, default_placement="sharded")
+    pstate = get_parallel_state(model)
+    if pstate is not None:
+        world_size = pstate.mesh.world_size
+    if config.default_placement != "auto":
+        return _placed_floor_bytes(model, optimizer, config, world_size)
+    # "auto" as prepare resolves it: replicated from the budget a replicated copy fits, else sharded
+    sharded = _placed_floor_bytes(model, optimizer, dataclasses.replace(config, default_placement="sharded"),
+                                  world_size)
+    if world_size == 1 or pstate is not None:
+        return sharded
+    numels = [p.numel() for p in _unique_params(model) if p.is_floating_point()]
+    replicate_from = replicated_bytes(numels, config, optimizer, _element_bytes(config))
+    if sharded < replicate_from:
+        return sharded
+    replicated = dataclasses.replace(config, default_placement="replicated")
+    return max(replicate_from, _placed_floor_bytes(model, optimizer, replicated, world_size))
+
+
+def _raise_if_replicating_needs_less(model, optimizer, config: ElixirConfig, world_size: int,
+                                     err: ValueError) -> None:
+    """``default_placement="auto"`` chose sharded because a replicated copy did not fit, and the sharded
+    floor does not fit either: when a budget that replicates is the smaller minimum, name that one."""
+    need = min_device_budget_bytes(model, optimizer, config, world_size)
+    if f"needs {need} bytes" not in str(err):
+        raise budget_error(need, config.device_memory_budget_bytes,
+                           "a replicated copy of the model (default_placement='auto' replicates where the whole model"
+                           + (", its gradients and optimizer states" if optimizer is not None else "")
+                           + " fits; less than the sharded working set)") from err
+
+
+def _element_bytes(config: ElixirConfig) -> int:
+    return torch.empty((), dtype=_DTYPES[config.precision]).element_size()
+
+
+def _placed_floor_bytes(model, optimizer, config: ElixirConfig, world_size: int) -> int:
+    """:func:`min_device_budget_bytes` for a concrete ``default_placement``."""
     placements = placements_for_plan(model, config)
     names = _unique_params(model)
     params = [p for p in names if p.is_floating_point()]
     numels = [p.numel() for p in params]
-    esize = torch.empty((), dtype=_DTYPES[config.precision]).element_size()
+    esize = _element_bytes(config)
     gsize = 4 if config.reduce_dtype == "fp32" else esize
-    pstate = get_parallel_state(model)
-    if pstate is not None:
-        world_size = pstate.mesh.world_size
     # prepare will get a budget (this one): its default chunk size is the budgeted one, whatever the config says
     chunk_size = _chunk_size(config, None, numels, placements, world_size, esize, 1)
-    specs, chunk_of = chunk_specs(params, names, placements, chunk_group_size_of(model, world_size), chunk_size,
-                                  esize, gsize)
-    units = [[specs[c] for c in sorted({chunk_of[p] for p in ps})] for _, _, ps, _ in _units(model, set(params))]
-    return working_set(units, Sizes(specs, 0, config.precision), specs)
-
+    group_of, size_of = planned_chunk_groups(model, world_size)
+    specs, chunk_of = chunk_specs(params, names, placements, group_of, size_of, chunk_size, esize, gsize)
+    return device_floor_bytes(specs, _unit_chunks(model, chunk_of), config, optimizer)
 
 register_prepare(prepare, memory_stats, min_device_budget_bytes)

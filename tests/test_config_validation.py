@@ -223,7 +223,7 @@ def test_plan_for_a_larger_budget_is_rejected_and_its_checkpointing_is_applied(t
 def test_budget_below_the_largest_module_names_the_bytes(offload):
     model = tiny_model("gpt2")
     cfg = ElixirConfig(chunk_size_numel=8192, offload_optimizer=offload)
-    need = hf_elixir.min_device_budget_bytes(model, config=cfg)
+    need = hf_elixir.min_device_budget_bytes(model, torch.optim.AdamW(model.parameters()), cfg)
     with pytest.raises(ValueError, match=f"device_memory_budget_bytes={need - 1} is too small: .* needs {need} bytes"):
         hf_elixir.prepare(model, torch.optim.AdamW(model.parameters()),
                           dataclasses.replace(cfg, device_memory_budget_bytes=need - 1))

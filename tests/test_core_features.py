@@ -224,7 +224,8 @@ def test_fp16_overflow_skips_exactly_that_step():
 
 def test_budget_too_small_fails_before_the_first_step_naming_bytes():
     model = tiny_model("gpt2")
-    need = hf_elixir.min_device_budget_bytes(model, config=hf_elixir.ElixirConfig(chunk_size_numel=CHUNK))
+    need = hf_elixir.min_device_budget_bytes(model, torch.optim.AdamW(model.parameters()),
+                                             hf_elixir.ElixirConfig(chunk_size_numel=CHUNK))
     with pytest.raises(ValueError, match=f"needs {need} bytes"):
         _prepare(model, device_memory_budget_bytes=need - 1)
     # the library's default chunk size (a budget given): the minimum is exact too
@@ -236,7 +237,8 @@ def test_budget_too_small_fails_before_the_first_step_naming_bytes():
 
 def test_budget_is_never_exceeded_and_traffic_is_counted():
     model = tiny_model("opt")
-    need = hf_elixir.min_device_budget_bytes(model, config=hf_elixir.ElixirConfig(chunk_size_numel=CHUNK))
+    need = hf_elixir.min_device_budget_bytes(model, torch.optim.AdamW(model.parameters()),
+                                             hf_elixir.ElixirConfig(chunk_size_numel=CHUNK))
     model, opt = _prepare(model, device_memory_budget_bytes=need)
     _train_elixir(model, opt, [[batch("opt", s, 2)] for s in range(3)])
     stats = hf_elixir.memory_stats(model)
@@ -541,9 +543,11 @@ def _min_budget_worker(rank, world_size):
     for extra in ({"default_placement": "sharded"}, {"default_placement": "replicated"},
                   {"placements": {"*ln_*": "replicated"}}, {"chunk_size_numel": None}):
         cfg = hf_elixir.ElixirConfig(**{"chunk_size_numel": CHUNK, **extra})  # None: prepare's default size
-        need = hf_elixir.min_device_budget_bytes(tiny_model("gpt2"), config=cfg, world_size=world_size)
+        need = hf_elixir.min_device_budget_bytes(tiny_model("gpt2"), torch.optim.AdamW(tiny_model("gpt2").parameters()),
+                                                 cfg, world_size=world_size)
+        below_model = tiny_model("gpt2")
         try:
-            hf_elixir.prepare(tiny_model("gpt2"), torch.optim.AdamW(tiny_model("gpt2").parameters()),
+            hf_elixir.prepare(below_model, torch.optim.AdamW(below_model.parameters()),
                               dataclasses.replace(cfg, device_memory_budget_bytes=need - 1))
             below = "accepted"
         except ValueError as err:

@@ -51,7 +51,8 @@ def _budget(kind: str, mode: str, world_size: int) -> int | None:
     if mode == "replicated-offload":  # whole parameters + a few gradient buffers; optimizer on the host
         return sum(p.numel() * 4 for p in set(model.parameters())) + 4 * CHUNK * 4
     cfg = hf_elixir.ElixirConfig(chunk_size_numel=CHUNK)
-    smallest = hf_elixir.min_device_budget_bytes(model, config=cfg, world_size=world_size)
+    smallest = hf_elixir.min_device_budget_bytes(model, torch.optim.AdamW(model.parameters()), cfg,
+                                                 world_size=world_size)
     if mode == "min":
         return smallest
     params_bytes = sum(p.numel() * 4 for p in set(model.parameters()))

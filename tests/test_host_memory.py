@@ -48,8 +48,8 @@ def _host_tensors(manager, optimizer) -> list[torch.Tensor]:
 
 def test_host_shards_and_optimizer_shards_come_from_few_blocks():
     model = tiny_model("gpt2")
-    need = hf_elixir.min_device_budget_bytes(model, config=hf_elixir.ElixirConfig(precision="bf16"))
     optimizer = torch.optim.AdamW(model.parameters())
+    need = hf_elixir.min_device_budget_bytes(model, optimizer, hf_elixir.ElixirConfig(precision="bf16"))
     model, optimizer = hf_elixir.prepare(model, optimizer, hf_elixir.ElixirConfig(
         precision="bf16", device_memory_budget_bytes=need, offload_optimizer=True))
     manager = hf_elixir.get_state(model).manager
@@ -96,7 +96,8 @@ def _refill_worker(rank, world_size):
     base = tiny_model("gpt2")
     cfg = hf_elixir.ElixirConfig(precision="bf16", default_placement="sharded",
                                  device_memory_budget_bytes=hf_elixir.min_device_budget_bytes(
-                                     base, config=hf_elixir.ElixirConfig(precision="bf16"), world_size=2))
+                                     base, torch.optim.AdamW(base.parameters()),
+                                     hf_elixir.ElixirConfig(precision="bf16"), world_size=2))
     results = {}
     plan = None
     for label in ("default", "plan keeps copies", "plan over host budget"):

@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent(
     def run(name, **callback_kw):
         torch.manual_seed(0)
         model = GPT2LMHeadModel(cfg)
-        budget = hf_elixir.min_device_budget_bytes(model, world_size=world)
+        budget = hf_elixir.min_device_budget_bytes(model, torch.optim.AdamW(model.parameters()), world_size=world)
         args = TrainingArguments(os.path.join(out, name), max_steps=2, per_device_train_batch_size=2,
                                  logging_steps=1, save_strategy="steps", save_steps=2, report_to=[], use_cpu=True,
                                  disable_tqdm=True)

@@ -90,9 +90,9 @@ def _budget_worker(rank: int, world_size: int) -> dict:
     # rank 0 and offloaded on rank 1 (different all-gathers), without agreement
     model = tiny_model("gpt2")
     config = hf_elixir.ElixirConfig(default_placement="sharded", chunk_size_numel=8192)
-    smallest = hf_elixir.min_device_budget_bytes(model, config=config, world_size=world_size)
-    budget = 64 * GIB if rank == 0 else smallest
     opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    smallest = hf_elixir.min_device_budget_bytes(model, opt, config=config, world_size=world_size)
+    budget = 64 * GIB if rank == 0 else smallest
     model, opt = hf_elixir.prepare(model, opt, dataclasses.replace(config, device_memory_budget_bytes=budget))
     decided = _decisions(model)
     decided["smallest"] = smallest

@@ -214,7 +214,7 @@ def test_offloading_all_optimizer_states_with_a_tiny_chunk_size():
     ref = tiny_model("opt")
     largest = max(p.numel() for p in ref.parameters())  # the smallest legal chunk size
     probe = hf_elixir.ElixirConfig(chunk_size_numel=largest, offload_optimizer=True)
-    budget = hf_elixir.min_device_budget_bytes(ref, config=probe)
+    budget = hf_elixir.min_device_budget_bytes(ref, torch.optim.AdamW(ref.parameters()), probe)
     model, opt = _prepare(copy.deepcopy(ref), chunk_size_numel=largest, offload_optimizer=True,
                           device_memory_budget_bytes=budget)
     chunks = hf_elixir.get_state(model).manager.chunks

@@ -112,6 +112,13 @@ def build_chunks(manager: ChunkManager, params, names, placements: dict[str, str
     return chunks
 
 
+def _materialize_bytes(chunk: Chunk) -> int:
+    """Device bytes :meth:`Chunk.materialize` charges: the full buffer, plus a device copy of the shard
+    when the shard stays on the device and is not the full buffer itself (one rank: they alias)."""
+    aliased = chunk.world_size == 1 and chunk.shard_on_device
+    return chunk.full_bytes + (chunk.shard_bytes if chunk.shard_on_device and not aliased else 0)
+
+
 def materialize_chunks(manager: ChunkManager, fill_of=None) -> None:
     """Copy every parameter into its chunk (placed as the chunks' flags say), reshard the chunks that
     are not resident, and hide the resharded parameters' stale values.
@@ -123,7 +130,7 @@ def materialize_chunks(manager: ChunkManager, fill_of=None) -> None:
     host_shards = [(c.shard_numel, c.dtype) for c in manager.chunks if not c.shard_on_device]
     manager.host.reserve_for(host_shards)  # one host block for every host shard ([Note: host blocks])
     for chunk in manager.chunks:
-        manager.make_room(chunk.full_bytes + chunk.shard_bytes, f"materialising chunk {chunk.chunk_id}")
+        manager.make_room(_materialize_bytes(chunk), f"materialising chunk {chunk.chunk_id}")
         chunk.materialize(fill_of(chunk) if fill_of is not None else None)
         if not chunk.resident and not chunk.full_alias:
             chunk.reshard()
@@ -153,28 +160,28 @@ class ChunkSpec(ChunkBytes):
         return self.chunk_numel * self.grad_element_size
 
 
-def chunk_specs(params, names, placements: dict[str, str], group_size_of: Callable[[str], int], chunk_size: int,
-                element_size: int, grad_element_size: int) -> tuple[list[ChunkSpec], dict[torch.nn.Parameter, int]]:
-    """The chunks :func:`build_chunks` would build, as sizes: the same buckets (group size, replicated;
-    parameter order kept) and packing.
+def chunk_specs(params, names, placements: dict[str, str], group_of: GroupOf, group_size: Callable[[object], int],
+                chunk_size: int, element_size: int,
+                grad_element_size: int) -> tuple[list[ChunkSpec], dict[torch.nn.Parameter, ChunkSpec]]:
+    """The chunks :func:`build_chunks` would build, as sizes: the same :func:`comm_buckets` and packing.
+
+    Args:
+        group_of: as for :func:`build_chunks`; its groups need not exist (``group_size`` sizes them).
+        group_size: ranks of a group ``group_of`` returns.
 
     Returns:
-        ``(specs, chunk_of)``: one :class:`ChunkSpec` per chunk, and each parameter's chunk id.
+        ``(specs, chunk_of)``: one :class:`ChunkSpec` per chunk, and each parameter's spec.
     """
-    buckets: dict[tuple[int, bool], list[torch.nn.Parameter]] = {}
-    for p in params:
-        name = names[p][0]
-        replicated = placements.get(module_of(name)) == "replicated"
-        buckets.setdefault((group_size_of(name), replicated), []).append(p)
     specs: list[ChunkSpec] = []
-    chunk_of: dict[torch.nn.Parameter, int] = {}
-    for (group_size, replicated), bucket in buckets.items():
-        layout = pack_chunks([p.numel() for p in bucket], chunk_size, 1 if replicated else group_size)
+    chunk_of: dict[torch.nn.Parameter, ChunkSpec] = {}
+    for group, _, replicated, bucket in comm_buckets(params, names, placements, group_of):
+        size = group_size(group)
+        layout = pack_chunks([p.numel() for p in bucket], chunk_size, 1 if replicated else size)
         for members, chunk_numel in zip(layout.members, layout.chunk_numels):
-            cid = len(specs)
-            specs.append(ChunkSpec(cid, chunk_numel, 1 if replicated else group_size, element_size,
-                                   grad_element_size, any(bucket[m].requires_grad for m in members),
-                                   replicate_group=group_size if replicated and group_size > 1 else None))
+            spec = ChunkSpec(len(specs), chunk_numel, 1 if replicated else size, element_size, grad_element_size,
+                             any(bucket[m].requires_grad for m in members),
+                             replicate_group=group if replicated and size > 1 else None)
+            specs.append(spec)
             for m in members:
-                chunk_of[bucket[m]] = cid
+                chunk_of[bucket[m]] = spec
     return specs, chunk_of

@@ -10,7 +10,7 @@ from torch import nn
 
 from hf_elixir.parallel._apply import get_parallel_state
 
-__all__ = ["chunk_group_of", "chunk_group_size_of", "job_group_of"]
+__all__ = ["chunk_group_of", "group_size", "job_group_of", "planned_chunk_groups"]
 
 
 def job_group_of(model: nn.Module, default_group: Any) -> Any:
@@ -42,16 +42,21 @@ def chunk_group_of(model: nn.Module, default_group: Any) -> Callable[[str], tupl
     return group_of
 
 
-def chunk_group_size_of(model: nn.Module, world_size: int) -> Callable[[str], int]:
-    """``name -> ranks its chunk is sharded over``: ``world_size`` for a plain model, the mesh's group
-    sizes for a parallelized one (without a process group: the size a run would see)."""
-    pstate = get_parallel_state(model)
-    if pstate is None:
-        return lambda name: world_size
-    mesh = pstate.mesh
+def planned_chunk_groups(model: nn.Module, world_size: int) -> tuple[Callable[[str], tuple[Any, int]],
+                                                                   Callable[[Any], int]]:
+    """``(group_of, group_size)`` for a run of ``world_size`` ranks that need not have started: a plain
+    model's default group stands for ``world_size`` ranks; a parallelized model uses its mesh's groups
+    (:func:`chunk_group_of`)."""
+    if get_parallel_state(model) is None:
+        default = _PLANNED_DEFAULT_GROUP if world_size > 1 else None
+        return chunk_group_of(model, default), lambda group: world_size if group is not None else 1
+    return chunk_group_of(model, None), group_size
 
-    def size_of(name: str) -> int:
-        group = mesh.expert_dp_group if pstate.is_expert_param(name) else mesh.dp_group
-        return dist.get_world_size(group) if group is not None else 1
 
-    return size_of
+def group_size(group: Any) -> int:
+    """Ranks in ``group`` (``None``: one rank)."""
+    return dist.get_world_size(group) if group is not None else 1
+
+
+#: stands for the default process group of a run that has not started
+_PLANNED_DEFAULT_GROUP = "planned default group"

@@ -22,20 +22,74 @@ from hf_elixir.optim.optimizer import optimizer_state_numel_factor
 from hf_elixir.placement._agree import agree_min
 from hf_elixir.plan import ElixirPlan
 
-__all__ = ["Sizes", "choose_host_copies", "default_host_budget_bytes", "place", "place_chunks", "replicated_fits",
-           "resolve_default_placement", "working_set", "working_set_bytes"]
+__all__ = ["Sizes", "choose_host_copies", "default_host_budget_bytes", "device_floor_bytes", "place", "place_chunks",
+           "replicated_bytes", "replicated_fits", "resolve_default_placement", "run_sizes", "working_set",
+           "working_set_bytes"]
 
 
 class Sizes:
-    """Byte sizes the placement policy needs, per chunk."""
+    """Byte sizes the placement policy needs, per chunk. Without training (inference: no optimizer)
+    there are no gradient buffers and no optimizer states."""
 
-    def __init__(self, chunks, optim_factor: int, precision: str) -> None:
+    def __init__(self, chunks, optim_factor: int, precision: str, training: bool = True) -> None:
+        self.training = training
         self.full = {c.chunk_id: c.full_bytes for c in chunks}
         self.shard = {c.chunk_id: c.shard_bytes for c in chunks}
-        self.grad = {c.chunk_id: (c.grad_full_bytes if c.trainable else 0) for c in chunks}
+        self.grad = {c.chunk_id: (c.grad_full_bytes if c.trainable and training else 0) for c in chunks}
         master = 0 if precision == "fp32" else 4
         self.optim = {c.chunk_id: (c.shard_numel * 4 * (1 + optim_factor) + c.shard_numel * master
-                                   if c.trainable else 0) for c in chunks}
+                                   if c.trainable and training else 0) for c in chunks}
+
+
+def run_sizes(chunks, config: ElixirConfig, optimizer) -> Sizes:
+    """:class:`Sizes` of a run with ``optimizer`` (``None``: inference)."""
+    factor = optimizer_state_numel_factor(optimizer) if optimizer is not None else 0
+    return Sizes(chunks, factor, config.precision, training=optimizer is not None)
+
+
+def _device_optim_bytes(sizes: Sizes, config: ElixirConfig, chunks) -> int:
+    """Optimizer states the budget must hold on the device at the floor (``offload_optimizer=False``: all
+    of them). At the floor no shard stays on the device (nothing is spare), so an fp32 chunk's optimizer
+    needs its own fp32 master shard there too (``ElixirOptimizer``: the compute shard is the master only
+    when both live on the same side); a replicated chunk's shard is always on the device."""
+    if config.offload_optimizer is not False:
+        return 0
+    masters = 0
+    if config.precision == "fp32" and sizes.training:
+        masters = sum(c.shard_numel * 4 for c in chunks if c.trainable and c.replicate_group is None)
+    return sum(sizes.optim.values()) + masters
+
+
+def _resident_bytes(sizes: Sizes, chunks) -> int:
+    """Device bytes with every chunk resident: its full buffer (and its shard, when sharded), every
+    optimizer state and two gradient buffers."""
+    shard_all = sum(sizes.shard[c.chunk_id] for c in chunks if c.world_size > 1)
+    return sum(sizes.full.values()) + shard_all + sum(sizes.optim.values()) + sum(
+        sorted(sizes.grad.values(), reverse=True)[:2])
+
+
+def device_floor_bytes(chunks, units_chunks: list[list], config: ElixirConfig, optimizer) -> int:
+    """The smallest device budget :func:`place` accepts: the working set of ``units_chunks`` plus the
+    optimizer states kept on the device, or, when that is less, everything resident (optimizer states
+    on the device: not with ``offload_optimizer=True``). ``prepare`` (built chunks) and
+    ``min_device_budget_bytes`` (:class:`~hf_elixir.chunk._build.ChunkSpec` sizes) both call this, with
+    the same chunks, units and sizes, so they cannot disagree.
+
+    Args:
+        chunks: the run's chunks, or their specs (``chunk_id``, byte sizes, ``trainable``,
+            ``world_size``, ``replicate_group``).
+        units_chunks: per hooked unit (``hf_elixir.runtime.hooks``), the chunks its parameters live in.
+        config: the run's ``ElixirConfig`` (precision, ``offload_optimizer``).
+        optimizer: the ``torch.optim`` optimizer, or ``None`` for inference (no gradient buffers).
+
+    Returns:
+        bytes per rank (int).
+    """
+    sizes = run_sizes(chunks, config, optimizer)
+    budgeted = working_set(units_chunks, sizes, chunks) + _device_optim_bytes(sizes, config, chunks)
+    if config.offload_optimizer is True:
+        return budgeted
+    return min(budgeted, _resident_bytes(sizes, chunks))
 
 
 def working_set_bytes(per_unit_full: list[int], grad_bytes: list[int], staging_bytes: int) -> int:
@@ -68,42 +122,47 @@ def _from_plan(chunks, plan: ElixirPlan) -> list[str]:
     return ["placement taken from ElixirConfig.plan"]
 
 
-def _working_set_error(chunks, needed: int, budget: int, optim_dev: int) -> ValueError:
-    err = budget_error(needed, budget, "the largest pair of adjacent modules (unsharded chunks, two "
-                       "gradient buffers" + (", device optimizer states" if optim_dev else "") + ")")
-    largest = max((s.numel for c in chunks for s in c.slots), default=0)
-    size = max((c.chunk_numel for c in chunks), default=0)
+def _working_set_error(chunks, needed: int, budget: int, optim_dev: int, training: bool) -> ValueError:
+    err = budget_error(needed, budget, "the largest pair of adjacent modules (unsharded chunks"
+                       + (", two gradient buffers" if training else "")
+                       + (", device optimizer states" if optim_dev else "") + ")")
+    sharded = [c for c in chunks if c.replicate_group is None]  # replicated chunks count whole at any size
+    largest = max((s.numel for c in sharded for s in c.slots), default=0)
+    size = max((c.chunk_numel for c in sharded), default=0)
     if largest and size > largest:
         err = ValueError(f"{err}; or a smaller ElixirConfig.chunk_size_numel (now {size}; at least the largest "
                          f"parameter, {largest}) shrinks that working set")
     return err
 
 
-def place(chunks, plan: ElixirPlan | None, config: ElixirConfig, sizes: Sizes, working_set: int,
+def place(chunks, plan: ElixirPlan | None, config: ElixirConfig, sizes: Sizes, units_chunks: list[list],
           world_size: int) -> list[str]:
     """Decide resident / shard location / optimizer location per chunk. Returns reasons.
 
     Raises:
-        ValueError: the budget is below the working set (names the bytes needed).
+        ValueError: the budget is below :func:`device_floor_bytes` (names the bytes needed).
     """
     budget = config.device_memory_budget_bytes
     if plan is not None and (plan.resident_chunks or plan.device_shard_chunks or plan.device_optim_chunks
                              or budget is not None):
         return _from_plan(chunks, plan)
-    shard_all = sum(sizes.shard[c.chunk_id] for c in chunks if c.world_size > 1)
-    everything = sum(sizes.full.values()) + shard_all + sum(sizes.optim.values()) + sum(
-        sorted(sizes.grad.values(), reverse=True)[:2])
+    everything = _resident_bytes(sizes, chunks)
     offload_opt = config.offload_optimizer
     if budget is None or (everything <= budget and offload_opt is not True):
         for c in chunks:
             c.resident, c.shard_on_device, c.optim_on_device = True, True, offload_opt is not True
         return [f"everything resident ({everything} bytes fit the budget {budget})"]
-    optim_dev = sum(sizes.optim.values()) if offload_opt is False else 0
-    needed = working_set + optim_dev
+    optim_dev = _device_optim_bytes(sizes, config, chunks)
+    working = working_set(units_chunks, sizes, chunks)
+    needed = working + optim_dev
     if budget < needed:
-        raise _working_set_error(chunks, needed, budget, optim_dev)
+        if offload_opt is not True and everything < needed:  # the smaller floor: everything resident
+            raise budget_error(everything, budget, "every chunk resident (chunks" + (
+                ", optimizer states, two gradient buffers" if sizes.training else "") + "; less than the largest "
+                "pair of adjacent modules" + (" with device optimizer states" if optim_dev else "") + ")")
+        raise _working_set_error(chunks, needed, budget, optim_dev, sizes.training)
     spare = budget - needed
-    reasons = [f"working set {working_set} bytes reserved; optimizer states on "
+    reasons = [f"working set {working} bytes reserved; optimizer states on "
                f"{'device' if offload_opt is False else 'host'}"]
     # shards on the device first (first-use order), up to half the spare; the rest is cache
     used = 0
@@ -131,9 +190,8 @@ def place_chunks(chunks, units_chunks: list[list], plan: ElixirPlan | None, conf
     Raises:
         ValueError: the budget is below the working set.
     """
-    optim_factor = optimizer_state_numel_factor(optimizer) if optimizer is not None else 0
-    sizes = Sizes(chunks, optim_factor, config.precision)
-    reasons = place(chunks, plan, config, sizes, working_set(units_chunks, sizes, chunks), world_size)
+    sizes = run_sizes(chunks, config, optimizer)
+    reasons = place(chunks, plan, config, sizes, units_chunks, world_size)
     for chunk in chunks:
         if chunk.replicate_group is not None:  # "replicated": whole on every rank, kept on the device
             chunk.resident = chunk.shard_on_device = True
@@ -193,19 +251,25 @@ def choose_host_copies(chunks, plan: ElixirPlan | None, config: ElixirConfig, si
     return [f"rank-local host copies of chunks {kept} (plan), {used} host bytes of budget {budget}"]
 
 
-def replicated_fits(numels: list[int], config: ElixirConfig, optimizer, element_bytes: int, *,
-                    group=None, device: torch.device | None = None) -> tuple[bool, str]:
-    """Would the whole model, its gradients and its optimizer states fit each rank's device budget
-    (what ``DistributedDataParallel`` needs)? Without a budget on CUDA, half the free memory, the
-    smallest over ``group`` (a collective: every rank of ``group`` calls it; [Note: ranks agree] in
-    ``placement/_agree.py``). Returns ``(fits, reason)``."""
+def replicated_bytes(numels: list[int], config: ElixirConfig, optimizer, element_bytes: int) -> int:
+    """Device bytes per rank of the whole model, its gradients and its optimizer states (what
+    ``DistributedDataParallel`` needs; no gradients or optimizer states for inference, ``optimizer=None``):
+    the budget from which ``default_placement="auto"`` replicates."""
     total = sum(numels)
-    grad_bytes = 4 if config.reduce_dtype == "fp32" else element_bytes
+    grad_bytes = 0 if optimizer is None else 4 if config.reduce_dtype == "fp32" else element_bytes
     optim = 0
     if optimizer is not None and config.offload_optimizer is not True:
         master = 0 if config.precision == "fp32" else 4
         optim = total * (4 * (1 + optimizer_state_numel_factor(optimizer)) + master)
-    needed = total * (element_bytes + grad_bytes) + optim
+    return total * (element_bytes + grad_bytes) + optim
+
+
+def replicated_fits(numels: list[int], config: ElixirConfig, optimizer, element_bytes: int, *,
+                    group=None, device: torch.device | None = None) -> tuple[bool, str]:
+    """Would :func:`replicated_bytes` fit each rank's device budget? Without a budget on CUDA, half the
+    free memory, the smallest over ``group`` (a collective: every rank of ``group`` calls it; [Note: ranks
+    agree] in ``placement/_agree.py``). Returns ``(fits, reason)``."""
+    needed = replicated_bytes(numels, config, optimizer, element_bytes)
     budget = config.device_memory_budget_bytes
     if budget is None and torch.cuda.is_available():
         # leave half of the free memory to activations; every rank decides from the same figure

@@ -257,7 +257,9 @@ def _measure_runtime(device: torch.device, rates: dict[str, Any], repeats: int,
     resident, res_opt = prepare(resident, torch.optim.AdamW(resident.parameters(), lr=1e-3),
                                 ElixirConfig(chunk_size_numel=chunk))
     t_res = _best_time(lambda: fwd_bwd(resident), runs, sync)
-    budget = min_device_budget_bytes(build(), config=ElixirConfig(chunk_size_numel=chunk))
+    sized = build()
+    budget = min_device_budget_bytes(sized, torch.optim.AdamW(sized.parameters(), lr=1e-3),
+                                     ElixirConfig(chunk_size_numel=chunk))
     small = build()
     small, small_opt = prepare(small, torch.optim.AdamW(small.parameters(), lr=1e-3),
                                ElixirConfig(chunk_size_numel=chunk, device_memory_budget_bytes=budget))

@@ -9,6 +9,7 @@ without importing ``hf_elixir.api``.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,8 @@ from hf_elixir.runtime.hooks import ModuleHandle
 if TYPE_CHECKING:  # the optimizer layer sits above this one
     from hf_elixir.optim.optimizer import ElixirOptimizer
 
-__all__ = ["ElixirState", "attach_state", "get_state", "is_prepared", "memory_stats", "reset_memory_stats"]
+__all__ = ["ElixirState", "attach_state", "check_unclaimed", "claim_parameters", "get_state", "is_prepared",
+           "memory_stats", "reset_memory_stats"]
 
 _ATTR = "_hf_elixir_state"
 
@@ -40,6 +42,44 @@ class ElixirState:
     config: ElixirConfig
     plan: ElixirPlan
     optimizer: ElixirOptimizer | None = None
+
+#: id(parameter) -> (weak reference to it, the prepared model owning it): every parameter a prepared model
+#: packed into its chunks (a parameter two prepared models both packed would be stepped twice)
+_CLAIMED: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def claim_parameters(params, owner: torch.nn.Module) -> None:
+    """Record that ``owner``'s chunks hold ``params`` (until the parameters are freed)."""
+    description = f"a {type(owner).__name__} prepared earlier"
+    for param in params:
+        key = id(param)
+        _CLAIMED[key] = (weakref.ref(param, lambda _, key=key: _CLAIMED.pop(key, None)), description)
+
+
+def _owner_of(param: torch.nn.Parameter) -> str | None:
+    entry = _CLAIMED.get(id(param))
+    return entry[1] if entry is not None and entry[0]() is param else None
+
+
+def check_unclaimed(model: torch.nn.Module, names: dict[torch.nn.Parameter, list[str]]) -> None:
+    """Refuse a model holding a parameter that another prepared model manages.
+
+    Args:
+        model: the model about to be prepared.
+        names: its parameters -> their names in it.
+
+    Raises:
+        ValueError: names the first shared parameter and the fix (one parent module holding both).
+    """
+    for param, param_names in names.items():
+        owner = _owner_of(param)
+        if owner is not None:
+            raise ValueError(
+                f"parameter {param_names[0]!r} of this {type(model).__name__} is already managed by hf_elixir: it "
+                f"belongs to {owner}. A module shared by two separately prepared models (e.g. PPO's "
+                "`value_model.transformer = lm.transformer`) would be sharded, reduced and stepped by both, and "
+                "train wrong. Prepare one parent module holding both, e.g. `both = torch.nn.ModuleDict({'lm': lm, "
+                "'value': value_model}); hf_elixir.prepare(both, torch.optim.AdamW(both.parameters()))`")
 
 
 def _refuse_deepcopy(memo) -> None:

@@ -1,0 +1,138 @@
+"""``min_device_budget_bytes`` is exact for every placement: ``prepare`` accepts exactly the bytes it
+reports (and trains a step, or runs a forward for inference, within them) and refuses one byte less.
+Sharded, replicated, tensor-parallel and expert-parallel models on 2 gloo ranks, with an optimizer and
+without one (inference: no gradient buffers are counted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import hf_elixir
+from tests._dist import run_distributed
+from tests._models import batch, rank_batch, tiny_model
+
+
+def _gpt2_tp_model():
+    """The model the floor was found wrong on: GPT-2, vocab 513, n_embd 48, 2 layers."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    return T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=48, n_head=4, vocab_size=513, n_positions=32,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                          bos_token_id=0, eos_token_id=0))
+
+
+def _switch_model():
+    from tests.parallel_harness import make_model
+
+    return make_model("switch")
+
+
+CASES = {
+    # name: (model builder, batch kind, config)
+    "sharded": (lambda: tiny_model("gpt2"), "gpt2", dict(default_placement="sharded")),
+    "replicated": (lambda: tiny_model("gpt2"), "gpt2", dict(default_placement="replicated")),
+    "mixed": (lambda: tiny_model("gpt2"), "gpt2", dict(placements={"*ln_*": "replicated"})),
+    "tensor_parallel": (_gpt2_tp_model, "gpt2", dict(tensor_parallel_size=2)),
+    "expert_parallel": (_switch_model, "switch", dict(expert_parallel_size=2)),
+}
+
+
+def _batch(kind: str, rank: int, world_size: int, parallel: bool) -> dict:
+    if kind == "switch":
+        from tests.parallel_harness import make_batch
+
+        return make_batch("switch", 0, rank)
+    if parallel:  # tensor parallel: every rank of a tp group sees the same batch
+        return batch("gpt2", 0, 2)
+    return rank_batch("gpt2", 0, rank, world_size, 2)
+
+
+def _build(name: str, mesh_cache: dict):
+    from hf_elixir.parallel import build_mesh, parallelize
+
+    make, kind, extra = CASES[name]
+    config = hf_elixir.ElixirConfig(**extra)
+    model = make()
+    if config.tensor_parallel_size > 1 or config.expert_parallel_size > 1:
+        key = (config.tensor_parallel_size, config.expert_parallel_size)
+        if key not in mesh_cache:
+            mesh_cache[key] = build_mesh(config)
+        parallelize(model, config, mesh_cache[key])
+    return model, kind, config
+
+
+def _floor_worker(rank: int, world_size: int, names: list[str], train: bool):
+    results = {}
+    meshes: dict = {}
+    for name in names:
+        model, kind, config = _build(name, meshes)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3) if train else None
+        need = hf_elixir.min_device_budget_bytes(model, optimizer, config, world_size=world_size)
+        below = "accepted"
+        try:
+            hf_elixir.prepare(model, optimizer, dataclasses.replace(config, device_memory_budget_bytes=need - 1))
+        except ValueError as err:
+            below = str(err)
+        else:
+            model, kind, config = _build(name, meshes)  # prepared already: start again for the exact budget
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3) if train else None
+        model, opt = hf_elixir.prepare(model, optimizer, dataclasses.replace(config, device_memory_budget_bytes=need))
+        b = _batch(kind, rank, world_size, config.tensor_parallel_size > 1)
+        if train:
+            opt.backward(model(**b).loss)
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            loss = float(model(**b).loss)
+        results[name] = (need, below, hf_elixir.memory_stats(model)["device_peak_bytes"], loss)
+    return results
+
+
+def _check(results_per_rank, names):
+    for results in results_per_rank:
+        for name in names:
+            need, below, peak, loss = results[name]
+            assert f"needs {need} bytes" in below, f"{name}: one byte below the floor {need}: {below}"
+            assert peak <= need, f"{name}: the step peaked at {peak} bytes above the floor {need}"
+            assert torch.isfinite(torch.tensor(loss))
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["training", "inference"])
+def test_min_device_budget_is_exact_for_every_placement(train):
+    names = list(CASES)
+    _check(run_distributed(_floor_worker, 2, names, train, timeout_s=300), names)
+
+
+def test_inference_floor_counts_no_gradient_buffers():
+    model = tiny_model("gpt2")
+    config = hf_elixir.ElixirConfig(chunk_size_numel=8192)
+    inference = hf_elixir.min_device_budget_bytes(model, None, config)
+    training = hf_elixir.min_device_budget_bytes(model, torch.optim.AdamW(model.parameters()), config)
+    grad_bytes = 2 * 8192 * 4  # two fp32 gradient buffers of a chunk
+    assert inference == training - grad_bytes
+    with pytest.raises(ValueError, match=f"needs {inference} bytes"):
+        hf_elixir.prepare(tiny_model("gpt2"), None, dataclasses.replace(config, device_memory_budget_bytes=inference - 1))
+    model, _ = hf_elixir.prepare(tiny_model("gpt2"), None,
+                                 dataclasses.replace(config, device_memory_budget_bytes=inference))
+    with torch.no_grad():
+        model(**batch("gpt2", 0, 2))
+    assert hf_elixir.memory_stats(model)["device_peak_bytes"] <= inference
+
+
+def test_device_optimizer_states_count_in_the_floor():
+    """``offload_optimizer=False`` keeps optimizer states on the device: the floor includes them."""
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters())
+    config = hf_elixir.ElixirConfig(chunk_size_numel=8192, offload_optimizer=False)
+    need = hf_elixir.min_device_budget_bytes(model, opt, config)
+    with pytest.raises(ValueError, match=f"needs {need} bytes"):
+        hf_elixir.prepare(model, opt, dataclasses.replace(config, device_memory_budget_bytes=need - 1))
+    model, opt = hf_elixir.prepare(model, opt, dataclasses.replace(config, device_memory_budget_bytes=need))
+    opt.backward(model(**batch("gpt2", 0, 2)).loss)
+    opt.step()
+    assert hf_elixir.memory_stats(model)["device_peak_bytes"] <= need
