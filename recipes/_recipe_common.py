@@ -112,7 +112,8 @@ class RecipeTrainingArguments(TrainingArguments):
     max_steps: int = field(default=400, metadata={"help": "optimizer steps"})
     per_device_train_batch_size: int = field(default=16, metadata={"help": "batch size per process"})
     learning_rate: float = field(default=2e-3, metadata={"help": "peak learning rate (AdamW)"})
-    warmup_steps: float = field(default=30, metadata={"help": "linear warm-up steps"})
+    warmup_steps: float = field(default=0.075, metadata={"help": "linear warm-up: steps if >= 1, else a fraction of "
+                                                                  "--max_steps (default 7.5%: 30 of 400)"})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
     logging_steps: float = field(default=25, metadata={"help": "log every N optimizer steps"})
     logging_first_step: bool = field(default=True, metadata={"help": "also log the first step (the starting loss)"})
@@ -342,7 +343,7 @@ def build_optimizer_and_scheduler(model, train_args, num_steps: int, scheduler_c
     optimizer = torch.optim.AdamW(groups, lr=train_args.learning_rate, betas=(train_args.adam_beta1, train_args.adam_beta2),
                                   eps=train_args.adam_epsilon)
     scheduler = get_scheduler(train_args.lr_scheduler_type, optimizer,
-                              num_warmup_steps=int(train_args.warmup_steps) * scheduler_calls_per_step,
+                              num_warmup_steps=train_args.get_warmup_steps(num_steps) * scheduler_calls_per_step,
                               num_training_steps=num_steps * scheduler_calls_per_step)
     return optimizer, scheduler
 

@@ -169,3 +169,25 @@ def test_recipe_streams_a_local_folder_into_a_meta_model(tmp_path):
     assert "streaming the weights from" in proc.stdout + proc.stderr
     second = json.loads((tmp_path / "again" / "recipe_results.json").read_text())
     assert second["eval_ppl_before"] == pytest.approx(first["eval_ppl_after"], rel=1e-5)
+
+
+def test_default_warmup_scales_with_a_short_run(tmp_path, monkeypatch):
+    """The default warm-up is a fraction of --max_steps: a 20-step run warms up and decays to 0 (a fixed
+    30-step warm-up never finished warming up there, ending at a lr above the start)."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO / "recipes"))
+    from _recipe_common import RecipeTrainingArguments, build_optimizer_and_scheduler
+
+    args = RecipeTrainingArguments(output_dir=str(tmp_path), max_steps=20, use_cpu=True, report_to=[])
+    model = torch.nn.Linear(4, 4)
+    optimizer, scheduler = build_optimizer_and_scheduler(model, args, num_steps=20)
+    lrs = []
+    for _ in range(20):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    peak = args.learning_rate
+    assert max(lrs) == pytest.approx(peak, rel=0.05), lrs
+    assert lrs.index(max(lrs)) <= 3, lrs
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
