@@ -54,7 +54,7 @@ from hf_elixir.runtime._rollback import ModelSnapshot
 from hf_elixir.runtime._state import (ElixirState, attach_state, check_unclaimed, claim_parameters, get_state,
                                       is_prepared, memory_stats, reset_memory_stats)
 from hf_elixir.runtime.guards import install_guards
-from hf_elixir.runtime.hooks import _units, install_hooks
+from hf_elixir.runtime.hooks import _units, install_hooks, mark_subtree_chunks
 from hf_elixir.runtime.state_dict import install_state_dict_hooks
 
 __all__ = ["prepare", "memory_stats", "reset_memory_stats", "get_state", "min_device_budget_bytes", "ElixirState"]
@@ -334,6 +334,7 @@ def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params
                    config.device_memory_budget_bytes)
         check_plan_placements(plan, placements)
     try:
+        mark_subtree_chunks(model, manager)  # MoE-expert chunks need rank-local host copies (placement reads it)
         reasons = place_chunks(chunks, _unit_chunks(model, manager.chunk_of), plan, config, optimizer, world_size)
     except ValueError as err:
         if plan is None and auto_config is not config and config.default_placement == "sharded":

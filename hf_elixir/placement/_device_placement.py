@@ -232,7 +232,7 @@ def choose_host_copies(chunks, plan: ElixirPlan | None, config: ElixirConfig, si
         c.keep_host_copy = False
     if not candidates:
         return []
-    if any(c.host_copy_required for c in candidates):
+    if any(c.host_copy_required for c in chunks):  # experts anywhere: eviction pressure differs per rank
         for c in candidates:
             c.keep_host_copy = True
         return [f"rank-local host copies of all {len(candidates)} offloadable chunks (MoE experts: their use "

@@ -215,6 +215,24 @@ def _units(model: torch.nn.Module, managed: set[torch.nn.Parameter]):
             yield name, module, params, subtree
 
 
+def mark_subtree_chunks(model: torch.nn.Module, manager: ChunkManager) -> None:
+    """Set each chunk's ``subtree_only`` and ``host_copy_required`` from the model's units (no hooks
+    needed: ``prepare`` places chunks, which reads ``host_copy_required``, before it installs hooks).
+
+    [Note: idle experts] a chunk holding only parameters of subtree units (MoE experts), none of
+    them used by this forward, gets no gradient this backward (children mark their own use; expert
+    parameters are not used outside their expert). Such a chunk is ready for its (zero) reduce at once,
+    so it does not hold up the reduce order and keep every later chunk's gradient buffer alive.
+    """
+    in_subtree = {id(manager.slot_of[p]) for _, _, params, subtree in _units(model, set(manager.slot_of))
+                  if subtree for p in params}
+    for chunk in manager.chunks:
+        chunk.subtree_only = bool(chunk.slots) and all(id(s) in in_subtree for s in chunk.slots)
+        # whether a rank uses such a chunk in backward depends on its data: re-gathering it there could
+        # differ between ranks, so it keeps a rank-local host copy ([Note: rank-local refill])
+        chunk.host_copy_required = any(id(s) in in_subtree for s in chunk.slots)
+
+
 def install_hooks(model: torch.nn.Module, manager: ChunkManager) -> list[ModuleHandle]:
     """Register forward/backward hooks on every unit and grad hooks on every trainable parameter."""
     handles: list[ModuleHandle] = []
@@ -250,16 +268,7 @@ def install_hooks(model: torch.nn.Module, manager: ChunkManager) -> list[ModuleH
                 slot.set_state(TensorState.HOLD_AFTER_BWD)
 
     manager.on_backward_end = on_backward_end
-    # [Note: idle experts] a chunk holding only parameters of subtree units (MoE experts), none of
-    # them used by this forward, gets no gradient this backward (children mark their own use; expert
-    # parameters are not used outside their expert). Such a chunk is ready for its (zero) reduce at once,
-    # so it does not hold up the reduce order and keep every later chunk's gradient buffer alive.
-    in_subtree = {id(s) for h in handles if h.subtree for s in h.slots}
-    for chunk in manager.chunks:
-        chunk.subtree_only = bool(chunk.slots) and all(id(s) in in_subtree for s in chunk.slots)
-        # whether a rank uses such a chunk in backward depends on its data: re-gathering it there could
-        # differ between ranks, so it keeps a rank-local host copy ([Note: rank-local refill])
-        chunk.host_copy_required = any(id(s) in in_subtree for s in chunk.slots)
+    mark_subtree_chunks(model, manager)
     owners: dict[torch.nn.Parameter, list[ModuleHandle]] = {}
     for handle in handles:
         for slot in handle.trainable_slots:
