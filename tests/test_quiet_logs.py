@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from tests._dist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,12 +57,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_training_step_at_2_ranks_warns_nothing_and_logs_few_elixir_keys(tmp_path):
     script = tmp_path / "quiet.py"
     script.write_text(SCRIPT)
@@ -69,7 +64,7 @@ def test_training_step_at_2_ranks_warns_nothing_and_logs_few_elixir_keys(tmp_pat
     env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(script), str(tmp_path)]
+           "--master_port", str(free_port()), str(script), str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "FutureWarning" not in proc.stderr and "expanded tensors" not in proc.stderr

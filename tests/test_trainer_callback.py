@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests._dist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -91,12 +92,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_trainer_with_elixir_callback(tmp_path, num_processes):
     script = tmp_path / "train_trainer.py"
@@ -105,7 +100,7 @@ def test_trainer_with_elixir_callback(tmp_path, num_processes):
     env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script), str(tmp_path)]
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     r = json.loads((tmp_path / "result.json").read_text())
