@@ -125,14 +125,23 @@ class ElixirConfig:
             Compute precision: `"fp32"`, `"bf16"` or `"fp16"`. Low precisions keep fp32 master
             weights in the optimizer state; `"fp16"` adds dynamic loss scaling (`loss_scale`).
         device_memory_budget_bytes (`int` or `str`, *optional*):
-            Bytes (or a size such as `"40GiB"`, `"512MB"`) of device memory the chunk manager may hold
-            for model data (parameter shards,
-            gathered chunks, gradient buffers, device optimizer states); leave the activations' room outside
-            it. `None` means all the device has: on CUDA the free memory at `prepare` less a reserve
-            (the smallest over the ranks), and then activations and autograd's temporaries are charged
-            to it too (`hf_elixir/chunk/memory.py`, [Note: activations in the budget]); on CPU-only
-            machines unlimited, everything resident. Without CUDA the budget bounds a simulated device
-            pool so every onload/offload/eviction path still runs.
+            Bytes (or a size such as `"40GiB"`, `"512MB"`) of device memory hf_elixir may use on each rank:
+            model data (parameter shards, gathered chunks, gradient buffers, device optimizer states) and,
+            with `budget_covers_activations=True` (the default), the activations autograd saves for backward
+            and its temporaries (a parameter's `.grad` before it lands in its chunk). Chunks are evicted to
+            make room for activations; a step whose activations cannot fit beside the chunks it needs raises
+            `DeviceBudgetExceededError` naming the bytes and the fixes. When `prepare` knows the activation
+            bytes (a plan's `activation_peak_bytes`, e.g. from `search="auto"`), the chunks are placed in the
+            budget less those bytes (`hf_elixir/chunk/memory.py`, [Note: activations in the budget]).
+            `None` means all the device has: on CUDA the free memory at `prepare` less a reserve (the
+            smallest over the ranks), activations included; on CPU-only machines unlimited, everything
+            resident. Without CUDA the budget bounds a simulated device pool so every
+            onload/offload/eviction path still runs.
+        budget_covers_activations (`bool`, defaults to `True`):
+            Whether `device_memory_budget_bytes` also pays for activations and autograd's temporaries (what
+            a user setting "use at most 20 GiB of this card" expects). `False` restores the model-data-only
+            meaning: activations are measured (`memory_stats`) but not charged, so leave their room outside
+            the budget yourself. A budget of `None` on CUDA always covers activations.
         host_memory_budget_bytes (`int` or `str`, *optional*):
             Bytes (or a size such as `"64GiB"`) of host RAM this rank may hold for model data (host
             shards, host optimizer states, rank-local refill copies of gathered chunks). Refill copies
@@ -181,6 +190,7 @@ class ElixirConfig:
 
     precision: str = "fp32"
     device_memory_budget_bytes: int | None = None
+    budget_covers_activations: bool = True
     host_memory_budget_bytes: int | None = None
     chunk_size_numel: int | None = None
     reduce_dtype: str | None = "fp32"
@@ -230,6 +240,10 @@ class ElixirConfig:
                     f"ElixirConfig.device_memory_budget_bytes={self.device_memory_budget_bytes} must be > 0 "
                     "(or None for all the device has)"
                 )
+        if not isinstance(self.budget_covers_activations, bool):
+            raise TypeError(f"ElixirConfig.budget_covers_activations={self.budget_covers_activations!r} has type "
+                            f"{type(self.budget_covers_activations).__name__}; use True (the budget pays for "
+                            "activations too) or False (model data only)")
         if self.chunk_size_numel is not None:
             _check_type("chunk_size_numel", self.chunk_size_numel, (int,), "give a whole number of elements")
             if self.chunk_size_numel <= 0:

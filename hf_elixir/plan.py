@@ -19,7 +19,8 @@ from typing import Any
 
 __all__ = ["ElixirPlan"]
 
-PLAN_FORMAT_VERSION = 1
+#: 2: ``activation_peak_bytes`` (version-1 files load unchanged: the field defaults to ``None``)
+PLAN_FORMAT_VERSION = 2
 _PRECISIONS = ("fp32", "bf16", "fp16")
 _PLACEMENTS = ("sharded", "replicated", "column", "row", "expert")
 _INT = "give a whole number"
@@ -40,6 +41,7 @@ _FIELD_TYPES: tuple[tuple[str, tuple[type, ...], str], ...] = (
     ("placements", (dict,), "give a mapping of module name -> placement"),
     ("predicted_step_s", (int, float, type(None)), "give seconds or null"),
     ("predicted_peak_device_bytes", (int, type(None)), "give bytes or null"),
+    ("activation_peak_bytes", (int, type(None)), "give bytes or null"),
     ("reasons", (list,), "give a list of strings"),
     ("format_version", (int,), _INT),
 )
@@ -71,6 +73,11 @@ class ElixirPlan:
         placements: module FQN -> placement name (``"sharded"``, ``"column"``, ...).
         predicted_step_s: the cost model's step time (seconds), if a search made the plan.
         predicted_peak_device_bytes: the cost model's device peak (bytes), if a search made it.
+        activation_peak_bytes: device bytes to keep for the activations autograd saves (and its
+            temporaries) at the step's peak, as profiled (with the plan's ``activation_checkpointing``);
+            ``None``: not known. When the budget covers activations
+            (``ElixirConfig.budget_covers_activations``), ``prepare`` places chunks in the budget less these
+            bytes ([Note: activations in the budget] in ``hf_elixir/chunk/memory.py``).
         reasons: human-readable lines explaining the choice.
     """
 
@@ -89,6 +96,7 @@ class ElixirPlan:
     placements: dict[str, str] = field(default_factory=dict)
     predicted_step_s: float | None = None
     predicted_peak_device_bytes: int | None = None
+    activation_peak_bytes: int | None = None
     reasons: list[str] = field(default_factory=list)
     format_version: int = PLAN_FORMAT_VERSION
 
@@ -117,9 +125,9 @@ class ElixirPlan:
                                  f"of {_PLACEMENTS}")
         if self.predicted_step_s is not None and not self.predicted_step_s >= 0:
             raise ValueError(f"ElixirPlan.predicted_step_s={self.predicted_step_s} must be >= 0 or None")
-        if self.predicted_peak_device_bytes is not None and self.predicted_peak_device_bytes < 0:
-            raise ValueError(f"ElixirPlan.predicted_peak_device_bytes={self.predicted_peak_device_bytes} "
-                             "must be >= 0 or None")
+        for name in ("predicted_peak_device_bytes", "activation_peak_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"ElixirPlan.{name}={getattr(self, name)} must be >= 0 or None")
 
     # -- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -25,6 +25,8 @@ CONFIG_CASES = [
     ("device_memory_budget_bytes", 1.5e9, TypeError, "device_memory_budget_bytes=1500000000.0 has type float"),
     ("device_memory_budget_bytes", True, TypeError, "device_memory_budget_bytes=True is a bool"),
     ("device_memory_budget_bytes", 0, ValueError, "device_memory_budget_bytes=0 must be > 0"),
+    ("budget_covers_activations", "yes", TypeError, "budget_covers_activations='yes' has type str; use True"),
+    ("budget_covers_activations", 1, TypeError, "budget_covers_activations=1 has type int"),
     ("host_memory_budget_bytes", 2.5e9, TypeError, "host_memory_budget_bytes=2500000000.0 has type float"),
     ("host_memory_budget_bytes", False, TypeError, "host_memory_budget_bytes=False is a bool"),
     ("host_memory_budget_bytes", -1, ValueError, "host_memory_budget_bytes=-1 must be > 0"),
@@ -112,6 +114,8 @@ PLAN_CASES = [
     ("placements", {"h.0": "zero3"}, ValueError, "placements\\['h.0'\\]='zero3' must map"),
     ("predicted_step_s", -1.0, ValueError, "predicted_step_s=-1.0 must be >= 0"),
     ("predicted_peak_device_bytes", "1G", TypeError, "predicted_peak_device_bytes='1G' has type str"),
+    ("activation_peak_bytes", "1G", TypeError, "activation_peak_bytes='1G' has type str"),
+    ("activation_peak_bytes", -1, ValueError, "activation_peak_bytes=-1 must be >= 0 or None"),
     ("reasons", "fast", TypeError, "reasons='fast' has type str"),
     ("format_version", "1", TypeError, "format_version='1' has type str"),
 ]

@@ -119,18 +119,21 @@ class ChunkManager:
         if storage in self._saved_storages or strict.is_managed_device(tensor):
             return tensor
         nbytes = storage.nbytes()
-        if self.pool.whole_device and not self.pool.fits(nbytes):
+        if self.pool.charges_activations and not self.pool.fits(nbytes):
             self.sync_activation_bytes()
-            self.make_room(nbytes, f"activations saved for backward ({nbytes} bytes, tensor of shape "
-                                   f"{tuple(tensor.shape)}); a smaller batch or activation checkpointing needs less")
+            try:
+                self.make_room(nbytes, f"activations saved for backward ({nbytes} bytes)")
+            except DeviceBudgetExceededError:
+                err = self.pool.activation_error(nbytes, tuple(tensor.shape), self.counters.device_used_bytes)
+                raise DeviceBudgetExceededError(f"{err}. Device holds: {self.describe()}") from None
         self.pool.charge_activation(nbytes)
         self._saved_storages[storage] = nbytes
         return tensor
 
     def charge_temporary(self, nbytes: int, what: str):
         """Context: ``nbytes`` of an autograd temporary live on the device inside (charged only when the
-        budget is the whole device; chunks are evicted to make room)."""
-        if not self.pool.whole_device:
+        budget covers activations and temporaries; chunks are evicted to make room)."""
+        if not self.pool.charges_activations:
             return contextlib.nullcontext()
         self.make_room(nbytes, what)
         self.pool.charge(nbytes, what)
@@ -184,7 +187,7 @@ class ChunkManager:
             DeviceBudgetExceededError: nothing left to evict and still no room.
         """
         exclude = exclude or set()
-        if self.pool.whole_device and not self.pool.fits(nbytes):
+        if self.pool.charges_activations and not self.pool.fits(nbytes):
             self.sync_activation_bytes()  # activations freed since the last count give their room back
         while not self.pool.fits(nbytes) and self._pending:
             self._finish_reduce()  # finishing an in-flight reduce frees its gradient buffers
