@@ -37,7 +37,7 @@ from hf_elixir.chunk.packing import replicated_chunk_size
 from hf_elixir.plan import ElixirPlan
 from hf_elixir.profiler import HardwareProfile, StepProfile, profile_step
 from hf_elixir.search._chunk_size import search_chunk_size
-from hf_elixir.search._cost import (DTYPE_BYTES, ChunkedStep, Knobs, Prediction, build_chunked_step,
+from hf_elixir.search._cost import (DTYPE_BYTES, activation_bytes, ChunkedStep, Knobs, Prediction, build_chunked_step,
                                     fixed_memory, optim_bytes_per_numel, predict)
 
 __all__ = ["Candidate", "SearchResult", "auto_plan", "brute_force_grid", "search", "search_plan"]
@@ -311,21 +311,24 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     per_host = _ranks_per_host(world_size, ranks_per_host)
     found: list[Candidate] = []
     evaluated = over_host = 0
-    size_reasons: dict[str, Callable[[int], str]] = {}
+    size_reasons: dict[tuple[str, bool], Callable[[int], str]] = {}
     for mode in modes:
         replicated = mode == "replicated"
-        sizes, size_reasons[mode] = _chunk_sizes(profile, world_size, b, limit, chunk_size_numel, num_chunk_sizes,
-                                                 replicated)
         for ckpt in ckpt_options:
             if ckpt and not profile.block_activation_bytes:
                 continue
+            # chunk sizes for the cache the activations leave (they do not depend on the chunk size)
+            room = limit - (activation_bytes(profile, precision, ckpt) if activations_on_device else 0)
+            sizes, size_reasons[mode, ckpt] = _chunk_sizes(profile, world_size, b, max(1, room), chunk_size_numel,
+                                                           num_chunk_sizes, replicated)
             for size in sizes:
                 step = build_chunked_step(profile, size, world_size=world_size, precision=precision,
                                           hardware=hardware, activation_checkpointing=ckpt, optim_states=optim_states,
                                           replicated=replicated)
                 act = step.activation_bytes if activations_on_device else 0
-                # the pool prepare() gets: the budget on CPU (activations are outside the simulated pool),
-                # what the activations leave of the margin-reduced budget on a real device
+                # the pool prepare() gets: the budget when activations are outside it (a model-data budget,
+                # ElixirConfig.budget_covers_activations=False), what the activations leave of the
+                # margin-reduced budget when they are charged to it
                 pool = budget if not activations_on_device else limit - act
                 if replicated:
                     more, count = _search_replicated(step, hardware, pool, limit - act, activations_on_device)
@@ -365,7 +368,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
             seen.add(cand.summary())
             alternatives.append(cand)
     plan = _to_plan(profile, best, world_size, precision, budget, limit,
-                    size_reasons[best.data_parallel](best.chunk_size_numel), evaluated,
+                    size_reasons[best.data_parallel, best.activation_checkpointing](best.chunk_size_numel), evaluated,
                     host_limit, activations_on_device, per_host)
     plan.reasons[2:2] = _data_parallel_reasons(modes, best, best_by_mode, world_size)
     if best.data_parallel == "replicated":
@@ -428,7 +431,7 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
         f"(compute {p.compute_s:.4g} s, {p.onloads} chunk onloads) + optimizer {p.optimizer_s:.4g} s",
     ]
     if not act_on_device:
-        reasons.append("activations are not counted in the device budget (CPU simulated pool holds model data only)")
+        reasons.append("activations are not counted in the device budget (the pool bounds model data only)")
     if best.activation_checkpointing:
         reasons.append("activation checkpointing on: without it the activations do not leave room for a faster plan")
     if k.prefetch_depth == 0 and best.data_parallel == "sharded":
@@ -443,8 +446,18 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
         device_optim_chunks=sorted(k.device_optim), prefetch_depth=k.prefetch_depth,
         host_copy_chunks=sorted(set(range(best.num_chunks)) - set(k.resident)) if k.host_copies else [],
         activation_checkpointing=best.activation_checkpointing,
-        predicted_step_s=float(p.step_s), predicted_peak_device_bytes=int(p.device_peak_bytes), reasons=reasons,
+        predicted_step_s=float(p.step_s), predicted_peak_device_bytes=int(p.device_peak_bytes),
+        activation_peak_bytes=_activation_room_bytes(profile, precision, best.activation_checkpointing),
+        reasons=reasons,
     )
+
+
+def _activation_room_bytes(profile: StepProfile, precision: str, checkpointing: bool) -> int:
+    """``ElixirPlan.activation_peak_bytes``: the profiled activation peak at ``precision`` (with or
+    without checkpointing) plus the largest parameter's gradient, the temporary autograd holds before it
+    lands in its chunk ([Note: activations in the budget] in ``hf_elixir/chunk/memory.py``)."""
+    largest_grad = max(profile.param_numels, default=0) * DTYPE_BYTES[precision]
+    return int(activation_bytes(profile, precision, checkpointing)) + largest_grad
 
 
 def search_plan(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int = 1, precision: str = "fp32",
@@ -513,8 +526,13 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
     data_parallel, replicated_placements, note = _auto_data_parallel(model, config, world_size)
     host_budget = getattr(config, "host_memory_budget_bytes", None)  # per rank; the search limits per machine
     per_host = _ranks_per_host(world_size, None)
+    # an explicit budget charges activations on any device (the simulated pool too) unless the config opts
+    # out; None: the device decides (the card on CUDA covers them, the unlimited simulated pool does not)
+    explicit = config.device_memory_budget_bytes is not None
+    covers = bool(getattr(config, "budget_covers_activations", True)) if explicit else None
     result = search(profile, hardware, world_size=world_size, precision=config.precision,
                     device_memory_budget_bytes=budget, chunk_size_numel=config.chunk_size_numel,
+                    activations_on_device=covers,
                     data_parallel=data_parallel, replicated_placements=replicated_placements,
                     host_memory_bytes=host_budget * per_host if host_budget else None, ranks_per_host=per_host)
     plan = result.plan
