@@ -97,7 +97,7 @@ class ElixirArguments:
     """hf_elixir settings (command-line values override the `dynamo_config.elixir` section of elixir.yaml)."""
 
     use_elixir: bool = field(default=True, metadata={"help": "train under hf_elixir (False: plain accelerate/Trainer)"})
-    device_memory_budget_bytes: int | None = field(default=None, metadata={"help": "device memory for model data, bytes"})
+    device_memory_budget_bytes: int | None = field(default=None, metadata={"help": "device memory hf_elixir may use per rank (model data and activations), bytes"})
     chunk_size_numel: int | None = field(default=None, metadata={"help": "elements per chunk"})
     offload_optimizer: str | None = field(default=None, metadata={"help": "true | false | auto"})
     trainer: bool = field(default=False, metadata={"help": "train with transformers.Trainer + ElixirCallback"})

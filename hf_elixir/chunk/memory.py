@@ -192,7 +192,7 @@ class DevicePool:
                 f"device memory budget exceeded while allocating {nbytes} bytes for {what}: "
                 f"{self.used_bytes} bytes in use ({self.in_use_breakdown()}), budget {self.budget_bytes} bytes and "
                 f"nothing left to evict; raise ElixirConfig.device_memory_budget_bytes to at least "
-                f"{self.used_bytes + nbytes}"
+                f"{self.used_bytes + nbytes}" + self._activation_fixes()
             )
         self.counters.device_used_bytes += nbytes
         self.counters.device_peak_bytes = max(self.counters.device_peak_bytes, self.counters.device_used_bytes)
@@ -204,6 +204,13 @@ class DevicePool:
             return f"model data {self.counters.device_used_bytes}; activations are outside this budget"
         return (f"model data and temporaries {self.counters.device_used_bytes}, activations "
                 f"{self.counters.activation_bytes}")
+
+    def _activation_fixes(self) -> str:
+        if not (self.charges_activations and self.counters.activation_bytes):
+            return ""
+        return (f"; {self.counters.activation_bytes} of those bytes are activations (the budget covers them): "
+                "activation checkpointing (model.gradient_checkpointing_enable()) or a smaller batch or sequence "
+                "needs less, and budget_covers_activations=False makes the budget bound model data only")
 
     def activation_error(self, nbytes: int, shape: tuple, pinned_bytes: int) -> DeviceBudgetExceededError:
         """The error for an activation of ``nbytes`` (a tensor of ``shape``) that cannot fit beside the
