@@ -10,7 +10,9 @@ A façade: each phase lives in its layer, and ``prepare`` calls them in order:
    for ``search="auto"``);
 2. ``default_placement="auto"`` resolved (``placement/_device_placement.py``);
 3. chunk size (``search/_chunk_size.py``), chunks built, still empty (``chunk/_build.py``);
-4. working set sized and each chunk placed (``placement/_device_placement.py``);
+4. working set sized and each chunk placed (``placement/_device_placement.py``), in the budget less the
+   plan's ``activation_peak_bytes`` when the budget covers activations ([Note: activations in the budget]
+   in ``chunk/memory.py``);
 
 and only then, with everything checked, it changes the model (undone on any failure, see
 [Note: all-or-nothing prepare] in ``runtime/_rollback.py``):
@@ -254,8 +256,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     Raises:
         ValueError: the model is already prepared, or shares a module with another prepared model;
             parameters on the meta device without ``checkpoint=`` (names them); a checkpoint missing
-            parameters or with other shapes; the budget is below :func:`min_device_budget_bytes` (names
-            the bytes needed); the plan was made for another model/world size/precision; the optimizer
+            parameters or with other shapes; the budget is below :func:`min_device_budget_bytes` (with
+            the plan's ``activation_peak_bytes`` as ``activation_bytes``; names the bytes needed); the plan was made for another model/world size/precision; the optimizer
             holds parameters outside the model.
         FileNotFoundError: ``checkpoint`` is not a folder with safetensors weights.
         TypeError: an unsupported optimizer.
