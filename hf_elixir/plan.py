@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ACTIVATION_POLICIES", "ElixirPlan"]
+__all__ = ["ACTIVATION_POLICIES", "ElixirPlan", "policy_summary"]
 
 PLAN_FORMAT_VERSION = 1
 _PRECISIONS = ("fp32", "bf16", "fp16")
@@ -46,6 +46,13 @@ _FIELD_TYPES: tuple[tuple[str, tuple[type, ...], str], ...] = (
     ("reasons", (list,), "give a list of strings"),
     ("format_version", (int,), _INT),
 )
+
+
+def policy_summary(policy: dict[str, str]) -> str:
+    """``"keep"``, or the non-keep counts over the blocks of an activation policy (``"recompute 4/12"``,
+    ``"offload 2/12 recompute 1/12"``)."""
+    counts = [(kind, sum(1 for v in policy.values() if v == kind)) for kind in ("offload", "recompute")]
+    return " ".join(f"{kind} {n}/{len(policy)}" for kind, n in counts if n) or "keep"
 
 
 @dataclass(kw_only=True)
@@ -135,10 +142,6 @@ class ElixirPlan:
         if self.predicted_peak_device_bytes is not None and self.predicted_peak_device_bytes < 0:
             raise ValueError(f"ElixirPlan.predicted_peak_device_bytes={self.predicted_peak_device_bytes} "
                              "must be >= 0 or None")
-
-    def policy_counts(self) -> dict[str, int]:
-        """How many blocks ``activation_policy`` gives each policy (blocks it does not name are not counted)."""
-        return {k: sum(1 for v in self.activation_policy.values() if v == k) for k in ACTIVATION_POLICIES}
 
     # -- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
