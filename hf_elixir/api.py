@@ -300,10 +300,12 @@ def _activation_policy(model, plan: ElixirPlan | None, config: ElixirConfig) -> 
         ValueError: a plan entry or a config glob names no block of ``model``.
     """
     blocks = transformer_blocks(model)
+    modules = dict(model.named_modules())
+    own = frozenset(b for b in blocks if getattr(modules[b], "gradient_checkpointing", False) is True)
     if plan is None:
-        return resolve_activation_policy(blocks, {}, False, config.activation_policy)
+        return resolve_activation_policy(blocks, {}, False, config.activation_policy, own)
     return resolve_activation_policy(blocks, plan.activation_policy, plan.activation_checkpointing,
-                                     config.activation_policy)
+                                     config.activation_policy, own)
 
 
 def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params) -> _Layout:

@@ -178,3 +178,39 @@ def test_user_globs_first_match_wins_over_plan():
     assert hf_elixir.get_state(model).plan.activation_policy == {"transformer.h.0": "keep",
                                                                   "transformer.h.1": "offload"}
     assert transformer_blocks(model) == BLOCKS
+
+
+def test_measured_activation_peak_within_the_cost_model():
+    """The activations the pool measures under keep and offload stay within what the search priced
+    (``search._cost.activation_bytes``): restored blocks give their bytes back once their backward ends."""
+    from hf_elixir.profiler import profile_step
+    from hf_elixir.search._cost import activation_bytes
+
+    sample = rank_batch("gpt2", 0, 0, 1, ROWS)
+    profile = profile_step(tiny_model("gpt2"), sample, device="cpu")
+    for name in ("keep", "offload", "mixed"):
+        model = tiny_model("gpt2")
+        model, opt = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters()), hf_elixir.ElixirConfig(
+            chunk_size_numel=CHUNK, activation_policy=POLICIES[name]))
+        opt.backward(model(**sample).loss)
+        measured = hf_elixir.memory_stats(model)["activation_peak_bytes"]
+        predicted = activation_bytes(profile, "fp32", POLICIES[name])
+        assert measured <= predicted, f"{name}: measured {measured} > predicted {predicted}"
+        if name == "keep":
+            assert measured == predicted
+
+
+def test_user_checkpointing_recorded_and_overridable():
+    model = tiny_model("gpt2")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    func = model.transformer.h[0]._gradient_checkpointing_func
+    model, _ = hf_elixir.prepare(model, None, hf_elixir.ElixirConfig(chunk_size_numel=CHUNK))
+    assert hf_elixir.get_state(model).plan.activation_policy == POLICIES["recompute"]
+    assert model.transformer.h[0]._gradient_checkpointing_func is func  # the user's function is kept
+    model = tiny_model("gpt2")
+    model.gradient_checkpointing_enable()
+    model, _ = hf_elixir.prepare(model, None, hf_elixir.ElixirConfig(
+        chunk_size_numel=CHUNK, activation_policy={"transformer.h.1": "keep"}))
+    assert hf_elixir.get_state(model).plan.activation_policy == {"transformer.h.0": "recompute",
+                                                                  "transformer.h.1": "keep"}
+    assert model.transformer.h[0].gradient_checkpointing and not model.transformer.h[1].gradient_checkpointing

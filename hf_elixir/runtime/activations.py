@@ -72,11 +72,12 @@ def transformer_blocks(model: torch.nn.Module) -> list[str]:
 
 
 def resolve_activation_policy(blocks: list[str], plan_policy: dict[str, str], checkpointing: bool,
-                              user_policy=None) -> dict[str, str]:
+                              user_policy=None, already_recomputed: frozenset[str] = frozenset()) -> dict[str, str]:
     """Every block's policy: the user's (``ElixirConfig.activation_policy``: one policy for every block, or a
     mapping of block-FQN globs to policies, the first matching glob wins) over the plan's
     (``ElixirPlan.activation_policy``) over the plan's uniform switch (``activation_checkpointing``: True
-    means ``"recompute"``, False ``"keep"``).
+    means ``"recompute"``, False ``"keep"``) over the model's own (``already_recomputed``: blocks whose
+    Hugging Face ``gradient_checkpointing`` the user switched on before ``prepare``).
 
     Raises:
         ValueError: a plan entry or a user glob names no block of the model (naming it and the blocks).
@@ -87,8 +88,8 @@ def resolve_activation_policy(blocks: list[str], plan_policy: dict[str, str], ch
     if unknown:
         raise ValueError(f"ElixirPlan.activation_policy names blocks this model lacks: {unknown[:5]}; its blocks are "
                          f"{_short(blocks)}. Re-run the search for this model or fix the plan")
-    default = "recompute" if checkpointing else "keep"
-    out = {b: plan_policy.get(b, default) for b in blocks}
+    out = {b: plan_policy.get(b, "recompute" if checkpointing or b in already_recomputed else "keep")
+           for b in blocks}
     if user_policy is None:
         return out
     if isinstance(user_policy, str):
@@ -122,6 +123,8 @@ def _enable_recompute(block: torch.nn.Module) -> None:
     except ImportError:  # pragma: no cover - transformers is a dependency
         GradientCheckpointingLayer = ()
     if isinstance(block, GradientCheckpointingLayer):
+        if block.gradient_checkpointing:
+            return  # the user's own gradient_checkpointing_enable() already recomputes it: leave their function
         block.gradient_checkpointing = True  # the HF per-layer switch; it also drops the KV cache for the replay
         block._gradient_checkpointing_func = _checkpoint
         return
@@ -225,6 +228,7 @@ class _OffloadedBlock:
         """Copy every tensor of ``call`` still held by autograd back to the device (one batch)."""
         handles = [h() for h in call.handles]
         todo = [h for h in handles if h is not None and h.slot not in call.restored]
+        self.manager.sync_activation_bytes()  # blocks whose backward ended gave their restored tensors back
         if self.stream is not None:
             current = torch.cuda.current_stream(self.manager.compute_device)
             self.stream.wait_stream(current)
@@ -261,6 +265,8 @@ def apply_activation_policy(model: torch.nn.Module, policy: dict[str, str], mana
         block = modules[name]
         if kind == "recompute":
             _enable_recompute(block)
+        elif getattr(block, "gradient_checkpointing", False) is True:
+            block.gradient_checkpointing = False  # the HF switch the user turned on, overridden by this policy
         elif kind == "offload":
             if stream is None and manager.compute_device.type == "cuda":
                 stream = torch.cuda.Stream(manager.compute_device)
