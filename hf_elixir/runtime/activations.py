@@ -150,20 +150,27 @@ class _Delegated:
 
 
 class _Offloaded:
-    """One saved tensor's host copy; ``slot`` indexes the block call's restored tensors."""
+    """One saved tensor: the host copy it comes back from (the whole device buffer, shared by every view of
+    it the block saved, or a copy of this tensor alone), its ``(shape, stride, offset)`` in that copy, and
+    ``slot``, its index among the block call's restored tensors."""
 
-    __slots__ = ("host", "device", "call", "slot", "__weakref__")
+    __slots__ = ("host", "layout", "call", "slot", "__weakref__")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, call: "_BlockCall", slot: int) -> None:
-        self.host, self.device, self.call, self.slot = host, device, call, slot
+    def __init__(self, host: torch.Tensor, layout: tuple, call: "_BlockCall", slot: int) -> None:
+        self.host, self.layout, self.call, self.slot = host, layout, call, slot
 
 
 class _BlockCall:
-    """The tensors one forward call of an offloaded block saved (weakly: autograd owns the handles)."""
+    """The tensors one forward call of an offloaded block saved (weakly: autograd owns the handles).
+
+    ``copies`` finds the host copy of a device buffer saved twice (two ops saving one tensor, or two views of
+    it): keyed by the device storage, held weakly, so a freed buffer whose memory a new tensor reuses is never
+    mistaken for it."""
 
     def __init__(self) -> None:
         self.handles: list[weakref.ref] = []
         self.restored: dict[int, torch.Tensor] = {}
+        self.copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _OffloadedBlock:
@@ -201,7 +208,26 @@ class _OffloadedBlock:
     def _pack(self, outer_pack, call: _BlockCall, tensor: torch.Tensor):
         if not self._offloadable(tensor):
             return _Delegated(outer_pack(tensor))
-        nbytes = tensor.numel() * tensor.element_size()
+        storage, itemsize = tensor.untyped_storage(), tensor.element_size()
+        nbytes = tensor.numel() * itemsize
+        # a view of a buffer not much larger than itself shares one copy of the whole buffer with the other
+        # views saved from it; a small view of a large buffer is copied alone
+        whole = storage.nbytes() <= 2 * nbytes and storage.nbytes() % itemsize == 0
+        key = (tensor.dtype,) if whole else (tensor.dtype, tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        known = call.copies.setdefault(storage, {})
+        host = known.get(key)
+        if host is None:
+            with torch.no_grad():
+                source = tensor.detach().as_strided((storage.nbytes() // itemsize,), (1,), 0) if whole else tensor
+                host = known[key] = self._copy_out(source)
+        layout = (tuple(tensor.shape), tensor.stride(), tensor.storage_offset()) if whole else \
+            (tuple(tensor.shape), host.stride(), 0)
+        handle = _Offloaded(host, layout, call, len(call.handles))
+        call.handles.append(weakref.ref(handle))
+        return handle
+
+    def _copy_out(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``tensor``, counted in ``d2h_bytes`` ([Note: activation offload])."""
         if self.stream is not None:  # CUDA: pinned, non-blocking, on the activation stream
             self.stream.wait_stream(torch.cuda.current_stream(tensor.device))
             with torch.cuda.stream(self.stream):
@@ -211,10 +237,8 @@ class _OffloadedBlock:
             tensor.record_stream(self.stream)
         else:
             host = strict.to_host(tensor)
-        self.manager.counters.d2h_bytes += nbytes
-        handle = _Offloaded(host, tensor.device, call, len(call.handles))
-        call.handles.append(weakref.ref(handle))
-        return handle
+        self.manager.counters.d2h_bytes += host.numel() * host.element_size()
+        return host
 
     def _unpack(self, outer_unpack, packed):
         if isinstance(packed, _Delegated):
@@ -229,24 +253,28 @@ class _OffloadedBlock:
         handles = [h() for h in call.handles]
         todo = [h for h in handles if h is not None and h.slot not in call.restored]
         self.manager.sync_activation_bytes()  # blocks whose backward ended gave their restored tensors back
+        hosts = list({id(h.host): h.host for h in todo}.values())  # a shared host copy comes back once
         if self.stream is not None:
             current = torch.cuda.current_stream(self.manager.compute_device)
             self.stream.wait_stream(current)
             with torch.cuda.stream(self.stream):
-                copies = [self._copy_back(h, non_blocking=True) for h in todo]
+                copies = [self._copy_back(host, non_blocking=True) for host in hosts]
             current.wait_stream(self.stream)
             for restored in copies:
                 restored.record_stream(current)
         else:
-            copies = [self._copy_back(h, non_blocking=False) for h in todo]
-        for handle, restored in zip(todo, copies):
+            copies = [self._copy_back(host, non_blocking=False) for host in hosts]
+        back = {id(host): restored for host, restored in zip(hosts, copies)}
+        for restored in copies:
             self.manager._pack_saved(restored)  # charged while autograd holds it ([Note: activation offload])
-            call.restored[handle.slot] = restored
+        for handle in todo:
+            shape, stride, offset = handle.layout
+            call.restored[handle.slot] = back[id(handle.host)].as_strided(shape, stride, offset)
 
-    def _copy_back(self, handle: _Offloaded, non_blocking: bool) -> torch.Tensor:
-        out = torch.empty(handle.host.shape, dtype=handle.host.dtype, device=handle.device)
+    def _copy_back(self, host: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+        out = torch.empty(host.shape, dtype=host.dtype, device=self.manager.compute_device)
         with strict.host_copies():
-            out.copy_(handle.host, non_blocking=non_blocking)
+            out.copy_(host, non_blocking=non_blocking)
         self.manager.counters.h2d_bytes += out.numel() * out.element_size()
         return out
 
