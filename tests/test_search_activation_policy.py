@@ -144,3 +144,15 @@ def test_searched_policy_runs_in_prepare():
     assert hf_elixir.get_state(model).plan.activation_policy == result.plan.activation_policy
     opt.backward(model(**sample).loss)
     opt.step()
+
+
+def test_search_auto_prices_the_users_policy():
+    model = tiny_model("gpt2")
+    model, opt = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters()), hf_elixir.ElixirConfig(
+        search="auto", chunk_size_numel=8192, activation_policy={"transformer.h.1": "offload"}),
+        sample_batch=batch("gpt2", 0, 2))
+    plan = hf_elixir.get_state(model).plan
+    assert plan.activation_policy == {"transformer.h.0": "keep", "transformer.h.1": "offload"}
+    assert any("offload 1/2" in r for r in plan.reasons)  # the search priced that policy
+    opt.backward(model(**batch("gpt2", 1, 2)).loss)
+    opt.step()
