@@ -1,6 +1,6 @@
 """Cost model and search of the block-wise activation policy (issue 14 item 3; [Note: activation policy] in
-``hf_elixir/search/_cost.py``): memory and time of keep / recompute / offload per block, the search choosing a
-non-keep policy only when the budget forces it, and ``hf-elixir plan`` printing the policy per block."""
+``hf_elixir/search/_activation_cost.py``): memory and time of keep / recompute / offload per block, the search
+choosing a non-keep policy only when the budget forces it, and ``hf-elixir plan`` printing the policy per block."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from hf_elixir.plan import ElixirPlan
 from hf_elixir.profiler import HardwareProfile, profile_step
 from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
 from hf_elixir.search import build_chunked_step, predict, search
-from hf_elixir.search._cost import Knobs, activation_bytes, profile_blocks
+from hf_elixir.search._activation_cost import activation_bytes, profile_blocks
+from hf_elixir.search._cost import Knobs
 from tests._models import batch, tiny_model
 
 GIB = 2**30

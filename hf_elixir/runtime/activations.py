@@ -14,7 +14,7 @@ OPT's ``model.decoder.layers.<i>``, Switch's ``encoder.block.<i>``), the same bl
   (``torch.autograd.graph.saved_tensors_hooks`` entered by the block's forward pre-hook, left by its forward
   hook) and copied back when its backward first needs one of them (:class:`_OffloadedBlock`).
 
-[Note: activation offload] What the runtime does, and what the cost model (``search/_cost.py``,
+[Note: activation offload] What the runtime does, and what the cost model (``search/_activation_cost.py``,
 [Note: activation policy]) prices:
 
 * forward: each saved device tensor (not a chunk's storage: parameters are re-gathered, not offloaded) is
@@ -179,8 +179,7 @@ class _OffloadedBlock:
 
     def __init__(self, name: str, manager: ChunkManager, stream) -> None:
         self.name, self.manager, self.stream = name, manager, stream
-        self._contexts: list = []
-        self._call: _BlockCall | None = None
+        self._contexts: list = []  # one per call in flight (None: a call with nothing to offload)
 
     # forward pre-/post-hooks: enter and leave the saved-tensors context around the block's forward
     def enter(self, module, args) -> None:
@@ -189,9 +188,8 @@ class _OffloadedBlock:
             return
         outer = _active_saved_tensors_hooks()
         outer_pack, outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
-        self._call = _BlockCall()
         context = torch.autograd.graph.saved_tensors_hooks(
-            functools.partial(self._pack, outer_pack, self._call), functools.partial(self._unpack, outer_unpack))
+            functools.partial(self._pack, outer_pack, _BlockCall()), functools.partial(self._unpack, outer_unpack))
         context.__enter__()
         self._contexts.append(context)
 
@@ -213,7 +211,8 @@ class _OffloadedBlock:
         # a view of a buffer not much larger than itself shares one copy of the whole buffer with the other
         # views saved from it; a small view of a large buffer is copied alone
         whole = storage.nbytes() <= 2 * nbytes and storage.nbytes() % itemsize == 0
-        key = (tensor.dtype,) if whole else (tensor.dtype, tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        key = (tensor.dtype,) if whole else (tensor.dtype, tensor.storage_offset(), tuple(tensor.shape),
+                                             tensor.stride())
         known = call.copies.setdefault(storage, {})
         host = known.get(key)
         if host is None:

@@ -58,20 +58,9 @@ on CPU everything is serial. See [Note: overlap] for exactly what overlaps.
 * the optimizer step starts after backward ends, updates the host shards (``ElixirOptimizer._inner_step``)
   and then the device shards (``_fused_step``): ``host + device``, never ``max(host, device)``.
 
-[Note: activation policy] Each profiled block (``profile_blocks``) keeps, recomputes or offloads its saved
-activations (``ChunkedStep.activation_policy``; the runtime is ``hf_elixir/runtime/activations.py``):
-
-* memory (:func:`activation_bytes`): the profiled peak less the activations of every non-keep block, plus the
-  inputs a recomputed block keeps, plus the largest non-keep block (recomputed, or copied back, in backward);
-* recompute: the block's forward events run again right before its backward (:func:`_checkpointed_events`),
-  chunks unsharded again for them as the runtime's pre-forward hooks do inside backward;
-* offload: the block's bytes go device->host once per step and come back once, each at the host<->device
-  rate. The runtime copies each tensor as autograd saves it; the model prices the block's copy as one
-  transfer issued when its last forward event starts. Where copies overlap compute (CUDA,
-  ``hardware.can_overlap``) that transfer runs on the activation stream while compute goes on; the copy back
-  blocks the block's first backward event (the runtime onloads the block's tensors at their first unpack,
-  then the compute stream waits: no look-ahead), and the end of backward joins that stream. Off CUDA both
-  copies are serial with compute. The bytes live on the host from forward to backward (``host_bytes``).
+[Note: activation policy] in ``_activation_cost.py``: what keep / recompute / offload per block cost in
+memory and time; :func:`predict` adds the offload copies it lists (``ChunkedStep.offload_after`` /
+``offload_before``).
 
 Issue 14 changes this: when all-gathers are prefetched on a side stream (an async collective ahead of use),
 the ``collective`` branch in :func:`predict` joins the copy-stream branch; when the host optimizer runs
@@ -85,12 +74,11 @@ from dataclasses import dataclass, field
 
 from hf_elixir.chunk import pack_chunks
 from hf_elixir.profiler import HardwareProfile, StepProfile
-from hf_elixir.runtime.activations import outermost
+from hf_elixir.search._activation_cost import (DTYPE_BYTES, checkpointed_events, offload_events,
+                                               activation_bytes, profile_blocks, resolve_policy)
 
 __all__ = ["ChunkedStep", "Knobs", "Prediction", "activation_bytes", "build_chunked_step", "predict", "profile_blocks",
            "resolve_policy"]
-
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 _INF = float("inf")
@@ -193,93 +181,6 @@ class ChunkedStep:
         return max(pairs) + self.grad_peak_bytes + staging
 
 
-def profile_blocks(profile: StepProfile) -> list[str]:
-    """The profile's outermost repeated blocks (``block_activation_bytes``; the runtime's
-    ``hf_elixir.runtime.activations.transformer_blocks``), in the order the forward first enters them."""
-    blocks = outermost(sorted(profile.block_activation_bytes))
-    first: dict[str, int] = {}
-    for k, e in enumerate(profile.events):
-        if e.phase == "fwd":
-            b = _block_of(e.module, blocks)
-            if b is not None:
-                first.setdefault(b, k)
-    never = len(profile.events)
-    return sorted(blocks, key=lambda b: (first.get(b, never), [int(p) if p.isdigit() else 0 for p in b.split(".")], b))
-
-
-def _block_of(module: str, blocks) -> str | None:
-    for b in blocks:
-        if module == b or module.startswith(b + "."):
-            return b
-    return None
-
-
-def resolve_policy(profile: StepProfile, policy: dict[str, str] | bool | None) -> dict[str, str]:
-    """Every profiled block's policy: ``policy`` as a mapping (blocks it does not name: ``"keep"``), or the
-    uniform switch of older callers (``True``: every block ``"recompute"``)."""
-    blocks = profile_blocks(profile)
-    if isinstance(policy, dict):
-        return {b: policy.get(b, "keep") for b in blocks}
-    return {b: "recompute" if policy else "keep" for b in blocks}
-
-
-def _checkpointed_events(profile: StepProfile, recompute: set[str] | None = None) -> list:
-    """Insert each recomputed block's forward accesses again before its backward (what non-reentrant
-    activation checkpointing re-runs); ``recompute`` = every outermost block when ``None``."""
-    outer = profile_blocks(profile) if recompute is None else [b for b in profile_blocks(profile) if b in recompute]
-    fwd_by_block: dict[str, list] = {}
-    for e in profile.events:
-        if e.phase == "fwd":
-            b = _block_of(e.module, outer)
-            if b is not None:
-                fwd_by_block.setdefault(b, []).append(e)
-    out = []
-    recomputed: set[str] = set()
-    for e in profile.events:
-        b = _block_of(e.module, outer) if e.phase == "bwd" else None
-        if b is not None and b not in recomputed:
-            recomputed.add(b)
-            out += [type(x)(phase="bwd", module=x.module, params=x.params, compute_s=x.compute_s, flops=x.flops)
-                    for x in fwd_by_block.get(b, [])]
-        out.append(e)
-    return out
-
-
-def activation_bytes(profile: StepProfile, precision: str, checkpointing: bool | dict[str, str]) -> int:
-    """Activation peak (bytes) at ``precision`` under a block policy (``checkpointing``: a block -> policy
-    mapping, or ``True`` for every block recomputed). A recomputed block keeps only its inputs; an offloaded
-    block keeps nothing on the device; while one of them is recomputed or copied back in backward its whole
-    activations are there again (the largest such block is added)."""
-    scale = DTYPE_BYTES[precision] / max(1, profile.activation_dtype_bytes)
-    peak = profile.activation_peak_bytes
-    policy = resolve_policy(profile, checkpointing)
-    moved = [b for b, kind in policy.items() if kind != "keep"]
-    if moved:
-        inside = sum(profile.block_activation_bytes[b] for b in moved)
-        kept = sum(profile.block_input_bytes.get(b, 0) for b in moved if policy[b] == "recompute")
-        peak = peak - inside + kept + max(profile.block_activation_bytes[b] for b in moved)
-    return int(peak * scale)
-
-
-def _offload_events(profile: StepProfile, events: list, policy: dict[str, str],
-                    precision: str) -> tuple[dict[int, int], dict[int, int]]:
-    """``(after, before)``: event index -> activation bytes an offloaded block copies to the host after its
-    last forward event, and back before its first backward event ([Note: activation offload] in
-    ``hf_elixir/runtime/activations.py``)."""
-    scale = DTYPE_BYTES[precision] / max(1, profile.activation_dtype_bytes)
-    offloaded = [b for b, kind in policy.items() if kind == "offload"]
-    after: dict[int, int] = {}
-    before: dict[int, int] = {}
-    for b in offloaded:
-        nbytes = int(profile.block_activation_bytes[b] * scale)
-        fwd = [k for k, e in enumerate(events) if e.phase == "fwd" and _block_of(e.module, [b])]
-        bwd = [k for k, e in enumerate(events) if e.phase == "bwd" and _block_of(e.module, [b])]
-        if fwd and bwd:
-            after[fwd[-1]] = after.get(fwd[-1], 0) + nbytes
-            before[bwd[0]] = before.get(bwd[0], 0) + nbytes
-    return after, before
-
-
 def _event_seconds(profile: StepProfile, events: list, hardware: HardwareProfile, precision: str) -> list[float]:
     """Per-event compute seconds: measured (rescaled per phase to the untraced step time) when the
     profile ran on this kind of device, else counted FLOPs at the device's matmul rate
@@ -332,7 +233,7 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
     chunk_of = {m: c for c, members in enumerate(layout.members) for m in members}
     policy = resolve_policy(profile, activation_policy if activation_policy is not None else activation_checkpointing)
     recompute = {b for b, kind in policy.items() if kind == "recompute"}
-    events = _checkpointed_events(profile, recompute) if recompute else list(profile.events)
+    events = checkpointed_events(profile, recompute) if recompute else list(profile.events)
     groups: list[tuple[int, ...]] = []
     for e in events:
         ids: list[int] = []
@@ -398,7 +299,7 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
         views=views, activation_bytes=activation_bytes(profile, precision, policy),
         activation_checkpointing=bool(policy) and len(recompute) == len(policy), optim_states=optim_states,
         grad_elem_bytes=grad_elem_bytes, replicate_world_size=replicate_world_size, activation_policy=policy,
-        **dict(zip(("offload_after", "offload_before"), _offload_events(profile, events, policy, precision))),
+        **dict(zip(("offload_after", "offload_before"), offload_events(profile, events, policy, precision))),
     )
 
 

@@ -3,7 +3,7 @@
 For each of the best few chunk sizes (:func:`search_chunk_size`) and each block-wise activation policy of a
 small grid (only when activations live on the device: every block kept, or the first ``k`` blocks in forward
 order recomputed or offloaded and the rest kept, for a few ``k``; ProTrain, arXiv 2406.08334, and
-[Note: activation policy] in ``_cost.py``), the search walks a finite grid over
+[Note: activation policy] in ``_activation_cost.py``), the search walks a finite grid over
 
 * how many chunks stay resident (chunks ranked by how often the step uses them, first-use order on ties),
 * how many cache blocks the other chunks borrow (from the fewest one module needs up to all of them),
@@ -40,6 +40,7 @@ from hf_elixir.plan import ElixirPlan, policy_summary
 from hf_elixir.profiler import HardwareProfile, StepProfile, profile_step
 from hf_elixir.runtime.activations import resolve_activation_policy
 from hf_elixir.search._chunk_size import search_chunk_size
+from hf_elixir.search._activation_cost import moved_kind, policy_grid
 from hf_elixir.search._cost import (DTYPE_BYTES, ChunkedStep, Knobs, Prediction, build_chunked_step,
                                     fixed_memory, optim_bytes_per_numel, predict, profile_blocks)
 
@@ -65,7 +66,8 @@ class Candidate:
         return (f"{self.data_parallel} chunk={self.chunk_size_numel} resident={len(k.resident)} "
                 f"cache_blocks={k.cache_blocks} "
                 f"device_shards={len(k.device_shard)} device_optim={len(k.device_optim)} "
-                f"prefetch={k.prefetch_depth} host_copies={k.host_copies} act={policy_summary(self.activation_policy)}: "
+                f"prefetch={k.prefetch_depth} host_copies={k.host_copies} "
+                f"act={policy_summary(self.activation_policy)}: "
                 f"{self.prediction.step_s:.4g} s, {self.prediction.device_peak_bytes / 2**30:.3g} GiB")
 
 
@@ -214,32 +216,6 @@ def _search_replicated(step: ChunkedStep, hardware: HardwareProfile, pool_bytes:
     return found, len(seen)
 
 
-def _policy_grid(profile: StepProfile, activations_on_device: bool, activation_checkpointing: bool | None,
-                 activation_policy: dict[str, str] | str | None) -> list[dict[str, str] | None]:
-    """The activation policies to price ([Note: activation policy] in ``_cost.py``), least memory-saving
-    first: the caller's (a block mapping, one policy for every block, or the uniform
-    ``activation_checkpointing``); else, when activations count in the budget, every block kept, then the
-    first ``k`` blocks (in forward order) recomputed or offloaded and the rest kept, for a few ``k`` up to
-    every block. ``None`` stands for ``activation_checkpointing`` alone (no blocks profiled)."""
-    blocks = profile_blocks(profile)
-    if isinstance(activation_policy, str):
-        return [{b: activation_policy for b in blocks}]
-    if isinstance(activation_policy, dict):
-        return [{b: activation_policy.get(b, "keep") for b in blocks}]
-    if activation_checkpointing is not None or not activations_on_device or not blocks:
-        return [None]
-    grid: list[dict[str, str] | None] = [{b: "keep" for b in blocks}]
-    for k in _spread(1, len(blocks), 3):
-        for kind in ("offload", "recompute"):
-            grid.append({b: kind if i < k else "keep" for i, b in enumerate(blocks)})
-    return grid
-
-
-def _moved_kind(policy: dict[str, str] | None) -> str:
-    """``"keep"`` for a policy that moves no block, else its (first) non-keep kind."""
-    return next((v for v in (policy or {}).values() if v != "keep"), "keep")
-
-
 def _memory_not_binding(step: ChunkedStep, cand: Candidate) -> bool:
     """Every chunk resident with its optimizer state on the device: more memory buys nothing."""
     trained = {c for c in range(step.num_chunks) if step.trained_numels[c]}
@@ -344,7 +320,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     b = DTYPE_BYTES[precision]
     if prefetch_depths is None:
         prefetch_depths = (0, 1, 2) if hardware.can_overlap else (0,)
-    policies = _policy_grid(profile, activations_on_device, activation_checkpointing, activation_policy)
+    policies = policy_grid(profile, activations_on_device, activation_checkpointing, activation_policy)
     host_limit = host_memory_bytes if host_memory_bytes is not None else (hardware.host_total_bytes or None)
     per_host = _ranks_per_host(world_size, ranks_per_host)
     found: list[Candidate] = []
@@ -357,7 +333,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         for size in sizes:
             settled: set[str] = set()  # policy kinds whose fewer moved blocks already leave memory unbound
             for policy in policies:
-                kind = _moved_kind(policy)
+                kind = moved_kind(policy)
                 if kind in settled or "keep" in settled:
                     continue
                 step = build_chunked_step(profile, size, world_size=world_size, precision=precision,
@@ -517,7 +493,7 @@ def search_plan(model_or_profile: Any, hardware: HardwareProfile, *, world_size:
             block recomputed / kept), ``activation_policy`` (a block -> ``"keep" | "recompute" | "offload"``
             mapping, or one policy for every block; with neither, and activations on the device, the search
             prices every block kept and the first ``k`` blocks recomputed or offloaded, see
-            ``_policy_grid``),
+            ``policy_grid`` in ``_activation_cost.py``),
             ``chunk_size_numel`` (``None``: search it), ``num_chunk_sizes``, ``grid_points``,
             ``prefetch_depths``, ``host_memory_bytes`` (host RAM per machine, bytes; default the hardware's
             ``host_total_bytes``: candidates whose host bytes times ``ranks_per_host`` exceed it are
