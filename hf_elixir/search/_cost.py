@@ -74,8 +74,8 @@ from dataclasses import dataclass, field
 
 from hf_elixir.chunk import pack_chunks
 from hf_elixir.profiler import HardwareProfile, StepProfile
-from hf_elixir.search._activation_cost import (DTYPE_BYTES, checkpointed_events, offload_events,
-                                               activation_bytes, profile_blocks, resolve_policy)
+from hf_elixir.search._activation_cost import (DTYPE_BYTES, activation_bytes, checkpointed_events, offload_events,
+                                               profile_blocks, resolve_policy)
 
 __all__ = ["ChunkedStep", "Knobs", "Prediction", "activation_bytes", "build_chunked_step", "predict", "profile_blocks",
            "resolve_policy"]
@@ -297,7 +297,8 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
         event_compute_s=_event_seconds(profile, events, hardware, precision), event_phase=[e.phase for e in events],
         grad_arrive=grad_arrive, grad_reduce=grad_reduce, grad_peak_bytes=peak, accesses=accesses,
         views=views, activation_bytes=activation_bytes(profile, precision, policy),
-        activation_checkpointing=bool(policy) and len(recompute) == len(policy), optim_states=optim_states,
+        activation_checkpointing=len(recompute) == len(policy) if policy else activation_checkpointing,
+        optim_states=optim_states,
         grad_elem_bytes=grad_elem_bytes, replicate_world_size=replicate_world_size, activation_policy=policy,
         **dict(zip(("offload_after", "offload_before"), offload_events(profile, events, policy, precision))),
     )
