@@ -53,6 +53,7 @@ from hf_elixir.placement._plan_check import check_plan, check_plan_placements, l
 from hf_elixir.plan import ElixirPlan
 from hf_elixir.profiler._hardware import register_prepare
 from hf_elixir.runtime._rollback import ModelSnapshot
+from hf_elixir.runtime.activations import apply_activation_policy, resolve_activation_policy, transformer_blocks
 from hf_elixir.runtime._state import (ElixirState, attach_state, check_unclaimed, claim_parameters, get_state,
                                       is_prepared, memory_stats, reset_memory_stats)
 from hf_elixir.runtime.guards import install_guards
@@ -299,6 +300,22 @@ class _Layout:
     chunk_size: int
     world_size: int
     reasons: list[str]
+    activation_policy: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _activation_policy(model, plan: ElixirPlan | None, config: ElixirConfig) -> dict[str, str]:
+    """Each transformer block's activation policy (``runtime/activations.py``): the config's over the plan's.
+
+    Raises:
+        ValueError: a plan entry or a config glob names no block of ``model``.
+    """
+    blocks = transformer_blocks(model)
+    modules = dict(model.named_modules())
+    own = frozenset(b for b in blocks if getattr(modules[b], "gradient_checkpointing", False) is True)
+    if plan is None:
+        return resolve_activation_policy(blocks, {}, False, config.activation_policy, own)
+    return resolve_activation_policy(blocks, plan.activation_policy, plan.activation_checkpointing,
+                                     config.activation_policy, own)
 
 
 def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params) -> _Layout:
@@ -356,7 +373,8 @@ def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params
     if get_parallel_state(model) is None:  # a mesh's ranks hold different chunks: placed from agreed inputs
         _agree_placements(chunks, agree_group, device)
     return _Layout(config, plan, manager, params, placements, chunk_size, world_size,
-                   ([placement_reason] if placement_reason else []) + reasons)
+                   ([placement_reason] if placement_reason else []) + reasons,
+                   _activation_policy(model, plan, config))
 
 
 def _apply_layout(model, optimizer, names, layout: _Layout, stream: StreamedInit | None):
@@ -377,12 +395,18 @@ def _apply_layout(model, optimizer, names, layout: _Layout, stream: StreamedInit
         prefetch_depth=manager.prefetch_depth, reasons=layout.reasons)
     if not plan.placements:
         plan = dataclasses.replace(plan, placements=layout.placements)
+    if layout.activation_policy:  # the plan records what runs, block by block
+        plan = dataclasses.replace(plan, activation_policy=dict(layout.activation_policy))
     state = ElixirState(manager=manager, handles=handles, config=config, plan=plan)
     if optimizer is not None:
         state.optimizer = ElixirOptimizer(optimizer, manager, config)
     install_state_dict_hooks(model, manager, on_loaded=(
         state.optimizer.sync_masters_from_params if state.optimizer is not None else (lambda: None)))
-    if plan.activation_checkpointing:
+    if layout.activation_policy:
+        removables = apply_activation_policy(model, layout.activation_policy, manager)
+        if handles:  # removed with the other hooks
+            handles[0].removables += removables
+    elif plan.activation_checkpointing:  # a model without repeated blocks: the model's own switch
         _enable_activation_checkpointing(model)
     attach_state(model, state)
     claim_parameters(layout.params, model)

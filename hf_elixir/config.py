@@ -175,6 +175,14 @@ class ElixirConfig:
             `hf_elixir.parallel.parallelize` treat `"auto"` as `"sharded"`.
         tensor_parallel_size / expert_parallel_size (`int`, defaults to 1):
             Sizes of the tensor-parallel / expert-parallel mesh axes.
+        activation_policy (`str` or `dict[str, str]`, *optional*):
+            What each transformer block (an outermost child of an `nn.ModuleList`, e.g. `"transformer.h.3"`) does
+            with the activations autograd saves for backward: `"keep"` (on the device), `"recompute"` (activation
+            checkpointing of that block, non-reentrant) or `"offload"` (to host memory in forward, back in
+            backward). One string applies to every block; a dict maps block-name globs (`"transformer.h.*"`) to
+            policies, the first matching glob wins and unmatched blocks follow the plan. `None`: the plan's
+            policy (`ElixirPlan.activation_policy`), else every block `"keep"`. A glob that matches no block
+            raises at `prepare`.
         loss_scale (`LossScalePolicy`): dynamic loss-scale settings (fp16 only).
         process_group: data-parallel `torch.distributed` group; `None` = the default world group.
 
@@ -202,6 +210,7 @@ class ElixirConfig:
     default_placement: str = "auto"
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
+    activation_policy: str | Mapping[str, str] | None = None
     loss_scale: LossScalePolicy = field(default_factory=LossScalePolicy)
     process_group: Any = None
 
@@ -277,6 +286,7 @@ class ElixirConfig:
                 f"ElixirConfig.default_placement={self.default_placement!r} must be one of {_DEFAULT_PLACEMENTS}."
                 f"{_closest(str(self.default_placement), list(_DEFAULT_PLACEMENTS))}"
             )
+        self._check_activation_policy()
         for name in ("tensor_parallel_size", "expert_parallel_size"):
             value = getattr(self, name)
             _check_type(name, value, (int,), "give a whole number >= 1")
@@ -292,6 +302,29 @@ class ElixirConfig:
             raise TypeError(f"ElixirConfig.process_group={self.process_group!r} must be a torch.distributed "
                             "process group (e.g. torch.distributed.new_group(ranks)) or None for the default "
                             "group; the backend (nccl / gloo) is chosen at init_process_group")
+
+    def _check_activation_policy(self) -> None:
+        from hf_elixir.plan import ACTIVATION_POLICIES  # noqa: PLC0415 (plan.py imports nothing from here)
+
+        policy = self.activation_policy
+        if policy is None:
+            return
+        if isinstance(policy, str):
+            if policy not in ACTIVATION_POLICIES:
+                raise ValueError(f"ElixirConfig.activation_policy={policy!r} is not a policy; use one of "
+                                 f"{ACTIVATION_POLICIES} or a dict of block-name glob -> policy."
+                                 f"{_closest(policy, list(ACTIVATION_POLICIES))}")
+            return
+        if not isinstance(policy, Mapping):
+            raise TypeError(f"ElixirConfig.activation_policy={policy!r} has type {type(policy).__name__}; give one of "
+                            f"{ACTIVATION_POLICIES}, a dict of block-name glob -> policy, or None")
+        for pattern, value in policy.items():
+            if not isinstance(pattern, str):
+                raise TypeError(f"ElixirConfig.activation_policy key {pattern!r} must be a block-name glob (str), "
+                                "e.g. 'transformer.h.*'")
+            if value not in ACTIVATION_POLICIES:
+                raise ValueError(f"ElixirConfig.activation_policy[{pattern!r}]={value!r} is not a policy; use one of "
+                                 f"{ACTIVATION_POLICIES}.{_closest(str(value), list(ACTIVATION_POLICIES))}")
 
     def _check_plan_field(self) -> None:
         from hf_elixir.plan import ElixirPlan  # noqa: PLC0415 (plan.py imports nothing from here)

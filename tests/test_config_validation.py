@@ -53,6 +53,11 @@ CONFIG_CASES = [
     ("loss_scale", {"init_scal": 2.0}, ValueError, "loss_scale: unknown LossScalePolicy key 'init_scal'. Did you mean"),
     ("device_memory_budget_bytes", "lots", ValueError, "device_memory_budget_bytes: cannot read 'lots' as a size"),
     ("precision", "BF16", ValueError, "precision='BF16' is not supported.*Did you mean 'bf16'"),
+    ("activation_policy", "swap", ValueError, "activation_policy='swap' is not a policy; use one of"),
+    ("activation_policy", {"transformer.h.*": "ofload"}, ValueError,
+     "activation_policy\\['transformer.h.\\*'\\]='ofload' is not a policy.*Did you mean 'offload'"),
+    ("activation_policy", ["keep"], TypeError, "activation_policy=\\['keep'\\] has type list"),
+    ("activation_policy", {0: "keep"}, TypeError, "activation_policy key 0 must be a block-name glob"),
 ]
 
 
@@ -111,6 +116,9 @@ PLAN_CASES = [
     ("host_copy_chunks", [True], ValueError, "host_copy_chunks=\\[True\\] must be a list of chunk ids"),
     ("prefetch_depth", -1, ValueError, "prefetch_depth=-1 must be >= 0"),
     ("activation_checkpointing", "yes", TypeError, "activation_checkpointing='yes' has type str"),
+    ("activation_policy", {"transformer.h.0": "swap"}, ValueError,
+     "activation_policy\\['transformer.h.0'\\]='swap' must map a block name"),
+    ("activation_policy", "offload", TypeError, "activation_policy='offload' has type str"),
     ("placements", {"h.0": "zero3"}, ValueError, "placements\\['h.0'\\]='zero3' must map"),
     ("predicted_step_s", -1.0, ValueError, "predicted_step_s=-1.0 must be >= 0"),
     ("predicted_peak_device_bytes", "1G", TypeError, "predicted_peak_device_bytes='1G' has type str"),
