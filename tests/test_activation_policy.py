@@ -55,7 +55,7 @@ def _elixir(rank: int, world_size: int, policy, budget: int | None):
     opt = torch.optim.AdamW(two_groups(model), lr=5e-3)
     model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(
         chunk_size_numel=CHUNK, device_memory_budget_bytes=budget, default_placement="sharded",
-        activation_policy=policy))
+        activation_policy=policy, budget_covers_activations=False))  # the model-data floor: activations outside
     peaks = []
     for step in range(STEPS):
         hf_elixir.reset_memory_stats(model)

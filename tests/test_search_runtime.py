@@ -67,7 +67,7 @@ def test_search_auto_in_prepare_trains_within_budget(kind, monkeypatch, tmp_path
     sample = batch(kind, 0, 4, 16)
     # the budget covers activations (the default): 1.2x the parameters' bytes for model data beside the
     # activations of a checkpointed step and the largest gradient temporary, before the search's 5% margin
-    # (without checkpointing the activations leave no room: the search must turn it on)
+    # (keeping every block's activations leaves no room: the search must recompute or offload some blocks)
     profile = profile_step(tiny_model(kind), sample, repeats=1)
     activation_room = activation_bytes(profile, "fp32", True) + max(profile.param_numels) * 4
     budget = int((_numel(model) * 4 * 1.2 + activation_room) / 0.95)
@@ -86,10 +86,11 @@ def test_search_auto_in_prepare_trains_within_budget(kind, monkeypatch, tmp_path
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 0.1
     stats = hf_elixir.memory_stats(model)
-    assert stats["device_peak_bytes"] <= budget and stats["num_onloads"] > 0
+    assert stats["device_peak_bytes"] <= budget
     # the plan knows the activations it left room for, and model data + activations stayed in the budget
-    assert plan.activation_checkpointing and plan.activation_peak_bytes is not None
-    assert plan.activation_peak_bytes >= activation_room
+    assert any(policy != "keep" for policy in plan.activation_policy.values()), plan.activation_policy
+    assert plan.activation_peak_bytes is not None
+    assert plan.activation_peak_bytes >= stats["activation_peak_bytes"]
     assert stats["activation_peak_bytes"] > 0 and stats["device_total_peak_bytes"] <= budget
 
 
