@@ -304,7 +304,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     limit = int(budget * (1.0 - safety_margin))
     b = DTYPE_BYTES[precision]
     if prefetch_depths is None:
-        prefetch_depths = (0, 1, 2) if hardware.can_overlap else (0,)
+        # local copies overlap on CUDA; all-gathers are issued ahead on any device ([Note: overlap])
+        prefetch_depths = (0, 1, 2) if hardware.can_overlap or world_size > 1 else (0,)
     ckpt_options = [False, True] if activation_checkpointing is None and activations_on_device else \
         [bool(activation_checkpointing)]
     host_limit = host_memory_bytes if host_memory_bytes is not None else (hardware.host_total_bytes or None)
