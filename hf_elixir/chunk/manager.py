@@ -30,6 +30,9 @@ order on every rank, so a rank may issue a gather ahead only where every rank do
   neither does a whole-device budget: their gathers stay in the hooks, where they already agree. Never
   free memory, timing, or whether a collective has finished (waits happen at fixed points: the chunk's
   access, its eviction, the start of backward, the optimizer step);
+* a gather ahead evicts only what the hook of its chunk would evict anyway ([Note: Belady-consistent gather
+  ahead] in :meth:`_kept_until`), so prefetching issues the same gathers as the hooks alone, only earlier
+  (what the cost model assumes);
 * forward only, and within the forward: the window stops where the previous step's forward (micro-batch)
   ended, so no rank issues a gather ahead of the backward's reduce-scatters. Backward gathers (re-gathers
   of evicted chunks without a host copy) are not prefetched;
@@ -193,24 +196,25 @@ class ChunkManager:
         """Give back a tensor :meth:`host_empty` returned (drop every reference to it)."""
         self.host.free(tensor)
 
-    def _next_use(self, chunk: Chunk) -> float:
+    def _next_use(self, chunk: Chunk, after: int | None = None) -> float:
+        """Position of ``chunk``'s next use in the previous step's order after position ``after`` (default:
+        the current one); ``inf`` if none."""
         positions = self.prev_positions.get(chunk.chunk_id)
         if not positions:
             return float("inf")
-        i = bisect.bisect_right(positions, len(self.trace) - 1)
+        i = bisect.bisect_right(positions, len(self.trace) - 1 if after is None else after)
         return positions[i] if i < len(positions) else float("inf")
 
-    def _victim(self, exclude: set[int], free_only: bool = False) -> Chunk | None:
+    def _victim(self, exclude: set[int], beyond: float | None = None) -> Chunk | None:
         """The chunk to evict: Belady (farthest next use in the previous step's order), else LRU.
 
         Args:
             exclude: chunk ids that must stay.
-            free_only: only chunks whose eviction costs no later refill: stale ones (they must be
-                refilled anyway) and ones not used again in the previous step's order.
+            beyond: only chunks whose next use comes after this position.
         """
         candidates = [c for c in self.chunks if c.evictable and c.chunk_id not in exclude]
-        if free_only:
-            candidates = [c for c in candidates if c.needs_fill() or self._next_use(c) == float("inf")]
+        if beyond is not None:
+            candidates = [c for c in candidates if self._next_use(c) > beyond]
         if not candidates:
             return None
         if self.prev_trace:
@@ -320,8 +324,7 @@ class ChunkManager:
                 continue  # not this forward's, or not allowed (see [Note: gather prefetch])
             need = chunk.fill_bytes_needed()
             while not self.pool.fits(need):
-                # a gather ahead evicts only what costs no second gather later (the cost model's rule)
-                victim = self._victim(keep, free_only=collective)
+                victim = self._victim(keep, beyond=self._kept_until(keep, index) if collective else None)
                 if victim is None or self._next_use(victim) <= self._next_use(chunk):
                     return  # prefetching would evict something needed sooner: stop
                 victim.reshard()
@@ -331,6 +334,14 @@ class ChunkManager:
                 self.counters.num_prefetched_gathers += 1
             if chunk.pending_gather is not None:
                 self._pending_gathers.append(chunk)
+
+    def _kept_until(self, keep: set[int], index: int) -> float:
+        """[Note: Belady-consistent gather ahead] A gather issued ahead for the chunk used at position ``index``
+        of the previous step's order may evict only a chunk used after every chunk in ``keep`` (pinned now or
+        used before ``index``) is next used after ``index``: when the hook at ``index`` makes room, that chunk
+        is Belady's first victim anyway (nothing in forward frees memory in between), so issuing the gather
+        early evicts what the hook would, and adds no all-gather. Returns that position."""
+        return max(self._next_use(self.chunks[cid], after=index) for cid in keep)
 
     def gather_prefetch_allowed(self) -> bool:
         """Whether all-gathers may be issued ahead now ([Note: gather prefetch]): in a forward, with a
