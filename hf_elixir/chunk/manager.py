@@ -323,8 +323,9 @@ class ChunkManager:
             if collective and index >= gather_end:
                 continue  # not this forward's, or not allowed (see [Note: gather prefetch])
             need = chunk.fill_bytes_needed()
+            beyond = self._kept_until(keep, index) if collective and not self.pool.fits(need) else None
             while not self.pool.fits(need):
-                victim = self._victim(keep, beyond=self._kept_until(keep, index) if collective else None)
+                victim = self._victim(keep, beyond=beyond)
                 if victim is None or self._next_use(victim) <= self._next_use(chunk):
                     return  # prefetching would evict something needed sooner: stop
                 victim.reshard()
@@ -337,10 +338,11 @@ class ChunkManager:
 
     def _kept_until(self, keep: set[int], index: int) -> float:
         """[Note: Belady-consistent gather ahead] A gather issued ahead for the chunk used at position ``index``
-        of the previous step's order may evict only a chunk used after every chunk in ``keep`` (pinned now or
-        used before ``index``) is next used after ``index``: when the hook at ``index`` makes room, that chunk
-        is Belady's first victim anyway (nothing in forward frees memory in between), so issuing the gather
-        early evicts what the hook would, and adds no all-gather. Returns that position."""
+        of the previous step's order may evict only a chunk used after every chunk in ``keep`` (pinned now, or
+        in the prefetch window: chunks the hook at ``index`` could evict instead) is next used after ``index``:
+        when that hook makes room, such a chunk is Belady's first victim anyway (nothing in forward frees
+        memory in between), so issuing the gather early evicts what the hook would, and adds no all-gather.
+        Returns that position."""
         return max(self._next_use(self.chunks[cid], after=index) for cid in keep)
 
     def gather_prefetch_allowed(self) -> bool:
