@@ -120,6 +120,10 @@ class MemoryCounters:
     num_evictions: int = 0
     num_onloads: int = 0
     num_prefetches: int = 0
+    # all-gathers issued ahead of use by the prefetch, and issued inside an access for the chunk it needs
+    # (the compute waits for the whole collective): [Note: gather prefetch] in manager.py
+    num_prefetched_gathers: int = 0
+    num_blocking_gathers: int = 0
     num_unshards: int = 0
     # seconds the compute thread spent blocked in all-gathers (inside an access) and in gradient
     # reduce-scatters / all-reduces (issuing them and waiting for them to finish)

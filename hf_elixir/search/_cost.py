@@ -43,15 +43,24 @@ step (per parameter view ``optim_tensor_s`` plus elements at the host/device Ada
 copies refreshing compute copies whose master lives elsewhere (copies within a CUDA device at its memory
 rate, :func:`_local_copy_rate`; across PCIe at the copy bandwidth). Where copies overlap compute
 (``hardware.can_overlap``, CUDA) a local onload may start ``prefetch_depth`` events early on its own stream;
-on CPU everything is serial. See [Note: overlap] for exactly what overlaps.
+with several ranks a forward all-gather may, on any device; everything else on CPU is serial. See
+[Note: overlap] for exactly what overlaps.
 
-[Note: overlap] The model overlaps only what the runtime overlaps today (CUDA, ``hardware.can_overlap``):
+[Note: overlap] The model overlaps exactly what the runtime overlaps:
 
 * a **local** onload (world size 1: the host shard; more ranks: the rank-local refill copy of an evicted
   gathered chunk) is prefetched ``prefetch_depth`` events ahead on the manager's copy stream
-  (``ChunkManager._prefetch`` -> ``Chunk.unshard(side_stream=...)``);
-* an **all-gather** is never prefetched (``ChunkManager._prefetch`` skips ``needs_collective()`` chunks): it
-  runs inside the pre-forward/pre-backward hook and the compute waits for it, whatever ``prefetch_depth``;
+  (``ChunkManager._prefetch`` -> ``Chunk.unshard(side_stream=...)``), on CUDA only (``hardware.can_overlap``);
+* a **forward all-gather** (world size > 1, ``prefetch_depth > 0``) is issued ``prefetch_depth`` events ahead
+  ([Note: gather prefetch] in ``hf_elixir/chunk/manager.py``), on CUDA and off it (gloo runs async
+  collectives on its own threads), so it overlaps the compute of the events before its own. Gathers run one
+  after another on the group (``t_gather``); the event waits for its own. On CUDA the staging onload rides
+  the side stream too; off CUDA it and the fixed cost stay on the compute thread. Not where the runtime
+  keeps gathers in the hooks: with ``activations_on_device`` (the whole-device budget, whose activation
+  charges are rank-local) or a model with subtree units (``ChunkedStep.gather_prefetch``, MoE experts), nor
+  for the first ``prefetch_depth`` events (nothing runs ahead of them);
+* **backward all-gathers** (re-gathers of evicted chunks without a host copy) are never prefetched: they run
+  inside the pre-backward hook and the compute waits for them (and for gathers queued before them);
 * the reduce-scatter (or replicated all-reduce) of a chunk whose optimizer state is on the device runs on the
   manager's reduce stream, overlapping the rest of backward ([Note: reduce overlap] in ``chunk/chunk.py``);
   a host-optimizer chunk's reduce and its device->host gradient copy stay on the compute stream;
@@ -62,10 +71,9 @@ on CPU everything is serial. See [Note: overlap] for exactly what overlaps.
 memory and time; :func:`predict` adds the offload copies it lists (``ChunkedStep.offload_after`` /
 ``offload_before``).
 
-Issue 14 changes this: when all-gathers are prefetched on a side stream (an async collective ahead of use),
-the ``collective`` branch in :func:`predict` joins the copy-stream branch; when the host optimizer runs
-during backward (SuperOffload-style), ``optimizer_s``'s host part moves into the backward timeline, starting
-at each chunk's reduce.
+Issue 14 item 2 would change the last point: when the host optimizer runs during backward
+(SuperOffload-style), ``optimizer_s``'s host part moves into the backward timeline, starting at each chunk's
+reduce.
 """
 
 from __future__ import annotations
@@ -150,6 +158,9 @@ class ChunkedStep:
     activation_policy: dict[str, str] = field(default_factory=dict)  # block -> keep / recompute / offload
     offload_after: dict[int, int] = field(default_factory=dict)  # event -> activation bytes copied to the host
     offload_before: dict[int, int] = field(default_factory=dict)  # event -> activation bytes copied back
+    # forward all-gathers may be issued ahead (False: the model has subtree units such as MoE experts,
+    # [Note: overlap])
+    gather_prefetch: bool = True
 
     @property
     def replicated(self) -> bool:
@@ -301,6 +312,7 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
         optim_states=optim_states,
         grad_elem_bytes=grad_elem_bytes, replicate_world_size=replicate_world_size, activation_policy=policy,
         **dict(zip(("offload_after", "offload_before"), offload_events(profile, events, policy, precision))),
+        gather_prefetch=not profile.subtree_units,
     )
 
 
@@ -373,6 +385,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     async_reduce = hardware.device_kind != "cuda" and (ws > 1 or step.replicated)
     pending: list[tuple[int, int]] = []  # (bytes charged, of which gradient buffer) of unfinished reduces
     overlap = hardware.can_overlap and knobs.prefetch_depth > 0
+    # forward all-gathers issued ahead, on CUDA and off it ([Note: overlap])
+    gather_ahead = ws > 1 and knobs.prefetch_depth > 0 and step.gather_prefetch and not activations_on_device
     # next use of each chunk after each event (Belady's victim choice, as the manager's)
     next_use: list[dict[int, float]] = [dict() for _ in step.groups]
     upcoming: dict[int, float] = {}
@@ -395,7 +409,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     onloads = evictions = 0
     chunk_onloads: dict[int, int] = {}
     h2d_bytes = d2h_bytes = ag_bytes = rs_bytes = 0
-    t_compute = t_copy = t_reduce = t_act = 0.0  # the compute, copy (prefetch), reduce and activation streams
+    t_compute = t_copy = t_reduce = t_act = t_gather = 0.0  # compute, copy, reduce, activation, gather streams
     starts: list[float] = []
     points: list[tuple[float, int, str]] = []
     gathered: set[int] = set()  # ws > 1: gathered this step (with host copies later refills are local copies)
@@ -463,12 +477,21 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             else:
                 h2d_bytes += full
                 copy_s += full / h2d_rate
-            if overlap and not collective:  # side-stream prefetch: only local copies (ChunkManager._prefetch)
+            if overlap and not collective:  # side-stream prefetch of a local copy (ChunkManager._prefetch)
                 t_copy = max(t_copy, issue) + copy_s
                 ready = max(ready, t_copy)
-            else:  # an all-gather blocks the pre-forward hook (see [Note: overlap])
-                t_compute = max(t_compute, ready) + copy_s
+            elif collective and gather_ahead and step.event_phase[k] == "fwd" and k >= knobs.prefetch_depth:
+                gather_s = full / ag_rate  # issued ahead, waited by this event ([Note: overlap])
+                if not hardware.can_overlap:  # off CUDA the staging onload runs on the compute thread
+                    t_compute += copy_s - gather_s
+                    copy_s = gather_s
+                t_gather = max(t_gather, starts[k - knobs.prefetch_depth]) + copy_s
+                ready = max(ready, t_gather)
+            else:  # in the hook: the compute waits for it (and for gathers queued before it)
+                t_compute = max(t_compute, ready, t_gather if collective else 0.0) + copy_s
                 ready = t_compute
+                if collective:
+                    t_gather = t_compute
         cache_peak = max(cache_peak, sum(cached.values()))
         start = max(t_compute, ready)
         starts.append(start)
@@ -520,7 +543,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             points.append((t_compute, used, f"{step.event_phase[k]}:{loaded} onloads"))
     while pending:  # the end of backward drains every in-flight reduce
         finish_reduce()
-    fwd_bwd = max(t_compute, t_copy, t_reduce, t_act)  # the end of backward joins the side streams
+    fwd_bwd = max(t_compute, t_copy, t_reduce, t_act, t_gather)  # the end of backward joins the other streams
     compute_s = sum(step.event_compute_s)
     host_numel = dev_numel = 0
     refresh_bytes = device_refresh_bytes = 0  # casts refreshing compute copies; of which within the device

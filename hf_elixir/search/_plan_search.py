@@ -319,7 +319,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     limit = int(budget * (1.0 - safety_margin))
     b = DTYPE_BYTES[precision]
     if prefetch_depths is None:
-        prefetch_depths = (0, 1, 2) if hardware.can_overlap else (0,)
+        # local copies overlap on CUDA; all-gathers are issued ahead on any device ([Note: overlap])
+        prefetch_depths = (0, 1, 2) if hardware.can_overlap or world_size > 1 else (0,)
     policies = policy_grid(profile, activations_on_device, activation_checkpointing, activation_policy)
     host_limit = host_memory_bytes if host_memory_bytes is not None else (hardware.host_total_bytes or None)
     per_host = _ranks_per_host(world_size, ranks_per_host)
