@@ -45,8 +45,9 @@ def _prepared(world_size: int, depth: int, budget: int | None = None, extra_chun
     config = hf_elixir.ElixirConfig(chunk_size_numel=CHUNK, default_placement="sharded", prefetch_depth=depth)
     if budget is None:
         budget = hf_elixir.min_device_budget_bytes(model, opt, config, world_size=world_size) + extra_chunks * CHUNK * 4
+    # a model-data budget: gathers are issued ahead only when rank-local activation charges cannot evict
     config = hf_elixir.ElixirConfig(chunk_size_numel=CHUNK, default_placement="sharded", prefetch_depth=depth,
-                                    device_memory_budget_bytes=budget)
+                                    device_memory_budget_bytes=budget, budget_covers_activations=False)
     return hf_elixir.prepare(model, opt, config)
 
 

@@ -351,7 +351,7 @@ class ChunkManager:
     def gather_prefetch_allowed(self) -> bool:
         """Whether all-gathers may be issued ahead now ([Note: gather prefetch]): in a forward, with a
         pool that charges model data only, and no MoE-expert chunk."""
-        return (not self.backward_pending and not self.pool.whole_device
+        return (not self.backward_pending and not self.pool.charges_activations
                 and not any(c.subtree_only or c.host_copy_required for c in self.chunks))
 
     def _gather_window_end(self, pos: int) -> int:
