@@ -54,14 +54,20 @@ on CPU everything is serial. See [Note: overlap] for exactly what overlaps.
   runs inside the pre-forward/pre-backward hook and the compute waits for it, whatever ``prefetch_depth``;
 * the reduce-scatter (or replicated all-reduce) of a chunk whose optimizer state is on the device runs on the
   manager's reduce stream, overlapping the rest of backward ([Note: reduce overlap] in ``chunk/chunk.py``);
-  a host-optimizer chunk's reduce and its device->host gradient copy stay on the compute stream;
-* the optimizer step starts after backward ends, updates the host shards (``ElixirOptimizer._inner_step``)
-  and then the device shards (``_fused_step``): ``host + device``, never ``max(host, device)``.
+  a host-optimizer chunk's reduce stays on the compute stream, its device->host gradient copy runs on the
+  offload stream on CUDA ([Note: gradient offload] in ``chunk/manager.py``; on CPU it is a plain copy on the
+  compute timeline);
+* with ``overlap_host_optimizer`` (the runtime's default) each host-optimizer chunk is stepped on the host
+  lane's one worker thread as soon as its gradient is on the host ([Note: host lane] in
+  ``optim/_overlap.py``): a serial lane timeline ``t_lane`` beside backward, on CPU too (a second thread).
+  The step then waits only for what the lane has left, ``max(0, t_lane - end of backward)``. Rollbacks
+  (clipping triggered, fp16 overflow) are priced as rare, i.e. not at all; their snapshots are priced in
+  host bytes (``(1 + k) * 4`` per host shard element, fp16 ``(2 + k) * 4``). Without it the optimizer step
+  starts after backward ends and updates the host shards (``ElixirOptimizer._inner_step``);
+* the device shards (``_fused_step``) follow the host part: ``host + device``, never ``max(host, device)``.
 
-Issue 14 changes this: when all-gathers are prefetched on a side stream (an async collective ahead of use),
-the ``collective`` branch in :func:`predict` joins the copy-stream branch; when the host optimizer runs
-during backward (SuperOffload-style), ``optimizer_s``'s host part moves into the backward timeline, starting
-at each chunk's reduce.
+Issue 14 item 1 changes the all-gathers: when they are prefetched on a side stream (an async collective
+ahead of use), the ``collective`` branch in :func:`predict` joins the copy-stream branch.
 """
 
 from __future__ import annotations
@@ -376,11 +382,13 @@ def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, i
 
 
 def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_bytes: int | None = None,
-            activations_on_device: bool = False, timeline: bool = False) -> Prediction | None:
+            activations_on_device: bool = False, timeline: bool = False,
+            overlap_host_optimizer: bool = True) -> Prediction | None:
     """Predicted time and memory of ``knobs`` with a model-data pool of ``pool_bytes`` (the
     ``device_memory_budget_bytes`` given to ``prepare``); ``None`` if the step cannot run in it (the
     manager would raise). Without ``pool_bytes`` the pool is the fixed parts plus
-    ``knobs.cache_blocks`` chunks plus the gradient-buffer peak.
+    ``knobs.cache_blocks`` chunks plus the gradient-buffer peak. ``overlap_host_optimizer``: as
+    ``ElixirConfig.overlap_host_optimizer`` (its default ``None`` is on), see [Note: overlap].
 
     See [Note: time model] and [Note: memory accounting] in this module's docstring.
     """
@@ -389,6 +397,11 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     held = knobs.resident | knobs.device_shard
     on_device = knobs.resident if ws > 1 else held  # chunks that never need a fill
     fixed, host_bytes, breakdown = fixed_memory(step, knobs)
+    if overlap_host_optimizer:  # the host lane's rollback snapshots: master + states (+ fp16 gradient)
+        per_numel = 4 * (1 + step.optim_states + (step.precision == "fp16"))
+        host_bytes += sum(step.shard_numel(c) * per_numel for c in range(step.num_chunks)
+                          if step.trained_numels[c] and c not in knobs.device_optim)
+    host_rate = hardware.host_adam_numel_per_s or 1e9
     chunk_bytes = step.chunk_size_numel * b
     if pool_bytes is None:
         pool_bytes = fixed + knobs.cache_blocks * chunk_bytes + step.grad_peak_bytes
@@ -425,6 +438,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     chunk_onloads: dict[int, int] = {}
     h2d_bytes = d2h_bytes = ag_bytes = rs_bytes = 0
     t_compute = t_copy = t_reduce = 0.0  # the compute, copy (prefetch) and reduce streams
+    t_offload = t_lane = 0.0  # the offload stream (CUDA) and the host lane's worker thread
+    lane_chunks: set[int] = set()  # host chunks stepped on the lane during backward
     starts: list[float] = []
     points: list[tuple[float, int, str]] = []
     gathered: set[int] = set()  # ws > 1: gathered this step (with host copies later refills are local copies)
@@ -522,11 +537,21 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             if c not in knobs.device_optim:
                 d2h_bytes += shard_g
             # reduced gradient added into the fp32 gradient shard (on the host unless its optimizer is on the device)
-            reduce_s += shard_g / (local_rate if c in knobs.device_optim else d2h_rate)
+            copy_s = shard_g / (local_rate if c in knobs.device_optim else d2h_rate)
+            host_ready = None
             if hardware.can_overlap and c in knobs.device_optim:  # the reduce stream ([Note: reduce overlap])
-                t_reduce = max(t_reduce, t_compute) + reduce_s
-            else:
+                t_reduce = max(t_reduce, t_compute) + reduce_s + copy_s
+            elif hardware.can_overlap:  # the collective on the compute stream, the copy on the offload stream
                 t_compute += reduce_s
+                t_offload = max(t_offload, t_compute) + copy_s
+                host_ready = t_offload
+            else:
+                t_compute += reduce_s + copy_s
+                host_ready = t_compute
+            if host_ready is not None and overlap_host_optimizer and step.trained_numels[c]:
+                # the host lane steps the chunk as soon as its gradient is on the host ([Note: host lane])
+                t_lane = max(t_lane, host_ready) + step.shard_numel(c) / host_rate + step.views[c] * hardware.optim_tensor_s
+                lane_chunks.add(c)
             pending.append((g + out, g))
             while len(pending) > (_MAX_PENDING_REDUCES if async_reduce else 0):
                 finish_reduce()
@@ -534,7 +559,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             points.append((t_compute, used, f"{step.event_phase[k]}:{loaded} onloads"))
     while pending:  # the end of backward drains every in-flight reduce
         finish_reduce()
-    fwd_bwd = max(t_compute, t_copy, t_reduce)  # the end of backward joins the copy and reduce streams
+    fwd_bwd = max(t_compute, t_copy, t_reduce, t_offload)  # the end of backward joins the side streams
     compute_s = sum(step.event_compute_s)
     host_numel = dev_numel = 0
     refresh_bytes = device_refresh_bytes = 0  # casts refreshing compute copies; of which within the device
@@ -542,10 +567,13 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     for c in range(step.num_chunks):
         if not step.trained_numels[c]:
             continue
-        views += step.views[c]
-        if c in knobs.device_optim:
+        if c in lane_chunks:  # stepped on the host lane, priced in its timeline (t_lane)
+            pass
+        elif c in knobs.device_optim:
+            views += step.views[c]
             dev_numel += step.shard_numel(c)
         else:
+            views += step.views[c]
             host_numel += step.shard_numel(c)
         master_is_shard = step.precision == "fp32" and ((c in knobs.device_optim) == (c in held))
         if not master_is_shard:
@@ -554,7 +582,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 h2d_bytes += step.shard_numel(c) * b
             elif c in held:
                 device_refresh_bytes += step.shard_numel(c) * b
-    host_s = host_numel / (hardware.host_adam_numel_per_s or 1e9)
+    # what the lane has left when backward ends, then the host chunks it did not step (none unless off)
+    host_s = max(0.0, t_lane - fwd_bwd) + host_numel / host_rate
     dev_s = dev_numel / (hardware.device_adam_numel_per_s or 1e9)
     regather = sum(step.full_bytes(c) for c in knobs.resident if step.trained_numels[c]) if ws > 1 else 0
     ag_bytes += regather
