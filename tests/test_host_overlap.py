@@ -181,3 +181,12 @@ def test_no_lane_without_host_optimizer_state(single_rank_group):
     model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(chunk_size_numel=CHUNK,
                                                                       offload_optimizer=False))
     assert opt._lane is None
+
+
+def test_no_snapshot_room_no_speculation(single_rank_group):
+    """The lane speculates only while its snapshots fit ``host_memory_budget_bytes``; with no room the
+    host step runs in ``step()`` and nothing changes in the result."""
+    tight = _elixir(0, 1, 1, True, host_memory_budget_bytes=1)
+    off = _elixir(0, 1, 1, False)
+    assert tight["counts"] == (0, 0)
+    assert rel_l2(tight["state"], off["state"]) == 0.0

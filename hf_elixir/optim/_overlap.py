@@ -32,7 +32,10 @@ or writes master shards, optimizer states or gradient shards: ``clip_grad_norm``
 and the state dicts before ``step()`` roll every speculative update back.
 
 Memory: each speculatively stepped chunk keeps a host snapshot of ``(1 + k) * 4 * shard_numel`` bytes
-(fp16: ``(2 + k) * 4``), allocated once and counted in ``host_bytes``.
+(``k`` optimizer states per element, Adam 2; fp16: ``(2 + k) * 4``), allocated once and counted in
+``host_bytes``. Snapshots are taken only while they fit what ``ElixirConfig.host_memory_budget_bytes``
+leaves after the host shards and optimizer states: the first chunks in reduce order (the ones whose
+overlap gains most) speculate, the others are stepped in ``step()`` as without overlap.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_elixir.chunk import strict
+from hf_elixir.chunk.memory import default_host_budget_bytes
 
 __all__ = ["HostLane"]
 
@@ -94,9 +98,11 @@ class HostLane:
     Args:
         optimizer: the ``ElixirOptimizer``; the lane steps its host chunks through ``_step_views``.
         speculate: run the host optimizer step during backward (``ElixirConfig.overlap_host_optimizer``).
+        state_numel_factor: fp32 optimizer-state elements per parameter element (Adam: 2), for the
+            snapshot sizes.
     """
 
-    def __init__(self, optimizer, speculate: bool) -> None:
+    def __init__(self, optimizer, speculate: bool, state_numel_factor: int) -> None:
         self._opt = weakref.proxy(optimizer)
         self.manager = optimizer.manager
         self.speculate = speculate
@@ -114,6 +120,10 @@ class HostLane:
         self.num_speculated = 0  # chunks stepped during backward (counters for tests and benchmarks)
         self.num_rolled_back = 0
         self._new_snapshot_bytes = 0
+        budget = optimizer.config.host_memory_budget_bytes or default_host_budget_bytes()
+        self._snapshot_room = max(0, budget - self.manager.counters.host_bytes)
+        self._snapshot_numel = 1 + state_numel_factor + int(optimizer.scaler.enabled)  # fp32 per element
+        self._may_speculate: dict[int, bool] = {}
         self.manager.on_grad_offloaded = self.on_grad_offloaded
         self.manager.host_fence = self.fence
 
@@ -136,13 +146,23 @@ class HostLane:
                      and self.manager.backward_count - self._count_at_step >= self.expected_backwards)
         flags = self.manager.spec_flags(chunk) if speculate else frozenset()
         hyper = _hyper_of(self._opt.param_groups) if speculate else None
-        speculate = speculate and hyper is not None
+        speculate = speculate and hyper is not None and self._snapshot_fits(chunk)
         if not speculate and event is None:  # nothing to wait for or overlap: add here
             self._intake(cid, staging, None, None)
             return None
         self._pending.add(cid)
         future = self._submit(self._intake, cid, staging, event, (flags, hyper) if speculate else None)
-        return future.result
+        return lambda: concurrent.futures.wait([future])  # its error, if any, is raised by join()
+
+    def _snapshot_fits(self, chunk) -> bool:
+        """Reserve room for ``chunk``'s snapshot the first time (first come in reduce order); then fixed."""
+        allowed = self._may_speculate.get(chunk.chunk_id)
+        if allowed is None:
+            need = chunk.shard_numel * 4 * self._snapshot_numel
+            allowed = self._may_speculate[chunk.chunk_id] = need <= self._snapshot_room
+            if allowed:
+                self._snapshot_room -= need
+        return allowed
 
     def _intake(self, cid: int, staging, event, speculation) -> None:
         """(worker, or inline) wait for the copy, roll back a stale speculation, add, maybe speculate."""

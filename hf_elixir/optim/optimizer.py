@@ -136,7 +136,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self._lane: HostLane | None = None
         if any(c.trainable and not c.optim_on_device for c in manager.chunks):
             overlap = config.overlap_host_optimizer
-            self._lane = HostLane(self, speculate=overlap is None or overlap)
+            self._lane = HostLane(self, speculate=overlap is None or overlap,
+                                  state_numel_factor=optimizer_state_numel_factor(optimizer))
 
     def add_param_group(self, param_group: dict) -> None:
         """Only used while constructing; afterwards adding parameters is refused.

@@ -383,12 +383,13 @@ def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, i
 
 def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_bytes: int | None = None,
             activations_on_device: bool = False, timeline: bool = False,
-            overlap_host_optimizer: bool = True) -> Prediction | None:
+            overlap_host_optimizer: bool = True, host_budget_bytes: int | None = None) -> Prediction | None:
     """Predicted time and memory of ``knobs`` with a model-data pool of ``pool_bytes`` (the
     ``device_memory_budget_bytes`` given to ``prepare``); ``None`` if the step cannot run in it (the
     manager would raise). Without ``pool_bytes`` the pool is the fixed parts plus
     ``knobs.cache_blocks`` chunks plus the gradient-buffer peak. ``overlap_host_optimizer``: as
-    ``ElixirConfig.overlap_host_optimizer`` (its default ``None`` is on), see [Note: overlap].
+    ``ElixirConfig.overlap_host_optimizer`` (its default ``None`` is on), see [Note: overlap];
+    ``host_budget_bytes``: this rank's host memory, which bounds the host lane's snapshots (``None``: no bound).
 
     See [Note: time model] and [Note: memory accounting] in this module's docstring.
     """
@@ -397,10 +398,9 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     held = knobs.resident | knobs.device_shard
     on_device = knobs.resident if ws > 1 else held  # chunks that never need a fill
     fixed, host_bytes, breakdown = fixed_memory(step, knobs)
-    if overlap_host_optimizer:  # the host lane's rollback snapshots: master + states (+ fp16 gradient)
-        per_numel = 4 * (1 + step.optim_states + (step.precision == "fp16"))
-        host_bytes += sum(step.shard_numel(c) * per_numel for c in range(step.num_chunks)
-                          if step.trained_numels[c] and c not in knobs.device_optim)
+    # the host lane's rollback snapshots (master + states, + the fp16 gradient) while they fit the host
+    snapshot_numel_bytes = 4 * (1 + step.optim_states + (step.precision == "fp16"))
+    snapshot_room = _INF if host_budget_bytes is None else host_budget_bytes - host_bytes
     host_rate = hardware.host_adam_numel_per_s or 1e9
     chunk_bytes = step.chunk_size_numel * b
     if pool_bytes is None:
@@ -548,8 +548,11 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             else:
                 t_compute += reduce_s + copy_s
                 host_ready = t_compute
-            if host_ready is not None and overlap_host_optimizer and step.trained_numels[c]:
+            snapshot = step.shard_numel(c) * snapshot_numel_bytes
+            if host_ready is not None and overlap_host_optimizer and step.trained_numels[c] and snapshot <= snapshot_room:
                 # the host lane steps the chunk as soon as its gradient is on the host ([Note: host lane])
+                snapshot_room -= snapshot
+                host_bytes += snapshot
                 t_lane = max(t_lane, host_ready) + step.shard_numel(c) / host_rate + step.views[c] * hardware.optim_tensor_s
                 lane_chunks.add(c)
             pending.append((g + out, g))
