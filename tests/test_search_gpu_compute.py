@@ -160,7 +160,7 @@ def test_host_optimizer_steps_on_the_lane_during_backward(precision):
     assert tight.step_s == pytest.approx(serial.step_s) and tight.host_bytes == serial.host_bytes
     half = predict(step, knobs, slow_host, pool_bytes=GIB, host_budget_bytes=(serial.host_bytes + lane.host_bytes) // 2)
     assert serial.host_bytes < half.host_bytes <= (serial.host_bytes + lane.host_bytes) // 2
-    assert lane.step_s <= half.step_s <= serial.step_s * (1 + 1e-12)
+    assert lane.step_s <= half.step_s * (1 + 1e-12) and half.step_s <= serial.step_s * (1 + 1e-12)
 
 
 def test_plan_device_tflops_applies_to_fp32_plans_too(monkeypatch):
