@@ -154,12 +154,13 @@ def test_host_optimizer_steps_on_the_lane_during_backward(precision):
     assert lane.step_s < serial.step_s
     assert lane.step_s >= max(serial.forward_backward_s, host_s)
     per_numel = 4 * (1 + step.optim_states + (precision == "fp16"))
-    assert lane.host_bytes == serial.host_bytes + per_numel * host_numel
+    assert lane.host_bytes == serial.host_bytes and lane.host_snapshot_bytes == per_numel * host_numel
     # snapshots only while the host has room: none, the serial step; some, in between
     tight = predict(step, knobs, slow_host, pool_bytes=GIB, host_budget_bytes=serial.host_bytes)
-    assert tight.step_s == pytest.approx(serial.step_s) and tight.host_bytes == serial.host_bytes
-    half = predict(step, knobs, slow_host, pool_bytes=GIB, host_budget_bytes=(serial.host_bytes + lane.host_bytes) // 2)
-    assert serial.host_bytes < half.host_bytes <= (serial.host_bytes + lane.host_bytes) // 2
+    assert tight.step_s == pytest.approx(serial.step_s) and tight.host_snapshot_bytes == 0
+    half = predict(step, knobs, slow_host, pool_bytes=GIB,
+                   host_budget_bytes=serial.host_bytes + lane.host_snapshot_bytes // 2)
+    assert 0 < half.host_snapshot_bytes <= lane.host_snapshot_bytes // 2
     assert lane.step_s <= half.step_s * (1 + 1e-12) and half.step_s <= serial.step_s * (1 + 1e-12)
 
 

@@ -59,11 +59,14 @@ on CPU everything is serial. See [Note: overlap] for exactly what overlaps.
   compute timeline);
 * with ``overlap_host_optimizer`` (the runtime's default) each host-optimizer chunk is stepped on the host
   lane's one worker thread as soon as its gradient is on the host ([Note: host lane] in
-  ``optim/_overlap.py``): a serial lane timeline ``t_lane`` beside backward, on CPU too (a second thread).
-  The step then waits only for what the lane has left, ``max(0, t_lane - end of backward)``. Rollbacks
-  (clipping triggered, fp16 overflow) are priced as rare, i.e. not at all; their snapshots are priced in
-  host bytes (``(1 + k) * 4`` per host shard element, fp16 ``(2 + k) * 4``). Without it the optimizer step
-  starts after backward ends and updates the host shards (``ElixirOptimizer._inner_step``);
+  ``optim/_overlap.py``): a serial lane timeline ``t_lane`` beside backward when the compute is not on the
+  host (``hardware.can_overlap``, CUDA); the step then waits only for what the lane has left,
+  ``max(0, t_lane - end of backward)``. Off CUDA the "device" is the host's own cores, which the lane's
+  thread shares with the compute: priced as the serial host step (what a busy machine gets). Rollbacks
+  (clipping triggered, fp16 overflow) are priced as rare, i.e. not at all. Their snapshots (``(1 + k) * 4``
+  bytes per host shard element, fp16 ``(2 + k) * 4``) are taken in reduce order while they fit the host
+  budget, as the runtime does; ``Prediction.host_snapshot_bytes`` reports them apart from ``host_bytes``.
+  Without it the optimizer step starts after backward ends and updates the host shards (``ElixirOptimizer._inner_step``);
 * the device shards (``_fused_step``) follow the host part: ``host + device``, never ``max(host, device)``.
 
 Issue 14 item 1 changes the all-gathers: when they are prefetched on a side stream (an async collective
@@ -121,6 +124,9 @@ class Prediction:
     device_peak_bytes: int
     host_bytes: int
     breakdown: dict[str, int] = field(default_factory=dict)
+    # the host lane's rollback snapshots, on top of ``host_bytes``: taken only while they fit the host
+    # budget given to :func:`predict` (``ElixirConfig.host_memory_budget_bytes``), so never what rules a plan out
+    host_snapshot_bytes: int = 0
     timeline: list[tuple[float, int, str]] = field(default_factory=list)  # (time s, device bytes, label)
     chunk_onloads: dict[int, int] = field(default_factory=dict)
     cache_blocks: int = 0
@@ -401,6 +407,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     # the host lane's rollback snapshots (master + states, + the fp16 gradient) while they fit the host
     snapshot_numel_bytes = 4 * (1 + step.optim_states + (step.precision == "fp16"))
     snapshot_room = _INF if host_budget_bytes is None else host_budget_bytes - host_bytes
+    snapshot_bytes = 0
     host_rate = hardware.host_adam_numel_per_s or 1e9
     chunk_bytes = step.chunk_size_numel * b
     if pool_bytes is None:
@@ -549,10 +556,14 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 t_compute += reduce_s + copy_s
                 host_ready = t_compute
             snapshot = step.shard_numel(c) * snapshot_numel_bytes
-            if host_ready is not None and overlap_host_optimizer and step.trained_numels[c] and snapshot <= snapshot_room:
-                # the host lane steps the chunk as soon as its gradient is on the host ([Note: host lane])
+            if c not in knobs.device_optim and overlap_host_optimizer and step.trained_numels[c] \
+                    and snapshot <= snapshot_room:
                 snapshot_room -= snapshot
-                host_bytes += snapshot
+                snapshot_bytes += snapshot
+            else:
+                host_ready = None
+            if host_ready is not None and hardware.can_overlap:
+                # the host lane steps the chunk as soon as its gradient is on the host ([Note: host lane])
                 t_lane = max(t_lane, host_ready) + step.shard_numel(c) / host_rate + step.views[c] * hardware.optim_tensor_s
                 lane_chunks.add(c)
             pending.append((g + out, g))
@@ -602,6 +613,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         step_s=fwd_bwd + optim_s, forward_backward_s=fwd_bwd, optimizer_s=optim_s, compute_s=compute_s,
         onloads=onloads, h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes, allgather_bytes=ag_bytes,
         reduce_scatter_bytes=rs_bytes, device_model_bytes=peak, device_peak_bytes=device_peak,
-        host_bytes=host_bytes, breakdown=breakdown, timeline=points, chunk_onloads=chunk_onloads,
+        host_bytes=host_bytes, host_snapshot_bytes=snapshot_bytes, breakdown=breakdown, timeline=points,
+        chunk_onloads=chunk_onloads,
         cache_blocks=max(0, (pool_bytes - fixed - step.grad_peak_bytes) // max(1, chunk_bytes)),
     )
