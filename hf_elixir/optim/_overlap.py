@@ -103,7 +103,7 @@ class HostLane:
     """
 
     def __init__(self, optimizer, speculate: bool, state_numel_factor: int) -> None:
-        self._opt = weakref.proxy(optimizer)
+        self._opt = optimizer  # a cycle (optimizer -> lane -> optimizer) the garbage collector takes
         self.manager = optimizer.manager
         self.speculate = speculate
         self.host_chunks = {c.chunk_id for c in self.manager.chunks if c.trainable and not c.optim_on_device}
@@ -134,7 +134,7 @@ class HostLane:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="hf_elixir-host-lane",
                 initializer=torch.set_num_threads, initargs=(threads,))
-            weakref.finalize(self, self._executor.shutdown, wait=True)
+            weakref.finalize(self, self._executor.shutdown, wait=False)  # idle: tasks are joined first
         future = self._executor.submit(fn, *args)
         self._futures.append(future)
         return future
