@@ -485,6 +485,10 @@ class ElixirOptimizer(torch.optim.Optimizer):
         is updated on the host from that read (``torch.amp.GradScaler`` reads its ``found_inf`` the
         same way, once per step).
 
+        Host optimizer states: the host lane ([Note: host lane] in ``_overlap.py``) has usually stepped
+        their chunks during backward already; the step joins it (a wait on the host thread, not on the
+        device), keeps the updates the read validates and rolls back and redoes the others.
+
         Raises:
             ValueError: a closure was given (not supported: forward/backward run outside the step).
         """
