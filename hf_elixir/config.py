@@ -156,6 +156,16 @@ class ElixirConfig:
         offload_optimizer (`bool` or `"auto"`, defaults to `"auto"`):
             Keep optimizer states (fp32 master, moments) on the host. `"auto"` offloads only what the
             budget cannot hold.
+        overlap_host_optimizer (`bool`, *optional*):
+            Run the host-side optimizer update of a chunk whose optimizer state is on the host as soon as
+            its gradient shard is reduced and offloaded, on one worker thread, while backward goes on
+            (SuperOffload, arXiv 2509.21271). The step is speculative: it assumes no gradient clipping and
+            no fp16 overflow; `step()` validates it and rolls back (from a host copy of the chunk's master
+            and optimizer state, `(1 + k) * 4` bytes per shard element) and redoes the chunks concerned
+            when clipping triggered or gradients overflowed, so results are exact either way. With gradient
+            accumulation only the last backward before `step()` speculates (learned from the previous
+            step). `None` (default): on whenever some optimizer state is on the host; `False`: the host
+            update runs inside `step()`.
         prefetch_depth (`int`, defaults to 2):
             How many chunks ahead (in the profiled access order) to unshard early.
         plan (`ElixirPlan`, `str` path or `None`):
@@ -203,6 +213,7 @@ class ElixirConfig:
     chunk_size_numel: int | None = None
     reduce_dtype: str | None = "fp32"
     offload_optimizer: bool | str = "auto"
+    overlap_host_optimizer: bool | None = None
     prefetch_depth: int = 2
     plan: Any = None
     search: str = "off"
@@ -263,6 +274,9 @@ class ElixirConfig:
             raise ValueError(
                 f"ElixirConfig.offload_optimizer={self.offload_optimizer!r} must be True, False or 'auto'"
             )
+        if self.overlap_host_optimizer is not None and not isinstance(self.overlap_host_optimizer, bool):
+            raise TypeError(f"ElixirConfig.overlap_host_optimizer={self.overlap_host_optimizer!r} must be True, "
+                            "False or None (on whenever some optimizer state is on the host)")
         _check_type("prefetch_depth", self.prefetch_depth, (int,), "give a whole number >= 0")
         if self.prefetch_depth < 0:
             raise ValueError(f"ElixirConfig.prefetch_depth={self.prefetch_depth} must be >= 0")

@@ -36,6 +36,7 @@ CONFIG_CASES = [
     ("reduce_dtype", "bf16", ValueError, "reduce_dtype='bf16' must be 'fp32' or None"),
     ("offload_optimizer", "yes", ValueError, "offload_optimizer='yes' must be True, False or 'auto'"),
     ("offload_optimizer", 1, ValueError, "offload_optimizer=1 must be True, False or 'auto'"),
+    ("overlap_host_optimizer", "yes", TypeError, "overlap_host_optimizer='yes' must be True, False or None"),
     ("prefetch_depth", 2.0, TypeError, "prefetch_depth=2.0 has type float"),
     ("prefetch_depth", -1, ValueError, "prefetch_depth=-1 must be >= 0"),
     ("plan", 3, TypeError, "plan=3 must be an ElixirPlan, a path"),

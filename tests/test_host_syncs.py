@@ -4,7 +4,10 @@ hf_elixir/optim/optimizer.py).
 
 A ``TorchFunctionMode`` counts the calls that make the host wait for the device: ``.item()``,
 ``.tolist()``, ``.cpu()``, ``.numpy()``, ``bool()`` / ``float()`` / ``int()`` of a tensor, and blocking
-device->host ``copy_``; ``torch.cuda.synchronize`` too. On the simulated device a tensor is on the host
+device->host ``copy_``; ``torch.cuda.synchronize`` too; and an in-place op that writes a host buffer from a
+device tensor (``host.add_(device)``: on CUDA that is a blocking ``.to("cpu")`` first, the old gradient
+offload). The mode is thread-local: the host optimizer lane's worker thread waits for its copies off the
+main thread ([Note: host lane] in hf_elixir/optim/_overlap.py), which is the point of it. On the simulated device a tensor is on the host
 when it is (a view of) a registered host buffer ([Note: strict device]); reading such a tensor is free,
 as it is on CUDA. Calls made from inside Triton's interpreter (it runs kernels on numpy copies) are the
 stand-in for a kernel launch and are not counted.
@@ -12,10 +15,12 @@ stand-in for a kernel launch and are not counted.
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import pytest
 import torch
+from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
 
 import hf_elixir
@@ -27,6 +32,9 @@ from tests._models import batch, rank_batch, tiny_model, two_groups
 STEPS = 3
 _READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
           torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__}
+_BACKWARD = inspect.signature(torch.Tensor.backward)
+_HOST_INPLACE = {torch.Tensor.add_, torch.Tensor.sub_, torch.Tensor.mul_, torch.Tensor.div_,
+                 torch.Tensor.addcmul_, torch.Tensor.lerp_}
 
 
 class SyncCounter(TorchFunctionMode):
@@ -35,6 +43,19 @@ class SyncCounter(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.where: list[str] = []
+
+    def _backward(self, args, kwargs) -> None:
+        """``Tensor.backward`` with the mode active inside: a mode is off while its own handler runs, so
+        calling ``func`` would hide every hook of the backward (gradient reduce and offload) from it."""
+        bound = _BACKWARD.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        loss = a["self"]
+        grad = a["gradient"] if a["gradient"] is not None else torch.ones_like(loss)
+        keep = a["retain_graph"] if a["retain_graph"] is not None else a["create_graph"]
+        with self:
+            _engine_run_backward((loss,), (grad,), keep, a["create_graph"], tuple(a["inputs"] or ()),
+                                 allow_unreachable=True, accumulate_grad=True)
 
     def _caller(self) -> str | None:
         """``module:line`` of the caller and the names of the functions above it; ``None`` inside Triton."""
@@ -50,11 +71,15 @@ class SyncCounter(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.backward:
+            return self._backward(args, kwargs)
         sync = False
         if func in _READS and isinstance(args[0], torch.Tensor) and not strict.is_host(args[0]):
             sync = True
         elif func is torch.Tensor.copy_ and strict.is_host(args[0]) and not strict.is_host(args[1]):
             sync = not (kwargs.get("non_blocking") or (len(args) > 2 and args[2]))
+        elif func in _HOST_INPLACE and isinstance(args[0], torch.Tensor) and strict.is_host(args[0]):
+            sync = any(isinstance(a, torch.Tensor) and a.numel() > 1 and not strict.is_host(a) for a in args[1:])
         if sync:
             caller = self._caller()
             if caller is not None:
@@ -92,17 +117,32 @@ def test_one_host_sync_per_step_on_one_rank(single_rank_group, monkeypatch, prec
     _check(_train(model, opt, [batch("gpt2", s, 2) for s in range(STEPS)], max_norm=0.05))
 
 
-def _worker(rank: int, world_size: int, precision: str):
+def _worker(rank: int, world_size: int, precision: str, offload: bool = False, placement: str = "sharded"):
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(two_groups(model), lr=1e-3)
     model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(
-        precision=precision, chunk_size_numel=4096, default_placement="sharded"))
+        precision=precision, chunk_size_numel=4096, default_placement=placement, offload_optimizer=offload))
+    if offload:
+        assert opt._lane is not None and opt._lane.host_chunks, "the optimizer state must be on the host"
     return _train(model, opt, [rank_batch("gpt2", s, rank, world_size, 2) for s in range(STEPS)], max_norm=0.05)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_one_host_sync_per_step_on_two_ranks(precision):
     for per_step in run_distributed(_worker, 2, precision, timeout_s=300):
+        _check(per_step)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_one_host_sync_per_step_with_the_optimizer_on_the_host_one_rank(single_rank_group, precision):
+    """Offloaded optimizer: gradient shards reach the host by non-blocking copies ([Note: gradient
+    offload] in hf_elixir/chunk/manager.py), the host step runs on the host lane."""
+    _check(_worker(0, 1, precision, True))
+
+
+@pytest.mark.parametrize("placement", ["sharded", "replicated"])
+def test_one_host_sync_per_step_with_the_optimizer_on_the_host_two_ranks(placement):
+    for per_step in run_distributed(_worker, 2, "fp32", True, placement, timeout_s=300):
         _check(per_step)
 
 
@@ -115,3 +155,18 @@ def test_counter_sees_the_old_per_chunk_reads():
         float(local)
         strict.to_host(torch.ones(2)).tolist()  # reading a host copy is free; making it is the sync
     assert len(counter.where) == 4, counter.where
+
+
+def test_counter_sees_inside_backward():
+    """Hooks that run during ``backward`` (where gradients are reduced and offloaded) are counted too."""
+    param = torch.nn.Parameter(torch.ones(3))
+    host = strict.register_host(torch.zeros(3))
+
+    def offload(p: torch.Tensor) -> None:
+        host.add_(p.grad * 1.0)  # a device gradient added into a host buffer: a blocking copy on CUDA
+
+    param.register_post_accumulate_grad_hook(offload)
+    counter = SyncCounter()
+    with counter:
+        (param * 2).sum().backward()
+    assert len(counter.where) == 1 and "add_" in counter.where[0], counter.where

@@ -116,7 +116,7 @@ def test_optimizer_step_is_host_then_device_not_overlapped():
     everything = frozenset(range(step.num_chunks))
     half = frozenset(trained[: len(trained) // 2])
     knobs = Knobs(resident=everything, device_shard=everything, device_optim=half)
-    pred = predict(step, knobs, hw, pool_bytes=GIB)
+    pred = predict(step, knobs, hw, pool_bytes=GIB, overlap_host_optimizer=False)
     host_numel = sum(step.shard_numel(c) for c in trained if c not in half)
     dev_numel = sum(step.shard_numel(c) for c in trained if c in half)
     host_s, dev_s = host_numel / hw.host_adam_numel_per_s, dev_numel / hw.device_adam_numel_per_s
@@ -127,7 +127,8 @@ def test_optimizer_step_is_host_then_device_not_overlapped():
 
 def test_reduce_of_device_optimizer_chunks_runs_on_the_reduce_stream():
     """[Note: reduce overlap]: on CUDA a device-optimizer chunk's reduce-scatter overlaps the rest of
-    backward; a host-optimizer chunk's stays on the compute stream."""
+    backward; a host-optimizer chunk's stays on the compute stream, its device->host copy goes to the offload
+    stream ([Note: gradient offload])."""
     step = _step(2)
     everything = frozenset(range(step.num_chunks))
     knobs = Knobs(resident=everything, device_shard=everything, device_optim=everything)
@@ -135,8 +136,44 @@ def test_reduce_of_device_optimizer_chunks_runs_on_the_reduce_stream():
     serial = predict(step, knobs, replace(_gpu(2), can_overlap=False), pool_bytes=GIB)
     assert cuda.reduce_scatter_bytes > 0 and cuda.forward_backward_s < serial.forward_backward_s
     host = Knobs(resident=everything, device_shard=everything)
-    assert predict(step, host, _gpu(2), pool_bytes=GIB).forward_backward_s == pytest.approx(
-        predict(step, host, replace(_gpu(2), can_overlap=False), pool_bytes=GIB).forward_backward_s)
+    on_cuda = predict(step, host, _gpu(2), pool_bytes=GIB)
+    serial_host = predict(step, host, replace(_gpu(2), can_overlap=False), pool_bytes=GIB)
+    d2h_s = on_cuda.d2h_bytes / _gpu(2).d2h_bytes_per_s
+    assert d2h_s > 0
+    # the collectives still block the compute stream: only the copies leave it
+    assert serial_host.forward_backward_s - d2h_s - 1e-12 <= on_cuda.forward_backward_s < serial_host.forward_backward_s
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_host_optimizer_steps_on_the_lane_during_backward(precision):
+    """[Note: host lane]: with ``overlap_host_optimizer`` each host chunk is stepped as soon as its
+    gradient is on the host; the optimizer step pays only what the lane has left, and the host holds the
+    rollback snapshots."""
+    model, sample = tiny_model("gpt2"), batch("gpt2", 0, 2, seq=8)
+    step = build_chunked_step(profile_step(model, sample, device="cpu", count_flops=True), 4096, world_size=1,
+                              precision=precision, hardware=_gpu())
+    everything = frozenset(range(step.num_chunks))
+    knobs = Knobs(resident=everything, device_shard=everything)  # every optimizer state on the host
+    slow_host = replace(_gpu(), host_adam_numel_per_s=1e6)  # the host step dominates
+    serial = predict(step, knobs, slow_host, pool_bytes=GIB, overlap_host_optimizer=False)
+    lane = predict(step, knobs, slow_host, pool_bytes=GIB)
+    trained = [c for c in range(step.num_chunks) if step.trained_numels[c]]
+    host_numel = sum(step.shard_numel(c) for c in trained)
+    host_s = host_numel / slow_host.host_adam_numel_per_s
+    assert serial.optimizer_s >= host_s
+    assert lane.forward_backward_s == pytest.approx(serial.forward_backward_s)
+    # the lane starts at the first reduce: it ends after backward by less than the whole host step
+    assert lane.step_s < serial.step_s
+    assert lane.step_s >= max(serial.forward_backward_s, host_s)
+    per_numel = 4 * (1 + step.optim_states + (precision == "fp16"))
+    assert lane.host_bytes == serial.host_bytes and lane.host_snapshot_bytes == per_numel * host_numel
+    # snapshots only while the host has room: none, the serial step; some, in between
+    tight = predict(step, knobs, slow_host, pool_bytes=GIB, host_budget_bytes=serial.host_bytes)
+    assert tight.step_s == pytest.approx(serial.step_s) and tight.host_snapshot_bytes == 0
+    half = predict(step, knobs, slow_host, pool_bytes=GIB,
+                   host_budget_bytes=serial.host_bytes + lane.host_snapshot_bytes // 2)
+    assert 0 < half.host_snapshot_bytes <= lane.host_snapshot_bytes // 2
+    assert lane.step_s <= half.step_s * (1 + 1e-12) and half.step_s <= serial.step_s * (1 + 1e-12)
 
 
 def test_plan_device_tflops_applies_to_fp32_plans_too(monkeypatch):

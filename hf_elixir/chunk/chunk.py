@@ -286,6 +286,8 @@ class Chunk(ChunkBytes):
             self.wait_ready()  # a prefetched all-gather may still be filling ``full``
             self.show_params()
             return
+        if self.manager.host_fence is not None:  # the host optimizer may be stepping this shard in place
+            self.manager.host_fence(self)
         counters = self.manager.counters
         pool = self.manager.pool
         if async_op:
@@ -415,6 +417,8 @@ class Chunk(ChunkBytes):
 
     def write_back(self) -> None:
         """Copy this rank's slice of ``full`` into the shard (after ``load_state_dict`` wrote ``full``)."""
+        if self.manager.host_fence is not None:
+            self.manager.host_fence(self)
         with torch.no_grad(), strict.host_copies():
             if not self.full_alias:
                 self.shard.copy_(self.full[self.shard_begin:self.shard_begin + self.shard_numel])
@@ -542,9 +546,10 @@ class Chunk(ChunkBytes):
             with torch.no_grad(), stream_ctx():
                 if divisor > 1:
                     out.div_(divisor)
-                if not self.optim_on_device:
-                    counters.d2h_bytes += self.shard_numel * out.element_size()
-                grad_shard.add_(out.to(grad_shard.device, grad_shard.dtype))
+                if self.optim_on_device:
+                    grad_shard.add_(out.to(grad_shard.dtype))
+                else:  # offload: a non-blocking device->host copy, added on the host ([Note: gradient offload])
+                    self.manager.offload_grad(self, out, grad_shard)
                 if stream is not None:
                     grad_full.record_stream(stream)
                     out.record_stream(stream)

@@ -41,6 +41,18 @@ order on every rank, so a rank may issue a gather ahead only where every rank do
 
 ``num_prefetched_gathers`` counts gathers issued ahead, ``num_blocking_gathers`` those issued inside an
 access for the chunk it needs (the compute waits for the whole collective).
+
+[Note: gradient offload] A chunk whose optimizer state is on the host gets its reduced gradient shard by
+:meth:`ChunkManager.offload_grad`: one non-blocking device->host copy, straight into the fp32 gradient
+shard when it holds nothing yet (the first backward after ``zero_grad``), else into a host staging
+buffer of the chunk that is added on the host afterwards (gradient accumulation). On CUDA the copy runs on
+the manager's offload stream after it waited for the compute stream, into pinned host blocks, and an
+event recorded after it marks completion; nothing on the main thread waits for it. Whoever consumes the
+host gradient (the optimizer's host lane, ``on_grad_offloaded``) waits for that event first, then adds
+the staging buffer. On the simulated device the copy is a plain copy through the sanctioned host-copy
+path (:func:`hf_elixir.chunk.strict.host_copies`). The host step may update a shard in place while
+backward goes on (``host_fence``): every read of a shard (:meth:`Chunk.unshard`, ``write_back``) calls
+the fence first.
 """
 
 from __future__ import annotations
@@ -84,6 +96,18 @@ class ChunkManager:
         self.copy_stream = torch.cuda.Stream() if compute_device.type == "cuda" else None
         # gradient reduce-scatters of device-optimizer chunks overlap backward on CUDA
         self.reduce_stream = torch.cuda.Stream() if compute_device.type == "cuda" else None
+        # device->host copies of reduced gradient shards of host-optimizer chunks ([Note: gradient offload])
+        self.offload_stream = torch.cuda.Stream() if compute_device.type == "cuda" else None
+        self._grad_staging: dict[int, torch.Tensor] = {}  # chunk id -> fp32 host [shard_numel]
+        self._offload_done: dict[int, object] = {}  # chunk id -> callable waiting for its last host add
+        # ``on_grad_offloaded(chunk, staging, event)`` takes over a host gradient (the optimizer's host lane)
+        # and may return a callable that waits until it has consumed ``staging``; ``host_fence(chunk)`` is
+        # called before a shard is read (see [Note: gradient offload])
+        self.on_grad_offloaded = None
+        self.host_fence = None
+        self.backward_count = 0  # backwards started so far
+        # host mirror of this rank's has-gradient arrivals since the last zero_grad (flag indices)
+        self.local_flags: set[int] = set()
         # off CUDA, gradient collectives are issued asynchronously and finished a few chunks later
         self.async_reduce = compute_device.type != "cuda"
         self.max_pending_reduces = 2
@@ -371,11 +395,11 @@ class ChunkManager:
         self._pending_gathers = []
 
     def join_side_streams(self) -> None:
-        """Order the current CUDA stream after the prefetch and reduce streams, without waiting on the
-        host (the optimizer step's one host read then covers their work too); wait for the all-gathers
+        """Order the current CUDA stream after the prefetch, reduce and offload streams, without waiting on
+        the host (the optimizer step's one host read then covers their work too); wait for the all-gathers
         issued ahead off CUDA (the step writes shards, which may be views into ``full``)."""
         self.drain_gathers()
-        for stream in (self.copy_stream, self.reduce_stream):
+        for stream in (self.copy_stream, self.reduce_stream, self.offload_stream):
             if stream is not None:
                 torch.cuda.current_stream().wait_stream(stream)
 
@@ -457,6 +481,7 @@ class ChunkManager:
         if len(self.trace) < _MAX_TRACE:
             self._forward_ends.append(len(self.trace))
         self.backward_pending = True
+        self.backward_count += 1
         self._reduce_cursor = 0
         if not self.first_use and self._last_forward is not None:
             # a second backward through a retained graph (``backward(retain_graph=True)``) with no
@@ -500,6 +525,57 @@ class ChunkManager:
             self._pending.append(self._timed_wait(finish) if collective else finish)
             while len(self._pending) > self.max_pending_reduces:
                 self._finish_reduce()
+
+    def offload_grad(self, chunk: Chunk, reduced: torch.Tensor, grad_shard: torch.Tensor) -> None:
+        """Hand a host-optimizer chunk's reduced gradient shard to the host ([Note: gradient offload]).
+
+        Args:
+            chunk: the chunk (``optim_on_device`` False).
+            reduced: its reduced gradient shard on the compute device, ``[shard_numel]``, the reduce dtype;
+                not read after this returns on the simulated device, kept alive for the copy on CUDA
+                (``record_stream``).
+            grad_shard: the fp32 host gradient shard ``[shard_numel]`` it is added into.
+        """
+        cid = chunk.chunk_id
+        waiting = self._offload_done.pop(cid, None)
+        if waiting is not None:
+            waiting()  # the last host add of this chunk has consumed its staging buffer
+        staging = None
+        if chunk.grad_shard_clean:
+            target = grad_shard
+        else:
+            staging = self._grad_staging.get(cid)
+            if staging is None:
+                staging = self._grad_staging[cid] = self.host_empty(chunk.shard_numel, torch.float32)
+            target = staging
+        stream, event = self.offload_stream, None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), strict.host_copies(), (torch.cuda.stream(stream) if stream is not None
+                                                     else contextlib.nullcontext()):
+            target.copy_(reduced, non_blocking=True)
+        if stream is not None:
+            reduced.record_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+        self.counters.d2h_bytes += chunk.shard_numel * reduced.element_size()
+        chunk.grad_shard_clean = False
+        if self.on_grad_offloaded is not None:
+            waiting = self.on_grad_offloaded(chunk, staging, event)
+            if waiting is not None:
+                self._offload_done[cid] = waiting
+            return
+        if event is not None:  # no host lane (no optimizer): finish here
+            event.synchronize()
+        if staging is not None:
+            grad_shard.add_(staging)
+
+    def spec_flags(self, chunk: Chunk) -> frozenset[int]:
+        """Flag indices of ``chunk``'s trainable slots that have a gradient on this rank so far (this
+        backward's arrivals and earlier ones since ``zero_grad``): the has-gradient flags as this rank
+        knows them before they are merged over ranks at the end of backward."""
+        return frozenset(s.flag_index for s in chunk.slots if s.trainable and s.flag_index >= 0 and
+                         (s.flag_index in self.arrived_flags or s.flag_index in self.local_flags))
 
     def _timed_wait(self, finish):
         """``finish`` adding the seconds it blocks to ``counters.reduce_wait_s``."""
@@ -555,17 +631,21 @@ class ChunkManager:
             dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
             flags[indices] = part
         self.has_grad_flags = torch.maximum(self.has_grad_flags, flags)
+        self.local_flags |= self.arrived_flags
         self.arrived_flags = set()
 
     def zero_grad(self, keep_has_grad: bool = False) -> None:
         """Zero every gradient shard; ``keep_has_grad``: parameters that had a gradient keep a (zero)
         one for the next step (``zero_grad(set_to_none=False)``), else they have none until backward."""
+        if self.host_fence is not None:
+            self.host_fence(None)  # host work on the gradient shards ends (and speculative steps are undone)
         for grad_shard in self.grad_shards.values():
             grad_shard.zero_()
         for chunk in self.chunks:
             chunk.grad_shard_clean = True
         if not keep_has_grad:
             self.has_grad_flags.zero_()
+            self.local_flags = set()
         self.grads_pending = False
 
     def clear_param_grad(self, param: torch.nn.Parameter, keep_has_grad: bool = False) -> None:
@@ -577,6 +657,8 @@ class ChunkManager:
             return  # backward's own hook clears p.grad after moving it into the chunk
         chunk = self.chunk_of[param]
         grad_shard = self.grad_shards.get(chunk.chunk_id)
+        if self.host_fence is not None:
+            self.host_fence(None)
         if grad_shard is not None:
             lo = max(slot.offset, chunk.shard_begin) - chunk.shard_begin
             hi = min(slot.offset + slot.numel, chunk.shard_begin + chunk.shard_numel) - chunk.shard_begin
@@ -584,6 +666,7 @@ class ChunkManager:
                 grad_shard[lo:hi].zero_()
         if not keep_has_grad:
             self.has_grad_flags[slot.flag_index] = 0.0
+            self.local_flags.discard(slot.flag_index)
 
 
 def _unpack_saved(tensor: torch.Tensor) -> torch.Tensor:

@@ -33,13 +33,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
+
+import psutil
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["DEVICE_RESERVE_FRACTION", "DEVICE_RESERVE_MIN_BYTES", "DeviceBudgetExceededError", "MemoryCounters",
-           "DevicePool", "device_reserve_bytes", "resolve_budget_bytes", "whole_device_budget_bytes"]
+           "DevicePool", "default_host_budget_bytes", "device_reserve_bytes", "resolve_budget_bytes",
+           "whole_device_budget_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -232,3 +236,10 @@ class DevicePool:
     def release(self, nbytes: int) -> None:
         self.counters.device_used_bytes -= nbytes
         assert self.counters.device_used_bytes >= 0, "device pool released more bytes than it charged"
+
+
+def default_host_budget_bytes() -> int:
+    """80% of this machine's RAM divided by the ranks on it (``LOCAL_WORLD_SIZE``, set by torchrun and
+    ``accelerate launch``; 1 when unset): what ``ElixirConfig.host_memory_budget_bytes=None`` means."""
+    local_ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+    return int(0.8 * psutil.virtual_memory().total) // local_ranks

@@ -26,6 +26,7 @@ from hf_elixir.chunk import strict
 from hf_elixir.chunk.chunk import Chunk, ParamSlot
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.config import ElixirConfig
+from hf_elixir.optim._overlap import HostLane
 from hf_elixir.optim.loss_scaler import DynamicLossScaler
 
 __all__ = ["ElixirOptimizer", "SUPPORTED_OPTIMIZERS", "optimizer_state_numel_factor"]
@@ -130,6 +131,13 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self._fused_tables: dict[int, dict] = {}  # chunk id -> segment tables (see _segment_table)
         self._setup_fused()
         self.inner = self._build_inner(type(optimizer))
+        self._view_by_tensor = {id(v.tensor): v for v in self.views}
+        # [Note: host lane] in _overlap.py: offloaded gradients taken over, host step overlapped with backward
+        self._lane: HostLane | None = None
+        if any(c.trainable and not c.optim_on_device for c in manager.chunks):
+            overlap = config.overlap_host_optimizer
+            self._lane = HostLane(self, speculate=overlap is None or overlap,
+                                  state_numel_factor=optimizer_state_numel_factor(optimizer))
 
     def add_param_group(self, param_group: dict) -> None:
         """Only used while constructing; afterwards adding parameters is refused.
@@ -377,12 +385,19 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self._unscaled = True
         self._found_inf = None
         self._kernel_sq_norms = {}
+        if self._lane is not None:
+            self._lane.join()
         if not self.scaler.enabled:
             return
         inv = 1.0 / self.scaler.scale
         device = self.manager.compute_device
         found = torch.zeros(1, dtype=torch.float32, device=device)
+        prepared = self._lane.prepared if self._lane is not None else {}
         for cid, grad in self.manager.grad_shards.items():
+            if cid in prepared:  # unscaled and checked by the host lane during backward
+                if prepared[cid].found_inf:
+                    found.fill_(1.0)
+                continue
             if self._use_kernels(grad):
                 # one fused pass: unscale, overflow flag and squared norm (Triton issue #3, kernel 2);
                 # the norm is kept on the device for clip_grad_norm
@@ -415,6 +430,10 @@ class ElixirOptimizer(torch.optim.Optimizer):
             if norm_type == float("inf"):
                 if g.numel():
                     local = torch.maximum(local, g.abs().max().double().reshape(1).to(device, non_blocking=True))
+                continue
+            host_sq = self._lane.host_sq_norm(cid) if self._lane is not None and norm_type == 2.0 else None
+            if host_sq is not None:  # computed by the host lane during backward
+                local += host_sq / chunks[cid].norm_replicas
                 continue
             part = cached[cid].double() if cid in cached else g.double().norm(norm_type) ** norm_type
             local += part.reshape(1).to(device, non_blocking=True) / chunks[cid].norm_replicas
@@ -466,6 +485,10 @@ class ElixirOptimizer(torch.optim.Optimizer):
         is updated on the host from that read (``torch.amp.GradScaler`` reads its ``found_inf`` the
         same way, once per step).
 
+        Host optimizer states: the host lane ([Note: host lane] in ``_overlap.py``) has usually stepped
+        their chunks during backward already; the step joins it (a wait on the host thread, not on the
+        device), keeps the updates the read validates and rolls back and redoes the others.
+
         Raises:
             ValueError: a closure was given (not supported: forward/backward run outside the step).
         """
@@ -474,6 +497,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
         assert not self.manager.backward_pending, "optimizer.step() called while a backward is still running"
         self._check_groups_unchanged()
         self.manager.join_side_streams()
+        if self._lane is not None:
+            self._lane.join()
         if self.scaler.enabled and not self._scaled_backward and not self._warned_unscaled:
             self._warned_unscaled = True
             logger.warning("precision='fp16' but the loss was not scaled: call optimizer.backward(loss) (or "
@@ -482,6 +507,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self._unscale()
         found_inf, host_coef, flags = self._read_step_state()
         self.user_optimizer._opt_called = True  # tells LR schedulers built on the user's optimizer
+        done = self._lane.validate(found_inf, host_coef, flags) if self._lane is not None else set()
         if found_inf:
             logger.warning("fp16 gradient overflow: skipping this step, loss scale %.1f -> %.1f",
                            self.scaler.scale, self.scaler.scale * self.config.loss_scale.backoff_factor)
@@ -492,12 +518,14 @@ class ElixirOptimizer(torch.optim.Optimizer):
                     if self._is_host(g):
                         g.mul_(host_coef)
             if self.inner is not None:
-                self._inner_step(flags)
+                self._inner_step(flags, done)
             self._fused_step(flags)
             self.scaler.update(False)
             self._refresh_compute_copies()
         self._unscaled = False
         self._found_inf = self._host_clip_coef = None
+        if self._lane is not None:
+            self._lane.end_step()
         self.manager.end_step()
         return None
 
@@ -512,13 +540,28 @@ class ElixirOptimizer(torch.optim.Optimizer):
         values = strict.host_read(packed).tolist()
         return values[0] > 0, values[1], values[2:]
 
-    def _inner_step(self, flags: list[float]) -> None:
-        for inner_group, user_group, full in zip(self.inner.param_groups, self.param_groups, self._full_group_params):
+    def _inner_step(self, flags: list[float], done: set[int] = frozenset()) -> None:
+        """Step every view with a gradient (``flags``) except those of the chunks in ``done`` (stepped
+        during backward by the host lane, [Note: host lane])."""
+        self._run_inner([[t for t in full if flags[self._flag_of(t)] > 0
+                          and self._view_by_tensor[id(t)].chunk.chunk_id not in done]
+                         for full in self._full_group_params])
+
+    def _step_views(self, views: list[_ShardView]) -> None:
+        """Step exactly ``views`` with the param groups' current hyperparameters (the host lane's
+        speculative step of one chunk; same inner optimizer, so the same arithmetic as :meth:`_inner_step`)."""
+        chosen = {id(v.tensor) for v in views}
+        self._run_inner([[t for t in full if id(t) in chosen] for full in self._full_group_params])
+
+    def _run_inner(self, params_per_group: list[list[torch.Tensor]]) -> None:
+        if not any(params_per_group):
+            return
+        for inner_group, user_group, params in zip(self.inner.param_groups, self.param_groups, params_per_group):
             for key, value in user_group.items():
                 if key != "params":
                     inner_group[key] = value
             inner_group.update(self._inner_overrides)
-            inner_group["params"] = [t for t in full if flags[self._flag_of(t)] > 0]
+            inner_group["params"] = params
         try:
             self.inner.step()
         finally:
@@ -526,9 +569,13 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 inner_group["params"] = full
 
     def _flag_of(self, tensor: torch.Tensor) -> int:
-        if not hasattr(self, "_view_by_tensor"):
-            self._view_by_tensor = {id(v.tensor): v for v in self.views}
         return self._view_by_tensor[id(tensor)].slot.flag_index
+
+    def settle_host_steps(self) -> None:
+        """Join the host lane and undo its speculative updates ([Note: host lane]): masters and optimizer
+        states as the last ``step()`` left them. Called before they are read or written outside ``step``."""
+        if self._lane is not None and not self.manager.backward_pending:
+            self._lane.settle(restore_grads=not self._unscaled)
 
     def _refresh_compute_copies(self) -> None:
         import triton_kernels  # noqa: PLC0415
@@ -586,6 +633,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         return sorted(union)
 
     def _shard_flat(self, chunk: Chunk, key: str) -> torch.Tensor:
+        self.settle_host_steps()
         if key == "master":
             return self.masters[chunk.chunk_id].detach().float().cpu().clone()
         if chunk.chunk_id in self.fused_chunks:
@@ -619,6 +667,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         "param_groups": [{hyperparameters..., "params": [names]}], "loss_scaler": {...}}`` that every
         rank holds (CPU tensors).
         """
+        self.settle_host_steps()
         keys = self._per_element_keys()
         state: dict[str, dict] = defaultdict(dict)
         for chunk in self.manager.chunks:
@@ -664,6 +713,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
             ValueError: not an optimizer state this class can read, or its param groups do not match
                 this optimizer's (names the group, the expected and the found parameter names).
         """
+        self.settle_host_steps()
         if "format" not in state_dict and _is_plain_torch_state(state_dict):
             state_dict = self._from_plain_torch_state(state_dict)
         if state_dict.get("format") != CONSOLIDATED_FORMAT:
@@ -745,6 +795,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
 
     def sync_masters_from_params(self) -> None:
         """Refresh fp32 masters from the compute shards (after ``model.load_state_dict``)."""
+        self.settle_host_steps()
         for chunk in self.manager.chunks:
             if chunk.trainable:
                 master = self.masters[chunk.chunk_id]

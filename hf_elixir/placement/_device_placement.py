@@ -10,13 +10,12 @@ mesh decides comes in as arguments, so this layer imports neither the parallel n
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Callable
 
-import psutil
 import torch
 
 from hf_elixir.chunk.manager import budget_error
+from hf_elixir.chunk.memory import default_host_budget_bytes
 from hf_elixir.config import ElixirConfig
 from hf_elixir.optim.optimizer import optimizer_state_numel_factor
 from hf_elixir.placement._agree import agree_min
@@ -229,13 +228,6 @@ def place_chunks(chunks, units_chunks: list[list], plan: ElixirPlan | None, conf
         for c in chunks:
             c.optim_on_device = False
     return reasons + choose_host_copies(chunks, plan, config, sizes)
-
-
-def default_host_budget_bytes() -> int:
-    """80% of this machine's RAM divided by the ranks on it (``LOCAL_WORLD_SIZE``, set by torchrun and
-    ``accelerate launch``; 1 when unset)."""
-    local_ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
-    return int(0.8 * psutil.virtual_memory().total) // local_ranks
 
 
 def host_bytes_without_copies(chunks, sizes: Sizes) -> int:

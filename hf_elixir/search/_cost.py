@@ -63,17 +63,24 @@ with several ranks a forward all-gather may, on any device; everything else on C
   inside the pre-backward hook and the compute waits for them (and for gathers queued before them);
 * the reduce-scatter (or replicated all-reduce) of a chunk whose optimizer state is on the device runs on the
   manager's reduce stream, overlapping the rest of backward ([Note: reduce overlap] in ``chunk/chunk.py``);
-  a host-optimizer chunk's reduce and its device->host gradient copy stay on the compute stream;
-* the optimizer step starts after backward ends, updates the host shards (``ElixirOptimizer._inner_step``)
-  and then the device shards (``_fused_step``): ``host + device``, never ``max(host, device)``.
+  a host-optimizer chunk's reduce stays on the compute stream, its device->host gradient copy runs on the
+  offload stream on CUDA ([Note: gradient offload] in ``chunk/manager.py``; on CPU it is a plain copy on the
+  compute timeline);
+* with ``overlap_host_optimizer`` (the runtime's default) each host-optimizer chunk is stepped on the host
+  lane's one worker thread as soon as its gradient is on the host ([Note: host lane] in
+  ``optim/_overlap.py``): a serial lane timeline ``t_lane`` beside backward when the compute is not on the
+  host (``hardware.can_overlap``, CUDA); the step then waits only for what the lane has left,
+  ``max(0, t_lane - end of backward)``. Off CUDA the "device" is the host's own cores, which the lane's
+  thread shares with the compute: priced as the serial host step (what a busy machine gets). Rollbacks
+  (clipping triggered, fp16 overflow) are priced as rare, i.e. not at all. Their snapshots (``(1 + k) * 4``
+  bytes per host shard element, fp16 ``(2 + k) * 4``) are taken in reduce order while they fit the host
+  budget, as the runtime does; ``Prediction.host_snapshot_bytes`` reports them apart from ``host_bytes``.
+  Without it the optimizer step starts after backward ends and updates the host shards (``ElixirOptimizer._inner_step``);
+* the device shards (``_fused_step``) follow the host part: ``host + device``, never ``max(host, device)``.
 
 [Note: activation policy] in ``_activation_cost.py``: what keep / recompute / offload per block cost in
 memory and time; :func:`predict` adds the offload copies it lists (``ChunkedStep.offload_after`` /
 ``offload_before``).
-
-Issue 14 item 2 would change the last point: when the host optimizer runs during backward
-(SuperOffload-style), ``optimizer_s``'s host part moves into the backward timeline, starting at each chunk's
-reduce.
 """
 
 from __future__ import annotations
@@ -128,6 +135,9 @@ class Prediction:
     device_peak_bytes: int
     host_bytes: int
     breakdown: dict[str, int] = field(default_factory=dict)
+    # the host lane's rollback snapshots, on top of ``host_bytes``: taken only while they fit the host
+    # budget given to :func:`predict` (``ElixirConfig.host_memory_budget_bytes``), so never what rules a plan out
+    host_snapshot_bytes: int = 0
     timeline: list[tuple[float, int, str]] = field(default_factory=list)  # (time s, device bytes, label)
     chunk_onloads: dict[int, int] = field(default_factory=dict)
     cache_blocks: int = 0
@@ -359,11 +369,14 @@ def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, i
 
 
 def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_bytes: int | None = None,
-            activations_on_device: bool = False, timeline: bool = False) -> Prediction | None:
+            activations_on_device: bool = False, timeline: bool = False,
+            overlap_host_optimizer: bool = True, host_budget_bytes: int | None = None) -> Prediction | None:
     """Predicted time and memory of ``knobs`` with a model-data pool of ``pool_bytes`` (the
     ``device_memory_budget_bytes`` given to ``prepare``); ``None`` if the step cannot run in it (the
     manager would raise). Without ``pool_bytes`` the pool is the fixed parts plus
-    ``knobs.cache_blocks`` chunks plus the gradient-buffer peak.
+    ``knobs.cache_blocks`` chunks plus the gradient-buffer peak. ``overlap_host_optimizer``: as
+    ``ElixirConfig.overlap_host_optimizer`` (its default ``None`` is on), see [Note: overlap];
+    ``host_budget_bytes``: this rank's host memory, which bounds the host lane's snapshots (``None``: no bound).
 
     See [Note: time model] and [Note: memory accounting] in this module's docstring.
     """
@@ -372,6 +385,11 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     held = knobs.resident | knobs.device_shard
     on_device = knobs.resident if ws > 1 else held  # chunks that never need a fill
     fixed, host_bytes, breakdown = fixed_memory(step, knobs)
+    # the host lane's rollback snapshots (master + states, + the fp16 gradient) while they fit the host
+    snapshot_numel_bytes = 4 * (1 + step.optim_states + (step.precision == "fp16"))
+    snapshot_room = _INF if host_budget_bytes is None else host_budget_bytes - host_bytes
+    snapshot_bytes = 0
+    host_rate = hardware.host_adam_numel_per_s or 1e9
     chunk_bytes = step.chunk_size_numel * b
     if pool_bytes is None:
         pool_bytes = fixed + knobs.cache_blocks * chunk_bytes + step.grad_peak_bytes
@@ -410,6 +428,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     chunk_onloads: dict[int, int] = {}
     h2d_bytes = d2h_bytes = ag_bytes = rs_bytes = 0
     t_compute = t_copy = t_reduce = t_act = t_gather = 0.0  # compute, copy, reduce, activation, gather streams
+    t_offload = t_lane = 0.0  # the offload stream (CUDA) and the host lane's worker thread
+    lane_chunks: set[int] = set()  # host chunks stepped on the lane during backward
     starts: list[float] = []
     points: list[tuple[float, int, str]] = []
     gathered: set[int] = set()  # ws > 1: gathered this step (with host copies later refills are local copies)
@@ -531,11 +551,28 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             if c not in knobs.device_optim:
                 d2h_bytes += shard_g
             # reduced gradient added into the fp32 gradient shard (on the host unless its optimizer is on the device)
-            reduce_s += shard_g / (local_rate if c in knobs.device_optim else d2h_rate)
+            copy_s = shard_g / (local_rate if c in knobs.device_optim else d2h_rate)
+            host_ready = None
             if hardware.can_overlap and c in knobs.device_optim:  # the reduce stream ([Note: reduce overlap])
-                t_reduce = max(t_reduce, t_compute) + reduce_s
-            else:
+                t_reduce = max(t_reduce, t_compute) + reduce_s + copy_s
+            elif hardware.can_overlap:  # the collective on the compute stream, the copy on the offload stream
                 t_compute += reduce_s
+                t_offload = max(t_offload, t_compute) + copy_s
+                host_ready = t_offload
+            else:
+                t_compute += reduce_s + copy_s
+                host_ready = t_compute
+            snapshot = step.shard_numel(c) * snapshot_numel_bytes
+            if c not in knobs.device_optim and overlap_host_optimizer and step.trained_numels[c] \
+                    and snapshot <= snapshot_room:
+                snapshot_room -= snapshot
+                snapshot_bytes += snapshot
+            else:
+                host_ready = None
+            if host_ready is not None and hardware.can_overlap:
+                # the host lane steps the chunk as soon as its gradient is on the host ([Note: host lane])
+                t_lane = max(t_lane, host_ready) + step.shard_numel(c) / host_rate + step.views[c] * hardware.optim_tensor_s
+                lane_chunks.add(c)
             pending.append((g + out, g))
             while len(pending) > (_MAX_PENDING_REDUCES if async_reduce else 0):
                 finish_reduce()
@@ -543,7 +580,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             points.append((t_compute, used, f"{step.event_phase[k]}:{loaded} onloads"))
     while pending:  # the end of backward drains every in-flight reduce
         finish_reduce()
-    fwd_bwd = max(t_compute, t_copy, t_reduce, t_act, t_gather)  # the end of backward joins the other streams
+    fwd_bwd = max(t_compute, t_copy, t_reduce, t_act, t_gather, t_offload)  # backward joins the other streams
     compute_s = sum(step.event_compute_s)
     host_numel = dev_numel = 0
     refresh_bytes = device_refresh_bytes = 0  # casts refreshing compute copies; of which within the device
@@ -551,10 +588,13 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     for c in range(step.num_chunks):
         if not step.trained_numels[c]:
             continue
-        views += step.views[c]
-        if c in knobs.device_optim:
+        if c in lane_chunks:  # stepped on the host lane, priced in its timeline (t_lane)
+            pass
+        elif c in knobs.device_optim:
+            views += step.views[c]
             dev_numel += step.shard_numel(c)
         else:
+            views += step.views[c]
             host_numel += step.shard_numel(c)
         master_is_shard = step.precision == "fp32" and ((c in knobs.device_optim) == (c in held))
         if not master_is_shard:
@@ -563,7 +603,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 h2d_bytes += step.shard_numel(c) * b
             elif c in held:
                 device_refresh_bytes += step.shard_numel(c) * b
-    host_s = host_numel / (hardware.host_adam_numel_per_s or 1e9)
+    # what the lane has left when backward ends, then the host chunks it did not step (none unless off)
+    host_s = max(0.0, t_lane - fwd_bwd) + host_numel / host_rate
     dev_s = dev_numel / (hardware.device_adam_numel_per_s or 1e9)
     regather = sum(step.full_bytes(c) for c in knobs.resident if step.trained_numels[c]) if ws > 1 else 0
     ag_bytes += regather
@@ -580,6 +621,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         step_s=fwd_bwd + optim_s, forward_backward_s=fwd_bwd, optimizer_s=optim_s, compute_s=compute_s,
         onloads=onloads, h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes, allgather_bytes=ag_bytes,
         reduce_scatter_bytes=rs_bytes, device_model_bytes=peak, device_peak_bytes=device_peak,
-        host_bytes=host_bytes, breakdown=breakdown, timeline=points, chunk_onloads=chunk_onloads,
+        host_bytes=host_bytes, host_snapshot_bytes=snapshot_bytes, breakdown=breakdown, timeline=points,
+        chunk_onloads=chunk_onloads,
         cache_blocks=max(0, (pool_bytes - fixed - step.grad_peak_bytes) // max(1, chunk_bytes)),
     )

@@ -149,7 +149,7 @@ _FILL_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, limit_bytes: int,
                 activations_on_device: bool, grid_points: int,
-                prefetch_depths: Iterable[int]) -> tuple[list[Candidate], int]:
+                prefetch_depths: Iterable[int], host_budget_bytes: int | None = None) -> tuple[list[Candidate], int]:
     """Grid over resident chunks x the share of the spare bytes spent on device optimizer states and
     shards (the rest is cache) x prefetch depth; keep points whose fixed parts plus working set fit
     ``limit_bytes`` and whose simulated peak fits ``pool_bytes``."""
@@ -180,7 +180,7 @@ def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, l
                 # all-gather traffic; the host limit filters the copies out where they do not fit)
                 for variant in ((knobs, replace(knobs, host_copies=True)) if step.world_size > 1 else (knobs,)):
                     pred = predict(step, variant, hardware, pool_bytes=pool_bytes,
-                                   activations_on_device=activations_on_device)
+                                   activations_on_device=activations_on_device, host_budget_bytes=host_budget_bytes)
                     evaluated += 1
                     if pred is not None and _fits(step, variant, pred, pool_bytes, limit_bytes):
                         found.append(Candidate(step.chunk_size_numel, step.activation_checkpointing,
@@ -191,7 +191,7 @@ def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, l
 
 
 def _search_replicated(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, limit_bytes: int,
-                       activations_on_device: bool) -> tuple[list[Candidate], int]:
+                       activations_on_device: bool, host_budget_bytes: int | None = None) -> tuple[list[Candidate], int]:
     """Replicated data parallelism: every chunk resident (nothing to cache or prefetch); the spare bytes
     go to device optimizer states in a few shares (the rest stays on the host)."""
     everything = frozenset(range(step.num_chunks))
@@ -208,7 +208,8 @@ def _search_replicated(step: ChunkedStep, hardware: HardwareProfile, pool_bytes:
         if knobs in seen:
             continue
         seen.add(knobs)
-        pred = predict(step, knobs, hardware, pool_bytes=pool_bytes, activations_on_device=activations_on_device)
+        pred = predict(step, knobs, hardware, pool_bytes=pool_bytes, activations_on_device=activations_on_device,
+                       host_budget_bytes=host_budget_bytes)
         if pred is not None and _fits(step, knobs, pred, pool_bytes, limit_bytes):
             found.append(Candidate(step.chunk_size_numel, step.activation_checkpointing,
                                    replace(knobs, cache_blocks=pred.cache_blocks), pred, "replicated",
@@ -354,11 +355,13 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                 # ElixirConfig.budget_covers_activations=False), what the activations leave of the
                 # margin-reduced budget when they are charged to it
                 pool = budget if not activations_on_device else limit - act
+                rank_host = host_limit // per_host if host_limit is not None else None  # bounds the lane's snapshots
                 if replicated:
-                    more, count = _search_replicated(step, hardware, pool, limit - act, activations_on_device)
+                    more, count = _search_replicated(step, hardware, pool, limit - act, activations_on_device,
+                                                     rank_host)
                 else:
                     more, count = _search_one(step, hardware, pool, limit - act, activations_on_device, grid_points,
-                                              tuple(prefetch_depths))
+                                              tuple(prefetch_depths), rank_host)
                 if host_limit is not None:  # host memory is per machine: every local rank holds its part
                     kept = [c for c in more if c.prediction.host_bytes * per_host <= host_limit]
                     over_host += len(more) - len(kept)
