@@ -98,6 +98,10 @@ class _Binding:
         accelerator.backward = self.backward
         accelerator.clip_grad_norm_ = self.clip_grad_norm_
 
+    def forget(self, model: torch.nn.Module) -> None:
+        """Drop ``model`` (and its optimizer) from this accelerator: it was replaced by a new model."""
+        self.entries = [(m, o) for m, o in self.entries if m is not model]
+
     def optimizer_for_parameters(self, parameters: list[torch.Tensor]):
         ids = {id(p) for p in parameters}
         for model, optimizer in self.entries:
