@@ -20,12 +20,14 @@ The Elixir settings come from ``ELIXIR_<FIELD>`` environment variables (``Elixir
 reading); ``ELIXIR_SHIM_BUDGET=min`` sets ``device_memory_budget_bytes`` of every prepared model to
 :func:`hf_elixir.min_device_budget_bytes` for that model and optimizer, so chunks are offloaded and
 onloaded every step. ``ELIXIR_SHIM_READ_FULL=1`` makes ``accelerator.unwrap_model(model)`` of an
-hf_elixir model enter ``hf_elixir.full_parameters(model)`` (read-only, kept open) before returning
-it: upstream checks read ``model.a`` after training, and under sharding or offload a parameter is not
-current between steps, so that read raises ``StaleParameterError`` by design ("Reading a parameter
-that is not current must fail loudly", DESIGN.md). With the flag the checks' own assertions run
-unchanged on the full values. The shim prints ``ELIXIR_SHIM prepared <n>`` at exit: how many model/optimizer
-pairs went through hf_elixir, so a test can tell the routing happened.
+hf_elixir model enter ``hf_elixir.full_parameters(model)`` (read-only, kept open until the script's
+next ``prepare``) before returning it: upstream checks read ``model.a`` after training, and under
+sharding or offload a parameter is not current between steps, so that read raises
+``StaleParameterError`` by design ("Reading a parameter that is not current must fail loudly",
+DESIGN.md). With the flag the checks' own assertions run unchanged on the full values.
+
+The shim prints ``ELIXIR_SHIM prepared <n>`` at exit: how many model/optimizer pairs went through
+hf_elixir, so a test can tell the routing happened.
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ def _patched_prepare(original):
 
     @functools.wraps(original)
     def prepare(self, *args, device_placement=None):
+        while _FULL_VIEWS:  # the views opened by unwrap_model last until the script prepares again
+            _FULL_VIEWS.pop().__exit__(None, None, None)
         models = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
         optimizers = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
         if len(models) != 1 or len(optimizers) != 1 or getattr(args[models[0]], "_is_accelerate_prepared", False):
