@@ -7,6 +7,7 @@ The reference is the same Trainer without the callback.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
@@ -81,3 +82,29 @@ def test_second_train_call_on_the_same_trainer_keeps_the_elixir_model(tmp_path):
     assert callback.optimizer is first_optimizer and trainer.optimizer.optimizer is first_optimizer
     for got, want in zip(_line_values(trainer.model), _line_values(reference.model)):
         assert abs(got - want) < 1e-6
+
+
+def _two_trainers(tmp_path, name: str, callbacks, second_optim: str = "adamw_torch") -> nn.Module:
+    """transformers' test_trainer_resume pattern: the model object one Trainer trained goes to the next."""
+    torch.manual_seed(0)
+    model = _Line()
+    Trainer(model, _args(tmp_path, name + "1"), train_dataset=_data(), callbacks=callbacks()).train()
+    args = _args(tmp_path, name + "2")
+    args.optim = second_optim
+    Trainer(model, args, train_dataset=_data(), callbacks=callbacks()).train()
+    return model
+
+
+def test_a_model_trained_by_one_trainer_trains_again_in_the_next(tmp_path):
+    """The second Trainer builds a fresh optimizer over the same (already managed) parameters; prepare
+    refused the model ("already prepared"). Now the model's ElixirOptimizer takes the fresh optimizer's
+    hyperparameters and empty state, so the run equals the stock Trainer's."""
+    reference = _two_trainers(tmp_path, "ref", lambda: None)
+    model = _two_trainers(tmp_path, "elixir", lambda: [ElixirCallback()])
+    for got, want in zip(_line_values(model), _line_values(reference)):
+        assert abs(got - want) < 1e-6
+
+
+def test_a_trained_model_in_a_trainer_with_another_optimizer_class_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="already under hf_elixir with a AdamW; a new SGD"):
+        _two_trainers(tmp_path, "elixir", lambda: [ElixirCallback()], second_optim="sgd")
