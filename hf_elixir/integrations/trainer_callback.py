@@ -22,7 +22,9 @@ rest: the scheduler is created on the Elixir optimizer, ``_load_optimizer_and_sc
 the Elixir optimizer's state, ``max_grad_norm`` goes through Elixir's global norm. With ``model_init``
 (hyperparameter search) every ``train()`` builds a new model and optimizer; each one is put under
 Elixir and replaces the previous one in the accelerator's binding. ``on_train_begin`` checks that the
-optimizer the Trainer will step is the Elixir one.
+optimizer the Trainer will step is the Elixir one. A model that an earlier Trainer already trained under
+Elixir keeps its chunks; the new Trainer's fresh optimizer resets the model's ElixirOptimizer
+(``_binding.rebind_optimizer``).
 
 Two Trainer methods call collective ``state_dict()``s on the main process only; under Elixir the
 consolidation is a collective, so the callback gives the Trainer instance versions of ``_save`` and
