@@ -35,7 +35,9 @@ from typing import Any, Iterable
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
 
-__all__ = ["ElixirAcceleratedOptimizer", "binding_of", "elixir_prepare", "merge_precision"]
+from hf_elixir.runtime._state import is_prepared
+
+__all__ = ["ElixirAcceleratedOptimizer", "binding_of", "elixir_prepare", "merge_precision", "rebind_optimizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,10 @@ class _Binding:
         accelerator.backward = self.backward
         accelerator.clip_grad_norm_ = self.clip_grad_norm_
 
+    def forget(self, model: torch.nn.Module) -> None:
+        """Drop ``model`` (and its optimizer) from this accelerator: it was replaced by a new model."""
+        self.entries = [(m, o) for m, o in self.entries if m is not model]
+
     def optimizer_for_parameters(self, parameters: list[torch.Tensor]):
         ids = {id(p) for p in parameters}
         for model, optimizer in self.entries:
@@ -136,6 +142,43 @@ def binding_of(accelerator) -> _Binding:
     return binding
 
 
+def rebind_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config):
+    """The ElixirOptimizer of an already prepared ``model``, set to what a fresh ``optimizer`` would be.
+
+    A model object outlives the Trainer that trained it: the next ``Trainer(model=model, ...)`` builds a
+    new torch optimizer over the same (managed) parameters. Elixir keeps the model's chunks and its one
+    ElixirOptimizer; that optimizer takes the new one's hyperparameters and its empty state (moments and
+    step counts start afresh, exactly as the new torch optimizer would; ``resume_from_checkpoint`` then
+    loads a saved state as usual). The chunk layout, budget and placements stay as the first ``prepare``
+    chose them.
+
+    Raises:
+        ValueError: the model was prepared for inference (no optimizer), the new optimizer is of another
+            class or groups the parameters differently, or the precision differs from the first prepare.
+    """
+    import hf_elixir
+
+    state = hf_elixir.get_state(model)
+    existing = state.optimizer
+    if existing is None:
+        raise ValueError("this model was prepared by hf_elixir.prepare(model, optimizer=None) for inference; "
+                         "prepare a fresh model with the optimizer to train it")
+    if type(optimizer) is not type(existing.user_optimizer):
+        raise ValueError(
+            f"this model is already under hf_elixir with a {type(existing.user_optimizer).__name__}; a new "
+            f"{type(optimizer).__name__} over it cannot take that one's place: keep the optimizer class "
+            "(TrainingArguments.optim), or prepare a fresh model")
+    groups = [[id(p) for p in g["params"]] for g in optimizer.param_groups]
+    if groups != [[id(p) for p in g["params"]] for g in existing.param_groups]:
+        raise ValueError("the new optimizer groups this hf_elixir model's parameters differently from the one it "
+                         "was prepared with; build it with the same param groups (same weight-decay split)")
+    if config.precision != state.config.precision:
+        raise ValueError(f"this model is under hf_elixir with precision={state.config.precision!r}; the new "
+                         f"run asks for {config.precision!r}: keep the precision, or prepare a fresh model")
+    existing.load_state_dict(optimizer.state_dict())
+    return existing
+
+
 def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config, checkpoint=None):
     """Run :func:`hf_elixir.prepare` and register the result with ``accelerator`` without DDP.
 
@@ -163,7 +206,10 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
     binding = binding_of(accelerator)
     if config.precision == "fp16" and accelerator.scaler is not None:
         accelerator.scaler = None  # Elixir's loss scaler replaces accelerate's GradScaler
-    model, elixir_optimizer = hf_elixir.prepare(model, optimizer, config=config, checkpoint=checkpoint)
+    if is_prepared(model):  # a model a previous Trainer/Accelerator already trained
+        elixir_optimizer = rebind_optimizer(model, optimizer, config)
+    else:
+        model, elixir_optimizer = hf_elixir.prepare(model, optimizer, config=config, checkpoint=checkpoint)
     wrapped = ElixirAcceleratedOptimizer(elixir_optimizer)
     model._is_accelerate_prepared = True  # accelerate: register, do not wrap (no DDP, no autocast)
     wrapped._is_accelerate_prepared = True

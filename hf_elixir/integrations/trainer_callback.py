@@ -19,7 +19,12 @@ that is calling it (walking up the call stack to the ``Trainer.__init__`` frame;
 ``prepare(model, optimizer)`` call of step 2 runs :func:`hf_elixir.prepare` and registers the result
 without DDP (see :mod:`hf_elixir.integrations._binding`). From then on the Trainer's own code does the
 rest: the scheduler is created on the Elixir optimizer, ``_load_optimizer_and_scheduler`` restores
-the Elixir optimizer's state, ``max_grad_norm`` goes through Elixir's global norm.
+the Elixir optimizer's state, ``max_grad_norm`` goes through Elixir's global norm. With ``model_init``
+(hyperparameter search) every ``train()`` builds a new model and optimizer; each one is put under
+Elixir and replaces the previous one in the accelerator's binding. ``on_train_begin`` checks that the
+optimizer the Trainer will step is the Elixir one. A model that an earlier Trainer already trained under
+Elixir keeps its chunks; the new Trainer's fresh optimizer resets the model's ElixirOptimizer
+(``_binding.rebind_optimizer``).
 
 Two Trainer methods call collective ``state_dict()``s on the main process only; under Elixir the
 consolidation is a collective, so the callback gives the Trainer instance versions of ``_save`` and
@@ -35,6 +40,7 @@ import types
 from typing import Any
 
 import torch
+from accelerate.optimizer import AcceleratedOptimizer
 from transformers import TrainerCallback
 
 from hf_elixir.config import ElixirConfig
@@ -150,19 +156,24 @@ class ElixirCallback(TrainerCallback):
     def _prepare(self, original_prepare, objects: tuple, device_placement):
         trainer = self.trainer
         model = trainer.model
-        if self.optimizer is None and any(o is model for o in objects):
-            optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
-            if len(optimizers) == 1:
-                prepared_model, prepared_opt = elixir_prepare(trainer.accelerator, model, optimizers[0], self.config,
-                                                             checkpoint=self.checkpoint)
-                self.model, self.optimizer = prepared_model, prepared_opt.optimizer
-                out = [prepared_model if o is model else prepared_opt if o is optimizers[0] else o for o in objects]
-                rest = [o for o in out if o is not prepared_model and o is not prepared_opt]
-                if rest:
-                    done = original_prepare(*rest, device_placement=device_placement)
-                    done = iter(done if isinstance(done, tuple) else (done,))
-                    out = [o if (o is prepared_model or o is prepared_opt) else next(done) for o in out]
-                return tuple(out) if len(out) > 1 else out[0]
+        # The Trainer's current model with a fresh torch optimizer: the first `train()`, or every `train()`
+        # with `model_init` (hyperparameter search builds a new model and optimizer each time). A model
+        # already under Elixir with its AcceleratedOptimizer (a second `train()`, an auto_find_batch_size
+        # retry) only needs accelerate to register it again.
+        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer) and not isinstance(o, AcceleratedOptimizer)]
+        if model is not self.model and any(o is model for o in objects) and len(optimizers) == 1:
+            if self.model is not None:  # model_init replaced the model: the old one leaves the binding
+                binding_of(trainer.accelerator).forget(self.model)
+            prepared_model, prepared_opt = elixir_prepare(trainer.accelerator, model, optimizers[0], self.config,
+                                                         checkpoint=self.checkpoint)
+            self.model, self.optimizer = prepared_model, prepared_opt.optimizer
+            out = [prepared_model if o is model else prepared_opt if o is optimizers[0] else o for o in objects]
+            rest = [o for o in out if o is not prepared_model and o is not prepared_opt]
+            if rest:
+                done = original_prepare(*rest, device_placement=device_placement)
+                done = iter(done if isinstance(done, tuple) else (done,))
+                out = [o if (o is prepared_model or o is prepared_opt) else next(done) for o in out]
+            return tuple(out) if len(out) > 1 else out[0]
         return original_prepare(*objects, device_placement=device_placement)
 
     # ------------------------------------------------------------------ events
@@ -177,7 +188,7 @@ class ElixirCallback(TrainerCallback):
             self.bind(trainer)
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
-        if self.trainer is None or self.optimizer is None:
+        if self.trainer is None or self.optimizer is None or getattr(optimizer, "optimizer", optimizer) is not self.optimizer:
             raise RuntimeError(
                 "ElixirCallback is not attached: the Trainer prepared its optimizer without Elixir. Pass the "
                 "callback at Trainer construction, or call callback.bind(trainer) before trainer.train()"

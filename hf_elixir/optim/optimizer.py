@@ -745,10 +745,11 @@ class ElixirOptimizer(torch.optim.Optimizer):
     def _load_view_states(self, saved_state: dict) -> None:
         for view in self.views:
             entry = saved_state.get(view.slot.name)
-            if not entry:
+            fused = self.fused_chunks.get(view.chunk.chunk_id)
+            if not entry:  # no state saved (e.g. before the first step): start afresh, as torch.optim does
+                self._clear_view_state(view, fused)
                 continue
             target: dict = {}
-            fused = self.fused_chunks.get(view.chunk.chunk_id)
             for key, value in entry.items():
                 if key == "step":
                     target["step"] = torch.tensor(float(value), dtype=torch.float32)
@@ -769,6 +770,16 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 self.inner.state[view.tensor] = target
         if "master" in self._per_element_keys_local(saved_state):
             self._refresh_compute_copies()
+
+    def _clear_view_state(self, view, fused: dict[str, torch.Tensor] | None) -> None:
+        """Forget one parameter's optimizer state (moments and step count), as ``torch.optim`` does when
+        the loaded state has no entry for it."""
+        if fused is not None:
+            for moment in fused.values():
+                moment[view.lo:view.hi].zero_()
+            self.fused_steps[id(view.tensor)] = 0
+        elif self.inner is not None:
+            self.inner.state.pop(view.tensor, None)
 
     def _from_plain_torch_state(self, state_dict: dict) -> dict:
         """``torch.optim.Optimizer.state_dict()`` (integer ids) -> the consolidated form (names)."""

@@ -1,0 +1,84 @@
+"""accelerate's own test scripts, run unchanged with every model + optimizer routed through ``ElixirPlugin``.
+
+``tests/upstream/accelerate_shim.py`` imports ``accelerate/test_utils/scripts/<name>.py`` from the
+installed accelerate, patches ``Accelerator.prepare`` so a call with a model and an optimizer goes
+through ``ElixirPlugin().prepare``, replaces only the upstream checks named in its ``EXCLUDED`` table
+(each with the reason next to it) and runs the script's ``main()``. These scripts use patterns our own
+tests do not: 0-d parameters (``RegressionModel.a``/``.b``), ``model.zero_grad()`` as the only way
+gradients are cleared, dataloaders and schedulers prepared in the same call, several Accelerators and
+models in one process, ``accumulate()`` with a scheduler, and an exact (1e-6) comparison with a plain
+single-process SGD baseline.
+
+Runs:
+
+* ``test_script`` at 1 process with the default config (all resident): upstream's checks exactly.
+* ``test_script`` and ``test_sync`` at 2 gloo processes with sharded placement and the smallest budget
+  ``prepare`` accepts (chunks offloaded and onloaded every step); ``ELIXIR_SHIM_READ_FULL=1`` lets the
+  after-training reads of ``model.a`` see the full values (see the shim's docstring).
+* ``test_sync`` at 1 process, offloaded.
+
+``test_ops`` (no model) passes through the shim too but never reaches hf_elixir, and
+``test_distributed_data_loop``'s ``test_can_join_uneven_inputs`` hangs on CPU processes with stock
+accelerate (``join_uneven_inputs`` has no effect outside multi-GPU, so DDP waits for the rank with
+fewer batches); neither is run here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests._dist import free_port
+from tests.upstream.accelerate_shim import EXCLUDED
+
+REPO = Path(__file__).resolve().parents[1]
+SHIM = REPO / "tests" / "upstream" / "accelerate_shim.py"
+OFFLOAD = {"ELIXIR_DEFAULT_PLACEMENT": "sharded", "ELIXIR_SHIM_BUDGET": "min", "ELIXIR_SHIM_READ_FULL": "1"}
+
+
+def _launch(tmp_path: Path, script: str, num_processes: int, elixir_env: dict[str, str]) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELIXIR_")}
+    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="1", HF_HOME=str(tmp_path / "hf_home"), **elixir_env)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()),
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd += ["--multi_gpu", "--num_processes", str(num_processes)] if num_processes > 1 else ["--cpu", "--num_processes", "1"]
+    proc = subprocess.run(cmd + [str(SHIM), script], env=env, capture_output=True, text=True, timeout=240,
+                          cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-8000:]
+    return out
+
+
+def _check_common(out: str, script: str, num_processes: int, prepared_per_rank: int) -> None:
+    # every rank routed the expected number of model/optimizer pairs through hf_elixir
+    assert re.findall(r"ELIXIR_SHIM prepared (\d+)", out) == [str(prepared_per_rank)] * num_processes, out[-4000:]
+    # only excluded checks were skipped, each printing its reason
+    skipped = set(re.findall(r"SKIPPED (\w+): ", out))
+    assert skipped <= set(EXCLUDED[script]), skipped
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_accelerate_test_script_training_check(tmp_path, num_processes):
+    elixir_env = OFFLOAD if num_processes > 1 else {}
+    out = _launch(tmp_path, "test_script", num_processes, elixir_env)
+    # training_check twice (plain and seedable sampler), each training with and without split batches
+    _check_common(out, "test_script", num_processes, prepared_per_rank=4)
+    assert set(re.findall(r"SKIPPED (\w+): ", out)) == {"is_bf16_available", "is_fp16_available"}
+    assert out.count("Training yielded the same results on one CPU or distributed setup with no batch split") == 2
+    assert out.count("Training yielded the same results on one CPU or distributed setup with batch split") == 2
+    assert "**Test reinstantiated state**" in out
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_accelerate_test_sync_accumulate_with_scheduler(tmp_path, num_processes):
+    out = _launch(tmp_path, "test_sync", num_processes, OFFLOAD)
+    _check_common(out, "test_sync", num_processes, prepared_per_rank=1)
+    assert "gradient accumulation with optimizer and scheduler" in out
+    if num_processes > 1:  # the p.grad comparison is what is skipped: once per iteration (3 batches per rank)
+        assert out.count("SKIPPED check_model_parameters") == 3 * num_processes

@@ -1,0 +1,149 @@
+"""Run one of accelerate's own test scripts with every model + optimizer routed through ``ElixirPlugin``.
+
+Usage (under ``accelerate launch``; see tests/test_upstream_accelerate.py)::
+
+    accelerate launch --cpu --num_processes 1 tests/upstream/accelerate_shim.py test_script
+    accelerate launch --multi_gpu --num_processes 2 tests/upstream/accelerate_shim.py test_sync
+
+The upstream script (``accelerate/test_utils/scripts/<name>.py`` in the installed accelerate) is
+imported, not copied, and its ``main()`` runs unchanged, except that:
+
+* ``accelerate.Accelerator.prepare`` is patched: a call that gets a model *and* an optimizer (in any
+  order, with dataloaders/schedulers around them) puts those two under hf_elixir through
+  ``ElixirPlugin().prepare(accelerator, model, optimizer, *rest)`` and returns everything in the order
+  given. A call without an optimizer (evaluation, DDP-only checks such as ``join_uneven_inputs``)
+  goes to accelerate unchanged.
+* the upstream checks named in :data:`EXCLUDED` are replaced, by name, with a function that prints
+  ``SKIPPED <name>: <reason>``. Each reason says what hf_elixir deliberately does differently.
+
+The Elixir settings come from ``ELIXIR_<FIELD>`` environment variables (``ElixirPlugin``'s own
+reading); ``ELIXIR_SHIM_BUDGET=min`` sets ``device_memory_budget_bytes`` of every prepared model to
+:func:`hf_elixir.min_device_budget_bytes` for that model and optimizer, so chunks are offloaded and
+onloaded every step. ``ELIXIR_SHIM_READ_FULL=1`` makes ``accelerator.unwrap_model(model)`` of an
+hf_elixir model enter ``hf_elixir.full_parameters(model)`` (read-only, kept open until the script's
+next ``prepare``) before returning it: upstream checks read ``model.a`` after training, and under
+sharding or offload a parameter is not current between steps, so that read raises
+``StaleParameterError`` by design ("Reading a parameter that is not current must fail loudly",
+DESIGN.md). With the flag the checks' own assertions run unchanged on the full values.
+
+The shim prints ``ELIXIR_SHIM prepared <n>`` at exit: how many model/optimizer pairs went through
+hf_elixir, so a test can tell the routing happened.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import functools
+import importlib
+import os
+import sys
+
+import torch
+
+#: upstream checks replaced by a skip, per script: {function name: reason}
+EXCLUDED: dict[str, dict[str, str]] = {
+    "test_script": {
+        # training_check's BF16 and FP16 parts train under mixed_precision and compare the parameters
+        # with the fp32 baseline at atol=rtol=1e-6, dtype included. Accelerate keeps fp32 parameters and
+        # autocasts (x * a + b stays fp32, so upstream expects bit-equal results); under hf_elixir the
+        # parameters ARE the bf16/fp16 compute copies (fp32 masters live in the optimizer, [Note:
+        # parameters as views]) and the gradients are low precision too, so fp16 dynamic loss scaling
+        # skips the first overflowing steps as DeepSpeed/Apex do. Replacing the two gates keeps the fp32
+        # parts of training_check running. (Measured once: bf16 ends within 3e-2 of the baseline.)
+        "is_bf16_available": "parameters are bf16 compute copies under hf_elixir; upstream compares dtype and 1e-6",
+        "is_fp16_available": "parameters are fp16 compute copies and fp16 loss scaling skips overflow steps",
+    },
+    "test_sync": {
+        # Compares p.grad of the reference model with p.grad of the prepared one. Under hf_elixir
+        # gradients live in chunk buffers and are reduce-scattered into shards; p.grad stays None by
+        # design ([Note: gradients in chunks] in hf_elixir/chunk/params.py). The rest of
+        # test_gradient_accumulation_with_opt_and_scheduler (accumulate(), optimizer/scheduler stepping
+        # only on sync steps, equal learning rates) still runs.
+        "check_model_parameters": "reads p.grad, which stays None under hf_elixir (gradients live in chunk shards)",
+    },
+    "test_ops": {},
+    "test_distributed_data_loop": {},
+}
+
+_PREPARED: list[torch.nn.Module] = []
+_FULL_VIEWS: list = []  # open ``full_parameters`` contexts (ELIXIR_SHIM_READ_FULL=1)
+
+
+def _elixir_config(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    import hf_elixir
+    from hf_elixir.integrations import resolve_elixir_config
+
+    config, _ = resolve_elixir_config()
+    if os.environ.get("ELIXIR_SHIM_BUDGET") == "min":
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        budget = hf_elixir.min_device_budget_bytes(model, optimizer, config=config, world_size=world)
+        config = dataclasses.replace(config, device_memory_budget_bytes=budget)
+    return config
+
+
+def _patched_prepare(original):
+    from hf_elixir.integrations import ElixirPlugin
+
+    @functools.wraps(original)
+    def prepare(self, *args, device_placement=None):
+        while _FULL_VIEWS:  # the views opened by unwrap_model last until the script prepares again
+            _FULL_VIEWS.pop().__exit__(None, None, None)
+        models = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
+        optimizers = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)]
+        if len(models) != 1 or len(optimizers) != 1 or getattr(args[models[0]], "_is_accelerate_prepared", False):
+            return original(self, *args, device_placement=device_placement)
+        model, optimizer = args[models[0]], args[optimizers[0]]
+        rest = [a for i, a in enumerate(args) if i not in (models[0], optimizers[0])]
+        plugin = ElixirPlugin(config=_elixir_config(model, optimizer))
+        out = plugin.prepare(self, model, optimizer, *rest)
+        _PREPARED.append(out[0])
+        done_rest = iter(out[2:])
+        result = [out[0] if i == models[0] else out[1] if i == optimizers[0] else next(done_rest)
+                  for i in range(len(args))]
+        return tuple(result) if len(result) > 1 else result[0]
+
+    return prepare
+
+
+def _patched_unwrap_model(original):
+    import hf_elixir
+
+    @functools.wraps(original)
+    def unwrap_model(self, model, *args, **kwargs):
+        unwrapped = original(self, model, *args, **kwargs)
+        if any(unwrapped is m for m in _PREPARED):
+            view = hf_elixir.full_parameters(unwrapped)  # collective: every rank unwraps in the same order
+            view.__enter__()
+            _FULL_VIEWS.append(view)
+        return unwrapped
+
+    return unwrap_model
+
+
+def _skipper(name: str, reason: str):
+    def skipped(*args, **kwargs):
+        print(f"SKIPPED {name}: {reason}", flush=True)
+
+    return skipped
+
+
+def run(script: str) -> None:
+    """Patch accelerate, apply :data:`EXCLUDED` to ``script`` and run its ``main()``."""
+    import accelerate
+
+    if script not in EXCLUDED:
+        raise ValueError(f"script={script!r} is not one of {sorted(EXCLUDED)}")
+    accelerate.Accelerator.prepare = _patched_prepare(accelerate.Accelerator.prepare)
+    if os.environ.get("ELIXIR_SHIM_READ_FULL") == "1":
+        accelerate.Accelerator.unwrap_model = _patched_unwrap_model(accelerate.Accelerator.unwrap_model)
+    module = importlib.import_module(f"accelerate.test_utils.scripts.{script}")
+    for name, reason in EXCLUDED[script].items():
+        assert callable(getattr(module, name, None)), f"{script}.{name} does not exist upstream any more"
+        setattr(module, name, _skipper(name, reason))
+    atexit.register(lambda: print(f"ELIXIR_SHIM prepared {len(_PREPARED)}", flush=True))
+    module.main()
+
+
+if __name__ == "__main__":
+    run(sys.argv[1])
