@@ -245,7 +245,10 @@ def choose_host_copies(chunks, plan: ElixirPlan | None, config: ElixirConfig, si
     Candidates are chunks sharded over several ranks and not resident. Chunks holding MoE-expert
     parameters (``host_copy_required``) need one: whether a rank re-needs them in backward depends on
     its tokens. In a model with such chunks every candidate keeps one (the rank-local eviction of the
-    other chunks may then differ between ranks too, since expert gradient buffers do). Otherwise only
+    other chunks may then differ between ranks too, since expert gradient buffers do). So does a pool that
+    charges activations (``budget_covers_activations``): each rank's batch decides what it evicts for them,
+    and a chunk evicted on one rank only must be refilled locally, never by an all-gather the other ranks
+    do not issue. Otherwise only
     the plan's ``host_copy_chunks`` keep one, as long as they fit ``host_memory_budget_bytes`` (default:
     :func:`default_host_budget_bytes`) next to the host shards and host optimizer states.
     """
@@ -259,6 +262,11 @@ def choose_host_copies(chunks, plan: ElixirPlan | None, config: ElixirConfig, si
             c.keep_host_copy = True
         return [f"rank-local host copies of all {len(candidates)} offloadable chunks (MoE experts: their use "
                 "differs between ranks)"]
+    if candidates[0].manager.pool.charges_activations:  # each rank's activations evict what they need
+        for c in candidates:
+            c.keep_host_copy = True
+        return [f"rank-local host copies of all {len(candidates)} offloadable chunks (the budget covers "
+                "activations, whose bytes differ between ranks, and so do the evictions they cause)"]
     wanted = set(plan.host_copy_chunks) if plan is not None else set()
     if not wanted:
         return ["no rank-local host copies (a re-unshard in the same step all-gathers again)"]
