@@ -97,3 +97,54 @@ def test_prepare_returns_the_original_parameter_storage():
     assert model_mib > 15
     # the chunks hold the model (16 MiB); before, the freed originals stayed in the heap: 32.6 MiB
     assert after_mib < 1.25 * model_mib, f"RSS grew {after_mib:.1f} MiB for a {model_mib:.1f} MiB model"
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
+def test_host_zeros_of_a_fresh_block_occupy_no_memory_until_written():
+    import torch
+
+    from hf_elixir.chunk.host_blocks import HostBlockAllocator
+
+    alloc = HostBlockAllocator(pin=False)
+    numel = 16 << 20  # 64 MiB of fp32
+    alloc.reserve_for([(16, torch.float32), (numel, torch.float32)])
+    keep = alloc.empty(16, torch.float32)  # keeps the block when the big slice is freed
+    before = _rss_bytes()
+    zeros = alloc.zeros(numel, torch.float32)
+    grown = _rss_bytes() - before
+    assert grown < (8 << 20), f"zeros() of a fresh block made {grown / 2**20:.1f} MiB resident (written, not calloc'ed)"
+    assert not zeros[:: 1 << 10].any()
+    zeros[: 1 << 20].fill_(7.0)  # written: now resident, and the range is no longer fresh
+    alloc.free(zeros)
+    again = alloc.zeros(1 << 20, torch.float32)  # the same range, handed out before: zeroed by writing
+    assert again.data_ptr() == zeros.data_ptr() and not again.any()
+    alloc.free(again)
+    alloc.free(keep)
+
+
+def test_prepare_leaves_the_host_gradient_shards_untouched_until_backward():
+    script = _RSS + textwrap.dedent("""
+        warm = torch.nn.Linear(4, 4)
+        hf_elixir.prepare(warm, torch.optim.AdamW(warm.parameters()))  # first-use allocations
+        before = rss()
+        width = 1024
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(6)])
+        optimizer = torch.optim.AdamW(model.parameters())
+        model_bytes = 4 * sum(p.numel() for p in model.parameters())
+        config = hf_elixir.ElixirConfig(default_placement="sharded", chunk_size_numel=width * width + width)
+        budget = hf_elixir.min_device_budget_bytes(model, optimizer, config)
+        model, optimizer = hf_elixir.prepare(model, optimizer, config=hf_elixir.ElixirConfig(
+            default_placement="sharded", chunk_size_numel=width * width + width, device_memory_budget_bytes=budget))
+        after_prepare = rss() - before
+        model(torch.randn(4, width)).sum().backward()
+        print(after_prepare / model_bytes, (rss() - before) / model_bytes)
+    """)
+    after_prepare, after_backward = (float(x) for x in _run(script))
+    # the fp32 shards (1x the model, on the host at this budget) and the pool; before, the zero-filled
+    # gradient shards made it 2.0x
+    assert after_prepare < 1.4, f"RSS after prepare = {after_prepare:.2f}x the fp32 model"
+    assert after_backward > after_prepare + 0.8  # the gradient shards are real once backward writes them
