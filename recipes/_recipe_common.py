@@ -134,6 +134,19 @@ def parse_args(default_model_type: str):
 
     parser = HfArgumentParser((ModelArguments, DataArguments, ElixirArguments, RecipeTrainingArguments))
     model_args, data_args, elixir_args, train_args = parser.parse_args_into_dataclasses()
+    try:
+        _check_args(default_model_type, model_args, train_args)
+    except ValueError as err:  # a command-line mistake: usage and one line, exit status 2 (argparse's way)
+        parser.error(str(err))
+    return model_args, data_args, elixir_args, train_args
+
+
+def _check_args(default_model_type: str, model_args, train_args) -> None:
+    """Validate the parsed arguments and fill in the defaults that depend on them.
+
+    Raises:
+        ValueError: an unknown ``--model_type`` / ``--model_size``, or ``--output_dir`` holding another run.
+    """
     if default_model_type == "switch_transformers":
         model_args.model_type = "switch_transformers"
     if model_args.model_type not in SIZES:
@@ -147,7 +160,6 @@ def parse_args(default_model_type: str):
         name = model_args.model_name_or_path or f"{model_args.model_type}-{model_args.model_size}"
         train_args.output_dir = os.path.join("outputs", name.replace("/", "--"))
     check_output_dir(train_args)
-    return model_args, data_args, elixir_args, train_args
 
 
 def check_output_dir(train_args) -> None:

@@ -144,7 +144,7 @@ def test_recipe_refuses_to_overwrite_another_runs_output_dir(tmp_path):
     (out / "model.safetensors").write_bytes(b"another run")
     cmd = [sys.executable, str(REPO / "recipes" / "finetune_clm.py"), "--output_dir", str(out)]
     proc = subprocess.run(cmd, env=_recipe_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode != 0
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr  # usage + one line, no trace
     assert f"--output_dir {out} already holds another run's files (model.safetensors)" in proc.stderr
     assert "--overwrite_output_dir" in proc.stderr
     assert (out / "model.safetensors").read_bytes() == b"another run"
