@@ -25,18 +25,18 @@ half the smallest buffer such a chunk allocates in the pool (its shard: staging,
 output; its unsharded copy and gradient buffer are larger), at least :data:`MIN_MMAP_THRESHOLD_BYTES`
 and at most glibc's limit :data:`MAX_MMAP_THRESHOLD_BYTES`. The pool's buffers, and tensors of at least
 half their size, then leave the process when freed; smaller tensors stay on the heap as before. Cost:
-a fresh mapping and its page faults per such buffer. Measured on that GPT-2 at 1 rank (process CPU
-time per step, 1 thread; glibc's dynamic threshold 0.32 s with a 25% budget, 0.30 s all resident):
-a 4 MiB threshold (what this rule gives) 0.38 s and 0.30 s; 1 MiB, which also maps most activations,
-0.44 s and 0.39 s for 50 MiB less peak. Each ``prepare`` on CPU sets the threshold from its own
-chunks (the model prepared last decides). A user who set
-``MALLOC_MMAP_THRESHOLD_`` keeps their setting. After ``prepare`` (any device) :func:`trim` calls
+a fresh mapping and its page faults per such buffer. Measured on that GPT-2 at 1 rank with a 25% budget
+(process CPU time per step, 1 thread): 0.32 s with glibc's dynamic threshold, 0.38 s with the 4 MiB this
+rule gives, 0.44 s with 1 MiB (which also maps most activations, for about 50 MiB less peak). All
+resident, nothing is set (4 MiB would cost nothing measurable there, 1 MiB 0.30 -> 0.39 s). Each
+``prepare`` on CPU sets the threshold from its own chunks (the model prepared last decides). A user who
+set ``MALLOC_MMAP_THRESHOLD_`` keeps their setting. After ``prepare`` (any device) :func:`trim` calls
 ``malloc_trim(0)`` once: the model's original parameter storage, freed when the parameters became views
 into chunks, goes back to the system instead of staying in the heap. Both are no-ops where the C
 library is not glibc.
 
 Source: glibc ``mallopt(3)`` (``M_MMAP_THRESHOLD``: "the lower limit for memory allocation requests that
-are satisfied using mmap"; dynamic threshold since glibc 2.26's ``mp_.no_dyn_threshold``),
+are satisfied using mmap"; the dynamic threshold since glibc 2.8),
 ``malloc_trim(3)``.
 """
 
