@@ -271,6 +271,12 @@ def _targets(results: dict, num_params: int) -> list[str]:
     return lines
 
 
+def _heap_line(records: list[dict]) -> str:
+    free = max(r["heap_free_growth_bytes"] for r in records) / MIB
+    live = max(r["heap_in_use_growth_bytes"] + r["mapped_growth_bytes"] for r in records) / MIB
+    return f"heap at the end: free-but-kept max {free:.1f} MiB, live heap + mapped max {live:.1f} MiB, "
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-sizes", default="1,2,4", help="comma-separated world sizes (default 1,2,4)")
@@ -312,10 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{', '.join(f'{p:.0f}' for p in peak)}), steady max {max(steady):7.1f} MiB, "
                       + (f"loading peak max {max(load):.1f} MiB, host_bytes {max(host):.1f} MiB, device budget "
                          f"{budget / MIB:.1f} MiB, " if budget else "")
-                      + (f"heap at the end: free-but-kept max {max(r['heap_free_growth_bytes'] for r in records) / MIB:.1f}"
-                         f" MiB, live heap + mapped max "
-                         f"{max(r['heap_in_use_growth_bytes'] + r['mapped_growth_bytes'] for r in records) / MIB:.1f} MiB, "
-                         if "heap_free_growth_bytes" in records[0] else "")
+                      + (_heap_line(records) if "heap_free_growth_bytes" in records[0] else "")
                       + f"loss {records[0]['losses'][0]:.4f}->{records[0]['losses'][-1]:.4f}, "
                       f"{max(r['wall_s'] for r in records):.1f} s", flush=True)
     print("\nTargets (issue 13):")

@@ -277,7 +277,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         snapshot.restore()
         raise
     del snapshot  # the last reference to the parameters' original storage
-    _host_heap.trim()  # which goes back to the system, not into the heap ([Note: host heap])
+    _host_heap.after_prepare(get_state(prepared[0]).manager)  # which goes back to the system ([Note: host heap])
     return prepared
 
 

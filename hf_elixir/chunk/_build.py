@@ -15,7 +15,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from hf_elixir.chunk import _host_heap
 from hf_elixir.chunk.chunk import Chunk, ChunkBytes, ParamSlot
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.chunk.packing import ChunkLayout, pack_chunks
@@ -127,14 +126,7 @@ def materialize_chunks(manager: ChunkManager, fill_of=None) -> None:
     Args:
         fill_of: streamed init: ``fill_of(chunk)`` gives the chunk's ``fill`` callable (see
             :meth:`~hf_elixir.chunk.chunk.Chunk.materialize`); ``None`` copies the parameters' data.
-
-    On CPU (the simulated device is host memory) glibc's mmap threshold is fixed first when some chunk
-    is not resident, so what the device pool frees leaves the process ([Note: host heap] in
-    ``_host_heap.py``).
     """
-    churning = [c.shard_bytes for c in manager.chunks if not c.resident]
-    if manager.compute_device.type == "cpu" and churning:
-        _host_heap.fix_mmap_threshold(min(churning))
     host_shards = [(c.shard_numel, c.dtype) for c in manager.chunks if not c.shard_on_device]
     manager.host.reserve_for(host_shards)  # one host block for every host shard ([Note: host blocks])
     for chunk in manager.chunks:

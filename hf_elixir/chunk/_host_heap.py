@@ -18,10 +18,10 @@ the peak growth 338 MiB. A device's own allocator does not behave this way: what
 frees is reusable for the next chunk, so the budget bounds it (DESIGN.md: the simulation must be as
 strict as the hardware).
 
-Hence, when the compute device is the CPU and some chunk is not resident (its buffers come and go
-every step), :func:`fix_mmap_threshold` sets ``M_MMAP_THRESHOLD`` (``mallopt``, which also turns the
-dynamic adjustment off: what the ``MALLOC_MMAP_THRESHOLD_`` environment variable does at start-up) to
-half the smallest buffer such a chunk allocates in the pool (its shard: staging, reduce-scatter
+Hence, at the end of a successful ``prepare`` (:func:`after_prepare`), when the compute device is the
+CPU and some chunk is not resident (its buffers come and go every step), :func:`fix_mmap_threshold`
+sets ``M_MMAP_THRESHOLD`` (``mallopt``, which also turns the dynamic adjustment off: what the
+``MALLOC_MMAP_THRESHOLD_`` environment variable does at start-up) to half the smallest buffer such a chunk allocates in the pool (its shard: staging, reduce-scatter
 output; its unsharded copy and gradient buffer are larger), at least :data:`MIN_MMAP_THRESHOLD_BYTES`
 and at most glibc's limit :data:`MAX_MMAP_THRESHOLD_BYTES`. The pool's buffers, and tensors of at least
 half their size, then leave the process when freed; smaller tensors stay on the heap as before. Cost:
@@ -36,8 +36,7 @@ into chunks, goes back to the system instead of staying in the heap. Both are no
 library is not glibc.
 
 Source: glibc ``mallopt(3)`` (``M_MMAP_THRESHOLD``: "the lower limit for memory allocation requests that
-are satisfied using mmap"; the dynamic threshold since glibc 2.8),
-``malloc_trim(3)``.
+are satisfied using mmap"; the dynamic threshold since glibc 2.8), ``malloc_trim(3)``.
 """
 
 from __future__ import annotations
@@ -48,8 +47,8 @@ import logging
 import os
 import platform
 
-__all__ = ["MAX_MMAP_THRESHOLD_BYTES", "MIN_MMAP_THRESHOLD_BYTES", "fix_mmap_threshold", "mmap_threshold_bytes",
-           "trim"]
+__all__ = ["MAX_MMAP_THRESHOLD_BYTES", "MIN_MMAP_THRESHOLD_BYTES", "after_prepare", "fix_mmap_threshold",
+           "mmap_threshold_bytes", "trim"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,3 +110,17 @@ def trim() -> bool:
     """
     libc = _glibc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
+def after_prepare(manager) -> None:
+    """The end of a successful ``prepare`` (a failed one leaves the process as it was): on CPU, with some
+    chunk not resident, :func:`fix_mmap_threshold` from its smallest pool buffer (its shard); then
+    :func:`trim`.
+
+    Args:
+        manager: the prepared model's :class:`~hf_elixir.chunk.manager.ChunkManager`.
+    """
+    churning = [c.shard_bytes for c in manager.chunks if not c.resident]
+    if manager.compute_device.type == "cpu" and churning:
+        fix_mmap_threshold(min(churning))
+    trim()
