@@ -21,8 +21,9 @@ strict as the hardware).
 Hence, at the end of a successful ``prepare`` (:func:`after_prepare`), when the compute device is the
 CPU and some chunk is not resident (its buffers come and go every step), :func:`fix_mmap_threshold`
 sets ``M_MMAP_THRESHOLD`` (``mallopt``, which also turns the dynamic adjustment off: what the
-``MALLOC_MMAP_THRESHOLD_`` environment variable does at start-up) to half the smallest buffer such a chunk allocates in the pool (its shard: staging, reduce-scatter
-output; its unsharded copy and gradient buffer are larger), at least :data:`MIN_MMAP_THRESHOLD_BYTES`
+``MALLOC_MMAP_THRESHOLD_`` environment variable does at start-up) to half the smallest buffer such a
+chunk allocates in the pool (its shard: staging, reduce-scatter output; its unsharded copy and gradient
+buffer are larger), at least :data:`MIN_MMAP_THRESHOLD_BYTES`
 and at most glibc's limit :data:`MAX_MMAP_THRESHOLD_BYTES`. The pool's buffers, and tensors of at least
 half their size, then leave the process when freed; smaller tensors stay on the heap as before. Cost:
 a fresh mapping and its page faults per such buffer. Measured on that GPT-2 at 1 rank with a 25% budget
