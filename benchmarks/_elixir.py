@@ -55,7 +55,9 @@ def _prepare(model, spec, budget_bytes, plan=None, default_placement=None):
             for name, buf in list(module._buffers.items()):
                 if buf is not None:
                     module._buffers[name] = buf.to(spec.device)
+    # budgets here bound model data (the peers' budgets do too): activations outside them
     config = hf_elixir.ElixirConfig(precision="fp32", device_memory_budget_bytes=budget_bytes,
+                                    budget_covers_activations=False,
                                     chunk_size_numel=spec.options.get("chunk_size_numel"), plan=plan,
                                     default_placement=default_placement or spec.options.get("default_placement", "auto"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, **_ADAM_KW)
@@ -139,6 +141,7 @@ def _searched_plan(model, spec, budget_bytes, info: dict[str, Any]):
     ids = torch.randint(0, spec.model.vocab_size, (spec.model.batch_size, spec.model.seq_len),
                         generator=torch.Generator().manual_seed(11)).to(spec.device)
     config = hf_elixir.ElixirConfig(precision="fp32", device_memory_budget_bytes=budget_bytes,
+                                    budget_covers_activations=False,
                                     chunk_size_numel=spec.options.get("chunk_size_numel"),
                                     default_placement=spec.options.get("default_placement", "auto"))
     start = time.perf_counter()

@@ -201,6 +201,7 @@ def _train(model, optimizer, batches: list, device: str, elixir: bool, deadline:
                        d2h_bytes=int(stats["d2h_bytes"]), onloads=int(stats["num_onloads"]))
             if "activation_peak_bytes" in stats:
                 row["activation_peak_bytes"] = int(stats["activation_peak_bytes"])
+                row["pool_total_peak_bytes"] = int(stats["device_total_peak_bytes"])
             if cuda and row["cuda_max_allocated_bytes"]:
                 row["pool_over_cuda_peak"] = row["pool_peak_bytes"] / row["cuda_max_allocated_bytes"]
         rows.append(row)
@@ -219,7 +220,10 @@ def _elixir_model(model, precision: str, budget: int | None, device: str, lr: fl
                 if buf is not None:
                     module._buffers[name] = buf.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, **_ADAM_KW)
-    config = hf_elixir.ElixirConfig(precision=precision, device_memory_budget_bytes=budget, plan=plan)
+    # resident / half / minimum are model-data budgets (min_device_budget_bytes without activation_bytes):
+    # the activations live beside them (measured: pool_total_peak_bytes); None on CUDA covers them anyway
+    config = hf_elixir.ElixirConfig(precision=precision, device_memory_budget_bytes=budget, plan=plan,
+                                    budget_covers_activations=False)
     return hf_elixir.prepare(model, optimizer, config=config)
 
 

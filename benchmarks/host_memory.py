@@ -120,7 +120,8 @@ def _run_elixir(rank: int, world_size: int, folder: str, shape: dict, from_check
         model = GPT2LMHeadModel.from_pretrained(folder)
     num_params = sum(p.numel() for p in model.parameters())
     budget = _budget(num_params, world_size, model)
-    cfg = hf_elixir.ElixirConfig(default_placement="sharded", device_memory_budget_bytes=budget)
+    cfg = hf_elixir.ElixirConfig(default_placement="sharded", device_memory_budget_bytes=budget,
+                                 budget_covers_activations=False)  # a model-data budget
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     extra = {"checkpoint": folder} if from_checkpoint else {}
     model, optimizer = hf_elixir.prepare(model, optimizer, config=cfg, **extra)

@@ -19,7 +19,8 @@ How each system is judged (``budget_bytes`` = B, ``host_bytes`` = H):
   = 4 x largest layer; note it assumes fp16 params+grads, so for fp32 the real need is 2x that,
   which is what we use) and its host estimate (``18 P x 1.5``). Analytic, DeepSpeed's accounting.
 - hf_elixir: real training steps in a spawned process with
-  ``ElixirConfig(device_memory_budget_bytes=B, chunk_size_numel=<largest parameter>)`` (the library's
+  ``ElixirConfig(device_memory_budget_bytes=B, budget_covers_activations=False, chunk_size_numel=<largest
+  parameter>)`` (B bounds model data, as the peers' accounting does; the library's
   default chunk size grows with the model, total/8, which would make the working set grow too); a model fits if one step completes and
   ``memory_stats(model)["device_peak_bytes"] <= B``. Binary search over ``n_layer`` up to a cap
   chosen so the real run stays inside the host RAM this shared machine can spare; if the cap fits,

@@ -63,7 +63,8 @@ def _grid_ratio(profile, hw, ws, precision, best) -> float | None:
     grid = brute_force_grid(profile, hw, world_size=ws, precision=precision,
                             device_memory_budget_bytes=hw.device_total_bytes, chunk_size_numel=best.chunk_size_numel,
                             activations_on_device=True, prefetch_depths=(0, 1, 2),
-                            activation_checkpointing=best.activation_checkpointing)
+                            activation_checkpointing=best.activation_checkpointing,
+                            activation_policy=best.activation_policy or None)
     if not grid:
         return None
     return best.prediction.step_s / grid[0].prediction.step_s

@@ -34,7 +34,10 @@ def measure(kind: str, plan: ElixirPlan, budget: int, steps: int) -> float:
     """Fastest full training step (forward, backward, optimizer step, zero_grad) in seconds."""
     model = tiny_model(kind)
     model, opt = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                   ElixirConfig(plan=plan, device_memory_budget_bytes=budget))
+                                   # the search priced a model-data-only pool (activations off the device
+                                   # off CUDA): the budget bounds model data here too
+                                   ElixirConfig(plan=plan, device_memory_budget_bytes=budget,
+                                                budget_covers_activations=False))
     best = float("inf")
     for step in range(steps + 2):
         data = batch(kind, step, 4, 16)

@@ -90,7 +90,8 @@ def _train(rank: int, world_size: int, steps: int, sample_every: int, beat=lambd
                                                world_size=world_size)
     model, opt = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
                                    hf_elixir.ElixirConfig(chunk_size_numel=8192, offload_optimizer=True,
-                                                          device_memory_budget_bytes=budget))
+                                                          device_memory_budget_bytes=budget,
+                                                          budget_covers_activations=False))  # model-data floor
     beat("prepared")
     process = psutil.Process()
     gen = torch.Generator().manual_seed(1000 + rank)

@@ -10,7 +10,9 @@ A façade: each phase lives in its layer, and ``prepare`` calls them in order:
    for ``search="auto"``);
 2. ``default_placement="auto"`` resolved (``placement/_device_placement.py``);
 3. chunk size (``search/_chunk_size.py``), chunks built, still empty (``chunk/_build.py``);
-4. working set sized and each chunk placed (``placement/_device_placement.py``);
+4. working set sized and each chunk placed (``placement/_device_placement.py``), in the budget less the
+   plan's ``activation_peak_bytes`` when the budget covers activations ([Note: activations in the budget]
+   in ``chunk/memory.py``);
 
 and only then, with everything checked, it changes the model (undone on any failure, see
 [Note: all-or-nothing prepare] in ``runtime/_rollback.py``):
@@ -52,6 +54,7 @@ from hf_elixir.placement._plan_check import check_plan, check_plan_placements, l
 from hf_elixir.plan import ElixirPlan
 from hf_elixir.profiler._hardware import register_prepare
 from hf_elixir.runtime._rollback import ModelSnapshot
+from hf_elixir.runtime.activations import apply_activation_policy, resolve_activation_policy, transformer_blocks
 from hf_elixir.runtime._state import (ElixirState, attach_state, check_unclaimed, claim_parameters, get_state,
                                       is_prepared, memory_stats, reset_memory_stats)
 from hf_elixir.runtime.guards import install_guards
@@ -168,6 +171,14 @@ def _check_arguments(model, optimizer, config) -> None:
         raise ValueError("this model is already prepared by hf_elixir.prepare; prepare it only once")
 
 
+def _activation_reserve(plan: ElixirPlan | None, config: ElixirConfig, charges_activations: bool) -> int:
+    """Bytes of the budget placement keeps for activations: the plan's ``activation_peak_bytes`` when the
+    budget covers activations and is bounded ([Note: activations in the budget] in ``chunk/memory.py``)."""
+    if not charges_activations or config.device_memory_budget_bytes is None or plan is None:
+        return 0
+    return plan.activation_peak_bytes or 0
+
+
 def _resolve_plan(model, config: ElixirConfig, sample_batch) -> ElixirPlan | None:
     plan = load_plan(config)
     if plan is None and config.search == "auto":
@@ -247,8 +258,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     Raises:
         ValueError: the model is already prepared, or shares a module with another prepared model;
             parameters on the meta device without ``checkpoint=`` (names them); a checkpoint missing
-            parameters or with other shapes; the budget is below :func:`min_device_budget_bytes` (names
-            the bytes needed); the plan was made for another model/world size/precision; the optimizer
+            parameters or with other shapes; the budget is below :func:`min_device_budget_bytes` (with
+            the plan's ``activation_peak_bytes`` as ``activation_bytes``; names the bytes needed); the plan was made for another model/world size/precision; the optimizer
             holds parameters outside the model.
         FileNotFoundError: ``checkpoint`` is not a folder with safetensors weights.
         TypeError: an unsupported optimizer.
@@ -293,6 +304,22 @@ class _Layout:
     chunk_size: int
     world_size: int
     reasons: list[str]
+    activation_policy: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _activation_policy(model, plan: ElixirPlan | None, config: ElixirConfig) -> dict[str, str]:
+    """Each transformer block's activation policy (``runtime/activations.py``): the config's over the plan's.
+
+    Raises:
+        ValueError: a plan entry or a config glob names no block of ``model``.
+    """
+    blocks = transformer_blocks(model)
+    modules = dict(model.named_modules())
+    own = frozenset(b for b in blocks if getattr(modules[b], "gradient_checkpointing", False) is True)
+    if plan is None:
+        return resolve_activation_policy(blocks, {}, False, config.activation_policy, own)
+    return resolve_activation_policy(blocks, plan.activation_policy, plan.activation_checkpointing,
+                                     config.activation_policy, own)
 
 
 def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params) -> _Layout:
@@ -307,9 +334,11 @@ def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params
     group = _default_group(config)
     agree_group = job_group_of(model, group)
     # this rank's figure (on CUDA the free memory less the reserve), then the smallest over the ranks
-    budget, whole_device = resolve_budget_bytes(config.device_memory_budget_bytes, device, None)
+    budget, charges_activations = resolve_budget_bytes(config.device_memory_budget_bytes, device, None,
+                                                       config.budget_covers_activations)
     config = _agree_budget(dataclasses.replace(config, device_memory_budget_bytes=budget), agree_group, device)
     plan = agree_object(_resolve_plan(model, config, sample_batch), agree_group, device)
+    activation_bytes = _activation_reserve(plan, config, charges_activations)  # from the agreed plan
     world_size = dist.get_world_size(group) if group is not None else 1
     if len(params) != len(names):
         logger.warning("%d non-floating-point parameters are left unmanaged", len(names) - len(params))
@@ -317,7 +346,7 @@ def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params
     config, placement_reason = resolve_default_placement(
         config, plan, [p.numel() for p in params], optimizer, world_size, _element_bytes(config),
         is_parallel=get_parallel_state(model) is not None, placements_of=lambda c: placements_for_plan(model, c),
-        group=agree_group, device=device)
+        group=agree_group, device=device, activation_bytes=activation_bytes)
     params = _ordered_params(plan, params, names)
     numels = [p.numel() for p in params]
     chunk_size = _chunk_size(config, plan, numels, placements_for_plan(model, config), world_size,
@@ -330,7 +359,7 @@ def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params
                            reduce_dtype=torch.float32 if config.reduce_dtype == "fp32" else None,
                            prefetch_depth=plan.prefetch_depth if plan else config.prefetch_depth)
     manager.job_group = agree_group
-    manager.pool.whole_device = whole_device
+    manager.pool.charges_activations = charges_activations
     chunks = build_chunks(manager, params, names, placements, chunk_group_of(model, group), chunk_size,
                           _DTYPES[config.precision], device)
     if plan is not None:
@@ -339,15 +368,17 @@ def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params
         check_plan_placements(plan, placements)
     try:
         mark_subtree_chunks(model, manager)  # MoE-expert chunks need rank-local host copies (placement reads it)
-        reasons = place_chunks(chunks, _unit_chunks(model, manager.chunk_of), plan, config, optimizer, world_size)
+        reasons = place_chunks(chunks, _unit_chunks(model, manager.chunk_of), plan, config, optimizer, world_size,
+                               activation_bytes)
     except ValueError as err:
         if plan is None and auto_config is not config and config.default_placement == "sharded":
-            _raise_if_replicating_needs_less(model, optimizer, auto_config, world_size, err)
+            _raise_if_replicating_needs_less(model, optimizer, auto_config, world_size, err, activation_bytes)
         raise
     if get_parallel_state(model) is None:  # a mesh's ranks hold different chunks: placed from agreed inputs
         _agree_placements(chunks, agree_group, device)
     return _Layout(config, plan, manager, params, placements, chunk_size, world_size,
-                   ([placement_reason] if placement_reason else []) + reasons)
+                   ([placement_reason] if placement_reason else []) + reasons,
+                   _activation_policy(model, plan, config))
 
 
 def _apply_layout(model, optimizer, names, layout: _Layout, stream: StreamedInit | None):
@@ -368,12 +399,18 @@ def _apply_layout(model, optimizer, names, layout: _Layout, stream: StreamedInit
         prefetch_depth=manager.prefetch_depth, reasons=layout.reasons)
     if not plan.placements:
         plan = dataclasses.replace(plan, placements=layout.placements)
+    if layout.activation_policy:  # the plan records what runs, block by block
+        plan = dataclasses.replace(plan, activation_policy=dict(layout.activation_policy))
     state = ElixirState(manager=manager, handles=handles, config=config, plan=plan)
     if optimizer is not None:
         state.optimizer = ElixirOptimizer(optimizer, manager, config)
     install_state_dict_hooks(model, manager, on_loaded=(
         state.optimizer.sync_masters_from_params if state.optimizer is not None else (lambda: None)))
-    if plan.activation_checkpointing:
+    if layout.activation_policy:
+        removables = apply_activation_policy(model, layout.activation_policy, manager)
+        if handles:  # removed with the other hooks
+            handles[0].removables += removables
+    elif plan.activation_checkpointing:  # a model without repeated blocks: the model's own switch
         _enable_activation_checkpointing(model)
     attach_state(model, state)
     claim_parameters(layout.params, model)
@@ -383,10 +420,12 @@ def _apply_layout(model, optimizer, names, layout: _Layout, stream: StreamedInit
 
 
 def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                            config: ElixirConfig | None = None, world_size: int = 1) -> int:
+                            config: ElixirConfig | None = None, world_size: int = 1, *,
+                            activation_bytes: int = 0) -> int:
     """Smallest ``device_memory_budget_bytes`` that ``prepare`` accepts for this model, computed without
     preparing it (no data moves): the same chunk packing, placements, units and budget floor
-    (``placement/_device_placement.py: device_floor_bytes``) as :func:`prepare`.
+    (``placement/_device_placement.py: device_floor_bytes``) as :func:`prepare`, plus the room kept for
+    activations.
 
     Args:
         model: the model ``prepare`` will get (after :func:`hf_elixir.parallel.parallelize`, if used).
@@ -399,14 +438,40 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
             (world size > 1).
         world_size: ranks of the default process group ``prepare`` will see. A parallelized model
             uses its mesh's group sizes instead.
+        activation_bytes: bytes per rank the step's activations and autograd temporaries need on the
+            device, added to the floor when the budget covers them (``ElixirConfig.
+            budget_covers_activations``, the default; [Note: activations in the budget] in
+            ``hf_elixir/chunk/memory.py``). Take it from a searched plan's ``activation_peak_bytes``, a
+            profiled step (``hf_elixir.profiler.profile_step(model, batch).activation_peak_bytes``), or
+            ``memory_stats(model)["activation_peak_bytes"]`` of a step run at a roomy budget plus the
+            largest parameter's gradient bytes (the temporary autograd holds before it lands in its chunk). ``prepare`` keeps the same bytes out of the placement when its plan
+            carries them as ``ElixirPlan(activation_peak_bytes=...)``, so this floor is then exact too.
+            ``0`` (the default): the model-data floor, which a step can only run at when its activations
+            fit in what placement leaves spare.
 
     Returns:
         bytes per rank (int).
 
     Raises:
-        ValueError: as ``prepare`` for bad placements or tensor/expert-parallel sizes.
+        ValueError: as ``prepare`` for bad placements or tensor/expert-parallel sizes; a negative
+            ``activation_bytes``.
+        TypeError: ``activation_bytes`` is not an int.
     """
     config = config or ElixirConfig()
+    if isinstance(activation_bytes, bool) or not isinstance(activation_bytes, int):
+        raise TypeError(f"min_device_budget_bytes(activation_bytes={activation_bytes!r}) must be an int of bytes")
+    if activation_bytes < 0:
+        raise ValueError(f"min_device_budget_bytes(activation_bytes={activation_bytes}) must be >= 0")
+    if activation_bytes and not config.budget_covers_activations:
+        logger.warning("min_device_budget_bytes: activation_bytes=%d ignored: ElixirConfig.budget_covers_activations="
+                       "False makes the budget bound model data only", activation_bytes)
+        activation_bytes = 0
+    return _model_data_floor_bytes(model, optimizer, config, world_size) + activation_bytes
+
+
+def _model_data_floor_bytes(model, optimizer, config: ElixirConfig, world_size: int) -> int:
+    """:func:`min_device_budget_bytes` without the activations' room (``prepare`` places model data, and
+    ``default_placement="auto"`` compares a replicated copy, in the budget less that room)."""
     pstate = get_parallel_state(model)
     if pstate is not None:
         world_size = pstate.mesh.world_size
@@ -426,10 +491,10 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
 
 
 def _raise_if_replicating_needs_less(model, optimizer, config: ElixirConfig, world_size: int,
-                                     err: ValueError) -> None:
+                                     err: ValueError, activation_bytes: int = 0) -> None:
     """``default_placement="auto"`` chose sharded because a replicated copy did not fit, and the sharded
     floor does not fit either: when a budget that replicates is the smaller minimum, name that one."""
-    need = min_device_budget_bytes(model, optimizer, config, world_size)
+    need = min_device_budget_bytes(model, optimizer, config, world_size, activation_bytes=activation_bytes)
     if f"needs {need} bytes" not in str(err):
         raise budget_error(need, config.device_memory_budget_bytes,
                            "a replicated copy of the model (default_placement='auto' replicates where the whole model"

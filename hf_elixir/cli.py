@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from hf_elixir.config import parse_bytes
+from hf_elixir.plan import policy_summary
 from hf_elixir.profiler._gpu_presets import DEFAULT_PRESET, GPU_PRESETS
 
 __all__ = ["main", "parse_bytes"]
@@ -208,22 +209,25 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if isinstance(value, list):
             value = f"{len(value)} chunks {value[:12]}{'...' if len(value) > 12 else ''}"
         chosen.add_row(key, str(value))
+    chosen.add_row("activation policy", policy_summary(plan.activation_policy))
     chosen.add_row("predicted step time", _human_s(plan.predicted_step_s))
     chosen.add_row("predicted peak device", _gib(plan.predicted_peak_device_bytes))
     chosen.add_row("onloads / step", str(best.prediction.onloads))
     console.print(chosen)
 
     alts = Table(title="next-best alternatives")
-    for col in ("data parallel", "chunk", "resident", "cache blocks", "device optim", "prefetch", "ckpt", "step time",
-                "device peak"):
+    for col in ("data parallel", "chunk", "resident", "cache blocks", "device optim", "prefetch", "activations",
+                "step time", "device peak"):
         alts.add_column(col)
     others = [c for c in result.best_by_mode.values() if c is not best and c not in result.alternatives]
     for cand in [best] + result.alternatives + others:
         k = cand.knobs
         alts.add_row(cand.data_parallel, str(cand.chunk_size_numel), str(len(k.resident)), str(k.cache_blocks), str(len(k.device_optim)),
-                     str(k.prefetch_depth), str(cand.activation_checkpointing), _human_s(cand.prediction.step_s),
+                     str(k.prefetch_depth), policy_summary(cand.activation_policy), _human_s(cand.prediction.step_s),
                      _gib(cand.prediction.device_peak_bytes))
     console.print(alts)
+    if plan.activation_policy:
+        console.print(_policy_table(plan.activation_policy))
     console.print(_placement_table(plan.placements))
     for line in plan.reasons:
         console.print(f"- {line}")
@@ -246,6 +250,26 @@ def _placements(model, args: argparse.Namespace) -> dict[str, str]:
     config = ElixirConfig(tensor_parallel_size=args.tensor_parallel_size,
                           expert_parallel_size=args.expert_parallel_size)
     return resolve_placements(model, config)
+
+
+def _policy_table(policy: dict[str, str]):
+    """Each transformer block's activation policy, consecutive blocks with the same one on one row
+    (``transformer.h.0 .. transformer.h.3``)."""
+    from rich.table import Table
+
+    table = Table(title=f"activation policy per block ({len(policy)} blocks, forward order)")
+    for col in ("blocks", "count", "policy"):
+        table.add_column(col)
+    runs: list[list] = []
+    for block, kind in policy.items():
+        if runs and runs[-1][2] == kind:
+            runs[-1][1] = block
+            runs[-1][3] += 1
+        else:
+            runs.append([block, block, kind, 1])
+    for first, last, kind, count in runs:
+        table.add_row(first if first == last else f"{first} .. {last}", str(count), kind)
+    return table
 
 
 def _placement_table(placements: dict[str, str]):
@@ -284,6 +308,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     best = result.best
     step = build_chunked_step(profile, best.chunk_size_numel, world_size=args.num_gpus, precision=args.precision,
                               hardware=hardware, activation_checkpointing=best.activation_checkpointing,
+                              activation_policy=best.activation_policy or None,
                               replicated=best.data_parallel == "replicated")
     pred = predict(step, best.knobs, hardware, activations_on_device=args.activations_on_device, timeline=True)
     assert pred is not None, "the search's best candidate must fit when priced again"
@@ -358,7 +383,8 @@ def _draw_profile(args: argparse.Namespace, best, pred, budget: int, measured_s:
     ax.set_ylabel("MiB")
     k = best.knobs
     ax.set_title(f"{args.model}, {args.num_gpus} rank(s), {args.precision}: chunk {best.chunk_size_numel}, "
-                 f"resident {len(k.resident)}, cache blocks {k.cache_blocks}, ckpt {best.activation_checkpointing}",
+                 f"resident {len(k.resident)}, cache blocks {k.cache_blocks}, ckpt {best.activation_checkpointing} "
+                 f"(activations: {policy_summary(best.activation_policy)})",
                  fontsize=10, pad=28)
     handles, labels = ax.get_legend_handles_labels()
     ax.legend(handles, labels, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=len(labels), frameon=False,

@@ -125,14 +125,23 @@ class ElixirConfig:
             Compute precision: `"fp32"`, `"bf16"` or `"fp16"`. Low precisions keep fp32 master
             weights in the optimizer state; `"fp16"` adds dynamic loss scaling (`loss_scale`).
         device_memory_budget_bytes (`int` or `str`, *optional*):
-            Bytes (or a size such as `"40GiB"`, `"512MB"`) of device memory the chunk manager may hold
-            for model data (parameter shards,
-            gathered chunks, gradient buffers, device optimizer states); leave the activations' room outside
-            it. `None` means all the device has: on CUDA the free memory at `prepare` less a reserve
-            (the smallest over the ranks), and then activations and autograd's temporaries are charged
-            to it too (`hf_elixir/chunk/memory.py`, [Note: activations in the budget]); on CPU-only
-            machines unlimited, everything resident. Without CUDA the budget bounds a simulated device
-            pool so every onload/offload/eviction path still runs.
+            Bytes (or a size such as `"40GiB"`, `"512MB"`) of device memory hf_elixir may use on each rank:
+            model data (parameter shards, gathered chunks, gradient buffers, device optimizer states) and,
+            with `budget_covers_activations=True` (the default), the activations autograd saves for backward
+            and its temporaries (a parameter's `.grad` before it lands in its chunk). Chunks are evicted to
+            make room for activations; a step whose activations cannot fit beside the chunks it needs raises
+            `DeviceBudgetExceededError` naming the bytes and the fixes. When `prepare` knows the activation
+            bytes (a plan's `activation_peak_bytes`, e.g. from `search="auto"`), the chunks are placed in the
+            budget less those bytes (`hf_elixir/chunk/memory.py`, [Note: activations in the budget]).
+            `None` means all the device has: on CUDA the free memory at `prepare` less a reserve (the
+            smallest over the ranks), activations included; on CPU-only machines unlimited, everything
+            resident. Without CUDA the budget bounds a simulated device pool so every
+            onload/offload/eviction path still runs.
+        budget_covers_activations (`bool`, defaults to `True`):
+            Whether `device_memory_budget_bytes` also pays for activations and autograd's temporaries (what
+            a user setting "use at most 20 GiB of this card" expects). `False` restores the model-data-only
+            meaning: activations are measured (`memory_stats`) but not charged, so leave their room outside
+            the budget yourself. A budget of `None` on CUDA always covers activations.
         host_memory_budget_bytes (`int` or `str`, *optional*):
             Bytes (or a size such as `"64GiB"`) of host RAM this rank may hold for model data (host
             shards, host optimizer states, rank-local refill copies of gathered chunks). Refill copies
@@ -166,6 +175,14 @@ class ElixirConfig:
             `hf_elixir.parallel.parallelize` treat `"auto"` as `"sharded"`.
         tensor_parallel_size / expert_parallel_size (`int`, defaults to 1):
             Sizes of the tensor-parallel / expert-parallel mesh axes.
+        activation_policy (`str` or `dict[str, str]`, *optional*):
+            What each transformer block (an outermost child of an `nn.ModuleList`, e.g. `"transformer.h.3"`) does
+            with the activations autograd saves for backward: `"keep"` (on the device), `"recompute"` (activation
+            checkpointing of that block, non-reentrant) or `"offload"` (to host memory in forward, back in
+            backward). One string applies to every block; a dict maps block-name globs (`"transformer.h.*"`) to
+            policies, the first matching glob wins and unmatched blocks follow the plan. `None`: the plan's
+            policy (`ElixirPlan.activation_policy`), else every block `"keep"`. A glob that matches no block
+            raises at `prepare`.
         loss_scale (`LossScalePolicy`): dynamic loss-scale settings (fp16 only).
         process_group: data-parallel `torch.distributed` group; `None` = the default world group.
 
@@ -181,6 +198,7 @@ class ElixirConfig:
 
     precision: str = "fp32"
     device_memory_budget_bytes: int | None = None
+    budget_covers_activations: bool = True
     host_memory_budget_bytes: int | None = None
     chunk_size_numel: int | None = None
     reduce_dtype: str | None = "fp32"
@@ -192,6 +210,7 @@ class ElixirConfig:
     default_placement: str = "auto"
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
+    activation_policy: str | Mapping[str, str] | None = None
     loss_scale: LossScalePolicy = field(default_factory=LossScalePolicy)
     process_group: Any = None
 
@@ -230,6 +249,10 @@ class ElixirConfig:
                     f"ElixirConfig.device_memory_budget_bytes={self.device_memory_budget_bytes} must be > 0 "
                     "(or None for all the device has)"
                 )
+        if not isinstance(self.budget_covers_activations, bool):
+            raise TypeError(f"ElixirConfig.budget_covers_activations={self.budget_covers_activations!r} has type "
+                            f"{type(self.budget_covers_activations).__name__}; use True (the budget pays for "
+                            "activations too) or False (model data only)")
         if self.chunk_size_numel is not None:
             _check_type("chunk_size_numel", self.chunk_size_numel, (int,), "give a whole number of elements")
             if self.chunk_size_numel <= 0:
@@ -263,6 +286,7 @@ class ElixirConfig:
                 f"ElixirConfig.default_placement={self.default_placement!r} must be one of {_DEFAULT_PLACEMENTS}."
                 f"{_closest(str(self.default_placement), list(_DEFAULT_PLACEMENTS))}"
             )
+        self._check_activation_policy()
         for name in ("tensor_parallel_size", "expert_parallel_size"):
             value = getattr(self, name)
             _check_type(name, value, (int,), "give a whole number >= 1")
@@ -278,6 +302,29 @@ class ElixirConfig:
             raise TypeError(f"ElixirConfig.process_group={self.process_group!r} must be a torch.distributed "
                             "process group (e.g. torch.distributed.new_group(ranks)) or None for the default "
                             "group; the backend (nccl / gloo) is chosen at init_process_group")
+
+    def _check_activation_policy(self) -> None:
+        from hf_elixir.plan import ACTIVATION_POLICIES  # noqa: PLC0415 (plan.py imports nothing from here)
+
+        policy = self.activation_policy
+        if policy is None:
+            return
+        if isinstance(policy, str):
+            if policy not in ACTIVATION_POLICIES:
+                raise ValueError(f"ElixirConfig.activation_policy={policy!r} is not a policy; use one of "
+                                 f"{ACTIVATION_POLICIES} or a dict of block-name glob -> policy."
+                                 f"{_closest(policy, list(ACTIVATION_POLICIES))}")
+            return
+        if not isinstance(policy, Mapping):
+            raise TypeError(f"ElixirConfig.activation_policy={policy!r} has type {type(policy).__name__}; give one of "
+                            f"{ACTIVATION_POLICIES}, a dict of block-name glob -> policy, or None")
+        for pattern, value in policy.items():
+            if not isinstance(pattern, str):
+                raise TypeError(f"ElixirConfig.activation_policy key {pattern!r} must be a block-name glob (str), "
+                                "e.g. 'transformer.h.*'")
+            if value not in ACTIVATION_POLICIES:
+                raise ValueError(f"ElixirConfig.activation_policy[{pattern!r}]={value!r} is not a policy; use one of "
+                                 f"{ACTIVATION_POLICIES}.{_closest(str(value), list(ACTIVATION_POLICIES))}")
 
     def _check_plan_field(self) -> None:
         from hf_elixir.plan import ElixirPlan  # noqa: PLC0415 (plan.py imports nothing from here)

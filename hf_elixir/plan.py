@@ -17,11 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ElixirPlan"]
+__all__ = ["ACTIVATION_POLICIES", "ElixirPlan", "policy_summary"]
 
-PLAN_FORMAT_VERSION = 1
+#: 2: ``activation_peak_bytes`` (version-1 files load unchanged: the field defaults to ``None``)
+PLAN_FORMAT_VERSION = 2
 _PRECISIONS = ("fp32", "bf16", "fp16")
 _PLACEMENTS = ("sharded", "replicated", "column", "row", "expert")
+#: what a transformer block does with the tensors autograd saves (see ``hf_elixir/runtime/activations.py``)
+ACTIVATION_POLICIES = ("keep", "recompute", "offload")
 _INT = "give a whole number"
 #: (field, accepted types, fix) checked by ``ElixirPlan.__post_init__``
 _FIELD_TYPES: tuple[tuple[str, tuple[type, ...], str], ...] = (
@@ -37,12 +40,21 @@ _FIELD_TYPES: tuple[tuple[str, tuple[type, ...], str], ...] = (
     ("host_copy_chunks", (list,), "give a list of chunk ids"),
     ("prefetch_depth", (int,), _INT + " >= 0"),
     ("activation_checkpointing", (bool,), "use true or false"),
+    ("activation_policy", (dict,), "give a mapping of block name -> 'keep', 'recompute' or 'offload'"),
     ("placements", (dict,), "give a mapping of module name -> placement"),
     ("predicted_step_s", (int, float, type(None)), "give seconds or null"),
     ("predicted_peak_device_bytes", (int, type(None)), "give bytes or null"),
+    ("activation_peak_bytes", (int, type(None)), "give bytes or null"),
     ("reasons", (list,), "give a list of strings"),
     ("format_version", (int,), _INT),
 )
+
+
+def policy_summary(policy: dict[str, str]) -> str:
+    """``"keep"``, or the non-keep counts over the blocks of an activation policy (``"recompute 4/12"``,
+    ``"offload 2/12 recompute 1/12"``)."""
+    counts = [(kind, sum(1 for v in policy.values() if v == kind)) for kind in ("offload", "recompute")]
+    return " ".join(f"{kind} {n}/{len(policy)}" for kind, n in counts if n) or "keep"
 
 
 @dataclass(kw_only=True)
@@ -67,10 +79,22 @@ class ElixirPlan:
             compute-dtype copy per rank: host RAM traded for the all-gather a re-unshard in the same step
             would cost; see [Note: rank-local refill] in ``hf_elixir/chunk/chunk.py``).
         prefetch_depth: chunks unsharded ahead of use in the profiled order.
-        activation_checkpointing: whether the plan expects HF gradient checkpointing on.
+        activation_checkpointing: the uniform activation switch of plans written before
+            ``activation_policy``: ``True`` = every block ``"recompute"``, ``False`` = every block ``"keep"``, for
+            the blocks ``activation_policy`` does not name.
+        activation_policy: transformer-block FQN (an outermost child of an ``nn.ModuleList``, e.g.
+            ``"transformer.h.3"``) -> ``"keep"`` (saved activations stay on the device), ``"recompute"``
+            (activation checkpointing of that block) or ``"offload"`` (its saved activations go to host memory in
+            forward and come back in backward); see ``hf_elixir/runtime/activations.py``. Blocks not named follow
+            ``activation_checkpointing``. (ProTrain, arXiv 2406.08334: block-wise activation management.)
         placements: module FQN -> placement name (``"sharded"``, ``"column"``, ...).
         predicted_step_s: the cost model's step time (seconds), if a search made the plan.
         predicted_peak_device_bytes: the cost model's device peak (bytes), if a search made it.
+        activation_peak_bytes: device bytes to keep for the activations autograd saves (and its
+            temporaries) at the step's peak, as profiled (with the plan's ``activation_checkpointing``);
+            ``None``: not known. When the budget covers activations
+            (``ElixirConfig.budget_covers_activations``), ``prepare`` places chunks in the budget less these
+            bytes ([Note: activations in the budget] in ``hf_elixir/chunk/memory.py``).
         reasons: human-readable lines explaining the choice.
     """
 
@@ -86,9 +110,11 @@ class ElixirPlan:
     host_copy_chunks: list[int] = field(default_factory=list)
     prefetch_depth: int = 2
     activation_checkpointing: bool = False
+    activation_policy: dict[str, str] = field(default_factory=dict)
     placements: dict[str, str] = field(default_factory=dict)
     predicted_step_s: float | None = None
     predicted_peak_device_bytes: int | None = None
+    activation_peak_bytes: int | None = None
     reasons: list[str] = field(default_factory=list)
     format_version: int = PLAN_FORMAT_VERSION
 
@@ -115,11 +141,15 @@ class ElixirPlan:
             if not isinstance(module, str) or placement not in _PLACEMENTS:
                 raise ValueError(f"ElixirPlan.placements[{module!r}]={placement!r} must map a module name to one "
                                  f"of {_PLACEMENTS}")
+        for block, policy in self.activation_policy.items():
+            if not isinstance(block, str) or policy not in ACTIVATION_POLICIES:
+                raise ValueError(f"ElixirPlan.activation_policy[{block!r}]={policy!r} must map a block name to one of "
+                                 f"{ACTIVATION_POLICIES}")
         if self.predicted_step_s is not None and not self.predicted_step_s >= 0:
             raise ValueError(f"ElixirPlan.predicted_step_s={self.predicted_step_s} must be >= 0 or None")
-        if self.predicted_peak_device_bytes is not None and self.predicted_peak_device_bytes < 0:
-            raise ValueError(f"ElixirPlan.predicted_peak_device_bytes={self.predicted_peak_device_bytes} "
-                             "must be >= 0 or None")
+        for name in ("predicted_peak_device_bytes", "activation_peak_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"ElixirPlan.{name}={getattr(self, name)} must be >= 0 or None")
 
     # -- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -97,7 +97,9 @@ class ElixirArguments:
     """hf_elixir settings (command-line values override the `dynamo_config.elixir` section of elixir.yaml)."""
 
     use_elixir: bool = field(default=True, metadata={"help": "train under hf_elixir (False: plain accelerate/Trainer)"})
-    device_memory_budget_bytes: int | None = field(default=None, metadata={"help": "device memory for model data, bytes"})
+    device_memory_budget_bytes: int | None = field(default=None, metadata={"help": "device memory hf_elixir may use per rank (model data and activations), bytes"})
+    budget_covers_activations: bool | None = field(default=None, metadata={"help": "true (the library's default): "
+                                                   "the budget pays for activations too; false: model data only"})
     chunk_size_numel: int | None = field(default=None, metadata={"help": "elements per chunk"})
     offload_optimizer: str | None = field(default=None, metadata={"help": "true | false | auto"})
     trainer: bool = field(default=False, metadata={"help": "train with transformers.Trainer + ElixirCallback"})
@@ -326,6 +328,8 @@ def elixir_config_overrides(elixir_args: ElixirArguments) -> dict[str, Any]:
     values: dict[str, Any] = {}
     if elixir_args.device_memory_budget_bytes is not None:
         values["device_memory_budget_bytes"] = elixir_args.device_memory_budget_bytes
+    if elixir_args.budget_covers_activations is not None:
+        values["budget_covers_activations"] = elixir_args.budget_covers_activations
     if elixir_args.chunk_size_numel is not None:
         values["chunk_size_numel"] = elixir_args.chunk_size_numel
     if elixir_args.offload_optimizer is not None:

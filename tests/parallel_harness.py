@@ -194,8 +194,9 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
     extra: dict = {}
     if elixir is not None:
         budget = _tight_budget(model, opt, cfg, mesh) if elixir == "tight" else None
+        # "tight" is a model-data budget (a little above the model-data floor): activations outside it
         ecfg = hf_elixir.ElixirConfig(tensor_parallel_size=tp, expert_parallel_size=ep, chunk_size_numel=CHUNK_NUMEL,
-                                      device_memory_budget_bytes=budget)
+                                      device_memory_budget_bytes=budget, budget_covers_activations=False)
         model, opt = hf_elixir.prepare(model, opt, ecfg)
         extra["plan_placements"] = dict(hf_elixir.get_state(model).plan.placements)
     loss_rel = 0.0

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _prepare(model, precision="fp32", budget=200_000, lr=5e-3):
     opt = torch.optim.AdamW(two_groups(model), lr=lr)
-    cfg = hf_elixir.ElixirConfig(precision=precision, chunk_size_numel=CHUNK, device_memory_budget_bytes=budget)
+    cfg = hf_elixir.ElixirConfig(precision=precision, chunk_size_numel=CHUNK, device_memory_budget_bytes=budget,
+                                 budget_covers_activations=False)  # a model-data budget: chunks offloaded
     model, opt = hf_elixir.prepare(model, opt, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     return model, opt, sched

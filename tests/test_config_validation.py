@@ -25,6 +25,8 @@ CONFIG_CASES = [
     ("device_memory_budget_bytes", 1.5e9, TypeError, "device_memory_budget_bytes=1500000000.0 has type float"),
     ("device_memory_budget_bytes", True, TypeError, "device_memory_budget_bytes=True is a bool"),
     ("device_memory_budget_bytes", 0, ValueError, "device_memory_budget_bytes=0 must be > 0"),
+    ("budget_covers_activations", "yes", TypeError, "budget_covers_activations='yes' has type str; use True"),
+    ("budget_covers_activations", 1, TypeError, "budget_covers_activations=1 has type int"),
     ("host_memory_budget_bytes", 2.5e9, TypeError, "host_memory_budget_bytes=2500000000.0 has type float"),
     ("host_memory_budget_bytes", False, TypeError, "host_memory_budget_bytes=False is a bool"),
     ("host_memory_budget_bytes", -1, ValueError, "host_memory_budget_bytes=-1 must be > 0"),
@@ -51,6 +53,11 @@ CONFIG_CASES = [
     ("loss_scale", {"init_scal": 2.0}, ValueError, "loss_scale: unknown LossScalePolicy key 'init_scal'. Did you mean"),
     ("device_memory_budget_bytes", "lots", ValueError, "device_memory_budget_bytes: cannot read 'lots' as a size"),
     ("precision", "BF16", ValueError, "precision='BF16' is not supported.*Did you mean 'bf16'"),
+    ("activation_policy", "swap", ValueError, "activation_policy='swap' is not a policy; use one of"),
+    ("activation_policy", {"transformer.h.*": "ofload"}, ValueError,
+     "activation_policy\\['transformer.h.\\*'\\]='ofload' is not a policy.*Did you mean 'offload'"),
+    ("activation_policy", ["keep"], TypeError, "activation_policy=\\['keep'\\] has type list"),
+    ("activation_policy", {0: "keep"}, TypeError, "activation_policy key 0 must be a block-name glob"),
 ]
 
 
@@ -109,9 +116,14 @@ PLAN_CASES = [
     ("host_copy_chunks", [True], ValueError, "host_copy_chunks=\\[True\\] must be a list of chunk ids"),
     ("prefetch_depth", -1, ValueError, "prefetch_depth=-1 must be >= 0"),
     ("activation_checkpointing", "yes", TypeError, "activation_checkpointing='yes' has type str"),
+    ("activation_policy", {"transformer.h.0": "swap"}, ValueError,
+     "activation_policy\\['transformer.h.0'\\]='swap' must map a block name"),
+    ("activation_policy", "offload", TypeError, "activation_policy='offload' has type str"),
     ("placements", {"h.0": "zero3"}, ValueError, "placements\\['h.0'\\]='zero3' must map"),
     ("predicted_step_s", -1.0, ValueError, "predicted_step_s=-1.0 must be >= 0"),
     ("predicted_peak_device_bytes", "1G", TypeError, "predicted_peak_device_bytes='1G' has type str"),
+    ("activation_peak_bytes", "1G", TypeError, "activation_peak_bytes='1G' has type str"),
+    ("activation_peak_bytes", -1, ValueError, "activation_peak_bytes=-1 must be >= 0 or None"),
     ("reasons", "fast", TypeError, "reasons='fast' has type str"),
     ("format_version", "1", TypeError, "format_version='1' has type str"),
 ]

@@ -22,6 +22,9 @@ CHUNK = 8192
 def _prepare(model, lr=5e-3, **cfg):
     opt = torch.optim.AdamW(two_groups(model), lr=lr)
     cfg.setdefault("chunk_size_numel", CHUNK)
+    # the budgets in this file bound model data (the chunk mechanics under test); activations are charged
+    # against an explicit budget in tests/test_activation_budget.py
+    cfg.setdefault("budget_covers_activations", False)
     return hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(**cfg))
 
 
@@ -114,7 +117,8 @@ def test_unused_branch_called_twice_functional_and_tied(budget):
     model = copy.deepcopy(ref)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)  # MHA key bias: zero grad + noise
     model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(chunk_size_numel=1024,
-                                                                       device_memory_budget_bytes=budget))
+                                                                       device_memory_budget_bytes=budget,
+                                                                       budget_covers_activations=False))
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
     sometimes_before = ref.sometimes.weight.detach().clone()
     for step in range(4):
@@ -398,7 +402,8 @@ def test_many_idle_experts_train_at_the_minimum_budget_and_match_pytorch():
     model = copy.deepcopy(ref)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     budget = hf_elixir.min_device_budget_bytes(model, opt)
-    model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(device_memory_budget_bytes=budget))
+    model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(device_memory_budget_bytes=budget,
+                                                                      budget_covers_activations=False))
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(3):
         g = torch.Generator().manual_seed(100 + step)
@@ -507,7 +512,7 @@ def test_fp16_unscale_norm_kernel_path_matches_pytorch_path(monkeypatch):
 
 def _replicated_worker(rank, world_size):
     cfg = hf_elixir.ElixirConfig(chunk_size_numel=CHUNK, placements={"*ln_*": "replicated"},
-                                 device_memory_budget_bytes=200_000)
+                                 device_memory_budget_bytes=200_000, budget_covers_activations=False)
     model = tiny_model("gpt2")
     ref = copy.deepcopy(model)
     model, opt = hf_elixir.prepare(model, torch.optim.AdamW(two_groups(model), lr=5e-3), cfg)
@@ -542,7 +547,8 @@ def _min_budget_worker(rank, world_size):
     results = []
     for extra in ({"default_placement": "sharded"}, {"default_placement": "replicated"},
                   {"placements": {"*ln_*": "replicated"}}, {"chunk_size_numel": None}):
-        cfg = hf_elixir.ElixirConfig(**{"chunk_size_numel": CHUNK, **extra})  # None: prepare's default size
+        cfg = hf_elixir.ElixirConfig(**{"chunk_size_numel": CHUNK, "budget_covers_activations": False,  # model data
+                                        **extra})  # None: prepare's default size
         need = hf_elixir.min_device_budget_bytes(tiny_model("gpt2"), torch.optim.AdamW(tiny_model("gpt2").parameters()),
                                                  cfg, world_size=world_size)
         below_model = tiny_model("gpt2")
@@ -593,7 +599,8 @@ def test_nadam_scalar_state_survives_a_consolidated_resume():
         model = tiny_model("gpt2", seed=seed)
         opt = torch.optim.NAdam(model.parameters(), lr=5e-3, momentum_decay=4e-3)
         return hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(chunk_size_numel=CHUNK,
-                                                                    device_memory_budget_bytes=140_000))
+                                                                    device_memory_budget_bytes=140_000,
+                                                                    budget_covers_activations=False))
 
     batches = [[batch("gpt2", s, 2)] for s in range(6)]
     model, opt = prepare(0)

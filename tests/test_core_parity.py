@@ -65,8 +65,10 @@ def _elixir_run(rank: int, world_size: int, kind: str, mode: str):
     budget = _budget(kind, mode, world_size)
     # "resident": default_placement="auto", which replicates when everything fits (world size > 1)
     placement = {"resident-sharded": "sharded", "replicated-offload": "replicated"}.get(mode, "auto")
+    # the budgets are model-data budgets (sized from the model-data floor): activations outside them
     model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(
-        chunk_size_numel=CHUNK, device_memory_budget_bytes=budget, default_placement=placement))
+        chunk_size_numel=CHUNK, device_memory_budget_bytes=budget, default_placement=placement,
+        budget_covers_activations=False))
     sched = _schedule(opt)
     losses = []
     for step in range(STEPS):

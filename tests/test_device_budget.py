@@ -36,7 +36,8 @@ def test_none_resolves_from_the_device_only_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * GIB, 16 * GIB))
     cuda = torch.device("cuda", 0)
     assert resolve_budget_bytes(None, cuda) == (10 * GIB - int(16 * GIB * 0.08), True)
-    assert resolve_budget_bytes(123, cuda) == (123, False)
+    assert resolve_budget_bytes(123, cuda) == (123, True)
+    assert resolve_budget_bytes(123, cuda, covers_activations=False) == (123, False)
     assert resolve_budget_bytes(None, torch.device("cpu")) == (None, False)
 
 
@@ -73,7 +74,7 @@ def test_whole_device_budget_charges_activations_and_temporaries():
     model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(chunk_size_numel=4096,
                                                                       device_memory_budget_bytes=floor * 4))
     manager = hf_elixir.get_state(model).manager
-    manager.pool.whole_device = True  # what prepare sets when the budget came from the card
+    manager.pool.charges_activations = True  # what prepare sets when the budget covers activations
     _train_one_step(model, opt, rows=2)
     stats = hf_elixir.memory_stats(model)
     assert stats["device_total_peak_bytes"] <= floor * 4

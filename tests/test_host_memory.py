@@ -51,7 +51,7 @@ def test_host_shards_and_optimizer_shards_come_from_few_blocks():
     optimizer = torch.optim.AdamW(model.parameters())
     need = hf_elixir.min_device_budget_bytes(model, optimizer, hf_elixir.ElixirConfig(precision="bf16"))
     model, optimizer = hf_elixir.prepare(model, optimizer, hf_elixir.ElixirConfig(
-        precision="bf16", device_memory_budget_bytes=need, offload_optimizer=True))
+        precision="bf16", device_memory_budget_bytes=need, offload_optimizer=True, budget_covers_activations=False))
     manager = hf_elixir.get_state(model).manager
     tensors = _host_tensors(manager, optimizer)
     assert len(tensors) > 4
@@ -94,7 +94,7 @@ def _train(model, optimizer, rank, world_size, steps=2):
 
 def _refill_worker(rank, world_size):
     base = tiny_model("gpt2")
-    cfg = hf_elixir.ElixirConfig(precision="bf16", default_placement="sharded",
+    cfg = hf_elixir.ElixirConfig(precision="bf16", default_placement="sharded", budget_covers_activations=False,
                                  device_memory_budget_bytes=hf_elixir.min_device_budget_bytes(
                                      base, torch.optim.AdamW(base.parameters()),
                                      hf_elixir.ElixirConfig(precision="bf16"), world_size=2))

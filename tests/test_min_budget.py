@@ -56,7 +56,9 @@ def _build(name: str, mesh_cache: dict):
     from hf_elixir.parallel import build_mesh, parallelize
 
     make, kind, extra = CASES[name]
-    config = hf_elixir.ElixirConfig(**extra)
+    # model-data floors (activations outside the budget); the floor with activations charged is
+    # tests/test_activation_budget.py::test_floor_with_activations_is_exact_and_the_plan_reserves_them
+    config = hf_elixir.ElixirConfig(budget_covers_activations=False, **extra)
     model = make()
     if config.tensor_parallel_size > 1 or config.expert_parallel_size > 1:
         key = (config.tensor_parallel_size, config.expert_parallel_size)
@@ -128,7 +130,8 @@ def test_device_optimizer_states_count_in_the_floor():
     """``offload_optimizer=False`` keeps optimizer states on the device: the floor includes them."""
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(model.parameters())
-    config = hf_elixir.ElixirConfig(chunk_size_numel=8192, offload_optimizer=False)
+    config = hf_elixir.ElixirConfig(chunk_size_numel=8192, offload_optimizer=False,
+                                    budget_covers_activations=False)  # the model-data floor
     need = hf_elixir.min_device_budget_bytes(model, opt, config)
     with pytest.raises(ValueError, match=f"needs {need} bytes"):
         hf_elixir.prepare(model, opt, dataclasses.replace(config, device_memory_budget_bytes=need - 1))

@@ -121,7 +121,8 @@ def test_a_plan_for_another_precision_changes_nothing():
 
 @pytest.mark.parametrize("offload_optimizer", ["auto", False])
 def test_a_budget_below_the_floor_changes_nothing(offload_optimizer):
-    config = hf_elixir.ElixirConfig(chunk_size_numel=CHUNK, offload_optimizer=offload_optimizer)
+    config = hf_elixir.ElixirConfig(chunk_size_numel=CHUNK, offload_optimizer=offload_optimizer,
+                                    budget_covers_activations=False)  # the model-data floor
     need = _floor(config)
     model = tiny_model("gpt2")
     _check_all_or_nothing(model, torch.optim.AdamW(model.parameters()),
@@ -178,7 +179,8 @@ def test_a_failure_while_changing_the_model_is_undone(monkeypatch, where, budget
     import hf_elixir.api as api
     from hf_elixir.chunk.chunk import Chunk
 
-    config = hf_elixir.ElixirConfig(chunk_size_numel=CHUNK, precision=precision)
+    config = hf_elixir.ElixirConfig(chunk_size_numel=CHUNK, precision=precision,
+                                    budget_covers_activations=False)  # the model-data floor
     if budget:
         config = dataclasses.replace(config, device_memory_budget_bytes=_floor(config))
     if where == "materialize":  # fails on the third chunk, after two were materialised (and resharded)

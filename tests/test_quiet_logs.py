@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent(
         args = TrainingArguments(os.path.join(out, name), max_steps=2, per_device_train_batch_size=2,
                                  logging_steps=1, save_strategy="steps", save_steps=2, report_to=[], use_cpu=True,
                                  disable_tqdm=True)
-        config = hf_elixir.ElixirConfig(device_memory_budget_bytes=budget)
+        config = hf_elixir.ElixirConfig(device_memory_budget_bytes=budget, budget_covers_activations=False)
         trainer = Trainer(model, args, train_dataset=data, callbacks=[ElixirCallback(config, **callback_kw)])
         trainer.train()  # forward, backward (reduce-scatter), step, checkpoint (optimizer state all-gather)
         trainer.model.eval()

@@ -89,7 +89,8 @@ def _budget_worker(rank: int, world_size: int) -> dict:
     # rank 1 was given (e.g. measured itself) a budget far below rank 0's: everything would be resident on
     # rank 0 and offloaded on rank 1 (different all-gathers), without agreement
     model = tiny_model("gpt2")
-    config = hf_elixir.ElixirConfig(default_placement="sharded", chunk_size_numel=8192)
+    config = hf_elixir.ElixirConfig(default_placement="sharded", chunk_size_numel=8192,
+                                    budget_covers_activations=False)  # the model-data floor
     opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
     smallest = hf_elixir.min_device_budget_bytes(model, opt, config=config, world_size=world_size)
     budget = 64 * GIB if rank == 0 else smallest

@@ -35,6 +35,7 @@ def _state(model):
 
 def _prepare(model, params=None, lr=5e-3, **cfg):
     cfg.setdefault("chunk_size_numel", CHUNK)
+    cfg.setdefault("budget_covers_activations", False)  # the budgets here bound model data (activations outside)
     opt = torch.optim.AdamW(params if params is not None else two_groups(model), lr=lr)
     return hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(**cfg))
 
@@ -162,7 +163,8 @@ def test_zero_sized_trainable_parameter():
     ref = _WithEmpty()
     model = copy.deepcopy(ref)
     model, opt = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                   hf_elixir.ElixirConfig(chunk_size_numel=80, device_memory_budget_bytes=4096))
+                                   hf_elixir.ElixirConfig(chunk_size_numel=80, device_memory_budget_bytes=4096,
+                                                          budget_covers_activations=False))
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for s in range(3):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(s))

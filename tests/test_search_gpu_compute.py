@@ -77,18 +77,30 @@ def _step(world_size: int):
     return build_chunked_step(profile, 4096, world_size=world_size, precision="fp32", hardware=_gpu(world_size))
 
 
-def test_all_gathers_are_not_overlapped_but_local_onloads_are():
-    """The runtime never prefetches a gather (ChunkManager._prefetch skips collectives): with 2 ranks and no
-    resident chunk every onload is a gather, so prefetch depth changes nothing and the step pays every gather
-    on the compute stream. With one rank the onloads are host copies, which the copy stream prefetches."""
+def test_forward_all_gathers_overlap_when_prefetched_and_local_onloads_do():
+    """[Note: overlap] / [Note: gather prefetch]: with 2 ranks and no resident chunk every onload is a gather.
+    Without prefetch the step pays every gather on the compute stream; with prefetch the forward gathers
+    overlap earlier events' compute (on CUDA and off it), and the saving is at most their time. Where the
+    runtime keeps gathers in the hooks (whole-device budget with activations on the device, a model with
+    subtree units) prefetch depth changes nothing. With one rank the onloads are host copies, which the copy
+    stream prefetches on CUDA."""
     hw = _gpu(2)
     step = _step(2)
-    assert step.num_chunks > 2
+    assert step.num_chunks > 2 and step.gather_prefetch
     serial = predict(step, Knobs(prefetch_depth=0), hw, pool_bytes=GIB)
     deep = predict(step, Knobs(prefetch_depth=2), hw, pool_bytes=GIB)
-    assert serial.allgather_bytes > 0 and deep.forward_backward_s == pytest.approx(serial.forward_backward_s)
     gathers_s = serial.allgather_bytes / hw.allgather_bytes_per_s
-    assert serial.forward_backward_s >= serial.compute_s + gathers_s
+    assert serial.allgather_bytes > 0 and serial.forward_backward_s >= serial.compute_s + gathers_s
+    forward_chunks = {c for g, phase in zip(step.groups, step.event_phase) if phase == "fwd" for c in g}
+    forward_gathers_s = sum(step.full_bytes(c) for c in forward_chunks) / hw.allgather_bytes_per_s
+    assert deep.allgather_bytes == serial.allgather_bytes
+    assert 0 < serial.forward_backward_s - deep.forward_backward_s <= forward_gathers_s + 1e-12
+    cpu = replace(hw, can_overlap=False, device_kind="cpu")
+    assert predict(step, Knobs(prefetch_depth=2), cpu, pool_bytes=GIB).forward_backward_s < \
+        predict(step, Knobs(prefetch_depth=0), cpu, pool_bytes=GIB).forward_backward_s
+    for kept_in_hooks, kwargs in ((step, {"activations_on_device": True}), (replace(step, gather_prefetch=False), {})):
+        assert predict(kept_in_hooks, Knobs(prefetch_depth=2), hw, pool_bytes=GIB, **kwargs).forward_backward_s == \
+            pytest.approx(predict(kept_in_hooks, Knobs(prefetch_depth=0), hw, pool_bytes=GIB, **kwargs).forward_backward_s)
     one = _step(1)
     budget = sum(one.full_bytes(c) for c in range(one.num_chunks)) // 2 + one.grad_peak_bytes \
         + max(one.full_bytes(c) for c in range(one.num_chunks)) * 2

@@ -130,10 +130,12 @@ def test_auto_plan_uses_the_config_budget_and_precision():
     model, batch = meta_model_and_batch(load_config("tiny-gpt2"), batch_size=2, seq_len=16, device="cpu")
     numel = sum(p.numel() for p in model.parameters())
     budget = numel * 4 * 2
-    plan = auto_plan(model, batch, ElixirConfig(device_memory_budget_bytes=budget, search="auto"),
-                     hardware=_cpu(budget))
+    # a model-data budget: activations outside it
+    plan = auto_plan(model, batch, ElixirConfig(device_memory_budget_bytes=budget, search="auto",
+                                                budget_covers_activations=False), hardware=_cpu(budget))
     assert plan.precision == "fp32" and plan.world_size == 1
     assert plan.predicted_peak_device_bytes <= budget
+    assert plan.activation_peak_bytes > 0  # profiled and recorded even where the budget does not pay for them
     assert all(p.grad is None for p in model.parameters()) and all(p.device.type == "cpu" for p in model.parameters())
 
 

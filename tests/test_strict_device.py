@@ -83,7 +83,8 @@ def test_offloaded_training_runs_strict_and_state_dict_is_host_memory(single_ran
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     budget = hf_elixir.min_device_budget_bytes(model, opt, hf_elixir.ElixirConfig(chunk_size_numel=4096))
     model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(
-        chunk_size_numel=4096, device_memory_budget_bytes=budget, offload_optimizer=True))
+        chunk_size_numel=4096, device_memory_budget_bytes=budget, offload_optimizer=True,
+        budget_covers_activations=False))  # the model-data floor: every copy path runs
     ids = torch.randint(0, 128, (2, 8))
     for _ in range(2):
         model(input_ids=ids, labels=ids).loss.backward()

@@ -19,7 +19,7 @@ def _steps(rank: int, world_size: int) -> dict:
     config = hf_elixir.ElixirConfig(chunk_size_numel=CHUNK, default_placement="sharded")
     budget = hf_elixir.min_device_budget_bytes(model, opt, config, world_size=world_size)
     config = hf_elixir.ElixirConfig(chunk_size_numel=CHUNK, default_placement="sharded",
-                                    device_memory_budget_bytes=budget)
+                                    device_memory_budget_bytes=budget, budget_covers_activations=False)
     model, opt = hf_elixir.prepare(model, opt, config)
     for step in range(3):
         opt.backward(model(**rank_batch("gpt2", step, rank, world_size, 2)).loss)

@@ -75,6 +75,22 @@ def _alloc_storage(tensor: torch.Tensor) -> None:
         storage.resize_(nbytes)
 
 
+@dataclass(eq=False)
+class _PendingGather:
+    """An all-gather into ``Chunk.full`` issued with ``async_op=True`` and not yet waited
+    ([Note: gather prefetch] in ``manager.py``).
+
+    Attributes:
+        work: the collective's work handle.
+        staging: the onload staging buffer it reads (``[shard_numel]``), kept alive until it is done.
+        staging_bytes: device-pool bytes charged for ``staging``, released by the wait.
+    """
+
+    work: object
+    staging: torch.Tensor | None
+    staging_bytes: int
+
+
 class ChunkBytes:
     """Byte sizes of a chunk from ``chunk_numel``, ``shard_numel`` and ``element_size`` (the chunk
     itself, and the sizes-only stand-in ``hf_elixir.min_device_budget_bytes`` builds)."""
@@ -158,6 +174,7 @@ class Chunk(ChunkBytes):
         # the gathered copy plus a separate shard copy); the all-gather then runs in place
         self.shard_in_full = False
         self.ready_event = None  # CUDA event of a side-stream unshard (prefetch)
+        self.pending_gather: _PendingGather | None = None  # async all-gather issued ahead (prefetch, off CUDA)
         self.hidden = False  # parameters are stale placeholders (see hide_stale_params)
         self.stale_values: torch.Tensor | None = None  # [len(slots)] NaN, backing one placeholder each
         self.grad_shard_clean = True  # the optimizer's gradient shard is zero (set by zero_grad)
@@ -251,32 +268,41 @@ class Chunk(ChunkBytes):
             need += self.shard_bytes
         return need
 
-    def unshard(self, side_stream=None) -> None:
+    def unshard(self, side_stream=None, async_op: bool = False) -> None:
         """Make ``full`` hold this step's parameter values (onload and/or all-gather).
 
         The manager has made room (``fill_bytes_needed``) before calling.
 
         Args:
-            side_stream: a CUDA stream to issue the copies on (prefetch overlapped with compute);
-                :meth:`wait_ready` then orders the compute stream after them. ``None``: the current stream.
+            side_stream: a CUDA stream to issue the copies and the all-gather on (prefetch overlapped with
+                compute); :meth:`wait_ready` then orders the compute stream after them. ``None``: the
+                current stream.
+            async_op: issue an all-gather with ``async_op=True`` and return before it is done (prefetch
+                off CUDA: gloo runs it on its own threads); :meth:`wait_ready` waits for it. Until then
+                the parameters stay stale placeholders ([Note: stale placeholder] in params.py), so
+                nothing reads the buffer while it is being filled.
         """
         if not self.needs_fill():
+            self.wait_ready()  # a prefetched all-gather may still be filling ``full``
             self.show_params()
             return
         counters = self.manager.counters
         pool = self.manager.pool
+        if async_op:
+            self.hide_stale_params()  # (needs_fill() still holds here) no read before wait_ready
         if side_stream is not None:
             side_stream.wait_stream(torch.cuda.current_stream())
         stream_ctx = torch.cuda.stream(side_stream) if side_stream is not None else contextlib.nullcontext()
         with stream_ctx:
-            self._fill(counters, pool)
+            self._fill(counters, pool, async_op)
         if side_stream is not None:
             self.ready_event = torch.cuda.Event()
             self.ready_event.record(side_stream)
         counters.num_unshards += 1
         self.unsharded = True
         self.full_version = self.version
-        self.show_params()
+        if self.pending_gather is None:
+            self.show_params()
         for slot in self.slots:
             if slot.state is TensorState.FREE:
                 slot.set_state(TensorState.HOLD)
@@ -306,16 +332,29 @@ class Chunk(ChunkBytes):
             show_param(slot.param, self.full[slot.offset:slot.offset + slot.numel].view(slot.shape))
         self.hidden = False
 
-    def wait_ready(self) -> None:
-        """Order the current CUDA stream after a side-stream unshard, and tell the caching allocator
-        the compute stream uses the buffer (so freeing it later cannot race the compute)."""
+    def wait_ready(self) -> bool:
+        """Wait for a prefetched all-gather issued with ``async_op`` (then release its staging buffer and
+        point the parameters at ``full``); order the current CUDA stream after a side-stream unshard,
+        and tell the caching allocator the compute stream uses the buffer (so freeing it later cannot
+        race the compute).
+
+        Returns:
+            whether an all-gather issued ahead was waited for here.
+        """
+        pending, self.pending_gather = self.pending_gather, None
+        if pending is not None:
+            pending.work.wait()
+            if pending.staging_bytes:
+                self.manager.pool.release(pending.staging_bytes)
+            self.show_params()
         if self.ready_event is not None:
             current = torch.cuda.current_stream()
             current.wait_event(self.ready_event)
             self.full.record_stream(current)
             self.ready_event = None
+        return pending is not None
 
-    def _fill(self, counters, pool) -> None:
+    def _fill(self, counters, pool, async_op: bool = False) -> None:
         if not self.unsharded and not self.full_alias:
             pool.charge(self.full_bytes, f"unsharded chunk {self.chunk_id}")
             _alloc_storage(self.full)
@@ -338,9 +377,12 @@ class Chunk(ChunkBytes):
                     src.copy_(self.shard, non_blocking=True)
                     counters.h2d_bytes += self.shard_bytes
                     counters.num_onloads += 1
-                all_gather_single(self.full, src, group=self.group)
+                work = all_gather_single(self.full, src, group=self.group, async_op=async_op)
                 counters.allgather_bytes += self.full_bytes
-                if staged:
+                if async_op:  # waited (and the staging released) by wait_ready
+                    self.pending_gather = _PendingGather(work, src if staged else None,
+                                                         self.shard_bytes if staged else 0)
+                elif staged:
                     del src
                     pool.release(self.shard_bytes)
 
@@ -349,6 +391,7 @@ class Chunk(ChunkBytes):
         assert self.pins == 0, f"rank {self.rank}: resharding pinned chunk {self.chunk_id}"
         if self.full_alias or not self.unsharded:
             return
+        self.wait_ready()  # never free a buffer a collective is still writing
         if self.dirty:
             self.write_back()
         assert not self.shard_in_full, f"rank {self.rank}: resharding chunk {self.chunk_id}, whose shard is in full"

@@ -13,6 +13,34 @@ as soon as it and all chunks before it in that order are ready (all its trainabl
 forward used on this rank have their gradients, or it holds only MoE-expert parameters none of which this
 forward used: [Note: idle experts] in hooks.py); whatever is left is flushed at the end of backward.
 Ranks whose MoE experts got no tokens therefore issue the same collectives in the same order.
+
+[Note: gather prefetch] (FSDP2's all-gather prefetch; issue 14 item 1.) During forward, :meth:`_prefetch`
+issues the all-gathers of the next ``prefetch_depth`` chunks of the previous step's order ahead of their
+use: on CUDA on the copy stream (the compute stream waits for its event), elsewhere with ``async_op=True``
+(gloo runs it on its own threads while this thread computes). The chunk's pre-forward access waits for it
+(:meth:`Chunk.wait_ready`, timed into ``gather_wait_s``). Collectives on one group must be issued in the same
+order on every rank, so a rank may issue a gather ahead only where every rank does the same:
+
+* the decision reads only the previous step's trace, the agreed plan and the agreed budget, through the
+  pool's accounting and Belady's victim choice. That state is identical on every rank when the pool
+  charges model data only (an explicit ``device_memory_budget_bytes``; a whole-device budget also charges
+  activations, which are rank-local) and every rank accesses the same chunks in the same order, which holds
+  for dense models. A model with MoE-expert chunks (``subtree_only`` / ``host_copy_required``: backward
+  touches them only where experts got tokens, so pool states drift apart) gets no gather prefetch, and
+  neither does a whole-device budget: their gathers stay in the hooks, where they already agree. Never
+  free memory, timing, or whether a collective has finished (waits happen at fixed points: the chunk's
+  access, its eviction, the start of backward, the optimizer step);
+* a gather ahead evicts only what the hook of its chunk would evict anyway ([Note: Belady-consistent gather
+  ahead] in :meth:`_kept_until`), so prefetching issues the same gathers as the hooks alone, only earlier
+  (what the cost model assumes);
+* forward only, and within the forward: the window stops where the previous step's forward (micro-batch)
+  ended, so no rank issues a gather ahead of the backward's reduce-scatters. Backward gathers (re-gathers
+  of evicted chunks without a host copy) are not prefetched;
+* nothing reads an unfilled buffer: the parameters stay stale placeholders until the wait, eviction and
+  ``unshard`` wait first, and the start of backward and the optimizer step drain every pending gather.
+
+``num_prefetched_gathers`` counts gathers issued ahead, ``num_blocking_gathers`` those issued inside an
+access for the chunk it needs (the compute waits for the whole collective).
 """
 
 from __future__ import annotations
@@ -60,6 +88,12 @@ class ChunkManager:
         self.async_reduce = compute_device.type != "cuda"
         self.max_pending_reduces = 2
         self._pending: list = []
+        # off CUDA, all-gathers issued ahead are async collectives waited at the chunk's access
+        self.async_gather = compute_device.type != "cuda"
+        self._pending_gathers: list[Chunk] = []
+        # trace positions where each forward (micro-batch) of this / the previous step ended
+        self._forward_ends: list[int] = []
+        self.prev_forward_ends: list[int] = []
         self.chunks: list[Chunk] = []
         self.slot_of: dict[torch.nn.Parameter, ParamSlot] = {}
         self.chunk_of: dict[torch.nn.Parameter, Chunk] = {}
@@ -119,18 +153,21 @@ class ChunkManager:
         if storage in self._saved_storages or strict.is_managed_device(tensor):
             return tensor
         nbytes = storage.nbytes()
-        if self.pool.whole_device and not self.pool.fits(nbytes):
+        if self.pool.charges_activations and not self.pool.fits(nbytes):
             self.sync_activation_bytes()
-            self.make_room(nbytes, f"activations saved for backward ({nbytes} bytes, tensor of shape "
-                                   f"{tuple(tensor.shape)}); a smaller batch or activation checkpointing needs less")
+            try:
+                self.make_room(nbytes, f"activations saved for backward ({nbytes} bytes)")
+            except DeviceBudgetExceededError:
+                err = self.pool.activation_error(nbytes, tuple(tensor.shape), self.counters.device_used_bytes)
+                raise DeviceBudgetExceededError(f"{err}. Device holds: {self.describe()}") from None
         self.pool.charge_activation(nbytes)
         self._saved_storages[storage] = nbytes
         return tensor
 
     def charge_temporary(self, nbytes: int, what: str):
         """Context: ``nbytes`` of an autograd temporary live on the device inside (charged only when the
-        budget is the whole device; chunks are evicted to make room)."""
-        if not self.pool.whole_device:
+        budget covers activations and temporaries; chunks are evicted to make room)."""
+        if not self.pool.charges_activations:
             return contextlib.nullcontext()
         self.make_room(nbytes, what)
         self.pool.charge(nbytes, what)
@@ -167,15 +204,25 @@ class ChunkManager:
         """Give back a tensor :meth:`host_empty` returned (drop every reference to it)."""
         self.host.free(tensor)
 
-    def _next_use(self, chunk: Chunk) -> float:
+    def _next_use(self, chunk: Chunk, after: int | None = None) -> float:
+        """Position of ``chunk``'s next use in the previous step's order after position ``after`` (default:
+        the current one); ``inf`` if none."""
         positions = self.prev_positions.get(chunk.chunk_id)
         if not positions:
             return float("inf")
-        i = bisect.bisect_right(positions, len(self.trace) - 1)
+        i = bisect.bisect_right(positions, len(self.trace) - 1 if after is None else after)
         return positions[i] if i < len(positions) else float("inf")
 
-    def _victim(self, exclude: set[int]) -> Chunk | None:
+    def _victim(self, exclude: set[int], beyond: float | None = None) -> Chunk | None:
+        """The chunk to evict: Belady (farthest next use in the previous step's order), else LRU.
+
+        Args:
+            exclude: chunk ids that must stay.
+            beyond: only chunks whose next use comes after this position.
+        """
         candidates = [c for c in self.chunks if c.evictable and c.chunk_id not in exclude]
+        if beyond is not None:
+            candidates = [c for c in candidates if self._next_use(c) > beyond]
         if not candidates:
             return None
         if self.prev_trace:
@@ -189,7 +236,7 @@ class ChunkManager:
             DeviceBudgetExceededError: nothing left to evict and still no room.
         """
         exclude = exclude or set()
-        if self.pool.whole_device and not self.pool.fits(nbytes):
+        if self.pool.charges_activations and not self.pool.fits(nbytes):
             self.sync_activation_bytes()  # activations freed since the last count give their room back
         while not self.pool.fits(nbytes) and self._pending:
             self._finish_reduce()  # finishing an in-flight reduce frees its gradient buffers
@@ -237,12 +284,14 @@ class ChunkManager:
             gather = chunk.needs_fill() and chunk.needs_collective()
             if chunk.needs_fill():
                 self.make_room(chunk.fill_bytes_needed(), f"chunk {chunk.chunk_id}", exclude=pinned)
-                started = time.perf_counter()
+            started = time.perf_counter()
+            if chunk.needs_fill():
                 chunk.unshard()
-            chunk.wait_ready()
-            if gather:
+            if chunk.wait_ready() or gather:  # a gather issued ahead, or one issued just now
                 self.counters.gather_wait_s += time.perf_counter() - started
-        if self.prefetch_depth and self.prev_trace:
+            if gather:
+                self.counters.num_blocking_gathers += 1
+        if self.prefetch_depth and self.prev_trace and not gathered:
             self._prefetch(pinned)
 
     def release(self, chunks: list[Chunk]) -> None:
@@ -260,54 +309,100 @@ class ChunkManager:
 
     def _prefetch(self, pinned: set[int]) -> None:
         """Unshard the next ``prefetch_depth`` chunks of the previous step's order, when that does not
-        evict a chunk needed sooner than the prefetched one."""
+        evict a chunk needed sooner than the prefetched one; all-gathers only where
+        [Note: gather prefetch] allows."""
         pos = len(self.trace)
+        gather_end = self._gather_window_end(pos)
         seen: set[int] = set(pinned)
-        upcoming: list[int] = []
-        for cid in self.prev_trace[pos:pos + 8 * self.prefetch_depth]:
+        upcoming: list[tuple[int, int]] = []  # (position in prev_trace, chunk id)
+        for index in range(pos, min(len(self.prev_trace), pos + 8 * self.prefetch_depth)):
+            cid = self.prev_trace[index]
             if cid not in seen:
                 seen.add(cid)
-                upcoming.append(cid)
+                upcoming.append((index, cid))
             if len(upcoming) == self.prefetch_depth:
                 break
-        for distance, cid in enumerate(upcoming):
+        keep = pinned | {cid for _, cid in upcoming}
+        for index, cid in upcoming:
             chunk = self.chunks[cid]
             if not chunk.needs_fill():
                 continue
-            if chunk.needs_collective():
-                continue  # a prefetch decision is rank-local; a gather must not be (see Chunk notes)
+            collective = chunk.needs_collective()
+            if collective and index >= gather_end:
+                continue  # not this forward's, or not allowed (see [Note: gather prefetch])
             need = chunk.fill_bytes_needed()
+            beyond = self._kept_until(keep, index) if collective and not self.pool.fits(need) else None
             while not self.pool.fits(need):
-                victim = self._victim(pinned | set(upcoming))
+                victim = self._victim(keep, beyond=beyond)
                 if victim is None or self._next_use(victim) <= self._next_use(chunk):
                     return  # prefetching would evict something needed sooner: stop
                 victim.reshard()
-            chunk.unshard(side_stream=self.copy_stream)
+            chunk.unshard(side_stream=self.copy_stream, async_op=collective and self.async_gather)
             self.counters.num_prefetches += 1
+            if collective:
+                self.counters.num_prefetched_gathers += 1
+            if chunk.pending_gather is not None:
+                self._pending_gathers.append(chunk)
+
+    def _kept_until(self, keep: set[int], index: int) -> float:
+        """[Note: Belady-consistent gather ahead] A gather issued ahead for the chunk used at position ``index``
+        of the previous step's order may evict only a chunk used after every chunk in ``keep`` (pinned now, or
+        in the prefetch window: chunks the hook at ``index`` could evict instead) is next used after ``index``:
+        when that hook makes room, such a chunk is Belady's first victim anyway (nothing in forward frees
+        memory in between), so issuing the gather early evicts what the hook would, and adds no all-gather.
+        Returns that position."""
+        return max(self._next_use(self.chunks[cid], after=index) for cid in keep)
+
+    def gather_prefetch_allowed(self) -> bool:
+        """Whether all-gathers may be issued ahead now ([Note: gather prefetch]): in a forward, with a
+        pool that charges model data only, and no MoE-expert chunk."""
+        return (not self.backward_pending and not self.pool.charges_activations
+                and not any(c.subtree_only or c.host_copy_required for c in self.chunks))
+
+    def _gather_window_end(self, pos: int) -> int:
+        """The first position of the previous step's trace, at or after ``pos``, whose chunk may not be
+        all-gathered ahead: where the forward running now ended in that step (``pos`` itself when
+        :meth:`gather_prefetch_allowed` says no)."""
+        if not self.gather_prefetch_allowed():
+            return pos
+        i = bisect.bisect_right(self.prev_forward_ends, pos)
+        return self.prev_forward_ends[i] if i < len(self.prev_forward_ends) else len(self.prev_trace)
+
+    def drain_gathers(self) -> None:
+        """Wait for every all-gather issued ahead (at the start of backward and at the optimizer step: a
+        prefetched chunk that forward did not use)."""
+        for chunk in self._pending_gathers:
+            chunk.wait_ready()
+        self._pending_gathers = []
 
     def join_side_streams(self) -> None:
         """Order the current CUDA stream after the prefetch and reduce streams, without waiting on the
-        host (the optimizer step's one host read then covers their work too)."""
+        host (the optimizer step's one host read then covers their work too); wait for the all-gathers
+        issued ahead off CUDA (the step writes shards, which may be views into ``full``)."""
+        self.drain_gathers()
         for stream in (self.copy_stream, self.reduce_stream):
             if stream is not None:
                 torch.cuda.current_stream().wait_stream(stream)
 
     def end_step(self) -> None:
         """Called at the optimizer step: the current trace becomes the reference for eviction."""
+        self.drain_gathers()
         if self.trace:
             self.prev_trace = self.trace
+            self.prev_forward_ends = self._forward_ends
             positions: dict[int, list[int]] = defaultdict(list)
             for i, cid in enumerate(self.trace):
                 positions[cid].append(i)
             self.prev_positions = dict(positions)
         self.trace = []
+        self._forward_ends = []
         self.grads_pending = False  # consumed by the step
         self.hide_stale()
         now = self.counters.as_dict()
         self.last_step = {f"step_{k}": now[k] - self._step_start.get(k, 0)
                           for k in ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes",
-                                    "num_evictions", "num_onloads", "num_prefetches", "gather_wait_s",
-                                    "reduce_wait_s")}
+                                    "num_evictions", "num_onloads", "num_prefetches", "num_prefetched_gathers",
+                                    "num_blocking_gathers", "gather_wait_s", "reduce_wait_s")}
         self.last_step["step_device_peak_bytes"] = self.counters.device_peak_bytes
         self._step_start = now
         self.sync_activation_bytes()
@@ -363,6 +458,9 @@ class ChunkManager:
             raise RuntimeError("backward through a model prepared without an optimizer (hf_elixir.prepare(model, "
                                "None, ...) is for inference): pass the optimizer to prepare to train, or run the "
                                "forward under torch.no_grad()")
+        self.drain_gathers()
+        if len(self.trace) < _MAX_TRACE:
+            self._forward_ends.append(len(self.trace))
         self.backward_pending = True
         self._reduce_cursor = 0
         if not self.first_use and self._last_forward is not None:

@@ -8,15 +8,20 @@ on CPU-only CI exactly as they would on a GPU.
 [Note: activations in the budget] The activations autograd saves during forward are measured (the
 bytes of every distinct storage packed by ``torch.autograd.graph.saved_tensors_hooks`` that is not a
 chunk, released when the storage dies after backward) and reported (``activation_bytes``,
-``activation_peak_bytes``, ``device_total_peak_bytes`` = the peak of model data plus activations).
-When the budget is the whole device (``device_memory_budget_bytes=None`` on CUDA: what the card has,
-:func:`whole_device_budget_bytes`) activations and autograd's temporaries (a parameter's ``.grad``
-before it lands in its chunk) are *charged*: chunks are evicted to make room for them and a step whose
-activations do not fit raises :class:`DeviceBudgetExceededError` instead of running out of memory
-later. An explicit ``device_memory_budget_bytes`` bounds model data only (its documented meaning;
-``hf_elixir.min_device_budget_bytes`` is the smallest such budget): leave the activations' room
-outside it. Each step on CUDA the pool is reconciled with ``torch.cuda.memory_allocated`` (one
-warning when they drift apart by more than 10%).
+``activation_peak_bytes``, ``device_total_peak_bytes`` = the peak of model data plus activations plus
+temporaries). The budget is the whole device a user grants (DESIGN.md: "The budget is the whole card"):
+an explicit ``device_memory_budget_bytes`` (with ``ElixirConfig.budget_covers_activations=True``, the
+default) and ``None`` on CUDA (what the card has, :func:`whole_device_budget_bytes`) both *charge*
+activations and autograd's temporaries (a parameter's ``.grad`` before it lands in its chunk): chunks
+are evicted to make room for them, and a step whose activations do not fit beside the chunks it has
+pinned raises :class:`DeviceBudgetExceededError` (naming the activation and model-data bytes and the
+fixes) instead of running out of memory on the real card. When ``prepare`` knows the activation bytes
+(``ElixirPlan.activation_peak_bytes``, which ``search="auto"`` records from its profiled step), placement
+sizes the resident set and working set against the budget less those bytes, and
+``hf_elixir.min_device_budget_bytes(..., activation_bytes=...)`` adds them to the floor.
+``budget_covers_activations=False`` keeps the older model-data-only meaning: activations are measured but
+not charged, and their room is left outside the budget. Each step on CUDA the pool is reconciled with
+``torch.cuda.memory_allocated`` (one warning when they drift apart by more than 10%).
 
 [Note: device reserve] Of the free memory ``torch.cuda.mem_get_info`` reports at ``prepare``, a
 reserve is left to what the pool cannot see: the caching allocator's fragmentation and rounding (a
@@ -69,22 +74,33 @@ def whole_device_budget_bytes(device: torch.device, group=None) -> int:
     return budget
 
 
-def resolve_budget_bytes(budget_bytes: int | None, device: torch.device, group=None) -> tuple[int | None, bool]:
+def resolve_budget_bytes(budget_bytes: int | None, device: torch.device, group=None,
+                         covers_activations: bool = True) -> tuple[int | None, bool]:
     """The budget ``prepare`` enforces for ``ElixirConfig.device_memory_budget_bytes=budget_bytes``.
 
+    Args:
+        budget_bytes: the configured budget (bytes) or ``None``.
+        device: the compute device.
+        group: the ranks whose smallest free memory a ``None`` budget on CUDA takes.
+        covers_activations: ``ElixirConfig.budget_covers_activations`` (an explicit budget pays for
+            activations and temporaries too).
+
     Returns:
-        ``(budget, whole_device)``: an explicit budget as given (model data only); ``None`` on a CUDA
-        device: :func:`whole_device_budget_bytes` with ``whole_device=True`` (activations and
-        temporaries are charged too, [Note: activations in the budget]); ``None`` elsewhere stays
-        unlimited (the simulated device has no card to measure).
+        ``(budget, charges_activations)``: an explicit budget as given, charging activations when
+        ``covers_activations``; ``None`` on a CUDA device: :func:`whole_device_budget_bytes`, always
+        charging them ([Note: activations in the budget]); ``None`` elsewhere stays unlimited (the
+        simulated device has no card to measure; nothing to charge against).
     """
-    if budget_bytes is not None or device.type != "cuda":
-        return budget_bytes, False
+    if budget_bytes is not None:
+        return budget_bytes, covers_activations
+    if device.type != "cuda":
+        return None, False
     return whole_device_budget_bytes(device, group), True
 
 
 class DeviceBudgetExceededError(RuntimeError):
-    """Raised when model data cannot fit the device budget even after evicting every unpinned chunk."""
+    """Raised when model data, activations or autograd's temporaries cannot fit the device budget even
+    after evicting every unpinned chunk."""
 
 
 @dataclass
@@ -104,6 +120,10 @@ class MemoryCounters:
     num_evictions: int = 0
     num_onloads: int = 0
     num_prefetches: int = 0
+    # all-gathers issued ahead of use by the prefetch, and issued inside an access for the chunk it needs
+    # (the compute waits for the whole collective): [Note: gather prefetch] in manager.py
+    num_prefetched_gathers: int = 0
+    num_blocking_gathers: int = 0
     num_unshards: int = 0
     # seconds the compute thread spent blocked in all-gathers (inside an access) and in gradient
     # reduce-scatters / all-reduces (issuing them and waiting for them to finish)
@@ -118,19 +138,19 @@ class DevicePool:
     """Charges device allocations of model data against ``budget_bytes`` (``None`` = unlimited).
 
     The pool does not allocate itself; callers :meth:`charge` before allocating and :meth:`release`
-    after freeing, and ask :meth:`fits` before deciding to evict. With ``whole_device`` the budget is
-    the card and activations / temporaries count too ([Note: activations in the budget]).
+    after freeing, and ask :meth:`fits` before deciding to evict. With ``charges_activations`` the budget
+    covers activations and autograd's temporaries too ([Note: activations in the budget]).
     """
 
-    def __init__(self, budget_bytes: int | None, counters: MemoryCounters, whole_device: bool = False) -> None:
+    def __init__(self, budget_bytes: int | None, counters: MemoryCounters, charges_activations: bool = False) -> None:
         self.budget_bytes = budget_bytes
         self.counters = counters
-        self.whole_device = whole_device
+        self.charges_activations = charges_activations
         self.drift_warned = False
 
     @property
     def used_bytes(self) -> int:
-        extra = self.counters.activation_bytes if self.whole_device else 0
+        extra = self.counters.activation_bytes if self.charges_activations else 0
         return self.counters.device_used_bytes + extra
 
     def fits(self, nbytes: int) -> bool:
@@ -141,7 +161,7 @@ class DevicePool:
         self.counters.device_total_peak_bytes = max(self.counters.device_total_peak_bytes, total)
 
     def charge_activation(self, nbytes: int) -> None:
-        """Record ``nbytes`` of activations (the caller made room first when ``whole_device``)."""
+        """Record ``nbytes`` of activations (the caller made room first when ``charges_activations``)."""
         self.counters.activation_bytes += nbytes
         self.counters.activation_peak_bytes = max(self.counters.activation_peak_bytes, self.counters.activation_bytes)
         self._note_total_peak()
@@ -174,12 +194,40 @@ class DevicePool:
         if not self.fits(nbytes):
             raise DeviceBudgetExceededError(
                 f"device memory budget exceeded while allocating {nbytes} bytes for {what}: "
-                f"{self.used_bytes} bytes in use, budget {self.budget_bytes} bytes and nothing left to evict; "
-                f"raise ElixirConfig.device_memory_budget_bytes to at least {self.used_bytes + nbytes}"
+                f"{self.used_bytes} bytes in use ({self.in_use_breakdown()}), budget {self.budget_bytes} bytes and "
+                f"nothing left to evict; raise ElixirConfig.device_memory_budget_bytes to at least "
+                f"{self.used_bytes + nbytes}" + self._activation_fixes()
             )
         self.counters.device_used_bytes += nbytes
         self.counters.device_peak_bytes = max(self.counters.device_peak_bytes, self.counters.device_used_bytes)
         self._note_total_peak()
+
+    def in_use_breakdown(self) -> str:
+        """What :attr:`used_bytes` is made of, for error messages."""
+        if not self.charges_activations:
+            return f"model data {self.counters.device_used_bytes}; activations are outside this budget"
+        return (f"model data and temporaries {self.counters.device_used_bytes}, activations "
+                f"{self.counters.activation_bytes}")
+
+    def _activation_fixes(self) -> str:
+        if not (self.charges_activations and self.counters.activation_bytes):
+            return ""
+        return (f"; {self.counters.activation_bytes} of those bytes are activations (the budget covers them): "
+                "activation checkpointing (model.gradient_checkpointing_enable()) or a smaller batch or sequence "
+                "needs less, and budget_covers_activations=False makes the budget bound model data only")
+
+    def activation_error(self, nbytes: int, shape: tuple, pinned_bytes: int) -> DeviceBudgetExceededError:
+        """The error for an activation of ``nbytes`` (a tensor of ``shape``) that cannot fit beside the
+        ``pinned_bytes`` of model data no eviction can free ([Note: activations in the budget])."""
+        live = self.counters.activation_bytes
+        return DeviceBudgetExceededError(
+            f"activations do not fit the device budget: autograd saves {nbytes} more bytes for backward (a tensor "
+            f"of shape {shape}) on top of {live} bytes of activations already saved and {pinned_bytes} bytes of "
+            f"model data that cannot be evicted ({self.in_use_breakdown()}); ElixirConfig.device_memory_budget_bytes="
+            f"{self.budget_bytes} covers activations (budget_covers_activations=True). Fixes: raise "
+            f"device_memory_budget_bytes to at least {self.counters.device_used_bytes + live + nbytes}, turn on "
+            "activation checkpointing (model.gradient_checkpointing_enable()), or use a smaller batch or sequence; "
+            "budget_covers_activations=False makes the budget bound model data only")
 
     def release(self, nbytes: int) -> None:
         self.counters.device_used_bytes -= nbytes

@@ -122,10 +122,11 @@ def _from_plan(chunks, plan: ElixirPlan) -> list[str]:
     return ["placement taken from ElixirConfig.plan"]
 
 
-def _working_set_error(chunks, needed: int, budget: int, optim_dev: int, training: bool) -> ValueError:
-    err = budget_error(needed, budget, "the largest pair of adjacent modules (unsharded chunks"
-                       + (", two gradient buffers" if training else "")
-                       + (", device optimizer states" if optim_dev else "") + ")")
+def _working_set_error(chunks, needed: int, budget: int, optim_dev: int, training: bool,
+                       activation_bytes: int = 0) -> ValueError:
+    err = _budget_error(needed, budget, "the largest pair of adjacent modules (unsharded chunks"
+                        + (", two gradient buffers" if training else "")
+                        + (", device optimizer states" if optim_dev else "") + ")", activation_bytes)
     sharded = [c for c in chunks if c.replicate_group is None]  # replicated chunks count whole at any size
     largest = max((s.numel for c in sharded for s in c.slots), default=0)
     size = max((c.chunk_numel for c in sharded), default=0)
@@ -135,35 +136,63 @@ def _working_set_error(chunks, needed: int, budget: int, optim_dev: int, trainin
     return err
 
 
+def _plan_decides(plan: ElixirPlan | None, budget: int | None) -> bool:
+    """Whether the plan's per-chunk lists are followed: it lists chunks, or a search made it for a budget
+    (a searched plan may put everything on the host). A hand-written plan without placement decisions
+    (one carrying a chunk size, an order or ``activation_peak_bytes``) leaves them to the budget."""
+    if plan is None:
+        return False
+    listed = plan.resident_chunks or plan.device_shard_chunks or plan.device_optim_chunks
+    return bool(listed) or (budget is not None and plan.predicted_step_s is not None)
+
+
+def _budget_error(needed: int, budget: int, what: str, activation_bytes: int) -> ValueError:
+    """:func:`budget_error` for ``needed`` bytes of model data beside ``activation_bytes`` of activations."""
+    if not activation_bytes:
+        return budget_error(needed, budget, what)
+    return budget_error(needed + activation_bytes, budget, f"{what} plus {activation_bytes} bytes of activations "
+                        "(the budget covers activations: turn on activation checkpointing or use a smaller batch "
+                        "to need less, or ElixirConfig.budget_covers_activations=False for a model-data-only "
+                        "budget)")
+
+
 def place(chunks, plan: ElixirPlan | None, config: ElixirConfig, sizes: Sizes, units_chunks: list[list],
-          world_size: int) -> list[str]:
+          world_size: int, activation_bytes: int = 0) -> list[str]:
     """Decide resident / shard location / optimizer location per chunk. Returns reasons.
 
+    Args:
+        activation_bytes: device bytes kept out of the budget for activations and temporaries ([Note:
+            activations in the budget] in ``hf_elixir/chunk/memory.py``); model data is placed in the rest.
+
     Raises:
-        ValueError: the budget is below :func:`device_floor_bytes` (names the bytes needed).
+        ValueError: the budget is below :func:`device_floor_bytes` plus ``activation_bytes`` (names the
+            bytes needed).
     """
-    budget = config.device_memory_budget_bytes
-    if plan is not None and (plan.resident_chunks or plan.device_shard_chunks or plan.device_optim_chunks
-                             or budget is not None):
+    total_budget = config.device_memory_budget_bytes
+    if _plan_decides(plan, total_budget):
         return _from_plan(chunks, plan)
+    budget = None if total_budget is None else total_budget - activation_bytes
     everything = _resident_bytes(sizes, chunks)
     offload_opt = config.offload_optimizer
     if budget is None or (everything <= budget and offload_opt is not True):
         for c in chunks:
             c.resident, c.shard_on_device, c.optim_on_device = True, True, offload_opt is not True
-        return [f"everything resident ({everything} bytes fit the budget {budget})"]
+        return [f"everything resident ({everything} bytes fit the budget {budget}"
+                + (f" left beside {activation_bytes} bytes of activations)" if activation_bytes else ")")]
     optim_dev = _device_optim_bytes(sizes, config, chunks)
     working = working_set(units_chunks, sizes, chunks)
     needed = working + optim_dev
     if budget < needed:
         if offload_opt is not True and everything < needed:  # the smaller floor: everything resident
-            raise budget_error(everything, budget, "every chunk resident (chunks" + (
+            raise _budget_error(everything, total_budget, "every chunk resident (chunks" + (
                 ", optimizer states, two gradient buffers" if sizes.training else "") + "; less than the largest "
-                "pair of adjacent modules" + (" with device optimizer states" if optim_dev else "") + ")")
-        raise _working_set_error(chunks, needed, budget, optim_dev, sizes.training)
+                "pair of adjacent modules" + (" with device optimizer states" if optim_dev else "") + ")",
+                activation_bytes)
+        raise _working_set_error(chunks, needed, total_budget, optim_dev, sizes.training, activation_bytes)
     spare = budget - needed
-    reasons = [f"working set {working} bytes reserved; optimizer states on "
-               f"{'device' if offload_opt is False else 'host'}"]
+    reasons = [f"working set {working} bytes reserved"
+               + (f" beside {activation_bytes} bytes of activations" if activation_bytes else "")
+               + f"; optimizer states on {'device' if offload_opt is False else 'host'}"]
     # shards on the device first (first-use order), up to half the spare; the rest is cache
     used = 0
     for c in chunks:
@@ -183,15 +212,16 @@ def place(chunks, plan: ElixirPlan | None, config: ElixirConfig, sizes: Sizes, u
 
 
 def place_chunks(chunks, units_chunks: list[list], plan: ElixirPlan | None, config: ElixirConfig, optimizer,
-                 world_size: int) -> list[str]:
-    """Size the working set of ``units_chunks`` and :func:`place` the chunks; replicated chunks stay
-    whole on the device, and without an optimizer no optimizer states are placed. Returns reasons.
+                 world_size: int, activation_bytes: int = 0) -> list[str]:
+    """Size the working set of ``units_chunks`` and :func:`place` the chunks in the budget less
+    ``activation_bytes``; replicated chunks stay whole on the device, and without an optimizer no optimizer
+    states are placed. Returns reasons.
 
     Raises:
-        ValueError: the budget is below the working set.
+        ValueError: the budget is below the working set plus ``activation_bytes``.
     """
     sizes = run_sizes(chunks, config, optimizer)
-    reasons = place(chunks, plan, config, sizes, units_chunks, world_size)
+    reasons = place(chunks, plan, config, sizes, units_chunks, world_size, activation_bytes)
     for chunk in chunks:
         if chunk.replicate_group is not None:  # "replicated": whole on every rank, kept on the device
             chunk.resident = chunk.shard_on_device = True
@@ -265,12 +295,15 @@ def replicated_bytes(numels: list[int], config: ElixirConfig, optimizer, element
 
 
 def replicated_fits(numels: list[int], config: ElixirConfig, optimizer, element_bytes: int, *,
-                    group=None, device: torch.device | None = None) -> tuple[bool, str]:
-    """Would :func:`replicated_bytes` fit each rank's device budget? Without a budget on CUDA, half the
-    free memory, the smallest over ``group`` (a collective: every rank of ``group`` calls it; [Note: ranks
-    agree] in ``placement/_agree.py``). Returns ``(fits, reason)``."""
+                    group=None, device: torch.device | None = None, activation_bytes: int = 0) -> tuple[bool, str]:
+    """Would :func:`replicated_bytes` fit each rank's device budget (less ``activation_bytes`` kept for
+    activations)? Without a budget on CUDA, half the free memory, the smallest over ``group`` (a
+    collective: every rank of ``group`` calls it; [Note: ranks agree] in ``placement/_agree.py``).
+    Returns ``(fits, reason)``."""
     needed = replicated_bytes(numels, config, optimizer, element_bytes)
     budget = config.device_memory_budget_bytes
+    if budget is not None:
+        budget -= activation_bytes
     if budget is None and torch.cuda.is_available():
         # leave half of the free memory to activations; every rank decides from the same figure
         budget = agree_min(torch.cuda.mem_get_info()[0] // 2, group, device)
@@ -284,13 +317,15 @@ def replicated_fits(numels: list[int], config: ElixirConfig, optimizer, element_
 def resolve_default_placement(config: ElixirConfig, plan: ElixirPlan | None, numels: list[int], optimizer,
                               world_size: int, element_bytes: int, *, is_parallel: bool,
                               placements_of: Callable[[ElixirConfig], dict[str, str]], group=None,
-                              device: torch.device | None = None) -> tuple[ElixirConfig, str]:
+                              device: torch.device | None = None, activation_bytes: int = 0
+                              ) -> tuple[ElixirConfig, str]:
     """Turn ``default_placement="auto"`` into "sharded" or "replicated" (see ElixirConfig).
 
     Args:
         is_parallel: the model is tensor/expert parallel (always sharded).
         placements_of: the model's per-module placements under a config (to recognise a replicated plan).
         group, device: the group whose ranks must agree (see :func:`replicated_fits`) and the compute device.
+        activation_bytes: bytes of the budget kept for activations (see :func:`place`).
 
     Returns:
         ``(config, reason)``: the config with a concrete ``default_placement``; the reason ("" when
@@ -306,5 +341,6 @@ def resolve_default_placement(config: ElixirConfig, plan: ElixirPlan | None, num
         if dict(plan.placements) == placements_of(replicated):
             return replicated, "replicated: the plan's placements"
         return sharded, ""
-    fits, reason = replicated_fits(numels, config, optimizer, element_bytes, group=group, device=device)
+    fits, reason = replicated_fits(numels, config, optimizer, element_bytes, group=group, device=device,
+                                   activation_bytes=activation_bytes)
     return (replicated if fits else sharded), "default_placement='auto' -> " + reason

@@ -110,6 +110,8 @@ class StepProfile:
         param_modules: FQNs of every module that owns parameters directly (tied aliases included), in
             ``named_modules`` order: the keys of ``ElixirPlan.placements`` (empty in profiles saved before
             it was recorded).
+        subtree_units: the model has access units over a subtree (MoE expert containers,
+            ``nn.MultiheadAttention``), whose all-gathers the chunk manager never issues ahead.
     """
 
     model_type: str = ""
@@ -132,6 +134,7 @@ class StepProfile:
     plain_forward_s: float | None = None
     plain_backward_s: float | None = None
     param_modules: list[str] = field(default_factory=list)
+    subtree_units: bool = False
 
     @property
     def num_params(self) -> int:
@@ -330,6 +333,16 @@ def _access_units(model: nn.Module, index_of_id: dict[int, int]):
             if id(p) in index_of_id and index_of_id[id(p)] not in own:
                 own.append(index_of_id[id(p)])
         yield name, module, own, not isinstance(module, nn.Embedding)
+
+
+def _has_subtree_units(model: nn.Module) -> bool:
+    """Whether some access unit covers a subtree (MoE expert containers, ``nn.MultiheadAttention``; see
+    :func:`_access_units`): the chunk manager then keeps every all-gather in the hooks ([Note: gather
+    prefetch] in ``hf_elixir/chunk/manager.py``)."""
+    from hf_elixir.runtime.hooks import _SUBTREE_UNITS, _is_routing_container  # noqa: PLC0415
+
+    return any(isinstance(m, _SUBTREE_UNITS) or _is_routing_container(m) for m in model.modules()
+               if any(True for _ in m.parameters()))
 
 
 def _default_loss(output: Any) -> torch.Tensor:
@@ -552,6 +565,7 @@ def _profile_once(model: nn.Module, sample_batch: Any, device: str, loss_fn: Cal
         act_dtype = tracer.params[0].element_size() if tracer.params[0].is_floating_point() else 4
     return StepProfile(
         param_modules=_param_module_names(model),
+        subtree_units=_has_subtree_units(model),
         model_type=str(getattr(getattr(model, "config", None), "model_type", "") or ""),
         param_names=[tracer.names[i] for i in order],
         param_numels=[tracer.params[i].numel() for i in order],
@@ -616,6 +630,7 @@ def static_profile(model: nn.Module, sample_batch: Any = None, *, tokens: int | 
     per_block = 34 * hidden * tokens * elem // 2
     return StepProfile(
         param_modules=_param_module_names(model),
+        subtree_units=_has_subtree_units(model),
         model_type=str(getattr(config, "model_type", "") or ""),
         param_names=[names[i] for i in order],
         param_numels=[params[i].numel() for i in order],

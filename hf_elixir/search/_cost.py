@@ -43,25 +43,37 @@ step (per parameter view ``optim_tensor_s`` plus elements at the host/device Ada
 copies refreshing compute copies whose master lives elsewhere (copies within a CUDA device at its memory
 rate, :func:`_local_copy_rate`; across PCIe at the copy bandwidth). Where copies overlap compute
 (``hardware.can_overlap``, CUDA) a local onload may start ``prefetch_depth`` events early on its own stream;
-on CPU everything is serial. See [Note: overlap] for exactly what overlaps.
+with several ranks a forward all-gather may, on any device; everything else on CPU is serial. See
+[Note: overlap] for exactly what overlaps.
 
-[Note: overlap] The model overlaps only what the runtime overlaps today (CUDA, ``hardware.can_overlap``):
+[Note: overlap] The model overlaps exactly what the runtime overlaps:
 
 * a **local** onload (world size 1: the host shard; more ranks: the rank-local refill copy of an evicted
   gathered chunk) is prefetched ``prefetch_depth`` events ahead on the manager's copy stream
-  (``ChunkManager._prefetch`` -> ``Chunk.unshard(side_stream=...)``);
-* an **all-gather** is never prefetched (``ChunkManager._prefetch`` skips ``needs_collective()`` chunks): it
-  runs inside the pre-forward/pre-backward hook and the compute waits for it, whatever ``prefetch_depth``;
+  (``ChunkManager._prefetch`` -> ``Chunk.unshard(side_stream=...)``), on CUDA only (``hardware.can_overlap``);
+* a **forward all-gather** (world size > 1, ``prefetch_depth > 0``) is issued ``prefetch_depth`` events ahead
+  ([Note: gather prefetch] in ``hf_elixir/chunk/manager.py``), on CUDA and off it (gloo runs async
+  collectives on its own threads), so it overlaps the compute of the events before its own. Gathers run one
+  after another on the group (``t_gather``); the event waits for its own. On CUDA the staging onload rides
+  the side stream too; off CUDA it and the fixed cost stay on the compute thread. Not where the runtime
+  keeps gathers in the hooks: with ``activations_on_device`` (the whole-device budget, whose activation
+  charges are rank-local) or a model with subtree units (``ChunkedStep.gather_prefetch``, MoE experts), nor
+  for the first ``prefetch_depth`` events (nothing runs ahead of them);
+* **backward all-gathers** (re-gathers of evicted chunks without a host copy) are never prefetched: they run
+  inside the pre-backward hook and the compute waits for them (and for gathers queued before them);
 * the reduce-scatter (or replicated all-reduce) of a chunk whose optimizer state is on the device runs on the
   manager's reduce stream, overlapping the rest of backward ([Note: reduce overlap] in ``chunk/chunk.py``);
   a host-optimizer chunk's reduce and its device->host gradient copy stay on the compute stream;
 * the optimizer step starts after backward ends, updates the host shards (``ElixirOptimizer._inner_step``)
   and then the device shards (``_fused_step``): ``host + device``, never ``max(host, device)``.
 
-Issue 14 changes this: when all-gathers are prefetched on a side stream (an async collective ahead of use),
-the ``collective`` branch in :func:`predict` joins the copy-stream branch; when the host optimizer runs
-during backward (SuperOffload-style), ``optimizer_s``'s host part moves into the backward timeline, starting
-at each chunk's reduce.
+[Note: activation policy] in ``_activation_cost.py``: what keep / recompute / offload per block cost in
+memory and time; :func:`predict` adds the offload copies it lists (``ChunkedStep.offload_after`` /
+``offload_before``).
+
+Issue 14 item 2 would change the last point: when the host optimizer runs during backward
+(SuperOffload-style), ``optimizer_s``'s host part moves into the backward timeline, starting at each chunk's
+reduce.
 """
 
 from __future__ import annotations
@@ -70,10 +82,11 @@ from dataclasses import dataclass, field
 
 from hf_elixir.chunk import pack_chunks
 from hf_elixir.profiler import HardwareProfile, StepProfile
+from hf_elixir.search._activation_cost import (DTYPE_BYTES, activation_bytes, checkpointed_events, offload_events,
+                                               profile_blocks, resolve_policy)
 
-__all__ = ["ChunkedStep", "Knobs", "Prediction", "build_chunked_step", "predict"]
-
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+__all__ = ["ChunkedStep", "Knobs", "Prediction", "activation_bytes", "build_chunked_step", "predict", "profile_blocks",
+           "resolve_policy"]
 
 
 _INF = float("inf")
@@ -142,6 +155,12 @@ class ChunkedStep:
     optim_states: int = 2
     grad_elem_bytes: int = 4
     replicate_world_size: int = 1  # > 1: chunks whole on that many ranks, gradients all-reduced
+    activation_policy: dict[str, str] = field(default_factory=dict)  # block -> keep / recompute / offload
+    offload_after: dict[int, int] = field(default_factory=dict)  # event -> activation bytes copied to the host
+    offload_before: dict[int, int] = field(default_factory=dict)  # event -> activation bytes copied back
+    # forward all-gathers may be issued ahead (False: the model has subtree units such as MoE experts,
+    # [Note: overlap])
+    gather_prefetch: bool = True
 
     @property
     def replicated(self) -> bool:
@@ -171,50 +190,6 @@ class ChunkedStep:
         staging = max((self.shard_numel(c) * DTYPE_BYTES[self.precision] for c in range(self.num_chunks)),
                       default=0) if self.world_size > 1 else 0
         return max(pairs) + self.grad_peak_bytes + staging
-
-
-def _checkpointed_events(profile: StepProfile) -> list:
-    """Insert each block's forward accesses again before its backward (what HF gradient checkpointing
-    re-runs), for the outermost repeated blocks."""
-    blocks = sorted(profile.block_activation_bytes)
-    outer = [b for b in blocks if not any(b != o and b.startswith(o + ".") for o in blocks)]
-
-    def block_of(module: str) -> str | None:
-        for b in outer:
-            if module == b or module.startswith(b + "."):
-                return b
-        return None
-
-    fwd_by_block: dict[str, list] = {}
-    for e in profile.events:
-        if e.phase == "fwd":
-            b = block_of(e.module)
-            if b is not None:
-                fwd_by_block.setdefault(b, []).append(e)
-    out = []
-    recomputed: set[str] = set()
-    for e in profile.events:
-        b = block_of(e.module) if e.phase == "bwd" else None
-        if b is not None and b not in recomputed:
-            recomputed.add(b)
-            out += [type(x)(phase="bwd", module=x.module, params=x.params, compute_s=x.compute_s, flops=x.flops)
-                    for x in fwd_by_block.get(b, [])]
-        out.append(e)
-    return out
-
-
-def activation_bytes(profile: StepProfile, precision: str, checkpointing: bool) -> int:
-    """Activation peak (bytes) at ``precision``; with checkpointing only block inputs stay saved, plus one
-    block's activations while it is recomputed."""
-    scale = DTYPE_BYTES[precision] / max(1, profile.activation_dtype_bytes)
-    peak = profile.activation_peak_bytes
-    if checkpointing and profile.block_activation_bytes:
-        blocks = sorted(profile.block_activation_bytes)
-        outer = [b for b in blocks if not any(b != o and b.startswith(o + ".") for o in blocks)]
-        inside = sum(profile.block_activation_bytes[b] for b in outer)
-        kept = sum(profile.block_input_bytes.get(b, 0) for b in outer)
-        peak = peak - inside + kept + max(profile.block_activation_bytes[b] for b in outer)
-    return int(peak * scale)
 
 
 def _event_seconds(profile: StepProfile, events: list, hardware: HardwareProfile, precision: str) -> list[float]:
@@ -249,7 +224,8 @@ def _event_seconds(profile: StepProfile, events: list, hardware: HardwareProfile
 
 def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_size: int, precision: str,
                        hardware: HardwareProfile, activation_checkpointing: bool = False,
-                       optim_states: int = 2, grad_elem_bytes: int = 4, replicated: bool = False) -> ChunkedStep:
+                       optim_states: int = 2, grad_elem_bytes: int = 4, replicated: bool = False,
+                       activation_policy: dict[str, str] | None = None) -> ChunkedStep:
     """Pack the profile's parameters at ``chunk_size_numel`` and precompute the chunk trace, the
     gradient-buffer lifetimes (reduce order as in ``ChunkManager.start_backward``) and the optimizer's
     parameter views.
@@ -258,13 +234,17 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
         world_size: data-parallel ranks.
         replicated: replicated data parallelism over ``world_size`` ranks (chunks packed for world size 1,
             gradients all-reduced; see [Note: replicated data parallelism]) instead of sharded chunks.
+        activation_policy: block -> ``"keep" | "recompute" | "offload"`` ([Note: activation policy]); blocks
+            it does not name keep. ``None``: ``activation_checkpointing`` for every block.
     """
     replicate_world_size = world_size if replicated else 1
     if replicated:
         world_size = 1
     layout = pack_chunks(profile.param_numels, chunk_size_numel, world_size)
     chunk_of = {m: c for c, members in enumerate(layout.members) for m in members}
-    events = _checkpointed_events(profile) if activation_checkpointing else list(profile.events)
+    policy = resolve_policy(profile, activation_policy if activation_policy is not None else activation_checkpointing)
+    recompute = {b for b, kind in policy.items() if kind == "recompute"}
+    events = checkpointed_events(profile, recompute) if recompute else list(profile.events)
     groups: list[tuple[int, ...]] = []
     for e in events:
         ids: list[int] = []
@@ -279,7 +259,7 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
     # gradient arrival per parameter: the profiled hook position, or the last backward use when
     # checkpointing moved the events
     arrive_p: dict[int, int] = {}
-    if not activation_checkpointing:
+    if not recompute:
         for i, k in enumerate(profile.grad_ready_event):
             if profile.param_requires_grad[i]:
                 arrive_p[i] = k if k >= 0 else -1
@@ -327,9 +307,12 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
         chunk_numels=list(layout.chunk_numels), trained_numels=trained, groups=groups,
         event_compute_s=_event_seconds(profile, events, hardware, precision), event_phase=[e.phase for e in events],
         grad_arrive=grad_arrive, grad_reduce=grad_reduce, grad_peak_bytes=peak, accesses=accesses,
-        views=views, activation_bytes=activation_bytes(profile, precision, activation_checkpointing),
-        activation_checkpointing=activation_checkpointing, optim_states=optim_states,
-        grad_elem_bytes=grad_elem_bytes, replicate_world_size=replicate_world_size,
+        views=views, activation_bytes=activation_bytes(profile, precision, policy),
+        activation_checkpointing=len(recompute) == len(policy) if policy else activation_checkpointing,
+        optim_states=optim_states,
+        grad_elem_bytes=grad_elem_bytes, replicate_world_size=replicate_world_size, activation_policy=policy,
+        **dict(zip(("offload_after", "offload_before"), offload_events(profile, events, policy, precision))),
+        gather_prefetch=not profile.subtree_units,
     )
 
 
@@ -402,6 +385,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     async_reduce = hardware.device_kind != "cuda" and (ws > 1 or step.replicated)
     pending: list[tuple[int, int]] = []  # (bytes charged, of which gradient buffer) of unfinished reduces
     overlap = hardware.can_overlap and knobs.prefetch_depth > 0
+    # forward all-gathers issued ahead, on CUDA and off it ([Note: overlap])
+    gather_ahead = ws > 1 and knobs.prefetch_depth > 0 and step.gather_prefetch and not activations_on_device
     # next use of each chunk after each event (Belady's victim choice, as the manager's)
     next_use: list[dict[int, float]] = [dict() for _ in step.groups]
     upcoming: dict[int, float] = {}
@@ -424,7 +409,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     onloads = evictions = 0
     chunk_onloads: dict[int, int] = {}
     h2d_bytes = d2h_bytes = ag_bytes = rs_bytes = 0
-    t_compute = t_copy = t_reduce = 0.0  # the compute, copy (prefetch) and reduce streams
+    t_compute = t_copy = t_reduce = t_act = t_gather = 0.0  # compute, copy, reduce, activation, gather streams
     starts: list[float] = []
     points: list[tuple[float, int, str]] = []
     gathered: set[int] = set()  # ws > 1: gathered this step (with host copies later refills are local copies)
@@ -455,6 +440,14 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     for k, group in enumerate(step.groups):
         for c in group:
             last_seen[c] = next_use[k][c]
+        if k in step.offload_before:  # an offloaded block's activations come back; its backward waits
+            nbytes = step.offload_before[k]
+            h2d_bytes += nbytes
+            if hardware.can_overlap:
+                t_act = max(t_act, t_compute) + nbytes / h2d_rate
+                t_compute = t_act
+            else:
+                t_compute += nbytes / h2d_rate
         issue = starts[k - knobs.prefetch_depth] if overlap and k >= knobs.prefetch_depth else t_compute
         ready = t_compute
         loaded = 0
@@ -484,16 +477,32 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             else:
                 h2d_bytes += full
                 copy_s += full / h2d_rate
-            if overlap and not collective:  # side-stream prefetch: only local copies (ChunkManager._prefetch)
+            if overlap and not collective:  # side-stream prefetch of a local copy (ChunkManager._prefetch)
                 t_copy = max(t_copy, issue) + copy_s
                 ready = max(ready, t_copy)
-            else:  # an all-gather blocks the pre-forward hook (see [Note: overlap])
-                t_compute = max(t_compute, ready) + copy_s
+            elif collective and gather_ahead and step.event_phase[k] == "fwd" and k >= knobs.prefetch_depth:
+                gather_s = full / ag_rate  # issued ahead, waited by this event ([Note: overlap])
+                if not hardware.can_overlap:  # off CUDA the staging onload runs on the compute thread
+                    t_compute += copy_s - gather_s
+                    copy_s = gather_s
+                t_gather = max(t_gather, starts[k - knobs.prefetch_depth]) + copy_s
+                ready = max(ready, t_gather)
+            else:  # in the hook: the compute waits for it (and for gathers queued before it)
+                t_compute = max(t_compute, ready, t_gather if collective else 0.0) + copy_s
                 ready = t_compute
+                if collective:
+                    t_gather = t_compute
         cache_peak = max(cache_peak, sum(cached.values()))
         start = max(t_compute, ready)
         starts.append(start)
         t_compute = start + step.event_compute_s[k] + hardware.hook_event_s
+        if k in step.offload_after:  # an offloaded block's activations go to the host (CUDA: on a side stream)
+            nbytes = step.offload_after[k]
+            d2h_bytes += nbytes
+            if hardware.can_overlap:
+                t_act = max(t_act, start) + nbytes / d2h_rate
+            else:
+                t_compute += nbytes / d2h_rate
         for c in arrive_at.get(k, []):
             g = step.chunk_numels[c] * step.grad_elem_bytes
             if not make_room(g, group, k):
@@ -534,7 +543,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             points.append((t_compute, used, f"{step.event_phase[k]}:{loaded} onloads"))
     while pending:  # the end of backward drains every in-flight reduce
         finish_reduce()
-    fwd_bwd = max(t_compute, t_copy, t_reduce)  # the end of backward joins the copy and reduce streams
+    fwd_bwd = max(t_compute, t_copy, t_reduce, t_act, t_gather)  # the end of backward joins the other streams
     compute_s = sum(step.event_compute_s)
     host_numel = dev_numel = 0
     refresh_bytes = device_refresh_bytes = 0  # casts refreshing compute copies; of which within the device
@@ -562,6 +571,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
               + regather / ag_rate + views * hardware.optim_tensor_s)
     optim_s = host_s + dev_s + tail_s  # host update, then the device kernels (see [Note: overlap])
     breakdown = dict(breakdown, cache=cache_peak, grad_buffers=grad_peak)
+    host_bytes += sum(step.offload_after.values())  # offloaded activations, on the host from forward to backward
     breakdown["activations"] = step.activation_bytes if activations_on_device else 0
     device_peak = peak + breakdown["activations"]
     if timeline:

@@ -1,7 +1,9 @@
 """Configuration search: the fastest plan that fits the device budget.
 
-For each of the best few chunk sizes (:func:`search_chunk_size`), with and without activation
-checkpointing (only when activations live on the device), the search walks a finite grid over
+For each of the best few chunk sizes (:func:`search_chunk_size`) and each block-wise activation policy of a
+small grid (only when activations live on the device: every block kept, or the first ``k`` blocks in forward
+order recomputed or offloaded and the rest kept, for a few ``k``; ProTrain, arXiv 2406.08334, and
+[Note: activation policy] in ``_activation_cost.py``), the search walks a finite grid over
 
 * how many chunks stay resident (chunks ranked by how often the step uses them, first-use order on ties),
 * how many cache blocks the other chunks borrow (from the fewest one module needs up to all of them),
@@ -34,11 +36,13 @@ from typing import Any, Callable, Iterable
 from torch import nn
 
 from hf_elixir.chunk.packing import replicated_chunk_size
-from hf_elixir.plan import ElixirPlan
+from hf_elixir.plan import ElixirPlan, policy_summary
 from hf_elixir.profiler import HardwareProfile, StepProfile, profile_step
+from hf_elixir.runtime.activations import resolve_activation_policy
 from hf_elixir.search._chunk_size import search_chunk_size
+from hf_elixir.search._activation_cost import activation_bytes, moved_kind, policy_grid
 from hf_elixir.search._cost import (DTYPE_BYTES, ChunkedStep, Knobs, Prediction, build_chunked_step,
-                                    fixed_memory, optim_bytes_per_numel, predict)
+                                    fixed_memory, optim_bytes_per_numel, predict, profile_blocks)
 
 __all__ = ["Candidate", "SearchResult", "auto_plan", "brute_force_grid", "search", "search_plan"]
 
@@ -55,13 +59,15 @@ class Candidate:
     prediction: Prediction
     data_parallel: str = "sharded"  # "sharded" (ZeRO-3 chunks) or "replicated" (whole chunks, all-reduce)
     num_chunks: int = 0
+    activation_policy: dict[str, str] = field(default_factory=dict)  # block -> keep / recompute / offload
 
     def summary(self) -> str:
         k = self.knobs
         return (f"{self.data_parallel} chunk={self.chunk_size_numel} resident={len(k.resident)} "
                 f"cache_blocks={k.cache_blocks} "
                 f"device_shards={len(k.device_shard)} device_optim={len(k.device_optim)} "
-                f"prefetch={k.prefetch_depth} host_copies={k.host_copies} ckpt={self.activation_checkpointing}: "
+                f"prefetch={k.prefetch_depth} host_copies={k.host_copies} "
+                f"act={policy_summary(self.activation_policy)}: "
                 f"{self.prediction.step_s:.4g} s, {self.prediction.device_peak_bytes / 2**30:.3g} GiB")
 
 
@@ -179,7 +185,8 @@ def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, l
                     if pred is not None and _fits(step, variant, pred, pool_bytes, limit_bytes):
                         found.append(Candidate(step.chunk_size_numel, step.activation_checkpointing,
                                                replace(variant, cache_blocks=pred.cache_blocks), pred,
-                                               num_chunks=step.num_chunks))
+                                               num_chunks=step.num_chunks,
+                                               activation_policy=dict(step.activation_policy)))
     return found, evaluated
 
 
@@ -204,8 +211,15 @@ def _search_replicated(step: ChunkedStep, hardware: HardwareProfile, pool_bytes:
         pred = predict(step, knobs, hardware, pool_bytes=pool_bytes, activations_on_device=activations_on_device)
         if pred is not None and _fits(step, knobs, pred, pool_bytes, limit_bytes):
             found.append(Candidate(step.chunk_size_numel, step.activation_checkpointing,
-                                   replace(knobs, cache_blocks=pred.cache_blocks), pred, "replicated"))
+                                   replace(knobs, cache_blocks=pred.cache_blocks), pred, "replicated",
+                                   activation_policy=dict(step.activation_policy)))
     return found, len(seen)
+
+
+def _memory_not_binding(step: ChunkedStep, cand: Candidate) -> bool:
+    """Every chunk resident with its optimizer state on the device: more memory buys nothing."""
+    trained = {c for c in range(step.num_chunks) if step.trained_numels[c]}
+    return len(cand.knobs.resident) == step.num_chunks and trained <= cand.knobs.device_optim
 
 
 def _fits(step: ChunkedStep, knobs: Knobs, pred: Prediction, pool_bytes: int, limit_bytes: int) -> bool:
@@ -276,7 +290,8 @@ def _ranks_per_host(world_size: int, ranks_per_host: int | None) -> int:
 def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int = 1, precision: str = "fp32",
            device_memory_budget_bytes: int | None = None, sample_batch: Any = None, safety_margin: float = 0.05,
            activations_on_device: bool | None = None, activation_checkpointing: bool | None = None,
-           chunk_size_numel: int | None = None, num_chunk_sizes: int = 3, grid_points: int = 12,
+           activation_policy: dict[str, str] | str | None = None, chunk_size_numel: int | None = None,
+           num_chunk_sizes: int = 3, grid_points: int = 12,
            prefetch_depths: Iterable[int] | None = None, host_memory_bytes: int | None = None,
            max_alternatives: int = 4, optim_states: int = 2, data_parallel: str = "auto",
            replicated_placements: dict[str, str] | None = None, ranks_per_host: int | None = None) -> SearchResult:
@@ -304,9 +319,9 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     limit = int(budget * (1.0 - safety_margin))
     b = DTYPE_BYTES[precision]
     if prefetch_depths is None:
-        prefetch_depths = (0, 1, 2) if hardware.can_overlap else (0,)
-    ckpt_options = [False, True] if activation_checkpointing is None and activations_on_device else \
-        [bool(activation_checkpointing)]
+        # local copies overlap on CUDA; all-gathers are issued ahead on any device ([Note: overlap])
+        prefetch_depths = (0, 1, 2) if hardware.can_overlap or world_size > 1 else (0,)
+    policies = policy_grid(profile, activations_on_device, activation_checkpointing, activation_policy)
     host_limit = host_memory_bytes if host_memory_bytes is not None else (hardware.host_total_bytes or None)
     per_host = _ranks_per_host(world_size, ranks_per_host)
     found: list[Candidate] = []
@@ -314,18 +329,30 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     size_reasons: dict[str, Callable[[int], str]] = {}
     for mode in modes:
         replicated = mode == "replicated"
-        sizes, size_reasons[mode] = _chunk_sizes(profile, world_size, b, limit, chunk_size_numel, num_chunk_sizes,
-                                                 replicated)
-        for ckpt in ckpt_options:
-            if ckpt and not profile.block_activation_bytes:
-                continue
-            for size in sizes:
+        sizes: list[int] = []
+        # chunk sizes for the cache the activations leave (they do not depend on the chunk size): the
+        # least and the most activation-saving policy of the grid bound what the cache can be
+        for policy in {id(p): p for p in (policies[0], policies[-1])}.values():
+            act_bytes = activation_bytes(profile, precision, _policy_or_ckpt(policy, activation_checkpointing))
+            room = limit - (act_bytes if activations_on_device else 0)
+            more_sizes, why = _chunk_sizes(profile, world_size, b, max(1, room), chunk_size_numel, num_chunk_sizes,
+                                           replicated)
+            size_reasons.setdefault(mode, why)
+            sizes += [n for n in more_sizes if n not in sizes]
+        for size in sizes:
+            settled: set[str] = set()  # policy kinds whose fewer moved blocks already leave memory unbound
+            for policy in policies:
+                kind = moved_kind(policy)
+                if kind in settled or "keep" in settled:
+                    continue
                 step = build_chunked_step(profile, size, world_size=world_size, precision=precision,
-                                          hardware=hardware, activation_checkpointing=ckpt, optim_states=optim_states,
-                                          replicated=replicated)
+                                          hardware=hardware, optim_states=optim_states, replicated=replicated,
+                                          activation_checkpointing=bool(activation_checkpointing),
+                                          activation_policy=policy)
                 act = step.activation_bytes if activations_on_device else 0
-                # the pool prepare() gets: the budget on CPU (activations are outside the simulated pool),
-                # what the activations leave of the margin-reduced budget on a real device
+                # the pool prepare() gets: the budget when activations are outside it (a model-data budget,
+                # ElixirConfig.budget_covers_activations=False), what the activations leave of the
+                # margin-reduced budget when they are charged to it
                 pool = budget if not activations_on_device else limit - act
                 if replicated:
                     more, count = _search_replicated(step, hardware, pool, limit - act, activations_on_device)
@@ -338,6 +365,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                     more = kept
                 found += more
                 evaluated += count
+                if any(_memory_not_binding(step, c) for c in more):
+                    settled.add(kind)  # everything on the device already: moving more blocks only costs time
     if not found:
         if over_host:
             raise ValueError(
@@ -345,7 +374,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                 f"device_memory_budget_bytes={budget}); {over_host} fitting the device need more host memory. "
                 "Use more machines, a larger budget, or pass host_memory_bytes= if the host is larger")
         sizes = _chunk_sizes(profile, world_size, b, limit, chunk_size_numel, num_chunk_sizes, False)[0]
-        need = _minimum_bytes(profile, world_size, precision, sizes[0], activations_on_device, hardware)
+        need = _minimum_bytes(profile, world_size, precision, sizes[0], activations_on_device, hardware, policies)
         raise ValueError(
             f"no configuration fits device_memory_budget_bytes={budget} (with safety_margin={safety_margin}: "
             f"{limit} bytes); the smallest needs about {need} bytes per rank. Use more ranks (world_size), "
@@ -409,9 +438,14 @@ def _data_parallel_reasons(modes: tuple[str, ...], best: Candidate, best_by_mode
 
 
 def _minimum_bytes(profile: StepProfile, world_size: int, precision: str, size: int, act_on_device: bool,
-                   hardware: HardwareProfile) -> int:
-    step = build_chunked_step(profile, size, world_size=world_size, precision=precision, hardware=hardware)
-    return step.working_set_bytes() + (step.activation_bytes if act_on_device else 0)
+                   hardware: HardwareProfile, policies: list | None = None) -> int:
+    """The smallest working set plus activations over ``policies`` (default: the uniform switch off)."""
+    need = []
+    for policy in policies or [None]:
+        step = build_chunked_step(profile, size, world_size=world_size, precision=precision, hardware=hardware,
+                                  activation_policy=policy)
+        need.append(step.working_set_bytes() + (step.activation_bytes if act_on_device else 0))
+    return min(need)
 
 
 def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: str, budget: int, limit: int,
@@ -428,8 +462,12 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
         f"(compute {p.compute_s:.4g} s, {p.onloads} chunk onloads) + optimizer {p.optimizer_s:.4g} s",
     ]
     if not act_on_device:
-        reasons.append("activations are not counted in the device budget (CPU simulated pool holds model data only)")
-    if best.activation_checkpointing:
+        reasons.append("activations are not counted in the device budget (the pool bounds model data only)")
+    if best.activation_policy and policy_summary(best.activation_policy) != "keep":
+        reasons.append(f"activation policy {policy_summary(best.activation_policy)} blocks (first blocks in forward "
+                       f"order; activations {p.breakdown.get('activations', 0) / gib:.3g} GiB on the device): keeping "
+                       "every block's activations does not leave room for a faster plan")
+    elif best.activation_checkpointing:
         reasons.append("activation checkpointing on: without it the activations do not leave room for a faster plan")
     if k.prefetch_depth == 0 and best.data_parallel == "sharded":
         reasons.append("prefetch depth 0: copies do not overlap compute here, or blocks are better spent on caching")
@@ -442,9 +480,25 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
         resident_chunks=sorted(k.resident), device_shard_chunks=sorted(k.device_shard | k.resident),
         device_optim_chunks=sorted(k.device_optim), prefetch_depth=k.prefetch_depth,
         host_copy_chunks=sorted(set(range(best.num_chunks)) - set(k.resident)) if k.host_copies else [],
-        activation_checkpointing=best.activation_checkpointing,
-        predicted_step_s=float(p.step_s), predicted_peak_device_bytes=int(p.device_peak_bytes), reasons=reasons,
+        activation_checkpointing=best.activation_checkpointing, activation_policy=dict(best.activation_policy),
+        predicted_step_s=float(p.step_s), predicted_peak_device_bytes=int(p.device_peak_bytes),
+        activation_peak_bytes=_activation_room_bytes(
+            profile, precision, _policy_or_ckpt(best.activation_policy, best.activation_checkpointing)),
+        reasons=reasons,
     )
+
+
+def _policy_or_ckpt(policy: dict[str, str] | None, checkpointing: bool | None) -> dict[str, str] | bool:
+    """The block policy, or the uniform ``activation_checkpointing`` when none (no blocks profiled)."""
+    return policy if policy else bool(checkpointing)
+
+
+def _activation_room_bytes(profile: StepProfile, precision: str, checkpointing: bool | dict[str, str]) -> int:
+    """``ElixirPlan.activation_peak_bytes``: the profiled activation peak at ``precision`` (with or
+    without checkpointing) plus the largest parameter's gradient, the temporary autograd holds before it
+    lands in its chunk ([Note: activations in the budget] in ``hf_elixir/chunk/memory.py``)."""
+    largest_grad = max(profile.param_numels, default=0) * DTYPE_BYTES[precision]
+    return int(activation_bytes(profile, precision, checkpointing)) + largest_grad
 
 
 def search_plan(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int = 1, precision: str = "fp32",
@@ -461,7 +515,11 @@ def search_plan(model_or_profile: Any, hardware: HardwareProfile, *, world_size:
         device_memory_budget_bytes: device bytes per rank; default: the hardware's free device memory.
             On CPU (activations not on the device) it bounds model data only, like the simulated pool.
         **kwargs: ``sample_batch``, ``safety_margin`` (fraction kept free, default 0.05),
-            ``activations_on_device`` (default: CUDA), ``activation_checkpointing`` (``None``: search it),
+            ``activations_on_device`` (default: CUDA), ``activation_checkpointing`` (``True`` / ``False``: every
+            block recomputed / kept), ``activation_policy`` (a block -> ``"keep" | "recompute" | "offload"``
+            mapping, or one policy for every block; with neither, and activations on the device, the search
+            prices every block kept and the first ``k`` blocks recomputed or offloaded, see
+            ``policy_grid`` in ``_activation_cost.py``),
             ``chunk_size_numel`` (``None``: search it), ``num_chunk_sizes``, ``grid_points``,
             ``prefetch_depths``, ``host_memory_bytes`` (host RAM per machine, bytes; default the hardware's
             ``host_total_bytes``: candidates whose host bytes times ``ranks_per_host`` exceed it are
@@ -513,8 +571,16 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
     data_parallel, replicated_placements, note = _auto_data_parallel(model, config, world_size)
     host_budget = getattr(config, "host_memory_budget_bytes", None)  # per rank; the search limits per machine
     per_host = _ranks_per_host(world_size, None)
+    # an explicit budget charges activations on any device (the simulated pool too) unless the config opts
+    # out; None: the device decides (the card on CUDA covers them, the unlimited simulated pool does not)
+    explicit = config.device_memory_budget_bytes is not None
+    covers = bool(getattr(config, "budget_covers_activations", True)) if explicit else None
+    user_policy = getattr(config, "activation_policy", None)  # the user's choice is priced, not searched
+    fixed_policy = (resolve_activation_policy(profile_blocks(profile), {}, False, user_policy)
+                    if user_policy is not None else None)
     result = search(profile, hardware, world_size=world_size, precision=config.precision,
                     device_memory_budget_bytes=budget, chunk_size_numel=config.chunk_size_numel,
+                    activations_on_device=covers, activation_policy=fixed_policy,
                     data_parallel=data_parallel, replicated_placements=replicated_placements,
                     host_memory_bytes=host_budget * per_host if host_budget else None, ranks_per_host=per_host)
     plan = result.plan
@@ -557,14 +623,15 @@ def _auto_data_parallel(model: nn.Module, config: Any, world_size: int) -> tuple
 def brute_force_grid(profile: StepProfile, hardware: HardwareProfile, *, world_size: int = 1, precision: str = "fp32",
                      device_memory_budget_bytes: int, chunk_size_numel: int, safety_margin: float = 0.05,
                      activations_on_device: bool = False, prefetch_depths: Iterable[int] = (0,),
-                     optim_states: int = 2, activation_checkpointing: bool = False) -> list[Candidate]:
+                     optim_states: int = 2, activation_checkpointing: bool = False,
+                     activation_policy: dict[str, str] | None = None) -> list[Candidate]:
     """Every (resident prefix, device-shard prefix, device-optimizer prefix, prefetch) point that fits,
     priced with the same pool as :func:`search` (for small models; used to check the search against
     exhaustive enumeration), at one chunk size and one ``activation_checkpointing`` setting. Sorted
     fastest first."""
     step = build_chunked_step(profile, chunk_size_numel, world_size=world_size, precision=precision,
                               hardware=hardware, optim_states=optim_states,
-                              activation_checkpointing=activation_checkpointing)
+                              activation_checkpointing=activation_checkpointing, activation_policy=activation_policy)
     limit = int(device_memory_budget_bytes * (1.0 - safety_margin))
     act = step.activation_bytes if activations_on_device else 0
     pool = device_memory_budget_bytes if not activations_on_device else limit - act
@@ -583,8 +650,8 @@ def brute_force_grid(profile: StepProfile, hardware: HardwareProfile, *, world_s
                                   prefetch_depth=depth)
                     pred = predict(step, knobs, hardware, pool_bytes=pool, activations_on_device=activations_on_device)
                     if pred is not None and _fits(step, knobs, pred, pool, limit - act):
-                        out.append(Candidate(chunk_size_numel, activation_checkpointing,
+                        out.append(Candidate(chunk_size_numel, step.activation_checkpointing,
                                              replace(knobs, cache_blocks=pred.cache_blocks),
-                                             pred))
+                                             pred, activation_policy=dict(step.activation_policy)))
     out.sort(key=lambda c: c.prediction.step_s)
     return out
