@@ -16,7 +16,8 @@ process per rank, a fresh process group per run), for:
 Peak = the kernel's high-water mark ``VmHWM`` after resetting it to the baseline (``/proc/self/clear_refs``
 ``5``); loading peak (hf_elixir) = the same mark right after ``prepare`` (model built or streamed, chunks,
 the optimizer's host gradient shards; before any step); steady = ``VmRSS`` after the last step (model,
-optimizer and hf_elixir state alive). On CPU
+optimizer and hf_elixir state alive); at the end each rank also records glibc's heap (``mallinfo2``: live
+heap, freed heap still held, own mappings) as growth over the baseline. On CPU
 hf_elixir's device pool is host memory too, so its growth includes the device budget.
 
 The per-rank device budget is 25% of the rank's share of the model state (16 B/param / world size),
@@ -62,6 +63,28 @@ def _gpt2_config(shape: dict):
 def _status(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def _heap() -> dict:
+    """glibc's heap (``mallinfo2``, all arenas), bytes: ``heap_in_use`` (live small allocations),
+    ``heap_free`` (freed, still in the heap: resident unless trimmed), ``mapped`` (live allocations with
+    their own mmap). Empty where the C library is not glibc."""
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return {}
+
+    class _Mallinfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    if not hasattr(libc, "mallinfo2"):
+        return {}
+    libc.mallinfo2.restype = _Mallinfo2
+    info = libc.mallinfo2()
+    return {"heap_in_use": info.uordblks, "heap_free": info.fordblks, "mapped": info.hblkhd}
 
 
 def _train(model, optimizer, rank: int, vocab_size: int, backward=None) -> list[float]:
@@ -169,6 +192,7 @@ def _rank_main(rank: int, system: str, world_size: int, port: int, folder: str, 
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the high-water mark VmHWM to the current RSS
         baseline = _status("VmRSS")
+        heap_base = _heap()
         start = time.perf_counter()
         result = _run(system, rank, world_size, folder, MODEL)
         gc.collect()
@@ -177,6 +201,8 @@ def _rank_main(rank: int, system: str, world_size: int, port: int, folder: str, 
             record["load_peak_growth_bytes"] = result["load_peak_vmhwm"] - baseline
         record.update(peak_growth_bytes=_status("VmHWM") - baseline, steady_growth_bytes=_status("VmRSS") - baseline,
                       baseline_bytes=baseline, wall_s=time.perf_counter() - start)
+        # where the steady growth is: live heap, freed-but-kept heap, own mappings (growth over the baseline)
+        record.update({f"{k}_growth_bytes": v - heap_base[k] for k, v in _heap().items()})
         dist.barrier()
     except Exception:  # reported to the parent
         record = {"error": traceback.format_exc()[-3000:]}
@@ -246,6 +272,12 @@ def _targets(results: dict, num_params: int) -> list[str]:
     return lines
 
 
+def _heap_line(records: list[dict]) -> str:
+    free = max(r["heap_free_growth_bytes"] for r in records) / MIB
+    live = max(r["heap_in_use_growth_bytes"] + r["mapped_growth_bytes"] for r in records) / MIB
+    return f"heap at the end: free-but-kept max {free:.1f} MiB, live heap + mapped max {live:.1f} MiB, "
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-sizes", default="1,2,4", help="comma-separated world sizes (default 1,2,4)")
@@ -287,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{', '.join(f'{p:.0f}' for p in peak)}), steady max {max(steady):7.1f} MiB, "
                       + (f"loading peak max {max(load):.1f} MiB, host_bytes {max(host):.1f} MiB, device budget "
                          f"{budget / MIB:.1f} MiB, " if budget else "")
+                      + (_heap_line(records) if "heap_free_growth_bytes" in records[0] else "")
                       + f"loss {records[0]['losses'][0]:.4f}->{records[0]['losses'][-1]:.4f}, "
                       f"{max(r['wall_s'] for r in records):.1f} s", flush=True)
     print("\nTargets (issue 13):")

@@ -36,6 +36,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from hf_elixir.chunk import _host_heap
 from hf_elixir.chunk._build import build_chunks, chunk_specs, materialize_chunks
 from hf_elixir.chunk._stream_load import StreamedInit, meta_parameter_names, retie
 from hf_elixir.chunk.manager import ChunkManager, budget_error
@@ -279,13 +280,16 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         stream = (StreamedInit(model, checkpoint, {p: names[p] for p in params}, layout.manager.compute_device)
                   if checkpoint else None)
         try:
-            return _apply_layout(model, optimizer, names, layout, stream)
+            prepared = _apply_layout(model, optimizer, names, layout, stream)
         finally:
             if stream is not None:
                 stream.close()
     except BaseException:
         snapshot.restore()
         raise
+    del snapshot  # the last reference to the parameters' original storage
+    _host_heap.after_prepare(get_state(prepared[0]).manager)  # which goes back to the system ([Note: host heap])
+    return prepared
 
 
 @dataclasses.dataclass

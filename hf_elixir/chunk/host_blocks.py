@@ -14,10 +14,19 @@ request): a small model gets small blocks, a large one a few large blocks. Pinne
 a power of two (the pinned allocator's rounding is then used, not hidden). A block
 whose slices are all freed is returned. ``reserved_bytes`` (what the blocks hold, i.e. what is really
 allocated) is what ``memory_stats()["host_bytes"]`` reports, not the sum of the requests.
+
+[Note: zero pages] An unpinned block is allocated zeroed by the C library (``calloc``, through
+``numpy.zeros``): a large one is fresh pages of the system's, which occupy no memory until written.
+:meth:`HostBlockAllocator.zeros` hands out a range of such a block that was never handed out before
+without writing it, so a zero-initialised buffer (the optimizer's gradient shards) costs resident
+memory only from its first real write (the first backward), as a lazily allocated one would, and a
+rank's loading peak does not include it. A range handed out before, and any pinned block (pinned
+memory is not zeroed), is zeroed by writing.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["HostBlockAllocator", "ALIGN_BYTES", "MIN_BLOCK_BYTES", "MAX_BLOCK_BYTES"]
@@ -35,10 +44,15 @@ class _Block:
     """One allocation: ``data`` (uint8 ``[nbytes]``) and its free ranges ``[(offset, nbytes)]`` by offset."""
 
     def __init__(self, nbytes: int, pin: bool) -> None:
-        self.data = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
+        if pin:
+            self.data = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
+        else:  # calloc: zero pages, resident only once written ([Note: zero pages])
+            self.data = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
         self.nbytes = nbytes
         self.free = [(0, nbytes)]
         self.used_bytes = 0
+        # bytes from here on were never handed out: still zero in an unpinned block
+        self.zero_from = nbytes if pin else 0
 
     def take(self, nbytes: int) -> int | None:
         """First fit: the offset of ``nbytes`` carved from a free range, or None."""
@@ -119,6 +133,18 @@ class HostBlockAllocator:
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised host tensor ``[numel]`` of ``dtype`` viewing a slice of a block."""
+        return self._take(numel, dtype)[0]
+
+    def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`empty` filled with zeros; a never-used range of an unpinned block is zero already and is
+        not written ([Note: zero pages])."""
+        tensor, fresh = self._take(numel, dtype)
+        if not fresh:
+            tensor.zero_()
+        return tensor
+
+    def _take(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+        """A slice for ``numel`` elements of ``dtype``, and whether it was never handed out before."""
         element = torch.empty((), dtype=dtype).element_size()
         nbytes = self._aligned(numel * element)
         for block in self.blocks:
@@ -128,9 +154,11 @@ class HostBlockAllocator:
         else:
             block = self._new_block(max(MIN_BLOCK_BYTES, min(MAX_BLOCK_BYTES, 2 * self._last_block_bytes), nbytes))
             offset = block.take(nbytes)
+        fresh = offset >= block.zero_from
+        block.zero_from = max(block.zero_from, offset + nbytes)
         tensor = block.data[offset:offset + numel * element].view(dtype)
         self._where[tensor.data_ptr()] = (block, offset, nbytes)
-        return tensor
+        return tensor, fresh
 
     def free(self, tensor: torch.Tensor) -> None:
         """Return ``tensor``'s slice (a tensor :meth:`empty` gave); an emptied block is released.

@@ -219,6 +219,11 @@ class ChunkManager:
         as host memory ([Note: strict device] in ``hf_elixir/chunk/strict.py``)."""
         return strict.register_host(self.host.empty(numel, dtype))
 
+    def host_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`host_empty` filled with zeros (a fresh range of an unpinned block is not written: it stays
+        out of the resident set until first used, see [Note: zero pages] in ``host_blocks.py``)."""
+        return strict.register_host(self.host.zeros(numel, dtype))
+
     def host_free(self, tensor: torch.Tensor) -> None:
         """Give back a tensor :meth:`host_empty` returned (drop every reference to it)."""
         self.host.free(tensor)

@@ -179,7 +179,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 grad_shard = strict.register_device(torch.zeros(chunk.shard_numel, dtype=torch.float32,
                                                                 device=location))
             else:
-                grad_shard = manager.host_empty(chunk.shard_numel, torch.float32).zero_()
+                grad_shard = manager.host_zeros(chunk.shard_numel, torch.float32)
             manager.grad_shards[chunk.chunk_id] = grad_shard
             shard_view = chunk.shard if not chunk.full_alias else chunk.full
             if chunk.dtype == torch.float32 and chunk.optim_on_device == chunk.shard_on_device:
