@@ -18,7 +18,8 @@ imported, not copied, and its ``main()`` runs unchanged, except that:
 
 The Elixir settings come from ``ELIXIR_<FIELD>`` environment variables (``ElixirPlugin``'s own
 reading); ``ELIXIR_SHIM_BUDGET=min`` sets ``device_memory_budget_bytes`` of every prepared model to
-:func:`hf_elixir.min_device_budget_bytes` for that model and optimizer, so chunks are offloaded and
+:func:`hf_elixir.min_device_budget_bytes` for that model and optimizer (a model-data budget,
+``budget_covers_activations=False``), so chunks are offloaded and
 onloaded every step. ``ELIXIR_SHIM_READ_FULL=1`` makes ``accelerator.unwrap_model(model)`` of an
 hf_elixir model enter ``hf_elixir.full_parameters(model)`` (read-only, kept open until the script's
 next ``prepare``) before returning it: upstream checks read ``model.a`` after training, and under
@@ -78,7 +79,8 @@ def _elixir_config(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
     if os.environ.get("ELIXIR_SHIM_BUDGET") == "min":
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         budget = hf_elixir.min_device_budget_bytes(model, optimizer, config=config, world_size=world)
-        config = dataclasses.replace(config, device_memory_budget_bytes=budget)
+        # the floor bounds model data (activations outside it): chunks offload every step
+        config = dataclasses.replace(config, device_memory_budget_bytes=budget, budget_covers_activations=False)
     return config
 
 
