@@ -62,3 +62,36 @@ def test_ranks_with_different_activations_evict_apart_without_hanging_and_match_
     for r in out:
         assert rel_l2(r["state"], ref) < 1e-5
         assert r["total_peak"] <= r["budget"]
+
+
+def _no_room_worker(rank: int, world_size: int) -> dict:
+    import logging
+
+    records: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("hf_elixir").addHandler(_Keep())
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    config = ElixirConfig(chunk_size_numel=CHUNK, default_placement="sharded")
+    floor = hf_elixir.min_device_budget_bytes(model, opt, config, world_size=world_size)
+    # host memory too small for the copies: none kept, and the warning says what the run then relies on
+    config = ElixirConfig(chunk_size_numel=CHUNK, default_placement="sharded",
+                          device_memory_budget_bytes=floor + 320_000, host_memory_budget_bytes=1)
+    model, opt = hf_elixir.prepare(model, opt, config)
+    for step in range(2):  # the same shapes on both ranks: evictions agree, no copies needed
+        opt.backward(model(**batch("gpt2", step * 2 + rank, 1, 12)).loss)
+        opt.step()
+        opt.zero_grad()
+    copies = sum(c.keep_host_copy for c in hf_elixir.get_state(model).manager.chunks)
+    return {"copies": copies, "warned": [m for m in records if "same shapes on every rank" in m]}
+
+
+def test_copies_that_do_not_fit_host_memory_are_not_kept_and_the_run_is_warned():
+    out = run_distributed(_no_room_worker, 2, timeout_s=90)
+    for r in out:
+        assert r["copies"] == 0
+        assert len(r["warned"]) == 1 and "budget_covers_activations=False" in r["warned"][0]

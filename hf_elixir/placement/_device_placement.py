@@ -10,6 +10,7 @@ mesh decides comes in as arguments, so this layer imports neither the parallel n
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable
 
 import torch
@@ -20,6 +21,8 @@ from hf_elixir.config import ElixirConfig
 from hf_elixir.optim.optimizer import optimizer_state_numel_factor
 from hf_elixir.placement._agree import agree_min
 from hf_elixir.plan import ElixirPlan
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Sizes", "choose_host_copies", "default_host_budget_bytes", "device_floor_bytes", "place", "place_chunks",
            "replicated_bytes", "replicated_fits", "resolve_default_placement", "run_sizes", "working_set",
@@ -248,7 +251,8 @@ def choose_host_copies(chunks, plan: ElixirPlan | None, config: ElixirConfig, si
     other chunks may then differ between ranks too, since expert gradient buffers do). So does a pool that
     charges activations (``budget_covers_activations``): each rank's batch decides what it evicts for them,
     and a chunk evicted on one rank only must be refilled locally, never by an all-gather the other ranks
-    do not issue. Otherwise only
+    do not issue (while those copies fit ``host_memory_budget_bytes``; else a warning says that batches
+    must have the same shapes on every rank). Otherwise only
     the plan's ``host_copy_chunks`` keep one, as long as they fit ``host_memory_budget_bytes`` (default:
     :func:`default_host_budget_bytes`) next to the host shards and host optimizer states.
     """
@@ -262,16 +266,25 @@ def choose_host_copies(chunks, plan: ElixirPlan | None, config: ElixirConfig, si
             c.keep_host_copy = True
         return [f"rank-local host copies of all {len(candidates)} offloadable chunks (MoE experts: their use "
                 "differs between ranks)"]
+    budget = config.host_memory_budget_bytes or default_host_budget_bytes()
+    used = host_bytes_without_copies(chunks, sizes)
     if candidates[0].manager.pool.charges_activations:  # each rank's activations evict what they need
-        for c in candidates:
-            c.keep_host_copy = True
-        return [f"rank-local host copies of all {len(candidates)} offloadable chunks (the budget covers "
-                "activations, whose bytes differ between ranks, and so do the evictions they cause)"]
+        copies = sum(sizes.full[c.chunk_id] for c in candidates)
+        if used + copies <= budget:
+            for c in candidates:
+                c.keep_host_copy = True
+            return [f"rank-local host copies of all {len(candidates)} offloadable chunks (the budget covers "
+                    "activations, whose bytes differ between ranks, and so do the evictions they cause)"]
+        logger.warning(
+            "the device budget covers activations at %d ranks, and rank-local host copies of the %d offloaded "
+            "chunks (%d bytes) do not fit host_memory_budget_bytes=%d beside %d bytes of host state: batches "
+            "must then have the same shapes on every rank (fixed-length or packed sequences), or the ranks' "
+            "activations evict different chunks and issue different all-gathers. Set "
+            "ElixirConfig(budget_covers_activations=False) to keep activations out of the budget, or raise "
+            "host_memory_budget_bytes", candidates[0].world_size, len(candidates), copies, budget, used)
     wanted = set(plan.host_copy_chunks) if plan is not None else set()
     if not wanted:
         return ["no rank-local host copies (a re-unshard in the same step all-gathers again)"]
-    budget = config.host_memory_budget_bytes or default_host_budget_bytes()
-    used = host_bytes_without_copies(chunks, sizes)
     kept = []
     for c in candidates:
         if c.chunk_id in wanted and used + sizes.full[c.chunk_id] <= budget:
