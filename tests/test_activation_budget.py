@@ -123,6 +123,7 @@ def test_activations_that_cannot_fit_raise_naming_them_and_the_fixes(measured):
     assert f"device_memory_budget_bytes={budget}" in message
     assert "gradient_checkpointing_enable" in message and "smaller batch" in message
     assert "budget_covers_activations=False" in message
+    assert "search='auto'" in message and "part-way through the forward" in message  # not a final figure
 
 
 def test_floor_with_activations_is_exact_and_the_plan_reserves_them(measured, reference):

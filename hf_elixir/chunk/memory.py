@@ -228,10 +228,14 @@ class DevicePool:
             f"activations do not fit the device budget: autograd saves {nbytes} more bytes for backward (a tensor "
             f"of shape {shape}) on top of {live} bytes of activations already saved and {pinned_bytes} bytes of "
             f"model data that cannot be evicted ({self.in_use_breakdown()}); ElixirConfig.device_memory_budget_bytes="
-            f"{self.budget_bytes} covers activations (budget_covers_activations=True). Fixes: raise "
-            f"device_memory_budget_bytes to at least {self.counters.device_used_bytes + live + nbytes}, turn on "
-            "activation checkpointing (model.gradient_checkpointing_enable()), or use a smaller batch or sequence; "
-            "budget_covers_activations=False makes the budget bound model data only")
+            f"{self.budget_bytes} covers activations (budget_covers_activations=True). This is part-way through "
+            f"the forward: the step needs more than {self.counters.device_used_bytes + live + nbytes} bytes, and "
+            "chunks that prepare placed resident (or pinned) are not evicted for activations. Fixes: "
+            "prepare with search='auto' and a sample batch (it measures the step's activations and places the "
+            "chunks beside them: hf_elixir.prepare(model, optimizer, ElixirConfig(search='auto', ...), "
+            "sample_batch=batch)), turn on activation checkpointing (model.gradient_checkpointing_enable() or "
+            "ElixirConfig(activation_policy='recompute')), use a smaller batch or sequence, or "
+            "budget_covers_activations=False to make the budget bound model data only")
 
     def release(self, nbytes: int) -> None:
         self.counters.device_used_bytes -= nbytes
