@@ -42,6 +42,10 @@ order on every rank, so a rank may issue a gather ahead only where every rank do
 ``num_prefetched_gathers`` counts gathers issued ahead, ``num_blocking_gathers`` those issued inside an
 access for the chunk it needs (the compute waits for the whole collective).
 
+Refreshes of device shards from host masters ([Note: overlapped refresh] in ``hf_elixir/optim/optimizer.py``)
+are uploads on the copy stream issued by the optimizer step; :meth:`access` waits for each chunk's own
+(:meth:`Chunk.wait_ready`), :meth:`start_backward` drains the rest (:meth:`drain_refreshes`).
+
 [Note: gradient offload] A chunk whose optimizer state is on the host gets its reduced gradient shard by
 :meth:`ChunkManager.offload_grad`: one non-blocking device->host copy, straight into the fp32 gradient
 shard when it holds nothing yet (the first backward after ``zero_grad``), else into a host staging

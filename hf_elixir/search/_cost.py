@@ -41,7 +41,7 @@ module call (``hook_event_s``), per onload a fixed cost (``onload_fixed_s``) and
 copy/all-gather bandwidth, per trained chunk its gradient copies and reduce-scatter, then the optimizer
 step (per parameter view ``optim_tensor_s`` plus elements at the host/device AdamW rate) and the
 copies refreshing compute copies whose master lives elsewhere (copies within a CUDA device at its memory
-rate, :func:`_local_copy_rate`; across PCIe at the copy bandwidth). Where copies overlap compute
+rate, :func:`_local_copy_rate`; across PCIe at the copy bandwidth, overlapping the next forward on CUDA). Where copies overlap compute
 (``hardware.can_overlap``, CUDA) a local onload may start ``prefetch_depth`` events early on its own stream;
 with several ranks a forward all-gather may, on any device; everything else on CPU is serial. See
 [Note: overlap] for exactly what overlaps.
@@ -76,7 +76,17 @@ with several ranks a forward all-gather may, on any device; everything else on C
   bytes per host shard element, fp16 ``(2 + k) * 4``) are taken in reduce order while they fit the host
   budget, as the runtime does; ``Prediction.host_snapshot_bytes`` reports them apart from ``host_bytes``.
   Without it the optimizer step starts after backward ends and updates the host shards (``ElixirOptimizer._inner_step``);
-* the device shards (``_fused_step``) follow the host part: ``host + device``, never ``max(host, device)``.
+* the device shards (``_fused_step``) follow the host part: ``host + device``, never ``max(host, device)``;
+* the refresh of a compute copy whose shard is on the device and whose master is on the host is an upload
+  ([Note: overlapped refresh] in ``optim/optimizer.py``): the master is cast on the host into a staging buffer
+  of the compute dtype (``shard_numel`` elements at :func:`_host_cast_rate`, on the lane's timeline right after
+  the chunk's step when the lane stepped it, else in the step), and ``shard_numel * b`` bytes go over PCIe. On
+  CUDA the uploads run back to back on the copy stream from the start of the step (the previous step ended
+  with them), in the order the forward first uses the chunks; each event waits for its own chunks' uploads,
+  the first backward event for all of them, and onloads and gathers prefetched on the copy stream queue behind
+  them. The step is priced in steady state: every step refreshes what the next forward waits for. Off CUDA
+  the copy is done at the chunk's first access on the compute thread: priced in the serial step as before.
+  (With several ranks a resident chunk's all-gather after the refresh stays priced in the step, as before.)
 
 [Note: activation policy] in ``_activation_cost.py``: what keep / recompute / offload per block cost in
 memory and time; :func:`predict` adds the offload copies it lists (``ChunkedStep.offload_after`` /
