@@ -263,8 +263,8 @@ def build_model(model_args: ModelArguments, tokenizer, max_positions: int, on_me
             from transformers import AutoConfig
 
             with torch.device("meta"):
-                return _mark_loss_kwargs(cls.from_config(AutoConfig.from_pretrained(model_args.model_name_or_path)))
-        return _mark_loss_kwargs(cls.from_pretrained(model_args.model_name_or_path))
+                return _mark_loss(cls.from_config(AutoConfig.from_pretrained(model_args.model_name_or_path)))
+        return _mark_loss(cls.from_pretrained(model_args.model_name_or_path))
     size = dict(SIZES[model_args.model_type][model_args.model_size])
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     if model_args.model_type == "gpt2":
@@ -276,12 +276,17 @@ def build_model(model_args: ModelArguments, tokenizer, max_positions: int, on_me
             vocab_size=len(tokenizer), decoder_start_token_id=tokenizer.pad_token_id,
             output_router_logits=True, **size, **ids,
         )
-        return _mark_loss_kwargs(AutoModelForSeq2SeqLM.from_config(config))
-    return AutoModelForCausalLM.from_config(config)
+        return _mark_loss(AutoModelForSeq2SeqLM.from_config(config))
+    return _mark_loss(AutoModelForCausalLM.from_config(config))
 
 
-def _mark_loss_kwargs(model: torch.nn.Module) -> torch.nn.Module:
-    """Tell the Trainer when the model's loss is a per-batch mean that ignores ``num_items_in_batch``.
+def _mark_loss(model: torch.nn.Module) -> torch.nn.Module:
+    """Name the model's loss for transformers, and tell the Trainer when it ignores ``num_items_in_batch``.
+
+    transformers 5.x picks a model's loss from its class name (``...ForCausalLM``); ``GPT2LMHeadModel``
+    matches none, so its first loss logged "``loss_type=None`` was set in the config but it is
+    unrecognized" before falling back to the causal-LM loss. Naming that loss (``model.loss_type``, the
+    attribute ``PreTrainedModel.loss_function`` reads) computes the same loss without the warning.
 
     The Trainer decides from ``forward``'s signature: a ``**kwargs`` there means "the loss takes
     ``num_items_in_batch``", so it passes the token count summed over all processes and multiplies the
@@ -293,6 +298,8 @@ def _mark_loss_kwargs(model: torch.nn.Module) -> torch.nn.Module:
     """
     if model.config.model_type == "switch_transformers":
         model.accepts_loss_kwargs = False
+    elif getattr(model, "loss_type", "") is None:
+        model.loss_type = "ForCausalLM"
     return model
 
 
@@ -543,7 +550,7 @@ def run(default_model_type: str, print_sample: Callable[[Any, Any, str], str]) -
               "learning_rates": lrs}
     if is_main:
         cls = AutoModelForSeq2SeqLM if model_args.model_type == "switch_transformers" else AutoModelForCausalLM
-        reloaded = cls.from_pretrained(train_args.output_dir)  # plain transformers, no hf_elixir
+        reloaded = _mark_loss(cls.from_pretrained(train_args.output_dir))  # plain transformers, no hf_elixir
         result["eval_ppl_after"] = evaluate_perplexity(reloaded, eval_ds, collate, eval_bs, "cpu")
         print(f"eval perplexity before training: {ppl_before:.2f}  after: {result['eval_ppl_after']:.2f}", flush=True)
         print(f"train loss: step 1 {result['first_loss']:.3f}  last logged {result['last_loss']:.3f}", flush=True)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -247,3 +248,37 @@ def test_recipe_cli_error_is_the_last_line_not_buried_under_usage(tmp_path):
     proc = subprocess.run([sys.executable, script, "--help"], env=_recipe_env(), capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)
     assert proc.returncode == 0 and "--logging_steps" in proc.stdout and "7.5%" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_default_models_build_and_compute_a_loss_without_transformers_warnings(tmp_path):
+    """A fresh run printed transformers warnings: "loss_type=None ... unrecognized" (GPT2LMHeadModel's
+    class name names no loss) for the recipes' GPT-2, and bos/eos ids of 50256 outside the 128-token
+    vocabulary of `hf-elixir profile`'s default model (tiny-gpt2). Each default model now builds and
+    computes its loss (and the recipe's reloaded folder too) with nothing on stderr."""
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        sys.path.insert(0, sys.argv[1])
+        from _recipe_common import ModelArguments, build_model, _mark_loss
+        from transformers import AutoModelForCausalLM
+        from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
+
+        class Tok:  # what build_model reads from the BPE tokenizer the recipe trains
+            bos_token_id, eos_token_id, pad_token_id = 0, 0, 1
+            def __len__(self):
+                return 512
+
+        ids = torch.randint(2, 512, (2, 16))
+        for kind in ("gpt2", "opt"):
+            model = build_model(ModelArguments(model_type=kind), Tok(), 128)
+            model(input_ids=ids, labels=ids).loss.item()
+            model.save_pretrained(sys.argv[2] + "/" + kind)
+            _mark_loss(AutoModelForCausalLM.from_pretrained(sys.argv[2] + "/" + kind))(input_ids=ids, labels=ids)
+        model, batch = meta_model_and_batch(load_config("tiny-gpt2"), batch_size=2, seq_len=16, device="cpu")
+        model(**batch).loss.item()
+        print("done")
+        """)
+    proc = subprocess.run([sys.executable, "-c", code, str(REPO / "recipes"), str(tmp_path)], env=_recipe_env(),
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-3000:]
+    assert "loss_type" not in proc.stderr and "within the vocabulary" not in proc.stderr, proc.stderr
