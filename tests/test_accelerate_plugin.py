@@ -275,7 +275,14 @@ def _join_uneven_inputs_with_an_elixir_model(rank: int, world_size: int):
             pass
     finally:
         accelerator.state.distributed_type = saved
-    return error, steps
+    import warnings
+    from unittest.mock import Mock
+
+    with warnings.catch_warnings(record=True) as caught:  # not Elixir's: accelerate's own (CPU: a no-op + warning)
+        warnings.simplefilter("always")
+        with accelerator.join_uneven_inputs([Mock()], even_batches=False):
+            pass
+    return error, steps, [str(w.message) for w in caught]
 
 
 def test_join_uneven_inputs_refuses_uneven_batches_for_an_elixir_model_instead_of_hanging():
@@ -286,7 +293,8 @@ def test_join_uneven_inputs_refuses_uneven_batches_for_an_elixir_model_instead_o
     from tests._dist import run_distributed
 
     results = run_distributed(_join_uneven_inputs_with_an_elixir_model, 2, timeout_s=120)
-    for error, steps in results:
+    for error, steps, other_warnings in results:
         assert error is not None and "join_uneven_inputs(even_batches=False)" in error, error
         assert "even_batches=True" in error and "drop_last=True" in error, error
         assert steps == 3
+        assert any("only supported for multi-GPU" in w for w in other_warnings), other_warnings

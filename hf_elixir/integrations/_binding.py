@@ -155,7 +155,9 @@ class _Binding:
     def is_elixir(self, obj) -> bool:
         """``obj`` is an Elixir model or optimizer (bare or accelerate-wrapped) of this accelerator."""
         inner = getattr(obj, "optimizer", obj) if isinstance(obj, AcceleratedOptimizer) else obj
-        return is_prepared(obj) or any(inner is m or inner is o for m, o in self.entries)
+        if isinstance(obj, torch.nn.Module) and is_prepared(obj):
+            return True
+        return any(inner is m or inner is o for m, o in self.entries)
 
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables, even_batches=None):
