@@ -42,6 +42,10 @@ order on every rank, so a rank may issue a gather ahead only where every rank do
 ``num_prefetched_gathers`` counts gathers issued ahead, ``num_blocking_gathers`` those issued inside an
 access for the chunk it needs (the compute waits for the whole collective).
 
+Refreshes of device shards from host masters ([Note: overlapped refresh] in ``hf_elixir/optim/optimizer.py``)
+are uploads on the copy stream issued by the optimizer step; :meth:`access` waits for each chunk's own
+(:meth:`Chunk.wait_ready`), :meth:`start_backward` drains the rest (:meth:`drain_refreshes`).
+
 [Note: gradient offload] A chunk whose optimizer state is on the host gets its reduced gradient shard by
 :meth:`ChunkManager.offload_grad`: one non-blocking device->host copy, straight into the fp32 gradient
 shard when it holds nothing yet (the first backward after ``zero_grad``), else into a host staging
@@ -399,6 +403,23 @@ class ChunkManager:
             chunk.wait_ready()
         self._pending_gathers = []
 
+    def drain_refreshes(self) -> None:
+        """Wait for every refresh of a device shard issued ahead ([Note: overlapped refresh] in
+        ``hf_elixir/optim/optimizer.py``; on CUDA a stream wait, no host sync): at the start of backward, after
+        which the host lane writes the masters and staging buffers those uploads read, and before anything
+        reads or writes the compute copies outside an access."""
+        for chunk in self.chunks:
+            chunk.wait_refresh()
+
+    def next_use_order(self, chunks: list[Chunk]) -> list[Chunk]:
+        """``chunks`` in the order the next forward first uses them: their first access in this step's trace
+        (the previous step's when no access was recorded since), chunks it does not hold last, by id."""
+        trace = self.trace or self.prev_trace
+        first: dict[int, int] = {}
+        for i, cid in enumerate(trace):
+            first.setdefault(cid, i)
+        return sorted(chunks, key=lambda c: (first.get(c.chunk_id, len(trace)), c.chunk_id))
+
     def join_side_streams(self) -> None:
         """Order the current CUDA stream after the prefetch, reduce and offload streams, without waiting on
         the host (the optimizer step's one host read then covers their work too); wait for the all-gathers
@@ -426,7 +447,7 @@ class ChunkManager:
         self.last_step = {f"step_{k}": now[k] - self._step_start.get(k, 0)
                           for k in ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes",
                                     "num_evictions", "num_onloads", "num_prefetches", "num_prefetched_gathers",
-                                    "num_blocking_gathers", "gather_wait_s", "reduce_wait_s")}
+                                    "num_blocking_gathers", "num_refreshes_ahead", "gather_wait_s", "reduce_wait_s")}
         self.last_step["step_device_peak_bytes"] = self.counters.device_peak_bytes
         self._step_start = now
         self.sync_activation_bytes()
@@ -483,6 +504,7 @@ class ChunkManager:
                                "None, ...) is for inference): pass the optimizer to prepare to train, or run the "
                                "forward under torch.no_grad()")
         self.drain_gathers()
+        self.drain_refreshes()
         if len(self.trace) < _MAX_TRACE:
             self._forward_ends.append(len(self.trace))
         self.backward_pending = True

@@ -13,7 +13,8 @@ precedes ``step()``, steps the chunk at once:
   gradient and checks it for inf/NaN (host memory: free to read); it computes the chunk's squared
   L2 norm, then runs the inner optimizer on the chunk's views, as if no clipping and no overflow
   happened, with this rank's has-gradient flags as known so far and the param groups' current
-  hyperparameters.
+  hyperparameters; a chunk whose shard is on the device then has its master cast into the staging buffer
+  its upload reads ([Note: overlapped refresh] in ``optimizer.py``).
 * **validate.** ``step()`` joins the lane and reads the global overflow flag, clip factor and merged
   has-gradient flags in its one host read. A speculative update stands when nothing overflowed, the
   clip factor is 1, and the chunk's flags and hyperparameters are those it used.
@@ -194,6 +195,7 @@ class HostLane:
             self.local_inf = True
         elif views:
             opt._step_views(views)
+            opt.stage_refresh(cid)  # the upload's host cast, overlapped too ([Note: overlapped refresh])
         self.speculations[cid] = _Speculation(flags, hyper, stepped, snap.grad is not None)
         self.num_speculated += int(stepped)
 
@@ -245,6 +247,7 @@ class HostLane:
         opt = self._opt
         if spec.stepped:
             self.num_rolled_back += 1
+            opt._staged.discard(cid)  # the staging holds the undone values: cast again after the real step
             opt.masters[cid].copy_(snap.master)
             state = opt.inner.state
             for view, scalars, keys in zip(self._views[cid], snap.view_scalars, snap.view_keys):

@@ -73,6 +73,16 @@ class _ShardView:
         self.start, self.stop, self.lo, self.hi, self.tensor = start, stop, lo, hi, tensor
 
 
+def _uploads(chunk: Chunk) -> bool:
+    """The chunk's refresh is an upload: fp32 master on the host, compute copy (shard) on the device."""
+    return chunk.trainable and chunk.shard_on_device and not chunk.optim_on_device
+
+
+def _uploads_cast(chunk: Chunk) -> bool:
+    """An upload whose compute dtype is not the master's: it reads a host staging buffer cast from the master."""
+    return _uploads(chunk) and chunk.dtype != torch.float32
+
+
 class ElixirOptimizer(torch.optim.Optimizer):
     """Wraps the user's optimizer; steps the shards of every chunk where their optimizer state lives.
 
@@ -168,7 +178,12 @@ class ElixirOptimizer(torch.optim.Optimizer):
         host = [c for c in manager.chunks if c.trainable and not c.optim_on_device]
         manager.host.reserve_for([(c.shard_numel, torch.float32) for c in host]  # gradient shards, masters
                                  + [(c.shard_numel, torch.float32) for c in host if c.dtype != torch.float32
-                                    or c.shard_on_device])
+                                    or c.shard_on_device]
+                                 + [(c.shard_numel, c.dtype) for c in host if _uploads_cast(c)])  # staging
+        # [Note: overlapped refresh] the compute-dtype host copy each upload reads
+        self._refresh_staging: dict[int, torch.Tensor] = {
+            c.chunk_id: manager.host_empty(c.shard_numel, c.dtype) for c in host if _uploads_cast(c)}
+        self._staged: set[int] = set()  # chunks whose staging holds the master's current values
         for chunk in manager.chunks:
             if not chunk.trainable:
                 continue
@@ -577,16 +592,60 @@ class ElixirOptimizer(torch.optim.Optimizer):
         if self._lane is not None and not self.manager.backward_pending:
             self._lane.settle(restore_grads=not self._unscaled)
 
+    def stage_refresh(self, cid: int) -> None:
+        """Cast chunk ``cid``'s fp32 master into its host staging buffer (compute dtype), which its upload reads
+        ([Note: overlapped refresh]); the host lane calls it right after the chunk's speculative step, so the
+        cast overlaps backward. No-op for a chunk without staging."""
+        staging = self._refresh_staging.get(cid)
+        if staging is not None:
+            with torch.no_grad():
+                staging.copy_(self.masters[cid])
+            self._staged.add(cid)
+
+    def _upload_source(self, chunk: Chunk) -> torch.Tensor:
+        pending = chunk.pending_refresh
+        if pending is not None and pending.event is not None:
+            pending.event.synchronize()  # a step with no backward since the last one: the upload may still read
+        chunk.wait_refresh()
+        cid = chunk.chunk_id
+        if cid not in self._staged:
+            self.stage_refresh(cid)
+        self._staged.discard(cid)
+        return self._refresh_staging.get(cid, self.masters[cid])
+
     def _refresh_compute_copies(self) -> None:
+        """Make every trained chunk's compute copy hold its master's new values.
+
+        [Note: overlapped refresh] A chunk whose master is on the host and whose shard is on the device
+        (host optimizer state, resident or device-shard chunk) is *uploaded*: its master is cast on the host
+        into a pinned staging buffer of the compute dtype (by the host lane right after its speculative step,
+        [Note: host lane], else here), then :meth:`Chunk.issue_refresh` copies it into the device shard on the
+        manager's copy stream with one event per chunk, in the order the next forward first uses the chunks
+        (:meth:`ChunkManager.next_use_order`). Nothing waits here: the chunk's first access (or anything else
+        that reads the shard: an unshard, ``write_back``, ``state_dict``, ``full_parameters``) makes the compute
+        stream wait for its event, so the next forward starts once its first chunk is up, not after every
+        upload. The start of backward drains what forward did not use, so the host lane may write the masters
+        and staging buffers again; a staging buffer is written only after the step's host read or the lane's
+        wait for a gradient copy, both ordered after that drain, so no upload still reads it. Casting on the
+        host halves the bytes on the bus: ``copy_`` from an fp32 host tensor into a bf16 device one with
+        ``non_blocking=True`` moves fp32 and casts on the device, in an uncharged fp32 device temporary.
+        On the simulated device the copy is done at the wait and the parameters are stale placeholders until
+        then, so a read that skips the wait raises (as the hardware would return the old values).
+        Source: ZeRO-Offload (arXiv 2101.06840) section 4.2, the fp16 parameter copy overlapped with the next
+        step; FSDP2's per-parameter-group events on a side stream.
+        """
         import triton_kernels  # noqa: PLC0415
 
         counters = self.manager.counters
+        uploads = []
         for chunk in self.manager.chunks:
             if not chunk.trainable:
                 continue
             master = self.masters[chunk.chunk_id]
             target = chunk.full if chunk.full_alias else chunk.shard
-            if master is not target:
+            if master is not target and _uploads(chunk):
+                uploads.append(chunk)
+            elif master is not target:
                 same_side = master.device == target.device and strict.is_host(master) == strict.is_host(target)
                 if same_side and master.dtype != target.dtype:
                     # fp32 master -> bf16/fp16 compute copy on one device: the cast kernel (Triton on CUDA)
@@ -603,6 +662,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
             chunk.version += 1
             if chunk.full_alias:
                 chunk.full_version = chunk.version
+        for chunk in self.manager.next_use_order(uploads):
+            chunk.issue_refresh(self._upload_source(chunk), side_stream=self.manager.copy_stream)
 
     def zero_grad(self, set_to_none: bool | None = True) -> None:
         """Zero the reduced gradient shards; ``p.grad`` stays ``None`` (gradients live in chunks).
@@ -714,6 +775,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 this optimizer's (names the group, the expected and the found parameter names).
         """
         self.settle_host_steps()
+        self.manager.drain_refreshes()  # pending uploads may read the masters written below
+        self._staged.clear()
         if "format" not in state_dict and _is_plain_torch_state(state_dict):
             state_dict = self._from_plain_torch_state(state_dict)
         if state_dict.get("format") != CONSOLIDATED_FORMAT:
@@ -807,6 +870,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
     def sync_masters_from_params(self) -> None:
         """Refresh fp32 masters from the compute shards (after ``model.load_state_dict``)."""
         self.settle_host_steps()
+        self.manager.drain_refreshes()
+        self._staged.clear()
         for chunk in self.manager.chunks:
             if chunk.trainable:
                 master = self.masters[chunk.chunk_id]

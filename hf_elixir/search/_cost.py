@@ -41,7 +41,7 @@ module call (``hook_event_s``), per onload a fixed cost (``onload_fixed_s``) and
 copy/all-gather bandwidth, per trained chunk its gradient copies and reduce-scatter, then the optimizer
 step (per parameter view ``optim_tensor_s`` plus elements at the host/device AdamW rate) and the
 copies refreshing compute copies whose master lives elsewhere (copies within a CUDA device at its memory
-rate, :func:`_local_copy_rate`; across PCIe at the copy bandwidth). Where copies overlap compute
+rate, :func:`_local_copy_rate`; across PCIe at the copy bandwidth, overlapping the next forward on CUDA). Where copies overlap compute
 (``hardware.can_overlap``, CUDA) a local onload may start ``prefetch_depth`` events early on its own stream;
 with several ranks a forward all-gather may, on any device; everything else on CPU is serial. See
 [Note: overlap] for exactly what overlaps.
@@ -76,7 +76,17 @@ with several ranks a forward all-gather may, on any device; everything else on C
   bytes per host shard element, fp16 ``(2 + k) * 4``) are taken in reduce order while they fit the host
   budget, as the runtime does; ``Prediction.host_snapshot_bytes`` reports them apart from ``host_bytes``.
   Without it the optimizer step starts after backward ends and updates the host shards (``ElixirOptimizer._inner_step``);
-* the device shards (``_fused_step``) follow the host part: ``host + device``, never ``max(host, device)``.
+* the device shards (``_fused_step``) follow the host part: ``host + device``, never ``max(host, device)``;
+* the refresh of a compute copy whose shard is on the device and whose master is on the host is an upload
+  ([Note: overlapped refresh] in ``optim/optimizer.py``): the master is cast on the host into a staging buffer
+  of the compute dtype (``shard_numel`` elements at :func:`_host_cast_rate`, on the lane's timeline right after
+  the chunk's step when the lane stepped it, else in the step), and ``shard_numel * b`` bytes go over PCIe. On
+  CUDA the uploads run back to back on the copy stream from the start of the step (the previous step ended
+  with them), in the order the forward first uses the chunks; each event waits for its own chunks' uploads,
+  the first backward event for all of them, and onloads and gathers prefetched on the copy stream queue behind
+  them. The step is priced in steady state: every step refreshes what the next forward waits for. Off CUDA
+  the copy is done at the chunk's first access on the compute thread: priced in the serial step as before.
+  (With several ranks a resident chunk's all-gather after the refresh stays priced in the step, as before.)
 
 [Note: activation policy] in ``_activation_cost.py``: what keep / recompute / offload per block cost in
 memory and time; :func:`predict` adds the offload copies it lists (``ChunkedStep.offload_after`` /
@@ -342,6 +352,33 @@ def _local_copy_rate(hardware: HardwareProfile) -> float:
     return hardware.h2d_bytes_per_s or 1e10
 
 
+def _uploaded_chunks(step: ChunkedStep, knobs: Knobs) -> list[int]:
+    """Trained chunks whose refresh is an upload: shard on the device, optimizer state (master) on the host."""
+    held = knobs.resident | knobs.device_shard
+    return [c for c in range(step.num_chunks) if step.trained_numels[c] and c in held and c not in knobs.device_optim]
+
+
+def _host_cast_rate(hardware: HardwareProfile) -> float:
+    """Elements/s of the host cast fp32 master -> compute-dtype staging buffer (``ElixirOptimizer.stage_refresh``),
+    from the host AdamW rate: both are bound by host memory traffic, 28 bytes per element for AdamW (see
+    ``profiler/_gpu_presets.py``), 6 for the cast (read 4, write 2)."""
+    return (hardware.host_adam_numel_per_s or 1e9) * 28 / 6
+
+
+def _refresh_times(step: ChunkedStep, upload_s: dict[int, float]) -> dict[int, float]:
+    """When each upload is done, seconds from the start of the step: issued back to back on the copy stream when
+    the previous step ends, in the order the forward first uses the chunks (``ChunkManager.next_use_order``)."""
+    first: dict[int, int] = {}
+    for k, group in enumerate(step.groups):
+        for c in group:
+            first.setdefault(c, k)
+    done, t = {}, 0.0
+    for c in sorted(upload_s, key=lambda c: (first.get(c, len(step.groups)), c)):
+        t += upload_s[c]
+        done[c] = t
+    return done
+
+
 def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, int]]:
     """(fixed device bytes, host bytes, breakdown) per rank; see [Note: memory accounting]."""
     b = DTYPE_BYTES[step.precision]
@@ -361,6 +398,8 @@ def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, i
             optim += step.shard_numel(c) * optim_bytes_per_numel(step.precision, c not in held, step.optim_states)
         else:
             host_optim += step.shard_numel(c) * optim_bytes_per_numel(step.precision, c in held, step.optim_states)
+            if c in held and step.precision != "fp32":  # the upload's staging buffer ([Note: overlapped refresh])
+                host_optim += step.shard_numel(c) * b
     host_params = sum(step.shard_numel(c) * b for c in range(step.num_chunks) if c not in held)
     if ws > 1 and knobs.host_copies:  # rank-local refill copies of evicted unsharded chunks
         host_params += sum(step.full_bytes(c) for c in range(step.num_chunks) if c not in knobs.resident)
@@ -429,6 +468,14 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     h2d_bytes = d2h_bytes = ag_bytes = rs_bytes = 0
     t_compute = t_copy = t_reduce = t_act = t_gather = 0.0  # compute, copy, reduce, activation, gather streams
     t_offload = t_lane = 0.0  # the offload stream (CUDA) and the host lane's worker thread
+    # [Note: overlapped refresh] uploads of host masters into device shards: on CUDA on the copy stream from the
+    # start of the step (the previous step's end), in first forward use order, each event waiting for its own
+    upload_s = {c: step.shard_numel(c) * b / h2d_rate for c in _uploaded_chunks(step, knobs)}
+    cast_s = {c: step.shard_numel(c) / _host_cast_rate(hardware) for c in upload_s if step.precision != "fp32"}
+    refresh_done = _refresh_times(step, upload_s) if hardware.can_overlap else {}
+    upload_end = max(refresh_done.values(), default=0.0)
+    t_copy = upload_end  # onloads prefetched on the copy stream queue behind the uploads
+    backward_waited = False
     lane_chunks: set[int] = set()  # host chunks stepped on the lane during backward
     starts: list[float] = []
     points: list[tuple[float, int, str]] = []
@@ -469,7 +516,9 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             else:
                 t_compute += nbytes / h2d_rate
         issue = starts[k - knobs.prefetch_depth] if overlap and k >= knobs.prefetch_depth else t_compute
-        ready = t_compute
+        ready = max([t_compute] + [refresh_done.get(c, 0.0) for c in group])  # each chunk's upload event
+        if step.event_phase[k] == "bwd" and not backward_waited:  # the start of backward drains every upload
+            ready, backward_waited = max(ready, upload_end), True
         loaded = 0
         for c in group:
             if c in on_device or c in cached:
@@ -505,7 +554,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 if not hardware.can_overlap:  # off CUDA the staging onload runs on the compute thread
                     t_compute += copy_s - gather_s
                     copy_s = gather_s
-                t_gather = max(t_gather, starts[k - knobs.prefetch_depth]) + copy_s
+                # on CUDA on the copy stream, behind the uploads
+                t_gather = max(t_gather, starts[k - knobs.prefetch_depth], upload_end) + copy_s
                 ready = max(ready, t_gather)
             else:  # in the hook: the compute waits for it (and for gathers queued before it)
                 t_compute = max(t_compute, ready, t_gather if collective else 0.0) + copy_s
@@ -572,6 +622,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             if host_ready is not None and hardware.can_overlap:
                 # the host lane steps the chunk as soon as its gradient is on the host ([Note: host lane])
                 t_lane = max(t_lane, host_ready) + step.shard_numel(c) / host_rate + step.views[c] * hardware.optim_tensor_s
+                t_lane += cast_s.get(c, 0.0)  # the upload's host cast, right after the chunk's step
                 lane_chunks.add(c)
             pending.append((g + out, g))
             while len(pending) > (_MAX_PENDING_REDUCES if async_reduce else 0):
@@ -588,7 +639,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     for c in range(step.num_chunks):
         if not step.trained_numels[c]:
             continue
-        if c in lane_chunks:  # stepped on the host lane, priced in its timeline (t_lane)
+        if c in lane_chunks:  # stepped (and its upload cast) on the host lane, priced in its timeline (t_lane)
             pass
         elif c in knobs.device_optim:
             views += step.views[c]
@@ -605,6 +656,9 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 device_refresh_bytes += step.shard_numel(c) * b
     # what the lane has left when backward ends, then the host chunks it did not step (none unless off)
     host_s = max(0.0, t_lane - fwd_bwd) + host_numel / host_rate
+    host_s += sum(t for c, t in cast_s.items() if c not in lane_chunks)  # upload casts in the step
+    if refresh_done:  # uploads overlap the next forward (priced in its timeline above), not the step
+        refresh_bytes -= sum(step.shard_numel(c) * b for c in refresh_done)
     dev_s = dev_numel / (hardware.device_adam_numel_per_s or 1e9)
     regather = sum(step.full_bytes(c) for c in knobs.resident if step.trained_numels[c]) if ws > 1 else 0
     ag_bytes += regather
