@@ -146,6 +146,8 @@ class Prediction:
     timeline: list[tuple[float, int, str]] = field(default_factory=list)  # (time s, device bytes, label)
     chunk_onloads: dict[int, int] = field(default_factory=dict)
     cache_blocks: int = 0
+    # all-gathers priced as issued ahead of their event, in forward and in backward ([Note: overlap])
+    gathers_ahead: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -452,6 +454,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     starts: list[float] = []
     points: list[tuple[float, int, str]] = []
     gathered: set[int] = set()  # ws > 1: gathered this step (with host copies later refills are local copies)
+    gathers_ahead: dict[str, int] = {}
 
     def finish_reduce() -> None:
         nonlocal used, grad_live
@@ -523,6 +526,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 t_copy = max(t_copy, issue) + copy_s
                 ready = max(ready, t_copy)
             elif ahead:
+                gathers_ahead[step.event_phase[k]] = gathers_ahead.get(step.event_phase[k], 0) + 1
                 gather_s = full / ag_rate  # issued ahead, waited by this event ([Note: overlap])
                 if not hardware.can_overlap:  # off CUDA the staging onload runs on the compute thread
                     t_compute += copy_s - gather_s
@@ -644,6 +648,6 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         onloads=onloads, h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes, allgather_bytes=ag_bytes,
         reduce_scatter_bytes=rs_bytes, device_model_bytes=peak, device_peak_bytes=device_peak,
         host_bytes=host_bytes, host_snapshot_bytes=snapshot_bytes, breakdown=breakdown, timeline=points,
-        chunk_onloads=chunk_onloads,
+        chunk_onloads=chunk_onloads, gathers_ahead=gathers_ahead,
         cache_blocks=max(0, (pool_bytes - fixed - step.grad_peak_bytes) // max(1, chunk_bytes)),
     )
