@@ -50,14 +50,15 @@ def test_activation_bytes_per_policy(gpt2_profile):
     assert keep == activation_bytes(p, "bf16", False) == int(p.activation_peak_bytes)
     assert activation_bytes(p, "bf16", _uniform("recompute")) == activation_bytes(p, "bf16", True)
     block = p.block_activation_bytes["transformer.h.0"]
-    # offloading k blocks frees k blocks' activations but one comes back in backward
+    # offloading k blocks frees k blocks' activations but one comes back in backward, and with two or more the
+    # one before it is copied back ahead meanwhile ([Note: activation onload ahead] in runtime/activations.py)
     for k in (1, 4, 12):
-        assert activation_bytes(p, "bf16", _uniform("offload", k)) == keep - (k - 1) * block
+        assert activation_bytes(p, "bf16", _uniform("offload", k)) == keep - (k - min(k, 2)) * block
     # a recomputed block keeps its input on top
     inputs = p.block_input_bytes["transformer.h.0"]
     assert activation_bytes(p, "bf16", _uniform("recompute", 4)) == keep - 3 * block + 4 * inputs
-    mixed = {**_uniform("offload", 2), "transformer.h.5": "recompute"}
-    assert activation_bytes(p, "bf16", mixed) == keep - 2 * block + inputs
+    mixed = {**_uniform("offload", 2), "transformer.h.5": "recompute"}  # h.1 back with h.0 ahead: two blocks
+    assert activation_bytes(p, "bf16", mixed) == keep - block + inputs
 
 
 def _step(profile, hardware, policy):

@@ -502,7 +502,8 @@ class ChunkManager:
         self.last_step = {f"step_{k}": now[k] - self._step_start.get(k, 0)
                           for k in ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes",
                                     "num_evictions", "num_onloads", "num_prefetches", "num_prefetched_gathers",
-                                    "num_blocking_gathers", "gather_wait_s", "reduce_wait_s")}
+                                    "num_blocking_gathers", "gather_wait_s", "reduce_wait_s",
+                                    "num_prefetched_act_onloads", "num_blocking_act_onloads")}
         self.last_step["step_device_peak_bytes"] = self.counters.device_peak_bytes
         self._step_start = now
         self.sync_activation_bytes()

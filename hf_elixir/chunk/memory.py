@@ -129,6 +129,10 @@ class MemoryCounters:
     num_prefetched_gathers: int = 0
     num_blocking_gathers: int = 0
     num_unshards: int = 0
+    # batches of offloaded activations (one block call's saved tensors) copied back ahead of their block's
+    # backward, and at its first unpack (the backward waits for the copy): [Note: activation onload ahead]
+    num_prefetched_act_onloads: int = 0
+    num_blocking_act_onloads: int = 0
     # seconds the compute thread spent blocked in all-gathers (inside an access) and in gradient
     # reduce-scatters / all-reduces (issuing them and waiting for them to finish)
     gather_wait_s: float = 0.0

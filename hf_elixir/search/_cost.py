@@ -455,6 +455,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     points: list[tuple[float, int, str]] = []
     gathered: set[int] = set()  # ws > 1: gathered this step (with host copies later refills are local copies)
     gathers_ahead: dict[str, int] = {}
+    onload_issue: float | None = None  # when the copy back of the next offloaded block may start
 
     def finish_reduce() -> None:
         nonlocal used, grad_live
@@ -482,12 +483,13 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     for k, group in enumerate(step.groups):
         for c in group:
             last_seen[c] = next_use[k][c]
-        if k in step.offload_before:  # an offloaded block's activations come back; its backward waits
+        if k in step.offload_before:  # an offloaded block's activations come back; its backward waits for them
             nbytes = step.offload_before[k]
             h2d_bytes += nbytes
-            if hardware.can_overlap:
-                t_act = max(t_act, t_compute) + nbytes / h2d_rate
-                t_compute = t_act
+            if hardware.can_overlap:  # issued when the previous offloaded block's backward started, if any
+                t_act = max(t_act, t_compute if onload_issue is None else onload_issue) + nbytes / h2d_rate
+                t_compute = max(t_compute, t_act)
+                onload_issue = t_compute  # [Note: activation onload ahead]: the next block's copies start now
             else:
                 t_compute += nbytes / h2d_rate
         issue = starts[k - knobs.prefetch_depth] if overlap and k >= knobs.prefetch_depth else t_compute
