@@ -158,3 +158,14 @@ def test_search_auto_prices_the_users_policy():
     assert any("offload 1/2" in r for r in plan.reasons)  # the search priced that policy
     opt.backward(model(**batch("gpt2", 1, 2)).loss)
     opt.step()
+
+
+def test_offload_copies_back_ahead_on_cuda(gpt2_profile):
+    """[Note: activation onload ahead]: with compute longer than the copies, only the last offloaded block's copy
+    back blocks backward; the earlier blocks' copies run during the backward of the block after them."""
+    fast = _gpu(80 * GIB)
+    gpu = dataclasses.replace(fast, device_flops_per_s=fast.device_flops_per_s / 1000)  # compute-bound
+    keep, off = (_step(gpt2_profile, gpu, _uniform(kind, 3)) for kind in ("keep", "offload"))
+    a, b = predict(keep, _resident(keep), gpu), predict(off, _resident(off), gpu)
+    block = gpt2_profile.block_activation_bytes["transformer.h.0"]
+    assert b.forward_backward_s - a.forward_backward_s == pytest.approx(block / 20e9, rel=1e-6)
