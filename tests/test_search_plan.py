@@ -235,7 +235,9 @@ def test_rank_local_host_copies_are_priced_against_host_memory():
     profile = _tiny_real_profile()
     numel = profile.num_params
     budget = numel * 4  # a fraction of the model's state: chunks are evicted and re-needed in backward
-    hw = _two_rank_cpu(budget, 1e6, 1e9)  # all-gathers far slower than host copies (5 GB/s)
+    # all-gathers far slower than host copies (5 GB/s) and than everything else, so that the backward
+    # re-gathers cost time even where they are issued ahead ([Note: overlap] in search/_cost.py)
+    hw = replace(_two_rank_cpu(budget, 1e6, 1e9), reduce_scatter_bytes_per_s=1e9)
     roomy = search(profile, hw, world_size=2, precision="fp32", device_memory_budget_bytes=budget,
                    data_parallel="sharded")
     assert roomy.best.knobs.host_copies and roomy.plan.host_copy_chunks

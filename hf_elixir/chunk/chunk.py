@@ -514,8 +514,7 @@ class Chunk(ChunkBytes):
                 with torch.no_grad():
                     direct[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
                 return
-            self.manager.make_room(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
-            self.manager.pool.charge(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
+            self.manager.charge_grad_bytes(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
             self.grad_full = torch.zeros(self.chunk_numel, dtype=self.grad_dtype, device=self.compute_device)
         with torch.no_grad():
             self.grad_full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
@@ -568,8 +567,7 @@ class Chunk(ChunkBytes):
             if self.world_size == 1 and self.replicate_group is None:
                 self._mark_reduced()  # no collective to join: adding zeros changes nothing
                 return None
-            self.manager.make_room(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
-            pool.charge(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
+            self.manager.charge_grad_bytes(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
             self.grad_full = torch.zeros(self.chunk_numel, dtype=self.grad_dtype, device=self.compute_device)
         # [Note: reduce overlap] on CUDA, with the optimizer state on the device, the reduce-scatter and
         # the accumulation into the shard gradient run on the manager's reduce stream, overlapping the
@@ -585,8 +583,7 @@ class Chunk(ChunkBytes):
         with torch.no_grad(), stream_ctx():
             if self.world_size > 1:
                 shard_grad_bytes = self.grad_full_bytes // self.world_size
-                self.manager.make_room(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
-                pool.charge(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
+                self.manager.charge_grad_bytes(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
                 out = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.compute_device)
                 work = reduce_scatter_single(out, grad_full, op=dist.ReduceOp.SUM, group=self.group,
                                              async_op=async_op)
@@ -614,9 +611,7 @@ class Chunk(ChunkBytes):
                 if stream is not None:
                     grad_full.record_stream(stream)
                     out.record_stream(stream)
-            if shard_grad_bytes:
-                pool.release(shard_grad_bytes)
-            pool.release(self.grad_full_bytes)
+            self.manager.release_grad_bytes(shard_grad_bytes + self.grad_full_bytes)
 
         if async_op and work is not None:
             return finish

@@ -33,11 +33,28 @@ order on every rank, so a rank may issue a gather ahead only where every rank do
 * a gather ahead evicts only what the hook of its chunk would evict anyway ([Note: Belady-consistent gather
   ahead] in :meth:`_kept_until`), so prefetching issues the same gathers as the hooks alone, only earlier
   (what the cost model assumes);
-* forward only, and within the forward: the window stops where the previous step's forward (micro-batch)
-  ended, so no rank issues a gather ahead of the backward's reduce-scatters. Backward gathers (re-gathers
-  of evicted chunks without a host copy) are not prefetched;
+* within one phase: in forward the window stops where the previous step's forward (micro-batch) ended, so
+  no rank issues a gather ahead of the backward's reduce-scatters; in backward it stops where that step's
+  backward ended, under the stricter room rule of [Note: backward gather prefetch];
 * nothing reads an unfilled buffer: the parameters stay stale placeholders until the wait, eviction and
   ``unshard`` wait first, and the start of backward and the optimizer step drain every pending gather.
+
+[Note: backward gather prefetch] In backward the re-gathers of evicted chunks without a host copy are issued
+ahead too (FSDP2's backward prefetch), on the same terms as in forward (previous trace, agreed plan and
+budget; off for MoE and for a pool that charges activations; pending gathers drained at eviction, unshard,
+the end of backward and the step). Backward also charges and frees gradient buffers and reduce-scatter
+outputs between two accesses (and finishes reduces when the pool is short), so Belady's argument above does
+not carry over: a gather ahead could evict a chunk the hooks alone would have kept, or be evicted itself
+before its use. A backward gather ahead is therefore issued only when its bytes, plus those of the chunks
+of the window that the hooks will still fill, plus the rise of gradient-buffer and reduce-output bytes the
+previous step saw up to the chunk's access (``prev_grad_at``: bytes at each access and the peak since the
+one before), fit in the free budget plus the chunks this step no longer uses (:meth:`_dead`: trainable,
+no later use in the previous trace, so the step makes their gathered copy stale anyway); it evicts only
+those. Every later make-room in the window then finds its room among free and dead bytes, which Belady
+evicts first, so no chunk the step still uses leaves the device earlier than without the prefetch: the
+same all-gathers, only issued ahead. All of this is the same on every rank for dense models with a
+model-data budget (the gradient charges follow the autograd graph, identical on every rank). At the
+tightest budgets there is no such room and backward gathers stay in the hooks.
 
 ``num_prefetched_gathers`` counts gathers issued ahead, ``num_blocking_gathers`` those issued inside an
 access for the chunk it needs (the compute waits for the whole collective).
@@ -119,9 +136,18 @@ class ChunkManager:
         # off CUDA, all-gathers issued ahead are async collectives waited at the chunk's access
         self.async_gather = compute_device.type != "cuda"
         self._pending_gathers: list[Chunk] = []
-        # trace positions where each forward (micro-batch) of this / the previous step ended
+        # trace positions where each forward (micro-batch) / backward of this / the previous step ended
         self._forward_ends: list[int] = []
         self.prev_forward_ends: list[int] = []
+        self._backward_ends: list[int] = []
+        self.prev_backward_ends: list[int] = []
+        # device bytes of gradient buffers and reduce outputs now and their peak since the last access; per
+        # access of this / the previous step's trace: (bytes at it, peak since the access before it)
+        # ([Note: backward gather prefetch])
+        self._grad_live_bytes = 0
+        self._grad_peak_bytes = 0
+        self._grad_at: list[tuple[int, int]] = []
+        self.prev_grad_at: list[tuple[int, int]] = []
         self.chunks: list[Chunk] = []
         self.slot_of: dict[torch.nn.Parameter, ParamSlot] = {}
         self.chunk_of: dict[torch.nn.Parameter, Chunk] = {}
@@ -277,6 +303,23 @@ class ChunkManager:
                     raise DeviceBudgetExceededError(f"{err}. Device holds: {self.describe()}") from None
             victim.reshard()
 
+    def charge_grad_bytes(self, nbytes: int, what: str) -> None:
+        """Make room for and charge ``nbytes`` of a gradient buffer or reduce-scatter output (counted for the
+        backward gather prefetch's reserve, [Note: backward gather prefetch]).
+
+        Raises:
+            DeviceBudgetExceededError: nothing left to evict and still no room.
+        """
+        self.make_room(nbytes, what)
+        self.pool.charge(nbytes, what)
+        self._grad_live_bytes += nbytes
+        self._grad_peak_bytes = max(self._grad_peak_bytes, self._grad_live_bytes)
+
+    def release_grad_bytes(self, nbytes: int) -> None:
+        """Give back ``nbytes`` that :meth:`charge_grad_bytes` charged."""
+        self.pool.release(nbytes)
+        self._grad_live_bytes -= nbytes
+
     def describe(self) -> str:
         """What occupies the device, for error messages."""
         parts = []
@@ -334,11 +377,13 @@ class ChunkManager:
             self.first_use.setdefault(chunk.chunk_id, self.clock)
         if len(self.trace) < _MAX_TRACE:
             self.trace.append(chunk.chunk_id)
+            self._grad_at.append((self._grad_live_bytes, self._grad_peak_bytes))
+            self._grad_peak_bytes = self._grad_live_bytes
 
     def _prefetch(self, pinned: set[int]) -> None:
         """Unshard the next ``prefetch_depth`` chunks of the previous step's order, when that does not
         evict a chunk needed sooner than the prefetched one; all-gathers only where
-        [Note: gather prefetch] allows."""
+        [Note: gather prefetch] allows (in backward: [Note: backward gather prefetch])."""
         pos = len(self.trace)
         gather_end = self._gather_window_end(pos)
         seen: set[int] = set(pinned)
@@ -351,17 +396,21 @@ class ChunkManager:
             if len(upcoming) == self.prefetch_depth:
                 break
         keep = pinned | {cid for _, cid in upcoming}
+        fills_before = 0  # bytes the hooks will charge for upcoming chunks not filled here ([Note: backward ...])
         for index, cid in upcoming:
             chunk = self.chunks[cid]
             if not chunk.needs_fill():
                 continue
             collective = chunk.needs_collective()
-            if collective and index >= gather_end:
-                continue  # not this forward's, or not allowed (see [Note: gather prefetch])
             need = chunk.fill_bytes_needed()
-            beyond = self._kept_until(keep, index) if collective and not self.pool.fits(need) else None
+            if collective and (index >= gather_end or (self.backward_pending
+                                                        and not self._backward_room(need + fills_before, pos, index))):
+                fills_before += need
+                continue  # not this phase's, not allowed, or no room (see [Note: gather prefetch])
+            dead_only = collective and self.backward_pending  # [Note: backward gather prefetch]
+            beyond = self._kept_until(keep, index) if collective and not dead_only and not self.pool.fits(need) else None
             while not self.pool.fits(need):
-                victim = self._victim(keep, beyond=beyond)
+                victim = self._dead_victim() if dead_only else self._victim(keep, beyond=beyond)
                 if victim is None or self._next_use(victim) <= self._next_use(chunk):
                     return  # prefetching would evict something needed sooner: stop
                 victim.reshard()
@@ -381,20 +430,43 @@ class ChunkManager:
         Returns that position."""
         return max(self._next_use(self.chunks[cid], after=index) for cid in keep)
 
+    def _dead(self, chunk: Chunk) -> bool:
+        """An evictable trainable chunk this step uses no more (the optimizer step makes its gathered copy
+        stale, so evicting it now costs no all-gather)."""
+        return chunk.evictable and chunk.trainable and self._next_use(chunk) == float("inf")
+
+    def _dead_victim(self) -> Chunk | None:
+        """The least recently used :meth:`_dead` chunk (Belady's first victim: none is used again)."""
+        return min((c for c in self.chunks if self._dead(c)), key=lambda c: c.last_access, default=None)
+
+    def _backward_room(self, need: int, pos: int, index: int) -> bool:
+        """[Note: backward gather prefetch] Whether ``need`` bytes, plus the gradient buffers and reduce
+        outputs the previous step charged between positions ``pos - 1`` and ``index`` of its trace, fit in
+        the free budget plus the chunks this step uses no more (:meth:`_dead`)."""
+        if self.pool.budget_bytes is None:
+            return True
+        if not 0 < pos <= index < len(self.prev_grad_at):
+            return False
+        at = self.prev_grad_at
+        reserve = max(0, max(peak for _, peak in at[pos:index + 1]) - self._grad_live_bytes)
+        dead = sum(c.full_bytes for c in self.chunks if self._dead(c))
+        return self.pool.used_bytes + need + reserve <= self.pool.budget_bytes + dead
+
     def gather_prefetch_allowed(self) -> bool:
-        """Whether all-gathers may be issued ahead now ([Note: gather prefetch]): in a forward, with a
-        pool that charges model data only, and no MoE-expert chunk."""
-        return (not self.backward_pending and not self.pool.charges_activations
+        """Whether all-gathers may be issued ahead ([Note: gather prefetch]): with a pool that charges model
+        data only, and no MoE-expert chunk."""
+        return (not self.pool.charges_activations
                 and not any(c.subtree_only or c.host_copy_required for c in self.chunks))
 
     def _gather_window_end(self, pos: int) -> int:
         """The first position of the previous step's trace, at or after ``pos``, whose chunk may not be
-        all-gathered ahead: where the forward running now ended in that step (``pos`` itself when
+        all-gathered ahead: where the forward or backward running now ended in that step (``pos`` itself when
         :meth:`gather_prefetch_allowed` says no)."""
         if not self.gather_prefetch_allowed():
             return pos
-        i = bisect.bisect_right(self.prev_forward_ends, pos)
-        return self.prev_forward_ends[i] if i < len(self.prev_forward_ends) else len(self.prev_trace)
+        ends = self.prev_backward_ends if self.backward_pending else self.prev_forward_ends
+        i = bisect.bisect_right(ends, pos)
+        return ends[i] if i < len(ends) else len(self.prev_trace)
 
     def drain_gathers(self) -> None:
         """Wait for every all-gather issued ahead (at the start of backward and at the optimizer step: a
@@ -435,19 +507,24 @@ class ChunkManager:
         if self.trace:
             self.prev_trace = self.trace
             self.prev_forward_ends = self._forward_ends
+            self.prev_backward_ends = self._backward_ends
+            self.prev_grad_at = self._grad_at
             positions: dict[int, list[int]] = defaultdict(list)
             for i, cid in enumerate(self.trace):
                 positions[cid].append(i)
             self.prev_positions = dict(positions)
         self.trace = []
         self._forward_ends = []
+        self._backward_ends = []
+        self._grad_at = []
         self.grads_pending = False  # consumed by the step
         self.hide_stale()
         now = self.counters.as_dict()
         self.last_step = {f"step_{k}": now[k] - self._step_start.get(k, 0)
                           for k in ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes",
                                     "num_evictions", "num_onloads", "num_prefetches", "num_prefetched_gathers",
-                                    "num_blocking_gathers", "num_refreshes_ahead", "gather_wait_s", "reduce_wait_s")}
+                                    "num_blocking_gathers", "num_refreshes_ahead", "gather_wait_s", "reduce_wait_s",
+                                    "num_prefetched_act_onloads", "num_blocking_act_onloads")}
         self.last_step["step_device_peak_bytes"] = self.counters.device_peak_bytes
         self._step_start = now
         self.sync_activation_bytes()
@@ -632,6 +709,9 @@ class ChunkManager:
             if chunk.grad_full is not None:
                 self._reduce(chunk)
         self.drain_reduces()
+        self.drain_gathers()  # a gather issued ahead for a chunk this backward did not use
+        if len(self.trace) < _MAX_TRACE:
+            self._backward_ends.append(len(self.trace))
         if self.reduce_stream is not None:
             torch.cuda.current_stream().wait_stream(self.reduce_stream)
         self._merge_flags()

@@ -43,7 +43,7 @@ step (per parameter view ``optim_tensor_s`` plus elements at the host/device Ada
 copies refreshing compute copies whose master lives elsewhere (copies within a CUDA device at its memory
 rate, :func:`_local_copy_rate`; across PCIe at the copy bandwidth, overlapping the next forward on CUDA). Where copies overlap compute
 (``hardware.can_overlap``, CUDA) a local onload may start ``prefetch_depth`` events early on its own stream;
-with several ranks a forward all-gather may, on any device; everything else on CPU is serial. See
+with several ranks an all-gather may, on any device; everything else on CPU is serial. See
 [Note: overlap] for exactly what overlaps.
 
 [Note: overlap] The model overlaps exactly what the runtime overlaps:
@@ -59,8 +59,13 @@ with several ranks a forward all-gather may, on any device; everything else on C
   keeps gathers in the hooks: with ``activations_on_device`` (the whole-device budget, whose activation
   charges are rank-local) or a model with subtree units (``ChunkedStep.gather_prefetch``, MoE experts), nor
   for the first ``prefetch_depth`` events (nothing runs ahead of them);
-* **backward all-gathers** (re-gathers of evicted chunks without a host copy) are never prefetched: they run
-  inside the pre-backward hook and the compute waits for them (and for gathers queued before them);
+* a **backward all-gather** (the re-gather of an evicted chunk without a host copy) is issued ahead the same
+  way where the runtime finds room for it without evicting a chunk the step still uses ([Note: backward gather
+  prefetch] in ``hf_elixir/chunk/manager.py``): priced as ahead when, at its event, the free pool plus the
+  cached trained chunks with no later use cover it. The runtime decides ``prefetch_depth`` events earlier and
+  also reserves the gradient buffers charged in between, so at the tightest budgets it may keep a gather in
+  the hook that this prices as ahead. Other backward gathers run inside the pre-backward hook and the compute
+  waits for them (and for gathers queued before them);
 * the reduce-scatter (or replicated all-reduce) of a chunk whose optimizer state is on the device runs on the
   manager's reduce stream, overlapping the rest of backward ([Note: reduce overlap] in ``chunk/chunk.py``);
   a host-optimizer chunk's reduce stays on the compute stream, its device->host gradient copy runs on the
@@ -151,6 +156,8 @@ class Prediction:
     timeline: list[tuple[float, int, str]] = field(default_factory=list)  # (time s, device bytes, label)
     chunk_onloads: dict[int, int] = field(default_factory=dict)
     cache_blocks: int = 0
+    # all-gathers priced as issued ahead of their event, in forward and in backward ([Note: overlap])
+    gathers_ahead: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -407,6 +414,20 @@ def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, i
     return resident + shards + optim, host_params + host_optim, breakdown
 
 
+def _backward_room(step: ChunkedStep, k: int, depth: int, cached: dict[int, int], last_seen: dict[int, float],
+                   free: int) -> bool:
+    """Whether the backward all-gather of event ``k`` goes ahead ([Note: overlap]): ``free`` pool bytes (after
+    it) plus the cached trained chunks with no later use, other than those the events since the runtime's
+    decision (``depth`` events earlier, when they were pinned or in its window) access, are not negative; and
+    that decision was made in backward too."""
+    if step.event_phase[k - depth] != "bwd":
+        return False
+    window = {c for j in range(k - depth, k + 1) for c in step.groups[j]}
+    dead = sum(n for c, n in cached.items() if c not in window and last_seen.get(c, _INF) == _INF
+               and step.trained_numels[c])
+    return free + dead >= 0
+
+
 def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_bytes: int | None = None,
             activations_on_device: bool = False, timeline: bool = False,
             overlap_host_optimizer: bool = True, host_budget_bytes: int | None = None) -> Prediction | None:
@@ -480,6 +501,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     starts: list[float] = []
     points: list[tuple[float, int, str]] = []
     gathered: set[int] = set()  # ws > 1: gathered this step (with host copies later refills are local copies)
+    gathers_ahead: dict[str, int] = {}
+    onload_issue: float | None = None  # when the copy back of the next offloaded block may start
 
     def finish_reduce() -> None:
         nonlocal used, grad_live
@@ -507,12 +530,13 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     for k, group in enumerate(step.groups):
         for c in group:
             last_seen[c] = next_use[k][c]
-        if k in step.offload_before:  # an offloaded block's activations come back; its backward waits
+        if k in step.offload_before:  # an offloaded block's activations come back; its backward waits for them
             nbytes = step.offload_before[k]
             h2d_bytes += nbytes
-            if hardware.can_overlap:
-                t_act = max(t_act, t_compute) + nbytes / h2d_rate
-                t_compute = t_act
+            if hardware.can_overlap:  # issued when the previous offloaded block's backward started, if any
+                t_act = max(t_act, t_compute if onload_issue is None else onload_issue) + nbytes / h2d_rate
+                t_compute = max(t_compute, t_act)
+                onload_issue = t_compute  # [Note: activation onload ahead]: the next block's copies start now
             else:
                 t_compute += nbytes / h2d_rate
         issue = starts[k - knobs.prefetch_depth] if overlap and k >= knobs.prefetch_depth else t_compute
@@ -527,6 +551,9 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             full = step.full_bytes(c)
             collective = ws > 1 and (c not in gathered or not knobs.host_copies)
             staging = step.shard_numel(c) * b if collective and c not in knobs.device_shard else 0
+            ahead = collective and gather_ahead and k >= knobs.prefetch_depth and (
+                step.event_phase[k] == "fwd" or _backward_room(step, k, knobs.prefetch_depth, cached, last_seen,
+                                                               pool_bytes - used - full - staging))
             if not make_room(full + staging, group, k):
                 return None
             used += full
@@ -549,7 +576,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             if overlap and not collective:  # side-stream prefetch of a local copy (ChunkManager._prefetch)
                 t_copy = max(t_copy, issue) + copy_s
                 ready = max(ready, t_copy)
-            elif collective and gather_ahead and step.event_phase[k] == "fwd" and k >= knobs.prefetch_depth:
+            elif ahead:
+                gathers_ahead[step.event_phase[k]] = gathers_ahead.get(step.event_phase[k], 0) + 1
                 gather_s = full / ag_rate  # issued ahead, waited by this event ([Note: overlap])
                 if not hardware.can_overlap:  # off CUDA the staging onload runs on the compute thread
                     t_compute += copy_s - gather_s
@@ -676,6 +704,6 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         onloads=onloads, h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes, allgather_bytes=ag_bytes,
         reduce_scatter_bytes=rs_bytes, device_model_bytes=peak, device_peak_bytes=device_peak,
         host_bytes=host_bytes, host_snapshot_bytes=snapshot_bytes, breakdown=breakdown, timeline=points,
-        chunk_onloads=chunk_onloads,
+        chunk_onloads=chunk_onloads, gathers_ahead=gathers_ahead,
         cache_blocks=max(0, (pool_bytes - fixed - step.grad_peak_bytes) // max(1, chunk_bytes)),
     )
