@@ -26,7 +26,7 @@ from hf_elixir.chunk import strict
 from hf_elixir.chunk.chunk import Chunk, ParamSlot
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.config import ElixirConfig
-from hf_elixir.optim._overlap import HostLane
+from hf_elixir.optim._overlap import HostLane, speculates
 from hf_elixir.optim.loss_scaler import DynamicLossScaler
 
 __all__ = ["ElixirOptimizer", "SUPPORTED_OPTIMIZERS", "optimizer_state_numel_factor"]
@@ -135,8 +135,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         # [Note: host lane] in _overlap.py: offloaded gradients taken over, host step overlapped with backward
         self._lane: HostLane | None = None
         if any(c.trainable and not c.optim_on_device for c in manager.chunks):
-            overlap = config.overlap_host_optimizer
-            self._lane = HostLane(self, speculate=overlap is None or overlap,
+            self._lane = HostLane(self, speculate=speculates(config.overlap_host_optimizer, manager.compute_device),
                                   state_numel_factor=optimizer_state_numel_factor(optimizer))
 
     def add_param_group(self, param_group: dict) -> None:
