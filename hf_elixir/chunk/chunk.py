@@ -455,7 +455,7 @@ class Chunk(ChunkBytes):
                 return
             self.manager.make_room(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
             self.manager.pool.charge(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
-            self.grad_full = torch.zeros(self.chunk_numel, dtype=self.grad_dtype, device=self.compute_device)
+            self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype)
         with torch.no_grad():
             self.grad_full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
 
@@ -509,7 +509,7 @@ class Chunk(ChunkBytes):
                 return None
             self.manager.make_room(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
             pool.charge(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
-            self.grad_full = torch.zeros(self.chunk_numel, dtype=self.grad_dtype, device=self.compute_device)
+            self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype)
         # [Note: reduce overlap] on CUDA, with the optimizer state on the device, the reduce-scatter and
         # the accumulation into the shard gradient run on the manager's reduce stream, overlapping the
         # rest of backward; record_stream keeps the caching allocator from reusing the buffers early and
@@ -526,7 +526,7 @@ class Chunk(ChunkBytes):
                 shard_grad_bytes = self.grad_full_bytes // self.world_size
                 self.manager.make_room(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
                 pool.charge(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
-                out = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.compute_device)
+                out = self.manager.grad_buffer(self.shard_numel, self.grad_dtype, zero=False)
                 work = reduce_scatter_single(out, grad_full, op=dist.ReduceOp.SUM, group=self.group,
                                              async_op=async_op)
                 counters.reduce_scatter_bytes += self.grad_full_bytes
@@ -555,7 +555,9 @@ class Chunk(ChunkBytes):
                     out.record_stream(stream)
             if shard_grad_bytes:
                 pool.release(shard_grad_bytes)
+                self.manager.recycle_buffer(out)
             pool.release(self.grad_full_bytes)
+            self.manager.recycle_buffer(grad_full)
 
         if async_op and work is not None:
             return finish
