@@ -213,6 +213,8 @@ def _elixir_options(name: str, cfg: SuiteConfig) -> dict[str, Any]:
         return {"default_placement": "sharded"}
     if name == "elixir_budget_replicated":
         return {"budget_fraction": cfg.budget_fraction, "default_placement": "replicated"}
+    if name == "elixir_search_sharded":
+        return {"budget_fraction": cfg.budget_fraction, "search": True, "default_placement": "sharded"}
     return {}
 
 

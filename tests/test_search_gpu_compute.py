@@ -158,11 +158,13 @@ def test_host_optimizer_steps_on_the_lane_during_backward(precision):
     gradient is on the host; the optimizer step pays only what the lane has left, and the host holds the
     rollback snapshots."""
     model, sample = tiny_model("gpt2"), batch("gpt2", 0, 2, seq=8)
+    # the host step dominates; the compute is slow enough that backward outlasts the lane's snapshot copies
+    # (which the lane pays before it steps a chunk), so overlapping the rest with backward wins
+    slow_host = replace(_gpu(), host_adam_numel_per_s=1e6, device_flops_per_s=1e8, device_fp32_flops_per_s=1e8)
     step = build_chunked_step(profile_step(model, sample, device="cpu", count_flops=True), 4096, world_size=1,
-                              precision=precision, hardware=_gpu())
+                              precision=precision, hardware=slow_host)
     everything = frozenset(range(step.num_chunks))
     knobs = Knobs(resident=everything, device_shard=everything)  # every optimizer state on the host
-    slow_host = replace(_gpu(), host_adam_numel_per_s=1e6)  # the host step dominates
     serial = predict(step, knobs, slow_host, pool_bytes=GIB, overlap_host_optimizer=False)
     lane = predict(step, knobs, slow_host, pool_bytes=GIB)
     trained = [c for c in range(step.num_chunks) if step.trained_numels[c]]
@@ -181,7 +183,9 @@ def test_host_optimizer_steps_on_the_lane_during_backward(precision):
     half = predict(step, knobs, slow_host, pool_bytes=GIB,
                    host_budget_bytes=serial.host_bytes + lane.host_snapshot_bytes // 2)
     assert 0 < half.host_snapshot_bytes <= lane.host_snapshot_bytes // 2
-    assert lane.step_s <= half.step_s * (1 + 1e-12) and half.step_s <= serial.step_s * (1 + 1e-12)
+    # both beat the serial step; more snapshots are not always faster: a chunk reduced at the very end of
+    # backward gains nothing from the lane and still pays its snapshot copy
+    assert lane.step_s < serial.step_s and half.step_s < serial.step_s
 
 
 def test_plan_device_tflops_applies_to_fp32_plans_too(monkeypatch):

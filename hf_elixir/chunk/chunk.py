@@ -515,7 +515,7 @@ class Chunk(ChunkBytes):
                     direct[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
                 return
             self.manager.charge_grad_bytes(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
-            self.grad_full = torch.zeros(self.chunk_numel, dtype=self.grad_dtype, device=self.compute_device)
+            self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype)
         with torch.no_grad():
             self.grad_full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
 
@@ -542,7 +542,6 @@ class Chunk(ChunkBytes):
         fixed order, even when it received no gradient for the chunk (zeros), so ranks never hang.
         """
         counters = self.manager.counters
-        pool = self.manager.pool
         direct = self.direct_grad_shard() if self.grad_full is None else None
         if direct is not None:  # gradients are already in the optimizer's shard
             self._mark_reduced()
@@ -568,7 +567,7 @@ class Chunk(ChunkBytes):
                 self._mark_reduced()  # no collective to join: adding zeros changes nothing
                 return None
             self.manager.charge_grad_bytes(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
-            self.grad_full = torch.zeros(self.chunk_numel, dtype=self.grad_dtype, device=self.compute_device)
+            self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype)
         # [Note: reduce overlap] on CUDA, with the optimizer state on the device, the reduce-scatter and
         # the accumulation into the shard gradient run on the manager's reduce stream, overlapping the
         # rest of backward; record_stream keeps the caching allocator from reusing the buffers early and
@@ -584,7 +583,7 @@ class Chunk(ChunkBytes):
             if self.world_size > 1:
                 shard_grad_bytes = self.grad_full_bytes // self.world_size
                 self.manager.charge_grad_bytes(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
-                out = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.compute_device)
+                out = self.manager.grad_buffer(self.shard_numel, self.grad_dtype, zero=False)
                 work = reduce_scatter_single(out, grad_full, op=dist.ReduceOp.SUM, group=self.group,
                                              async_op=async_op)
                 counters.reduce_scatter_bytes += self.grad_full_bytes
@@ -612,6 +611,9 @@ class Chunk(ChunkBytes):
                     grad_full.record_stream(stream)
                     out.record_stream(stream)
             self.manager.release_grad_bytes(shard_grad_bytes + self.grad_full_bytes)
+            if shard_grad_bytes:
+                self.manager.recycle_buffer(out)
+            self.manager.recycle_buffer(grad_full)
 
         if async_op and work is not None:
             return finish

@@ -14,6 +14,18 @@ forward used on this rank have their gradients, or it holds only MoE-expert para
 forward used: [Note: idle experts] in hooks.py); whatever is left is flushed at the end of backward.
 Ranks whose MoE experts got no tokens therefore issue the same collectives in the same order.
 
+[Note: late reduce waits] (issue 14: blocked-wait time.) Off CUDA a gradient collective is issued with
+``async_op=True`` as soon as its chunk is complete and finished (waited, divided, added into the gradient
+shard) as late as possible: two reduces later during backward, and after backward only when something reads
+the gradient shards. The chunks completed last (the embeddings', used first in forward) are ready only when
+backward ends, so their collectives cannot overlap backward's compute; they overlap the optimizer step
+instead, which steps the chunks whose reduce has finished first (``ElixirOptimizer._inner_step``). The
+has-gradient flags' all-reduce (small, needed by the step's host read) is issued just before the last
+chunk's collective (gloo runs two collectives at a time per group, so it does not queue behind both big
+ones): collective order ``[... chunks, flags, last chunk, re-reduces]``, the same on every rank. Every reader
+of gradient shards or flags calls :meth:`drain_reduces` first: the optimizer's step / clipping / state,
+``zero_grad``, ``clear_param_grad``, the next backward; ``make_room`` finishes them when it needs room.
+
 [Note: gather prefetch] (FSDP2's all-gather prefetch; issue 14 item 1.) During forward, :meth:`_prefetch`
 issues the all-gathers of the next ``prefetch_depth`` chunks of the previous step's order ahead of their
 use: on CUDA on the copy stream (the compute stream waits for its event), elsewhere with ``async_op=True``
@@ -120,6 +132,8 @@ class ChunkManager:
         # device->host copies of reduced gradient shards of host-optimizer chunks ([Note: gradient offload])
         self.offload_stream = torch.cuda.Stream() if compute_device.type == "cuda" else None
         self._grad_staging: dict[int, torch.Tensor] = {}  # chunk id -> fp32 host [shard_numel]
+        # off CUDA, gradient buffers whose reduce finished, kept for the next backward ([Note: buffer reuse])
+        self._free_buffers: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         self._offload_done: dict[int, object] = {}  # chunk id -> callable waiting for its last host add
         # ``on_grad_offloaded(chunk, staging, event)`` takes over a host gradient (the optimizer's host lane)
         # and may return a callable that waits until it has consumed ``staging``; ``host_fence(chunk)`` is
@@ -132,7 +146,7 @@ class ChunkManager:
         # off CUDA, gradient collectives are issued asynchronously and finished a few chunks later
         self.async_reduce = compute_device.type != "cuda"
         self.max_pending_reduces = 2
-        self._pending: list = []
+        self._pending: list[tuple[int, object]] = []  # (chunk id, callable finishing its reduce), issue order
         # off CUDA, all-gathers issued ahead are async collectives waited at the chunk's access
         self.async_gather = compute_device.type != "cuda"
         self._pending_gathers: list[Chunk] = []
@@ -253,6 +267,28 @@ class ChunkManager:
         """:meth:`host_empty` filled with zeros (a fresh range of an unpinned block is not written: it stays
         out of the resident set until first used, see [Note: zero pages] in ``host_blocks.py``)."""
         return strict.register_host(self.host.zeros(numel, dtype))
+
+    def grad_buffer(self, numel: int, dtype: torch.dtype, zero: bool = True) -> torch.Tensor:
+        """A device tensor ``[numel]`` of ``dtype`` for a gradient buffer or a reduce-scatter output (the caller
+        charges the pool): zero-filled unless ``zero`` is False.
+
+        [Note: buffer reuse] On CUDA this is ``torch.zeros`` / ``torch.empty``: the caching allocator reuses
+        freed blocks. Off CUDA a fresh tensor of a chunk's size is a new ``mmap`` every time, whose pages fault
+        in as they are first written (~50-75 ms per 147 MiB buffer, each backward, for every chunk); the buffers
+        :meth:`recycle_buffer` got back are reused instead, as the caching allocator would (the pool still
+        charges a buffer only while it is in use; the ones kept are the same few the step's peak needed, and
+        they stay in host RAM between backwards, as DDP's gradient buckets do).
+        """
+        free = self._free_buffers.get((numel, dtype))
+        if free:
+            buffer = free.pop()
+            return buffer.zero_() if zero else buffer
+        return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=self.compute_device)
+
+    def recycle_buffer(self, buffer: torch.Tensor) -> None:
+        """Give back a :meth:`grad_buffer` tensor nothing reads any more ([Note: buffer reuse]; CUDA: dropped)."""
+        if self.compute_device.type != "cuda":
+            self._free_buffers[(buffer.numel(), buffer.dtype)].append(buffer)
 
     def host_free(self, tensor: torch.Tensor) -> None:
         """Give back a tensor :meth:`host_empty` returned (drop every reference to it)."""
@@ -503,6 +539,7 @@ class ChunkManager:
 
     def end_step(self) -> None:
         """Called at the optimizer step: the current trace becomes the reference for eviction."""
+        self.drain_reduces()
         self.drain_gathers()
         if self.trace:
             self.prev_trace = self.trace
@@ -576,6 +613,7 @@ class ChunkManager:
         """
         if self.backward_pending:
             return
+        self.drain_reduces()  # the previous backward's last reduces ([Note: late reduce waits])
         if self._trainable_chunks and not self.grad_shards:
             raise RuntimeError("backward through a model prepared without an optimizer (hf_elixir.prepare(model, "
                                "None, ...) is for inference): pass the optimizer to prepare to train, or run the "
@@ -611,7 +649,10 @@ class ChunkManager:
         return not chunk.used_slots and chunk.subtree_only
 
     def _reduce_ready_prefix(self) -> None:
-        while self._reduce_cursor < len(self._reduce_order):
+        # off CUDA the last chunk of the order is issued by finish_backward, after the has-gradient flags
+        # ([Note: late reduce waits])
+        last = len(self._reduce_order) - int(self.async_reduce)
+        while self._reduce_cursor < last:
             chunk = self._reduce_order[self._reduce_cursor]
             if not self._chunk_ready(chunk):
                 return
@@ -626,7 +667,7 @@ class ChunkManager:
             self.counters.reduce_wait_s += time.perf_counter() - started
         chunk.arrived_slots.clear()
         if finish is not None:
-            self._pending.append(self._timed_wait(finish) if collective else finish)
+            self._pending.append((chunk.chunk_id, self._timed_wait(finish) if collective else finish))
             while len(self._pending) > self.max_pending_reduces:
                 self._finish_reduce()
 
@@ -690,31 +731,47 @@ class ChunkManager:
         return timed
 
     def _finish_reduce(self) -> None:
-        self._pending.pop(0)()
+        self._pending.pop(0)[1]()
 
     def drain_reduces(self) -> None:
-        """Wait for every in-flight gradient collective and accumulate its result."""
+        """Wait for every in-flight gradient collective and accumulate its result (see [Note: late reduce
+        waits]: every reader of gradient shards or has-gradient flags calls this first)."""
         while self._pending:
             self._finish_reduce()
 
+    def reduces_in_flight(self) -> set[int]:
+        """Ids of the chunks whose gradient collective is still to be finished ([Note: late reduce waits])."""
+        return {cid for cid, _ in self._pending}
+
     def finish_backward(self) -> None:
         """End-of-backward callback: flush remaining reduce-scatters in the fixed order, merge the
-        has-gradient flags over ranks, drop backward pins."""
-        while self._reduce_cursor < len(self._reduce_order):
+        has-gradient flags over ranks, drop backward pins. Off CUDA the last reduces stay in flight
+        ([Note: late reduce waits])."""
+        last = len(self._reduce_order) - int(self.async_reduce)
+        while self._reduce_cursor < last:
             self._reduce(self._reduce_order[self._reduce_cursor])
             self._reduce_cursor += 1
+        if self.async_reduce:
+            while len(self._pending) > 1:  # at most one collective in flight beside the flags' all-reduce
+                self._finish_reduce()
+            self._merge_flags()
+            while self._reduce_cursor < len(self._reduce_order):
+                self._reduce(self._reduce_order[self._reduce_cursor])
+                self._reduce_cursor += 1
         # a gradient that arrived after its chunk was reduced (a parameter used in two reentrant
         # checkpoint segments) is reduced once more; structural, so every rank does the same
         for chunk in self._reduce_order:
             if chunk.grad_full is not None:
                 self._reduce(chunk)
-        self.drain_reduces()
+        if not self.async_reduce:
+            self.drain_reduces()
         self.drain_gathers()  # a gather issued ahead for a chunk this backward did not use
         if len(self.trace) < _MAX_TRACE:
             self._backward_ends.append(len(self.trace))
-        if self.reduce_stream is not None:
-            torch.cuda.current_stream().wait_stream(self.reduce_stream)
-        self._merge_flags()
+        if not self.async_reduce:
+            if self.reduce_stream is not None:
+                torch.cuda.current_stream().wait_stream(self.reduce_stream)
+            self._merge_flags()
         self.sync_activation_bytes()
         for chunk in self.chunks:
             chunk.used_slots.clear()
@@ -744,6 +801,7 @@ class ChunkManager:
     def zero_grad(self, keep_has_grad: bool = False) -> None:
         """Zero every gradient shard; ``keep_has_grad``: parameters that had a gradient keep a (zero)
         one for the next step (``zero_grad(set_to_none=False)``), else they have none until backward."""
+        self.drain_reduces()
         if self.host_fence is not None:
             self.host_fence(None)  # host work on the gradient shards ends (and speculative steps are undone)
         for grad_shard in self.grad_shards.values():
@@ -764,6 +822,7 @@ class ChunkManager:
             return  # backward's own hook clears p.grad after moving it into the chunk
         chunk = self.chunk_of[param]
         grad_shard = self.grad_shards.get(chunk.chunk_id)
+        self.drain_reduces()
         if self.host_fence is not None:
             self.host_fence(None)
         if grad_shard is not None:

@@ -32,6 +32,15 @@ or writes master shards, optimizer states or gradient shards: ``clip_grad_norm``
 ``zero_grad`` (also ``model.zero_grad()``), the state dicts, a shard being unsharded. ``zero_grad``
 and the state dicts before ``step()`` roll every speculative update back.
 
+[Note: lane off the CPU device] The lane gains only where its thread runs beside compute that is not on the
+host's cores: with a CUDA compute device the CPU is idle during backward. Where the compute device is the CPU
+(the simulated device), the lane's thread shares the cores with the ranks' own compute, so the host update
+costs the same CPU time as in ``step()`` plus what speculation adds: the snapshot copies (``(1 + k) * 4``
+bytes per shard element copied every step, and as many bytes of host RAM held), which on GPT-2 124M at 2 ranks
+were 1.3 GiB of RAM per rank and ~0.3 s of copies per step. So ``overlap_host_optimizer=None`` speculates on
+CUDA only; ``True`` forces it (tests of the lane run it on CPU), and the cost model prices exactly that
+(``hf_elixir.search._cost``, [Note: overlap]).
+
 Memory: each speculatively stepped chunk keeps a host snapshot of ``(1 + k) * 4 * shard_numel`` bytes
 (``k`` optimizer states per element, Adam 2; fp16: ``(2 + k) * 4``), allocated once and counted in
 ``host_bytes``. Snapshots are taken only while they fit what ``ElixirConfig.host_memory_budget_bytes``
@@ -51,7 +60,18 @@ import torch
 from hf_elixir.chunk import strict
 from hf_elixir.chunk.memory import default_host_budget_bytes
 
-__all__ = ["HostLane"]
+__all__ = ["HostLane", "speculates"]
+
+
+def speculates(overlap_host_optimizer: bool | None, compute_device: torch.device) -> bool:
+    """Whether the host lane steps host chunks during backward (``ElixirConfig.overlap_host_optimizer``).
+
+    ``None`` (the default) resolves by the compute device ([Note: lane off the CPU device]): on where
+    the compute runs on an accelerator (CUDA), off where the compute device is the host's own CPU.
+    """
+    if overlap_host_optimizer is None:
+        return compute_device.type == "cuda"
+    return bool(overlap_host_optimizer)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from hf_elixir.chunk import strict
 from hf_elixir.chunk.chunk import Chunk, ParamSlot
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.config import ElixirConfig
-from hf_elixir.optim._overlap import HostLane
+from hf_elixir.optim._overlap import HostLane, speculates
 from hf_elixir.optim.loss_scaler import DynamicLossScaler
 
 __all__ = ["ElixirOptimizer", "SUPPORTED_OPTIMIZERS", "optimizer_state_numel_factor"]
@@ -145,8 +145,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         # [Note: host lane] in _overlap.py: offloaded gradients taken over, host step overlapped with backward
         self._lane: HostLane | None = None
         if any(c.trainable and not c.optim_on_device for c in manager.chunks):
-            overlap = config.overlap_host_optimizer
-            self._lane = HostLane(self, speculate=overlap is None or overlap,
+            self._lane = HostLane(self, speculate=speculates(config.overlap_host_optimizer, manager.compute_device),
                                   state_numel_factor=optimizer_state_numel_factor(optimizer))
 
     def add_param_group(self, param_group: dict) -> None:
@@ -404,6 +403,9 @@ class ElixirOptimizer(torch.optim.Optimizer):
             self._lane.join()
         if not self.scaler.enabled:
             return
+        self.manager.drain_reduces()  # every gradient is read here ([Note: late reduce waits])
+        if self._lane is not None:
+            self._lane.join()
         inv = 1.0 / self.scaler.scale
         device = self.manager.compute_device
         found = torch.zeros(1, dtype=torch.float32, device=device)
@@ -467,6 +469,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
             gradients overflowed, and then nothing is scaled). Reading it (``float(norm)``) is a
             host sync the caller chooses.
         """
+        self.manager.drain_reduces()  # the norm reads every gradient ([Note: late reduce waits])
         self._unscale()
         norm_type = float(norm_type)
         local = self._local_norm(norm_type)
@@ -511,6 +514,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
             raise ValueError("ElixirOptimizer.step(closure) is not supported; call forward/backward before step()")
         assert not self.manager.backward_pending, "optimizer.step() called while a backward is still running"
         self._check_groups_unchanged()
+        if self._lane is not None and self._lane.speculate:
+            self.manager.drain_reduces()  # the lane takes every offloaded gradient before it is validated
         self.manager.join_side_streams()
         if self._lane is not None:
             self._lane.join()
@@ -534,6 +539,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
                         g.mul_(host_coef)
             if self.inner is not None:
                 self._inner_step(flags, done)
+            self.manager.drain_reduces()
             self._fused_step(flags)
             self.scaler.update(False)
             self._refresh_compute_copies()
@@ -557,10 +563,19 @@ class ElixirOptimizer(torch.optim.Optimizer):
 
     def _inner_step(self, flags: list[float], done: set[int] = frozenset()) -> None:
         """Step every view with a gradient (``flags``) except those of the chunks in ``done`` (stepped
-        during backward by the host lane, [Note: host lane])."""
-        self._run_inner([[t for t in full if flags[self._flag_of(t)] > 0
-                          and self._view_by_tensor[id(t)].chunk.chunk_id not in done]
-                         for full in self._full_group_params])
+        during backward by the host lane, [Note: host lane]): first the chunks whose gradient collective has
+        finished, then, after waiting for the others, the rest ([Note: late reduce waits] in
+        ``hf_elixir/chunk/manager.py``). Each view's update is independent, so the split changes no result."""
+        manager = self.manager
+        todo = [[t for t in full if flags[self._flag_of(t)] > 0 and self._view_by_tensor[id(t)].chunk.chunk_id
+                 not in done] for full in self._full_group_params]
+        late = manager.reduces_in_flight()
+        if late:
+            self._run_inner([[t for t in group if self._view_by_tensor[id(t)].chunk.chunk_id not in late]
+                             for group in todo])
+            manager.drain_reduces()
+            todo = [[t for t in group if self._view_by_tensor[id(t)].chunk.chunk_id in late] for group in todo]
+        self._run_inner(todo)
 
     def _step_views(self, views: list[_ShardView]) -> None:
         """Step exactly ``views`` with the param groups' current hyperparameters (the host lane's
@@ -589,6 +604,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
     def settle_host_steps(self) -> None:
         """Join the host lane and undo its speculative updates ([Note: host lane]): masters and optimizer
         states as the last ``step()`` left them. Called before they are read or written outside ``step``."""
+        if not self.manager.backward_pending:
+            self.manager.drain_reduces()
         if self._lane is not None and not self.manager.backward_pending:
             self._lane.settle(restore_grads=not self._unscaled)
 

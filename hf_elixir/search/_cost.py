@@ -71,16 +71,19 @@ with several ranks an all-gather may, on any device; everything else on CPU is s
   a host-optimizer chunk's reduce stays on the compute stream, its device->host gradient copy runs on the
   offload stream on CUDA ([Note: gradient offload] in ``chunk/manager.py``; on CPU it is a plain copy on the
   compute timeline);
-* with ``overlap_host_optimizer`` (the runtime's default) each host-optimizer chunk is stepped on the host
-  lane's one worker thread as soon as its gradient is on the host ([Note: host lane] in
-  ``optim/_overlap.py``): a serial lane timeline ``t_lane`` beside backward when the compute is not on the
-  host (``hardware.can_overlap``, CUDA); the step then waits only for what the lane has left,
-  ``max(0, t_lane - end of backward)``. Off CUDA the "device" is the host's own cores, which the lane's
-  thread shares with the compute: priced as the serial host step (what a busy machine gets). Rollbacks
-  (clipping triggered, fp16 overflow) are priced as rare, i.e. not at all. Their snapshots (``(1 + k) * 4``
-  bytes per host shard element, fp16 ``(2 + k) * 4``) are taken in reduce order while they fit the host
-  budget, as the runtime does; ``Prediction.host_snapshot_bytes`` reports them apart from ``host_bytes``.
-  Without it the optimizer step starts after backward ends and updates the host shards (``ElixirOptimizer._inner_step``);
+* with ``overlap_host_optimizer`` (the runtime's default on CUDA; ``None`` resolves as
+  :func:`hf_elixir.optim._overlap.speculates` does, [Note: lane off the CPU device]) each host-optimizer chunk
+  is snapshotted and stepped on the host lane's one worker thread as soon as its gradient is on the host
+  ([Note: host lane] in ``optim/_overlap.py``): a serial lane timeline ``t_lane`` beside backward when the
+  compute is not on the host (``hardware.can_overlap``, CUDA), each chunk paying its snapshot copy (at the
+  host copy rate, :func:`_host_copy_rate`) and its update; the step then waits only for what the lane has
+  left, ``max(0, t_lane - end of backward)``. Off CUDA (``overlap_host_optimizer=True`` on CPU) the "device"
+  is the host's own cores, which the lane's thread shares with the compute: priced as the serial host step
+  plus the snapshot copies. Rollbacks (clipping triggered, fp16 overflow) are priced as rare, i.e. not at all.
+  The snapshots (``(1 + k) * 4`` bytes per host shard element, fp16 ``(2 + k) * 4``) are taken in reduce
+  order while they fit the host budget, as the runtime does; ``Prediction.host_snapshot_bytes`` reports them
+  apart from ``host_bytes``. Without the lane the optimizer step starts after backward ends and updates the
+  host shards (``ElixirOptimizer._inner_step``);
 * the device shards (``_fused_step``) follow the host part: ``host + device``, never ``max(host, device)``;
 * the refresh of a compute copy whose shard is on the device and whose master is on the host is an upload
   ([Note: overlapped refresh] in ``optim/optimizer.py``): the master is cast on the host into a staging buffer
@@ -349,6 +352,13 @@ def optim_bytes_per_numel(precision: str, master: bool = False, optim_states: in
     return 4 + 4 * optim_states + (4 if (master or precision != "fp32") else 0)
 
 
+def _host_copy_rate(hardware: HardwareProfile) -> float:
+    """Bytes/s of a copy within host memory (the host lane's snapshots): the probe's copy rate. Off CUDA that
+    is a memcpy between two host buffers; on CUDA the pinned host<->device rate stands in for it (the probe
+    does not time a host memcpy there; PCIe 4/5 and one thread's memcpy are of the same order)."""
+    return hardware.h2d_bytes_per_s or 1e10
+
+
 def _local_copy_rate(hardware: HardwareProfile) -> float:
     """Bytes/s of a copy within the device (gradient into its buffer, a cast refreshing a compute copy).
     Off CUDA the "device" is host memory: the measured copy rate. On CUDA the copy is bound by HBM, which
@@ -430,18 +440,21 @@ def _backward_room(step: ChunkedStep, k: int, depth: int, cached: dict[int, int]
 
 def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_bytes: int | None = None,
             activations_on_device: bool = False, timeline: bool = False,
-            overlap_host_optimizer: bool = True, host_budget_bytes: int | None = None) -> Prediction | None:
+            overlap_host_optimizer: bool | None = None, host_budget_bytes: int | None = None) -> Prediction | None:
     """Predicted time and memory of ``knobs`` with a model-data pool of ``pool_bytes`` (the
     ``device_memory_budget_bytes`` given to ``prepare``); ``None`` if the step cannot run in it (the
     manager would raise). Without ``pool_bytes`` the pool is the fixed parts plus
     ``knobs.cache_blocks`` chunks plus the gradient-buffer peak. ``overlap_host_optimizer``: as
-    ``ElixirConfig.overlap_host_optimizer`` (its default ``None`` is on), see [Note: overlap];
+    ``ElixirConfig.overlap_host_optimizer``, ``None`` resolved as the runtime does (on for a CUDA device,
+    off on CPU: :func:`hf_elixir.optim._overlap.speculates`), see [Note: overlap];
     ``host_budget_bytes``: this rank's host memory, which bounds the host lane's snapshots (``None``: no bound).
 
     See [Note: time model] and [Note: memory accounting] in this module's docstring.
     """
     ws = step.world_size
     b = DTYPE_BYTES[step.precision]
+    if overlap_host_optimizer is None:  # as hf_elixir.optim._overlap.speculates resolves it
+        overlap_host_optimizer = hardware.device_kind == "cuda"
     held = knobs.resident | knobs.device_shard
     on_device = knobs.resident if ws > 1 else held  # chunks that never need a fill
     fixed, host_bytes, breakdown = fixed_memory(step, knobs)
@@ -449,7 +462,9 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     snapshot_numel_bytes = 4 * (1 + step.optim_states + (step.precision == "fp16"))
     snapshot_room = _INF if host_budget_bytes is None else host_budget_bytes - host_bytes
     snapshot_bytes = 0
+    snapshot_serial_s = 0.0  # snapshot copies off CUDA: on the compute's own cores (serial)
     host_rate = hardware.host_adam_numel_per_s or 1e9
+    host_copy_rate = _host_copy_rate(hardware)
     chunk_bytes = step.chunk_size_numel * b
     if pool_bytes is None:
         pool_bytes = fixed + knobs.cache_blocks * chunk_bytes + step.grad_peak_bytes
@@ -648,10 +663,14 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             else:
                 host_ready = None
             if host_ready is not None and hardware.can_overlap:
-                # the host lane steps the chunk as soon as its gradient is on the host ([Note: host lane])
-                t_lane = max(t_lane, host_ready) + step.shard_numel(c) / host_rate + step.views[c] * hardware.optim_tensor_s
+                # the host lane snapshots and steps the chunk as soon as its gradient is on the host
+                # ([Note: host lane])
+                t_lane = (max(t_lane, host_ready) + snapshot / host_copy_rate + step.shard_numel(c) / host_rate
+                          + step.views[c] * hardware.optim_tensor_s)
                 t_lane += cast_s.get(c, 0.0)  # the upload's host cast, right after the chunk's step
                 lane_chunks.add(c)
+            elif host_ready is not None:  # off CUDA: the lane shares the compute's cores, its copies add up
+                snapshot_serial_s += snapshot / host_copy_rate
             pending.append((g + out, g))
             while len(pending) > (_MAX_PENDING_REDUCES if async_reduce else 0):
                 finish_reduce()
@@ -683,7 +702,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             elif c in held:
                 device_refresh_bytes += step.shard_numel(c) * b
     # what the lane has left when backward ends, then the host chunks it did not step (none unless off)
-    host_s = max(0.0, t_lane - fwd_bwd) + host_numel / host_rate
+    host_s = max(0.0, t_lane - fwd_bwd) + host_numel / host_rate + snapshot_serial_s
     host_s += sum(t for c, t in cast_s.items() if c not in lane_chunks)  # upload casts in the step
     if refresh_done:  # uploads overlap the next forward (priced in its timeline above), not the step
         refresh_bytes -= sum(step.shard_numel(c) * b for c in refresh_done)
