@@ -63,3 +63,47 @@ def test_replicated_chunks_are_ddp_buckets_at_two_ranks():
         assert all(numel == used for numel, used, _ in layout), f"padding in replicated chunks: {layout}"
         assert gathered_bytes == 0 and reduced_bytes == 3 * num_params * 4  # all-reduced once per step, no padding
         assert rel_l2(state, ref.state_dict()) < 1e-5
+
+
+def _whole_shard_passes(rank: int, world_size: int):
+    """The element-wise ops over a whole replicated gradient shard during backward (none expected: the
+    gradients are divided as they land, [Note: pre-divided all-reduce] in chunk.py), and the reduced
+    gradient against the mean of both ranks' gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_elixir.runtime._state import get_state
+
+    model = tiny_model("gpt2")
+    ref = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(budget_covers_activations=False))
+    manager = get_state(model).manager
+    shard_numels = {g.numel() for g in manager.grad_shards.values()}
+    passes = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            first = args[0] if args else None
+            name = func.overloadpacket.__name__
+            if isinstance(first, torch.Tensor) and first.numel() in shard_numels and name.endswith("_"):
+                passes.append(name)  # an in-place op over a whole gradient shard
+            return func(*args, **(kwargs or {}))
+
+    mine = rank_batch("gpt2", 0, rank, world_size, 2)
+    with Record():
+        model(**mine).loss.backward()
+    (cid,) = list(manager.grad_shards)
+    reduced = manager.grad_shards[cid].clone()
+    ref(**batch("gpt2", 0, 2 * world_size)).loss.backward()
+    chunk = manager.chunks[cid]
+    expected = torch.zeros_like(reduced)
+    for slot in chunk.slots:
+        named = dict(ref.named_parameters())[slot.name]
+        expected[slot.offset:slot.offset + slot.numel] = named.grad.reshape(-1)
+    return passes, float((reduced - expected).norm() / expected.norm())
+
+
+def test_replicated_gradients_need_no_pass_after_the_all_reduce():
+    for passes, rel in run_distributed(_whole_shard_passes, 2, timeout_s=180):
+        assert passes == [], passes  # no division (or other) pass over the whole shard
+        assert rel < 1e-5
