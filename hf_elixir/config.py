@@ -149,8 +149,10 @@ class ElixirConfig:
             only where the plan chooses them and they fit this budget. `None`: 80% of this machine's
             RAM (psutil) divided by the ranks on this machine (`LOCAL_WORLD_SIZE`).
         chunk_size_numel (`int`, *optional*):
-            Elements per chunk; must be >= the largest parameter's numel. `None` lets the search (or a
-            heuristic) pick it.
+            Elements per chunk; must be >= the largest parameter's numel, except for `"replicated"`
+            chunks, which are gradient all-reduce buckets: there a larger parameter gets a chunk of its own
+            and every chunk is trimmed to what it holds (DDP's `bucket_cap_mb`). `None` lets the search (or a
+            heuristic) pick it (replicated: DDP's 25 MiB).
         reduce_dtype (`str`, *optional*):
             dtype of the gradient reduce-scatter: `"fp32"` or `None` (= compute precision).
         offload_optimizer (`bool` or `"auto"`, defaults to `"auto"`):

@@ -512,7 +512,11 @@ class Chunk(ChunkBytes):
             direct = self.direct_grad_shard()
             if direct is not None:
                 with torch.no_grad():
-                    direct[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+                    target = direct[slot.offset:slot.offset + slot.numel]
+                    if self.replicate_group is None:
+                        target.add_(grad.reshape(-1))
+                    else:  # [Note: pre-divided all-reduce]
+                        target.add_(grad.reshape(-1), alpha=1.0 / dist.get_world_size(self.replicate_group))
                 return
             self.manager.charge_grad_bytes(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
             self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype)
@@ -552,15 +556,11 @@ class Chunk(ChunkBytes):
             work = dist.all_reduce(direct, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
             counters.reduce_scatter_bytes += self.grad_full_bytes
 
-            def finish_in_place() -> None:
-                if async_op:
-                    work.wait()
-                with torch.no_grad():
-                    direct.div_(dist.get_world_size(group))
-
+            # [Note: pre-divided all-reduce] the gradients were divided by the group's size as they were added
+            # into the shard (DDP divides its buckets before the all-reduce too), so the sum is the mean: no
+            # pass over the whole shard after the collective
             if async_op:
-                return finish_in_place
-            finish_in_place()
+                return work.wait
             return None
         if self.grad_full is None:  # no gradient on this rank (idle experts, unused branch)
             if self.world_size == 1 and self.replicate_group is None:

@@ -270,7 +270,7 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
     replicate_world_size = world_size if replicated else 1
     if replicated:
         world_size = 1
-    layout = pack_chunks(profile.param_numels, chunk_size_numel, world_size)
+    layout = pack_chunks(profile.param_numels, chunk_size_numel, world_size, bucket_packing=replicated)
     chunk_of = {m: c for c, members in enumerate(layout.members) for m in members}
     policy = resolve_policy(profile, activation_policy if activation_policy is not None else activation_checkpointing)
     recompute = {b for b, kind in policy.items() if kind == "recompute"}
