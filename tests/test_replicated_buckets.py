@@ -93,6 +93,7 @@ def _whole_shard_passes(rank: int, world_size: int):
     with Record():
         model(**mine).loss.backward()
     (cid,) = list(manager.grad_shards)
+    manager.drain_reduces()  # off CUDA the last all-reduce finishes at the next reader ([Note: late reduce waits])
     reduced = manager.grad_shards[cid].clone()
     ref(**batch("gpt2", 0, 2 * world_size)).loss.backward()
     chunk = manager.chunks[cid]
