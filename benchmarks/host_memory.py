@@ -52,6 +52,7 @@ WARMUP_MODEL = dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=6
 BATCH, SEQ, STEPS, LR = 2, 64, 3, 1e-4
 STATE_BYTES_PER_PARAM = 16  # fp32 parameter + gradient + two Adam moments
 MIB = 2**20
+_OVERLAP_ENV = "HF_ELIXIR_BENCH_OVERLAP"  # --overlap-host-optimizer, read by the spawned ranks
 
 
 def _gpt2_config(shape: dict):
@@ -120,8 +121,10 @@ def _run_elixir(rank: int, world_size: int, folder: str, shape: dict, from_check
         model = GPT2LMHeadModel.from_pretrained(folder)
     num_params = sum(p.numel() for p in model.parameters())
     budget = _budget(num_params, world_size, model)
+    overlap = {"auto": None, "on": True, "off": False}[os.environ.get(_OVERLAP_ENV, "auto")]
     cfg = hf_elixir.ElixirConfig(default_placement="sharded", device_memory_budget_bytes=budget,
-                                 budget_covers_activations=False)  # a model-data budget
+                                 budget_covers_activations=False,  # a model-data budget
+                                 overlap_host_optimizer=overlap)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     extra = {"checkpoint": folder} if from_checkpoint else {}
     model, optimizer = hf_elixir.prepare(model, optimizer, config=cfg, **extra)
@@ -283,7 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-sizes", default="1,2,4", help="comma-separated world sizes (default 1,2,4)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
     parser.add_argument("--json", default=None, help="also write the per-rank records to this JSON file")
+    parser.add_argument("--overlap-host-optimizer", choices=("auto", "on", "off"), default="auto",
+                        help="hf_elixir's ElixirConfig.overlap_host_optimizer: auto = None (the default: on, "
+                             "with the host lane's rollback snapshots), on = True, off = False (no snapshots)")
     args = parser.parse_args(argv)
+    os.environ[_OVERLAP_ENV] = args.overlap_host_optimizer
     world_sizes = [int(w) for w in args.world_sizes.split(",")]
     systems = args.systems.split(",")
     unknown = sorted(set(systems) - set(SYSTEMS))
@@ -297,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         _write_checkpoint(Path(work) / "warmup", WARMUP_MODEL)
         print(f"GPT-2 {MODEL}: {num_params / 1e6:.2f}M params, fp32 {4 * num_params / MIB:.0f} MiB, "
               f"16 B/param state {STATE_BYTES_PER_PARAM * num_params / MIB:.0f} MiB; {STEPS} AdamW steps, "
-              f"batch {BATCH} x seq {SEQ} per rank", flush=True)
+              f"batch {BATCH} x seq {SEQ} per rank; hf_elixir overlap_host_optimizer="
+              f"{args.overlap_host_optimizer}", flush=True)
         for system in systems:
             reason = _skip_reason(system)
             if reason:
