@@ -165,9 +165,37 @@ def _run_fsdp2(rank: int, world_size: int, folder: str, shape: dict) -> dict:
     return {"losses": losses, "num_params": num_params, "keep": (model, optimizer)}
 
 
+def _deepspeed_config() -> dict:
+    """ZeRO-3 with parameters and optimizer states offloaded to (unpinned) CPU memory; DeepSpeed's AdamW
+    with offload is its CPU Adam (``DeepSpeedCPUAdam``)."""
+    offload = {"device": "cpu", "pin_memory": False}
+    return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": 3, "offload_param": offload, "offload_optimizer": offload},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+
+
+def _run_deepspeed(rank: int, world_size: int, folder: str, shape: dict) -> dict:
+    """``from_pretrained`` under ``HfDeepSpeedConfig`` (transformers' ZeRO-3 path: ``zero.Init``, so each
+    parameter is partitioned as it is created, and the file's weights are loaded module by module from
+    rank 0), then ``deepspeed.initialize``."""
+    import deepspeed
+    from transformers import GPT2LMHeadModel
+    from transformers.integrations import HfDeepSpeedConfig
+
+    config = _deepspeed_config()
+    keep_config = HfDeepSpeedConfig(config)  # must stay alive while from_pretrained runs
+    model = GPT2LMHeadModel.from_pretrained(folder)
+    num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    losses = _train(engine, engine, rank, shape["vocab_size"], backward=engine.backward)
+    return {"losses": losses, "num_params": num_params, "keep": (engine, optimizer, keep_config)}
+
+
 def _run(system: str, rank: int, world_size: int, folder: str, shape: dict) -> dict:
     if system == "fsdp2":
         return _run_fsdp2(rank, world_size, folder, shape)
+    if system == "deepspeed_zero3":
+        return _run_deepspeed(rank, world_size, folder, shape)
     return _run_elixir(rank, world_size, folder, shape, from_checkpoint=system == "elixir_checkpoint")
 
 
@@ -184,6 +212,12 @@ def _rank_main(rank: int, system: str, world_size: int, port: int, folder: str, 
         import transformers
         import hf_elixir  # noqa: F401
         from torch.distributed.fsdp import fully_shard  # noqa: F401
+
+        if system == "deepspeed_zero3":  # before zero.Init patches torch.Tensor.__new__: importing
+            import deepspeed  # noqa: F401 - torch._dynamo (transformers' masking utils) under it fails
+            import torch._dynamo  # noqa: F401
+            import transformers.generation.utils  # noqa: F401
+            import transformers.masking_utils  # noqa: F401
 
         transformers.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
@@ -220,7 +254,7 @@ def _skip_reason(system: str) -> str:
             import deepspeed  # noqa: F401
         except ImportError:
             return "DeepSpeed is not installed here (pip install deepspeed); zero.Init with offload not measured"
-        return "zero.Init run not implemented in this benchmark yet"
+        return ""
     if system == "elixir_checkpoint":
         import inspect
 

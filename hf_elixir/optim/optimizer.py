@@ -6,7 +6,9 @@ chunk's reduced fp32 gradient shard. An *inner* instance of the user's optimizer
 views with the user's hyperparameters, so the update is the same code as plain PyTorch's (AdamW, Adam,
 SGD, ...) and param groups apply per parameter even when one chunk mixes groups. Only element-wise
 optimizers are equivalent under this slicing, hence the allow-list. The user's ``param_groups`` dicts
-are shared, so LR schedulers built on the user's optimizer keep driving the learning rate.
+are shared, so LR schedulers built on the user's optimizer keep driving the learning rate. The inner
+optimizer's states of host optimizer chunks are views into the manager's host blocks ([Note: host
+optimizer state] in ``_host_state.py``), not tensors ``torch.optim`` allocates lazily.
 
 Source: ZeRO (arXiv 1910.02054) stage 3 sharded optimizer states; Gemini's hybrid Adam (host shards
 updated on the host, device shards on the device); ``torch.nn.utils.clip_grad_norm_`` for the norm rule.
