@@ -215,7 +215,7 @@ def _rank_main(rank: int, system: str, world_size: int, port: int, folder: str, 
 
         if system == "deepspeed_zero3":  # before zero.Init patches torch.Tensor.__new__: importing
             import deepspeed  # noqa: F401 - torch._dynamo (transformers' masking utils) under it fails
-            import torch._dynamo  # noqa: F401
+            import torch._dynamo as _dynamo  # noqa: F401 - binds _dynamo, not torch (a local here)
             import transformers.generation.utils  # noqa: F401
             import transformers.masking_utils  # noqa: F401
 
