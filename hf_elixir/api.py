@@ -36,6 +36,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from hf_elixir._logging import info_on_main_rank
 from hf_elixir.chunk import _host_heap
 from hf_elixir.chunk._build import build_chunks, chunk_specs, materialize_chunks
 from hf_elixir.chunk._stream_load import StreamedInit, meta_parameter_names, retie
@@ -133,7 +134,7 @@ def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
                        type(model).__name__)
         return
     enable()
-    logger.info("hf_elixir: activation checkpointing enabled, as the plan assumes")
+    info_on_main_rank(logger, "hf_elixir: activation checkpointing enabled, as the plan assumes")
 
 
 def _check_streamed_init(model, config: ElixirConfig, checkpoint) -> None:
@@ -414,8 +415,8 @@ def _apply_layout(model, optimizer, names, layout: _Layout, stream: StreamedInit
         _enable_activation_checkpointing(model)
     attach_state(model, state)
     claim_parameters(layout.params, model)
-    logger.info("hf_elixir: %d params in %d chunks of %d elements; %s", sum(p.numel() for p in layout.params),
-                len(chunks), layout.chunk_size, "; ".join(layout.reasons))
+    info_on_main_rank(logger, "hf_elixir: %d params in %d chunks of %d elements; %s",  # one line per job
+                      sum(p.numel() for p in layout.params), len(chunks), layout.chunk_size, "; ".join(layout.reasons))
     return model, state.optimizer
 
 

@@ -115,9 +115,11 @@ class RecipeTrainingArguments(TrainingArguments):
     per_device_train_batch_size: int = field(default=16, metadata={"help": "batch size per process"})
     learning_rate: float = field(default=2e-3, metadata={"help": "peak learning rate (AdamW)"})
     warmup_steps: float = field(default=0.075, metadata={"help": "linear warm-up: steps if >= 1, else a fraction of "
-                                                                  "--max_steps (default 7.5%: 30 of 400)"})
+                                                                  "--max_steps (default 7.5%%: 30 of 400)"})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
-    logging_steps: float = field(default=25, metadata={"help": "log every N optimizer steps"})
+    # a fraction, like the warm-up: a fixed 25 logged only the first step of a 20-step run
+    logging_steps: float = field(default=0.0625, metadata={"help": "log every N optimizer steps if >= 1, else a "
+                                                                   "fraction of --max_steps (default 1/16: 25 of 400)"})
     logging_first_step: bool = field(default=True, metadata={"help": "also log the first step (the starting loss)"})
     save_strategy: str = field(default="no", metadata={"help": "Trainer checkpoints: no | steps | epoch"})
     # transformers 5 dropped TrainingArguments.overwrite_output_dir; the recipes keep the flag themselves
@@ -131,14 +133,28 @@ class RecipeTrainingArguments(TrainingArguments):
         super().__post_init__()
 
 
-def parse_args(default_model_type: str):
+def _recipe_parser(dataclass_types):
+    """``HfArgumentParser`` whose errors end the output: one usage line, then the error (exit status 2).
+
+    argparse's ``error()`` prints the full usage first, which for ``TrainingArguments`` is over 100 lines:
+    the one line that says what is wrong scrolled out of sight behind them.
+    """
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser((ModelArguments, DataArguments, ElixirArguments, RecipeTrainingArguments))
+    class RecipeArgumentParser(HfArgumentParser):
+        def error(self, message: str):
+            self.exit(2, f"usage: {self.prog} [options]   ({self.prog} --help lists them)\n"
+                         f"{self.prog}: error: {message}\n")
+
+    return RecipeArgumentParser(dataclass_types)
+
+
+def parse_args(default_model_type: str):
+    parser = _recipe_parser((ModelArguments, DataArguments, ElixirArguments, RecipeTrainingArguments))
     model_args, data_args, elixir_args, train_args = parser.parse_args_into_dataclasses()
     try:
         _check_args(default_model_type, model_args, train_args)
-    except ValueError as err:  # a command-line mistake: usage and one line, exit status 2 (argparse's way)
+    except ValueError as err:  # a command-line mistake: a usage line and the error, exit status 2 (argparse's way)
         parser.error(str(err))
     return model_args, data_args, elixir_args, train_args
 
@@ -247,8 +263,8 @@ def build_model(model_args: ModelArguments, tokenizer, max_positions: int, on_me
             from transformers import AutoConfig
 
             with torch.device("meta"):
-                return _mark_loss_kwargs(cls.from_config(AutoConfig.from_pretrained(model_args.model_name_or_path)))
-        return _mark_loss_kwargs(cls.from_pretrained(model_args.model_name_or_path))
+                return _mark_loss(cls.from_config(AutoConfig.from_pretrained(model_args.model_name_or_path)))
+        return _mark_loss(cls.from_pretrained(model_args.model_name_or_path))
     size = dict(SIZES[model_args.model_type][model_args.model_size])
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     if model_args.model_type == "gpt2":
@@ -260,12 +276,17 @@ def build_model(model_args: ModelArguments, tokenizer, max_positions: int, on_me
             vocab_size=len(tokenizer), decoder_start_token_id=tokenizer.pad_token_id,
             output_router_logits=True, **size, **ids,
         )
-        return _mark_loss_kwargs(AutoModelForSeq2SeqLM.from_config(config))
-    return AutoModelForCausalLM.from_config(config)
+        return _mark_loss(AutoModelForSeq2SeqLM.from_config(config))
+    return _mark_loss(AutoModelForCausalLM.from_config(config))
 
 
-def _mark_loss_kwargs(model: torch.nn.Module) -> torch.nn.Module:
-    """Tell the Trainer when the model's loss is a per-batch mean that ignores ``num_items_in_batch``.
+def _mark_loss(model: torch.nn.Module) -> torch.nn.Module:
+    """Name the model's loss for transformers, and tell the Trainer when it ignores ``num_items_in_batch``.
+
+    transformers 5.x picks a model's loss from its class name (``...ForCausalLM``); ``GPT2LMHeadModel``
+    matches none, so its first loss logged "``loss_type=None`` was set in the config but it is
+    unrecognized" before falling back to the causal-LM loss. Naming that loss (``model.loss_type``, the
+    attribute ``PreTrainedModel.loss_function`` reads) computes the same loss without the warning.
 
     The Trainer decides from ``forward``'s signature: a ``**kwargs`` there means "the loss takes
     ``num_items_in_batch``", so it passes the token count summed over all processes and multiplies the
@@ -277,6 +298,8 @@ def _mark_loss_kwargs(model: torch.nn.Module) -> torch.nn.Module:
     """
     if model.config.model_type == "switch_transformers":
         model.accepts_loss_kwargs = False
+    elif getattr(model, "loss_type", "") is None:
+        model.loss_type = "ForCausalLM"
     return model
 
 
@@ -365,6 +388,13 @@ def build_optimizer_and_scheduler(model, train_args, num_steps: int, scheduler_c
 
 
 # ----------------------------------------------------------------------------- the two paths
+def logging_interval(train_args) -> int:
+    """Optimizer steps between two logged losses: ``--logging_steps`` if >= 1, else that fraction of
+    ``--max_steps`` rounded up (``TrainerState.compute_steps``' rule, so both paths log at the same steps)."""
+    steps = train_args.logging_steps
+    return max(1, math.ceil(train_args.max_steps * steps) if steps < 1 else int(steps))
+
+
 def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixir_args, train_args,
                           checkpoint: str | None = None, on_prepared=None) -> list[float]:
     """Plain Accelerate loop (+ ElixirPlugin; ``checkpoint``: stream the weights of a meta model from that
@@ -403,6 +433,7 @@ def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixi
     losses: list[float] = []
     lrs: dict[int, float] = {}  # learning rate after each logged step
     window: list[torch.Tensor] = []
+    log_every = logging_interval(train_args)
     bar = tqdm(total=train_args.max_steps, disable=not accelerator.is_local_main_process, desc="train")
     step, start = 0, time.perf_counter()
     while step < train_args.max_steps:
@@ -420,7 +451,7 @@ def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixi
                 continue
             step += 1
             bar.update(1)
-            if step == 1 or step % int(train_args.logging_steps) == 0 or step == train_args.max_steps:
+            if step == 1 or step % log_every == 0 or step == train_args.max_steps:
                 mean = accelerator.reduce(torch.stack(window).mean(), reduction="mean").item()
                 window.clear()
                 losses.append(mean)
@@ -519,7 +550,7 @@ def run(default_model_type: str, print_sample: Callable[[Any, Any, str], str]) -
               "learning_rates": lrs}
     if is_main:
         cls = AutoModelForSeq2SeqLM if model_args.model_type == "switch_transformers" else AutoModelForCausalLM
-        reloaded = cls.from_pretrained(train_args.output_dir)  # plain transformers, no hf_elixir
+        reloaded = _mark_loss(cls.from_pretrained(train_args.output_dir))  # plain transformers, no hf_elixir
         result["eval_ppl_after"] = evaluate_perplexity(reloaded, eval_ds, collate, eval_bs, "cpu")
         print(f"eval perplexity before training: {ppl_before:.2f}  after: {result['eval_ppl_after']:.2f}", flush=True)
         print(f"train loss: step 1 {result['first_loss']:.3f}  last logged {result['last_loss']:.3f}", flush=True)

@@ -239,3 +239,62 @@ def test_precision_merge_rules():
         merge_precision(ElixirConfig(precision="bf16"), "fp16")
     with pytest.raises(ValueError, match="fp8"):
         merge_precision(ElixirConfig(), "fp8")
+
+
+def _join_uneven_inputs_with_an_elixir_model(rank: int, world_size: int):
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    from hf_elixir.integrations import ElixirPlugin
+    from tests._models import VOCAB, tiny_model
+
+    accelerator = Accelerator(cpu=True)  # even_batches=True, accelerate's default
+    assert accelerator.num_processes == 2
+    model = tiny_model("gpt2")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, VOCAB, (5, 12), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=1)  # 3 + 2 batches
+    model, optimizer, loader = ElixirPlugin().prepare(accelerator, model, optimizer, loader)
+    error = None
+    try:
+        with accelerator.join_uneven_inputs([model], even_batches=False):
+            pass  # the loop here would leave rank 0 waiting in an all-gather rank 1 never issues
+    except ValueError as err:
+        error = str(err)
+    steps = 0
+    with accelerator.join_uneven_inputs([model, optimizer]):  # even batches: every rank runs 3
+        for (ids,) in loader:
+            accelerator.backward(model(input_ids=ids, labels=ids).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            steps += 1
+    saved, accelerator.state.distributed_type = accelerator.state.distributed_type, DistributedType.MULTI_GPU
+    try:  # on GPUs accelerate builds torch's Join([model]): AttributeError 'join_hook' on an Elixir model
+        with accelerator.join_uneven_inputs([model]):
+            pass
+    finally:
+        accelerator.state.distributed_type = saved
+    import warnings
+    from unittest.mock import Mock
+
+    with warnings.catch_warnings(record=True) as caught:  # not Elixir's: accelerate's own (CPU: a no-op + warning)
+        warnings.simplefilter("always")
+        with accelerator.join_uneven_inputs([Mock()], even_batches=False):
+            pass
+    return error, steps, [str(w.message) for w in caught]
+
+
+def test_join_uneven_inputs_refuses_uneven_batches_for_an_elixir_model_instead_of_hanging():
+    """accelerate's test_distributed_data_loop hung in its join test. An Elixir model is not a torch
+    Joinable (every forward/backward is a collective Join cannot shadow): on CPU processes accelerate
+    ignored join_uneven_inputs and the rank with more batches waited forever; on GPUs Join([model]) raised
+    AttributeError. Uneven batches are now refused at once with the fix; even batches just run."""
+    from tests._dist import run_distributed
+
+    results = run_distributed(_join_uneven_inputs_with_an_elixir_model, 2, timeout_s=120)
+    for error, steps, other_warnings in results:
+        assert error is not None and "join_uneven_inputs(even_batches=False)" in error, error
+        assert "even_batches=True" in error and "drop_last=True" in error, error
+        assert steps == 3
+        assert any("only supported for multi-GPU" in w for w in other_warnings), other_warnings

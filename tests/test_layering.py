@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1] / "hf_elixir"
 
 #: layer of each top-level part of the package, bottom first; a module may import its own layer and below
 LAYERS = {
-    "config": 0, "plan": 0, "data": 0, "_compat": 0,
+    "config": 0, "plan": 0, "data": 0, "_compat": 0, "_logging": 0,
     "chunk": 1,
     "runtime": 2,
     "optim": 3,

@@ -94,3 +94,39 @@ def test_compat_collectives_use_the_current_torch_names(monkeypatch):
     _compat.all_gather_single(None, None)
     _compat.reduce_scatter_single(None, None)
     assert calls == ["all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor"]
+
+
+def _prepare_and_capture_info(rank: int, world_size: int) -> list[str]:
+    import io
+    import logging
+
+    import torch
+
+    import hf_elixir
+    from tests._models import tiny_model
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setLevel(logging.INFO)
+    root = logging.getLogger("hf_elixir")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        model = tiny_model("gpt2")
+        config = hf_elixir.ElixirConfig(default_placement="sharded", activation_policy="recompute")
+        hf_elixir.prepare(model, torch.optim.AdamW(model.parameters()), config=config)
+    finally:
+        root.removeHandler(handler)
+    return stream.getvalue().splitlines()
+
+
+def test_placement_summary_is_logged_once_per_job_by_rank_0():
+    """Under torchrun / accelerate launch every rank printed the same placement summary ("N params in M
+    chunks ...") and activation-policy line; the ranks agree on both, so only rank 0 logs them (the
+    others at DEBUG), as accelerate's main_process_only logging does."""
+    from tests._dist import run_distributed
+
+    lines = run_distributed(_prepare_and_capture_info, 2)
+    for marker in (" params in ", "activation policy over "):
+        assert sum(marker in line for line in lines[0]) == 1, lines[0]
+        assert not any(marker in line for line in lines[1]), lines[1]

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,93 @@ def test_default_warmup_scales_with_a_short_run(tmp_path, monkeypatch):
     assert max(lrs) == pytest.approx(peak, rel=0.05), lrs
     assert lrs.index(max(lrs)) <= 3, lrs
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+
+
+def _recipe_trainer_log(tmp_path, monkeypatch, name: str, elixir: bool) -> list[dict]:
+    """log_history of a 20-step Trainer run with the recipe's default TrainingArguments (tiny GPT-2)."""
+    import torch
+    from transformers import Trainer
+
+    from hf_elixir.integrations import ElixirCallback
+    from tests._models import VOCAB, tiny_model
+
+    monkeypatch.syspath_prepend(str(REPO / "recipes"))
+    from _recipe_common import RecipeTrainingArguments
+
+    args = RecipeTrainingArguments(output_dir=str(tmp_path / name), max_steps=20, per_device_train_batch_size=2,
+                                   use_cpu=True, report_to=[], disable_tqdm=True)
+    tokens = torch.randint(0, VOCAB, (40, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": t, "labels": t} for t in tokens]
+    trainer = Trainer(tiny_model("gpt2"), args, train_dataset=data,
+                      callbacks=[ElixirCallback()] if elixir else [])
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def test_short_trainer_run_logs_several_steps_with_the_plain_trainer_lr_schedule(tmp_path, monkeypatch):
+    """A fresh user's `--trainer --max_steps 20` logged step 1 only (lr 0, the first warm-up step): the
+    recipe's fixed --logging_steps 25 was longer than the run. The default is now a fraction of --max_steps,
+    so a short run logs every few steps, and the learning rates logged under ElixirCallback are plain
+    Trainer's at the same settings (warm-up, then linear decay)."""
+    logged = _recipe_trainer_log(tmp_path, monkeypatch, "elixir", elixir=True)
+    steps = [h["step"] for h in logged]
+    assert len(steps) >= 8 and steps[0] == 1 and steps[-1] == 20, steps
+    lrs = {h["step"]: h["learning_rate"] for h in logged}
+    assert all(lr > 0 for step, lr in lrs.items() if step > 2), lrs  # after the 2-step warm-up
+    plain = _recipe_trainer_log(tmp_path, monkeypatch, "plain", elixir=False)
+    assert {h["step"]: h["learning_rate"] for h in plain} == pytest.approx(lrs, rel=1e-12, abs=0), (plain, lrs)
+
+
+def test_recipe_cli_error_is_the_last_line_not_buried_under_usage(tmp_path):
+    """argparse printed the whole usage (over 100 lines of TrainingArguments) before the one line that
+    says what is wrong; now a one-line usage, then the error, last. Exit status stays 2. `--help` works
+    (a bare '%' in a help text made it raise)."""
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    script = str(REPO / "recipes" / "finetune_clm.py")
+    for argv, message in [(["--output_dir", str(out)], f"--output_dir {out} already holds another run's files"),
+                          (["--max_steps", "x"], "argument --max_steps/--max-steps: invalid int value: 'x'")]:
+        proc = subprocess.run([sys.executable, script, *argv], env=_recipe_env(), capture_output=True, text=True,
+                              timeout=300, cwd=tmp_path)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) <= 3, proc.stderr[-3000:]
+        assert lines[-1].startswith("finetune_clm.py: error: ") and message in lines[-1], lines
+        assert "--help" in lines[-2], lines
+    proc = subprocess.run([sys.executable, script, "--help"], env=_recipe_env(), capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0 and "--logging_steps" in proc.stdout and "7.5%" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_default_models_build_and_compute_a_loss_without_transformers_warnings(tmp_path):
+    """A fresh run printed transformers warnings: "loss_type=None ... unrecognized" (GPT2LMHeadModel's
+    class name names no loss) for the recipes' GPT-2, and bos/eos ids of 50256 outside the 128-token
+    vocabulary of `hf-elixir profile`'s default model (tiny-gpt2). Each default model now builds and
+    computes its loss (and the recipe's reloaded folder too) with nothing on stderr."""
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        sys.path.insert(0, sys.argv[1])
+        from _recipe_common import ModelArguments, build_model, _mark_loss
+        from transformers import AutoModelForCausalLM
+        from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
+
+        class Tok:  # what build_model reads from the BPE tokenizer the recipe trains
+            bos_token_id, eos_token_id, pad_token_id = 0, 0, 1
+            def __len__(self):
+                return 512
+
+        ids = torch.randint(2, 512, (2, 16))
+        for kind in ("gpt2", "opt"):
+            model = build_model(ModelArguments(model_type=kind), Tok(), 128)
+            model(input_ids=ids, labels=ids).loss.item()
+            model.save_pretrained(sys.argv[2] + "/" + kind)
+            _mark_loss(AutoModelForCausalLM.from_pretrained(sys.argv[2] + "/" + kind))(input_ids=ids, labels=ids)
+        model, batch = meta_model_and_batch(load_config("tiny-gpt2"), batch_size=2, seq_len=16, device="cpu")
+        model(**batch).loss.item()
+        print("done")
+        """)
+    proc = subprocess.run([sys.executable, "-c", code, str(REPO / "recipes"), str(tmp_path)], env=_recipe_env(),
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-3000:]
+    assert "loss_type" not in proc.stderr and "within the vocabulary" not in proc.stderr, proc.stderr

@@ -17,10 +17,16 @@ Runs:
   after-training reads of ``model.a`` see the full values (see the shim's docstring).
 * ``test_sync`` at 1 process, offloaded.
 
-``test_ops`` (no model) passes through the shim too but never reaches hf_elixir, and
-``test_distributed_data_loop``'s ``test_can_join_uneven_inputs`` hangs on CPU processes with stock
-accelerate (``join_uneven_inputs`` has no effect outside multi-GPU, so DDP waits for the rank with
-fewer batches); neither is run here.
+* ``test_distributed_data_loop`` at 2 gloo processes: the dataloader checks (``even_batches`` padding
+  and its opt-out, sampler/batch-sampler variants, pickling a prepared accelerator) in a process where
+  hf_elixir patched ``Accelerator.prepare``. Its models are prepared without an optimizer, so they stay
+  plain DDP; its ``join_uneven_inputs`` checks need accelerate's multi-GPU branch (on CPU processes the
+  call does nothing, and ``test_can_join_uneven_inputs`` hangs with stock accelerate), so they are
+  excluded in the shim with that reason. What ``join_uneven_inputs`` does with an hf_elixir model
+  (uneven batches refused at once, even batches run) is
+  ``tests/test_accelerate_plugin.py::test_join_uneven_inputs_refuses_uneven_batches_for_an_elixir_model_instead_of_hanging``.
+
+``test_ops`` (no model) passes through the shim too but never reaches hf_elixir; it is not run here.
 """
 
 from __future__ import annotations
@@ -82,3 +88,15 @@ def test_accelerate_test_sync_accumulate_with_scheduler(tmp_path, num_processes)
     assert "gradient accumulation with optimizer and scheduler" in out
     if num_processes > 1:  # the p.grad comparison is what is skipped: once per iteration (3 batches per rank)
         assert out.count("SKIPPED check_model_parameters") == 3 * num_processes
+
+
+def test_accelerate_distributed_data_loop_at_2_processes(tmp_path):
+    """Upstream's dataloader checks at 2 CPU processes, finishing (it hung in the join check before that
+    check was excluded for CPU processes: see the shim's EXCLUDED reasons)."""
+    out = _launch(tmp_path, "test_distributed_data_loop", 2, {})
+    _check_common(out, "test_distributed_data_loop", 2, prepared_per_rank=0)
+    assert out.count("SKIPPED test_can_join_uneven_inputs") == 2
+    for check in ("Test that even_batches variable ensures uniform batches", "Run tests with even_batches disabled",
+                  "Test join with non DDP distributed raises warning", "Test pickling an accelerator",
+                  "Test DataLoader with sampler as an instance of `BatchSampler`"):
+        assert check in out, out[-4000:]

@@ -17,16 +17,33 @@ the training loop calls it. Elixir needs exactly four things from an ``Accelerat
   which under Elixir lives in chunk buffers.
 * the fp16 ``GradScaler`` accelerate creates must stay out of the way (Elixir's loss scaler is
   part of the optimizer state).
+* ``join_uneven_inputs([model])`` must not hang or fail obscurely: see [Note: uneven inputs].
 
 These are installed as instance attributes on that one ``Accelerator`` (never on the class), and
 they fall through to accelerate's own methods for any model/optimizer that is not Elixir's, so a
 second plain model in the same script behaves as before. Everything else (``accumulate``,
 ``save_state``/``load_state``, ``get_state_dict``, ``unwrap_model``, scheduler stepping) works
 unchanged because the model stays unwrapped and the optimizer is an ``AcceleratedOptimizer``.
+
+[Note: uneven inputs]
+
+``accelerator.join_uneven_inputs(joinables, even_batches=False)`` lets ranks run different numbers of
+batches: it wraps the loop in PyTorch's ``Join``, whose hooks let a rank that ran out of batches shadow
+the collectives the others still issue. DDP's hook shadows its one gradient all-reduce. Under Elixir
+every forward and backward is a sequence of collectives (all-gathers of the chunks, reduce-scatters of
+their gradients) and the optimizer step adds more (the global norm), and an Elixir model is not a
+``Joinable``: on GPUs accelerate's ``Join([model])`` fails with an ``AttributeError`` (``join_hook``),
+and on CPU processes accelerate ignores the call (a warning), so the rank with more batches waits in
+its next all-gather forever. The binding's ``join_uneven_inputs`` therefore refuses uneven inputs for
+an Elixir model with a ``ValueError`` naming the fix (accelerate's default ``even_batches=True`` gives
+every rank the same number of batches, a few samples repeated; or ``drop_last=True``), and with even
+batches it is a plain context (no ``Join`` needed) that applies the ``even_batches`` override as
+accelerate would. Joinables that are not Elixir's go to accelerate unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -97,8 +114,10 @@ class _Binding:
         self.original_prepare = accelerator.prepare  # before the Trainer callback wraps it
         self.original_backward = accelerator.backward
         self.original_clip_grad_norm_ = accelerator.clip_grad_norm_
+        self.original_join_uneven_inputs = accelerator.join_uneven_inputs
         accelerator.backward = self.backward
         accelerator.clip_grad_norm_ = self.clip_grad_norm_
+        accelerator.join_uneven_inputs = self.join_uneven_inputs
 
     def forget(self, model: torch.nn.Module) -> None:
         """Drop ``model`` (and its optimizer) from this accelerator: it was replaced by a new model."""
@@ -131,6 +150,63 @@ class _Binding:
         if float(norm_type) != 2.0:
             raise ValueError(f"clip_grad_norm_(norm_type={norm_type}) under Elixir supports only norm_type=2")
         return optimizer.clip_grad_norm(float(max_norm) if math.isfinite(max_norm) else float("inf"))
+
+
+    def is_elixir(self, obj) -> bool:
+        """``obj`` is an Elixir model or optimizer (bare or accelerate-wrapped) of this accelerator."""
+        inner = getattr(obj, "optimizer", obj) if isinstance(obj, AcceleratedOptimizer) else obj
+        if isinstance(obj, torch.nn.Module) and is_prepared(obj):
+            return True
+        return any(inner is m or inner is o for m, o in self.entries)
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables, even_batches=None):
+        """``Accelerator.join_uneven_inputs`` that refuses uneven inputs for Elixir models ([Note: uneven inputs]).
+
+        Raises:
+            ValueError: an Elixir model or optimizer among ``joinables`` while batches may be uneven
+                (``even_batches=False`` here or in the ``Accelerator``) at several processes.
+        """
+        elixir = [j for j in joinables if self.is_elixir(j)]
+        if not elixir:
+            with self.original_join_uneven_inputs(joinables, even_batches=even_batches):
+                yield
+            return
+        accelerator = self.accelerator
+        even = accelerator.even_batches if even_batches is None else even_batches
+        if not even and accelerator.num_processes > 1:
+            raise ValueError(
+                f"accelerator.join_uneven_inputs(even_batches={even_batches}) cannot join an hf_elixir model "
+                f"({type(elixir[0]).__name__}): under hf_elixir every forward and backward is a collective over the "
+                "ranks (chunk all-gathers and reduce-scatters) that PyTorch's Join cannot stand in for, so a rank "
+                "that ran out of batches would leave the others waiting forever. Keep even batches (accelerate's "
+                "default, DataLoaderConfiguration(even_batches=True): every rank gets the same number of batches) "
+                "and drop the join_uneven_inputs(..., even_batches=False), or use DataLoader(drop_last=True)")
+        others = [j for j in joinables if not self.is_elixir(j)]
+        if others:  # DDP models next to the Elixir one: accelerate joins those (even batches: Join disabled)
+            with self.original_join_uneven_inputs(others, even_batches=even_batches):
+                yield
+            return
+        with _even_batches_override(accelerator, even_batches):
+            yield
+
+
+@contextlib.contextmanager
+def _even_batches_override(accelerator, even_batches):
+    """Set ``even_batches`` on the accelerator's map-style dataloaders for the block, as
+    ``Accelerator.join_uneven_inputs`` does (iterable-style ones keep theirs)."""
+    saved = []
+    if even_batches is not None:
+        for dl in accelerator._dataloaders:
+            sampler = getattr(dl, "batch_sampler", None)
+            if hasattr(sampler, "even_batches"):
+                saved.append((sampler, sampler.even_batches))
+                sampler.even_batches = even_batches
+    try:
+        yield
+    finally:
+        for sampler, value in saved:
+            sampler.even_batches = value
 
 
 def binding_of(accelerator) -> _Binding:

@@ -45,8 +45,9 @@ def _builtin() -> dict[str, dict[str, Any]]:
                "decoder_start_token_id": 0}
         out[f"switch-base-{experts}"] = cfg
         out[f"google/switch-base-{experts}"] = cfg
+    # special token ids inside the 128-token vocabulary (GPT2Config's defaults, 50256, are not: a warning)
     out["tiny-gpt2"] = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 128,
-                        "n_positions": 64}
+                        "n_positions": 64, "bos_token_id": 0, "eos_token_id": 0}
     return out
 
 
@@ -108,6 +109,10 @@ def meta_model_and_batch(config, *, batch_size: int, seq_len: int, dtype: torch.
         model = cls.from_config(config, dtype=dtype)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # init_empty_weights leaves lm_head untied in transformers 5.x
+    if not getattr(config, "is_encoder_decoder", False) and getattr(model, "loss_type", "") is None:
+        # transformers names the loss from the class name; GPT2LMHeadModel matches none and warns
+        # "loss_type=None ... unrecognized" on the first loss before using this same causal-LM loss
+        model.loss_type = "ForCausalLM"
     vocab = int(getattr(config, "vocab_size", 2) or 2)
     if device == "meta":
         ids = torch.empty(batch_size, seq_len, dtype=torch.long, device="meta")

@@ -42,6 +42,7 @@ import weakref
 
 import torch
 
+from hf_elixir._logging import info_on_main_rank
 from hf_elixir.chunk import strict
 from hf_elixir.chunk.manager import ChunkManager, _active_saved_tensors_hooks
 from hf_elixir.plan import ACTIVATION_POLICIES
@@ -302,6 +303,6 @@ def apply_activation_policy(model: torch.nn.Module, policy: dict[str, str], mana
             handles.append(block.register_forward_hook(offload.leave, always_call=True))
     counts = {k: sum(1 for v in policy.values() if v == k) for k in ACTIVATION_POLICIES}
     if counts["recompute"] or counts["offload"]:
-        logger.info("hf_elixir: activation policy over %d blocks: %s", len(policy),
-                    ", ".join(f"{k} {v}" for k, v in counts.items() if v))
+        info_on_main_rank(logger, "hf_elixir: activation policy over %d blocks: %s", len(policy),
+                          ", ".join(f"{k} {v}" for k, v in counts.items() if v))
     return handles

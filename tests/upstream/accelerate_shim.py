@@ -64,8 +64,35 @@ EXCLUDED: dict[str, dict[str, str]] = {
         "check_model_parameters": "reads p.grad, which stays None under hf_elixir (gradients live in chunk shards)",
     },
     "test_ops": {},
-    "test_distributed_data_loop": {},
+    "test_distributed_data_loop": {
+        # Each join check prepares a bare nn.Linear without an optimizer, so it is plain DDP, never
+        # hf_elixir. On CPU processes (accelerate's MULTI_CPU) join_uneven_inputs does nothing (it warns
+        # "only supported for multi-GPU"), so with uneven batches the DDP model's rank with more
+        # batches waits in its all-reduce forever: the hang seen through this shim is stock accelerate's
+        # on CPUs. hf_elixir's own join_uneven_inputs (an Elixir model refuses uneven batches at once,
+        # naming the fix) is tested in tests/test_accelerate_plugin.py.
+        "test_can_join_uneven_inputs": "join_uneven_inputs is a no-op on CPU processes: stock DDP hangs on uneven batches",
+        # The next three check what join_uneven_inputs does to the dataloaders (the even_batches
+        # override, its warning for iterable ones) in accelerate's multi-GPU branch; on CPU processes the
+        # call does nothing and they fail with stock accelerate too.
+        "test_join_can_override_even_batches": "the even_batches override happens on multi-GPU only (a no-op on CPU)",
+        "test_join_can_override_for_mixed_type_dataloaders": "the even_batches override happens on multi-GPU only",
+        "test_join_raises_warning_for_iterable_when_overriding_even_batches": "CPU processes warn 'multi-GPU only' instead",
+    },
 }
+
+
+def _exclude_without_torchdata() -> None:
+    """The stateful-dataloader checks need torchdata >= 0.8 (StatefulDataLoader), not a dependency here;
+    upstream's main() calls them unconditionally. Where torchdata is installed they run."""
+    from accelerate.utils import is_torchdata_stateful_dataloader_available
+
+    if not is_torchdata_stateful_dataloader_available():
+        for name in ("test_stateful_dataloader", "test_stateful_dataloader_save_state"):
+            EXCLUDED["test_distributed_data_loop"][name] = "needs torchdata >= 0.8 (StatefulDataLoader), not installed"
+
+
+_exclude_without_torchdata()
 
 _PREPARED: list[torch.nn.Module] = []
 _FULL_VIEWS: list = []  # open ``full_parameters`` contexts (ELIXIR_SHIM_READ_FULL=1)
