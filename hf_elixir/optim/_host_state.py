@@ -125,10 +125,6 @@ class HostStates:
         """Whether ``tensor`` is one of the host views these states are kept for."""
         return id(tensor) in self._view_of
 
-    def state_bytes(self) -> int:
-        """Bytes of the state buffers (fp32), all host chunks."""
-        return sum(b.numel() * 4 for per_chunk in self.buffers.values() for b in per_chunk.values())
-
     def prime(self, inner: torch.optim.Optimizer, params_per_group: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         """Before ``inner.step()`` on ``params_per_group`` (aligned with ``inner.param_groups``): give every
         host view with an empty state the state ``torch.optim`` would make, in the blocks.
