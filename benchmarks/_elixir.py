@@ -11,6 +11,8 @@ Options read from ``RunSpec.options`` (at most one of the first three):
         the collectives stay matched.
     chunk_size_numel (int | None): ``ElixirConfig.chunk_size_numel`` (None = the library's choice).
     default_placement (str): ``ElixirConfig.default_placement`` ("auto" unless given).
+    overlap_host_optimizer (bool | None): ``ElixirConfig.overlap_host_optimizer`` (None unless given); the
+        searched plan is priced with the same setting.
     search (bool): use the plan ``hf_elixir.search.auto_plan`` finds for that budget (else the core's
         heuristic placement).
     profile_dir (str): on CUDA, profile the last timed step with ``torch.profiler`` and write its Chrome
@@ -59,7 +61,8 @@ def _prepare(model, spec, budget_bytes, plan=None, default_placement=None):
     config = hf_elixir.ElixirConfig(precision="fp32", device_memory_budget_bytes=budget_bytes,
                                     budget_covers_activations=False,
                                     chunk_size_numel=spec.options.get("chunk_size_numel"), plan=plan,
-                                    default_placement=default_placement or spec.options.get("default_placement", "auto"))
+                                    default_placement=default_placement or spec.options.get("default_placement", "auto"),
+                                    overlap_host_optimizer=spec.options.get("overlap_host_optimizer"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, **_ADAM_KW)
     return hf_elixir.prepare(model, optimizer, config=config)
 
@@ -143,7 +146,8 @@ def _searched_plan(model, spec, budget_bytes, info: dict[str, Any]):
     config = hf_elixir.ElixirConfig(precision="fp32", device_memory_budget_bytes=budget_bytes,
                                     budget_covers_activations=False,
                                     chunk_size_numel=spec.options.get("chunk_size_numel"),
-                                    default_placement=spec.options.get("default_placement", "auto"))
+                                    default_placement=spec.options.get("default_placement", "auto"),
+                                    overlap_host_optimizer=spec.options.get("overlap_host_optimizer"))
     start = time.perf_counter()
     plan = auto_plan(model, {"input_ids": ids, "labels": ids}, config)
     model.zero_grad(set_to_none=True)

@@ -18,7 +18,8 @@ Peers (``PEERS`` keys):
   ``hf_elixir.search.auto_plan`` finds; and with the smallest budget that runs (see
   ``benchmarks/_elixir.py``). ``elixir_resident`` uses ``default_placement="auto"`` (replicated when
   everything fits, at 2 ranks); ``elixir_resident_sharded`` forces ZeRO-3 sharding with everything
-  resident; ``elixir_budget_replicated`` is the 50% budget with ``default_placement="replicated"``
+  resident; ``elixir_search_sharded`` is the searched 50% budget plan restricted to ZeRO-3 sharding (gather
+  prefetch where the search chooses it); ``elixir_budget_replicated`` is the 50% budget with ``default_placement="replicated"``
   (whole parameters on the device, optimizer states on the host, gradients all-reduced).
 
 Every peer uses AdamW with the same hyper-parameters (lr from the spec, betas (0.9, 0.999), eps 1e-8,
@@ -209,5 +210,7 @@ PEERS: dict[str, Peer] = {p.name: p for p in [
     Peer("elixir_search", "hf_elixir (50% budget, searched plan)", (1, 2), _setup_elixir, offloads="planned"),
     Peer("elixir_min", "hf_elixir (smallest budget)", (1, 2), _setup_elixir, offloads="planned"),
     Peer("elixir_budget_replicated", "hf_elixir (50% budget, replicated + host optimizer)", (2,), _setup_elixir,
+         offloads="planned"),
+    Peer("elixir_search_sharded", "hf_elixir (50% budget, searched plan, sharded only)", (2,), _setup_elixir,
          offloads="planned"),
 ]}

@@ -23,6 +23,7 @@ import dataclasses
 import datetime
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -73,7 +74,7 @@ class SuiteConfig:
     shared_process: bool = False  # quick mode: one process group per world size for all peers
     profile: bool = True  # one extra untimed, profiled step for plain / hf_elixir at 1 rank
     run_moe: bool = True  # benchmarks/moe.py: Switch-Transformers vs a dense model of equal size
-    rounds: int = 2  # the peers behind the headline ratios run this many times (later rounds in reverse order)
+    rounds: int = 2  # the peers behind the headline ratios run this many times, interleaved ([Note: interleaved rounds])
 
     @classmethod
     def full(cls) -> "SuiteConfig":
@@ -81,7 +82,8 @@ class SuiteConfig:
 
     @classmethod
     def preset(cls, name: str) -> "SuiteConfig":
-        """``tiny``: :meth:`full`; a realistic preset: :data:`PRESET_PEERS` at 2 ranks, 1 warm-up + 4 timed steps.
+        """``tiny``: :meth:`full`; a realistic preset: :data:`PRESET_PEERS` at 2 ranks, 1 warm-up + 4 timed steps,
+        the headline peers in 3 interleaved rounds.
 
         Raises:
             ValueError: ``name`` is not a key of :data:`PRESETS`.
@@ -91,7 +93,7 @@ class SuiteConfig:
         if name == "tiny":
             return cls.full()
         return cls(model=PRESETS[name], largest_base=ModelSpec(batch_size=1, seq_len=64), warmup_steps=1, steps=4,
-                   world_sizes=(2,), peers=PRESET_PEERS, run_largest=False, run_moe=False, profile=False, rounds=1,
+                   world_sizes=(2,), peers=PRESET_PEERS, run_largest=False, run_moe=False, profile=False, rounds=3,
                    timeout_s=4 * 3600.0)
 
     @classmethod
@@ -142,7 +144,7 @@ def run_suite(cfg: SuiteConfig, work_dir: Path) -> dict[str, Any]:
                 _log_result(result)
         runs.extend(results)
     for round_index in range(2, cfg.rounds + 1):
-        _repeat_headline_peers(runs, work_dir / f"round{round_index}", cfg)
+        _repeat_headline_peers(runs, work_dir / f"round{round_index}", cfg, round_index)
     largest: dict[str, Any] = {}
     if cfg.run_largest:
         largest = _run_largest(cfg, work_dir, skipped, elixir_reason)
@@ -177,23 +179,41 @@ HEADLINE_PEERS = [("plain", 1), ("elixir_resident", 1), ("ddp", 2), ("elixir_res
                   ("elixir_search", 2), ("elixir_budget_replicated", 2), ("ds_zero3_offload", 2), ("fsdp2_offload", 2)]
 
 
-def _repeat_headline_peers(runs: list[RunResult], work_dir: Path, cfg: SuiteConfig) -> None:
-    """Run the peers behind the headline ratios once more (reverse order, so slow phases of the shared
-    machine hit both sides) and pool their timed steps into the first result."""
-    for name, world_size in reversed(HEADLINE_PEERS):
+def _repeat_headline_peers(runs: list[RunResult], work_dir: Path, cfg: SuiteConfig, round_index: int) -> None:
+    """Run the peers behind the headline ratios once more and pool their timed steps into the first result.
+
+    [Note: interleaved rounds] The machine is shared, so its speed drifts by more than the effects measured
+    (consecutive DDP runs of gpt2-124m differed by 12%). Each round runs every headline peer once, in the
+    suite's order in odd rounds and reversed in even ones (A B, B A, A B, ...), so a slow phase hits both
+    sides of a ratio alike. Every result keeps its per-round medians (``extra["round_medians_s"]``), from
+    which :func:`round_ratios` gives one paired ratio per round: the headline reports their spread next to
+    the pooled-median ratio.
+    """
+    order = [(r.spec.peer, r.spec.world_size) for r in runs if (r.spec.peer, r.spec.world_size) in HEADLINE_PEERS]
+    for name, world_size in (order if round_index % 2 else list(reversed(order))):
         first = next((r for r in runs if r.ok and r.spec.peer == name and r.spec.world_size == world_size), None)
         if first is None:
             continue
-        _log(f"repeating {first.spec.key()} ...")
+        _log(f"round {round_index}: repeating {first.spec.key()} ...")
         again = launch(first.spec, work_dir, timeout_s=cfg.timeout_s)
         if not again.ok:
             first.extra.setdefault("repeat_errors", []).append(again.error.splitlines()[0])
+            first.extra.setdefault("round_medians_s", [first.median_s]).append(None)
             _log(f"  repeat FAILED: {again.error.splitlines()[0]}")
             continue
+        first.extra.setdefault("round_medians_s", [first.median_s]).append(again.median_s)
         first.step_times_s.extend(again.step_times_s)
         first.peak_rss_bytes = [max(a, b) for a, b in zip(first.peak_rss_bytes, again.peak_rss_bytes)]
         first.extra["rounds"] = first.extra.get("rounds", 1) + 1
-        _log(f"  pooled median {first.median_s:.4f} s/step over {len(first.step_times_s)} steps")
+        _log(f"  this round {again.median_s:.4f} s/step; pooled median {first.median_s:.4f} s/step over "
+             f"{len(first.step_times_s)} steps")
+
+
+def round_ratios(result: RunResult, reference: RunResult) -> list[float]:
+    """Per-round ratios ``result / reference`` of median step times, for the rounds both completed
+    ([Note: interleaved rounds]); empty when either ran only once."""
+    mine, theirs = result.extra.get("round_medians_s") or [], reference.extra.get("round_medians_s") or []
+    return [a / b for a, b in zip(mine, theirs) if a is not None and b is not None]
 
 
 def _log_result(result: RunResult) -> None:
@@ -213,6 +233,8 @@ def _elixir_options(name: str, cfg: SuiteConfig) -> dict[str, Any]:
         return {"default_placement": "sharded"}
     if name == "elixir_budget_replicated":
         return {"budget_fraction": cfg.budget_fraction, "default_placement": "replicated"}
+    if name == "elixir_search_sharded":
+        return {"budget_fraction": cfg.budget_fraction, "search": True, "default_placement": "sharded"}
     return {}
 
 
@@ -385,8 +407,14 @@ def headline(runs: list[RunResult], traffic_facts: list[dict[str, Any]], largest
         if ref and res:
             ratio = res.median_s / ref.median_s
             alt = f"min-step ratio {min(res.step_times_s) / min(ref.step_times_s):.2f}x"
+            per_round, note = round_ratios(res, ref), ""
+            if len(per_round) > 1:
+                note = (f"; per interleaved round {', '.join(f'{x:.3f}' for x in per_round)}x (median "
+                        f"{statistics.median(per_round):.3f}x, spread {min(per_round):.3f}-{max(per_round):.3f})")
+            # issue 14 asks 0.95x of DDP at 2 ranks; the single-rank target is the original 1.05x of PyTorch
             lines.append(_verdict(f"hf_elixir all-resident step time / {'PyTorch' if ws == 1 else 'DDP'} "
-                                  f"({ws} rank{'s' if ws > 1 else ''})", ratio, 1.05, lower_is_better=True, alt=alt))
+                                  f"({ws} rank{'s' if ws > 1 else ''})", ratio, 1.05 if ws == 1 else 0.95,
+                                  lower_is_better=True, alt=alt) + note)
     for name in ("elixir_budget", "elixir_search", "elixir_budget_replicated"):
         offload = get(name, 2)
         for peer in ("ds_zero3_offload", "fsdp2_offload"):
@@ -443,8 +471,9 @@ def write_report(out_dir: Path, cfg: SuiteConfig, suite: dict[str, Any], command
         *(headline(runs, facts, largest) or ["- (no ratio could be computed: see skipped peers below)"]), "",
         "## Step time, throughput, memory", "",
         "Step times are the slowest rank's per step; tokens/s = ranks x batch x seq / median step. "
-        f"The peers behind the headline ratios ran {cfg.rounds} times (later rounds in reverse order) and their "
-        "timed steps are pooled (see `rounds` in results.json). "
+        f"The peers behind the headline ratios ran {cfg.rounds} times, interleaved (odd rounds in the suite's "
+        "order, even rounds reversed), and their timed steps are pooled (see `rounds` and `round_medians_s` "
+        "in results.json). "
         "`vs PyTorch` = median step / the plain PyTorch (1 rank) or DDP (2 ranks) median. "
         "Peak RSS is the rank process's high-water mark (getrusage), including the Python/torch runtime. "
         "`device peak` is hf_elixir's simulated device pool (model data only). Traffic and blocked time are "
@@ -581,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-sizes", default=None, help="comma-separated (default: the preset's)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="times the headline peers run, interleaved (default: the preset's; 1 = once)")
     parser.add_argument("--no-largest", action="store_true", help="skip the largest-model search")
     parser.add_argument("--largest-max-layers", type=int, default=None)
     args = parser.parse_args(argv)
@@ -595,6 +626,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg.steps = args.steps if args.steps is not None else cfg.steps
     cfg.warmup_steps = args.warmup if args.warmup is not None else cfg.warmup_steps
     cfg.run_largest = not args.no_largest
+    if args.rounds is not None:
+        if args.rounds < 1:
+            parser.error(f"--rounds {args.rounds}: must be >= 1")
+        cfg.rounds = args.rounds
     if args.largest_max_layers is not None:
         cfg.largest_max_layers = args.largest_max_layers
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="hf_elixir_bench_"))

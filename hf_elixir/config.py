@@ -149,8 +149,10 @@ class ElixirConfig:
             only where the plan chooses them and they fit this budget. `None`: 80% of this machine's
             RAM (psutil) divided by the ranks on this machine (`LOCAL_WORLD_SIZE`).
         chunk_size_numel (`int`, *optional*):
-            Elements per chunk; must be >= the largest parameter's numel. `None` lets the search (or a
-            heuristic) pick it.
+            Elements per chunk; must be >= the largest parameter's numel, except for `"replicated"`
+            chunks, which are gradient all-reduce buckets: there a larger parameter gets a chunk of its own
+            and every chunk is trimmed to what it holds (DDP's `bucket_cap_mb`). `None` lets the search (or a
+            heuristic) pick it (replicated: DDP's 25 MiB).
         reduce_dtype (`str`, *optional*):
             dtype of the gradient reduce-scatter: `"fp32"` or `None` (= compute precision).
         offload_optimizer (`bool` or `"auto"`, defaults to `"auto"`):
@@ -164,8 +166,10 @@ class ElixirConfig:
             and optimizer state, `(1 + k) * 4` bytes per shard element) and redoes the chunks concerned
             when clipping triggered or gradients overflowed, so results are exact either way. With gradient
             accumulation only the last backward before `step()` speculates (learned from the previous
-            step). `None` (default): on whenever some optimizer state is on the host; `False`: the host
-            update runs inside `step()`.
+            step). `None` (default): on whenever some optimizer state is on the host and the compute device
+            is a GPU (CUDA); off when the compute device is the CPU, where the lane's thread would share the
+            cores with the compute and speculation only adds snapshot copies; `True`: on on any device;
+            `False`: the host update runs inside `step()`.
         prefetch_depth (`int`, defaults to 2):
             How many chunks ahead (in the profiled access order) to unshard early.
         plan (`ElixirPlan`, `str` path or `None`):
@@ -276,7 +280,7 @@ class ElixirConfig:
             )
         if self.overlap_host_optimizer is not None and not isinstance(self.overlap_host_optimizer, bool):
             raise TypeError(f"ElixirConfig.overlap_host_optimizer={self.overlap_host_optimizer!r} must be True, "
-                            "False or None (on whenever some optimizer state is on the host)")
+                            "False or None (on whenever some optimizer state is on the host and the compute device is CUDA)")
         _check_type("prefetch_depth", self.prefetch_depth, (int,), "give a whole number >= 0")
         if self.prefetch_depth < 0:
             raise ValueError(f"ElixirConfig.prefetch_depth={self.prefetch_depth} must be >= 0")

@@ -90,7 +90,7 @@ def _check_overlapped(result: dict, where: str) -> None:
 @pytest.mark.parametrize("accum", [1, 2])
 def test_overlapped_host_step_matches_pytorch_one_rank(single_rank_group, accum):
     ref = _reference(1, accum)
-    on = _elixir(0, 1, accum, None)
+    on = _elixir(0, 1, accum, True)
     off = _elixir(0, 1, accum, False)
     _check_overlapped(on, f"accum {accum}")
     assert off["counts"] == (0, 0)
@@ -134,7 +134,8 @@ def test_state_read_between_backward_and_step_sees_the_last_step(single_rank_gro
         model = tiny_model("gpt2")
         opt = torch.optim.AdamW(two_groups(model), lr=5e-3)
         model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(chunk_size_numel=CHUNK,
-                                                                          offload_optimizer=True))
+                                                                          offload_optimizer=True,
+                                                                          overlap_host_optimizer=True))
         reads = []
         for step in range(3):
             before = (_state(model), opt.state_dict()) if read else None
@@ -159,7 +160,8 @@ def test_state_read_between_backward_and_step_sees_the_last_step(single_rank_gro
 def test_an_error_on_the_host_lane_surfaces_on_the_main_thread(single_rank_group, monkeypatch):
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(two_groups(model), lr=5e-3)
-    model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(chunk_size_numel=CHUNK, offload_optimizer=True))
+    model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(chunk_size_numel=CHUNK, offload_optimizer=True,
+                                                                      overlap_host_optimizer=True))
 
     def broken(self, views):
         raise ValueError("injected host step failure")
@@ -173,6 +175,45 @@ def test_overlap_host_optimizer_is_validated():
     with pytest.raises(TypeError, match="overlap_host_optimizer='yes'"):
         hf_elixir.ElixirConfig(overlap_host_optimizer="yes")
     assert hf_elixir.ElixirConfig(overlap_host_optimizer=False).overlap_host_optimizer is False
+
+
+def test_default_does_not_speculate_on_a_cpu_compute_device(single_rank_group):
+    """[Note: lane off the CPU device]: ``overlap_host_optimizer=None`` speculates only where the compute device
+    is an accelerator; on the CPU the host update runs in ``step()`` (no snapshot copies, no snapshot RAM),
+    with the same result as ``False``."""
+    default = _elixir(0, 1, 1, None)
+    off = _elixir(0, 1, 1, False)
+    assert default["counts"] == (0, 0) and not default["in_backward"]
+    assert rel_l2(default["state"], off["state"]) == 0.0
+    from hf_elixir.optim._overlap import speculates
+    assert speculates(None, torch.device("cuda")) and not speculates(None, torch.device("cpu"))
+    assert speculates(True, torch.device("cpu")) and not speculates(False, torch.device("cuda"))
+
+
+def test_snapshot_bytes_are_counted_and_bounded(single_rank_group):
+    """The lane's snapshots are host memory: ``host_bytes`` grows by exactly ``(1 + k) * 4`` bytes per host shard
+    element of each speculating chunk, and never past ``host_memory_budget_bytes``."""
+    def host_bytes_after(overlap, budget=None):
+        model = tiny_model("gpt2")
+        opt = torch.optim.AdamW(two_groups(model), lr=5e-3)
+        model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(
+            chunk_size_numel=CHUNK, offload_optimizer=True, overlap_host_optimizer=overlap,
+            host_memory_budget_bytes=budget))
+        for step in range(2):
+            opt.backward(model(**batch("gpt2", step, ROWS)).loss)
+            opt.step()
+            opt.zero_grad()
+        host = {c.chunk_id: c.shard_numel for c in opt.manager.chunks if c.trainable and not c.optim_on_device}
+        speculating = [cid for cid in host if opt._lane._may_speculate.get(cid)]
+        return hf_elixir.memory_stats(model)["host_bytes"], speculating, host
+
+    serial, _, host = host_bytes_after(False)
+    lane, speculating, _ = host_bytes_after(True)
+    assert speculating == list(host), "every host chunk speculates when the host has room"
+    assert lane - serial == sum(host.values()) * 4 * (1 + 2)
+    budget = serial + (lane - serial) // 2
+    bounded, some, _ = host_bytes_after(True, budget)
+    assert 0 < len(some) < len(host) and bounded <= budget
 
 
 def test_no_lane_without_host_optimizer_state(single_rank_group):

@@ -40,9 +40,19 @@ _HOST_INPLACE = {torch.Tensor.add_, torch.Tensor.sub_, torch.Tensor.mul_, torch.
 class SyncCounter(TorchFunctionMode):
     """Counts host syncs (see the module docstring); ``where`` names the caller of each."""
 
+    active: list["SyncCounter"] = []  # counters entered, innermost last (see see_inside_pack_hooks)
+
     def __init__(self) -> None:
         super().__init__()
         self.where: list[str] = []
+
+    def __enter__(self):
+        SyncCounter.active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        SyncCounter.active.pop()
+        return super().__exit__(*exc)
 
     def _backward(self, args, kwargs) -> None:
         """``Tensor.backward`` with the mode active inside: a mode is off while its own handler runs, so
@@ -85,6 +95,24 @@ class SyncCounter(TorchFunctionMode):
             if caller is not None:
                 self.where.append(f"{func.__name__} at {caller}")
         return func(*args, **kwargs)
+
+
+def see_inside_pack_hooks(monkeypatch) -> None:
+    """Make the counter see the pack hooks of ``saved_tensors_hooks`` (activation offload copies): autograd
+    calls them inside the op that saves a tensor, i.e. inside the counter's own handler, where a mode is off;
+    each pack hook is wrapped to re-enter the innermost active counter."""
+    init = torch.autograd.graph.saved_tensors_hooks.__init__
+
+    def patched(self, pack_hook, unpack_hook):
+        def pack(tensor):
+            if not SyncCounter.active:
+                return pack_hook(tensor)
+            with SyncCounter.active[-1]:
+                return pack_hook(tensor)
+
+        init(self, pack, unpack_hook)
+
+    monkeypatch.setattr(torch.autograd.graph.saved_tensors_hooks, "__init__", patched)
 
 
 def _train(model, opt, batches, max_norm: float) -> list[list[str]]:
@@ -170,3 +198,14 @@ def test_counter_sees_inside_backward():
     with counter:
         (param * 2).sum().backward()
     assert len(counter.where) == 1 and "add_" in counter.where[0], counter.where
+
+
+def test_counter_sees_inside_pack_hooks(monkeypatch):
+    """A blocking device->host copy in a saved-tensor pack hook (an activation offload) counts once
+    :func:`see_inside_pack_hooks` is on."""
+    see_inside_pack_hooks(monkeypatch)
+    x = torch.ones(3, requires_grad=True)
+    counter = SyncCounter()
+    with counter, torch.autograd.graph.saved_tensors_hooks(strict.to_host, lambda t: t):
+        x.sin()  # saves its input once
+    assert len(counter.where) == 1 and "to_host" in counter.where[0], counter.where

@@ -45,3 +45,41 @@ def test_two_rank_rows_report_collective_bytes_and_blocked_time(tmp_path: Path):
     assert float(total) == pytest.approx(gather + reduce, abs=2e-4) and float(total) > 0
     assert float(row["all-gather/step (MiB)"]) + float(row["reduce-scatter/step (MiB)"]) > 0
     assert _row(report, run_cpu.PEERS["ddp"].label)["blocked in gathers/reduces per step (s)"] == "-"
+
+
+def test_headline_peers_run_in_interleaved_rounds_with_per_round_ratios(tmp_path: Path, monkeypatch):
+    """[Note: interleaved rounds]: later rounds alternate the order (A B, B A, A B) so machine drift hits both
+    sides of a ratio; each result keeps its per-round medians and the headline reports the paired ratios."""
+    calls = []
+    speed = {1: 1.0, 2: 1.5, 3: 1.2}  # the machine's slowdown in each round, shared by both peers
+
+    def fake_launch(spec, work_dir, timeout_s=0.0):
+        calls.append(spec.peer)
+        rounds = sum(1 for c in calls if c == spec.peer)
+        base = {"ddp": 10.0, "elixir_resident": 9.0}[spec.peer]
+        return run_cpu.RunResult(spec=spec, ok=True, step_times_s=[base * speed[rounds]] * 2, peak_rss_bytes=[1],
+                                 baseline_rss_bytes=[0], losses=[1.0, 0.9], extra={})
+
+    monkeypatch.setattr(run_cpu, "launch", fake_launch)
+    cfg = run_cpu.SuiteConfig.preset("gpt2-124m")
+    assert cfg.rounds == 3
+    cfg.peers = ("ddp", "elixir_resident")
+    suite = run_cpu.run_suite(cfg, tmp_path)
+    assert calls == ["ddp", "elixir_resident", "elixir_resident", "ddp", "ddp", "elixir_resident"]
+    ddp, elixir = suite["runs"]
+    assert ddp.extra["round_medians_s"] == pytest.approx([10.0, 15.0, 12.0])
+    assert len(elixir.step_times_s) == 6 and elixir.extra["rounds"] == 3
+    assert run_cpu.round_ratios(elixir, ddp) == pytest.approx([0.9, 0.9, 0.9])
+    (line,) = [ln for ln in run_cpu.headline(suite["runs"], [], {}) if "all-resident" in ln]
+    assert "0.90x" in line and "target <= 0.95x" in line and "met" in line
+    assert "per interleaved round 0.900, 0.900, 0.900x" in line and "spread 0.900-0.900" in line
+
+
+def test_rounds_flag_overrides_the_preset(monkeypatch, tmp_path: Path):
+    seen = {}
+    monkeypatch.setattr(run_cpu, "run_suite", lambda cfg, work_dir: seen.setdefault("cfg", cfg) and None)
+    monkeypatch.setattr(run_cpu, "write_report", lambda *a, **k: tmp_path / "RESULTS.md")
+    assert run_cpu.main(["--model", "gpt2-124m", "--rounds", "5", "--out-dir", str(tmp_path)]) == 0
+    assert seen["cfg"].rounds == 5
+    with pytest.raises(SystemExit):
+        run_cpu.main(["--rounds", "0", "--out-dir", str(tmp_path)])

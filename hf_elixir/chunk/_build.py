@@ -96,7 +96,8 @@ def build_chunks(manager: ChunkManager, params, names, placements: dict[str, str
     for bucket_group, replicas, replicated, bucket in comm_buckets(params, names, placements, group_of):
         bucket_ws = _group_size(bucket_group)
         storage_group = None if replicated else bucket_group
-        layout = pack_chunks([p.numel() for p in bucket], chunk_size, 1 if replicated else bucket_ws)
+        layout = pack_chunks([p.numel() for p in bucket], chunk_size, 1 if replicated else bucket_ws,
+                             bucket_packing=replicated)  # [Note: replicated buckets] in packing.py
         new, end_flag = _build_bucket(bucket, names, layout, dtype, storage_group, device, manager,
                                       first_id=len(chunks), first_flag=num_flags,
                                       replicas=replicas * (bucket_ws if replicated else 1))
@@ -176,7 +177,8 @@ def chunk_specs(params, names, placements: dict[str, str], group_of: GroupOf, gr
     chunk_of: dict[torch.nn.Parameter, ChunkSpec] = {}
     for group, _, replicated, bucket in comm_buckets(params, names, placements, group_of):
         size = group_size(group)
-        layout = pack_chunks([p.numel() for p in bucket], chunk_size, 1 if replicated else size)
+        layout = pack_chunks([p.numel() for p in bucket], chunk_size, 1 if replicated else size,
+                             bucket_packing=replicated)
         for members, chunk_numel in zip(layout.members, layout.chunk_numels):
             spec = ChunkSpec(len(specs), chunk_numel, 1 if replicated else size, element_size, grad_element_size,
                              any(bucket[m].requires_grad for m in members),

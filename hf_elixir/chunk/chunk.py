@@ -76,6 +76,22 @@ def _alloc_storage(tensor: torch.Tensor) -> None:
 
 
 @dataclass(eq=False)
+class _PendingRefresh:
+    """An upload of the optimizer's new values into the device shard issued by
+    :meth:`Chunk.issue_refresh` and not yet waited ([Note: overlapped refresh]).
+
+    Attributes:
+        source: the host buffer it reads (pinned staging in the compute dtype, or the fp32 master),
+            ``[shard_numel]``; not written again before the wait.
+        event: CUDA event recorded after the copy on the side stream; ``None`` on the simulated device,
+            where the copy itself is done by the wait.
+    """
+
+    source: torch.Tensor
+    event: object
+
+
+@dataclass(eq=False)
 class _PendingGather:
     """An all-gather into ``Chunk.full`` issued with ``async_op=True`` and not yet waited
     ([Note: gather prefetch] in ``manager.py``).
@@ -175,6 +191,7 @@ class Chunk(ChunkBytes):
         self.shard_in_full = False
         self.ready_event = None  # CUDA event of a side-stream unshard (prefetch)
         self.pending_gather: _PendingGather | None = None  # async all-gather issued ahead (prefetch, off CUDA)
+        self.pending_refresh: _PendingRefresh | None = None  # upload of new values into the device shard
         self.hidden = False  # parameters are stale placeholders (see hide_stale_params)
         self.stale_values: torch.Tensor | None = None  # [len(slots)] NaN, backing one placeholder each
         self.grad_shard_clean = True  # the optimizer's gradient shard is zero (set by zero_grad)
@@ -286,6 +303,7 @@ class Chunk(ChunkBytes):
             self.wait_ready()  # a prefetched all-gather may still be filling ``full``
             self.show_params()
             return
+        self.wait_refresh(side_stream)  # the fill reads the shard the refresh writes
         if self.manager.host_fence is not None:  # the host optimizer may be stepping this shard in place
             self.manager.host_fence(self)
         counters = self.manager.counters
@@ -317,7 +335,7 @@ class Chunk(ChunkBytes):
         resharded, and at the optimizer step, the end of ``prepare`` and when
         ``full_parameters(writeback=False)`` exits; the next unshard (:meth:`show_params`) points them
         back at ``full`` before any use, so autograd's saved copies see the data again."""
-        if self.hidden or not self.needs_fill():
+        if self.hidden or not (self.needs_fill() or self.pending_refresh is not None):
             return
         if self.stale_values is None:
             self.stale_values = torch.full((len(self.slots),), float("nan"), dtype=self.dtype,
@@ -334,15 +352,57 @@ class Chunk(ChunkBytes):
             show_param(slot.param, self.full[slot.offset:slot.offset + slot.numel].view(slot.shape))
         self.hidden = False
 
+    def issue_refresh(self, source: torch.Tensor, side_stream=None) -> None:
+        """Upload ``source`` (this rank's new shard values, a host buffer of ``shard_numel`` elements) into the
+        device shard without making the compute wait ([Note: overlapped refresh] in
+        ``hf_elixir/optim/optimizer.py``): on CUDA a non-blocking copy on ``side_stream`` and an event; on the
+        simulated device the copy is left to :meth:`wait_refresh`, so a read that skips the wait sees the old
+        values, and the parameters are stale placeholders until then (a read raises, [Note: stale placeholder]).
+        Counted in ``h2d_bytes`` and ``num_refreshes_ahead``."""
+        assert strict.is_host(source) or source.device.type == "cpu", f"chunk {self.chunk_id}: refresh from device"
+        assert source.dtype == self.dtype and source.numel() == self.shard_numel, f"chunk {self.chunk_id}"
+        self.wait_refresh()  # an earlier refresh never waited for (two steps without a forward)
+        event = None
+        if side_stream is not None:
+            side_stream.wait_stream(torch.cuda.current_stream())  # after the compute's last read of the shard
+            with torch.cuda.stream(side_stream), torch.no_grad(), strict.host_copies():
+                self._refresh_target().copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side_stream)
+        self.pending_refresh = _PendingRefresh(source, event)
+        counters = self.manager.counters
+        counters.h2d_bytes += self.shard_bytes
+        counters.num_refreshes_ahead += 1
+        self.hide_stale_params()
+
+    def _refresh_target(self) -> torch.Tensor:
+        return self.full if self.full_alias else self.shard
+
+    def wait_refresh(self, stream=None) -> None:
+        """Make the refresh :meth:`issue_refresh` issued visible: on CUDA ``stream`` (default: the current one)
+        waits for its event (no host sync); on the simulated device the copy is done here. The parameters of a
+        current chunk point at ``full`` again."""
+        pending, self.pending_refresh = self.pending_refresh, None
+        if pending is None:
+            return
+        if pending.event is not None:
+            (stream or torch.cuda.current_stream()).wait_event(pending.event)
+        else:
+            with torch.no_grad(), strict.host_copies():
+                self._refresh_target().copy_(pending.source)
+        if not self.needs_fill():
+            self.show_params()
+
     def wait_ready(self) -> bool:
-        """Wait for a prefetched all-gather issued with ``async_op`` (then release its staging buffer and
-        point the parameters at ``full``); order the current CUDA stream after a side-stream unshard,
-        and tell the caching allocator the compute stream uses the buffer (so freeing it later cannot
-        race the compute).
+        """Wait for the refresh of the device shard (:meth:`wait_refresh`) and for a prefetched all-gather
+        issued with ``async_op`` (then release its staging buffer and point the parameters at ``full``);
+        order the current CUDA stream after a side-stream unshard, and tell the caching allocator the
+        compute stream uses the buffer (so freeing it later cannot race the compute).
 
         Returns:
             whether an all-gather issued ahead was waited for here.
         """
+        self.wait_refresh()
         pending, self.pending_gather = self.pending_gather, None
         if pending is not None:
             pending.work.wait()
@@ -419,6 +479,7 @@ class Chunk(ChunkBytes):
         """Copy this rank's slice of ``full`` into the shard (after ``load_state_dict`` wrote ``full``)."""
         if self.manager.host_fence is not None:
             self.manager.host_fence(self)
+        self.wait_refresh()  # the refresh would overwrite what is written back
         with torch.no_grad(), strict.host_copies():
             if not self.full_alias:
                 self.shard.copy_(self.full[self.shard_begin:self.shard_begin + self.shard_numel])
@@ -451,11 +512,14 @@ class Chunk(ChunkBytes):
             direct = self.direct_grad_shard()
             if direct is not None:
                 with torch.no_grad():
-                    direct[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+                    target = direct[slot.offset:slot.offset + slot.numel]
+                    if self.replicate_group is None:
+                        target.add_(grad.reshape(-1))
+                    else:  # [Note: pre-divided all-reduce]
+                        target.add_(grad.reshape(-1), alpha=1.0 / dist.get_world_size(self.replicate_group))
                 return
-            self.manager.make_room(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
-            self.manager.pool.charge(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
-            self.grad_full = torch.zeros(self.chunk_numel, dtype=self.grad_dtype, device=self.compute_device)
+            self.manager.charge_grad_bytes(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
+            self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype)
         with torch.no_grad():
             self.grad_full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
 
@@ -482,7 +546,6 @@ class Chunk(ChunkBytes):
         fixed order, even when it received no gradient for the chunk (zeros), so ranks never hang.
         """
         counters = self.manager.counters
-        pool = self.manager.pool
         direct = self.direct_grad_shard() if self.grad_full is None else None
         if direct is not None:  # gradients are already in the optimizer's shard
             self._mark_reduced()
@@ -493,23 +556,18 @@ class Chunk(ChunkBytes):
             work = dist.all_reduce(direct, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
             counters.reduce_scatter_bytes += self.grad_full_bytes
 
-            def finish_in_place() -> None:
-                if async_op:
-                    work.wait()
-                with torch.no_grad():
-                    direct.div_(dist.get_world_size(group))
-
+            # [Note: pre-divided all-reduce] the gradients were divided by the group's size as they were added
+            # into the shard (DDP divides its buckets before the all-reduce too), so the sum is the mean: no
+            # pass over the whole shard after the collective
             if async_op:
-                return finish_in_place
-            finish_in_place()
+                return work.wait
             return None
         if self.grad_full is None:  # no gradient on this rank (idle experts, unused branch)
             if self.world_size == 1 and self.replicate_group is None:
                 self._mark_reduced()  # no collective to join: adding zeros changes nothing
                 return None
-            self.manager.make_room(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
-            pool.charge(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
-            self.grad_full = torch.zeros(self.chunk_numel, dtype=self.grad_dtype, device=self.compute_device)
+            self.manager.charge_grad_bytes(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
+            self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype)
         # [Note: reduce overlap] on CUDA, with the optimizer state on the device, the reduce-scatter and
         # the accumulation into the shard gradient run on the manager's reduce stream, overlapping the
         # rest of backward; record_stream keeps the caching allocator from reusing the buffers early and
@@ -524,9 +582,8 @@ class Chunk(ChunkBytes):
         with torch.no_grad(), stream_ctx():
             if self.world_size > 1:
                 shard_grad_bytes = self.grad_full_bytes // self.world_size
-                self.manager.make_room(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
-                pool.charge(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
-                out = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.compute_device)
+                self.manager.charge_grad_bytes(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
+                out = self.manager.grad_buffer(self.shard_numel, self.grad_dtype, zero=False)
                 work = reduce_scatter_single(out, grad_full, op=dist.ReduceOp.SUM, group=self.group,
                                              async_op=async_op)
                 counters.reduce_scatter_bytes += self.grad_full_bytes
@@ -553,9 +610,10 @@ class Chunk(ChunkBytes):
                 if stream is not None:
                     grad_full.record_stream(stream)
                     out.record_stream(stream)
+            self.manager.release_grad_bytes(shard_grad_bytes + self.grad_full_bytes)
             if shard_grad_bytes:
-                pool.release(shard_grad_bytes)
-            pool.release(self.grad_full_bytes)
+                self.manager.recycle_buffer(out)
+            self.manager.recycle_buffer(grad_full)
 
         if async_op and work is not None:
             return finish

@@ -14,6 +14,18 @@ forward used on this rank have their gradients, or it holds only MoE-expert para
 forward used: [Note: idle experts] in hooks.py); whatever is left is flushed at the end of backward.
 Ranks whose MoE experts got no tokens therefore issue the same collectives in the same order.
 
+[Note: late reduce waits] (issue 14: blocked-wait time.) Off CUDA a gradient collective is issued with
+``async_op=True`` as soon as its chunk is complete and finished (waited, divided, added into the gradient
+shard) as late as possible: two reduces later during backward, and after backward only when something reads
+the gradient shards. The chunks completed last (the embeddings', used first in forward) are ready only when
+backward ends, so their collectives cannot overlap backward's compute; they overlap the optimizer step
+instead, which steps the chunks whose reduce has finished first (``ElixirOptimizer._inner_step``). The
+has-gradient flags' all-reduce (small, needed by the step's host read) is issued just before the last
+chunk's collective (gloo runs two collectives at a time per group, so it does not queue behind both big
+ones): collective order ``[... chunks, flags, last chunk, re-reduces]``, the same on every rank. Every reader
+of gradient shards or flags calls :meth:`drain_reduces` first: the optimizer's step / clipping / state,
+``zero_grad``, ``clear_param_grad``, the next backward; ``make_room`` finishes them when it needs room.
+
 [Note: gather prefetch] (FSDP2's all-gather prefetch; issue 14 item 1.) During forward, :meth:`_prefetch`
 issues the all-gathers of the next ``prefetch_depth`` chunks of the previous step's order ahead of their
 use: on CUDA on the copy stream (the compute stream waits for its event), elsewhere with ``async_op=True``
@@ -33,14 +45,35 @@ order on every rank, so a rank may issue a gather ahead only where every rank do
 * a gather ahead evicts only what the hook of its chunk would evict anyway ([Note: Belady-consistent gather
   ahead] in :meth:`_kept_until`), so prefetching issues the same gathers as the hooks alone, only earlier
   (what the cost model assumes);
-* forward only, and within the forward: the window stops where the previous step's forward (micro-batch)
-  ended, so no rank issues a gather ahead of the backward's reduce-scatters. Backward gathers (re-gathers
-  of evicted chunks without a host copy) are not prefetched;
+* within one phase: in forward the window stops where the previous step's forward (micro-batch) ended, so
+  no rank issues a gather ahead of the backward's reduce-scatters; in backward it stops where that step's
+  backward ended, under the stricter room rule of [Note: backward gather prefetch];
 * nothing reads an unfilled buffer: the parameters stay stale placeholders until the wait, eviction and
   ``unshard`` wait first, and the start of backward and the optimizer step drain every pending gather.
 
+[Note: backward gather prefetch] In backward the re-gathers of evicted chunks without a host copy are issued
+ahead too (FSDP2's backward prefetch), on the same terms as in forward (previous trace, agreed plan and
+budget; off for MoE and for a pool that charges activations; pending gathers drained at eviction, unshard,
+the end of backward and the step). Backward also charges and frees gradient buffers and reduce-scatter
+outputs between two accesses (and finishes reduces when the pool is short), so Belady's argument above does
+not carry over: a gather ahead could evict a chunk the hooks alone would have kept, or be evicted itself
+before its use. A backward gather ahead is therefore issued only when its bytes, plus those of the chunks
+of the window that the hooks will still fill, plus the rise of gradient-buffer and reduce-output bytes the
+previous step saw up to the chunk's access (``prev_grad_at``: bytes at each access and the peak since the
+one before), fit in the free budget plus the chunks this step no longer uses (:meth:`_dead`: trainable,
+no later use in the previous trace, so the step makes their gathered copy stale anyway); it evicts only
+those. Every later make-room in the window then finds its room among free and dead bytes, which Belady
+evicts first, so no chunk the step still uses leaves the device earlier than without the prefetch: the
+same all-gathers, only issued ahead. All of this is the same on every rank for dense models with a
+model-data budget (the gradient charges follow the autograd graph, identical on every rank). At the
+tightest budgets there is no such room and backward gathers stay in the hooks.
+
 ``num_prefetched_gathers`` counts gathers issued ahead, ``num_blocking_gathers`` those issued inside an
 access for the chunk it needs (the compute waits for the whole collective).
+
+Refreshes of device shards from host masters ([Note: overlapped refresh] in ``hf_elixir/optim/optimizer.py``)
+are uploads on the copy stream issued by the optimizer step; :meth:`access` waits for each chunk's own
+(:meth:`Chunk.wait_ready`), :meth:`start_backward` drains the rest (:meth:`drain_refreshes`).
 
 [Note: gradient offload] A chunk whose optimizer state is on the host gets its reduced gradient shard by
 :meth:`ChunkManager.offload_grad`: one non-blocking device->host copy, straight into the fp32 gradient
@@ -99,6 +132,8 @@ class ChunkManager:
         # device->host copies of reduced gradient shards of host-optimizer chunks ([Note: gradient offload])
         self.offload_stream = torch.cuda.Stream() if compute_device.type == "cuda" else None
         self._grad_staging: dict[int, torch.Tensor] = {}  # chunk id -> fp32 host [shard_numel]
+        # off CUDA, gradient buffers whose reduce finished, kept for the next backward ([Note: buffer reuse])
+        self._free_buffers: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         self._offload_done: dict[int, object] = {}  # chunk id -> callable waiting for its last host add
         # ``on_grad_offloaded(chunk, staging, event)`` takes over a host gradient (the optimizer's host lane)
         # and may return a callable that waits until it has consumed ``staging``; ``host_fence(chunk)`` is
@@ -111,13 +146,22 @@ class ChunkManager:
         # off CUDA, gradient collectives are issued asynchronously and finished a few chunks later
         self.async_reduce = compute_device.type != "cuda"
         self.max_pending_reduces = 2
-        self._pending: list = []
+        self._pending: list[tuple[int, object]] = []  # (chunk id, callable finishing its reduce), issue order
         # off CUDA, all-gathers issued ahead are async collectives waited at the chunk's access
         self.async_gather = compute_device.type != "cuda"
         self._pending_gathers: list[Chunk] = []
-        # trace positions where each forward (micro-batch) of this / the previous step ended
+        # trace positions where each forward (micro-batch) / backward of this / the previous step ended
         self._forward_ends: list[int] = []
         self.prev_forward_ends: list[int] = []
+        self._backward_ends: list[int] = []
+        self.prev_backward_ends: list[int] = []
+        # device bytes of gradient buffers and reduce outputs now and their peak since the last access; per
+        # access of this / the previous step's trace: (bytes at it, peak since the access before it)
+        # ([Note: backward gather prefetch])
+        self._grad_live_bytes = 0
+        self._grad_peak_bytes = 0
+        self._grad_at: list[tuple[int, int]] = []
+        self.prev_grad_at: list[tuple[int, int]] = []
         self.chunks: list[Chunk] = []
         self.slot_of: dict[torch.nn.Parameter, ParamSlot] = {}
         self.chunk_of: dict[torch.nn.Parameter, Chunk] = {}
@@ -224,6 +268,28 @@ class ChunkManager:
         out of the resident set until first used, see [Note: zero pages] in ``host_blocks.py``)."""
         return strict.register_host(self.host.zeros(numel, dtype))
 
+    def grad_buffer(self, numel: int, dtype: torch.dtype, zero: bool = True) -> torch.Tensor:
+        """A device tensor ``[numel]`` of ``dtype`` for a gradient buffer or a reduce-scatter output (the caller
+        charges the pool): zero-filled unless ``zero`` is False.
+
+        [Note: buffer reuse] On CUDA this is ``torch.zeros`` / ``torch.empty``: the caching allocator reuses
+        freed blocks. Off CUDA a fresh tensor of a chunk's size is a new ``mmap`` every time, whose pages fault
+        in as they are first written (~50-75 ms per 147 MiB buffer, each backward, for every chunk); the buffers
+        :meth:`recycle_buffer` got back are reused instead, as the caching allocator would (the pool still
+        charges a buffer only while it is in use; the ones kept are the same few the step's peak needed, and
+        they stay in host RAM between backwards, as DDP's gradient buckets do).
+        """
+        free = self._free_buffers.get((numel, dtype))
+        if free:
+            buffer = free.pop()
+            return buffer.zero_() if zero else buffer
+        return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=self.compute_device)
+
+    def recycle_buffer(self, buffer: torch.Tensor) -> None:
+        """Give back a :meth:`grad_buffer` tensor nothing reads any more ([Note: buffer reuse]; CUDA: dropped)."""
+        if self.compute_device.type != "cuda":
+            self._free_buffers[(buffer.numel(), buffer.dtype)].append(buffer)
+
     def host_free(self, tensor: torch.Tensor) -> None:
         """Give back a tensor :meth:`host_empty` returned (drop every reference to it)."""
         self.host.free(tensor)
@@ -272,6 +338,23 @@ class ChunkManager:
                 except DeviceBudgetExceededError as err:
                     raise DeviceBudgetExceededError(f"{err}. Device holds: {self.describe()}") from None
             victim.reshard()
+
+    def charge_grad_bytes(self, nbytes: int, what: str) -> None:
+        """Make room for and charge ``nbytes`` of a gradient buffer or reduce-scatter output (counted for the
+        backward gather prefetch's reserve, [Note: backward gather prefetch]).
+
+        Raises:
+            DeviceBudgetExceededError: nothing left to evict and still no room.
+        """
+        self.make_room(nbytes, what)
+        self.pool.charge(nbytes, what)
+        self._grad_live_bytes += nbytes
+        self._grad_peak_bytes = max(self._grad_peak_bytes, self._grad_live_bytes)
+
+    def release_grad_bytes(self, nbytes: int) -> None:
+        """Give back ``nbytes`` that :meth:`charge_grad_bytes` charged."""
+        self.pool.release(nbytes)
+        self._grad_live_bytes -= nbytes
 
     def describe(self) -> str:
         """What occupies the device, for error messages."""
@@ -330,11 +413,13 @@ class ChunkManager:
             self.first_use.setdefault(chunk.chunk_id, self.clock)
         if len(self.trace) < _MAX_TRACE:
             self.trace.append(chunk.chunk_id)
+            self._grad_at.append((self._grad_live_bytes, self._grad_peak_bytes))
+            self._grad_peak_bytes = self._grad_live_bytes
 
     def _prefetch(self, pinned: set[int]) -> None:
         """Unshard the next ``prefetch_depth`` chunks of the previous step's order, when that does not
         evict a chunk needed sooner than the prefetched one; all-gathers only where
-        [Note: gather prefetch] allows."""
+        [Note: gather prefetch] allows (in backward: [Note: backward gather prefetch])."""
         pos = len(self.trace)
         gather_end = self._gather_window_end(pos)
         seen: set[int] = set(pinned)
@@ -347,17 +432,21 @@ class ChunkManager:
             if len(upcoming) == self.prefetch_depth:
                 break
         keep = pinned | {cid for _, cid in upcoming}
+        fills_before = 0  # bytes the hooks will charge for upcoming chunks not filled here ([Note: backward ...])
         for index, cid in upcoming:
             chunk = self.chunks[cid]
             if not chunk.needs_fill():
                 continue
             collective = chunk.needs_collective()
-            if collective and index >= gather_end:
-                continue  # not this forward's, or not allowed (see [Note: gather prefetch])
             need = chunk.fill_bytes_needed()
-            beyond = self._kept_until(keep, index) if collective and not self.pool.fits(need) else None
+            if collective and (index >= gather_end or (self.backward_pending
+                                                        and not self._backward_room(need + fills_before, pos, index))):
+                fills_before += need
+                continue  # not this phase's, not allowed, or no room (see [Note: gather prefetch])
+            dead_only = collective and self.backward_pending  # [Note: backward gather prefetch]
+            beyond = self._kept_until(keep, index) if collective and not dead_only and not self.pool.fits(need) else None
             while not self.pool.fits(need):
-                victim = self._victim(keep, beyond=beyond)
+                victim = self._dead_victim() if dead_only else self._victim(keep, beyond=beyond)
                 if victim is None or self._next_use(victim) <= self._next_use(chunk):
                     return  # prefetching would evict something needed sooner: stop
                 victim.reshard()
@@ -377,20 +466,43 @@ class ChunkManager:
         Returns that position."""
         return max(self._next_use(self.chunks[cid], after=index) for cid in keep)
 
+    def _dead(self, chunk: Chunk) -> bool:
+        """An evictable trainable chunk this step uses no more (the optimizer step makes its gathered copy
+        stale, so evicting it now costs no all-gather)."""
+        return chunk.evictable and chunk.trainable and self._next_use(chunk) == float("inf")
+
+    def _dead_victim(self) -> Chunk | None:
+        """The least recently used :meth:`_dead` chunk (Belady's first victim: none is used again)."""
+        return min((c for c in self.chunks if self._dead(c)), key=lambda c: c.last_access, default=None)
+
+    def _backward_room(self, need: int, pos: int, index: int) -> bool:
+        """[Note: backward gather prefetch] Whether ``need`` bytes, plus the gradient buffers and reduce
+        outputs the previous step charged between positions ``pos - 1`` and ``index`` of its trace, fit in
+        the free budget plus the chunks this step uses no more (:meth:`_dead`)."""
+        if self.pool.budget_bytes is None:
+            return True
+        if not 0 < pos <= index < len(self.prev_grad_at):
+            return False
+        at = self.prev_grad_at
+        reserve = max(0, max(peak for _, peak in at[pos:index + 1]) - self._grad_live_bytes)
+        dead = sum(c.full_bytes for c in self.chunks if self._dead(c))
+        return self.pool.used_bytes + need + reserve <= self.pool.budget_bytes + dead
+
     def gather_prefetch_allowed(self) -> bool:
-        """Whether all-gathers may be issued ahead now ([Note: gather prefetch]): in a forward, with a
-        pool that charges model data only, and no MoE-expert chunk."""
-        return (not self.backward_pending and not self.pool.charges_activations
+        """Whether all-gathers may be issued ahead ([Note: gather prefetch]): with a pool that charges model
+        data only, and no MoE-expert chunk."""
+        return (not self.pool.charges_activations
                 and not any(c.subtree_only or c.host_copy_required for c in self.chunks))
 
     def _gather_window_end(self, pos: int) -> int:
         """The first position of the previous step's trace, at or after ``pos``, whose chunk may not be
-        all-gathered ahead: where the forward running now ended in that step (``pos`` itself when
+        all-gathered ahead: where the forward or backward running now ended in that step (``pos`` itself when
         :meth:`gather_prefetch_allowed` says no)."""
         if not self.gather_prefetch_allowed():
             return pos
-        i = bisect.bisect_right(self.prev_forward_ends, pos)
-        return self.prev_forward_ends[i] if i < len(self.prev_forward_ends) else len(self.prev_trace)
+        ends = self.prev_backward_ends if self.backward_pending else self.prev_forward_ends
+        i = bisect.bisect_right(ends, pos)
+        return ends[i] if i < len(ends) else len(self.prev_trace)
 
     def drain_gathers(self) -> None:
         """Wait for every all-gather issued ahead (at the start of backward and at the optimizer step: a
@@ -398,6 +510,23 @@ class ChunkManager:
         for chunk in self._pending_gathers:
             chunk.wait_ready()
         self._pending_gathers = []
+
+    def drain_refreshes(self) -> None:
+        """Wait for every refresh of a device shard issued ahead ([Note: overlapped refresh] in
+        ``hf_elixir/optim/optimizer.py``; on CUDA a stream wait, no host sync): at the start of backward, after
+        which the host lane writes the masters and staging buffers those uploads read, and before anything
+        reads or writes the compute copies outside an access."""
+        for chunk in self.chunks:
+            chunk.wait_refresh()
+
+    def next_use_order(self, chunks: list[Chunk]) -> list[Chunk]:
+        """``chunks`` in the order the next forward first uses them: their first access in this step's trace
+        (the previous step's when no access was recorded since), chunks it does not hold last, by id."""
+        trace = self.trace or self.prev_trace
+        first: dict[int, int] = {}
+        for i, cid in enumerate(trace):
+            first.setdefault(cid, i)
+        return sorted(chunks, key=lambda c: (first.get(c.chunk_id, len(trace)), c.chunk_id))
 
     def join_side_streams(self) -> None:
         """Order the current CUDA stream after the prefetch, reduce and offload streams, without waiting on
@@ -410,23 +539,29 @@ class ChunkManager:
 
     def end_step(self) -> None:
         """Called at the optimizer step: the current trace becomes the reference for eviction."""
+        self.drain_reduces()
         self.drain_gathers()
         if self.trace:
             self.prev_trace = self.trace
             self.prev_forward_ends = self._forward_ends
+            self.prev_backward_ends = self._backward_ends
+            self.prev_grad_at = self._grad_at
             positions: dict[int, list[int]] = defaultdict(list)
             for i, cid in enumerate(self.trace):
                 positions[cid].append(i)
             self.prev_positions = dict(positions)
         self.trace = []
         self._forward_ends = []
+        self._backward_ends = []
+        self._grad_at = []
         self.grads_pending = False  # consumed by the step
         self.hide_stale()
         now = self.counters.as_dict()
         self.last_step = {f"step_{k}": now[k] - self._step_start.get(k, 0)
                           for k in ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes",
                                     "num_evictions", "num_onloads", "num_prefetches", "num_prefetched_gathers",
-                                    "num_blocking_gathers", "gather_wait_s", "reduce_wait_s")}
+                                    "num_blocking_gathers", "num_refreshes_ahead", "gather_wait_s", "reduce_wait_s",
+                                    "num_prefetched_act_onloads", "num_blocking_act_onloads")}
         self.last_step["step_device_peak_bytes"] = self.counters.device_peak_bytes
         self._step_start = now
         self.sync_activation_bytes()
@@ -478,11 +613,13 @@ class ChunkManager:
         """
         if self.backward_pending:
             return
+        self.drain_reduces()  # the previous backward's last reduces ([Note: late reduce waits])
         if self._trainable_chunks and not self.grad_shards:
             raise RuntimeError("backward through a model prepared without an optimizer (hf_elixir.prepare(model, "
                                "None, ...) is for inference): pass the optimizer to prepare to train, or run the "
                                "forward under torch.no_grad()")
         self.drain_gathers()
+        self.drain_refreshes()
         if len(self.trace) < _MAX_TRACE:
             self._forward_ends.append(len(self.trace))
         self.backward_pending = True
@@ -512,7 +649,10 @@ class ChunkManager:
         return not chunk.used_slots and chunk.subtree_only
 
     def _reduce_ready_prefix(self) -> None:
-        while self._reduce_cursor < len(self._reduce_order):
+        # off CUDA the last chunk of the order is issued by finish_backward, after the has-gradient flags
+        # ([Note: late reduce waits])
+        last = len(self._reduce_order) - int(self.async_reduce)
+        while self._reduce_cursor < last:
             chunk = self._reduce_order[self._reduce_cursor]
             if not self._chunk_ready(chunk):
                 return
@@ -527,7 +667,7 @@ class ChunkManager:
             self.counters.reduce_wait_s += time.perf_counter() - started
         chunk.arrived_slots.clear()
         if finish is not None:
-            self._pending.append(self._timed_wait(finish) if collective else finish)
+            self._pending.append((chunk.chunk_id, self._timed_wait(finish) if collective else finish))
             while len(self._pending) > self.max_pending_reduces:
                 self._finish_reduce()
 
@@ -591,28 +731,47 @@ class ChunkManager:
         return timed
 
     def _finish_reduce(self) -> None:
-        self._pending.pop(0)()
+        self._pending.pop(0)[1]()
 
     def drain_reduces(self) -> None:
-        """Wait for every in-flight gradient collective and accumulate its result."""
+        """Wait for every in-flight gradient collective and accumulate its result (see [Note: late reduce
+        waits]: every reader of gradient shards or has-gradient flags calls this first)."""
         while self._pending:
             self._finish_reduce()
 
+    def reduces_in_flight(self) -> set[int]:
+        """Ids of the chunks whose gradient collective is still to be finished ([Note: late reduce waits])."""
+        return {cid for cid, _ in self._pending}
+
     def finish_backward(self) -> None:
         """End-of-backward callback: flush remaining reduce-scatters in the fixed order, merge the
-        has-gradient flags over ranks, drop backward pins."""
-        while self._reduce_cursor < len(self._reduce_order):
+        has-gradient flags over ranks, drop backward pins. Off CUDA the last reduces stay in flight
+        ([Note: late reduce waits])."""
+        last = len(self._reduce_order) - int(self.async_reduce)
+        while self._reduce_cursor < last:
             self._reduce(self._reduce_order[self._reduce_cursor])
             self._reduce_cursor += 1
+        if self.async_reduce:
+            while len(self._pending) > 1:  # at most one collective in flight beside the flags' all-reduce
+                self._finish_reduce()
+            self._merge_flags()
+            while self._reduce_cursor < len(self._reduce_order):
+                self._reduce(self._reduce_order[self._reduce_cursor])
+                self._reduce_cursor += 1
         # a gradient that arrived after its chunk was reduced (a parameter used in two reentrant
         # checkpoint segments) is reduced once more; structural, so every rank does the same
         for chunk in self._reduce_order:
             if chunk.grad_full is not None:
                 self._reduce(chunk)
-        self.drain_reduces()
-        if self.reduce_stream is not None:
-            torch.cuda.current_stream().wait_stream(self.reduce_stream)
-        self._merge_flags()
+        if not self.async_reduce:
+            self.drain_reduces()
+        self.drain_gathers()  # a gather issued ahead for a chunk this backward did not use
+        if len(self.trace) < _MAX_TRACE:
+            self._backward_ends.append(len(self.trace))
+        if not self.async_reduce:
+            if self.reduce_stream is not None:
+                torch.cuda.current_stream().wait_stream(self.reduce_stream)
+            self._merge_flags()
         self.sync_activation_bytes()
         for chunk in self.chunks:
             chunk.used_slots.clear()
@@ -642,6 +801,7 @@ class ChunkManager:
     def zero_grad(self, keep_has_grad: bool = False) -> None:
         """Zero every gradient shard; ``keep_has_grad``: parameters that had a gradient keep a (zero)
         one for the next step (``zero_grad(set_to_none=False)``), else they have none until backward."""
+        self.drain_reduces()
         if self.host_fence is not None:
             self.host_fence(None)  # host work on the gradient shards ends (and speculative steps are undone)
         for grad_shard in self.grad_shards.values():
@@ -662,6 +822,7 @@ class ChunkManager:
             return  # backward's own hook clears p.grad after moving it into the chunk
         chunk = self.chunk_of[param]
         grad_shard = self.grad_shards.get(chunk.chunk_id)
+        self.drain_reduces()
         if self.host_fence is not None:
             self.host_fence(None)
         if grad_shard is not None:

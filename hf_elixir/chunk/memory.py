@@ -128,7 +128,14 @@ class MemoryCounters:
     # (the compute waits for the whole collective): [Note: gather prefetch] in manager.py
     num_prefetched_gathers: int = 0
     num_blocking_gathers: int = 0
+    # uploads of the optimizer's new values into device shards issued without making the compute wait, each
+    # waited for at its chunk's first use ([Note: overlapped refresh] in hf_elixir/optim/optimizer.py)
+    num_refreshes_ahead: int = 0
     num_unshards: int = 0
+    # batches of offloaded activations (one block call's saved tensors) copied back ahead of their block's
+    # backward, and at its first unpack (the backward waits for the copy): [Note: activation onload ahead]
+    num_prefetched_act_onloads: int = 0
+    num_blocking_act_onloads: int = 0
     # seconds the compute thread spent blocked in all-gathers (inside an access) and in gradient
     # reduce-scatters / all-reduces (issuing them and waiting for them to finish)
     gather_wait_s: float = 0.0

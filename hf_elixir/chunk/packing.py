@@ -46,25 +46,31 @@ class ChunkLayout:
 
 
 def pack_chunks(numels: list[int], chunk_size_numel: int, world_size: int = 1,
-                align_numel: int = 1) -> ChunkLayout:
+                align_numel: int = 1, bucket_packing: bool = False) -> ChunkLayout:
     """Pack parameters (given by numel, in packing order) greedily into chunks.
 
     Every chunk has ``round_up(chunk_size_numel, world_size)`` elements except the last, which is
-    trimmed to ``round_up(used, world_size)``. Each parameter starts at a multiple of ``align_numel``.
+    trimmed to ``round_up(used, world_size)`` (with ``bucket_packing``: every chunk is). Each parameter
+    starts at a multiple of ``align_numel``.
 
     Args:
         numels: element counts, in the order parameters are packed (zero-sized ones are allowed).
         chunk_size_numel: elements per chunk.
         world_size: ranks the chunk is sharded over; chunk numels are multiples of it.
         align_numel: alignment of each parameter's offset, in elements.
+        bucket_packing: pack like DistributedDataParallel's gradient buckets (``bucket_cap_mb``): a
+            parameter larger than ``chunk_size_numel`` gets a chunk of its own instead of raising, and every
+            chunk is trimmed to the parameters it holds (no padding to all-reduce; chunks that are never
+            offloaded need no common size). See [Note: replicated buckets].
 
     Raises:
-        ValueError: ``chunk_size_numel`` smaller than the largest parameter (names both numbers).
+        ValueError: ``chunk_size_numel`` smaller than the largest parameter (names both numbers), unless
+            ``bucket_packing``.
     """
     if chunk_size_numel <= 0:
         raise ValueError(f"chunk_size_numel={chunk_size_numel} must be > 0")
     largest = max(numels, default=0)
-    if largest > chunk_size_numel:
+    if largest > chunk_size_numel and not bucket_packing:
         raise ValueError(
             f"chunk_size_numel={chunk_size_numel} is smaller than the largest parameter "
             f"({largest} elements); use chunk_size_numel >= {largest} or leave it None to search"
@@ -75,7 +81,7 @@ def pack_chunks(numels: list[int], chunk_size_numel: int, world_size: int = 1,
     used: list[int] = [0]
     for index, numel in enumerate(numels):
         start = round_up(used[-1], align_numel)
-        if start + numel > chunk_size_numel and members[-1]:
+        if (start + numel > chunk_size_numel or used[-1] > chunk_size_numel) and members[-1]:
             members.append([])
             offsets.append([])
             used.append(0)
@@ -85,6 +91,8 @@ def pack_chunks(numels: list[int], chunk_size_numel: int, world_size: int = 1,
         used[-1] = start + numel
     if not members[-1]:
         members, offsets, used = [], [], []
+    if bucket_packing:
+        return ChunkLayout(members, offsets, [max(round_up(u, world_size), world_size) for u in used], used)
     chunk_numels = [full_numel] * len(members)
     if chunk_numels:
         chunk_numels[-1] = max(round_up(used[-1], world_size), world_size)
@@ -98,5 +106,14 @@ REPLICATED_BUCKET_BYTES = 25 * 2**20
 def replicated_chunk_size(numels: list[int], element_bytes: int) -> int:
     """Chunk size (elements) for "replicated" placement: such chunks are never offloaded, so only the
     all-reduce granularity matters: DDP-sized buckets (``bucket_cap_mb=25``, upstream
-    ``torch.nn.parallel.DistributedDataParallel``), at least the largest parameter, at most the model."""
-    return max(max(numels or [1]), min(sum(numels) or 1, REPLICATED_BUCKET_BYTES // element_bytes))
+    ``torch.nn.parallel.DistributedDataParallel``), at most the model.
+
+    [Note: replicated buckets] Replicated chunks are packed with ``bucket_packing``: a parameter larger than
+    the bucket (GPT-2's 38.6M-element tied embedding) gets a chunk of its own, as DDP gives it a bucket of its
+    own, instead of raising every chunk to its size, and each chunk is trimmed to what it holds (padding
+    would be all-reduced, zeroed and kept on the device for nothing). A chunk's all-reduce starts only once all its gradients
+    arrived, so chunks as large as the embedding made the last ~40% of the blocks' gradients (the chunk that
+    also holds the position embedding, complete only at the very end of backward) one all-reduce that
+    nothing overlapped.
+    """
+    return max(1, min(sum(numels) or 1, REPLICATED_BUCKET_BYTES // element_bytes))

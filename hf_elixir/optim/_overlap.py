@@ -13,7 +13,8 @@ precedes ``step()``, steps the chunk at once:
   gradient and checks it for inf/NaN (host memory: free to read); it computes the chunk's squared
   L2 norm, then runs the inner optimizer on the chunk's views, as if no clipping and no overflow
   happened, with this rank's has-gradient flags as known so far and the param groups' current
-  hyperparameters.
+  hyperparameters; a chunk whose shard is on the device then has its master cast into the staging buffer
+  its upload reads ([Note: overlapped refresh] in ``optimizer.py``).
 * **validate.** ``step()`` joins the lane and reads the global overflow flag, clip factor and merged
   has-gradient flags in its one host read. A speculative update stands when nothing overflowed, the
   clip factor is 1, and the chunk's flags and hyperparameters are those it used.
@@ -30,6 +31,15 @@ The lane is joined (and exceptions raised in it re-raised on the main thread) be
 or writes master shards, optimizer states or gradient shards: ``clip_grad_norm``, ``step``,
 ``zero_grad`` (also ``model.zero_grad()``), the state dicts, a shard being unsharded. ``zero_grad``
 and the state dicts before ``step()`` roll every speculative update back.
+
+[Note: lane off the CPU device] The lane gains only where its thread runs beside compute that is not on the
+host's cores: with a CUDA compute device the CPU is idle during backward. Where the compute device is the CPU
+(the simulated device), the lane's thread shares the cores with the ranks' own compute, so the host update
+costs the same CPU time as in ``step()`` plus what speculation adds: the snapshot copies (``(1 + k) * 4``
+bytes per shard element copied every step, and as many bytes of host RAM held), which on GPT-2 124M at 2 ranks
+were 1.3 GiB of RAM per rank and ~0.3 s of copies per step. So ``overlap_host_optimizer=None`` speculates on
+CUDA only; ``True`` forces it (tests of the lane run it on CPU), and the cost model prices exactly that
+(``hf_elixir.search._cost``, [Note: overlap]).
 
 Memory: each speculatively stepped chunk keeps a host snapshot of ``(1 + k) * 4 * shard_numel`` bytes
 (``k`` optimizer states per element, Adam 2; fp16: ``(2 + k) * 4``), allocated once and counted in
@@ -50,7 +60,18 @@ import torch
 from hf_elixir.chunk import strict
 from hf_elixir.chunk.memory import default_host_budget_bytes
 
-__all__ = ["HostLane"]
+__all__ = ["HostLane", "speculates"]
+
+
+def speculates(overlap_host_optimizer: bool | None, compute_device: torch.device) -> bool:
+    """Whether the host lane steps host chunks during backward (``ElixirConfig.overlap_host_optimizer``).
+
+    ``None`` (the default) resolves by the compute device ([Note: lane off the CPU device]): on where
+    the compute runs on an accelerator (CUDA), off where the compute device is the host's own CPU.
+    """
+    if overlap_host_optimizer is None:
+        return compute_device.type == "cuda"
+    return bool(overlap_host_optimizer)
 
 
 @dataclass
@@ -194,6 +215,7 @@ class HostLane:
             self.local_inf = True
         elif views:
             opt._step_views(views)
+            opt.stage_refresh(cid)  # the upload's host cast, overlapped too ([Note: overlapped refresh])
         self.speculations[cid] = _Speculation(flags, hyper, stepped, snap.grad is not None)
         self.num_speculated += int(stepped)
 
@@ -245,6 +267,7 @@ class HostLane:
         opt = self._opt
         if spec.stepped:
             self.num_rolled_back += 1
+            opt._staged.discard(cid)  # the staging holds the undone values: cast again after the real step
             opt.masters[cid].copy_(snap.master)
             state = opt.inner.state
             for view, scalars, keys in zip(self._views[cid], snap.view_scalars, snap.view_keys):

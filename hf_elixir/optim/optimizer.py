@@ -29,7 +29,7 @@ from hf_elixir.chunk.chunk import Chunk, ParamSlot
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.config import ElixirConfig
 from hf_elixir.optim._host_state import HostStates
-from hf_elixir.optim._overlap import HostLane
+from hf_elixir.optim._overlap import HostLane, speculates
 from hf_elixir.optim.loss_scaler import DynamicLossScaler
 
 __all__ = ["ElixirOptimizer", "SUPPORTED_OPTIMIZERS", "optimizer_state_numel_factor"]
@@ -74,6 +74,16 @@ class _ShardView:
                  lo: int, hi: int, tensor: torch.nn.Parameter) -> None:
         self.slot, self.chunk, self.group_index = slot, chunk, group_index
         self.start, self.stop, self.lo, self.hi, self.tensor = start, stop, lo, hi, tensor
+
+
+def _uploads(chunk: Chunk) -> bool:
+    """The chunk's refresh is an upload: fp32 master on the host, compute copy (shard) on the device."""
+    return chunk.trainable and chunk.shard_on_device and not chunk.optim_on_device
+
+
+def _uploads_cast(chunk: Chunk) -> bool:
+    """An upload whose compute dtype is not the master's: it reads a host staging buffer cast from the master."""
+    return _uploads(chunk) and chunk.dtype != torch.float32
 
 
 class ElixirOptimizer(torch.optim.Optimizer):
@@ -138,8 +148,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         # [Note: host lane] in _overlap.py: offloaded gradients taken over, host step overlapped with backward
         self._lane: HostLane | None = None
         if any(c.trainable and not c.optim_on_device for c in manager.chunks):
-            overlap = config.overlap_host_optimizer
-            self._lane = HostLane(self, speculate=overlap is None or overlap,
+            self._lane = HostLane(self, speculate=speculates(config.overlap_host_optimizer, manager.compute_device),
                                   state_numel_factor=optimizer_state_numel_factor(optimizer))
 
     def add_param_group(self, param_group: dict) -> None:
@@ -174,7 +183,12 @@ class ElixirOptimizer(torch.optim.Optimizer):
         manager.host.reserve_for([(c.shard_numel, torch.float32) for c in host]  # gradient shards, masters
                                  + [(c.shard_numel, torch.float32) for c in host if c.dtype != torch.float32
                                     or c.shard_on_device]
-                                 + [(c.shard_numel, torch.float32) for c in host for _ in state_keys.get(c.chunk_id, ())])
+                                 + [(c.shard_numel, torch.float32) for c in host for _ in state_keys.get(c.chunk_id, ())]
+                                 + [(c.shard_numel, c.dtype) for c in host if _uploads_cast(c)])  # staging
+        # [Note: overlapped refresh] the compute-dtype host copy each upload reads
+        self._refresh_staging: dict[int, torch.Tensor] = {
+            c.chunk_id: manager.host_empty(c.shard_numel, c.dtype) for c in host if _uploads_cast(c)}
+        self._staged: set[int] = set()  # chunks whose staging holds the master's current values
         for chunk in manager.chunks:
             if not chunk.trainable:
                 continue
@@ -406,6 +420,9 @@ class ElixirOptimizer(torch.optim.Optimizer):
             self._lane.join()
         if not self.scaler.enabled:
             return
+        self.manager.drain_reduces()  # every gradient is read here ([Note: late reduce waits])
+        if self._lane is not None:
+            self._lane.join()
         inv = 1.0 / self.scaler.scale
         device = self.manager.compute_device
         found = torch.zeros(1, dtype=torch.float32, device=device)
@@ -469,6 +486,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
             gradients overflowed, and then nothing is scaled). Reading it (``float(norm)``) is a
             host sync the caller chooses.
         """
+        self.manager.drain_reduces()  # the norm reads every gradient ([Note: late reduce waits])
         self._unscale()
         norm_type = float(norm_type)
         local = self._local_norm(norm_type)
@@ -513,6 +531,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
             raise ValueError("ElixirOptimizer.step(closure) is not supported; call forward/backward before step()")
         assert not self.manager.backward_pending, "optimizer.step() called while a backward is still running"
         self._check_groups_unchanged()
+        if self._lane is not None and self._lane.speculate:
+            self.manager.drain_reduces()  # the lane takes every offloaded gradient before it is validated
         self.manager.join_side_streams()
         if self._lane is not None:
             self._lane.join()
@@ -536,6 +556,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
                         g.mul_(host_coef)
             if self.inner is not None:
                 self._inner_step(flags, done)
+            self.manager.drain_reduces()
             self._fused_step(flags)
             self.scaler.update(False)
             self._refresh_compute_copies()
@@ -559,10 +580,19 @@ class ElixirOptimizer(torch.optim.Optimizer):
 
     def _inner_step(self, flags: list[float], done: set[int] = frozenset()) -> None:
         """Step every view with a gradient (``flags``) except those of the chunks in ``done`` (stepped
-        during backward by the host lane, [Note: host lane])."""
-        self._run_inner([[t for t in full if flags[self._flag_of(t)] > 0
-                          and self._view_by_tensor[id(t)].chunk.chunk_id not in done]
-                         for full in self._full_group_params])
+        during backward by the host lane, [Note: host lane]): first the chunks whose gradient collective has
+        finished, then, after waiting for the others, the rest ([Note: late reduce waits] in
+        ``hf_elixir/chunk/manager.py``). Each view's update is independent, so the split changes no result."""
+        manager = self.manager
+        todo = [[t for t in full if flags[self._flag_of(t)] > 0 and self._view_by_tensor[id(t)].chunk.chunk_id
+                 not in done] for full in self._full_group_params]
+        late = manager.reduces_in_flight()
+        if late:
+            self._run_inner([[t for t in group if self._view_by_tensor[id(t)].chunk.chunk_id not in late]
+                             for group in todo])
+            manager.drain_reduces()
+            todo = [[t for t in group if self._view_by_tensor[id(t)].chunk.chunk_id in late] for group in todo]
+        self._run_inner(todo)
 
     def _step_views(self, views: list[_ShardView]) -> None:
         """Step exactly ``views`` with the param groups' current hyperparameters (the host lane's
@@ -594,19 +624,65 @@ class ElixirOptimizer(torch.optim.Optimizer):
     def settle_host_steps(self) -> None:
         """Join the host lane and undo its speculative updates ([Note: host lane]): masters and optimizer
         states as the last ``step()`` left them. Called before they are read or written outside ``step``."""
+        if not self.manager.backward_pending:
+            self.manager.drain_reduces()
         if self._lane is not None and not self.manager.backward_pending:
             self._lane.settle(restore_grads=not self._unscaled)
 
+    def stage_refresh(self, cid: int) -> None:
+        """Cast chunk ``cid``'s fp32 master into its host staging buffer (compute dtype), which its upload reads
+        ([Note: overlapped refresh]); the host lane calls it right after the chunk's speculative step, so the
+        cast overlaps backward. No-op for a chunk without staging."""
+        staging = self._refresh_staging.get(cid)
+        if staging is not None:
+            with torch.no_grad():
+                staging.copy_(self.masters[cid])
+            self._staged.add(cid)
+
+    def _upload_source(self, chunk: Chunk) -> torch.Tensor:
+        pending = chunk.pending_refresh
+        if pending is not None and pending.event is not None:
+            pending.event.synchronize()  # a step with no backward since the last one: the upload may still read
+        chunk.wait_refresh()
+        cid = chunk.chunk_id
+        if cid not in self._staged:
+            self.stage_refresh(cid)
+        self._staged.discard(cid)
+        return self._refresh_staging.get(cid, self.masters[cid])
+
     def _refresh_compute_copies(self) -> None:
+        """Make every trained chunk's compute copy hold its master's new values.
+
+        [Note: overlapped refresh] A chunk whose master is on the host and whose shard is on the device
+        (host optimizer state, resident or device-shard chunk) is *uploaded*: its master is cast on the host
+        into a pinned staging buffer of the compute dtype (by the host lane right after its speculative step,
+        [Note: host lane], else here), then :meth:`Chunk.issue_refresh` copies it into the device shard on the
+        manager's copy stream with one event per chunk, in the order the next forward first uses the chunks
+        (:meth:`ChunkManager.next_use_order`). Nothing waits here: the chunk's first access (or anything else
+        that reads the shard: an unshard, ``write_back``, ``state_dict``, ``full_parameters``) makes the compute
+        stream wait for its event, so the next forward starts once its first chunk is up, not after every
+        upload. The start of backward drains what forward did not use, so the host lane may write the masters
+        and staging buffers again; a staging buffer is written only after the step's host read or the lane's
+        wait for a gradient copy, both ordered after that drain, so no upload still reads it. Casting on the
+        host halves the bytes on the bus: ``copy_`` from an fp32 host tensor into a bf16 device one with
+        ``non_blocking=True`` moves fp32 and casts on the device, in an uncharged fp32 device temporary.
+        On the simulated device the copy is done at the wait and the parameters are stale placeholders until
+        then, so a read that skips the wait raises (as the hardware would return the old values).
+        Source: ZeRO-Offload (arXiv 2101.06840) section 4.2, the fp16 parameter copy overlapped with the next
+        step; FSDP2's per-parameter-group events on a side stream.
+        """
         import triton_kernels  # noqa: PLC0415
 
         counters = self.manager.counters
+        uploads = []
         for chunk in self.manager.chunks:
             if not chunk.trainable:
                 continue
             master = self.masters[chunk.chunk_id]
             target = chunk.full if chunk.full_alias else chunk.shard
-            if master is not target:
+            if master is not target and _uploads(chunk):
+                uploads.append(chunk)
+            elif master is not target:
                 same_side = master.device == target.device and strict.is_host(master) == strict.is_host(target)
                 if same_side and master.dtype != target.dtype:
                     # fp32 master -> bf16/fp16 compute copy on one device: the cast kernel (Triton on CUDA)
@@ -623,6 +699,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
             chunk.version += 1
             if chunk.full_alias:
                 chunk.full_version = chunk.version
+        for chunk in self.manager.next_use_order(uploads):
+            chunk.issue_refresh(self._upload_source(chunk), side_stream=self.manager.copy_stream)
 
     def zero_grad(self, set_to_none: bool | None = True) -> None:
         """Zero the reduced gradient shards; ``p.grad`` stays ``None`` (gradients live in chunks).
@@ -734,6 +812,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 this optimizer's (names the group, the expected and the found parameter names).
         """
         self.settle_host_steps()
+        self.manager.drain_refreshes()  # pending uploads may read the masters written below
+        self._staged.clear()
         if "format" not in state_dict and _is_plain_torch_state(state_dict):
             state_dict = self._from_plain_torch_state(state_dict)
         if state_dict.get("format") != CONSOLIDATED_FORMAT:
@@ -833,6 +913,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
     def sync_masters_from_params(self) -> None:
         """Refresh fp32 masters from the compute shards (after ``model.load_state_dict``)."""
         self.settle_host_steps()
+        self.manager.drain_refreshes()
+        self._staged.clear()
         for chunk in self.manager.chunks:
             if chunk.trainable:
                 master = self.masters[chunk.chunk_id]

@@ -22,16 +22,28 @@ OPT's ``model.decoder.layers.<i>``, Switch's ``encoder.block.<i>``), the same bl
   ``strict.host_copies()``, so strict mode accepts it, and counted in ``d2h_bytes``. On CUDA the copy is
   non-blocking into pinned memory on the manager's activation stream, after that stream waits for the
   compute stream; the device tensor is ``record_stream``-ed there so its memory is not reused before the
-  copy ends. Compute goes on: the copy overlaps the rest of the forward. Off CUDA it is a plain copy.
-* backward: the first unpack of any tensor of a block copies *all* of that block's tensors back (one batch,
-  ``h2d_bytes``); on CUDA on the activation stream, then the compute stream waits for it (the backward
-  blocks on this copy: no look-ahead). Each restored tensor is charged to the pool's activation bytes while
-  it lives (``ChunkManager._pack_saved``), and handed to autograd without a reference kept here, so it dies
-  with the backward node that uses it. A second backward through a retained graph copies again from the
-  host copy, which lives as long as autograd's packed handle.
+  copy ends. Compute goes on: the copy overlaps the rest of the forward. Off CUDA it is the same
+  non-blocking copy into a host buffer (synchronous there; nothing waits for a device, so it is no host sync).
+* backward: *all* of a block call's tensors come back in one batch (``h2d_bytes``), either ahead of its
+  backward ([Note: activation onload ahead]) or at the first unpack of any of them, when the compute stream
+  waits for the copies on the activation stream (``num_blocking_act_onloads``). Each restored tensor is
+  charged to the pool's activation bytes while it lives (``ChunkManager._pack_saved``), and handed to
+  autograd without a reference kept here, so it dies with the backward node that uses it. A second backward
+  through a retained graph copies again from the host copy, which lives as long as autograd's packed handle.
 * the activation accounting (``ChunkManager.saved_tensors_accounting``) never sees the offloaded tensors:
   their bytes leave the device at pack time. Tensors the hook does not offload go to the enclosing context
   (the accounting), which charges them as before.
+
+[Note: activation onload ahead] (issue 14 item 3; the prefetch of FSDP2's and ProTrain's swapping.) When the
+backward of an offloaded block call first unpacks a tensor, the copies of the call made just before it in
+forward (the next backward in line, by :class:`_CallOrder`) start at once: on CUDA on the activation stream,
+after it waited for the compute stream, with an event recorded after them that the first unpack of that call
+waits on (then ``record_stream`` of the restored tensors on the compute stream), so the copies overlap this
+block's backward; off CUDA the copies run then, on the compute thread, and the later unpack finds them done
+(``num_prefetched_act_onloads``). Both calls' tensors are on the device meanwhile (the peak the cost model
+prices is one block more of restored activations). With a budget that covers activations the copies ahead
+go only into free room (no chunk is evicted for them: that would be a rank-local eviction ahead of need);
+otherwise the call comes back at its first unpack as before. The decision touches no collective.
 """
 
 from __future__ import annotations
@@ -166,20 +178,46 @@ class _BlockCall:
 
     ``copies`` finds the host copy of a device buffer saved twice (two ops saving one tensor, or two views of
     it): keyed by the device storage, held weakly, so a freed buffer whose memory a new tensor reuses is never
-    mistaken for it."""
+    mistaken for it. ``started``: its backward has unpacked a tensor (it then onloads its predecessor ahead);
+    ``ready_event``: on CUDA, recorded after the copies an onload ahead issued, waited by the first unpack."""
 
     def __init__(self) -> None:
         self.handles: list[weakref.ref] = []
         self.restored: dict[int, torch.Tensor] = {}
         self.copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.started = False
+        self.ready_event = None
+
+
+class _CallOrder:
+    """The calls of every offloaded block of one model in forward order (weakly: a call lives as long as
+    autograd holds one of its tensors), to find the call whose backward comes next ([Note: activation onload
+    ahead])."""
+
+    def __init__(self) -> None:
+        self._calls: list[weakref.ref] = []
+
+    def append(self, call: _BlockCall) -> None:
+        self._calls = [r for r in self._calls if r() is not None]
+        self._calls.append(weakref.ref(call))
+
+    def previous(self, call: _BlockCall) -> _BlockCall | None:
+        """The latest call made before ``call`` whose backward has not started, or ``None``."""
+        live = [c for c in (r() for r in self._calls) if c is not None]
+        if call not in live:
+            return None
+        for before in reversed(live[:live.index(call)]):
+            if not before.started:
+                return before
+        return None
 
 
 class _OffloadedBlock:
     """Saved-tensor hooks moving one block's activations to the host in forward and back in backward
-    ([Note: activation offload])."""
+    ([Note: activation offload], [Note: activation onload ahead])."""
 
-    def __init__(self, name: str, manager: ChunkManager, stream) -> None:
-        self.name, self.manager, self.stream = name, manager, stream
+    def __init__(self, name: str, manager: ChunkManager, stream, order: _CallOrder) -> None:
+        self.name, self.manager, self.stream, self.order = name, manager, stream, order
         self._contexts: list = []  # one per call in flight (None: a call with nothing to offload)
 
     # forward pre-/post-hooks: enter and leave the saved-tensors context around the block's forward
@@ -189,8 +227,10 @@ class _OffloadedBlock:
             return
         outer = _active_saved_tensors_hooks()
         outer_pack, outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
+        call = _BlockCall()
+        self.order.append(call)
         context = torch.autograd.graph.saved_tensors_hooks(
-            functools.partial(self._pack, outer_pack, _BlockCall()), functools.partial(self._unpack, outer_unpack))
+            functools.partial(self._pack, outer_pack, call), functools.partial(self._unpack, outer_unpack))
         context.__enter__()
         self._contexts.append(context)
 
@@ -235,8 +275,10 @@ class _OffloadedBlock:
                 with strict.host_copies():
                     host.copy_(tensor, non_blocking=True)
             tensor.record_stream(self.stream)
-        else:
-            host = strict.to_host(tensor)
+        else:  # the same non-blocking copy (synchronous on the host; the host never waits for a device)
+            host = strict.register_host(torch.empty(tensor.shape, dtype=tensor.dtype))
+            with strict.host_copies():
+                host.copy_(tensor, non_blocking=True)
         self.manager.counters.d2h_bytes += host.numel() * host.element_size()
         return host
 
@@ -245,11 +287,39 @@ class _OffloadedBlock:
             return outer_unpack(packed.packed)
         call = packed.call
         if packed.slot not in call.restored:
-            self._onload(call)
+            self._onload(call)  # not (or no longer) copied back ahead: the backward waits for the copy
+            self.manager.counters.num_blocking_act_onloads += 1
+        elif call.ready_event is not None:  # copied back ahead on the activation stream
+            current = torch.cuda.current_stream(self.manager.compute_device)
+            current.wait_event(call.ready_event)
+            for restored in call.restored.values():
+                restored.record_stream(current)
+            call.ready_event = None
+        if not call.started:
+            call.started = True
+            self._onload_ahead(self.order.previous(call))
         return call.restored.pop(packed.slot)
 
-    def _onload(self, call: _BlockCall) -> None:
-        """Copy every tensor of ``call`` still held by autograd back to the device (one batch)."""
+    def _onload_ahead(self, call: _BlockCall | None) -> None:
+        """[Note: activation onload ahead] Start copying back the tensors of ``call`` (the block call whose
+        backward comes next) while this block's backward runs; with a budget that covers activations only
+        into free room (never evicting a chunk for it)."""
+        if call is None or call.ready_event is not None:
+            return
+        live = [h for h in (r() for r in call.handles) if h is not None and h.slot not in call.restored]
+        if not live:
+            return
+        nbytes = sum(h.host.numel() * h.host.element_size() for h in {id(h.host): h for h in live}.values())
+        if self.manager.pool.charges_activations:
+            self.manager.sync_activation_bytes()
+            if not self.manager.pool.fits(nbytes):
+                return
+        self._onload(call, ahead=True)
+        self.manager.counters.num_prefetched_act_onloads += 1
+
+    def _onload(self, call: _BlockCall, ahead: bool = False) -> None:
+        """Copy every tensor of ``call`` still held by autograd back to the device (one batch); ``ahead``: on
+        CUDA record an event after the copies for the first unpack to wait on, instead of waiting now."""
         handles = [h() for h in call.handles]
         todo = [h for h in handles if h is not None and h.slot not in call.restored]
         self.manager.sync_activation_bytes()  # blocks whose backward ended gave their restored tensors back
@@ -259,9 +329,13 @@ class _OffloadedBlock:
             self.stream.wait_stream(current)
             with torch.cuda.stream(self.stream):
                 copies = [self._copy_back(host, non_blocking=True) for host in hosts]
-            current.wait_stream(self.stream)
-            for restored in copies:
-                restored.record_stream(current)
+            if ahead:
+                call.ready_event = torch.cuda.Event()
+                call.ready_event.record(self.stream)
+            else:
+                current.wait_stream(self.stream)
+                for restored in copies:
+                    restored.record_stream(current)
         else:
             copies = [self._copy_back(host, non_blocking=False) for host in hosts]
         back = {id(host): restored for host, restored in zip(hosts, copies)}
@@ -288,6 +362,7 @@ def apply_activation_policy(model: torch.nn.Module, policy: dict[str, str], mana
     modules = dict(model.named_modules())
     handles: list = []
     stream = None
+    order = _CallOrder()  # shared by the offloaded blocks ([Note: activation onload ahead])
     for name, kind in policy.items():
         assert kind in ACTIVATION_POLICIES, f"block {name!r}: activation policy {kind!r}"
         block = modules[name]
@@ -298,7 +373,7 @@ def apply_activation_policy(model: torch.nn.Module, policy: dict[str, str], mana
         elif kind == "offload":
             if stream is None and manager.compute_device.type == "cuda":
                 stream = torch.cuda.Stream(manager.compute_device)
-            offload = _OffloadedBlock(name, manager, stream)
+            offload = _OffloadedBlock(name, manager, stream, order)
             handles.append(block.register_forward_pre_hook(offload.enter))
             handles.append(block.register_forward_hook(offload.leave, always_call=True))
     counts = {k: sum(1 for v in policy.values() if v == k) for k in ACTIVATION_POLICIES}

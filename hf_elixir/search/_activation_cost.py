@@ -11,10 +11,14 @@ activations (``ChunkedStep.activation_policy``; the runtime is ``hf_elixir/runti
 * offload: the block's bytes go device->host once per step and come back once, each at the host<->device
   rate. The runtime copies each tensor as autograd saves it; the model prices the block's copy as one
   transfer issued when its last forward event starts. Where copies overlap compute (CUDA,
-  ``hardware.can_overlap``) that transfer runs on the activation stream while compute goes on; the copy back
-  blocks the block's first backward event (the runtime onloads the block's tensors at their first unpack,
-  then the compute stream waits: no look-ahead), and the end of backward joins that stream. Off CUDA both
-  copies are serial with compute. The bytes live on the host from forward to backward (``host_bytes``).
+  ``hardware.can_overlap``) that transfer runs on the activation stream while compute goes on. The copy back
+  of the last offloaded block blocks its first backward event (the runtime onloads a block call's tensors at
+  their first unpack, then the compute stream waits); every earlier offloaded block's copy back is issued
+  when the backward of the offloaded block after it starts ([Note: activation onload ahead] in
+  ``hf_elixir/runtime/activations.py``) and its first backward event waits only for what is left of it. The
+  end of backward joins that stream. Off CUDA both copies are serial with compute. Memory: while a block
+  is recomputed or copied back, the offloaded block before it may be on the device too
+  (:func:`_backward_block_peak`). The bytes live on the host from forward to backward (``host_bytes``).
 """
 
 from __future__ import annotations
@@ -92,8 +96,26 @@ def activation_bytes(profile: StepProfile, precision: str, checkpointing: bool |
     if moved:
         inside = sum(profile.block_activation_bytes[b] for b in moved)
         kept = sum(profile.block_input_bytes.get(b, 0) for b in moved if policy[b] == "recompute")
-        peak = peak - inside + kept + max(profile.block_activation_bytes[b] for b in moved)
+        peak = peak - inside + kept + _backward_block_peak(profile, policy)
     return int(peak * scale)
+
+
+def _backward_block_peak(profile: StepProfile, policy: dict[str, str]) -> int:
+    """The most bytes of non-keep blocks on the device at once in backward: a block recomputed or copied back,
+    plus, while it is, the nearest offloaded block before it in forward order when that one is copied back ahead
+    (an offloaded block at or after it started the copy: [Note: activation onload ahead] in
+    ``hf_elixir/runtime/activations.py``)."""
+    size = profile.block_activation_bytes
+    blocks = list(policy)  # forward order (resolve_policy)
+    best = 0
+    for i, b in enumerate(blocks):
+        if policy[b] == "keep":
+            continue
+        ahead = 0
+        if any(policy[c] == "offload" for c in blocks[i:]):
+            ahead = next((size[c] for c in reversed(blocks[:i]) if policy[c] == "offload"), 0)
+        best = max(best, size[b] + ahead)
+    return best
 
 
 def offload_events(profile: StepProfile, events: list, policy: dict[str, str],

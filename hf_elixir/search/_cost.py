@@ -41,9 +41,9 @@ module call (``hook_event_s``), per onload a fixed cost (``onload_fixed_s``) and
 copy/all-gather bandwidth, per trained chunk its gradient copies and reduce-scatter, then the optimizer
 step (per parameter view ``optim_tensor_s`` plus elements at the host/device AdamW rate) and the
 copies refreshing compute copies whose master lives elsewhere (copies within a CUDA device at its memory
-rate, :func:`_local_copy_rate`; across PCIe at the copy bandwidth). Where copies overlap compute
+rate, :func:`_local_copy_rate`; across PCIe at the copy bandwidth, overlapping the next forward on CUDA). Where copies overlap compute
 (``hardware.can_overlap``, CUDA) a local onload may start ``prefetch_depth`` events early on its own stream;
-with several ranks a forward all-gather may, on any device; everything else on CPU is serial. See
+with several ranks an all-gather may, on any device; everything else on CPU is serial. See
 [Note: overlap] for exactly what overlaps.
 
 [Note: overlap] The model overlaps exactly what the runtime overlaps:
@@ -59,24 +59,42 @@ with several ranks a forward all-gather may, on any device; everything else on C
   keeps gathers in the hooks: with ``activations_on_device`` (the whole-device budget, whose activation
   charges are rank-local) or a model with subtree units (``ChunkedStep.gather_prefetch``, MoE experts), nor
   for the first ``prefetch_depth`` events (nothing runs ahead of them);
-* **backward all-gathers** (re-gathers of evicted chunks without a host copy) are never prefetched: they run
-  inside the pre-backward hook and the compute waits for them (and for gathers queued before them);
+* a **backward all-gather** (the re-gather of an evicted chunk without a host copy) is issued ahead the same
+  way where the runtime finds room for it without evicting a chunk the step still uses ([Note: backward gather
+  prefetch] in ``hf_elixir/chunk/manager.py``): priced as ahead when, at its event, the free pool plus the
+  cached trained chunks with no later use cover it. The runtime decides ``prefetch_depth`` events earlier and
+  also reserves the gradient buffers charged in between, so at the tightest budgets it may keep a gather in
+  the hook that this prices as ahead. Other backward gathers run inside the pre-backward hook and the compute
+  waits for them (and for gathers queued before them);
 * the reduce-scatter (or replicated all-reduce) of a chunk whose optimizer state is on the device runs on the
   manager's reduce stream, overlapping the rest of backward ([Note: reduce overlap] in ``chunk/chunk.py``);
   a host-optimizer chunk's reduce stays on the compute stream, its device->host gradient copy runs on the
   offload stream on CUDA ([Note: gradient offload] in ``chunk/manager.py``; on CPU it is a plain copy on the
   compute timeline);
-* with ``overlap_host_optimizer`` (the runtime's default) each host-optimizer chunk is stepped on the host
-  lane's one worker thread as soon as its gradient is on the host ([Note: host lane] in
-  ``optim/_overlap.py``): a serial lane timeline ``t_lane`` beside backward when the compute is not on the
-  host (``hardware.can_overlap``, CUDA); the step then waits only for what the lane has left,
-  ``max(0, t_lane - end of backward)``. Off CUDA the "device" is the host's own cores, which the lane's
-  thread shares with the compute: priced as the serial host step (what a busy machine gets). Rollbacks
-  (clipping triggered, fp16 overflow) are priced as rare, i.e. not at all. Their snapshots (``(1 + k) * 4``
-  bytes per host shard element, fp16 ``(2 + k) * 4``) are taken in reduce order while they fit the host
-  budget, as the runtime does; ``Prediction.host_snapshot_bytes`` reports them apart from ``host_bytes``.
-  Without it the optimizer step starts after backward ends and updates the host shards (``ElixirOptimizer._inner_step``);
-* the device shards (``_fused_step``) follow the host part: ``host + device``, never ``max(host, device)``.
+* with ``overlap_host_optimizer`` (the runtime's default on CUDA; ``None`` resolves as
+  :func:`hf_elixir.optim._overlap.speculates` does, [Note: lane off the CPU device]) each host-optimizer chunk
+  is snapshotted and stepped on the host lane's one worker thread as soon as its gradient is on the host
+  ([Note: host lane] in ``optim/_overlap.py``): a serial lane timeline ``t_lane`` beside backward when the
+  compute is not on the host (``hardware.can_overlap``, CUDA), each chunk paying its snapshot copy (at the
+  host copy rate, :func:`_host_copy_rate`) and its update; the step then waits only for what the lane has
+  left, ``max(0, t_lane - end of backward)``. Off CUDA (``overlap_host_optimizer=True`` on CPU) the "device"
+  is the host's own cores, which the lane's thread shares with the compute: priced as the serial host step
+  plus the snapshot copies. Rollbacks (clipping triggered, fp16 overflow) are priced as rare, i.e. not at all.
+  The snapshots (``(1 + k) * 4`` bytes per host shard element, fp16 ``(2 + k) * 4``) are taken in reduce
+  order while they fit the host budget, as the runtime does; ``Prediction.host_snapshot_bytes`` reports them
+  apart from ``host_bytes``. Without the lane the optimizer step starts after backward ends and updates the
+  host shards (``ElixirOptimizer._inner_step``);
+* the device shards (``_fused_step``) follow the host part: ``host + device``, never ``max(host, device)``;
+* the refresh of a compute copy whose shard is on the device and whose master is on the host is an upload
+  ([Note: overlapped refresh] in ``optim/optimizer.py``): the master is cast on the host into a staging buffer
+  of the compute dtype (``shard_numel`` elements at :func:`_host_cast_rate`, on the lane's timeline right after
+  the chunk's step when the lane stepped it, else in the step), and ``shard_numel * b`` bytes go over PCIe. On
+  CUDA the uploads run back to back on the copy stream from the start of the step (the previous step ended
+  with them), in the order the forward first uses the chunks; each event waits for its own chunks' uploads,
+  the first backward event for all of them, and onloads and gathers prefetched on the copy stream queue behind
+  them. The step is priced in steady state: every step refreshes what the next forward waits for. Off CUDA
+  the copy is done at the chunk's first access on the compute thread: priced in the serial step as before.
+  (With several ranks a resident chunk's all-gather after the refresh stays priced in the step, as before.)
 
 [Note: activation policy] in ``_activation_cost.py``: what keep / recompute / offload per block cost in
 memory and time; :func:`predict` adds the offload copies it lists (``ChunkedStep.offload_after`` /
@@ -141,6 +159,8 @@ class Prediction:
     timeline: list[tuple[float, int, str]] = field(default_factory=list)  # (time s, device bytes, label)
     chunk_onloads: dict[int, int] = field(default_factory=dict)
     cache_blocks: int = 0
+    # all-gathers priced as issued ahead of their event, in forward and in backward ([Note: overlap])
+    gathers_ahead: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -250,7 +270,7 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
     replicate_world_size = world_size if replicated else 1
     if replicated:
         world_size = 1
-    layout = pack_chunks(profile.param_numels, chunk_size_numel, world_size)
+    layout = pack_chunks(profile.param_numels, chunk_size_numel, world_size, bucket_packing=replicated)
     chunk_of = {m: c for c, members in enumerate(layout.members) for m in members}
     policy = resolve_policy(profile, activation_policy if activation_policy is not None else activation_checkpointing)
     recompute = {b for b, kind in policy.items() if kind == "recompute"}
@@ -332,6 +352,13 @@ def optim_bytes_per_numel(precision: str, master: bool = False, optim_states: in
     return 4 + 4 * optim_states + (4 if (master or precision != "fp32") else 0)
 
 
+def _host_copy_rate(hardware: HardwareProfile) -> float:
+    """Bytes/s of a copy within host memory (the host lane's snapshots): the probe's copy rate. Off CUDA that
+    is a memcpy between two host buffers; on CUDA the pinned host<->device rate stands in for it (the probe
+    does not time a host memcpy there; PCIe 4/5 and one thread's memcpy are of the same order)."""
+    return hardware.h2d_bytes_per_s or 1e10
+
+
 def _local_copy_rate(hardware: HardwareProfile) -> float:
     """Bytes/s of a copy within the device (gradient into its buffer, a cast refreshing a compute copy).
     Off CUDA the "device" is host memory: the measured copy rate. On CUDA the copy is bound by HBM, which
@@ -340,6 +367,33 @@ def _local_copy_rate(hardware: HardwareProfile) -> float:
     if hardware.device_kind == "cuda" and hardware.device_adam_numel_per_s:
         return hardware.device_adam_numel_per_s * 28 / 2
     return hardware.h2d_bytes_per_s or 1e10
+
+
+def _uploaded_chunks(step: ChunkedStep, knobs: Knobs) -> list[int]:
+    """Trained chunks whose refresh is an upload: shard on the device, optimizer state (master) on the host."""
+    held = knobs.resident | knobs.device_shard
+    return [c for c in range(step.num_chunks) if step.trained_numels[c] and c in held and c not in knobs.device_optim]
+
+
+def _host_cast_rate(hardware: HardwareProfile) -> float:
+    """Elements/s of the host cast fp32 master -> compute-dtype staging buffer (``ElixirOptimizer.stage_refresh``),
+    from the host AdamW rate: both are bound by host memory traffic, 28 bytes per element for AdamW (see
+    ``profiler/_gpu_presets.py``), 6 for the cast (read 4, write 2)."""
+    return (hardware.host_adam_numel_per_s or 1e9) * 28 / 6
+
+
+def _refresh_times(step: ChunkedStep, upload_s: dict[int, float]) -> dict[int, float]:
+    """When each upload is done, seconds from the start of the step: issued back to back on the copy stream when
+    the previous step ends, in the order the forward first uses the chunks (``ChunkManager.next_use_order``)."""
+    first: dict[int, int] = {}
+    for k, group in enumerate(step.groups):
+        for c in group:
+            first.setdefault(c, k)
+    done, t = {}, 0.0
+    for c in sorted(upload_s, key=lambda c: (first.get(c, len(step.groups)), c)):
+        t += upload_s[c]
+        done[c] = t
+    return done
 
 
 def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, int]]:
@@ -361,6 +415,8 @@ def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, i
             optim += step.shard_numel(c) * optim_bytes_per_numel(step.precision, c not in held, step.optim_states)
         else:
             host_optim += step.shard_numel(c) * optim_bytes_per_numel(step.precision, c in held, step.optim_states)
+            if c in held and step.precision != "fp32":  # the upload's staging buffer ([Note: overlapped refresh])
+                host_optim += step.shard_numel(c) * b
     host_params = sum(step.shard_numel(c) * b for c in range(step.num_chunks) if c not in held)
     if ws > 1 and knobs.host_copies:  # rank-local refill copies of evicted unsharded chunks
         host_params += sum(step.full_bytes(c) for c in range(step.num_chunks) if c not in knobs.resident)
@@ -368,20 +424,37 @@ def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, i
     return resident + shards + optim, host_params + host_optim, breakdown
 
 
+def _backward_room(step: ChunkedStep, k: int, depth: int, cached: dict[int, int], last_seen: dict[int, float],
+                   free: int) -> bool:
+    """Whether the backward all-gather of event ``k`` goes ahead ([Note: overlap]): ``free`` pool bytes (after
+    it) plus the cached trained chunks with no later use, other than those the events since the runtime's
+    decision (``depth`` events earlier, when they were pinned or in its window) access, are not negative; and
+    that decision was made in backward too."""
+    if step.event_phase[k - depth] != "bwd":
+        return False
+    window = {c for j in range(k - depth, k + 1) for c in step.groups[j]}
+    dead = sum(n for c, n in cached.items() if c not in window and last_seen.get(c, _INF) == _INF
+               and step.trained_numels[c])
+    return free + dead >= 0
+
+
 def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_bytes: int | None = None,
             activations_on_device: bool = False, timeline: bool = False,
-            overlap_host_optimizer: bool = True, host_budget_bytes: int | None = None) -> Prediction | None:
+            overlap_host_optimizer: bool | None = None, host_budget_bytes: int | None = None) -> Prediction | None:
     """Predicted time and memory of ``knobs`` with a model-data pool of ``pool_bytes`` (the
     ``device_memory_budget_bytes`` given to ``prepare``); ``None`` if the step cannot run in it (the
     manager would raise). Without ``pool_bytes`` the pool is the fixed parts plus
     ``knobs.cache_blocks`` chunks plus the gradient-buffer peak. ``overlap_host_optimizer``: as
-    ``ElixirConfig.overlap_host_optimizer`` (its default ``None`` is on), see [Note: overlap];
+    ``ElixirConfig.overlap_host_optimizer``, ``None`` resolved as the runtime does (on for a CUDA device,
+    off on CPU: :func:`hf_elixir.optim._overlap.speculates`), see [Note: overlap];
     ``host_budget_bytes``: this rank's host memory, which bounds the host lane's snapshots (``None``: no bound).
 
     See [Note: time model] and [Note: memory accounting] in this module's docstring.
     """
     ws = step.world_size
     b = DTYPE_BYTES[step.precision]
+    if overlap_host_optimizer is None:  # as hf_elixir.optim._overlap.speculates resolves it
+        overlap_host_optimizer = hardware.device_kind == "cuda"
     held = knobs.resident | knobs.device_shard
     on_device = knobs.resident if ws > 1 else held  # chunks that never need a fill
     fixed, host_bytes, breakdown = fixed_memory(step, knobs)
@@ -389,7 +462,9 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     snapshot_numel_bytes = 4 * (1 + step.optim_states + (step.precision == "fp16"))
     snapshot_room = _INF if host_budget_bytes is None else host_budget_bytes - host_bytes
     snapshot_bytes = 0
+    snapshot_serial_s = 0.0  # snapshot copies off CUDA: on the compute's own cores (serial)
     host_rate = hardware.host_adam_numel_per_s or 1e9
+    host_copy_rate = _host_copy_rate(hardware)
     chunk_bytes = step.chunk_size_numel * b
     if pool_bytes is None:
         pool_bytes = fixed + knobs.cache_blocks * chunk_bytes + step.grad_peak_bytes
@@ -429,10 +504,20 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     h2d_bytes = d2h_bytes = ag_bytes = rs_bytes = 0
     t_compute = t_copy = t_reduce = t_act = t_gather = 0.0  # compute, copy, reduce, activation, gather streams
     t_offload = t_lane = 0.0  # the offload stream (CUDA) and the host lane's worker thread
+    # [Note: overlapped refresh] uploads of host masters into device shards: on CUDA on the copy stream from the
+    # start of the step (the previous step's end), in first forward use order, each event waiting for its own
+    upload_s = {c: step.shard_numel(c) * b / h2d_rate for c in _uploaded_chunks(step, knobs)}
+    cast_s = {c: step.shard_numel(c) / _host_cast_rate(hardware) for c in upload_s if step.precision != "fp32"}
+    refresh_done = _refresh_times(step, upload_s) if hardware.can_overlap else {}
+    upload_end = max(refresh_done.values(), default=0.0)
+    t_copy = upload_end  # onloads prefetched on the copy stream queue behind the uploads
+    backward_waited = False
     lane_chunks: set[int] = set()  # host chunks stepped on the lane during backward
     starts: list[float] = []
     points: list[tuple[float, int, str]] = []
     gathered: set[int] = set()  # ws > 1: gathered this step (with host copies later refills are local copies)
+    gathers_ahead: dict[str, int] = {}
+    onload_issue: float | None = None  # when the copy back of the next offloaded block may start
 
     def finish_reduce() -> None:
         nonlocal used, grad_live
@@ -460,16 +545,19 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     for k, group in enumerate(step.groups):
         for c in group:
             last_seen[c] = next_use[k][c]
-        if k in step.offload_before:  # an offloaded block's activations come back; its backward waits
+        if k in step.offload_before:  # an offloaded block's activations come back; its backward waits for them
             nbytes = step.offload_before[k]
             h2d_bytes += nbytes
-            if hardware.can_overlap:
-                t_act = max(t_act, t_compute) + nbytes / h2d_rate
-                t_compute = t_act
+            if hardware.can_overlap:  # issued when the previous offloaded block's backward started, if any
+                t_act = max(t_act, t_compute if onload_issue is None else onload_issue) + nbytes / h2d_rate
+                t_compute = max(t_compute, t_act)
+                onload_issue = t_compute  # [Note: activation onload ahead]: the next block's copies start now
             else:
                 t_compute += nbytes / h2d_rate
         issue = starts[k - knobs.prefetch_depth] if overlap and k >= knobs.prefetch_depth else t_compute
-        ready = t_compute
+        ready = max([t_compute] + [refresh_done.get(c, 0.0) for c in group])  # each chunk's upload event
+        if step.event_phase[k] == "bwd" and not backward_waited:  # the start of backward drains every upload
+            ready, backward_waited = max(ready, upload_end), True
         loaded = 0
         for c in group:
             if c in on_device or c in cached:
@@ -478,6 +566,9 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             full = step.full_bytes(c)
             collective = ws > 1 and (c not in gathered or not knobs.host_copies)
             staging = step.shard_numel(c) * b if collective and c not in knobs.device_shard else 0
+            ahead = collective and gather_ahead and k >= knobs.prefetch_depth and (
+                step.event_phase[k] == "fwd" or _backward_room(step, k, knobs.prefetch_depth, cached, last_seen,
+                                                               pool_bytes - used - full - staging))
             if not make_room(full + staging, group, k):
                 return None
             used += full
@@ -500,12 +591,14 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             if overlap and not collective:  # side-stream prefetch of a local copy (ChunkManager._prefetch)
                 t_copy = max(t_copy, issue) + copy_s
                 ready = max(ready, t_copy)
-            elif collective and gather_ahead and step.event_phase[k] == "fwd" and k >= knobs.prefetch_depth:
+            elif ahead:
+                gathers_ahead[step.event_phase[k]] = gathers_ahead.get(step.event_phase[k], 0) + 1
                 gather_s = full / ag_rate  # issued ahead, waited by this event ([Note: overlap])
                 if not hardware.can_overlap:  # off CUDA the staging onload runs on the compute thread
                     t_compute += copy_s - gather_s
                     copy_s = gather_s
-                t_gather = max(t_gather, starts[k - knobs.prefetch_depth]) + copy_s
+                # on CUDA on the copy stream, behind the uploads
+                t_gather = max(t_gather, starts[k - knobs.prefetch_depth], upload_end) + copy_s
                 ready = max(ready, t_gather)
             else:  # in the hook: the compute waits for it (and for gathers queued before it)
                 t_compute = max(t_compute, ready, t_gather if collective else 0.0) + copy_s
@@ -570,9 +663,14 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             else:
                 host_ready = None
             if host_ready is not None and hardware.can_overlap:
-                # the host lane steps the chunk as soon as its gradient is on the host ([Note: host lane])
-                t_lane = max(t_lane, host_ready) + step.shard_numel(c) / host_rate + step.views[c] * hardware.optim_tensor_s
+                # the host lane snapshots and steps the chunk as soon as its gradient is on the host
+                # ([Note: host lane])
+                t_lane = (max(t_lane, host_ready) + snapshot / host_copy_rate + step.shard_numel(c) / host_rate
+                          + step.views[c] * hardware.optim_tensor_s)
+                t_lane += cast_s.get(c, 0.0)  # the upload's host cast, right after the chunk's step
                 lane_chunks.add(c)
+            elif host_ready is not None:  # off CUDA: the lane shares the compute's cores, its copies add up
+                snapshot_serial_s += snapshot / host_copy_rate
             pending.append((g + out, g))
             while len(pending) > (_MAX_PENDING_REDUCES if async_reduce else 0):
                 finish_reduce()
@@ -588,7 +686,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     for c in range(step.num_chunks):
         if not step.trained_numels[c]:
             continue
-        if c in lane_chunks:  # stepped on the host lane, priced in its timeline (t_lane)
+        if c in lane_chunks:  # stepped (and its upload cast) on the host lane, priced in its timeline (t_lane)
             pass
         elif c in knobs.device_optim:
             views += step.views[c]
@@ -604,7 +702,10 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             elif c in held:
                 device_refresh_bytes += step.shard_numel(c) * b
     # what the lane has left when backward ends, then the host chunks it did not step (none unless off)
-    host_s = max(0.0, t_lane - fwd_bwd) + host_numel / host_rate
+    host_s = max(0.0, t_lane - fwd_bwd) + host_numel / host_rate + snapshot_serial_s
+    host_s += sum(t for c, t in cast_s.items() if c not in lane_chunks)  # upload casts in the step
+    if refresh_done:  # uploads overlap the next forward (priced in its timeline above), not the step
+        refresh_bytes -= sum(step.shard_numel(c) * b for c in refresh_done)
     dev_s = dev_numel / (hardware.device_adam_numel_per_s or 1e9)
     regather = sum(step.full_bytes(c) for c in knobs.resident if step.trained_numels[c]) if ws > 1 else 0
     ag_bytes += regather
@@ -622,6 +723,6 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         onloads=onloads, h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes, allgather_bytes=ag_bytes,
         reduce_scatter_bytes=rs_bytes, device_model_bytes=peak, device_peak_bytes=device_peak,
         host_bytes=host_bytes, host_snapshot_bytes=snapshot_bytes, breakdown=breakdown, timeline=points,
-        chunk_onloads=chunk_onloads,
+        chunk_onloads=chunk_onloads, gathers_ahead=gathers_ahead,
         cache_blocks=max(0, (pool_bytes - fixed - step.grad_peak_bytes) // max(1, chunk_bytes)),
     )

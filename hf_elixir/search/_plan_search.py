@@ -148,8 +148,9 @@ _FILL_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, limit_bytes: int,
-                activations_on_device: bool, grid_points: int,
-                prefetch_depths: Iterable[int], host_budget_bytes: int | None = None) -> tuple[list[Candidate], int]:
+                activations_on_device: bool, grid_points: int, prefetch_depths: Iterable[int],
+                host_budget_bytes: int | None = None,
+                overlap_host_optimizer: bool | None = None) -> tuple[list[Candidate], int]:
     """Grid over resident chunks x the share of the spare bytes spent on device optimizer states and
     shards (the rest is cache) x prefetch depth; keep points whose fixed parts plus working set fit
     ``limit_bytes`` and whose simulated peak fits ``pool_bytes``."""
@@ -180,7 +181,8 @@ def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, l
                 # all-gather traffic; the host limit filters the copies out where they do not fit)
                 for variant in ((knobs, replace(knobs, host_copies=True)) if step.world_size > 1 else (knobs,)):
                     pred = predict(step, variant, hardware, pool_bytes=pool_bytes,
-                                   activations_on_device=activations_on_device, host_budget_bytes=host_budget_bytes)
+                                   activations_on_device=activations_on_device, host_budget_bytes=host_budget_bytes,
+                                   overlap_host_optimizer=overlap_host_optimizer)
                     evaluated += 1
                     if pred is not None and _fits(step, variant, pred, pool_bytes, limit_bytes):
                         found.append(Candidate(step.chunk_size_numel, step.activation_checkpointing,
@@ -191,7 +193,8 @@ def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, l
 
 
 def _search_replicated(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, limit_bytes: int,
-                       activations_on_device: bool, host_budget_bytes: int | None = None) -> tuple[list[Candidate], int]:
+                       activations_on_device: bool, host_budget_bytes: int | None = None,
+                       overlap_host_optimizer: bool | None = None) -> tuple[list[Candidate], int]:
     """Replicated data parallelism: every chunk resident (nothing to cache or prefetch); the spare bytes
     go to device optimizer states in a few shares (the rest stays on the host)."""
     everything = frozenset(range(step.num_chunks))
@@ -209,7 +212,7 @@ def _search_replicated(step: ChunkedStep, hardware: HardwareProfile, pool_bytes:
             continue
         seen.add(knobs)
         pred = predict(step, knobs, hardware, pool_bytes=pool_bytes, activations_on_device=activations_on_device,
-                       host_budget_bytes=host_budget_bytes)
+                       host_budget_bytes=host_budget_bytes, overlap_host_optimizer=overlap_host_optimizer)
         if pred is not None and _fits(step, knobs, pred, pool_bytes, limit_bytes):
             found.append(Candidate(step.chunk_size_numel, step.activation_checkpointing,
                                    replace(knobs, cache_blocks=pred.cache_blocks), pred, "replicated",
@@ -295,7 +298,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
            num_chunk_sizes: int = 3, grid_points: int = 12,
            prefetch_depths: Iterable[int] | None = None, host_memory_bytes: int | None = None,
            max_alternatives: int = 4, optim_states: int = 2, data_parallel: str = "auto",
-           replicated_placements: dict[str, str] | None = None, ranks_per_host: int | None = None) -> SearchResult:
+           replicated_placements: dict[str, str] | None = None, ranks_per_host: int | None = None,
+           overlap_host_optimizer: bool | None = None) -> SearchResult:
     """Profile (if given a model) and search; see :func:`search_plan` for the arguments.
 
     Returns:
@@ -308,6 +312,9 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         raise ValueError(f"world_size={world_size!r} must be an int >= 1")
     if not 0.0 <= safety_margin < 1.0:
         raise ValueError(f"safety_margin={safety_margin} must be in [0, 1), e.g. 0.05")
+    if overlap_host_optimizer is not None and not isinstance(overlap_host_optimizer, bool):
+        raise TypeError(f"overlap_host_optimizer={overlap_host_optimizer!r} must be True, False or None "
+                        "(as ElixirConfig.overlap_host_optimizer)")
     modes = _data_parallel_modes(data_parallel, world_size)
     profile = _resolve_profile(model_or_profile, sample_batch, hardware)
     if activations_on_device is None:
@@ -358,10 +365,10 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                 rank_host = host_limit // per_host if host_limit is not None else None  # bounds the lane's snapshots
                 if replicated:
                     more, count = _search_replicated(step, hardware, pool, limit - act, activations_on_device,
-                                                     rank_host)
+                                                     rank_host, overlap_host_optimizer)
                 else:
                     more, count = _search_one(step, hardware, pool, limit - act, activations_on_device, grid_points,
-                                              tuple(prefetch_depths), rank_host)
+                                              tuple(prefetch_depths), rank_host, overlap_host_optimizer)
                 if host_limit is not None:  # host memory is per machine: every local rank holds its part
                     kept = [c for c in more if c.prediction.host_bytes * per_host <= host_limit]
                     over_host += len(more) - len(kept)
@@ -530,7 +537,10 @@ def search_plan(model_or_profile: Any, hardware: HardwareProfile, *, world_size:
             ``data_parallel`` (``"auto"``: with ``world_size > 1`` price both sharded and replicated data
             parallelism, Elixir section 5; ``"sharded"`` / ``"replicated"``: only that),
             ``replicated_placements`` (``ElixirPlan.placements`` to record if replicated wins; default
-            every parameter-owning module ``"replicated"``).
+            every parameter-owning module ``"replicated"``), ``overlap_host_optimizer``
+            (``ElixirConfig.overlap_host_optimizer``: ``False`` prices the host update serially in the step,
+            ``True`` on the host lane during backward, ``None`` as the runtime resolves it: on for CUDA, off
+            on CPU; [Note: overlap] in ``_cost.py``).
 
     Returns:
         the plan; ``plan.reasons`` says why.
@@ -545,7 +555,8 @@ def search_plan(model_or_profile: Any, hardware: HardwareProfile, *, world_size:
 def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: HardwareProfile | None = None) -> ElixirPlan:
     """What ``hf_elixir.prepare`` runs for ``ElixirConfig(search="auto")``: profile one step of ``model`` on
     ``sample_batch``, probe (or reuse) the hardware and search with the config's precision, budget,
-    world size (the config's process group, else the default group, else 1) and chunk size.
+    world size (the config's process group, else the default group, else 1), chunk size and
+    ``overlap_host_optimizer`` (the host update priced as the runtime will run it).
 
     The model must still be a plain module (before ``prepare`` installs its hooks); gradients the profiled
     step creates are cleared. With several ranks, replicated data parallelism is searched too (see
@@ -585,7 +596,8 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
                     device_memory_budget_bytes=budget, chunk_size_numel=config.chunk_size_numel,
                     activations_on_device=covers, activation_policy=fixed_policy,
                     data_parallel=data_parallel, replicated_placements=replicated_placements,
-                    host_memory_bytes=host_budget * per_host if host_budget else None, ranks_per_host=per_host)
+                    host_memory_bytes=host_budget * per_host if host_budget else None, ranks_per_host=per_host,
+                    overlap_host_optimizer=getattr(config, "overlap_host_optimizer", None))
     plan = result.plan
     if note:
         plan.reasons.append(note)

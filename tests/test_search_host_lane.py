@@ -1,0 +1,103 @@
+"""The cost model prices the host optimizer as the runtime runs it ([Note: overlap] in
+``hf_elixir/search/_cost.py``, [Note: lane off the CPU device] in ``hf_elixir/optim/_overlap.py``): the
+snapshot copies the lane takes, the lane as serial work off CUDA, and ``ElixirConfig.overlap_host_optimizer``
+read by the search."""
+
+from dataclasses import replace
+
+import pytest
+
+from hf_elixir.profiler import HardwareProfile, profile_step
+from hf_elixir.search import build_chunked_step, predict, search
+from hf_elixir.search._cost import Knobs
+from tests._models import batch, tiny_model
+
+GIB = 2**30
+
+
+def _hardware(kind: str) -> HardwareProfile:
+    return HardwareProfile(device_kind=kind, device_name=f"test-{kind}", device_total_bytes=16 * GIB,
+                           device_free_bytes=16 * GIB, host_total_bytes=128 * GIB, host_available_bytes=128 * GIB,
+                           h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9, host_adam_numel_per_s=2e8,
+                           device_adam_numel_per_s=2e8 if kind == "cpu" else 4e10, device_flops_per_s=1e11,
+                           can_overlap=kind == "cuda")
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return profile_step(tiny_model("gpt2"), batch("gpt2", 0, 2, seq=8), device="cpu", count_flops=True)
+
+
+def _host_optimizer_step(profile, hardware):
+    step = build_chunked_step(profile, 4096, world_size=1, precision="fp32", hardware=hardware)
+    everything = frozenset(range(step.num_chunks))
+    knobs = Knobs(resident=everything, device_shard=everything)  # every optimizer state on the host
+    host_numel = sum(step.shard_numel(c) for c in range(step.num_chunks) if step.trained_numels[c])
+    return step, knobs, host_numel
+
+
+def test_off_cuda_the_default_prices_the_serial_step_and_no_snapshots(profile):
+    """On a CPU device ``None`` is what the runtime does there: no speculation, so no snapshot bytes and the
+    serial host update; forcing the lane on adds its snapshot copies to the serial work (it shares the cores)."""
+    cpu = _hardware("cpu")
+    step, knobs, host_numel = _host_optimizer_step(profile, cpu)
+    default = predict(step, knobs, cpu, pool_bytes=GIB)
+    off = predict(step, knobs, cpu, pool_bytes=GIB, overlap_host_optimizer=False)
+    on = predict(step, knobs, cpu, pool_bytes=GIB, overlap_host_optimizer=True)
+    assert default.step_s == off.step_s and default.host_snapshot_bytes == off.host_snapshot_bytes == 0
+    snapshot = host_numel * 4 * (1 + step.optim_states)
+    assert on.host_snapshot_bytes == snapshot
+    assert on.forward_backward_s == pytest.approx(off.forward_backward_s)
+    assert on.step_s - off.step_s == pytest.approx(snapshot / cpu.h2d_bytes_per_s)  # memcpy rate on CPU
+
+
+def test_on_cuda_the_lane_pays_its_snapshot_copies(profile):
+    """On CUDA the lane snapshots then steps each chunk; with the lane outlasting backward the step waits for
+    both."""
+    gpu = replace(_hardware("cuda"), host_adam_numel_per_s=1e6, h2d_bytes_per_s=1e7)  # the lane outlasts backward
+    step, knobs, host_numel = _host_optimizer_step(profile, gpu)
+    on = predict(step, knobs, gpu, pool_bytes=GIB)  # None: on for CUDA
+    assert on.host_snapshot_bytes == host_numel * 4 * (1 + step.optim_states)
+    copy_s = on.host_snapshot_bytes / gpu.h2d_bytes_per_s  # the probe's copy rate
+    update_s = host_numel / gpu.host_adam_numel_per_s
+    off = predict(step, knobs, gpu, pool_bytes=GIB, overlap_host_optimizer=False)
+    # the lane's work (snapshot copies, then updates) bounds the step from below
+    assert on.step_s >= update_s + copy_s
+    assert off.step_s >= off.forward_backward_s + update_s
+
+
+def test_search_reads_overlap_host_optimizer(profile):
+    """``search(overlap_host_optimizer=...)`` prices the candidates with it: on CPU, forcing the lane costs its
+    snapshot copies, so the same plan is predicted slower; ``False`` and the CPU default agree."""
+    cpu = _hardware("cpu")
+    step, knobs, host_numel = _host_optimizer_step(profile, cpu)
+    kwargs = dict(precision="fp32", device_memory_budget_bytes=GIB, chunk_size_numel=4096, data_parallel="sharded")
+    budget_knobs = dict(kwargs, device_memory_budget_bytes=sum(step.full_bytes(c) for c in range(step.num_chunks))
+                        + step.grad_peak_bytes + 2 * 4096 * 4)  # room for the chunks, not their optimizer states
+    default = search(profile, cpu, **budget_knobs)
+    off = search(profile, cpu, overlap_host_optimizer=False, **budget_knobs)
+    on = search(profile, cpu, overlap_host_optimizer=True, **budget_knobs)
+    assert default.best.prediction.step_s == off.best.prediction.step_s
+    assert off.best.knobs.device_optim != frozenset(range(step.num_chunks)), "some optimizer state on the host"
+    assert on.best.prediction.host_snapshot_bytes > 0 and off.best.prediction.host_snapshot_bytes == 0
+    assert on.best.prediction.step_s > off.best.prediction.step_s
+    with pytest.raises(TypeError, match="overlap_host_optimizer='yes'"):
+        search(profile, cpu, overlap_host_optimizer="yes", **kwargs)
+
+
+def test_auto_plan_passes_the_config_setting(monkeypatch):
+    from hf_elixir import ElixirConfig
+    from hf_elixir.search import _plan_search
+
+    seen = []
+    real = _plan_search.search
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("overlap_host_optimizer"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(_plan_search, "search", spy)
+    model, sample = tiny_model("gpt2"), batch("gpt2", 0, 2, seq=8)
+    for value in (None, False, True):
+        _plan_search.auto_plan(model, sample, ElixirConfig(device_memory_budget_bytes=GIB, overlap_host_optimizer=value),
+                               hardware=_hardware("cpu"))
+    assert seen == [None, False, True]
