@@ -52,6 +52,7 @@ WARMUP_MODEL = dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=6
 BATCH, SEQ, STEPS, LR = 2, 64, 3, 1e-4
 STATE_BYTES_PER_PARAM = 16  # fp32 parameter + gradient + two Adam moments
 MIB = 2**20
+_OVERLAP_ENV = "HF_ELIXIR_BENCH_OVERLAP"  # --overlap-host-optimizer, read by the spawned ranks
 
 
 def _gpt2_config(shape: dict):
@@ -120,8 +121,10 @@ def _run_elixir(rank: int, world_size: int, folder: str, shape: dict, from_check
         model = GPT2LMHeadModel.from_pretrained(folder)
     num_params = sum(p.numel() for p in model.parameters())
     budget = _budget(num_params, world_size, model)
+    overlap = {"auto": None, "on": True, "off": False}[os.environ.get(_OVERLAP_ENV, "auto")]
     cfg = hf_elixir.ElixirConfig(default_placement="sharded", device_memory_budget_bytes=budget,
-                                 budget_covers_activations=False)  # a model-data budget
+                                 budget_covers_activations=False,  # a model-data budget
+                                 overlap_host_optimizer=overlap)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     extra = {"checkpoint": folder} if from_checkpoint else {}
     model, optimizer = hf_elixir.prepare(model, optimizer, config=cfg, **extra)
@@ -162,9 +165,37 @@ def _run_fsdp2(rank: int, world_size: int, folder: str, shape: dict) -> dict:
     return {"losses": losses, "num_params": num_params, "keep": (model, optimizer)}
 
 
+def _deepspeed_config() -> dict:
+    """ZeRO-3 with parameters and optimizer states offloaded to (unpinned) CPU memory; DeepSpeed's AdamW
+    with offload is its CPU Adam (``DeepSpeedCPUAdam``)."""
+    offload = {"device": "cpu", "pin_memory": False}
+    return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": 3, "offload_param": offload, "offload_optimizer": offload},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+
+
+def _run_deepspeed(rank: int, world_size: int, folder: str, shape: dict) -> dict:
+    """``from_pretrained`` under ``HfDeepSpeedConfig`` (transformers' ZeRO-3 path: ``zero.Init``, so each
+    parameter is partitioned as it is created, and the file's weights are loaded module by module from
+    rank 0), then ``deepspeed.initialize``."""
+    import deepspeed
+    from transformers import GPT2LMHeadModel
+    from transformers.integrations import HfDeepSpeedConfig
+
+    config = _deepspeed_config()
+    keep_config = HfDeepSpeedConfig(config)  # must stay alive while from_pretrained runs
+    model = GPT2LMHeadModel.from_pretrained(folder)
+    num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    losses = _train(engine, engine, rank, shape["vocab_size"], backward=engine.backward)
+    return {"losses": losses, "num_params": num_params, "keep": (engine, optimizer, keep_config)}
+
+
 def _run(system: str, rank: int, world_size: int, folder: str, shape: dict) -> dict:
     if system == "fsdp2":
         return _run_fsdp2(rank, world_size, folder, shape)
+    if system == "deepspeed_zero3":
+        return _run_deepspeed(rank, world_size, folder, shape)
     return _run_elixir(rank, world_size, folder, shape, from_checkpoint=system == "elixir_checkpoint")
 
 
@@ -181,6 +212,12 @@ def _rank_main(rank: int, system: str, world_size: int, port: int, folder: str, 
         import transformers
         import hf_elixir  # noqa: F401
         from torch.distributed.fsdp import fully_shard  # noqa: F401
+
+        if system == "deepspeed_zero3":  # before zero.Init patches torch.Tensor.__new__: importing
+            import deepspeed  # noqa: F401 - torch._dynamo (transformers' masking utils) under it fails
+            import torch._dynamo as _dynamo  # noqa: F401 - binds _dynamo, not torch (a local here)
+            import transformers.generation.utils  # noqa: F401
+            import transformers.masking_utils  # noqa: F401
 
         transformers.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
@@ -217,7 +254,7 @@ def _skip_reason(system: str) -> str:
             import deepspeed  # noqa: F401
         except ImportError:
             return "DeepSpeed is not installed here (pip install deepspeed); zero.Init with offload not measured"
-        return "zero.Init run not implemented in this benchmark yet"
+        return ""
     if system == "elixir_checkpoint":
         import inspect
 
@@ -283,7 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-sizes", default="1,2,4", help="comma-separated world sizes (default 1,2,4)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
     parser.add_argument("--json", default=None, help="also write the per-rank records to this JSON file")
+    parser.add_argument("--overlap-host-optimizer", choices=("auto", "on", "off"), default="auto",
+                        help="hf_elixir's ElixirConfig.overlap_host_optimizer: auto = None (the default: on, "
+                             "with the host lane's rollback snapshots), on = True, off = False (no snapshots)")
     args = parser.parse_args(argv)
+    os.environ[_OVERLAP_ENV] = args.overlap_host_optimizer
     world_sizes = [int(w) for w in args.world_sizes.split(",")]
     systems = args.systems.split(",")
     unknown = sorted(set(systems) - set(SYSTEMS))
@@ -297,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         _write_checkpoint(Path(work) / "warmup", WARMUP_MODEL)
         print(f"GPT-2 {MODEL}: {num_params / 1e6:.2f}M params, fp32 {4 * num_params / MIB:.0f} MiB, "
               f"16 B/param state {STATE_BYTES_PER_PARAM * num_params / MIB:.0f} MiB; {STEPS} AdamW steps, "
-              f"batch {BATCH} x seq {SEQ} per rank", flush=True)
+              f"batch {BATCH} x seq {SEQ} per rank; hf_elixir overlap_host_optimizer="
+              f"{args.overlap_host_optimizer}", flush=True)
         for system in systems:
             reason = _skip_reason(system)
             if reason:

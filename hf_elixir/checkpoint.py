@@ -198,7 +198,7 @@ def _set_view_state(optimizer: ElixirOptimizer, view, target: dict[str, Any]) ->
     fused = optimizer.fused_chunks.get(view.chunk.chunk_id)
     if fused is None:
         if optimizer.inner is not None:
-            optimizer.inner.state[view.tensor] = target
+            optimizer.set_view_state(view, target)
         return
     for key, value in target.items():
         if key == "step":

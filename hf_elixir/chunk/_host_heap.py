@@ -7,7 +7,8 @@ serves a request of at least ``M_MMAP_THRESHOLD`` bytes with its own ``mmap`` (r
 in RSS) until a later request reuses it. The threshold starts at 128 KiB and is *dynamic*: freeing an
 mmapped block raises it to that block's size (up to 32 MiB). So after the first chunk-sized buffer is
 freed, every later chunk buffer, gradient buffer and activation of that size comes from the heap; the
-heap's free ranges get split by smaller live tensors (activations, optimizer moments) and a later
+heap's free ranges get split by smaller live tensors (activations; the host optimizer's moments
+before they moved into the host blocks, [Note: host optimizer state] in ``hf_elixir/optim/_host_state.py``) and a later
 chunk-sized request no longer fits any of them, so the heap grows. On CPU, where the simulated device
 pool ([Note: simulated device pool] in ``memory.py``) is host memory and unshards, reshards, gradient
 buffers and activations allocate and free chunk-sized buffers every step, that is most of a rank's

@@ -1,4 +1,4 @@
-"""Host memory for chunk shards, refill copies and host optimizer shards: a few large blocks, sliced.
+"""Host memory for chunk shards, refill copies, host optimizer shards and states: a few large blocks, sliced.
 
 [Note: host blocks] PyTorch's pinned host allocator (``CachingHostAllocator``) rounds every request up
 to a power of two and pins each allocation separately (one ``cudaHostAlloc`` per buffer, slow and up to
@@ -18,8 +18,9 @@ allocated) is what ``memory_stats()["host_bytes"]`` reports, not the sum of the 
 [Note: zero pages] An unpinned block is allocated zeroed by the C library (``calloc``, through
 ``numpy.zeros``): a large one is fresh pages of the system's, which occupy no memory until written.
 :meth:`HostBlockAllocator.zeros` hands out a range of such a block that was never handed out before
-without writing it, so a zero-initialised buffer (the optimizer's gradient shards) costs resident
-memory only from its first real write (the first backward), as a lazily allocated one would, and a
+without writing it, so a zero-initialised buffer (the optimizer's gradient shards; its element-wise
+states, [Note: host optimizer state] in ``hf_elixir/optim/_host_state.py``) costs resident memory only
+from its first real write (the first backward; the first step), as a lazily allocated one would, and a
 rank's loading peak does not include it. A range handed out before, and any pinned block (pinned
 memory is not zeroed), is zeroed by writing.
 """

@@ -6,7 +6,9 @@ chunk's reduced fp32 gradient shard. An *inner* instance of the user's optimizer
 views with the user's hyperparameters, so the update is the same code as plain PyTorch's (AdamW, Adam,
 SGD, ...) and param groups apply per parameter even when one chunk mixes groups. Only element-wise
 optimizers are equivalent under this slicing, hence the allow-list. The user's ``param_groups`` dicts
-are shared, so LR schedulers built on the user's optimizer keep driving the learning rate.
+are shared, so LR schedulers built on the user's optimizer keep driving the learning rate. The inner
+optimizer's states of host optimizer chunks are views into the manager's host blocks ([Note: host
+optimizer state] in ``_host_state.py``), not tensors ``torch.optim`` allocates lazily.
 
 Source: ZeRO (arXiv 1910.02054) stage 3 sharded optimizer states; Gemini's hybrid Adam (host shards
 updated on the host, device shards on the device); ``torch.nn.utils.clip_grad_norm_`` for the norm rule.
@@ -26,6 +28,7 @@ from hf_elixir.chunk import strict
 from hf_elixir.chunk.chunk import Chunk, ParamSlot
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.config import ElixirConfig
+from hf_elixir.optim._host_state import HostStates
 from hf_elixir.optim._overlap import HostLane, speculates
 from hf_elixir.optim.loss_scaler import DynamicLossScaler
 
@@ -175,9 +178,12 @@ class ElixirOptimizer(torch.optim.Optimizer):
     def _build_shard_state(self) -> None:
         manager = self.manager
         host = [c for c in manager.chunks if c.trainable and not c.optim_on_device]
+        state_keys = HostStates.requests(type(self.user_optimizer), self.param_groups, self._groups_of_shards(host),
+                                         {c.chunk_id: c.shard_numel for c in host})
         manager.host.reserve_for([(c.shard_numel, torch.float32) for c in host]  # gradient shards, masters
                                  + [(c.shard_numel, torch.float32) for c in host if c.dtype != torch.float32
                                     or c.shard_on_device]
+                                 + [(c.shard_numel, torch.float32) for c in host for _ in state_keys.get(c.chunk_id, ())]
                                  + [(c.shard_numel, c.dtype) for c in host if _uploads_cast(c)])  # staging
         # [Note: overlapped refresh] the compute-dtype host copy each upload reads
         self._refresh_staging: dict[int, torch.Tensor] = {
@@ -220,6 +226,19 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 tensor.grad = grad_shard[lo - begin:hi - begin]
                 self.views.append(_ShardView(slot, chunk, self._param_group_of[slot.param],
                                              lo - slot.offset, hi - slot.offset, lo - begin, hi - begin, tensor))
+        # [Note: host optimizer state] in _host_state.py: the host chunks' optimizer states, in the blocks
+        self._host_states = HostStates(manager, type(self.user_optimizer),
+                                       [v for v in self.views if not v.chunk.optim_on_device], state_keys)
+
+    def _groups_of_shards(self, chunks: list[Chunk]) -> dict[int, set[int]]:
+        """Chunk id -> the param groups of the trainable parameters in this rank's shard of it."""
+        groups: dict[int, set[int]] = {}
+        for chunk in chunks:
+            begin, end = chunk.shard_begin, chunk.shard_begin + chunk.shard_numel
+            groups[chunk.chunk_id] = {self._param_group_of[s.param] for s in chunk.slots
+                                      if s.trainable and s.param in self._param_group_of
+                                      and max(s.offset, begin) < min(s.offset + s.numel, end)}
+        return groups
 
     # -- fused device path ---------------------------------------------------------------------
     #: run the fused path also for CPU shards, through the Triton interpreter (tests only)
@@ -347,19 +366,17 @@ class ElixirOptimizer(torch.optim.Optimizer):
         for group in groups:
             group.update(self._inner_overrides)
         inner.param_groups = groups
+        self._host_states.take_over(inner)  # Adagrad's state, made in its constructor
         self._charge_inner_state_estimate()
         return inner
 
     def _charge_inner_state_estimate(self) -> None:
+        """Charge the device optimizer chunks' states to the pool (host chunks' states are in the host
+        blocks, which ``host_bytes`` counts as allocated: [Note: host optimizer state])."""
         factor = optimizer_state_numel_factor(self.user_optimizer)
         for chunk in self.manager.chunks:
-            if not chunk.trainable:
-                continue
-            nbytes = factor * chunk.shard_numel * 4
-            if chunk.optim_on_device:
-                self.manager.pool.charge(nbytes, f"optimizer states of chunk {chunk.chunk_id}")
-            else:
-                self.manager.counters.host_bytes += nbytes
+            if chunk.trainable and chunk.optim_on_device:
+                self.manager.pool.charge(factor * chunk.shard_numel * 4, f"optimizer states of chunk {chunk.chunk_id}")
 
     # -- backward helpers ----------------------------------------------------------------------
     @property
@@ -592,11 +609,14 @@ class ElixirOptimizer(torch.optim.Optimizer):
                     inner_group[key] = value
             inner_group.update(self._inner_overrides)
             inner_group["params"] = params
+        fresh = self._host_states.prime(self.inner, params_per_group)
         try:
             self.inner.step()
         finally:
             for inner_group, full in zip(self.inner.param_groups, self._full_group_params):
                 inner_group["params"] = full
+        if fresh:  # a state the step made itself (SGD's momentum buffer) moves into the blocks
+            self._host_states.adopt(self.inner, fresh)
 
     def _flag_of(self, tensor: torch.Tensor) -> int:
         return self._view_by_tensor[id(tensor)].slot.flag_index
@@ -845,11 +865,17 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 elif fused is not None:
                     fused[key][view.lo:view.hi].copy_(part)
                 else:
-                    target[key] = part.clone()
+                    target[key] = part if self._host_states.owns(view.tensor) else part.clone()
             if self.inner is not None and fused is None:
-                self.inner.state[view.tensor] = target
+                self.set_view_state(view, target)
         if "master" in self._per_element_keys_local(saved_state):
             self._refresh_compute_copies()
+
+    def set_view_state(self, view, target: dict) -> None:
+        """Give one view of the inner optimizer the state ``target`` (a load); the per-element tensors of a
+        host view are copied into its chunk's state buffers ([Note: host optimizer state])."""
+        self.inner.state[view.tensor] = target
+        self._host_states.adopt(self.inner, [view.tensor])
 
     def _clear_view_state(self, view, fused: dict[str, torch.Tensor] | None) -> None:
         """Forget one parameter's optimizer state (moments and step count), as ``torch.optim`` does when
