@@ -6,6 +6,7 @@ import torch
 
 import hf_elixir
 from hf_elixir import ElixirConfig
+from hf_elixir.chunk.packing import pack_chunks
 from hf_elixir.profiler import probe_hardware, profile_step
 from hf_elixir.search import auto_plan, search
 from hf_elixir.search._cost import activation_bytes
@@ -190,7 +191,14 @@ def test_searched_replicated_plan_trains_like_pytorch_within_budget(tmp_path):
     results = run_distributed(_replicated_worker, 2, str(tmp_path), timeout_s=300)
     ref_losses, ref_state = _plain_reference(2)
     runs = [(rank, run) for rank, per_rank in enumerate(results) for run in per_rank]
-    assert [run[3]["num_chunks"] for _, run in runs] == [1, 6, 6] * 2  # the 25 MiB bucket; 8192-element chunks
+    # 8192-element chunks give 6; with chunk_size_numel=None the search sizes the replicated buckets itself
+    # ([Note: replicated buckets]: any size, smaller ones overlap the all-reduces with backward): the chunks
+    # are the packing of the plan's size, the same on both ranks
+    named = {n: p.numel() for n, p in tiny_model("gpt2").named_parameters()}
+    searched = [pack_chunks([named[n] for n in run[0].param_order if n in named], run[0].chunk_size_numel, 2,
+                            bucket_packing=True).num_chunks for _, run in runs[::3]]
+    assert [run[3]["num_chunks"] for _, run in runs] == [searched[0], 6, 6, searched[1], 6, 6]
+    assert searched[0] == searched[1] and searched[0] >= 1
     for rank, (plan, losses, state, stats, budget) in runs:
         where = f"rank {rank} chunk {plan.chunk_size_numel}"
         assert set(plan.placements.values()) == {"replicated"}, f"{where}: {plan.reasons}"
