@@ -16,6 +16,7 @@ again and pins for the recomputation only, which is all the recomputed forward n
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
@@ -273,19 +274,32 @@ def install_hooks(model: torch.nn.Module, manager: ChunkManager) -> list[ModuleH
     for handle in handles:
         for slot in handle.trainable_slots:
             owners.setdefault(slot.param, []).append(handle)
+    # The gradient hooks reach the manager and the handles through weak references: a parameter's
+    # post-accumulate-grad hooks are held by its C++ TensorImpl, which the garbage collector cannot
+    # traverse, so a strong reference here would keep the manager and every chunk alive after the model
+    # is dropped. The model holds the manager (its ElixirState), the manager the handles
+    # (``on_backward_end``), so the referents live as long as the model does.
+    manager_ref = weakref.ref(manager)
     for param, slot in manager.slot_of.items():
         if slot.trainable:
-            def hook(p, _manager=manager, _owners=tuple(owners.get(param, ()))):
-                _manager.start_backward()
-                _manager.on_grad(p)
-                for owner in _owners:
-                    owner.on_param_grad()
+            def hook(p, _owners=tuple(weakref.ref(h) for h in owners.get(param, ()))):
+                _grad_ready(manager_ref(), p, _owners)
             hook_handle = param.register_post_accumulate_grad_hook(hook)
             if handles:
                 handles[0].removables.append(hook_handle)
     if handles:
         handles[0].removables += _install_activation_accounting(model, manager)
     return handles
+
+
+def _grad_ready(manager: ChunkManager | None, param: torch.nn.Parameter, owners: tuple) -> None:
+    """``param``'s gradient is accumulated: start the backward pass, hand the gradient to its chunk and
+    tell the modules that own ``param`` (``owners``: weak references to :class:`ModuleHandle`)."""
+    assert manager is not None, "a gradient hook ran after its ChunkManager was collected"
+    manager.start_backward()
+    manager.on_grad(param)
+    for owner in owners:
+        owner().on_param_grad()
 
 
 def _install_activation_accounting(model: torch.nn.Module, manager: ChunkManager) -> list:
