@@ -573,6 +573,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         device = self.manager.compute_device
         found = self._found_inf if self._found_inf is not None else torch.zeros(1, device=device)
         coef = self._host_clip_coef if self._host_clip_coef is not None else torch.ones((), device=device)
+        self.manager.wait_flags()  # the flags' all-reduce, issued at the end of backward ([Note: late reduce waits])
         packed = torch.cat([found.reshape(1).float(), coef.reshape(1).float(),
                             self.manager.has_grad_flags.float()])
         values = strict.host_read(packed).tolist()
