@@ -32,7 +32,9 @@ first: the optimizer's step / clipping / state, ``zero_grad``, ``clear_param_gra
 [Note: reduce window] During backward at most ``max_pending_reduces`` (2) gradient collectives stay in
 flight when some chunk can leave the device: their buffers are freed early so that evictions and the
 backward gather prefetch's room rule ([Note: backward gather prefetch]) see the same free bytes as the cost
-model. When every chunk stays on the device for the whole step (resident, or whole on a single rank), there
+model. It stays at 2 as well when the host lane steps host chunks during backward ([Note: host lane] in
+``hf_elixir/optim/_overlap.py``: a chunk is handed to it when its reduce finishes). When every chunk stays
+on the device for the whole step (resident, or whole on a single rank) and no lane steps in backward, there
 is nothing to evict or gather and the window has no limit but the budget: a collective is finished only
 when ``make_room`` needs its bytes, or after backward. The rank that runs ahead then does not wait at every
 third chunk for the other to catch up; the ranks meet once, at the step (a wait a window of 2 pays at each
@@ -164,8 +166,10 @@ class ChunkManager:
         self.local_flags: set[int] = set()
         # off CUDA, gradient collectives are issued asynchronously and finished a few chunks later
         self.async_reduce = compute_device.type != "cuda"
-        # in-flight window where some chunk may leave the device ([Note: reduce window])
+        # in-flight window where some chunk may leave the device or the host lane steps chunks during
+        # backward ([Note: reduce window]); the lane sets ``host_steps_in_backward``
         self.max_pending_reduces = 2
+        self.host_steps_in_backward = False
         self._pending: list[tuple[int, object]] = []  # (chunk id, callable finishing its reduce), issue order
         # off CUDA, all-gathers issued ahead are async collectives waited at the chunk's access
         self.async_gather = compute_device.type != "cuda"
@@ -695,7 +699,7 @@ class ChunkManager:
     def reduce_window(self) -> int | None:
         """How many gradient collectives stay in flight during backward; ``None``: as many as the budget
         holds (see [Note: reduce window])."""
-        if all(c.resident or c.full_alias for c in self.chunks):
+        if not self.host_steps_in_backward and all(c.resident or c.full_alias for c in self.chunks):
             return None
         return self.max_pending_reduces
 

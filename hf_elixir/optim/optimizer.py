@@ -150,6 +150,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         if any(c.trainable and not c.optim_on_device for c in manager.chunks):
             self._lane = HostLane(self, speculate=speculates(config.overlap_host_optimizer, manager.compute_device),
                                   state_numel_factor=optimizer_state_numel_factor(optimizer))
+            manager.host_steps_in_backward = self._lane.speculate  # [Note: reduce window] in chunk/manager.py
 
     def add_param_group(self, param_group: dict) -> None:
         """Only used while constructing; afterwards adding parameters is refused.

@@ -479,7 +479,10 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     async_reduce = hardware.device_kind != "cuda" and (ws > 1 or step.replicated)
     pending: list[tuple[int, int]] = []  # (bytes charged, of which gradient buffer) of unfinished reduces
     # ChunkManager.reduce_window: no limit but the budget when every chunk stays on the device ([Note: reduce window])
-    window = None if all(c in on_device for c in range(step.num_chunks)) else _MAX_PENDING_REDUCES
+    lane_in_backward = overlap_host_optimizer and any(
+        step.trained_numels[c] and c not in knobs.device_optim for c in range(step.num_chunks))
+    window = (None if not lane_in_backward and all(c in on_device for c in range(step.num_chunks))
+              else _MAX_PENDING_REDUCES)
     overlap = hardware.can_overlap and knobs.prefetch_depth > 0
     # forward all-gathers issued ahead, on CUDA and off it ([Note: overlap])
     gather_ahead = ws > 1 and knobs.prefetch_depth > 0 and step.gather_prefetch and not activations_on_device
