@@ -613,7 +613,8 @@ class ChunkManager:
         """
         if self.backward_pending:
             return
-        self.drain_reduces()  # the previous backward's last reduces ([Note: late reduce waits])
+        # the previous backward's last reduces ([Note: late reduce waits]); deferred zeros stay deferred
+        self.drain_reduces(settle_zeros=False)
         if self._trainable_chunks and not self.grad_shards:
             raise RuntimeError("backward through a model prepared without an optimizer (hf_elixir.prepare(model, "
                                "None, ...) is for inference): pass the optimizer to prepare to train, or run the "
@@ -733,11 +734,21 @@ class ChunkManager:
     def _finish_reduce(self) -> None:
         self._pending.pop(0)[1]()
 
-    def drain_reduces(self) -> None:
+    def drain_reduces(self, settle_zeros: bool = True) -> None:
         """Wait for every in-flight gradient collective and accumulate its result (see [Note: late reduce
-        waits]: every reader of gradient shards or has-gradient flags calls this first)."""
+        waits]: every reader of gradient shards or has-gradient flags calls this first); with
+        ``settle_zeros``, also zero what backward left unwritten in deferred-zero gradient shards
+        (:meth:`settle_grad_zeros`)."""
         while self._pending:
             self._finish_reduce()
+        if settle_zeros:
+            self.settle_grad_zeros()
+
+    def settle_grad_zeros(self) -> None:
+        """Make every gradient shard whose zeroing ``zero_grad`` deferred whole again ([Note: deferred
+        gradient zeroing] in chunk.py): a no-op for the chunks reduced since (their reduce settled them)."""
+        for cid in self.grad_shards:
+            self.chunks[cid].settle_grad_zero()
 
     def reduces_in_flight(self) -> set[int]:
         """Ids of the chunks whose gradient collective is still to be finished ([Note: late reduce waits])."""
@@ -801,13 +812,15 @@ class ChunkManager:
     def zero_grad(self, keep_has_grad: bool = False) -> None:
         """Zero every gradient shard; ``keep_has_grad``: parameters that had a gradient keep a (zero)
         one for the next step (``zero_grad(set_to_none=False)``), else they have none until backward."""
-        self.drain_reduces()
+        self.drain_reduces(settle_zeros=False)
         if self.host_fence is not None:
             self.host_fence(None)  # host work on the gradient shards ends (and speculative steps are undone)
-        for grad_shard in self.grad_shards.values():
-            grad_shard.zero_()
         for chunk in self.chunks:
             chunk.grad_shard_clean = True
+        for cid, grad_shard in self.grad_shards.items():
+            # [Note: deferred gradient zeroing] in chunk.py: a direct shard is zeroed as backward writes it
+            if not self.chunks[cid].defer_grad_zero():
+                grad_shard.zero_()
         if not keep_has_grad:
             self.has_grad_flags.zero_()
             self.local_flags = set()
