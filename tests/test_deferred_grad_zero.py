@@ -125,3 +125,58 @@ def test_replicated_first_writes_are_pre_divided_and_match_pytorch_at_two_ranks(
     for replicated, state in run_distributed(_replicated, 2, timeout_s=180):
         assert replicated
         assert rel_l2(state, ref.state_dict()) < 1e-5
+
+
+def _waits_in_backward(rank: int, world_size: int, in_place: bool):
+    """Where a rank waits for its gradient collectives in one backward: ``(waits while backward still runs
+    (inside the window of in-flight reduces), total waits, number of chunks)``; and the trained state."""
+    from hf_elixir.chunk import packing
+
+    model = tiny_model("gpt2")
+    packing.REPLICATED_BUCKET_BYTES = 4096 * 4  # several small buckets, as GPT-2 124M has 17
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    config = hf_elixir.ElixirConfig(budget_covers_activations=False, offload_optimizer=not in_place)
+    model, opt = hf_elixir.prepare(model, opt, config)
+    manager = get_state(model).manager
+    sites = []
+    finish = manager._finish_reduce
+
+    def counted():
+        sites.append("in backward" if manager.backward_pending and not ending else "later")
+        finish()
+
+    ending = False
+    end = manager.finish_backward
+
+    def finishing():
+        nonlocal ending
+        ending = True
+        end()
+
+    manager._finish_reduce, manager.finish_backward = counted, finishing
+    for step in range(2):
+        ending = False
+        opt.backward(model(**rank_batch("gpt2", step, rank, world_size, 2)).loss)
+        opt.step()
+        opt.zero_grad()
+    return (sites.count("in backward"), len(sites), len(manager.chunks),
+            {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def test_in_place_all_reduces_do_not_stop_backward_at_two_ranks():
+    """[Note: in-place reduces] in manager.py: buckets all-reduced in place hold no buffer, so backward does not
+    wait for them inside the in-flight window; host-optimizer buckets (buffers) still do."""
+    ref = tiny_model("gpt2")
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(2):
+        ref(**batch("gpt2", step, 4)).loss.backward()
+        ropt.step()
+        ropt.zero_grad()
+    for in_place in (True, False):
+        for in_backward, total, num_chunks, state in run_distributed(_waits_in_backward, 2, in_place, timeout_s=180):
+            assert num_chunks > 3 and total >= 2 * num_chunks, (num_chunks, total)
+            if in_place:
+                assert in_backward == 0, in_backward  # before: every bucket past the first two
+            else:
+                assert in_backward > 0  # the window still bounds buffers
+            assert rel_l2(state, ref.state_dict()) < 1e-5

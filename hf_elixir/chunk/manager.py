@@ -26,6 +26,13 @@ ones): collective order ``[... chunks, flags, last chunk, re-reduces]``, the sam
 of gradient shards or flags calls :meth:`drain_reduces` first: the optimizer's step / clipping / state,
 ``zero_grad``, ``clear_param_grad``, the next backward; ``make_room`` finishes them when it needs room.
 
+[Note: in-place reduces] The in-flight window (``max_pending_reduces``) bounds the gradient buffers and reduce
+outputs that in-flight collectives keep alive. A chunk whose gradients were accumulated straight into the
+optimizer's shard (``Chunk.direct_grad_shard``: all resident, replicated, device optimizer) is all-reduced in
+place and holds no buffer, so its collective does not count toward the window: backward does not stop to wait
+for it, as DDP waits for none of its bucket all-reduces before the end of backward. Which chunks these are
+follows from the plan alone; only the point where a rank waits changes, never the collectives or their order.
+
 [Note: gather prefetch] (FSDP2's all-gather prefetch; issue 14 item 1.) During forward, :meth:`_prefetch`
 issues the all-gathers of the next ``prefetch_depth`` chunks of the previous step's order ahead of their
 use: on CUDA on the copy stream (the compute stream waits for its event), elsewhere with ``async_op=True``
@@ -147,6 +154,7 @@ class ChunkManager:
         self.async_reduce = compute_device.type != "cuda"
         self.max_pending_reduces = 2
         self._pending: list[tuple[int, object]] = []  # (chunk id, callable finishing its reduce), issue order
+        self._bufferless: set[int] = set()  # chunks in ``_pending`` whose reduce holds no buffer ([Note: in-place reduces])
         # off CUDA, all-gathers issued ahead are async collectives waited at the chunk's access
         self.async_gather = compute_device.type != "cuda"
         self._pending_gathers: list[Chunk] = []
@@ -662,6 +670,7 @@ class ChunkManager:
 
     def _reduce(self, chunk: Chunk) -> None:
         before, started = self.counters.reduce_scatter_bytes, time.perf_counter()
+        in_place = chunk.grad_full is None and chunk.direct_grad_shard() is not None
         finish = chunk.reduce_scatter_grad(self.grad_shards[chunk.chunk_id], async_op=self.async_reduce)
         collective = self.counters.reduce_scatter_bytes != before  # one rank, not replicated: a local add
         if collective:
@@ -669,7 +678,9 @@ class ChunkManager:
         chunk.arrived_slots.clear()
         if finish is not None:
             self._pending.append((chunk.chunk_id, self._timed_wait(finish) if collective else finish))
-            while len(self._pending) > self.max_pending_reduces:
+            if in_place:
+                self._bufferless.add(chunk.chunk_id)
+            while len(self._pending) - len(self._bufferless) > self.max_pending_reduces:
                 self._finish_reduce()
 
     def offload_grad(self, chunk: Chunk, reduced: torch.Tensor, grad_shard: torch.Tensor) -> None:
@@ -732,7 +743,9 @@ class ChunkManager:
         return timed
 
     def _finish_reduce(self) -> None:
-        self._pending.pop(0)[1]()
+        cid, finish = self._pending.pop(0)
+        self._bufferless.discard(cid)  # a chunk has at most one in-place reduce per backward, issued first
+        finish()
 
     def drain_reduces(self, settle_zeros: bool = True) -> None:
         """Wait for every in-flight gradient collective and accumulate its result (see [Note: late reduce
