@@ -132,6 +132,7 @@ def test_lr_schedule_spans_the_run_under_accelerate_launch_with_2_processes(tmp_
                     launcher=launcher)
     assert r["num_processes"] == 2
     assert "job: 2 processes (ranks 0-1, 1 node(s)), backend gloo" in r["stdout"]
+    assert (r["stdout"] + r["stderr"]).count("trained a byte-level BPE tokenizer") == 1  # by the main process only
     lrs = {int(k): v for k, v in r["learning_rates"].items()}
     assert sorted(lrs) == [1, 20, 40]
     assert abs(lrs[1] - peak) < 1e-12 and abs(lrs[20] - peak * 21 / 40) < 1e-12, lrs
