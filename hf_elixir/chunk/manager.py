@@ -29,8 +29,8 @@ collective's. Every reader of gradient shards or flags calls :meth:`drain_reduce
 first: the optimizer's step / clipping / state, ``zero_grad``, ``clear_param_grad``, the next backward;
 ``make_room`` finishes them when it needs room.
 
-[Note: reduce window] During backward at most ``max_pending_reduces`` (2) gradient collectives stay in
-flight when some chunk can leave the device: their buffers are freed early so that evictions and the
+[Note: reduce window] During backward at most ``max_pending_reduces`` (2) gradient collectives that hold a
+buffer ([Note: in-place reduces]) stay in flight when some chunk can leave the device: their buffers are freed early so that evictions and the
 backward gather prefetch's room rule ([Note: backward gather prefetch]) see the same free bytes as the cost
 model. It stays at 2 as well when the host lane steps host chunks during backward ([Note: host lane] in
 ``hf_elixir/optim/_overlap.py``: a chunk is handed to it when its reduce finishes). When every chunk stays
@@ -42,6 +42,13 @@ chunk where the other rank lags, and pays again where this rank lags). The decis
 ``make_room``'s pool accounting is the same on every rank for a model-data budget, so every rank finishes
 the same reduces at the same points; no collective is issued by finishing one, so their order is unchanged.
 The cost model's ``predict`` holds its pending reduces the same way.
+
+[Note: in-place reduces] The in-flight window (``max_pending_reduces``) bounds the gradient buffers and reduce
+outputs that in-flight collectives keep alive. A chunk whose gradients were accumulated straight into the
+optimizer's shard (``Chunk.direct_grad_shard``: all resident, replicated, device optimizer) is all-reduced in
+place and holds no buffer, so its collective does not count toward the window: backward does not stop to wait
+for it, as DDP waits for none of its bucket all-reduces before the end of backward. Which chunks these are
+follows from the plan alone; only the point where a rank waits changes, never the collectives or their order.
 
 [Note: gather prefetch] (FSDP2's all-gather prefetch; issue 14 item 1.) During forward, :meth:`_prefetch`
 issues the all-gathers of the next ``prefetch_depth`` chunks of the previous step's order ahead of their
@@ -171,6 +178,7 @@ class ChunkManager:
         self.max_pending_reduces = 2
         self.host_steps_in_backward = False
         self._pending: list[tuple[int, object]] = []  # (chunk id, callable finishing its reduce), issue order
+        self._bufferless: set[int] = set()  # chunks in ``_pending`` whose reduce holds no buffer ([Note: in-place reduces])
         # off CUDA, all-gathers issued ahead are async collectives waited at the chunk's access
         self.async_gather = compute_device.type != "cuda"
         self._pending_gathers: list[Chunk] = []
@@ -637,7 +645,8 @@ class ChunkManager:
         """
         if self.backward_pending:
             return
-        self.drain_reduces()  # the previous backward's last reduces ([Note: late reduce waits])
+        # the previous backward's last reduces ([Note: late reduce waits]); deferred zeros stay deferred
+        self.drain_reduces(settle_zeros=False)
         if self._trainable_chunks and not self.grad_shards:
             raise RuntimeError("backward through a model prepared without an optimizer (hf_elixir.prepare(model, "
                                "None, ...) is for inference): pass the optimizer to prepare to train, or run the "
@@ -685,6 +694,7 @@ class ChunkManager:
 
     def _reduce(self, chunk: Chunk) -> None:
         before, started = self.counters.reduce_scatter_bytes, time.perf_counter()
+        in_place = chunk.grad_full is None and chunk.direct_grad_shard() is not None
         finish = chunk.reduce_scatter_grad(self.grad_shards[chunk.chunk_id], async_op=self.async_reduce)
         collective = self.counters.reduce_scatter_bytes != before  # one rank, not replicated: a local add
         if collective:
@@ -692,8 +702,10 @@ class ChunkManager:
         chunk.arrived_slots.clear()
         if finish is not None:
             self._pending.append((chunk.chunk_id, self._timed_wait(finish) if collective else finish))
+            if in_place:
+                self._bufferless.add(chunk.chunk_id)
             window = self.reduce_window()
-            while window is not None and len(self._pending) > window:
+            while window is not None and len(self._pending) - len(self._bufferless) > window:
                 self._finish_reduce()
 
     def reduce_window(self) -> int | None:
@@ -763,13 +775,25 @@ class ChunkManager:
         return timed
 
     def _finish_reduce(self) -> None:
-        self._pending.pop(0)[1]()
+        cid, finish = self._pending.pop(0)
+        self._bufferless.discard(cid)  # a chunk has at most one in-place reduce per backward, issued first
+        finish()
 
-    def drain_reduces(self) -> None:
+    def drain_reduces(self, settle_zeros: bool = True) -> None:
         """Wait for every in-flight gradient collective and accumulate its result (see [Note: late reduce
-        waits]: every reader of gradient shards or has-gradient flags calls this first)."""
+        waits]: every reader of gradient shards or has-gradient flags calls this first); with
+        ``settle_zeros``, also zero what backward left unwritten in deferred-zero gradient shards
+        (:meth:`settle_grad_zeros`)."""
         while self._pending:
             self._finish_reduce()
+        if settle_zeros:
+            self.settle_grad_zeros()
+
+    def settle_grad_zeros(self) -> None:
+        """Make every gradient shard whose zeroing ``zero_grad`` deferred whole again ([Note: deferred
+        gradient zeroing] in chunk.py): a no-op for the chunks reduced since (their reduce settled them)."""
+        for cid in self.grad_shards:
+            self.chunks[cid].settle_grad_zero()
 
     def reduces_in_flight(self) -> set[int]:
         """Ids of the chunks whose gradient collective is still to be finished, and :data:`FLAGS_IN_FLIGHT`
@@ -847,13 +871,15 @@ class ChunkManager:
     def zero_grad(self, keep_has_grad: bool = False) -> None:
         """Zero every gradient shard; ``keep_has_grad``: parameters that had a gradient keep a (zero)
         one for the next step (``zero_grad(set_to_none=False)``), else they have none until backward."""
-        self.drain_reduces()
+        self.drain_reduces(settle_zeros=False)
         if self.host_fence is not None:
             self.host_fence(None)  # host work on the gradient shards ends (and speculative steps are undone)
-        for grad_shard in self.grad_shards.values():
-            grad_shard.zero_()
         for chunk in self.chunks:
             chunk.grad_shard_clean = True
+        for cid, grad_shard in self.grad_shards.items():
+            # [Note: deferred gradient zeroing] in chunk.py: a direct shard is zeroed as backward writes it
+            if not self.chunks[cid].defer_grad_zero():
+                grad_shard.zero_()
         if not keep_has_grad:
             self.has_grad_flags.zero_()
             self.local_flags = set()
