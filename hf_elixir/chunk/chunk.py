@@ -572,7 +572,11 @@ class Chunk(ChunkBytes):
             self.manager.charge_grad_bytes(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
             self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype)
         with torch.no_grad():
-            self.grad_full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+            target = self.grad_full[slot.offset:slot.offset + slot.numel]
+            if self.replicate_group is None:
+                target.add_(grad.reshape(-1))
+            else:  # [Note: pre-divided all-reduce], in the buffer as in the shard
+                target.add_(grad.reshape(-1), alpha=1.0 / dist.get_world_size(self.replicate_group))
 
     def _mark_reduced(self) -> None:
         """This backward's gradients of the chunk are handed to the reduce: slots leave READY_FOR_REDUCE."""
@@ -609,8 +613,9 @@ class Chunk(ChunkBytes):
             counters.reduce_scatter_bytes += self.grad_full_bytes
 
             # [Note: pre-divided all-reduce] the gradients were divided by the group's size as they were added
-            # into the shard (DDP divides its buckets before the all-reduce too), so the sum is the mean: no
-            # pass over the whole shard after the collective
+            # into the shard, or into the gradient buffer when there is one (host optimizer, later micro-batches;
+            # DDP divides its buckets before the all-reduce too), so the sum is the mean: no pass over the whole
+            # chunk after the collective
             if async_op:
                 return work.wait
             return None
@@ -642,10 +647,9 @@ class Chunk(ChunkBytes):
                 divisor = self.world_size
             else:
                 out = grad_full
-                if self.replicate_group is not None:
+                if self.replicate_group is not None:  # pre-divided: no pass after the all-reduce
                     work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=async_op)
                     counters.reduce_scatter_bytes += self.grad_full_bytes
-                    divisor = dist.get_world_size(self.replicate_group)
         self.grad_full = None  # a gradient arriving later starts a new buffer
         self._mark_reduced()
 

@@ -16,15 +16,32 @@ Ranks whose MoE experts got no tokens therefore issue the same collectives in th
 
 [Note: late reduce waits] (issue 14: blocked-wait time.) Off CUDA a gradient collective is issued with
 ``async_op=True`` as soon as its chunk is complete and finished (waited, divided, added into the gradient
-shard) as late as possible: two reduces later during backward, and after backward only when something reads
-the gradient shards. The chunks completed last (the embeddings', used first in forward) are ready only when
-backward ends, so their collectives cannot overlap backward's compute; they overlap the optimizer step
-instead, which steps the chunks whose reduce has finished first (``ElixirOptimizer._inner_step``). The
-has-gradient flags' all-reduce (small, needed by the step's host read) is issued just before the last
-chunk's collective (gloo runs two collectives at a time per group, so it does not queue behind both big
-ones): collective order ``[... chunks, flags, last chunk, re-reduces]``, the same on every rank. Every reader
-of gradient shards or flags calls :meth:`drain_reduces` first: the optimizer's step / clipping / state,
-``zero_grad``, ``clear_param_grad``, the next backward; ``make_room`` finishes them when it needs room.
+shard) as late as possible: when the in-flight window is full during backward ([Note: reduce window]), and
+after backward only when something reads the gradient shards. The chunks completed last (the embeddings',
+used first in forward) are ready only when backward ends, so their collectives cannot overlap backward's
+compute; they overlap the optimizer step instead, which steps the chunks whose reduce has finished first
+(``ElixirOptimizer._inner_step``). The has-gradient flags' all-reduce (small, needed by the step's host read)
+is issued asynchronously too, just before the last chunk's collective: collective order ``[... chunks, flags,
+last chunk, re-reduces]``, the same on every rank. It sits in the same in-flight list (id
+:data:`FLAGS_IN_FLIGHT`) and is finished, in issue order, by the step's read (:meth:`wait_flags`), so the
+wait for the slowest rank to end its backward is timed into ``reduce_wait_s`` like every other gradient
+collective's. Every reader of gradient shards or flags calls :meth:`drain_reduces` (or :meth:`wait_flags`)
+first: the optimizer's step / clipping / state, ``zero_grad``, ``clear_param_grad``, the next backward;
+``make_room`` finishes them when it needs room.
+
+[Note: reduce window] During backward at most ``max_pending_reduces`` (2) gradient collectives that hold a
+buffer ([Note: in-place reduces]) stay in flight when some chunk can leave the device: their buffers are freed early so that evictions and the
+backward gather prefetch's room rule ([Note: backward gather prefetch]) see the same free bytes as the cost
+model. It stays at 2 as well when the host lane steps host chunks during backward ([Note: host lane] in
+``hf_elixir/optim/_overlap.py``: a chunk is handed to it when its reduce finishes). When every chunk stays
+on the device for the whole step (resident, or whole on a single rank) and no lane steps in backward, there
+is nothing to evict or gather and the window has no limit but the budget: a collective is finished only
+when ``make_room`` needs its bytes, or after backward. The rank that runs ahead then does not wait at every
+third chunk for the other to catch up; the ranks meet once, at the step (a wait a window of 2 pays at each
+chunk where the other rank lags, and pays again where this rank lags). The decision reads only the plan, and
+``make_room``'s pool accounting is the same on every rank for a model-data budget, so every rank finishes
+the same reduces at the same points; no collective is issued by finishing one, so their order is unchanged.
+The cost model's ``predict`` holds its pending reduces the same way.
 
 [Note: in-place reduces] The in-flight window (``max_pending_reduces``) bounds the gradient buffers and reduce
 outputs that in-flight collectives keep alive. A chunk whose gradients were accumulated straight into the
@@ -121,6 +138,10 @@ logger = logging.getLogger(__name__)
 _MAX_TRACE = 1_000_000
 
 
+# ``reduces_in_flight`` id of the has-gradient flags' all-reduce ([Note: late reduce waits])
+FLAGS_IN_FLIGHT = -1
+
+
 class ChunkManager:
     """Chunks of one model plus the device pool, counters, access trace and reduce bookkeeping."""
 
@@ -152,7 +173,10 @@ class ChunkManager:
         self.local_flags: set[int] = set()
         # off CUDA, gradient collectives are issued asynchronously and finished a few chunks later
         self.async_reduce = compute_device.type != "cuda"
+        # in-flight window where some chunk may leave the device or the host lane steps chunks during
+        # backward ([Note: reduce window]); the lane sets ``host_steps_in_backward``
         self.max_pending_reduces = 2
+        self.host_steps_in_backward = False
         self._pending: list[tuple[int, object]] = []  # (chunk id, callable finishing its reduce), issue order
         self._bufferless: set[int] = set()  # chunks in ``_pending`` whose reduce holds no buffer ([Note: in-place reduces])
         # off CUDA, all-gathers issued ahead are async collectives waited at the chunk's access
@@ -680,8 +704,16 @@ class ChunkManager:
             self._pending.append((chunk.chunk_id, self._timed_wait(finish) if collective else finish))
             if in_place:
                 self._bufferless.add(chunk.chunk_id)
-            while len(self._pending) - len(self._bufferless) > self.max_pending_reduces:
+            window = self.reduce_window()
+            while window is not None and len(self._pending) - len(self._bufferless) > window:
                 self._finish_reduce()
+
+    def reduce_window(self) -> int | None:
+        """How many gradient collectives stay in flight during backward; ``None``: as many as the budget
+        holds (see [Note: reduce window])."""
+        if not self.host_steps_in_backward and all(c.resident or c.full_alias for c in self.chunks):
+            return None
+        return self.max_pending_reduces
 
     def offload_grad(self, chunk: Chunk, reduced: torch.Tensor, grad_shard: torch.Tensor) -> None:
         """Hand a host-optimizer chunk's reduced gradient shard to the host ([Note: gradient offload]).
@@ -764,8 +796,15 @@ class ChunkManager:
             self.chunks[cid].settle_grad_zero()
 
     def reduces_in_flight(self) -> set[int]:
-        """Ids of the chunks whose gradient collective is still to be finished ([Note: late reduce waits])."""
+        """Ids of the chunks whose gradient collective is still to be finished, and :data:`FLAGS_IN_FLIGHT`
+        while the has-gradient flags' all-reduce is ([Note: late reduce waits])."""
         return {cid for cid, _ in self._pending}
+
+    def wait_flags(self) -> None:
+        """Finish in-flight collectives in issue order up to the has-gradient flags' all-reduce, so that
+        ``has_grad_flags`` holds this backward's merged flags (the reduces issued after it stay in flight)."""
+        while any(cid == FLAGS_IN_FLIGHT for cid, _ in self._pending):
+            self._finish_reduce()
 
     def finish_backward(self) -> None:
         """End-of-backward callback: flush remaining reduce-scatters in the fixed order, merge the
@@ -776,8 +815,6 @@ class ChunkManager:
             self._reduce(self._reduce_order[self._reduce_cursor])
             self._reduce_cursor += 1
         if self.async_reduce:
-            while len(self._pending) > 1:  # at most one collective in flight beside the flags' all-reduce
-                self._finish_reduce()
             self._merge_flags()
             while self._reduce_cursor < len(self._reduce_order):
                 self._reduce(self._reduce_order[self._reduce_cursor])
@@ -814,13 +851,22 @@ class ChunkManager:
         if self.arrived_flags:
             arrived = torch.tensor(sorted(self.arrived_flags), dtype=torch.int64)
             flags[arrived.to(self.compute_device, non_blocking=True)] = 1.0
-        for group, indices in self.flag_groups:
-            part = flags[indices]
-            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
-            flags[indices] = part
-        self.has_grad_flags = torch.maximum(self.has_grad_flags, flags)
+        parts = [(indices, flags[indices]) for _, indices in self.flag_groups]
+        works = [dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group, async_op=self.async_reduce)
+                 for (group, _), (_, part) in zip(self.flag_groups, parts)]
         self.local_flags |= self.arrived_flags
         self.arrived_flags = set()
+
+        def finish() -> None:
+            for work, (indices, part) in zip(works, parts):
+                if self.async_reduce:
+                    work.wait()
+                flags[indices] = part
+            self.has_grad_flags = torch.maximum(self.has_grad_flags, flags)
+        if self.async_reduce and works:  # waited by the step's read, timed like a reduce's wait
+            self._pending.append((FLAGS_IN_FLIGHT, self._timed_wait(finish)))
+        else:
+            finish()
 
     def zero_grad(self, keep_has_grad: bool = False) -> None:
         """Zero every gradient shard; ``keep_has_grad``: parameters that had a gradient keep a (zero)
