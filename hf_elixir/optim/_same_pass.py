@@ -40,7 +40,7 @@ __all__ = ["ALIGN_NUMEL", "BLOCK_NUMEL", "SamePassTable", "ViewTensors", "group_
 #: elements per block: the fp32 master (4 B), gradient (4 B) and two moments (8 B) of a block, 8 MiB at 512 Ki
 #: elements, stay in the last-level cache until the cast reads the master. Chosen by
 #: ``benchmarks/host_adam.py`` (see its docstring for the sweep and the figures).
-BLOCK_NUMEL = 1 << 19
+BLOCK_NUMEL = 1 << 20
 #: a block boundary inside a view is a multiple of this many elements from the view's start (vector width of
 #: the fused kernel: 8 or 16 fp32 lanes; 64 = one cache line of 16 lanes x 4)
 ALIGN_NUMEL = 64
