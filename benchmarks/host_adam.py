@@ -1,6 +1,6 @@
 """The host AdamW step with the compute-dtype copy: step then a separate cast vs the same-pass step.
 
-Times, side by side and interleaved (every variant once per round, rounds repeated, medians), on this CPU:
+Times, side by side and interleaved (every variant once per round, rounds repeated; median or min), on this CPU:
 
 * ``step``: the fused AdamW update alone (``torch._fused_adamw_`` over the chunk's views, one call per param
   group: what ``torch.optim.AdamW(fused=True)`` runs on the shard views);
@@ -10,7 +10,7 @@ Times, side by side and interleaved (every variant once per round, rounds repeat
 
 for one chunk laid out like a layer of OPT-1.3B (hidden 2048: q/k/v/out 2048 x 2048, fc1/fc2 2048 x 8192 with
 weight decay; biases and layer norms without), 50.4 M elements, with 1 thread and all threads. It prints each
-variant's median, the ratio ``step+cast / same-pass`` and the cast's extra cost as a fraction of the step alone
+variant's time, the ratio ``step+cast / same-pass`` and the cast's extra cost as a fraction of the step alone
 in both forms: ``(step+cast - step) / step`` (the separate cast) and ``(same-pass - step) / step`` (what
 ``hf_elixir/search/_cost.py`` prices the same-pass cast at).
 
@@ -38,9 +38,10 @@ from hf_elixir.optim._same_pass import SamePassTable, ViewTensors, _kernel_call,
 HIDDEN = 2048
 
 
-def layer_views(layers: int) -> list[tuple[int, bool]]:
-    """``(numel, decays)`` of the parameters of ``layers`` OPT-1.3B-shaped decoder layers, in module order."""
-    h, ffn = HIDDEN, 4 * HIDDEN
+def layer_views(layers: int, hidden: int = HIDDEN) -> list[tuple[int, bool]]:
+    """``(numel, decays)`` of the parameters of ``layers`` OPT-shaped decoder layers (OPT-1.3B: hidden 2048), in
+    module order."""
+    h, ffn = hidden, 4 * hidden
     attention = [(h * h, True), (h, False)] * 4  # q, k, v, out: weight, bias
     mlp = [(h * ffn, True), (ffn, False), (ffn * h, True), (h, False)]  # fc1, fc2
     norm = [(h, False), (h, False)]
@@ -50,8 +51,8 @@ def layer_views(layers: int) -> list[tuple[int, bool]]:
 class Chunk:
     """One flat shard: fp32 master, gradient, Adam moments, bf16 staging, and its views in two param groups."""
 
-    def __init__(self, layers: int) -> None:
-        sizes = layer_views(layers)
+    def __init__(self, layers: int, hidden: int = HIDDEN) -> None:
+        sizes = layer_views(layers, hidden)
         self.numel = sum(n for n, _ in sizes)
         gen = torch.Generator().manual_seed(0)
         self.master = torch.randn(self.numel, generator=gen) * 0.02
@@ -109,9 +110,9 @@ def _time(fn) -> float:
 
 
 def run(threads: int, rounds: int, blocks: list[int], layers: int, diagnose: bool = False,
-        stat: str = "median") -> dict:
+        stat: str = "median", hidden: int = HIDDEN) -> dict:
     torch.set_num_threads(threads)
-    chunk = Chunk(layers)
+    chunk = Chunk(layers, hidden)
     variants = {"step": chunk.step, "step+cast": chunk.step_then_cast}
     for block in blocks:
         table = SamePassTable.build(chunk.spans, chunk.numel, block)
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--layers", type=int, default=1, help="OPT-1.3B-shaped layers in the chunk (1: 50.4 M)")
+    parser.add_argument("--hidden", type=int, default=HIDDEN, help="layer width (smoke tests: 64)")
     parser.add_argument("--blocks", default="131072,262144,524288,1048576,2097152")
     parser.add_argument("--threads", default="1,0", help="comma-separated; 0 = all threads")
     parser.add_argument("--json", default=None)
@@ -152,9 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"host AdamW + bf16 copy, torch {torch.__version__}, {all_threads} threads available, load average {load}")
     results = []
     for threads in [int(t) or all_threads for t in args.threads.split(",")]:
-        out = run(threads, args.rounds, blocks, args.layers, args.diagnose, args.stat)
+        out = run(threads, args.rounds, blocks, args.layers, args.diagnose, args.stat, args.hidden)
         results.append(out)
-        print(f"\n{threads} thread(s), chunk of {out['numel'] / 1e6:.1f} M elements, {args.stat} of {args.rounds} rounds:")
+        print(f"\n{threads} thread(s), chunk of {out['numel'] / 1e6:.1f} M elements, {args.stat} of {args.rounds} "
+              "rounds:")
         for name, seconds in out["seconds"].items():
             extra = (seconds - out["seconds"]["step"]) / out["seconds"]["step"]
             print(f"  {name:<20} {seconds * 1e3:9.1f} ms   {out['numel'] / seconds / 1e9:6.2f} G elem/s   "

@@ -289,3 +289,18 @@ def test_falls_back_to_step_then_cast(single_rank_group, what):
     assert fused["num_same_pass"] == 0
     assert set(fused["casts"]) == set(fused["staged"]) and (what == "fp32") == (not fused["staged"])
     _assert_bitwise(fused, plain)
+
+
+def test_benchmark_runs_end_to_end(tmp_path):
+    """``benchmarks/host_adam.py`` on a small chunk: every variant timed, the fractions reported."""
+    import json
+
+    from benchmarks import host_adam
+
+    out = tmp_path / "host_adam.json"
+    assert host_adam.main(["--rounds", "2", "--hidden", "64", "--blocks", "256,4096", "--threads", "1",
+                           "--diagnose", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())["results"][0]
+    assert set(result["seconds"]) == {"step", "step+cast", "same-pass 256", "same-pass 4096", "blocked, no cast 256",
+                                      "blocked, no cast 4096"}
+    assert result["numel"] == 12 * 64 * 64 + 13 * 64 and result["best"].startswith("same-pass")
