@@ -135,7 +135,7 @@ def _uploaded_cast(opt) -> list[int]:
 def _train(same_pass: bool, *, rank: int = 0, world_size: int = 1, steps: int = 4, precision: str = "bf16",
            overlap: bool = False, max_norm: float | None = None, inf_step: int | None = None,
            make_optimizer=None, resume_at: int | None = None):
-    """Train tiny GPT-2 with host optimizer state; returns the model state, the optimizer's state dict, the
+    """Train tiny GPT-2 with host optimizer state and an LR schedule; returns the model state, the optimizer's state dict, the
     masters, the same-pass count, the chunks with staging, the separate casts run, and per step whether every
     staging buffer held its master cast to the compute dtype."""
     casts: list[int] = []
@@ -146,7 +146,10 @@ def _train(same_pass: bool, *, rank: int = 0, world_size: int = 1, steps: int = 
             return hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(
                 chunk_size_numel=CHUNK, offload_optimizer=True, precision=precision,
                 overlap_host_optimizer=overlap))
+        def schedule(opt, done=0):  # the lr changes every step: read from the param groups at each step
+            return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * (s + done)))
         model, opt = prepare()
+        sched = schedule(opt)
         staged_ok, lane_counts, skipped_unchanged = [], [0, 0], None
         for step in range(steps):
             if step == resume_at:  # a checkpoint round trip: a fresh model and optimizer load the state
@@ -156,6 +159,7 @@ def _train(same_pass: bool, *, rank: int = 0, world_size: int = 1, steps: int = 
                                    lane_counts[1] + opt._lane.num_rolled_back]
                 model, opt = prepare()
                 opt.load_state_dict(saved)
+                sched = schedule(opt, step)
             before = {k: v.clone() for k, v in opt.masters.items()} if step == inf_step else None
             loss = model(**rank_batch("gpt2", step, rank, world_size, ROWS)).loss
             if step == inf_step:
@@ -165,6 +169,7 @@ def _train(same_pass: bool, *, rank: int = 0, world_size: int = 1, steps: int = 
                 opt.clip_grad_norm(max_norm)
             opt.step()
             opt.zero_grad()
+            sched.step()
             staged_ok.append(all(torch.equal(opt._refresh_staging[cid], opt.masters[cid].to(c.dtype))
                                  for cid, c in ((cid, opt.manager.chunks[cid]) for cid in opt._refresh_staging)))
             if before is not None:
@@ -228,9 +233,10 @@ def test_checkpoint_round_trip_is_exact(single_rank_group):
 
 
 def _reference_masters(steps: int) -> dict[str, torch.Tensor]:
-    """Plain PyTorch: fp32 masters stepped by AdamW from the gradients of a bf16 copy cast from them."""
+    """Plain PyTorch: fp32 masters stepped by AdamW (the same LR schedule) from the gradients of a bf16 copy cast from them."""
     masters = tiny_model("gpt2")
     opt = torch.optim.AdamW(two_groups(masters), lr=5e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
     model = tiny_model("gpt2").to(torch.bfloat16)
     for step in range(steps):
         with torch.no_grad():
@@ -242,6 +248,7 @@ def _reference_masters(steps: int) -> dict[str, torch.Tensor]:
             m.grad = p.grad.float()
         opt.step()
         opt.zero_grad()
+        sched.step()
     return {n: p.detach().clone() for n, p in masters.named_parameters()}
 
 
