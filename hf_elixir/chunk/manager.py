@@ -26,6 +26,13 @@ ones): collective order ``[... chunks, flags, last chunk, re-reduces]``, the sam
 of gradient shards or flags calls :meth:`drain_reduces` first: the optimizer's step / clipping / state,
 ``zero_grad``, ``clear_param_grad``, the next backward; ``make_room`` finishes them when it needs room.
 
+[Note: in-place reduces] The in-flight window (``max_pending_reduces``) bounds the gradient buffers and reduce
+outputs that in-flight collectives keep alive. A chunk whose gradients were accumulated straight into the
+optimizer's shard (``Chunk.direct_grad_shard``: all resident, replicated, device optimizer) is all-reduced in
+place and holds no buffer, so its collective does not count toward the window: backward does not stop to wait
+for it, as DDP waits for none of its bucket all-reduces before the end of backward. Which chunks these are
+follows from the plan alone; only the point where a rank waits changes, never the collectives or their order.
+
 [Note: gather prefetch] (FSDP2's all-gather prefetch; issue 14 item 1.) During forward, :meth:`_prefetch`
 issues the all-gathers of the next ``prefetch_depth`` chunks of the previous step's order ahead of their
 use: on CUDA on the copy stream (the compute stream waits for its event), elsewhere with ``async_op=True``
@@ -147,6 +154,7 @@ class ChunkManager:
         self.async_reduce = compute_device.type != "cuda"
         self.max_pending_reduces = 2
         self._pending: list[tuple[int, object]] = []  # (chunk id, callable finishing its reduce), issue order
+        self._bufferless: set[int] = set()  # chunks in ``_pending`` whose reduce holds no buffer ([Note: in-place reduces])
         # off CUDA, all-gathers issued ahead are async collectives waited at the chunk's access
         self.async_gather = compute_device.type != "cuda"
         self._pending_gathers: list[Chunk] = []
@@ -613,7 +621,8 @@ class ChunkManager:
         """
         if self.backward_pending:
             return
-        self.drain_reduces()  # the previous backward's last reduces ([Note: late reduce waits])
+        # the previous backward's last reduces ([Note: late reduce waits]); deferred zeros stay deferred
+        self.drain_reduces(settle_zeros=False)
         if self._trainable_chunks and not self.grad_shards:
             raise RuntimeError("backward through a model prepared without an optimizer (hf_elixir.prepare(model, "
                                "None, ...) is for inference): pass the optimizer to prepare to train, or run the "
@@ -661,6 +670,7 @@ class ChunkManager:
 
     def _reduce(self, chunk: Chunk) -> None:
         before, started = self.counters.reduce_scatter_bytes, time.perf_counter()
+        in_place = chunk.grad_full is None and chunk.direct_grad_shard() is not None
         finish = chunk.reduce_scatter_grad(self.grad_shards[chunk.chunk_id], async_op=self.async_reduce)
         collective = self.counters.reduce_scatter_bytes != before  # one rank, not replicated: a local add
         if collective:
@@ -668,7 +678,9 @@ class ChunkManager:
         chunk.arrived_slots.clear()
         if finish is not None:
             self._pending.append((chunk.chunk_id, self._timed_wait(finish) if collective else finish))
-            while len(self._pending) > self.max_pending_reduces:
+            if in_place:
+                self._bufferless.add(chunk.chunk_id)
+            while len(self._pending) - len(self._bufferless) > self.max_pending_reduces:
                 self._finish_reduce()
 
     def offload_grad(self, chunk: Chunk, reduced: torch.Tensor, grad_shard: torch.Tensor) -> None:
@@ -731,13 +743,25 @@ class ChunkManager:
         return timed
 
     def _finish_reduce(self) -> None:
-        self._pending.pop(0)[1]()
+        cid, finish = self._pending.pop(0)
+        self._bufferless.discard(cid)  # a chunk has at most one in-place reduce per backward, issued first
+        finish()
 
-    def drain_reduces(self) -> None:
+    def drain_reduces(self, settle_zeros: bool = True) -> None:
         """Wait for every in-flight gradient collective and accumulate its result (see [Note: late reduce
-        waits]: every reader of gradient shards or has-gradient flags calls this first)."""
+        waits]: every reader of gradient shards or has-gradient flags calls this first); with
+        ``settle_zeros``, also zero what backward left unwritten in deferred-zero gradient shards
+        (:meth:`settle_grad_zeros`)."""
         while self._pending:
             self._finish_reduce()
+        if settle_zeros:
+            self.settle_grad_zeros()
+
+    def settle_grad_zeros(self) -> None:
+        """Make every gradient shard whose zeroing ``zero_grad`` deferred whole again ([Note: deferred
+        gradient zeroing] in chunk.py): a no-op for the chunks reduced since (their reduce settled them)."""
+        for cid in self.grad_shards:
+            self.chunks[cid].settle_grad_zero()
 
     def reduces_in_flight(self) -> set[int]:
         """Ids of the chunks whose gradient collective is still to be finished ([Note: late reduce waits])."""
@@ -801,13 +825,15 @@ class ChunkManager:
     def zero_grad(self, keep_has_grad: bool = False) -> None:
         """Zero every gradient shard; ``keep_has_grad``: parameters that had a gradient keep a (zero)
         one for the next step (``zero_grad(set_to_none=False)``), else they have none until backward."""
-        self.drain_reduces()
+        self.drain_reduces(settle_zeros=False)
         if self.host_fence is not None:
             self.host_fence(None)  # host work on the gradient shards ends (and speculative steps are undone)
-        for grad_shard in self.grad_shards.values():
-            grad_shard.zero_()
         for chunk in self.chunks:
             chunk.grad_shard_clean = True
+        for cid, grad_shard in self.grad_shards.items():
+            # [Note: deferred gradient zeroing] in chunk.py: a direct shard is zeroed as backward writes it
+            if not self.chunks[cid].defer_grad_zero():
+                grad_shard.zero_()
         if not keep_has_grad:
             self.has_grad_flags.zero_()
             self.local_flags = set()

@@ -538,6 +538,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
             raise ValueError("ElixirOptimizer.step(closure) is not supported; call forward/backward before step()")
         assert not self.manager.backward_pending, "optimizer.step() called while a backward is still running"
         self._check_groups_unchanged()
+        self.manager.settle_grad_zeros()  # a step with no backward since zero_grad reads zeros
         if self._lane is not None and self._lane.speculate:
             self.manager.drain_reduces()  # the lane takes every offloaded gradient before it is validated
         self.manager.join_side_streams()
