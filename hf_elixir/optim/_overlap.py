@@ -14,7 +14,8 @@ precedes ``step()``, steps the chunk at once:
   L2 norm, then runs the inner optimizer on the chunk's views, as if no clipping and no overflow
   happened, with this rank's has-gradient flags as known so far and the param groups' current
   hyperparameters; a chunk whose shard is on the device then has its master cast into the staging buffer
-  its upload reads ([Note: overlapped refresh] in ``optimizer.py``).
+  its upload reads ([Note: overlapped refresh] in ``optimizer.py``), in the same pass as the update for
+  Adam/AdamW ([Note: same-pass host step] in ``_same_pass.py``).
 * **validate.** ``step()`` joins the lane and reads the global overflow flag, clip factor and merged
   has-gradient flags in its one host read. A speculative update stands when nothing overflowed, the
   clip factor is 1, and the chunk's flags and hyperparameters are those it used.
@@ -215,7 +216,8 @@ class HostLane:
             self.local_inf = True
         elif views:
             opt._step_views(views)
-            opt.stage_refresh(cid)  # the upload's host cast, overlapped too ([Note: overlapped refresh])
+            if cid not in opt._staged:  # cast in the same pass already ([Note: same-pass host step])
+                opt.stage_refresh(cid)  # the upload's host cast, overlapped too ([Note: overlapped refresh])
         self.speculations[cid] = _Speculation(flags, hyper, stepped, snap.grad is not None)
         self.num_speculated += int(stepped)
 

@@ -30,6 +30,7 @@ from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.config import ElixirConfig
 from hf_elixir.optim._host_state import HostStates
 from hf_elixir.optim._overlap import HostLane, speculates
+from hf_elixir.optim._same_pass import SamePassTable, ViewTensors, group_runs_fused, step_and_cast
 from hf_elixir.optim.loss_scaler import DynamicLossScaler
 
 __all__ = ["ElixirOptimizer", "SUPPORTED_OPTIMIZERS", "optimizer_state_numel_factor"]
@@ -145,6 +146,12 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self._setup_fused()
         self.inner = self._build_inner(type(optimizer))
         self._view_by_tensor = {id(v.tensor): v for v in self.views}
+        # [Note: same-pass host step] in _same_pass.py: chunk id -> (its blocks, its views by shard offset)
+        self._same_pass: dict[int, tuple[SamePassTable, list[_ShardView]]] = {}
+        for cid, staging in self._refresh_staging.items():
+            views = sorted((v for v in self.views if v.chunk.chunk_id == cid), key=lambda v: v.lo)
+            self._same_pass[cid] = (SamePassTable.build([(v.lo, v.hi) for v in views], staging.numel()), views)
+        self.num_same_pass_steps = 0  # chunks stepped and cast in one pass (tests and benchmarks count them)
         # [Note: host lane] in _overlap.py: offloaded gradients taken over, host step overlapped with backward
         self._lane: HostLane | None = None
         if any(c.trainable and not c.optim_on_device for c in manager.chunks):
@@ -604,6 +611,9 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self._run_inner([[t for t in full if id(t) in chosen] for full in self._full_group_params])
 
     def _run_inner(self, params_per_group: list[list[torch.Tensor]]) -> None:
+        """Step ``params_per_group`` (views, aligned with the param groups) with the groups' current
+        hyperparameters: the views of chunks :meth:`_same_pass_chunks` picks block by block with their staging
+        cast ([Note: same-pass host step]), the others by the inner optimizer."""
         if not any(params_per_group):
             return
         for inner_group, user_group, params in zip(self.inner.param_groups, self.param_groups, params_per_group):
@@ -613,13 +623,55 @@ class ElixirOptimizer(torch.optim.Optimizer):
             inner_group.update(self._inner_overrides)
             inner_group["params"] = params
         fresh = self._host_states.prime(self.inner, params_per_group)
+        same_pass = self._same_pass_chunks(params_per_group)
         try:
-            self.inner.step()
+            rest = [[t for t in params if self._view_by_tensor[id(t)].chunk.chunk_id not in same_pass]
+                    for params in params_per_group]
+            if any(rest):
+                for inner_group, params in zip(self.inner.param_groups, rest):
+                    inner_group["params"] = params
+                self._staged.difference_update(self._view_by_tensor[id(t)].chunk.chunk_id for g in rest for t in g)
+                self.inner.step()
+            for cid, chosen in same_pass.items():
+                self._step_same_pass(cid, chosen)
         finally:
             for inner_group, full in zip(self.inner.param_groups, self._full_group_params):
                 inner_group["params"] = full
         if fresh:  # a state the step made itself (SGD's momentum buffer) moves into the blocks
             self._host_states.adopt(self.inner, fresh)
+
+    def _same_pass_chunks(self, params_per_group: list[list[torch.Tensor]]) -> dict[int, set[int]]:
+        """Chunk id -> ids of its views in ``params_per_group``, for the chunks with a staging buffer whose
+        views' groups all run the fused Adam/AdamW kernel ([Note: same-pass host step])."""
+        runs_fused = [group_runs_fused(type(self.inner), g) for g in self.inner.param_groups]
+        chosen: dict[int, set[int]] = {}
+        refused: set[int] = set()
+        for index, params in enumerate(params_per_group):
+            for t in params:
+                cid = self._view_by_tensor[id(t)].chunk.chunk_id
+                if cid not in self._same_pass:
+                    continue
+                chosen.setdefault(cid, set()).add(id(t))
+                if not runs_fused[index]:
+                    refused.add(cid)
+        return {cid: ids for cid, ids in chosen.items() if cid not in refused}
+
+    def _step_same_pass(self, cid: int, chosen: set[int]) -> None:
+        """Step chunk ``cid``'s views in ``chosen`` and cast its master into its staging buffer in one pass."""
+        self._release_staging(self.manager.chunks[cid])
+        table, views = self._same_pass[cid]
+        state, groups = self.inner.state, self.inner.param_groups
+        tensors = []
+        for v in views:
+            if id(v.tensor) not in chosen:
+                tensors.append(None)
+                continue
+            entry = state[v.tensor]
+            tensors.append(ViewTensors(v.tensor.detach(), v.tensor.grad, entry["exp_avg"], entry["exp_avg_sq"],
+                                       entry.get("max_exp_avg_sq"), entry["step"], groups[v.group_index]))
+        step_and_cast(table, tensors, self.masters[cid], self._refresh_staging[cid])
+        self._staged.add(cid)
+        self.num_same_pass_steps += 1
 
     def _flag_of(self, tensor: torch.Tensor) -> int:
         return self._view_by_tensor[id(tensor)].slot.flag_index
@@ -642,11 +694,16 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 staging.copy_(self.masters[cid])
             self._staged.add(cid)
 
-    def _upload_source(self, chunk: Chunk) -> torch.Tensor:
+    def _release_staging(self, chunk: Chunk) -> None:
+        """Before the chunk's staging buffer is written outside the host lane: an upload issued by the last step
+        may still read it (a step with no backward since then: the backward's drain did not run)."""
         pending = chunk.pending_refresh
         if pending is not None and pending.event is not None:
-            pending.event.synchronize()  # a step with no backward since the last one: the upload may still read
+            pending.event.synchronize()
         chunk.wait_refresh()
+
+    def _upload_source(self, chunk: Chunk) -> torch.Tensor:
+        self._release_staging(chunk)
         cid = chunk.chunk_id
         if cid not in self._staged:
             self.stage_refresh(cid)
@@ -658,8 +715,9 @@ class ElixirOptimizer(torch.optim.Optimizer):
 
         [Note: overlapped refresh] A chunk whose master is on the host and whose shard is on the device
         (host optimizer state, resident or device-shard chunk) is *uploaded*: its master is cast on the host
-        into a pinned staging buffer of the compute dtype (by the host lane right after its speculative step,
-        [Note: host lane], else here), then :meth:`Chunk.issue_refresh` copies it into the device shard on the
+        into a pinned staging buffer of the compute dtype (Adam/AdamW: in the same pass as its update, [Note:
+        same-pass host step] in ``_same_pass.py``; else by the host lane right after its speculative step,
+        [Note: host lane], or here), then :meth:`Chunk.issue_refresh` copies it into the device shard on the
         manager's copy stream with one event per chunk, in the order the next forward first uses the chunks
         (:meth:`ChunkManager.next_use_order`). Nothing waits here: the chunk's first access (or anything else
         that reads the shard: an unshard, ``write_back``, ``state_dict``, ``full_parameters``) makes the compute

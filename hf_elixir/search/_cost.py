@@ -87,8 +87,8 @@ with several ranks an all-gather may, on any device; everything else on CPU is s
 * the device shards (``_fused_step``) follow the host part: ``host + device``, never ``max(host, device)``;
 * the refresh of a compute copy whose shard is on the device and whose master is on the host is an upload
   ([Note: overlapped refresh] in ``optim/optimizer.py``): the master is cast on the host into a staging buffer
-  of the compute dtype (``shard_numel`` elements at :func:`_host_cast_rate`, on the lane's timeline right after
-  the chunk's step when the lane stepped it, else in the step), and ``shard_numel * b`` bytes go over PCIe. On
+  of the compute dtype (in the same pass as the chunk's AdamW update, :func:`_host_cast_s`, on the lane's timeline
+  with the chunk's step when the lane stepped it, else in the step), and ``shard_numel * b`` bytes go over PCIe. On
   CUDA the uploads run back to back on the copy stream from the start of the step (the previous step ended
   with them), in the order the forward first uses the chunks; each event waits for its own chunks' uploads,
   the first backward event for all of them, and onloads and gathers prefetched on the copy stream queue behind
@@ -375,11 +375,22 @@ def _uploaded_chunks(step: ChunkedStep, knobs: Knobs) -> list[int]:
     return [c for c in range(step.num_chunks) if step.trained_numels[c] and c in held and c not in knobs.device_optim]
 
 
-def _host_cast_rate(hardware: HardwareProfile) -> float:
-    """Elements/s of the host cast fp32 master -> compute-dtype staging buffer (``ElixirOptimizer.stage_refresh``),
-    from the host AdamW rate: both are bound by host memory traffic, 28 bytes per element for AdamW (see
-    ``profiler/_gpu_presets.py``), 6 for the cast (read 4, write 2)."""
-    return (hardware.host_adam_numel_per_s or 1e9) * 28 / 6
+#: [Note: same-pass host step] (``optim/_same_pass.py``): the runtime steps an AdamW host chunk with a staging buffer
+#: block by block and casts each block into the staging buffer while it is in cache. What the cast then adds, as a
+#: fraction of the AdamW step of the same elements, measured on this project's CPU (AMD EPYC, 32 MiB L3, 1 thread,
+#: a 50.4 M element chunk shaped like an OPT-1.3B layer, blocks of 1 Mi elements, min of 9 interleaved rounds, load
+#: average 6.3-7.3 on 2 cores, 2026-12-01 05:43 UTC): ``PYTHONPATH=$PWD flock /tmp/bench.lock python
+#: benchmarks/host_adam.py --rounds 9 --stat min --blocks 524288,1048576,2097152,4194304 --diagnose``: step 33.3 ms,
+#: same pass 40.6 ms (0.22). The same run measured the separate cast (step, then ``staging.copy_(master)`` over the
+#: whole chunk, the path before) at 0.39 of the step, more than the 6 / 28 = 0.21 the traffic ratio had priced it at.
+SAME_PASS_CAST_FRACTION = 0.22
+
+
+def _host_cast_s(numel: int, hardware: HardwareProfile) -> float:
+    """Seconds of the host cast fp32 master -> compute-dtype staging buffer of ``numel`` elements: done in the same
+    pass as the host AdamW update ([Note: same-pass host step] in ``optim/_same_pass.py``), so priced as the measured
+    :data:`SAME_PASS_CAST_FRACTION` of that update's time at the host AdamW rate."""
+    return numel / (hardware.host_adam_numel_per_s or 1e9) * SAME_PASS_CAST_FRACTION
 
 
 def _refresh_times(step: ChunkedStep, upload_s: dict[int, float]) -> dict[int, float]:
@@ -513,7 +524,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     # [Note: overlapped refresh] uploads of host masters into device shards: on CUDA on the copy stream from the
     # start of the step (the previous step's end), in first forward use order, each event waiting for its own
     upload_s = {c: step.shard_numel(c) * b / h2d_rate for c in _uploaded_chunks(step, knobs)}
-    cast_s = {c: step.shard_numel(c) / _host_cast_rate(hardware) for c in upload_s if step.precision != "fp32"}
+    cast_s = {c: _host_cast_s(step.shard_numel(c), hardware) for c in upload_s if step.precision != "fp32"}
     refresh_done = _refresh_times(step, upload_s) if hardware.can_overlap else {}
     upload_end = max(refresh_done.values(), default=0.0)
     t_copy = upload_end  # onloads prefetched on the copy stream queue behind the uploads
