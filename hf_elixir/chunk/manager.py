@@ -405,6 +405,21 @@ class ChunkManager:
         for chunk in chunks:
             assert chunk.pins > 0, f"chunk {chunk.chunk_id} released more often than accessed"
             chunk.pins -= 1
+            if self.backward_pending and self._reshard_dead(chunk):
+                chunk.reshard()
+
+    def _reshard_dead(self, chunk: Chunk) -> bool:
+        """[Note: dead chunks] In backward, a :meth:`_dead` chunk (no later use in the previous step's order; the
+        optimizer step makes its gathered copy stale) is resharded as soon as its last access is released,
+        instead of holding its buffer until the next forward's make-room evicts it: what Belady would evict
+        first, only earlier, so the device (and on CPU the process) does not carry stale copies through the
+        end of backward and the step, where the tied embedding's gradients and the optimizer's work peak.
+        Only where the refill adds no collective that ranks could disagree on: one rank (the refill is a
+        local onload), or where every rank's eviction state agrees (:meth:`gather_prefetch_allowed`), and
+        not for a chunk that keeps a rank-local host copy (the copy would be stale too)."""
+        if not self.prev_trace or chunk.wants_host_copy or not self._dead(chunk):
+            return False
+        return chunk.world_size == 1 or self.gather_prefetch_allowed()
 
     def _record(self, chunk: Chunk) -> None:
         self.clock += 1
@@ -678,7 +693,8 @@ class ChunkManager:
             chunk: the chunk (``optim_on_device`` False).
             reduced: its reduced gradient shard on the compute device, ``[shard_numel]``, the reduce dtype;
                 not read after this returns on the simulated device, kept alive for the copy on CUDA
-                (``record_stream``).
+                (``record_stream``). ``None``: the gradients are already in ``grad_shard``, copied there by
+                :meth:`copy_grad_to_host` ([Note: direct host gradient] in ``chunk.py``).
             grad_shard: the fp32 host gradient shard ``[shard_numel]`` it is added into.
         """
         cid = chunk.chunk_id
@@ -696,14 +712,16 @@ class ChunkManager:
         stream, event = self.offload_stream, None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), strict.host_copies(), (torch.cuda.stream(stream) if stream is not None
-                                                     else contextlib.nullcontext()):
-            target.copy_(reduced, non_blocking=True)
-        if stream is not None:
-            reduced.record_stream(stream)
+        if reduced is not None:
+            with torch.no_grad(), strict.host_copies(), (torch.cuda.stream(stream) if stream is not None
+                                                         else contextlib.nullcontext()):
+                target.copy_(reduced, non_blocking=True)
+            if stream is not None:
+                reduced.record_stream(stream)
+            self.counters.d2h_bytes += chunk.shard_numel * reduced.element_size()
+        if stream is not None:  # after this copy and every earlier one of the chunk on the offload stream
             event = torch.cuda.Event()
             event.record(stream)
-        self.counters.d2h_bytes += chunk.shard_numel * reduced.element_size()
         chunk.grad_shard_clean = False
         if self.on_grad_offloaded is not None:
             waiting = self.on_grad_offloaded(chunk, staging, event)
@@ -714,6 +732,22 @@ class ChunkManager:
             event.synchronize()
         if staging is not None:
             grad_shard.add_(staging)
+
+    def copy_grad_to_host(self, grad: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy one parameter's gradient (a device tensor, flattened) into its range ``target`` of a host
+        gradient shard ([Note: direct host gradient] in ``chunk.py``): on CUDA a non-blocking copy on the
+        offload stream after the compute stream's work (``record_stream`` keeps ``grad`` alive for it; the
+        event :meth:`offload_grad` records later covers it), elsewhere a plain copy through the sanctioned
+        host-copy path. Counted in ``d2h_bytes``."""
+        stream = self.offload_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), strict.host_copies(), (torch.cuda.stream(stream) if stream is not None
+                                                     else contextlib.nullcontext()):
+            target.copy_(grad, non_blocking=True)
+        if stream is not None:
+            grad.record_stream(stream)
+        self.counters.d2h_bytes += grad.numel() * grad.element_size()
 
     def spec_flags(self, chunk: Chunk) -> frozenset[int]:
         """Flag indices of ``chunk``'s trainable slots that have a gradient on this rank so far (this
@@ -761,7 +795,7 @@ class ChunkManager:
         # a gradient that arrived after its chunk was reduced (a parameter used in two reentrant
         # checkpoint segments) is reduced once more; structural, so every rank does the same
         for chunk in self._reduce_order:
-            if chunk.grad_full is not None:
+            if chunk.grad_full is not None or chunk.direct_host_pending:
                 self._reduce(chunk)
         if not self.async_reduce:
             self.drain_reduces()
@@ -808,6 +842,7 @@ class ChunkManager:
             grad_shard.zero_()
         for chunk in self.chunks:
             chunk.grad_shard_clean = True
+            chunk.direct_host_pending = False
         if not keep_has_grad:
             self.has_grad_flags.zero_()
             self.local_flags = set()
