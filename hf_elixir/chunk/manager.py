@@ -419,6 +419,8 @@ class ChunkManager:
         not for a chunk that keeps a rank-local host copy (the copy would be stale too)."""
         if not self.prev_trace or chunk.wants_host_copy or not self._dead(chunk):
             return False
+        if any(slot.state is TensorState.COMPUTE for slot in chunk.slots):
+            return False  # a unit that released its pins without leaving COMPUTE (it ends at end_backward)
         return chunk.world_size == 1 or self.gather_prefetch_allowed()
 
     def _record(self, chunk: Chunk) -> None:
