@@ -85,7 +85,8 @@ host gradient (the optimizer's host lane, ``on_grad_offloaded``) waits for that 
 the staging buffer. On the simulated device the copy is a plain copy through the sanctioned host-copy
 path (:func:`hf_elixir.chunk.strict.host_copies`). The host step may update a shard in place while
 backward goes on (``host_fence``): every read of a shard (:meth:`Chunk.unshard`, ``write_back``) calls
-the fence first.
+the fence first. At one rank, in the first backward after ``zero_grad``, the gradients are already in the
+shard (copied per parameter, [Note: direct host gradient] in ``chunk.py``): the hand-over copies nothing.
 """
 
 from __future__ import annotations
