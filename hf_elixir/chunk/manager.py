@@ -415,14 +415,17 @@ class ChunkManager:
         instead of holding its buffer until the next forward's make-room evicts it: what Belady would evict
         first, only earlier, so the device (and on CPU the process) does not carry stale copies through the
         end of backward and the step, where the tied embedding's gradients and the optimizer's work peak.
-        Only where the refill adds no collective that ranks could disagree on: one rank (the refill is a
-        local onload), or where every rank's eviction state agrees (:meth:`gather_prefetch_allowed`), and
-        not for a chunk that keeps a rank-local host copy (the copy would be stale too)."""
-        if not self.prev_trace or chunk.wants_host_copy or not self._dead(chunk):
+        Only for a chunk whole on one rank without a replica group: its refill is a local onload (no
+        collective ranks could disagree on), and no gradient collective of it is in flight. With several
+        ranks the room freed here keeps more reduces in flight ([Note: late reduce waits]), whose buffers off
+        CUDA are kept for reuse outside the budget ([Note: buffer reuse]): measured on
+        ``benchmarks/host_memory.py``'s GPT-2 at 2 ranks, +25-30 MiB peak per rank, so not there."""
+        if chunk.world_size != 1 or chunk.replicate_group is not None or not self.prev_trace:
             return False
-        if any(slot.state is TensorState.COMPUTE for slot in chunk.slots):
-            return False  # a unit that released its pins without leaving COMPUTE (it ends at end_backward)
-        return chunk.world_size == 1 or self.gather_prefetch_allowed()
+        if not self._dead(chunk):
+            return False
+        # a unit that released its pins without leaving COMPUTE (it leaves it at end_backward)
+        return not any(slot.state is TensorState.COMPUTE for slot in chunk.slots)
 
     def _record(self, chunk: Chunk) -> None:
         self.clock += 1
