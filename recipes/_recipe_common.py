@@ -211,20 +211,34 @@ def describe_processes() -> str:
 
 
 # ----------------------------------------------------------------------------- tokenizer / model / data
-def build_tokenizer(model_args: ModelArguments, raw):
+def build_tokenizer(model_args: ModelArguments, raw, train_args):
+    """The named tokenizer (``--tokenizer_name`` / the model's), or a byte-level BPE trained on ``raw["train"]``.
+
+    Under several processes the main process loads (downloads) the named tokenizer first and the others
+    read it from the cache after it; a BPE is trained by the main process alone and sent to the others
+    (``torch.distributed.broadcast_object_list``), which wait for it instead of training their own.
+    """
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
     from transformers import AutoTokenizer
 
     from hf_elixir.data import train_bpe_tokenizer
 
     name = model_args.tokenizer_name or model_args.model_name_or_path
     if name is not None:
-        tok = AutoTokenizer.from_pretrained(name)
+        with train_args.main_process_first(desc="loading the tokenizer"):
+            tok = AutoTokenizer.from_pretrained(name)
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
         return tok
-    t0 = time.perf_counter()
-    tok = train_bpe_tokenizer(raw["train"]["text"], vocab_size=model_args.vocab_size)
-    logger.info("trained a byte-level BPE tokenizer (%d tokens) in %.1f s", len(tok), time.perf_counter() - t0)
+    state = PartialState()
+    tok = None
+    if state.is_main_process:
+        t0 = time.perf_counter()
+        tok = train_bpe_tokenizer(raw["train"]["text"], vocab_size=model_args.vocab_size)
+        logger.info("trained a byte-level BPE tokenizer (%d tokens) in %.1f s", len(tok), time.perf_counter() - t0)
+    if state.num_processes > 1:
+        tok = broadcast_object_list([tok], from_process=0)[0]
     return tok
 
 
@@ -398,7 +412,7 @@ def logging_interval(train_args) -> int:
 def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixir_args, train_args,
                           checkpoint: str | None = None, on_prepared=None) -> list[float]:
     """Plain Accelerate loop (+ ElixirPlugin; ``checkpoint``: stream the weights of a meta model from that
-    folder; ``on_prepared(model)`` runs once the model holds its weights). Returns the logged mean losses and ``{step: lr}`` at them."""
+    folder; ``on_prepared(model)`` runs once the model holds its weights). Returns the logged mean losses and ``{step: lr that step used}`` at them."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
@@ -431,7 +445,7 @@ def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixi
         on_prepared(model)
     model.train()
     losses: list[float] = []
-    lrs: dict[int, float] = {}  # learning rate after each logged step
+    lrs: dict[int, float] = {}  # learning rate each logged step used (the Trainer's convention)
     window: list[torch.Tensor] = []
     log_every = logging_interval(train_args)
     bar = tqdm(total=train_args.max_steps, disable=not accelerator.is_local_main_process, desc="train")
@@ -444,6 +458,7 @@ def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixi
                 if accelerator.sync_gradients and train_args.max_grad_norm and train_args.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), train_args.max_grad_norm)
                 optimizer.step()
+                step_lr = scheduler.get_last_lr()[0]  # the rate this step used, read before the schedule advances
                 scheduler.step()
                 optimizer.zero_grad()
             window.append(loss.detach().float())
@@ -455,11 +470,11 @@ def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixi
                 mean = accelerator.reduce(torch.stack(window).mean(), reduction="mean").item()
                 window.clear()
                 losses.append(mean)
-                lrs[step] = scheduler.get_last_lr()[0]
-                bar.set_postfix(loss=f"{mean:.3f}", ppl=f"{math.exp(min(mean, 50)):.1f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+                lrs[step] = step_lr
+                bar.set_postfix(loss=f"{mean:.3f}", ppl=f"{math.exp(min(mean, 50)):.1f}", lr=f"{step_lr:.2e}")
                 if accelerator.is_main_process:
                     tqdm.write(f"step {step:5d}  loss {mean:.4f}  ppl {math.exp(min(mean, 50)):9.2f}  "
-                               f"lr {scheduler.get_last_lr()[0]:.2e}  {time.perf_counter() - start:6.1f} s")
+                               f"lr {step_lr:.2e}  {time.perf_counter() - start:6.1f} s")
             if step >= train_args.max_steps:
                 break
     bar.close()
@@ -508,15 +523,23 @@ def run(default_model_type: str, print_sample: Callable[[Any, Any, str], str]) -
     if is_main:
         print(describe_processes(), flush=True)
     set_seed(train_args.seed)
-    if data_args.dataset_name is None and data_args.train_file is None:
-        from hf_elixir.data import load_shakespeare
+    if not is_main:  # dataset progress (Map bars) from the main process only, as the Trainer's own logs
+        import datasets
 
-        raw = load_shakespeare(max_plays=data_args.max_train_plays)
-    else:
-        raw = load_text_dataset(data_args.dataset_name, data_args.dataset_config_name, data_args.train_file,
-                                data_args.validation_file, text_column=data_args.text_column)
-    tokenizer = build_tokenizer(model_args, raw)
-    train_ds, eval_ds = build_datasets(model_args, data_args, tokenizer, raw)
+        datasets.disable_progress_bars()
+    # the main process downloads / tokenizes first (into the datasets cache where the data has one), the
+    # others wait and then read the cache: HF's run_clm.py pattern
+    with train_args.main_process_first(desc="loading the data"):
+        if data_args.dataset_name is None and data_args.train_file is None:
+            from hf_elixir.data import load_shakespeare
+
+            raw = load_shakespeare(max_plays=data_args.max_train_plays)
+        else:
+            raw = load_text_dataset(data_args.dataset_name, data_args.dataset_config_name, data_args.train_file,
+                                    data_args.validation_file, text_column=data_args.text_column)
+    tokenizer = build_tokenizer(model_args, raw, train_args)
+    with train_args.main_process_first(desc="tokenizing the data"):
+        train_ds, eval_ds = build_datasets(model_args, data_args, tokenizer, raw)
     checkpoint = streamed_checkpoint(model_args, elixir_args)
     model = build_model(model_args, tokenizer, data_args.block_size, on_meta=checkpoint is not None)
     collate = make_collator(model_args, tokenizer, model)

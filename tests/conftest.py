@@ -27,3 +27,20 @@ def single_rank_group():
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _reset_accelerate_state():
+    """Reset Accelerate's process-wide singletons after each test, as Accelerate's own ``AccelerateTestCase``
+    does in its ``tearDown``: ``AcceleratorState`` keeps the first ``mixed_precision`` it was given (a
+    ``Trainer(bf16=True)`` leaves ``bf16``), and a later ``Accelerator(cpu=True)`` in the same process takes it
+    instead of ``"no"``. This is Accelerate's documented singleton behaviour (plain Trainer + Accelerator do the
+    same without hf_elixir), so the reset belongs to the tests. Only when a test has imported accelerate."""
+    yield
+    import sys
+
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()

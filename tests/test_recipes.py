@@ -67,7 +67,7 @@ def _run_recipe(tmp_path: Path, script: str, *extra: str, launcher: tuple[str, .
     files = set(os.listdir(out))
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= files, files
     result = json.loads((out / "recipe_results.json").read_text())
-    result["stdout"] = proc.stdout
+    result["stdout"], result["stderr"] = proc.stdout, proc.stderr
     return result
 
 
@@ -91,12 +91,24 @@ def test_recipe_runs_end_to_end_under_elixir(tmp_path, script, extra):
 @pytest.mark.parametrize("path", [[], ["--trainer"]], ids=["accelerate", "trainer"])
 def test_recipe_under_torchrun_on_cpu_is_really_distributed(tmp_path, path):
     """Two CPU processes are one data-parallel job of two (each its own batches), not two copies of a
-    one-process job: TrainingArguments used to set accelerate's state up as non-distributed on CPU."""
+    one-process job: TrainingArguments used to set accelerate's state up as non-distributed on CPU.
+
+    Only the main process trains the tokenizer (the other receives it) and shows the dataset Map
+    progress (each process used to train its own and print its own four bars). Both paths log the
+    learning rate each logged step used, the Trainer's convention (the Accelerate loop logged the rate
+    after the step: 0 at the last step of a linear schedule)."""
     launcher = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()))
-    r = _run_recipe(tmp_path, "finetune_clm.py", "--model_type", "gpt2", "--max_steps", "2", *path,
-                    launcher=launcher)
+    r = _run_recipe(tmp_path, "finetune_clm.py", "--model_type", "gpt2", *path, launcher=launcher)
     assert r["num_processes"] == 2
-    assert r["last_loss"] == r["last_loss"]  # finite: the job ran to the end on both ranks
+    assert r["last_loss"] < r["first_loss"]  # trains, and ran to the end on both ranks
+    assert r["eval_ppl_after"] < r["eval_ppl_before"]
+    out = r["stdout"] + r["stderr"]
+    assert out.count("trained a byte-level BPE tokenizer") == 1, out[-3000:]
+    assert out.count("Map:   0%") == 4, out[-3000:]  # tokenize + group, train and held-out, on rank 0 only
+    assert out.count("INFO hf_elixir.api: hf_elixir:") == 1, out[-3000:]  # the placement, logged by rank 0
+    peak = 5e-3  # FAST: --learning_rate 5e-3 --warmup_steps 0 --max_steps 6 --logging_steps 2, linear decay
+    lrs = {int(k): v for k, v in r["learning_rates"].items()}
+    assert lrs == pytest.approx({1: peak, 2: peak * 5 / 6, 4: peak * 3 / 6, 6: peak / 6}, rel=1e-9, abs=0), lrs
 
 
 def _free_port() -> int:
@@ -110,7 +122,8 @@ def _free_port() -> int:
 def test_lr_schedule_spans_the_run_under_accelerate_launch_with_2_processes(tmp_path):
     """README's `accelerate launch --config_file recipes/gpt2/elixir.yaml` (2 processes): accelerate's
     prepared scheduler advances once per process on each step, so a schedule sized for --max_steps alone
-    reached lr 0 at half the run. 40 steps of linear decay from the peak: half the peak at step 20."""
+    reached lr 0 at half the run. 40 steps of linear decay from the peak; the logged rate is the one the
+    step used (the Trainer's convention): the peak at step 1, 21/40 of it at step 20, 1/40 at step 40."""
     launcher = ("-m", "accelerate.commands.launch", "--config_file", str(REPO / "recipes" / "gpt2" / "elixir.yaml"),
                 "--main_process_port", str(_free_port()))
     peak = 5e-3  # FAST's --learning_rate
@@ -119,10 +132,11 @@ def test_lr_schedule_spans_the_run_under_accelerate_launch_with_2_processes(tmp_
                     launcher=launcher)
     assert r["num_processes"] == 2
     assert "job: 2 processes (ranks 0-1, 1 node(s)), backend gloo" in r["stdout"]
+    assert (r["stdout"] + r["stderr"]).count("trained a byte-level BPE tokenizer") == 1  # by the main process only
     lrs = {int(k): v for k, v in r["learning_rates"].items()}
     assert sorted(lrs) == [1, 20, 40]
-    assert abs(lrs[1] - peak * 39 / 40) < 1e-9 and abs(lrs[20] - peak / 2) < 1e-9, lrs
-    assert abs(lrs[40]) < 1e-12, lrs
+    assert abs(lrs[1] - peak) < 1e-12 and abs(lrs[20] - peak * 21 / 40) < 1e-12, lrs
+    assert abs(lrs[40] - peak / 40) < 1e-12, lrs
 
 
 def test_switch_trainer_logs_the_true_mean_loss_at_2_processes(tmp_path):
