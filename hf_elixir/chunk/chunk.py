@@ -195,9 +195,6 @@ class Chunk(ChunkBytes):
         self.hidden = False  # parameters are stale placeholders (see hide_stale_params)
         self.stale_values: torch.Tensor | None = None  # [len(slots)] NaN, backing one placeholder each
         self.grad_shard_clean = True  # the optimizer's gradient shard is zero (set by zero_grad)
-        # gradients copied straight into the host gradient shard and not yet handed to the optimizer
-        # ([Note: direct host gradient])
-        self.direct_host_pending = False
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -509,39 +506,9 @@ class Chunk(ChunkBytes):
             return None
         return shard
 
-    def direct_host_grad(self, slot: ParamSlot) -> torch.Tensor | None:
-        """The host gradient shard when ``slot``'s gradient can be copied straight into it
-        ([Note: direct host gradient]): one rank, not "replicated", optimizer state on the host, the shard
-        still zero since ``zero_grad`` (this is the chunk's first backward since then and it was not reduced
-        yet), no gradient buffer open and ``slot`` has no gradient yet in this backward."""
-        if (self.world_size != 1 or self.replicate_group is not None or self.optim_on_device
-                or not self.grad_shard_clean or self.grad_full is not None
-                or slot.index_in_chunk in self.arrived_slots):
-            return None
-        shard = self.manager.grad_shards.get(self.chunk_id)
-        if shard is None or shard.numel() != self.chunk_numel:
-            return None
-        return shard
-
     def accumulate_grad(self, slot: ParamSlot, grad: torch.Tensor) -> None:
-        """Add ``grad`` (shape ``slot.shape``) into the chunk's gradient buffer.
-
-        [Note: direct host gradient] With one rank and the optimizer state on the host the "reduce" is a local
-        add, so a chunk-sized gradient buffer on the device (fp32, beside the host gradient shard of the same
-        size) buys nothing in the first backward after ``zero_grad``: each parameter's gradient is copied
-        device->host straight into its range of the zeroed host gradient shard (on CUDA on the offload stream,
-        ``record_stream`` keeping the gradient alive for the copy), and the chunk's "reduce" only hands the
-        shard to the host optimizer (:meth:`ChunkManager.offload_grad` with nothing to copy). What ZeRO-Offload
-        copies per bucket is copied per parameter here. A second gradient for a slot in the same backward
-        (reentrant checkpointing), and every later micro-batch before ``zero_grad``, go through the buffer
-        and are added on the host as before. Measured on ``benchmarks/host_memory.py``'s GPT-2 at 1 rank: no
-        16.5 MiB gradient buffer per chunk in the pool, nor kept for reuse."""
+        """Add ``grad`` (shape ``slot.shape``) into the chunk's gradient buffer."""
         if self.grad_full is None:
-            host = self.direct_host_grad(slot)
-            if host is not None:
-                self.manager.copy_grad_to_host(grad.reshape(-1), host[slot.offset:slot.offset + slot.numel])
-                self.direct_host_pending = True
-                return
             direct = self.direct_grad_shard()
             if direct is not None:
                 with torch.no_grad():
@@ -579,13 +546,6 @@ class Chunk(ChunkBytes):
         fixed order, even when it received no gradient for the chunk (zeros), so ranks never hang.
         """
         counters = self.manager.counters
-        if self.direct_host_pending:  # [Note: direct host gradient]: already in the host shard
-            self.direct_host_pending = False
-            if self.grad_full is None:
-                self._mark_reduced()
-                self.manager.offload_grad(self, None, grad_shard)
-                return None
-            self.grad_shard_clean = False  # the buffer's gradients are added to the copied ones
         direct = self.direct_grad_shard() if self.grad_full is None else None
         if direct is not None:  # gradients are already in the optimizer's shard
             self._mark_reduced()

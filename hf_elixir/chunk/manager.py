@@ -16,15 +16,39 @@ Ranks whose MoE experts got no tokens therefore issue the same collectives in th
 
 [Note: late reduce waits] (issue 14: blocked-wait time.) Off CUDA a gradient collective is issued with
 ``async_op=True`` as soon as its chunk is complete and finished (waited, divided, added into the gradient
-shard) as late as possible: two reduces later during backward, and after backward only when something reads
-the gradient shards. The chunks completed last (the embeddings', used first in forward) are ready only when
-backward ends, so their collectives cannot overlap backward's compute; they overlap the optimizer step
-instead, which steps the chunks whose reduce has finished first (``ElixirOptimizer._inner_step``). The
-has-gradient flags' all-reduce (small, needed by the step's host read) is issued just before the last
-chunk's collective (gloo runs two collectives at a time per group, so it does not queue behind both big
-ones): collective order ``[... chunks, flags, last chunk, re-reduces]``, the same on every rank. Every reader
-of gradient shards or flags calls :meth:`drain_reduces` first: the optimizer's step / clipping / state,
-``zero_grad``, ``clear_param_grad``, the next backward; ``make_room`` finishes them when it needs room.
+shard) as late as possible: when the in-flight window is full during backward ([Note: reduce window]), and
+after backward only when something reads the gradient shards. The chunks completed last (the embeddings',
+used first in forward) are ready only when backward ends, so their collectives cannot overlap backward's
+compute; they overlap the optimizer step instead, which steps the chunks whose reduce has finished first
+(``ElixirOptimizer._inner_step``). The has-gradient flags' all-reduce (small, needed by the step's host read)
+is issued asynchronously too, just before the last chunk's collective: collective order ``[... chunks, flags,
+last chunk, re-reduces]``, the same on every rank. It sits in the same in-flight list (id
+:data:`FLAGS_IN_FLIGHT`) and is finished, in issue order, by the step's read (:meth:`wait_flags`), so the
+wait for the slowest rank to end its backward is timed into ``reduce_wait_s`` like every other gradient
+collective's. Every reader of gradient shards or flags calls :meth:`drain_reduces` (or :meth:`wait_flags`)
+first: the optimizer's step / clipping / state, ``zero_grad``, ``clear_param_grad``, the next backward;
+``make_room`` finishes them when it needs room.
+
+[Note: reduce window] During backward at most ``max_pending_reduces`` (2) gradient collectives that hold a
+buffer ([Note: in-place reduces]) stay in flight when some chunk can leave the device: their buffers are freed early so that evictions and the
+backward gather prefetch's room rule ([Note: backward gather prefetch]) see the same free bytes as the cost
+model. It stays at 2 as well when the host lane steps host chunks during backward ([Note: host lane] in
+``hf_elixir/optim/_overlap.py``: a chunk is handed to it when its reduce finishes). When every chunk stays
+on the device for the whole step (resident, or whole on a single rank) and no lane steps in backward, there
+is nothing to evict or gather and the window has no limit but the budget: a collective is finished only
+when ``make_room`` needs its bytes, or after backward. The rank that runs ahead then does not wait at every
+third chunk for the other to catch up; the ranks meet once, at the step (a wait a window of 2 pays at each
+chunk where the other rank lags, and pays again where this rank lags). The decision reads only the plan, and
+``make_room``'s pool accounting is the same on every rank for a model-data budget, so every rank finishes
+the same reduces at the same points; no collective is issued by finishing one, so their order is unchanged.
+The cost model's ``predict`` holds its pending reduces the same way.
+
+[Note: in-place reduces] The in-flight window (``max_pending_reduces``) bounds the gradient buffers and reduce
+outputs that in-flight collectives keep alive. A chunk whose gradients were accumulated straight into the
+optimizer's shard (``Chunk.direct_grad_shard``: all resident, replicated, device optimizer) is all-reduced in
+place and holds no buffer, so its collective does not count toward the window: backward does not stop to wait
+for it, as DDP waits for none of its bucket all-reduces before the end of backward. Which chunks these are
+follows from the plan alone; only the point where a rank waits changes, never the collectives or their order.
 
 [Note: gather prefetch] (FSDP2's all-gather prefetch; issue 14 item 1.) During forward, :meth:`_prefetch`
 issues the all-gathers of the next ``prefetch_depth`` chunks of the previous step's order ahead of their
@@ -85,8 +109,7 @@ host gradient (the optimizer's host lane, ``on_grad_offloaded``) waits for that 
 the staging buffer. On the simulated device the copy is a plain copy through the sanctioned host-copy
 path (:func:`hf_elixir.chunk.strict.host_copies`). The host step may update a shard in place while
 backward goes on (``host_fence``): every read of a shard (:meth:`Chunk.unshard`, ``write_back``) calls
-the fence first. At one rank, in the first backward after ``zero_grad``, the gradients are already in the
-shard (copied per parameter, [Note: direct host gradient] in ``chunk.py``): the hand-over copies nothing.
+the fence first.
 """
 
 from __future__ import annotations
@@ -113,6 +136,10 @@ __all__ = ["ChunkManager"]
 logger = logging.getLogger(__name__)
 
 _MAX_TRACE = 1_000_000
+
+
+# ``reduces_in_flight`` id of the has-gradient flags' all-reduce ([Note: late reduce waits])
+FLAGS_IN_FLIGHT = -1
 
 
 class ChunkManager:
@@ -146,8 +173,12 @@ class ChunkManager:
         self.local_flags: set[int] = set()
         # off CUDA, gradient collectives are issued asynchronously and finished a few chunks later
         self.async_reduce = compute_device.type != "cuda"
+        # in-flight window where some chunk may leave the device or the host lane steps chunks during
+        # backward ([Note: reduce window]); the lane sets ``host_steps_in_backward``
         self.max_pending_reduces = 2
+        self.host_steps_in_backward = False
         self._pending: list[tuple[int, object]] = []  # (chunk id, callable finishing its reduce), issue order
+        self._bufferless: set[int] = set()  # chunks in ``_pending`` whose reduce holds no buffer ([Note: in-place reduces])
         # off CUDA, all-gathers issued ahead are async collectives waited at the chunk's access
         self.async_gather = compute_device.type != "cuda"
         self._pending_gathers: list[Chunk] = []
@@ -634,7 +665,8 @@ class ChunkManager:
         """
         if self.backward_pending:
             return
-        self.drain_reduces()  # the previous backward's last reduces ([Note: late reduce waits])
+        # the previous backward's last reduces ([Note: late reduce waits]); deferred zeros stay deferred
+        self.drain_reduces(settle_zeros=False)
         if self._trainable_chunks and not self.grad_shards:
             raise RuntimeError("backward through a model prepared without an optimizer (hf_elixir.prepare(model, "
                                "None, ...) is for inference): pass the optimizer to prepare to train, or run the "
@@ -682,6 +714,7 @@ class ChunkManager:
 
     def _reduce(self, chunk: Chunk) -> None:
         before, started = self.counters.reduce_scatter_bytes, time.perf_counter()
+        in_place = chunk.grad_full is None and chunk.direct_grad_shard() is not None
         finish = chunk.reduce_scatter_grad(self.grad_shards[chunk.chunk_id], async_op=self.async_reduce)
         collective = self.counters.reduce_scatter_bytes != before  # one rank, not replicated: a local add
         if collective:
@@ -689,8 +722,18 @@ class ChunkManager:
         chunk.arrived_slots.clear()
         if finish is not None:
             self._pending.append((chunk.chunk_id, self._timed_wait(finish) if collective else finish))
-            while len(self._pending) > self.max_pending_reduces:
+            if in_place:
+                self._bufferless.add(chunk.chunk_id)
+            window = self.reduce_window()
+            while window is not None and len(self._pending) - len(self._bufferless) > window:
                 self._finish_reduce()
+
+    def reduce_window(self) -> int | None:
+        """How many gradient collectives stay in flight during backward; ``None``: as many as the budget
+        holds (see [Note: reduce window])."""
+        if not self.host_steps_in_backward and all(c.resident or c.full_alias for c in self.chunks):
+            return None
+        return self.max_pending_reduces
 
     def offload_grad(self, chunk: Chunk, reduced: torch.Tensor, grad_shard: torch.Tensor) -> None:
         """Hand a host-optimizer chunk's reduced gradient shard to the host ([Note: gradient offload]).
@@ -699,8 +742,7 @@ class ChunkManager:
             chunk: the chunk (``optim_on_device`` False).
             reduced: its reduced gradient shard on the compute device, ``[shard_numel]``, the reduce dtype;
                 not read after this returns on the simulated device, kept alive for the copy on CUDA
-                (``record_stream``). ``None``: the gradients are already in ``grad_shard``, copied there by
-                :meth:`copy_grad_to_host` ([Note: direct host gradient] in ``chunk.py``).
+                (``record_stream``).
             grad_shard: the fp32 host gradient shard ``[shard_numel]`` it is added into.
         """
         cid = chunk.chunk_id
@@ -718,16 +760,14 @@ class ChunkManager:
         stream, event = self.offload_stream, None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
-        if reduced is not None:
-            with torch.no_grad(), strict.host_copies(), (torch.cuda.stream(stream) if stream is not None
-                                                         else contextlib.nullcontext()):
-                target.copy_(reduced, non_blocking=True)
-            if stream is not None:
-                reduced.record_stream(stream)
-            self.counters.d2h_bytes += chunk.shard_numel * reduced.element_size()
-        if stream is not None:  # after this copy and every earlier one of the chunk on the offload stream
+        with torch.no_grad(), strict.host_copies(), (torch.cuda.stream(stream) if stream is not None
+                                                     else contextlib.nullcontext()):
+            target.copy_(reduced, non_blocking=True)
+        if stream is not None:
+            reduced.record_stream(stream)
             event = torch.cuda.Event()
             event.record(stream)
+        self.counters.d2h_bytes += chunk.shard_numel * reduced.element_size()
         chunk.grad_shard_clean = False
         if self.on_grad_offloaded is not None:
             waiting = self.on_grad_offloaded(chunk, staging, event)
@@ -738,22 +778,6 @@ class ChunkManager:
             event.synchronize()
         if staging is not None:
             grad_shard.add_(staging)
-
-    def copy_grad_to_host(self, grad: torch.Tensor, target: torch.Tensor) -> None:
-        """Copy one parameter's gradient (a device tensor, flattened) into its range ``target`` of a host
-        gradient shard ([Note: direct host gradient] in ``chunk.py``): on CUDA a non-blocking copy on the
-        offload stream after the compute stream's work (``record_stream`` keeps ``grad`` alive for it; the
-        event :meth:`offload_grad` records later covers it), elsewhere a plain copy through the sanctioned
-        host-copy path. Counted in ``d2h_bytes``."""
-        stream = self.offload_stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), strict.host_copies(), (torch.cuda.stream(stream) if stream is not None
-                                                     else contextlib.nullcontext()):
-            target.copy_(grad, non_blocking=True)
-        if stream is not None:
-            grad.record_stream(stream)
-        self.counters.d2h_bytes += grad.numel() * grad.element_size()
 
     def spec_flags(self, chunk: Chunk) -> frozenset[int]:
         """Flag indices of ``chunk``'s trainable slots that have a gradient on this rank so far (this
@@ -771,17 +795,36 @@ class ChunkManager:
         return timed
 
     def _finish_reduce(self) -> None:
-        self._pending.pop(0)[1]()
+        cid, finish = self._pending.pop(0)
+        self._bufferless.discard(cid)  # a chunk has at most one in-place reduce per backward, issued first
+        finish()
 
-    def drain_reduces(self) -> None:
+    def drain_reduces(self, settle_zeros: bool = True) -> None:
         """Wait for every in-flight gradient collective and accumulate its result (see [Note: late reduce
-        waits]: every reader of gradient shards or has-gradient flags calls this first)."""
+        waits]: every reader of gradient shards or has-gradient flags calls this first); with
+        ``settle_zeros``, also zero what backward left unwritten in deferred-zero gradient shards
+        (:meth:`settle_grad_zeros`)."""
         while self._pending:
             self._finish_reduce()
+        if settle_zeros:
+            self.settle_grad_zeros()
+
+    def settle_grad_zeros(self) -> None:
+        """Make every gradient shard whose zeroing ``zero_grad`` deferred whole again ([Note: deferred
+        gradient zeroing] in chunk.py): a no-op for the chunks reduced since (their reduce settled them)."""
+        for cid in self.grad_shards:
+            self.chunks[cid].settle_grad_zero()
 
     def reduces_in_flight(self) -> set[int]:
-        """Ids of the chunks whose gradient collective is still to be finished ([Note: late reduce waits])."""
+        """Ids of the chunks whose gradient collective is still to be finished, and :data:`FLAGS_IN_FLIGHT`
+        while the has-gradient flags' all-reduce is ([Note: late reduce waits])."""
         return {cid for cid, _ in self._pending}
+
+    def wait_flags(self) -> None:
+        """Finish in-flight collectives in issue order up to the has-gradient flags' all-reduce, so that
+        ``has_grad_flags`` holds this backward's merged flags (the reduces issued after it stay in flight)."""
+        while any(cid == FLAGS_IN_FLIGHT for cid, _ in self._pending):
+            self._finish_reduce()
 
     def finish_backward(self) -> None:
         """End-of-backward callback: flush remaining reduce-scatters in the fixed order, merge the
@@ -792,8 +835,6 @@ class ChunkManager:
             self._reduce(self._reduce_order[self._reduce_cursor])
             self._reduce_cursor += 1
         if self.async_reduce:
-            while len(self._pending) > 1:  # at most one collective in flight beside the flags' all-reduce
-                self._finish_reduce()
             self._merge_flags()
             while self._reduce_cursor < len(self._reduce_order):
                 self._reduce(self._reduce_order[self._reduce_cursor])
@@ -801,7 +842,7 @@ class ChunkManager:
         # a gradient that arrived after its chunk was reduced (a parameter used in two reentrant
         # checkpoint segments) is reduced once more; structural, so every rank does the same
         for chunk in self._reduce_order:
-            if chunk.grad_full is not None or chunk.direct_host_pending:
+            if chunk.grad_full is not None:
                 self._reduce(chunk)
         if not self.async_reduce:
             self.drain_reduces()
@@ -830,25 +871,35 @@ class ChunkManager:
         if self.arrived_flags:
             arrived = torch.tensor(sorted(self.arrived_flags), dtype=torch.int64)
             flags[arrived.to(self.compute_device, non_blocking=True)] = 1.0
-        for group, indices in self.flag_groups:
-            part = flags[indices]
-            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
-            flags[indices] = part
-        self.has_grad_flags = torch.maximum(self.has_grad_flags, flags)
+        parts = [(indices, flags[indices]) for _, indices in self.flag_groups]
+        works = [dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group, async_op=self.async_reduce)
+                 for (group, _), (_, part) in zip(self.flag_groups, parts)]
         self.local_flags |= self.arrived_flags
         self.arrived_flags = set()
+
+        def finish() -> None:
+            for work, (indices, part) in zip(works, parts):
+                if self.async_reduce:
+                    work.wait()
+                flags[indices] = part
+            self.has_grad_flags = torch.maximum(self.has_grad_flags, flags)
+        if self.async_reduce and works:  # waited by the step's read, timed like a reduce's wait
+            self._pending.append((FLAGS_IN_FLIGHT, self._timed_wait(finish)))
+        else:
+            finish()
 
     def zero_grad(self, keep_has_grad: bool = False) -> None:
         """Zero every gradient shard; ``keep_has_grad``: parameters that had a gradient keep a (zero)
         one for the next step (``zero_grad(set_to_none=False)``), else they have none until backward."""
-        self.drain_reduces()
+        self.drain_reduces(settle_zeros=False)
         if self.host_fence is not None:
             self.host_fence(None)  # host work on the gradient shards ends (and speculative steps are undone)
-        for grad_shard in self.grad_shards.values():
-            grad_shard.zero_()
         for chunk in self.chunks:
             chunk.grad_shard_clean = True
-            chunk.direct_host_pending = False
+        for cid, grad_shard in self.grad_shards.items():
+            # [Note: deferred gradient zeroing] in chunk.py: a direct shard is zeroed as backward writes it
+            if not self.chunks[cid].defer_grad_zero():
+                grad_shard.zero_()
         if not keep_has_grad:
             self.has_grad_flags.zero_()
             self.local_flags = set()
