@@ -11,8 +11,12 @@ allocator state, hooks or threads. Every rank:
    ``setup`` (see ``benchmarks/peers.py``), which returns a ``step(batch) -> loss`` callable;
 4. runs ``warmup_steps`` untimed and ``steps`` timed steps on random token ids (a different stream
    per rank), with a barrier before each timed step so a step's time is the slowest rank's time;
-5. writes a JSON record (step times in seconds, peak RSS in bytes, the peer's extra stats) that the
-   parent reads back.
+5. writes a JSON record (step times in seconds, the process CPU seconds of each timed step, peak RSS in
+   bytes, the peer's extra stats) that the parent reads back.
+
+CPU time per step (``time.process_time`` around the step: every thread of the rank, gloo's included) is far
+less sensitive to other jobs on a shared machine than wall-clock time, which also counts the time the rank
+waits for a core; ``RunResult.cpu_median_s`` gives its median per rank.
 
 Peak host RSS is the kernel's high-water mark for the rank's process (``getrusage(RUSAGE_SELF)
 .ru_maxrss``, which catches short spikes that sampling would miss); the RSS just before the model is
@@ -107,6 +111,7 @@ class RunResult:
     ok: bool
     error: str = ""
     step_times_s: list[float] = field(default_factory=list)  # per step, slowest rank
+    cpu_times_s: list[list[float]] = field(default_factory=list)  # per rank, per timed step: process CPU seconds
     peak_rss_bytes: list[int] = field(default_factory=list)  # per rank
     baseline_rss_bytes: list[int] = field(default_factory=list)  # per rank, before model build
     losses: list[float] = field(default_factory=list)  # rank 0, every step (warm-up included)
@@ -117,6 +122,11 @@ class RunResult:
     @property
     def median_s(self) -> float:
         return statistics.median(self.step_times_s)
+
+    @property
+    def cpu_median_s(self) -> list[float]:
+        """Median process CPU seconds per timed step, one value per rank (empty when not recorded)."""
+        return [statistics.median(ts) for ts in self.cpu_times_s if ts]
 
     @property
     def tokens_per_s(self) -> float:
@@ -238,6 +248,7 @@ def _collect(spec: RunSpec, work_dir: Path, group_error: str, wall_s: float) -> 
     per_rank_times = [r["step_times_s"] for r in records]
     step_times = [max(ts) for ts in zip(*per_rank_times)]
     return RunResult(spec=spec, ok=True, step_times_s=step_times,
+                     cpu_times_s=[r.get("cpu_times_s", []) for r in records],
                      peak_rss_bytes=[r["peak_rss_bytes"] for r in records],
                      baseline_rss_bytes=[r["baseline_rss_bytes"] for r in records],
                      losses=records[0]["losses"], num_params=records[0]["num_params"],
@@ -336,20 +347,21 @@ def _measure(rank: int, spec: RunSpec) -> dict[str, Any]:
     cuda = spec.device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    losses, times = [], []
+    losses, times, cpu_times = [], [], []
     for index, ids in enumerate(batches):
         if dist.is_initialized():
             dist.barrier()
         if cuda:
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = runner.step(ids)  # returns loss.item(), which synchronises with the device
         if cuda:
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
+        elapsed, cpu_elapsed = time.perf_counter() - start, time.process_time() - cpu_start
         losses.append(float(loss))
         if index >= spec.warmup_steps:
             times.append(elapsed)
+            cpu_times.append(cpu_elapsed)
     extra = runner.stats()
     if spec.options.get("cpu_profile"):
         extra["profile_top"] = _profile_one_step(runner, batches[-1])
@@ -360,7 +372,7 @@ def _measure(rank: int, spec: RunSpec) -> dict[str, Any]:
         dist.barrier()
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     runner.close()
-    return {"step_times_s": times, "losses": losses, "num_params": num_params,
+    return {"step_times_s": times, "cpu_times_s": cpu_times, "losses": losses, "num_params": num_params,
             "peak_rss_bytes": peak_rss, "baseline_rss_bytes": baseline_rss, "extra": extra}
 
 

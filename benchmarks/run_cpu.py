@@ -203,6 +203,8 @@ def _repeat_headline_peers(runs: list[RunResult], work_dir: Path, cfg: SuiteConf
             continue
         first.extra.setdefault("round_medians_s", [first.median_s]).append(again.median_s)
         first.step_times_s.extend(again.step_times_s)
+        for mine, theirs in zip(first.cpu_times_s, again.cpu_times_s):
+            mine.extend(theirs)
         first.peak_rss_bytes = [max(a, b) for a, b in zip(first.peak_rss_bytes, again.peak_rss_bytes)]
         first.extra["rounds"] = first.extra.get("rounds", 1) + 1
         _log(f"  this round {again.median_s:.4f} s/step; pooled median {first.median_s:.4f} s/step over "
@@ -274,7 +276,7 @@ def _run_largest(cfg: SuiteConfig, work_dir: Path, skipped: dict[str, str], elix
 MAIN_COLUMNS = ["peer", "ranks", "median step (s)", "min (s)", "max (s)", "tokens/s", "vs PyTorch",
                 "peak RSS/rank (MiB)", "device peak (MiB)", "H2D/step (MiB)", "D2H/step (MiB)",
                 "all-gather/step (MiB)", "reduce-scatter/step (MiB)", "blocked in gathers/reduces per step (s)",
-                "loss first->last"]
+                "CPU s/step per rank", "CPU vs PyTorch", "loss first->last"]
 
 
 def _reference(runs: list[RunResult], world_size: int) -> RunResult | None:
@@ -302,9 +304,20 @@ def main_table_rows(runs: list[RunResult]) -> list[list[str]]:
             f"{e['d2h_bytes_per_step'] / MIB:.2f}" if "d2h_bytes_per_step" in e else "-",
             f"{e['allgather_bytes_per_step'] / MIB:.2f}" if "allgather_bytes_per_step" in e else "-",
             f"{e['reduce_scatter_bytes_per_step'] / MIB:.2f}" if "reduce_scatter_bytes_per_step" in e else "-",
-            _blocked(e), f"{r.losses[0]:.3f}->{r.losses[-1]:.3f}",
+            _blocked(e), *_cpu_cells(r, ref), f"{r.losses[0]:.3f}->{r.losses[-1]:.3f}",
         ])
     return rows
+
+
+def _cpu_cells(result: RunResult, reference: RunResult | None) -> list[str]:
+    """Median process CPU seconds per step of each rank (``a / b``) and the ratio of their mean to the
+    reference's: the figure to compare on a loaded machine, where wall-clock also counts waiting for a core."""
+    mine = result.cpu_median_s
+    if not mine:
+        return ["-", "-"]
+    theirs = reference.cpu_median_s if reference is not None else []
+    ratio = f"{statistics.fmean(mine) / statistics.fmean(theirs):.3f}x" if theirs else "n/a"
+    return [" / ".join(f"{x:.3f}" for x in mine), ratio]
 
 
 def _blocked(extra: dict[str, Any]) -> str:
@@ -408,8 +421,11 @@ def headline(runs: list[RunResult], traffic_facts: list[dict[str, Any]], largest
             ratio = res.median_s / ref.median_s
             alt = f"min-step ratio {min(res.step_times_s) / min(ref.step_times_s):.2f}x"
             per_round, note = round_ratios(res, ref), ""
+            if res.cpu_median_s and ref.cpu_median_s:  # less sensitive to a loaded machine than wall-clock
+                cpu_ratio = statistics.fmean(res.cpu_median_s) / statistics.fmean(ref.cpu_median_s)
+                note = f"; CPU seconds per step per rank {cpu_ratio:.3f}x"
             if len(per_round) > 1:
-                note = (f"; per interleaved round {', '.join(f'{x:.3f}' for x in per_round)}x (median "
+                note += (f"; per interleaved round {', '.join(f'{x:.3f}' for x in per_round)}x (median "
                         f"{statistics.median(per_round):.3f}x, spread {min(per_round):.3f}-{max(per_round):.3f})")
             # issue 14 asks 0.95x of DDP at 2 ranks; the single-rank target is the original 1.05x of PyTorch
             lines.append(_verdict(f"hf_elixir all-resident step time / {'PyTorch' if ws == 1 else 'DDP'} "

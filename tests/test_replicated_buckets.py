@@ -65,7 +65,7 @@ def test_replicated_chunks_are_ddp_buckets_at_two_ranks():
         assert rel_l2(state, ref.state_dict()) < 1e-5
 
 
-def _whole_shard_passes(rank: int, world_size: int):
+def _whole_shard_passes(rank: int, world_size: int, offload: bool = False):
     """The element-wise ops over a whole replicated gradient shard during backward (none expected: the
     gradients are divided as they land, [Note: pre-divided all-reduce] in chunk.py), and the reduced
     gradient against the mean of both ranks' gradients."""
@@ -76,7 +76,8 @@ def _whole_shard_passes(rank: int, world_size: int):
     model = tiny_model("gpt2")
     ref = tiny_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
-    model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(budget_covers_activations=False))
+    model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(budget_covers_activations=False,
+                                                                      offload_optimizer=offload))
     manager = get_state(model).manager
     shard_numels = {g.numel() for g in manager.grad_shards.values()}
     passes = []
@@ -92,8 +93,8 @@ def _whole_shard_passes(rank: int, world_size: int):
     mine = rank_batch("gpt2", 0, rank, world_size, 2)
     with Record():
         model(**mine).loss.backward()
-    (cid,) = list(manager.grad_shards)
-    manager.drain_reduces()  # off CUDA the last all-reduce finishes at the next reader ([Note: late reduce waits])
+        (cid,) = list(manager.grad_shards)
+        manager.drain_reduces()  # off CUDA the last all-reduce finishes at the next reader ([Note: late reduce waits])
     reduced = manager.grad_shards[cid].clone()
     ref(**batch("gpt2", 0, 2 * world_size)).loss.backward()
     chunk = manager.chunks[cid]
@@ -107,4 +108,12 @@ def _whole_shard_passes(rank: int, world_size: int):
 def test_replicated_gradients_need_no_pass_after_the_all_reduce():
     for passes, rel in run_distributed(_whole_shard_passes, 2, timeout_s=180):
         assert passes == [], passes  # no division (or other) pass over the whole shard
+        assert rel < 1e-5
+
+
+def test_replicated_gradient_buffers_need_no_division_after_the_all_reduce():
+    """With the optimizer state on the host the gradients land in a buffer, all-reduced and then copied to the
+    host shard: divided as they land too, so the only whole-chunk pass left is that copy (the offload)."""
+    for passes, rel in run_distributed(_whole_shard_passes, 2, True, timeout_s=180):
+        assert passes == ["copy_"], passes
         assert rel < 1e-5

@@ -83,3 +83,31 @@ def test_rounds_flag_overrides_the_preset(monkeypatch, tmp_path: Path):
     assert seen["cfg"].rounds == 5
     with pytest.raises(SystemExit):
         run_cpu.main(["--rounds", "0", "--out-dir", str(tmp_path)])
+
+
+def test_cpu_seconds_per_step_per_rank_are_reported_and_pooled_over_rounds(tmp_path: Path, monkeypatch):
+    """Process CPU seconds per step (median per rank) and their ratio to DDP: the figure that a loaded machine
+    disturbs least (wall-clock also counts the time a rank waits for a core)."""
+    calls = []
+
+    def fake_launch(spec, work_dir, timeout_s=0.0):
+        calls.append(spec.peer)
+        cpu = {"ddp": [[5.0, 5.2], [5.4, 5.6]], "elixir_resident": [[4.5, 4.7], [4.9, 5.1]]}[spec.peer]
+        bump = 0.1 * sum(1 for c in calls if c == spec.peer)  # later rounds a little slower
+        return run_cpu.RunResult(spec=spec, ok=True, step_times_s=[9.0, 9.0], peak_rss_bytes=[1, 1],
+                                 baseline_rss_bytes=[0, 0], losses=[1.0, 0.9], extra={},
+                                 cpu_times_s=[[t + bump for t in rank] for rank in cpu])
+
+    monkeypatch.setattr(run_cpu, "launch", fake_launch)
+    cfg = run_cpu.SuiteConfig.preset("gpt2-124m")
+    cfg.peers, cfg.rounds = ("ddp", "elixir_resident"), 2
+    ddp, elixir = run_cpu.run_suite(cfg, tmp_path)["runs"]
+    assert elixir.cpu_times_s[0] == pytest.approx([4.6, 4.8, 4.7, 4.9])  # both rounds, per rank
+    assert ddp.cpu_median_s == pytest.approx([5.25, 5.65])
+    rows = {r[0]: dict(zip(run_cpu.MAIN_COLUMNS, r)) for r in run_cpu.main_table_rows([ddp, elixir])}
+    resident = rows[run_cpu.PEERS["elixir_resident"].label]
+    assert resident["CPU s/step per rank"] == "4.750 / 5.150"
+    assert resident["CPU vs PyTorch"] == f"{(4.75 + 5.15) / (5.25 + 5.65):.3f}x"
+    assert rows[run_cpu.PEERS["ddp"].label]["CPU vs PyTorch"] == "1.000x"
+    (line,) = [ln for ln in run_cpu.headline([ddp, elixir], [], {}) if "all-resident" in ln]
+    assert f"CPU seconds per step per rank {(4.75 + 5.15) / (5.25 + 5.65):.3f}x" in line

@@ -13,6 +13,17 @@ is refilled on its next use. Parameters are read-only during forward/backward, s
 write-back (no device->host traffic), except after ``load_state_dict`` wrote into ``full`` (``dirty``).
 Between uses, a parameter without a current copy is a placeholder that raises on any read or write
 ([Note: stale placeholder] in params.py).
+
+[Note: deferred gradient zeroing] (issue 14: all-resident overhead.) A chunk whose gradients are accumulated
+straight into the optimizer's gradient shard (:meth:`Chunk.direct_grad_shard`: whole on this rank, optimizer
+state on the device) is not zero-filled by ``zero_grad``: the shard is marked ``grad_zero_pending`` and the
+first gradient of each parameter is *written* into it (``copy_``, or ``mul`` by ``1/world_size`` when
+replicated) instead of added to zeros, as ``AccumulateGrad`` steals the first gradient instead of adding it
+to a zero ``p.grad``. Before anything reads the shard as a whole, :meth:`Chunk.settle_grad_zero` zeroes what
+backward did not write (parameters without a gradient, padding): at the chunk's reduce (before its
+all-reduce) and in :meth:`ChunkManager.settle_grad_zeros`, which ``drain_reduces`` and the optimizer step call
+(every reader of gradient shards calls ``drain_reduces`` first, [Note: late reduce waits] in manager.py). A
+step's pass over the gradients shrinks from zero + add (write, then read + write) to one write per element.
 """
 
 from __future__ import annotations
@@ -195,6 +206,10 @@ class Chunk(ChunkBytes):
         self.hidden = False  # parameters are stale placeholders (see hide_stale_params)
         self.stale_values: torch.Tensor | None = None  # [len(slots)] NaN, backing one placeholder each
         self.grad_shard_clean = True  # the optimizer's gradient shard is zero (set by zero_grad)
+        # [Note: deferred gradient zeroing] the shard is logically zero but not yet cleared; ``_grad_written``:
+        # slots (``index_in_chunk``) backward has written into it since
+        self.grad_zero_pending = False
+        self._grad_written: set[int] = set()
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -506,22 +521,62 @@ class Chunk(ChunkBytes):
             return None
         return shard
 
+    def defer_grad_zero(self) -> bool:
+        """``zero_grad`` on a chunk whose gradients are accumulated straight into the optimizer's shard
+        (:meth:`direct_grad_shard`): mark the shard zero without writing it ([Note: deferred gradient
+        zeroing]). Returns False (nothing deferred: the caller zeroes the shard) for any other chunk."""
+        if self.direct_grad_shard() is None:
+            return False
+        self.grad_zero_pending = True
+        self._grad_written.clear()
+        return True
+
+    def settle_grad_zero(self) -> None:
+        """Zero the parts of a deferred-zero gradient shard that backward has not written (unused parameters,
+        padding): afterwards the whole shard holds this step's gradients ([Note: deferred gradient zeroing])."""
+        if not self.grad_zero_pending:
+            return
+        shard = self.manager.grad_shards[self.chunk_id]
+        begin = 0
+        with torch.no_grad():
+            for slot in sorted((s for s in self.slots if s.index_in_chunk in self._grad_written),
+                               key=lambda s: s.offset):
+                if slot.offset > begin:
+                    shard[begin:slot.offset].zero_()
+                begin = max(begin, slot.offset + slot.numel)
+            if begin < shard.numel():
+                shard[begin:].zero_()
+        self.grad_zero_pending = False
+        self._grad_written.clear()
+
     def accumulate_grad(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         """Add ``grad`` (shape ``slot.shape``) into the chunk's gradient buffer."""
         if self.grad_full is None:
             direct = self.direct_grad_shard()
             if direct is not None:
-                with torch.no_grad():
+                scale = 1.0 if self.replicate_group is None else 1.0 / dist.get_world_size(self.replicate_group)
+                with torch.no_grad():  # [Note: pre-divided all-reduce] when replicated
                     target = direct[slot.offset:slot.offset + slot.numel]
-                    if self.replicate_group is None:
+                    if self.grad_zero_pending and slot.index_in_chunk not in self._grad_written:
+                        # the first gradient into a deferred-zero shard: written, not added to zeros
+                        self._grad_written.add(slot.index_in_chunk)
+                        if scale == 1.0:
+                            target.copy_(grad.reshape(-1))
+                        else:
+                            torch.mul(grad.reshape(-1), scale, out=target)
+                    elif scale == 1.0:
                         target.add_(grad.reshape(-1))
-                    else:  # [Note: pre-divided all-reduce]
-                        target.add_(grad.reshape(-1), alpha=1.0 / dist.get_world_size(self.replicate_group))
+                    else:
+                        target.add_(grad.reshape(-1), alpha=scale)
                 return
             self.manager.charge_grad_bytes(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
             self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype)
         with torch.no_grad():
-            self.grad_full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+            target = self.grad_full[slot.offset:slot.offset + slot.numel]
+            if self.replicate_group is None:
+                target.add_(grad.reshape(-1))
+            else:  # [Note: pre-divided all-reduce], in the buffer as in the shard
+                target.add_(grad.reshape(-1), alpha=1.0 / dist.get_world_size(self.replicate_group))
 
     def _mark_reduced(self) -> None:
         """This backward's gradients of the chunk are handed to the reduce: slots leave READY_FOR_REDUCE."""
@@ -546,6 +601,7 @@ class Chunk(ChunkBytes):
         fixed order, even when it received no gradient for the chunk (zeros), so ranks never hang.
         """
         counters = self.manager.counters
+        self.settle_grad_zero()  # the collective and the accumulation below read the whole shard
         direct = self.direct_grad_shard() if self.grad_full is None else None
         if direct is not None:  # gradients are already in the optimizer's shard
             self._mark_reduced()
@@ -557,8 +613,9 @@ class Chunk(ChunkBytes):
             counters.reduce_scatter_bytes += self.grad_full_bytes
 
             # [Note: pre-divided all-reduce] the gradients were divided by the group's size as they were added
-            # into the shard (DDP divides its buckets before the all-reduce too), so the sum is the mean: no
-            # pass over the whole shard after the collective
+            # into the shard, or into the gradient buffer when there is one (host optimizer, later micro-batches;
+            # DDP divides its buckets before the all-reduce too), so the sum is the mean: no pass over the whole
+            # chunk after the collective
             if async_op:
                 return work.wait
             return None
@@ -590,10 +647,9 @@ class Chunk(ChunkBytes):
                 divisor = self.world_size
             else:
                 out = grad_full
-                if self.replicate_group is not None:
+                if self.replicate_group is not None:  # pre-divided: no pass after the all-reduce
                     work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=async_op)
                     counters.reduce_scatter_bytes += self.grad_full_bytes
-                    divisor = dist.get_world_size(self.replicate_group)
         self.grad_full = None  # a gradient arriving later starts a new buffer
         self._mark_reduced()
 

@@ -150,6 +150,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         if any(c.trainable and not c.optim_on_device for c in manager.chunks):
             self._lane = HostLane(self, speculate=speculates(config.overlap_host_optimizer, manager.compute_device),
                                   state_numel_factor=optimizer_state_numel_factor(optimizer))
+            manager.host_steps_in_backward = self._lane.speculate  # [Note: reduce window] in chunk/manager.py
 
     def add_param_group(self, param_group: dict) -> None:
         """Only used while constructing; afterwards adding parameters is refused.
@@ -531,6 +532,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
             raise ValueError("ElixirOptimizer.step(closure) is not supported; call forward/backward before step()")
         assert not self.manager.backward_pending, "optimizer.step() called while a backward is still running"
         self._check_groups_unchanged()
+        self.manager.settle_grad_zeros()  # a step with no backward since zero_grad reads zeros
         if self._lane is not None and self._lane.speculate:
             self.manager.drain_reduces()  # the lane takes every offloaded gradient before it is validated
         self.manager.join_side_streams()
@@ -573,6 +575,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         device = self.manager.compute_device
         found = self._found_inf if self._found_inf is not None else torch.zeros(1, device=device)
         coef = self._host_clip_coef if self._host_clip_coef is not None else torch.ones((), device=device)
+        self.manager.wait_flags()  # the flags' all-reduce, issued at the end of backward ([Note: late reduce waits])
         packed = torch.cat([found.reshape(1).float(), coef.reshape(1).float(),
                             self.manager.has_grad_flags.float()])
         values = strict.host_read(packed).tolist()

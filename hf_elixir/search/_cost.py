@@ -474,9 +474,15 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     rs_rate = hardware.reduce_scatter_bytes_per_s or d2h_rate
     local_rate = _local_copy_rate(hardware)
     ar_rate = hardware.allreduce_rate() or 1.0 / (1.0 / rs_rate + 1.0 / ag_rate)
-    # off CUDA a gradient collective finishes (frees its buffers) two reduces later, as in ChunkManager._reduce
+    # off CUDA a gradient collective finishes (frees its buffers) when the pool is short or backward's readers
+    # wait for it, as in ChunkManager._reduce / make_room
     async_reduce = hardware.device_kind != "cuda" and (ws > 1 or step.replicated)
     pending: list[tuple[int, int]] = []  # (bytes charged, of which gradient buffer) of unfinished reduces
+    # ChunkManager.reduce_window: no limit but the budget when every chunk stays on the device ([Note: reduce window])
+    lane_in_backward = overlap_host_optimizer and any(
+        step.trained_numels[c] and c not in knobs.device_optim for c in range(step.num_chunks))
+    window = (None if not lane_in_backward and all(c in on_device for c in range(step.num_chunks))
+              else _MAX_PENDING_REDUCES)
     overlap = hardware.can_overlap and knobs.prefetch_depth > 0
     # forward all-gathers issued ahead, on CUDA and off it ([Note: overlap])
     gather_ahead = ws > 1 and knobs.prefetch_depth > 0 and step.gather_prefetch and not activations_on_device
@@ -672,7 +678,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             elif host_ready is not None:  # off CUDA: the lane shares the compute's cores, its copies add up
                 snapshot_serial_s += snapshot / host_copy_rate
             pending.append((g + out, g))
-            while len(pending) > (_MAX_PENDING_REDUCES if async_reduce else 0):
+            while pending and (not async_reduce or (window is not None and len(pending) > window)):
                 finish_reduce()
         if timeline:
             points.append((t_compute, used, f"{step.event_phase[k]}:{loaded} onloads"))
