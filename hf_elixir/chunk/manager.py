@@ -448,9 +448,9 @@ class ChunkManager:
         end of backward and the step, where the tied embedding's gradients and the optimizer's work peak.
         Only for a chunk whole on one rank without a replica group: its refill is a local onload (no
         collective ranks could disagree on), and no gradient collective of it is in flight. With several
-        ranks the room freed here keeps more reduces in flight ([Note: late reduce waits]), whose buffers off
-        CUDA are kept for reuse outside the budget ([Note: buffer reuse]): measured on
-        ``benchmarks/host_memory.py``'s GPT-2 at 2 ranks, +25-30 MiB peak per rank, so not there."""
+        ranks the room freed here would keep more reduces in flight ([Note: late reduce waits]), whose buffers
+        off CUDA are kept for reuse outside the budget ([Note: buffer reuse]); not measured apart, so not
+        there."""
         if chunk.world_size != 1 or chunk.replicate_group is not None or not self.prev_trace:
             return False
         if not self._dead(chunk):
