@@ -437,6 +437,26 @@ class ChunkManager:
         for chunk in chunks:
             assert chunk.pins > 0, f"chunk {chunk.chunk_id} released more often than accessed"
             chunk.pins -= 1
+            if self.backward_pending and self._reshard_dead(chunk):
+                chunk.reshard()
+
+    def _reshard_dead(self, chunk: Chunk) -> bool:
+        """[Note: dead chunks] In backward, a :meth:`_dead` chunk (no later use in the previous step's order; the
+        optimizer step makes its gathered copy stale) is resharded as soon as its last access is released,
+        instead of holding its buffer until the next forward's make-room evicts it: what Belady would evict
+        first, only earlier, so the device (and on CPU the process) does not carry stale copies through the
+        end of backward and the step, where the tied embedding's gradients and the optimizer's work peak.
+        Only for a chunk whole on one rank without a replica group: its refill is a local onload (no
+        collective ranks could disagree on), and no gradient collective of it is in flight. With several
+        ranks the room freed here would keep more reduces in flight ([Note: late reduce waits]), whose buffers
+        off CUDA are kept for reuse outside the budget ([Note: buffer reuse]); not measured apart, so not
+        there."""
+        if chunk.world_size != 1 or chunk.replicate_group is not None or not self.prev_trace:
+            return False
+        if not self._dead(chunk):
+            return False
+        # a unit that released its pins without leaving COMPUTE (it leaves it at end_backward)
+        return not any(slot.state is TensorState.COMPUTE for slot in chunk.slots)
 
     def _record(self, chunk: Chunk) -> None:
         self.clock += 1

@@ -165,8 +165,9 @@ class ModuleHandle:
         if self.bwd_pins == 0:
             return
         self.bwd_pins -= 1
-        self.manager.release(self.chunks)
+        # states first: the release may reshard a chunk backward uses no more ([Note: dead chunks])
         self._set_states(TensorState.HOLD_AFTER_BWD, only_from=(TensorState.COMPUTE,))
+        self.manager.release(self.chunks)
 
     def on_param_grad(self) -> None:
         """A trainable parameter of this unit got its gradient: release grad pins once all have."""
