@@ -60,6 +60,7 @@ import torch
 
 from hf_elixir.chunk import strict
 from hf_elixir.chunk.memory import default_host_budget_bytes
+from hf_elixir.optim._inverse_adam import group_invertible, power_of_two, undo_adam_step
 
 __all__ = ["HostLane", "speculates"]
 
@@ -101,6 +102,8 @@ class _Speculation:
     hyper: list[dict]
     stepped: bool
     grad_saved: bool
+    inverse: bool = False  # rolled back by the inverse update ([Note: inverse rollback]), no snapshot
+    scale: float = 1.0  # fp16: the loss scale the lane unscaled the gradient by (a power of two if inverse)
 
 
 def _hyper_of(groups: list[dict]) -> list[dict] | None:
@@ -146,6 +149,9 @@ class HostLane:
         self._snapshot_room = max(0, budget - self.manager.counters.host_bytes)
         self._snapshot_numel = 1 + state_numel_factor + int(optimizer.scaler.enabled)  # fp32 per element
         self._may_speculate: dict[int, bool] = {}
+        # chunks rolled back by the inverse Adam/AdamW update: no snapshot held ([Note: inverse rollback])
+        hyper = _hyper_of(optimizer.param_groups)
+        self.inverse_chunks = {cid for cid in self.host_chunks if self._invertible(cid, hyper)}
         self.manager.on_grad_offloaded = self.on_grad_offloaded
         self.manager.host_fence = self.fence
 
@@ -169,6 +175,8 @@ class HostLane:
         flags = self.manager.spec_flags(chunk) if speculate else frozenset()
         hyper = _hyper_of(self._opt.param_groups) if speculate else None
         speculate = speculate and hyper is not None and self._snapshot_fits(chunk)
+        if speculate and cid in self.inverse_chunks and not self._invertible(cid, hyper):
+            speculate = False  # no snapshot room reserved: stepped in step() (the hyperparameters changed)
         if not speculate and event is None:  # nothing to wait for or overlap: add here
             self._intake(cid, staging, None, None)
             return None
@@ -176,11 +184,28 @@ class HostLane:
         future = self._submit(self._intake, cid, staging, event, (flags, hyper) if speculate else None)
         return lambda: concurrent.futures.wait([future])  # its error, if any, is raised by join()
 
+    def _invertible(self, cid: int, hyper: list[dict] | None) -> bool:
+        """Whether chunk ``cid``'s speculative step under ``hyper`` (the param groups' hyperparameters) can be
+        undone by the inverse update ([Note: inverse rollback]); fp16: the loss scale and its policy's factors
+        are powers of two (the gradient is unscaled in place and scaled back exactly)."""
+        opt = self._opt
+        if opt.inner is None or hyper is None:
+            return False
+        if opt.scaler.enabled:
+            policy = opt.scaler.policy
+            factors = (opt.scaler.scale, policy.growth_factor, policy.backoff_factor, policy.min_scale)
+            if not all(power_of_two(float(f)) for f in factors):
+                return False
+        cls = type(opt.inner)
+        return all(group_invertible(cls, hyper[g]) for g in {v.group_index for v in self._views[cid]})
+
     def _snapshot_fits(self, chunk) -> bool:
-        """Reserve room for ``chunk``'s snapshot the first time (first come in reduce order); then fixed."""
+        """Reserve room for ``chunk``'s snapshot the first time (first come in reduce order); then fixed. A chunk
+        rolled back by the inverse update needs none ([Note: inverse rollback])."""
         allowed = self._may_speculate.get(chunk.chunk_id)
         if allowed is None:
-            need = chunk.shard_numel * 4 * self._snapshot_numel
+            numel = 0 if chunk.chunk_id in self.inverse_chunks else self._snapshot_numel
+            need = chunk.shard_numel * 4 * numel
             allowed = self._may_speculate[chunk.chunk_id] = need <= self._snapshot_room
             if allowed:
                 self._snapshot_room -= need
@@ -205,9 +230,11 @@ class HostLane:
         if self.local_inf:
             return  # an earlier chunk overflowed: the step is skipped, nothing to speculate on
         fp16 = opt.scaler.enabled
-        snap = self._snapshot(cid, grad if fp16 else None)
+        inverse = cid in self.inverse_chunks
+        snap = None if inverse else self._snapshot(cid, grad if fp16 else None)
+        scale = opt.scaler.scale if fp16 else 1.0
         if fp16:
-            grad.mul_(1.0 / opt.scaler.scale)
+            grad.mul_(1.0 / scale)
         found_inf = fp16 and not bool(torch.isfinite(grad).all())
         self.prepared[cid] = _Prepared(found_inf, 0.0 if found_inf else float(grad.double().norm() ** 2))
         views = [v for v in self._views[cid] if v.slot.flag_index in flags]
@@ -218,7 +245,8 @@ class HostLane:
             opt._step_views(views)
             if cid not in opt._staged:  # cast in the same pass already ([Note: same-pass host step])
                 opt.stage_refresh(cid)  # the upload's host cast, overlapped too ([Note: overlapped refresh])
-        self.speculations[cid] = _Speculation(flags, hyper, stepped, snap.grad is not None)
+        self.speculations[cid] = _Speculation(flags, hyper, stepped, snap is not None and snap.grad is not None,
+                                              inverse, scale)
         self.num_speculated += int(stepped)
 
     # -- snapshots ---------------------------------------------------------------------------------
@@ -261,31 +289,63 @@ class HostLane:
         return snap
 
     def _rollback(self, cid: int, restore_grad: bool) -> None:
-        """Undo chunk ``cid``'s speculation: master and optimizer state as before it (exact copies), and
-        with ``restore_grad`` the gradient too (fp16: still scaled, so later micro-batches add to it)."""
+        """Undo chunk ``cid``'s speculation: master and optimizer state as before it (snapshot: exact copies;
+        else the inverse update, [Note: inverse rollback]), and with ``restore_grad`` the gradient too (fp16:
+        scaled again, so later micro-batches add to it)."""
         spec = self.speculations.pop(cid)
         self.prepared.pop(cid, None)
-        snap = self._snapshots[cid]
-        opt = self._opt
         if spec.stepped:
             self.num_rolled_back += 1
-            opt._staged.discard(cid)  # the staging holds the undone values: cast again after the real step
-            opt.masters[cid].copy_(snap.master)
-            state = opt.inner.state
-            for view, scalars, keys in zip(self._views[cid], snap.view_scalars, snap.view_keys):
-                if scalars is None:
-                    state.pop(view.tensor, None)
-                    continue
-                entry = state[view.tensor]
-                for key in keys:
-                    entry[key].copy_(snap.states[key][view.lo:view.hi])
-                for key, value in scalars.items():
-                    if torch.is_tensor(entry.get(key)) and torch.is_tensor(value):
-                        entry[key].copy_(value)
-                    else:
-                        entry[key] = value
+            self._opt._staged.discard(cid)  # the staging holds the undone values: cast again after the real step
+            if spec.inverse:
+                self._undo_by_inverse(cid, spec)
+            else:
+                self._restore_snapshot(cid)
+        grad = self.manager.grad_shards[cid]
         if restore_grad and spec.grad_saved:
-            self.manager.grad_shards[cid].copy_(snap.grad)
+            grad.copy_(self._snapshots[cid].grad)
+        elif restore_grad and spec.inverse and spec.scale != 1.0:
+            grad.mul_(spec.scale)  # a power of two: exact
+
+    def _undo_by_inverse(self, cid: int, spec: _Speculation) -> None:
+        """The inverse Adam/AdamW update of the views the speculation stepped, per param group and step count
+        (one multi-tensor pass each), with the hyperparameters it used ([Note: inverse rollback])."""
+        opt = self._opt
+        state = opt.inner.state
+        batches: dict[tuple[int, int], list] = {}
+        for view in self._views[cid]:
+            if view.slot.flag_index in spec.flags:
+                entry = state[view.tensor]
+                batches.setdefault((view.group_index, int(entry["step"])), []).append((view, entry))
+        cls = type(opt.inner)
+        for (group_index, step), items in batches.items():
+            undo_adam_step(cls, spec.hyper[group_index], step, [v.tensor.detach() for v, _ in items],
+                           [v.tensor.grad for v, _ in items], [e["exp_avg"] for _, e in items],
+                           [e["exp_avg_sq"] for _, e in items])
+            for view, entry in items:
+                if step == 1:
+                    state.pop(view.tensor)  # no state before its first step (primed again, zero)
+                else:
+                    entry["step"].sub_(1)
+
+    def _restore_snapshot(self, cid: int) -> None:
+        """Copy chunk ``cid``'s snapshot back: master and optimizer state exactly as before the speculation."""
+        snap = self._snapshots[cid]
+        opt = self._opt
+        opt.masters[cid].copy_(snap.master)
+        state = opt.inner.state
+        for view, scalars, keys in zip(self._views[cid], snap.view_scalars, snap.view_keys):
+            if scalars is None:
+                state.pop(view.tensor, None)
+                continue
+            entry = state[view.tensor]
+            for key in keys:
+                entry[key].copy_(snap.states[key][view.lo:view.hi])
+            for key, value in scalars.items():
+                if torch.is_tensor(entry.get(key)) and torch.is_tensor(value):
+                    entry[key].copy_(value)
+                else:
+                    entry[key] = value
 
     # -- main-thread side --------------------------------------------------------------------------
     def join(self) -> None:
