@@ -8,8 +8,10 @@ GIL, so it runs beside the backward the main thread drives): it waits for the co
 adds the staging buffer into the gradient shard (gradient accumulation), and, on the backward that
 precedes ``step()``, steps the chunk at once:
 
-* **speculate.** Before the chunk's update the lane copies its fp32 master shard, its optimizer state
-  (and, under fp16, its still scaled gradient) into a per-chunk snapshot. Under fp16 it unscales the
+* **speculate.** Where the update has no inverse (AMSGrad, other optimizer classes, fp16 with a loss scale
+  that is not a power of two: [Note: inverse rollback] in ``_inverse_adam.py``), the lane first copies the
+  chunk's fp32 master shard, its optimizer state (and, under fp16, its still scaled gradient) into a per-chunk
+  snapshot; Adam/AdamW keep none. Under fp16 it unscales the
   gradient and checks it for inf/NaN (host memory: free to read); it computes the chunk's squared
   L2 norm, then runs the inner optimizer on the chunk's views, as if no clipping and no overflow
   happened, with this rank's has-gradient flags as known so far and the param groups' current
@@ -19,14 +21,16 @@ precedes ``step()``, steps the chunk at once:
 * **validate.** ``step()`` joins the lane and reads the global overflow flag, clip factor and merged
   has-gradient flags in its one host read. A speculative update stands when nothing overflowed, the
   clip factor is 1, and the chunk's flags and hyperparameters are those it used.
-* **roll back.** Otherwise the snapshot is copied back (exact) and the chunk is stepped again the
+* **roll back.** Otherwise the update is undone, by the inverse Adam/AdamW update with the same gradient and
+  the hyperparameters the speculation used (about one ulp, not bitwise; fp16: the gradient is scaled back by
+  the power-of-two scale, exactly) or by copying the snapshot back (exact), and the chunk is stepped again the
   ordinary way: with the clip factor applied, or not at all on overflow. Rollbacks are rare in long
-  runs (clipping triggers and fp16 overflows are); they cost a copy of the chunk's state.
+  runs (clipping triggers and fp16 overflows are); they cost one pass over the chunk's state.
 
 Gradient accumulation: the lane speculates only on the backward expected to be followed by
 ``step()``: the ``n``-th backward after a step, ``n`` the backwards the previous step had (1 at
 first). A chunk stepped on a misprediction (another backward arrives) is rolled back before its next
-gradient is added, or before anything reads its shard (``host_fence``): every result stays exact.
+gradient is added, or before anything reads its shard (``host_fence``).
 
 The lane is joined (and exceptions raised in it re-raised on the main thread) before anything reads
 or writes master shards, optimizer states or gradient shards: ``clip_grad_norm``, ``step``,
@@ -36,17 +40,19 @@ and the state dicts before ``step()`` roll every speculative update back.
 [Note: lane off the CPU device] The lane gains only where its thread runs beside compute that is not on the
 host's cores: with a CUDA compute device the CPU is idle during backward. Where the compute device is the CPU
 (the simulated device), the lane's thread shares the cores with the ranks' own compute, so the host update
-costs the same CPU time as in ``step()`` plus what speculation adds: the snapshot copies (``(1 + k) * 4``
-bytes per shard element copied every step, and as many bytes of host RAM held), which on GPT-2 124M at 2 ranks
-were 1.3 GiB of RAM per rank and ~0.3 s of copies per step. So ``overlap_host_optimizer=None`` speculates on
+costs the same CPU time as in ``step()`` plus what speculation adds (before the inverse rollback, the
+snapshot copies: ``(1 + k) * 4`` bytes per shard element copied every step, and as many bytes of host RAM
+held, on GPT-2 124M at 2 ranks 1.3 GiB of RAM per rank and ~0.3 s of copies per step; now only for the
+optimizers without an inverse). So ``overlap_host_optimizer=None`` speculates on
 CUDA only; ``True`` forces it (tests of the lane run it on CPU), and the cost model prices exactly that
 (``hf_elixir.search._cost``, [Note: overlap]).
 
-Memory: each speculatively stepped chunk keeps a host snapshot of ``(1 + k) * 4 * shard_numel`` bytes
-(``k`` optimizer states per element, Adam 2; fp16: ``(2 + k) * 4``), allocated once and counted in
-``host_bytes``. Snapshots are taken only while they fit what ``ElixirConfig.host_memory_budget_bytes``
-leaves after the host shards and optimizer states: the first chunks in reduce order (the ones whose
-overlap gains most) speculate, the others are stepped in ``step()`` as without overlap.
+Memory: Adam/AdamW chunks (``HostLane.inverse_chunks``) keep nothing. A speculatively stepped chunk of another
+optimizer keeps a host snapshot of ``(1 + k) * 4 * shard_numel`` bytes (``k`` optimizer states per element,
+AMSGrad 3; fp16: ``(2 + k) * 4``), allocated once and counted in ``host_bytes``. Snapshots are taken only while
+they fit what ``ElixirConfig.host_memory_budget_bytes`` leaves after the host shards and optimizer states: the
+first chunks in reduce order (the ones whose overlap gains most) speculate, the others are stepped in ``step()``
+as without overlap.
 """
 
 from __future__ import annotations

@@ -73,7 +73,8 @@ with several ranks an all-gather may, on any device; everything else on CPU is s
   compute timeline);
 * with ``overlap_host_optimizer`` (the runtime's default on CUDA; ``None`` resolves as
   :func:`hf_elixir.optim._overlap.speculates` does, [Note: lane off the CPU device]) each host-optimizer chunk
-  is stepped (after a snapshot where the optimizer has no inverse update) on the host lane's one worker thread as soon as its gradient is on the host
+  is stepped (after a snapshot where the optimizer has no inverse update) on the host lane's one worker thread
+  as soon as its gradient is on the host
   ([Note: host lane] in ``optim/_overlap.py``): a serial lane timeline ``t_lane`` beside backward when the
   compute is not on the host (``hardware.can_overlap``, CUDA), each chunk paying its snapshot copy (at the
   host copy rate, :func:`_host_copy_rate`) and its update; the step then waits only for what the lane has
