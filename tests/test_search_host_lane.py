@@ -107,6 +107,8 @@ def test_search_reads_overlap_host_optimizer(profile):
     assert on.best.prediction.step_s > off.best.prediction.step_s
     with pytest.raises(TypeError, match="overlap_host_optimizer='yes'"):
         search(profile, cpu, overlap_host_optimizer="yes", **kwargs)
+    with pytest.raises(TypeError, match="snapshot_rollback='yes'"):
+        search(profile, cpu, **dict(kwargs, snapshot_rollback="yes"))
 
 
 def test_auto_plan_passes_the_config_setting(monkeypatch):

@@ -315,6 +315,9 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     if overlap_host_optimizer is not None and not isinstance(overlap_host_optimizer, bool):
         raise TypeError(f"overlap_host_optimizer={overlap_host_optimizer!r} must be True, False or None "
                         "(as ElixirConfig.overlap_host_optimizer)")
+    if not isinstance(snapshot_rollback, bool):
+        raise TypeError(f"snapshot_rollback={snapshot_rollback!r} must be True (AMSGrad or a non-Adam optimizer: the "
+                        "host lane keeps snapshots) or False (Adam/AdamW: rolled back by the inverse update)")
     modes = _data_parallel_modes(data_parallel, world_size)
     profile = _resolve_profile(model_or_profile, sample_batch, hardware)
     if activations_on_device is None:
