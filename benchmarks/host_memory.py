@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the per-rank records to this JSON file")
     parser.add_argument("--overlap-host-optimizer", choices=("auto", "on", "off"), default="auto",
                         help="hf_elixir's ElixirConfig.overlap_host_optimizer: auto = None (the default: on, "
-                             "with the host lane's rollback snapshots), on = True, off = False (no snapshots)")
+                             "with the host lane; AdamW rolls back by the inverse update, no snapshots), on = True, off = False")
     args = parser.parse_args(argv)
     os.environ[_OVERLAP_ENV] = args.overlap_host_optimizer
     world_sizes = [int(w) for w in args.world_sizes.split(",")]

@@ -162,13 +162,15 @@ class ElixirConfig:
             Run the host-side optimizer update of a chunk whose optimizer state is on the host as soon as
             its gradient shard is reduced and offloaded, on one worker thread, while backward goes on
             (SuperOffload, arXiv 2509.21271). The step is speculative: it assumes no gradient clipping and
-            no fp16 overflow; `step()` validates it and rolls back (from a host copy of the chunk's master
-            and optimizer state, `(1 + k) * 4` bytes per shard element) and redoes the chunks concerned
-            when clipping triggered or gradients overflowed, so results are exact either way. With gradient
+            no fp16 overflow; `step()` validates it and rolls back and redoes the chunks concerned when
+            clipping triggered or gradients overflowed. Adam/AdamW roll back by the inverse update with the
+            same gradient (no copy kept; about one ulp off, not bitwise: [Note: inverse rollback]); AMSGrad and
+            other optimizers from a host copy of the chunk's master and optimizer state (`(1 + k) * 4` bytes per
+            shard element; exact). With gradient
             accumulation only the last backward before `step()` speculates (learned from the previous
             step). `None` (default): on whenever some optimizer state is on the host and the compute device
             is a GPU (CUDA); off when the compute device is the CPU, where the lane's thread would share the
-            cores with the compute and speculation only adds snapshot copies; `True`: on on any device;
+            cores with the compute and gains nothing; `True`: on on any device;
             `False`: the host update runs inside `step()`.
         prefetch_depth (`int`, defaults to 2):
             How many chunks ahead (in the profiled access order) to unshard early.

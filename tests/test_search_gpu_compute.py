@@ -156,13 +156,14 @@ def test_reduce_of_device_optimizer_chunks_runs_on_the_reduce_stream():
 def test_host_optimizer_steps_on_the_lane_during_backward(precision):
     """[Note: host lane]: with ``overlap_host_optimizer`` each host chunk is stepped as soon as its
     gradient is on the host; the optimizer step pays only what the lane has left, and the host holds the
-    rollback snapshots."""
+    rollback snapshots (``snapshot_rollback``: an optimizer without an inverse update, e.g. AMSGrad; Adam/AdamW
+    keep none, ``tests/test_search_host_lane.py``)."""
     model, sample = tiny_model("gpt2"), batch("gpt2", 0, 2, seq=8)
     # the host step dominates; the compute is slow enough that backward outlasts the lane's snapshot copies
     # (which the lane pays before it steps a chunk), so overlapping the rest with backward wins
     slow_host = replace(_gpu(), host_adam_numel_per_s=1e6, device_flops_per_s=1e8, device_fp32_flops_per_s=1e8)
     step = build_chunked_step(profile_step(model, sample, device="cpu", count_flops=True), 4096, world_size=1,
-                              precision=precision, hardware=slow_host)
+                              precision=precision, hardware=slow_host, snapshot_rollback=True)
     everything = frozenset(range(step.num_chunks))
     knobs = Knobs(resident=everything, device_shard=everything)  # every optimizer state on the host
     serial = predict(step, knobs, slow_host, pool_bytes=GIB, overlap_host_optimizer=False)

@@ -28,8 +28,10 @@ def profile():
     return profile_step(tiny_model("gpt2"), batch("gpt2", 0, 2, seq=8), device="cpu", count_flops=True)
 
 
-def _host_optimizer_step(profile, hardware):
-    step = build_chunked_step(profile, 4096, world_size=1, precision="fp32", hardware=hardware)
+def _host_optimizer_step(profile, hardware, snapshot_rollback=True):
+    """``snapshot_rollback``: AMSGrad or another optimizer the lane snapshots (Adam/AdamW: ``False``)."""
+    step = build_chunked_step(profile, 4096, world_size=1, precision="fp32", hardware=hardware,
+                              snapshot_rollback=snapshot_rollback)
     everything = frozenset(range(step.num_chunks))
     knobs = Knobs(resident=everything, device_shard=everything)  # every optimizer state on the host
     host_numel = sum(step.shard_numel(c) for c in range(step.num_chunks) if step.trained_numels[c])
@@ -66,12 +68,34 @@ def test_on_cuda_the_lane_pays_its_snapshot_copies(profile):
     assert off.step_s >= off.forward_backward_s + update_s
 
 
+def test_adam_rolls_back_by_the_inverse_update_and_prices_no_snapshot(profile):
+    """Adam/AdamW (``snapshot_rollback=False``, the default): the lane keeps no snapshot ([Note: inverse
+    rollback] in ``optim/_inverse_adam.py``), so no snapshot bytes and no copies: on CPU the forced lane costs
+    what the serial step costs; on CUDA the lane pays only its updates, and a host budget with no room left
+    still lets it speculate (as ``HostLane._snapshot_fits``)."""
+    cpu = _hardware("cpu")
+    step, knobs, _ = _host_optimizer_step(profile, cpu, snapshot_rollback=False)
+    assert build_chunked_step(profile, 4096, world_size=1, precision="fp32", hardware=cpu).snapshot_rollback is False
+    off = predict(step, knobs, cpu, pool_bytes=GIB, overlap_host_optimizer=False)
+    on = predict(step, knobs, cpu, pool_bytes=GIB, overlap_host_optimizer=True)
+    assert on.host_snapshot_bytes == 0 and on.step_s == pytest.approx(off.step_s)
+    gpu = replace(_hardware("cuda"), host_adam_numel_per_s=1e6, h2d_bytes_per_s=1e7)
+    step, knobs, _ = _host_optimizer_step(profile, gpu, snapshot_rollback=False)
+    snap_step, _, _ = _host_optimizer_step(profile, gpu)
+    inverse = predict(step, knobs, gpu, pool_bytes=GIB)
+    snapshots = predict(snap_step, knobs, gpu, pool_bytes=GIB)
+    assert inverse.host_snapshot_bytes == 0 and inverse.step_s < snapshots.step_s
+    tight = predict(step, knobs, gpu, pool_bytes=GIB, host_budget_bytes=1)
+    assert tight.step_s == pytest.approx(inverse.step_s)
+
+
 def test_search_reads_overlap_host_optimizer(profile):
     """``search(overlap_host_optimizer=...)`` prices the candidates with it: on CPU, forcing the lane costs its
     snapshot copies, so the same plan is predicted slower; ``False`` and the CPU default agree."""
     cpu = _hardware("cpu")
     step, knobs, host_numel = _host_optimizer_step(profile, cpu)
-    kwargs = dict(precision="fp32", device_memory_budget_bytes=GIB, chunk_size_numel=4096, data_parallel="sharded")
+    kwargs = dict(precision="fp32", device_memory_budget_bytes=GIB, chunk_size_numel=4096, data_parallel="sharded",
+                  snapshot_rollback=True)
     budget_knobs = dict(kwargs, device_memory_budget_bytes=sum(step.full_bytes(c) for c in range(step.num_chunks))
                         + step.grad_peak_bytes + 2 * 4096 * 4)  # room for the chunks, not their optimizer states
     default = search(profile, cpu, **budget_knobs)
@@ -83,6 +107,8 @@ def test_search_reads_overlap_host_optimizer(profile):
     assert on.best.prediction.step_s > off.best.prediction.step_s
     with pytest.raises(TypeError, match="overlap_host_optimizer='yes'"):
         search(profile, cpu, overlap_host_optimizer="yes", **kwargs)
+    with pytest.raises(TypeError, match="snapshot_rollback='yes'"):
+        search(profile, cpu, **dict(kwargs, snapshot_rollback="yes"))
 
 
 def test_auto_plan_passes_the_config_setting(monkeypatch):

@@ -8,8 +8,10 @@ GIL, so it runs beside the backward the main thread drives): it waits for the co
 adds the staging buffer into the gradient shard (gradient accumulation), and, on the backward that
 precedes ``step()``, steps the chunk at once:
 
-* **speculate.** Before the chunk's update the lane copies its fp32 master shard, its optimizer state
-  (and, under fp16, its still scaled gradient) into a per-chunk snapshot. Under fp16 it unscales the
+* **speculate.** Where the update has no inverse (AMSGrad, other optimizer classes, fp16 with a loss scale
+  that is not a power of two: [Note: inverse rollback] in ``_inverse_adam.py``), the lane first copies the
+  chunk's fp32 master shard, its optimizer state (and, under fp16, its still scaled gradient) into a per-chunk
+  snapshot; Adam/AdamW keep none. Under fp16 it unscales the
   gradient and checks it for inf/NaN (host memory: free to read); it computes the chunk's squared
   L2 norm, then runs the inner optimizer on the chunk's views, as if no clipping and no overflow
   happened, with this rank's has-gradient flags as known so far and the param groups' current
@@ -19,14 +21,16 @@ precedes ``step()``, steps the chunk at once:
 * **validate.** ``step()`` joins the lane and reads the global overflow flag, clip factor and merged
   has-gradient flags in its one host read. A speculative update stands when nothing overflowed, the
   clip factor is 1, and the chunk's flags and hyperparameters are those it used.
-* **roll back.** Otherwise the snapshot is copied back (exact) and the chunk is stepped again the
+* **roll back.** Otherwise the update is undone, by the inverse Adam/AdamW update with the same gradient and
+  the hyperparameters the speculation used (about one ulp, not bitwise; fp16: the gradient is scaled back by
+  the power-of-two scale, exactly) or by copying the snapshot back (exact), and the chunk is stepped again the
   ordinary way: with the clip factor applied, or not at all on overflow. Rollbacks are rare in long
-  runs (clipping triggers and fp16 overflows are); they cost a copy of the chunk's state.
+  runs (clipping triggers and fp16 overflows are); they cost one pass over the chunk's state.
 
 Gradient accumulation: the lane speculates only on the backward expected to be followed by
 ``step()``: the ``n``-th backward after a step, ``n`` the backwards the previous step had (1 at
 first). A chunk stepped on a misprediction (another backward arrives) is rolled back before its next
-gradient is added, or before anything reads its shard (``host_fence``): every result stays exact.
+gradient is added, or before anything reads its shard (``host_fence``).
 
 The lane is joined (and exceptions raised in it re-raised on the main thread) before anything reads
 or writes master shards, optimizer states or gradient shards: ``clip_grad_norm``, ``step``,
@@ -36,17 +40,19 @@ and the state dicts before ``step()`` roll every speculative update back.
 [Note: lane off the CPU device] The lane gains only where its thread runs beside compute that is not on the
 host's cores: with a CUDA compute device the CPU is idle during backward. Where the compute device is the CPU
 (the simulated device), the lane's thread shares the cores with the ranks' own compute, so the host update
-costs the same CPU time as in ``step()`` plus what speculation adds: the snapshot copies (``(1 + k) * 4``
-bytes per shard element copied every step, and as many bytes of host RAM held), which on GPT-2 124M at 2 ranks
-were 1.3 GiB of RAM per rank and ~0.3 s of copies per step. So ``overlap_host_optimizer=None`` speculates on
+costs the same CPU time as in ``step()`` plus what speculation adds (before the inverse rollback, the
+snapshot copies: ``(1 + k) * 4`` bytes per shard element copied every step, and as many bytes of host RAM
+held, on GPT-2 124M at 2 ranks 1.3 GiB of RAM per rank and ~0.3 s of copies per step; now only for the
+optimizers without an inverse). So ``overlap_host_optimizer=None`` speculates on
 CUDA only; ``True`` forces it (tests of the lane run it on CPU), and the cost model prices exactly that
 (``hf_elixir.search._cost``, [Note: overlap]).
 
-Memory: each speculatively stepped chunk keeps a host snapshot of ``(1 + k) * 4 * shard_numel`` bytes
-(``k`` optimizer states per element, Adam 2; fp16: ``(2 + k) * 4``), allocated once and counted in
-``host_bytes``. Snapshots are taken only while they fit what ``ElixirConfig.host_memory_budget_bytes``
-leaves after the host shards and optimizer states: the first chunks in reduce order (the ones whose
-overlap gains most) speculate, the others are stepped in ``step()`` as without overlap.
+Memory: Adam/AdamW chunks (``HostLane.inverse_chunks``) keep nothing. A speculatively stepped chunk of another
+optimizer keeps a host snapshot of ``(1 + k) * 4 * shard_numel`` bytes (``k`` optimizer states per element,
+AMSGrad 3; fp16: ``(2 + k) * 4``), allocated once and counted in ``host_bytes``. Snapshots are taken only while
+they fit what ``ElixirConfig.host_memory_budget_bytes`` leaves after the host shards and optimizer states: the
+first chunks in reduce order (the ones whose overlap gains most) speculate, the others are stepped in ``step()``
+as without overlap.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ import torch
 
 from hf_elixir.chunk import strict
 from hf_elixir.chunk.memory import default_host_budget_bytes
+from hf_elixir.optim._inverse_adam import group_invertible, power_of_two, undo_adam_step
 
 __all__ = ["HostLane", "speculates"]
 
@@ -101,6 +108,8 @@ class _Speculation:
     hyper: list[dict]
     stepped: bool
     grad_saved: bool
+    inverse: bool = False  # rolled back by the inverse update ([Note: inverse rollback]), no snapshot
+    scale: float = 1.0  # fp16: the loss scale the lane unscaled the gradient by (a power of two if inverse)
 
 
 def _hyper_of(groups: list[dict]) -> list[dict] | None:
@@ -146,6 +155,9 @@ class HostLane:
         self._snapshot_room = max(0, budget - self.manager.counters.host_bytes)
         self._snapshot_numel = 1 + state_numel_factor + int(optimizer.scaler.enabled)  # fp32 per element
         self._may_speculate: dict[int, bool] = {}
+        # chunks rolled back by the inverse Adam/AdamW update: no snapshot held ([Note: inverse rollback])
+        hyper = _hyper_of(optimizer.param_groups)
+        self.inverse_chunks = {cid for cid in self.host_chunks if self._invertible(cid, hyper)}
         self.manager.on_grad_offloaded = self.on_grad_offloaded
         self.manager.host_fence = self.fence
 
@@ -169,6 +181,8 @@ class HostLane:
         flags = self.manager.spec_flags(chunk) if speculate else frozenset()
         hyper = _hyper_of(self._opt.param_groups) if speculate else None
         speculate = speculate and hyper is not None and self._snapshot_fits(chunk)
+        if speculate and cid in self.inverse_chunks and not self._invertible(cid, hyper):
+            speculate = False  # no snapshot room reserved: stepped in step() (the hyperparameters changed)
         if not speculate and event is None:  # nothing to wait for or overlap: add here
             self._intake(cid, staging, None, None)
             return None
@@ -176,11 +190,28 @@ class HostLane:
         future = self._submit(self._intake, cid, staging, event, (flags, hyper) if speculate else None)
         return lambda: concurrent.futures.wait([future])  # its error, if any, is raised by join()
 
+    def _invertible(self, cid: int, hyper: list[dict] | None) -> bool:
+        """Whether chunk ``cid``'s speculative step under ``hyper`` (the param groups' hyperparameters) can be
+        undone by the inverse update ([Note: inverse rollback]); fp16: the loss scale and its policy's factors
+        are powers of two (the gradient is unscaled in place and scaled back exactly)."""
+        opt = self._opt
+        if opt.inner is None or hyper is None:
+            return False
+        if opt.scaler.enabled:
+            policy = opt.scaler.policy
+            factors = (opt.scaler.scale, policy.growth_factor, policy.backoff_factor, policy.min_scale)
+            if not all(power_of_two(float(f)) for f in factors):
+                return False
+        cls = type(opt.inner)
+        return all(group_invertible(cls, hyper[g]) for g in {v.group_index for v in self._views[cid]})
+
     def _snapshot_fits(self, chunk) -> bool:
-        """Reserve room for ``chunk``'s snapshot the first time (first come in reduce order); then fixed."""
+        """Reserve room for ``chunk``'s snapshot the first time (first come in reduce order); then fixed. A chunk
+        rolled back by the inverse update needs none ([Note: inverse rollback])."""
         allowed = self._may_speculate.get(chunk.chunk_id)
         if allowed is None:
-            need = chunk.shard_numel * 4 * self._snapshot_numel
+            numel = 0 if chunk.chunk_id in self.inverse_chunks else self._snapshot_numel
+            need = chunk.shard_numel * 4 * numel
             allowed = self._may_speculate[chunk.chunk_id] = need <= self._snapshot_room
             if allowed:
                 self._snapshot_room -= need
@@ -205,9 +236,11 @@ class HostLane:
         if self.local_inf:
             return  # an earlier chunk overflowed: the step is skipped, nothing to speculate on
         fp16 = opt.scaler.enabled
-        snap = self._snapshot(cid, grad if fp16 else None)
+        inverse = cid in self.inverse_chunks
+        snap = None if inverse else self._snapshot(cid, grad if fp16 else None)
+        scale = opt.scaler.scale if fp16 else 1.0
         if fp16:
-            grad.mul_(1.0 / opt.scaler.scale)
+            grad.mul_(1.0 / scale)
         found_inf = fp16 and not bool(torch.isfinite(grad).all())
         self.prepared[cid] = _Prepared(found_inf, 0.0 if found_inf else float(grad.double().norm() ** 2))
         views = [v for v in self._views[cid] if v.slot.flag_index in flags]
@@ -218,7 +251,8 @@ class HostLane:
             opt._step_views(views)
             if cid not in opt._staged:  # cast in the same pass already ([Note: same-pass host step])
                 opt.stage_refresh(cid)  # the upload's host cast, overlapped too ([Note: overlapped refresh])
-        self.speculations[cid] = _Speculation(flags, hyper, stepped, snap.grad is not None)
+        self.speculations[cid] = _Speculation(flags, hyper, stepped, snap is not None and snap.grad is not None,
+                                              inverse, scale)
         self.num_speculated += int(stepped)
 
     # -- snapshots ---------------------------------------------------------------------------------
@@ -261,31 +295,63 @@ class HostLane:
         return snap
 
     def _rollback(self, cid: int, restore_grad: bool) -> None:
-        """Undo chunk ``cid``'s speculation: master and optimizer state as before it (exact copies), and
-        with ``restore_grad`` the gradient too (fp16: still scaled, so later micro-batches add to it)."""
+        """Undo chunk ``cid``'s speculation: master and optimizer state as before it (snapshot: exact copies;
+        else the inverse update, [Note: inverse rollback]), and with ``restore_grad`` the gradient too (fp16:
+        scaled again, so later micro-batches add to it)."""
         spec = self.speculations.pop(cid)
         self.prepared.pop(cid, None)
-        snap = self._snapshots[cid]
-        opt = self._opt
         if spec.stepped:
             self.num_rolled_back += 1
-            opt._staged.discard(cid)  # the staging holds the undone values: cast again after the real step
-            opt.masters[cid].copy_(snap.master)
-            state = opt.inner.state
-            for view, scalars, keys in zip(self._views[cid], snap.view_scalars, snap.view_keys):
-                if scalars is None:
-                    state.pop(view.tensor, None)
-                    continue
-                entry = state[view.tensor]
-                for key in keys:
-                    entry[key].copy_(snap.states[key][view.lo:view.hi])
-                for key, value in scalars.items():
-                    if torch.is_tensor(entry.get(key)) and torch.is_tensor(value):
-                        entry[key].copy_(value)
-                    else:
-                        entry[key] = value
+            self._opt._staged.discard(cid)  # the staging holds the undone values: cast again after the real step
+            if spec.inverse:
+                self._undo_by_inverse(cid, spec)
+            else:
+                self._restore_snapshot(cid)
+        grad = self.manager.grad_shards[cid]
         if restore_grad and spec.grad_saved:
-            self.manager.grad_shards[cid].copy_(snap.grad)
+            grad.copy_(self._snapshots[cid].grad)
+        elif restore_grad and spec.inverse and spec.scale != 1.0:
+            grad.mul_(spec.scale)  # a power of two: exact
+
+    def _undo_by_inverse(self, cid: int, spec: _Speculation) -> None:
+        """The inverse Adam/AdamW update of the views the speculation stepped, per param group and step count
+        (one multi-tensor pass each), with the hyperparameters it used ([Note: inverse rollback])."""
+        opt = self._opt
+        state = opt.inner.state
+        batches: dict[tuple[int, int], list] = {}
+        for view in self._views[cid]:
+            if view.slot.flag_index in spec.flags:
+                entry = state[view.tensor]
+                batches.setdefault((view.group_index, int(entry["step"])), []).append((view, entry))
+        cls = type(opt.inner)
+        for (group_index, step), items in batches.items():
+            undo_adam_step(cls, spec.hyper[group_index], step, [v.tensor.detach() for v, _ in items],
+                           [v.tensor.grad for v, _ in items], [e["exp_avg"] for _, e in items],
+                           [e["exp_avg_sq"] for _, e in items])
+            for view, entry in items:
+                if step == 1:
+                    state.pop(view.tensor)  # no state before its first step (primed again, zero)
+                else:
+                    entry["step"].sub_(1)
+
+    def _restore_snapshot(self, cid: int) -> None:
+        """Copy chunk ``cid``'s snapshot back: master and optimizer state exactly as before the speculation."""
+        snap = self._snapshots[cid]
+        opt = self._opt
+        opt.masters[cid].copy_(snap.master)
+        state = opt.inner.state
+        for view, scalars, keys in zip(self._views[cid], snap.view_scalars, snap.view_keys):
+            if scalars is None:
+                state.pop(view.tensor, None)
+                continue
+            entry = state[view.tensor]
+            for key in keys:
+                entry[key].copy_(snap.states[key][view.lo:view.hi])
+            for key, value in scalars.items():
+                if torch.is_tensor(entry.get(key)) and torch.is_tensor(value):
+                    entry[key].copy_(value)
+                else:
+                    entry[key] = value
 
     # -- main-thread side --------------------------------------------------------------------------
     def join(self) -> None:

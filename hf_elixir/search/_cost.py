@@ -73,15 +73,18 @@ with several ranks an all-gather may, on any device; everything else on CPU is s
   compute timeline);
 * with ``overlap_host_optimizer`` (the runtime's default on CUDA; ``None`` resolves as
   :func:`hf_elixir.optim._overlap.speculates` does, [Note: lane off the CPU device]) each host-optimizer chunk
-  is snapshotted and stepped on the host lane's one worker thread as soon as its gradient is on the host
+  is stepped (after a snapshot where the optimizer has no inverse update) on the host lane's one worker thread
+  as soon as its gradient is on the host
   ([Note: host lane] in ``optim/_overlap.py``): a serial lane timeline ``t_lane`` beside backward when the
   compute is not on the host (``hardware.can_overlap``, CUDA), each chunk paying its snapshot copy (at the
   host copy rate, :func:`_host_copy_rate`) and its update; the step then waits only for what the lane has
   left, ``max(0, t_lane - end of backward)``. Off CUDA (``overlap_host_optimizer=True`` on CPU) the "device"
   is the host's own cores, which the lane's thread shares with the compute: priced as the serial host step
   plus the snapshot copies. Rollbacks (clipping triggered, fp16 overflow) are priced as rare, i.e. not at all.
-  The snapshots (``(1 + k) * 4`` bytes per host shard element, fp16 ``(2 + k) * 4``) are taken in reduce
-  order while they fit the host budget, as the runtime does; ``Prediction.host_snapshot_bytes`` reports them
+  Snapshots are taken only where ``ChunkedStep.snapshot_rollback`` (AMSGrad, optimizers other than Adam/AdamW;
+  Adam/AdamW roll back by the inverse update and copy nothing, [Note: inverse rollback] in
+  ``optim/_inverse_adam.py``): ``(1 + k) * 4`` bytes per host shard element, fp16 ``(2 + k) * 4``, taken in
+  reduce order while they fit the host budget, as the runtime does; ``Prediction.host_snapshot_bytes`` reports them
   apart from ``host_bytes``. Without the lane the optimizer step starts after backward ends and updates the
   host shards (``ElixirOptimizer._inner_step``);
 * the device shards (``_fused_step``) follow the host part: ``host + device``, never ``max(host, device)``;
@@ -183,6 +186,9 @@ class ChunkedStep:
     activation_bytes: int
     activation_checkpointing: bool
     optim_states: int = 2
+    # the host lane's rollbacks restore snapshots (AMSGrad, optimizers other than Adam/AdamW); False: Adam/AdamW,
+    # rolled back by the inverse update, no snapshot ([Note: inverse rollback] in optim/_inverse_adam.py)
+    snapshot_rollback: bool = False
     grad_elem_bytes: int = 4
     replicate_world_size: int = 1  # > 1: chunks whole on that many ranks, gradients all-reduced
     activation_policy: dict[str, str] = field(default_factory=dict)  # block -> keep / recompute / offload
@@ -255,7 +261,7 @@ def _event_seconds(profile: StepProfile, events: list, hardware: HardwareProfile
 def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_size: int, precision: str,
                        hardware: HardwareProfile, activation_checkpointing: bool = False,
                        optim_states: int = 2, grad_elem_bytes: int = 4, replicated: bool = False,
-                       activation_policy: dict[str, str] | None = None) -> ChunkedStep:
+                       activation_policy: dict[str, str] | None = None, snapshot_rollback: bool = False) -> ChunkedStep:
     """Pack the profile's parameters at ``chunk_size_numel`` and precompute the chunk trace, the
     gradient-buffer lifetimes (reduce order as in ``ChunkManager.start_backward``) and the optimizer's
     parameter views.
@@ -339,7 +345,7 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
         grad_arrive=grad_arrive, grad_reduce=grad_reduce, grad_peak_bytes=peak, accesses=accesses,
         views=views, activation_bytes=activation_bytes(profile, precision, policy),
         activation_checkpointing=len(recompute) == len(policy) if policy else activation_checkpointing,
-        optim_states=optim_states,
+        optim_states=optim_states, snapshot_rollback=snapshot_rollback,
         grad_elem_bytes=grad_elem_bytes, replicate_world_size=replicate_world_size, activation_policy=policy,
         **dict(zip(("offload_after", "offload_before"), offload_events(profile, events, policy, precision))),
         gather_prefetch=not profile.subtree_units,
@@ -470,8 +476,9 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     on_device = knobs.resident if ws > 1 else held  # chunks that never need a fill
     fixed, host_bytes, breakdown = fixed_memory(step, knobs)
     # the host lane's rollback snapshots (master + states, + the fp16 gradient) while they fit the host
-    snapshot_numel_bytes = 4 * (1 + step.optim_states + (step.precision == "fp16"))
-    snapshot_room = _INF if host_budget_bytes is None else host_budget_bytes - host_bytes
+    # (none for Adam/AdamW: rolled back by the inverse update, [Note: inverse rollback] in optim/_inverse_adam.py)
+    snapshot_numel_bytes = 4 * (1 + step.optim_states + (step.precision == "fp16")) if step.snapshot_rollback else 0
+    snapshot_room = _INF if host_budget_bytes is None else max(0, host_budget_bytes - host_bytes)  # as HostLane
     snapshot_bytes = 0
     snapshot_serial_s = 0.0  # snapshot copies off CUDA: on the compute's own cores (serial)
     host_rate = hardware.host_adam_numel_per_s or 1e9

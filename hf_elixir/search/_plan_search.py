@@ -299,7 +299,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
            prefetch_depths: Iterable[int] | None = None, host_memory_bytes: int | None = None,
            max_alternatives: int = 4, optim_states: int = 2, data_parallel: str = "auto",
            replicated_placements: dict[str, str] | None = None, ranks_per_host: int | None = None,
-           overlap_host_optimizer: bool | None = None) -> SearchResult:
+           overlap_host_optimizer: bool | None = None, snapshot_rollback: bool = False) -> SearchResult:
     """Profile (if given a model) and search; see :func:`search_plan` for the arguments.
 
     Returns:
@@ -315,6 +315,9 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     if overlap_host_optimizer is not None and not isinstance(overlap_host_optimizer, bool):
         raise TypeError(f"overlap_host_optimizer={overlap_host_optimizer!r} must be True, False or None "
                         "(as ElixirConfig.overlap_host_optimizer)")
+    if not isinstance(snapshot_rollback, bool):
+        raise TypeError(f"snapshot_rollback={snapshot_rollback!r} must be True (AMSGrad or a non-Adam optimizer: the "
+                        "host lane keeps snapshots) or False (Adam/AdamW: rolled back by the inverse update)")
     modes = _data_parallel_modes(data_parallel, world_size)
     profile = _resolve_profile(model_or_profile, sample_batch, hardware)
     if activations_on_device is None:
@@ -355,6 +358,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                     continue
                 step = build_chunked_step(profile, size, world_size=world_size, precision=precision,
                                           hardware=hardware, optim_states=optim_states, replicated=replicated,
+                                          snapshot_rollback=snapshot_rollback,
                                           activation_checkpointing=bool(activation_checkpointing),
                                           activation_policy=policy)
                 act = step.activation_bytes if activations_on_device else 0
@@ -540,7 +544,9 @@ def search_plan(model_or_profile: Any, hardware: HardwareProfile, *, world_size:
             every parameter-owning module ``"replicated"``), ``overlap_host_optimizer``
             (``ElixirConfig.overlap_host_optimizer``: ``False`` prices the host update serially in the step,
             ``True`` on the host lane during backward, ``None`` as the runtime resolves it: on for CUDA, off
-            on CPU; [Note: overlap] in ``_cost.py``).
+            on CPU; [Note: overlap] in ``_cost.py``), ``snapshot_rollback`` (default ``False``: Adam/AdamW, whose
+            speculative updates the host lane undoes by the inverse update; ``True``: AMSGrad or another optimizer
+            class, whose lane keeps snapshots, priced as copies and host bytes).
 
     Returns:
         the plan; ``plan.reasons`` says why.
