@@ -59,3 +59,8 @@ def rel_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     num = sum(float((a[k].double() - b[k].double()).norm() ** 2) for k in keys)
     den = sum(float(b[k].double().norm() ** 2) for k in keys)
     return (num / den) ** 0.5
+
+
+def float_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached fp32 copy of ``model.state_dict()`` (parity references and snapshots between steps)."""
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}

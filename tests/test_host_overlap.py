@@ -13,7 +13,7 @@ import torch
 import hf_elixir
 from hf_elixir.optim.optimizer import ElixirOptimizer
 from tests._dist import run_distributed
-from tests._models import batch, rank_batch, rel_l2, tiny_model, two_groups
+from tests._models import batch, float_state, rank_batch, rel_l2, tiny_model, two_groups
 
 STEPS = 6
 ROWS = 2
@@ -27,10 +27,6 @@ def _schedule(opt):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
 
 
-def _state(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
-
-
 def _reference(world_size: int, accum: int, max_norm: float = MAX_NORM, amsgrad: bool = False):
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(two_groups(model), lr=5e-3, amsgrad=amsgrad)
@@ -42,7 +38,7 @@ def _reference(world_size: int, accum: int, max_norm: float = MAX_NORM, amsgrad:
         opt.step()
         opt.zero_grad()
         sched.step()
-    return _state(model)
+    return float_state(model)
 
 
 def _elixir(rank: int, world_size: int, accum: int, overlap: bool | None, placement: str = "sharded",
@@ -69,7 +65,7 @@ def _elixir(rank: int, world_size: int, accum: int, overlap: bool | None, placem
         dict(model.named_parameters())[inf_param].register_hook(
             lambda g: g * float("inf") if overflow.get("now") else g)
     for step in range(STEPS):
-        before = _state(model) if step == inf_step else None
+        before = float_state(model) if step == inf_step else None
         masters_before = _masters(opt) if step == inf_step else None
         rolled_back = opt._lane.num_rolled_back if opt._lane is not None else 0
         for micro in range(accum):
@@ -83,13 +79,13 @@ def _elixir(rank: int, world_size: int, accum: int, overlap: bool | None, placem
         opt.zero_grad()
         sched.step()
         if before is not None:
-            skipped_unchanged = all(torch.equal(v, before[k]) for k, v in _state(model).items())
+            skipped_unchanged = all(torch.equal(v, before[k]) for k, v in float_state(model).items())
             after = _masters(opt)
             masters_drift = ({k: rel_l2(after[k], masters_before[k]) for k in after},
                              (opt._lane.num_rolled_back if opt._lane is not None else 0) - rolled_back)
     lane = opt._lane
     counts = (lane.num_speculated, lane.num_rolled_back) if lane is not None else (0, 0)
-    return {"state": _state(model), "counts": counts, "in_backward": any(in_backward),
+    return {"state": float_state(model), "counts": counts, "in_backward": any(in_backward),
             "skipped_unchanged": skipped_unchanged, "scale": opt.loss_scale, "masters_drift": masters_drift,
             "snapshots": len(lane._snapshots) if lane is not None else 0}
 
@@ -165,14 +161,14 @@ def test_state_read_between_backward_and_step_sees_the_last_step(single_rank_gro
                                                                           overlap_host_optimizer=True))
         reads = []
         for step in range(3):
-            before = (_state(model), opt.state_dict()) if read else None
+            before = (float_state(model), opt.state_dict()) if read else None
             opt.backward(model(**batch("gpt2", step, ROWS)).loss)
             if read:
                 assert opt._lane.speculations or opt._lane._futures, "nothing was speculated"
-                reads.append((before, (_state(model), opt.state_dict())))
+                reads.append((before, (float_state(model), opt.state_dict())))
             opt.step()
             opt.zero_grad()
-        return _state(model), reads
+        return float_state(model), reads
 
     plain, _ = train(False)
     after, reads = train(True)

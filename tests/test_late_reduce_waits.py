@@ -10,16 +10,12 @@ import torch
 
 import hf_elixir
 from tests._dist import run_distributed
-from tests._models import batch, rank_batch, rel_l2, tiny_model, two_groups
+from tests._models import batch, float_state, rank_batch, rel_l2, tiny_model, two_groups
 
 STEPS = 4
 ROWS = 2
 CHUNK = 4096
 MAX_NORM = 1.6
-
-
-def _state(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 
 def _reference(world_size: int, accum: int):
@@ -32,7 +28,7 @@ def _reference(world_size: int, accum: int):
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()
-    return _state(model)
+    return float_state(model)
 
 
 def _elixir(rank: int, world_size: int, placement: str, accum: int, offload: bool):
@@ -57,7 +53,7 @@ def _elixir(rank: int, world_size: int, placement: str, accum: int, offload: boo
         assert not manager.reduces_in_flight()
         opt.zero_grad()
     last = manager._reduce_order[-1].chunk_id
-    return _state(model), [last in ids for ids in in_flight]
+    return float_state(model), [last in ids for ids in in_flight]
 
 
 def _worker(rank: int, world_size: int):
@@ -103,4 +99,4 @@ def test_gradient_buffers_are_reused_off_cuda(single_rank_group):
         ref(**batch("gpt2", step, ROWS)).loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    assert rel_l2(_state(model), _state(ref)) < 1e-5
+    assert rel_l2(float_state(model), float_state(ref)) < 1e-5

@@ -14,16 +14,12 @@ import torch.distributed as dist
 import hf_elixir
 from hf_elixir.chunk.manager import FLAGS_IN_FLIGHT
 from tests._dist import run_distributed
-from tests._models import batch, rank_batch, rel_l2, tiny_model, two_groups
+from tests._models import batch, float_state, rank_batch, rel_l2, tiny_model, two_groups
 
 STEPS = 3
 ROWS = 2
 CHUNK = 4096
 DELAY_S = 1.0
-
-
-def _state(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 
 def _reference(world_size: int) -> dict[str, torch.Tensor]:
@@ -33,7 +29,7 @@ def _reference(world_size: int) -> dict[str, torch.Tensor]:
         model(**batch("gpt2", step, ROWS * world_size)).loss.backward()
         opt.step()
         opt.zero_grad()
-    return _state(model)
+    return float_state(model)
 
 
 def _log_collectives(monkeypatch_log: list) -> list:
@@ -71,7 +67,7 @@ def _window_run(rank: int, world_size: int, offload: bool):
     finally:
         for name, original in originals:
             setattr(dist, name, original)
-    return _state(model), manager.reduce_window(), in_flight, trainable, log
+    return float_state(model), manager.reduce_window(), in_flight, trainable, log
 
 
 def _window_worker(rank: int, world_size: int):
