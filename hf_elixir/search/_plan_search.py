@@ -280,7 +280,8 @@ def _chunk_sizes(profile: StepProfile, world_size: int, b: int, limit: int, chun
         if size == bucket:
             return (f"chunk_size_numel={bucket}: DDP's 25 MiB gradient bucket, the fastest predicted step among "
                     f"it and the chunk-size search's best {len(sizes)}")
-        return f"replicated chunks of the chunk-size search's candidate {result.describe(size)}"
+        # every reason names the size first, as the sharded path's does: "chunk_size_numel=N: ..."
+        return f"{result.describe(size)} (the chunk-size search's candidate, packed as replicated chunks)"
 
     return [bucket] + [n for n in sizes if n != bucket], why
 
