@@ -21,15 +21,15 @@ def hardware():
     return fixed_cpu_hardware()
 
 
-def _fixed_auto_plan_inputs(setattr) -> None:
+def _fixed_auto_plan_inputs(set_attr) -> None:
     """Make ``auto_plan`` (and so ``prepare(search="auto")``) price with fixed times: its profile of the step
-    through :func:`fixed_times`, its hardware probe replaced by :func:`fixed_cpu_hardware` (``setattr``:
-    ``monkeypatch.setattr``, or plain ``setattr`` in a spawned rank)."""
+    through :func:`fixed_times`, its hardware probe replaced by :func:`fixed_cpu_hardware` (``set_attr``:
+    ``monkeypatch.setattr``, or the builtin ``setattr`` in a spawned rank, whose modules are its own)."""
     import hf_elixir.profiler
 
     profile_for = _plan_search._profile_for
-    setattr(_plan_search, "_profile_for", lambda *args, **kwargs: fixed_times(profile_for(*args, **kwargs)))
-    setattr(hf_elixir.profiler, "probe_hardware", lambda *args, budget_bytes=None, **kwargs: fixed_cpu_hardware(
+    set_attr(_plan_search, "_profile_for", lambda *args, **kwargs: fixed_times(profile_for(*args, **kwargs)))
+    set_attr(hf_elixir.profiler, "probe_hardware", lambda *args, budget_bytes=None, **kwargs: fixed_cpu_hardware(
         **({} if budget_bytes is None else {"budget_bytes": budget_bytes})))
 
 
@@ -142,6 +142,7 @@ ROWS_PER_RANK = 2
 def _replicated_worker(rank: int, world_size: int):
     # tight: params + gradient buffers fit, optimizer states do not; roomy: small chunks whose in-flight
     # gradient all-reduces (finished two chunks later off CUDA) raise the peak, which must be predicted
+    _fixed_auto_plan_inputs(setattr)
     return [_replicated_run(rank, world_size, chunk, factor)
             for chunk, factor in ((None, 2.2), (8192, 2.2), (8192, 20.0))]
 
@@ -153,7 +154,6 @@ def _replicated_run(rank: int, world_size: int, chunk_size_numel: int | None, bu
     and return what the test checks."""
     import torch.distributed as dist
 
-    _fixed_auto_plan_inputs(setattr)  # this spawned rank's own modules
     hw = fixed_cpu_hardware(world_size=world_size, allreduce_bytes_per_s=1e9, allgather_bytes_per_s=1e7,
                             reduce_scatter_bytes_per_s=1e7)
     model = tiny_model("gpt2")
