@@ -10,7 +10,7 @@ import pytest
 from hf_elixir.profiler import HardwareProfile, profile_step
 from hf_elixir.search import build_chunked_step, predict, search
 from hf_elixir.search._cost import Knobs
-from tests._models import batch, tiny_model
+from tests._models import batch, fixed_times, tiny_model
 
 GIB = 2**30
 
@@ -25,7 +25,8 @@ def _hardware(kind: str) -> HardwareProfile:
 
 @pytest.fixture(scope="module")
 def profile():
-    return profile_step(tiny_model("gpt2"), batch("gpt2", 0, 2, seq=8), device="cpu", count_flops=True)
+    # fixed per-event seconds: the search's choice below must not hang on this machine's load
+    return fixed_times(profile_step(tiny_model("gpt2"), batch("gpt2", 0, 2, seq=8), device="cpu", count_flops=True))
 
 
 def _host_optimizer_step(profile, hardware, snapshot_rollback=True):
