@@ -248,7 +248,7 @@ class HostLane:
         if found_inf:
             self.local_inf = True
         elif views:
-            opt._step_views(views)
+            opt._step_views(views, hyper)  # the values validate() compares, not the live ones
             if cid not in opt._staged:  # cast in the same pass already ([Note: same-pass host step])
                 opt.stage_refresh(cid)  # the upload's host cast, overlapped too ([Note: overlapped refresh])
         self.speculations[cid] = _Speculation(flags, hyper, stepped, snap is not None and snap.grad is not None,

@@ -31,6 +31,7 @@ from hf_elixir.config import ElixirConfig
 from hf_elixir.optim._host_state import HostStates
 from hf_elixir.optim._overlap import HostLane, speculates
 from hf_elixir.optim._same_pass import SamePassTable, ViewTensors, group_runs_fused, step_and_cast
+from hf_elixir.optim._step_hooks import hooked_step, unhooked_step
 from hf_elixir.optim.loss_scaler import DynamicLossScaler
 
 __all__ = ["ElixirOptimizer", "SUPPORTED_OPTIMIZERS", "optimizer_state_numel_factor"]
@@ -517,6 +518,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         return total
 
     # -- step ----------------------------------------------------------------------------------
+    @hooked_step  # [Note: step hooks] in _step_hooks.py: torch's step hooks once per call
     @torch.no_grad()
     def step(self, closure=None):
         """Update every shard where its optimizer state lives, then refresh the compute copies.
@@ -604,20 +606,26 @@ class ElixirOptimizer(torch.optim.Optimizer):
             todo = [[t for t in group if self._view_by_tensor[id(t)].chunk.chunk_id in late] for group in todo]
         self._run_inner(todo)
 
-    def _step_views(self, views: list[_ShardView]) -> None:
-        """Step exactly ``views`` with the param groups' current hyperparameters (the host lane's
-        speculative step of one chunk; same inner optimizer, so the same arithmetic as :meth:`_inner_step`)."""
+    def _step_views(self, views: list[_ShardView], hyper: list[dict]) -> None:
+        """Step exactly ``views`` with the hyperparameters ``hyper`` (per param group, as the host lane recorded
+        them for its speculative step of one chunk; same inner optimizer, so the same arithmetic as
+        :meth:`_inner_step`). Not the param groups' live values: the lane runs on its own thread, and a step pre
+        hook may set a new lr on the main thread meanwhile ([Note: step hooks] in ``_step_hooks.py``); the
+        validation compares the recorded values with the ones the step uses, and the rollback undoes an update
+        made with exactly the recorded ones."""
         chosen = {id(v.tensor) for v in views}
-        self._run_inner([[t for t in full if id(t) in chosen] for full in self._full_group_params])
+        self._run_inner([[t for t in full if id(t) in chosen] for full in self._full_group_params], hyper)
 
-    def _run_inner(self, params_per_group: list[list[torch.Tensor]]) -> None:
-        """Step ``params_per_group`` (views, aligned with the param groups) with the groups' current
-        hyperparameters: the views of chunks :meth:`_same_pass_chunks` picks block by block with their staging
-        cast ([Note: same-pass host step]), the others by the inner optimizer."""
+    def _run_inner(self, params_per_group: list[list[torch.Tensor]], hyper: list[dict] | None = None) -> None:
+        """Step ``params_per_group`` (views, aligned with the param groups) with ``hyper`` (per group; default:
+        the groups' current hyperparameters): the views of chunks :meth:`_same_pass_chunks` picks block by block
+        with their staging cast ([Note: same-pass host step]), the others by the inner optimizer."""
         if not any(params_per_group):
             return
-        for inner_group, user_group, params in zip(self.inner.param_groups, self.param_groups, params_per_group):
-            for key, value in user_group.items():
+        if hyper is None:
+            hyper = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
+        for inner_group, values, params in zip(self.inner.param_groups, hyper, params_per_group):
+            for key, value in values.items():
                 if key != "params":
                     inner_group[key] = value
             inner_group.update(self._inner_overrides)
@@ -631,7 +639,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 for inner_group, params in zip(self.inner.param_groups, rest):
                     inner_group["params"] = params
                 self._staged.difference_update(self._view_by_tensor[id(t)].chunk.chunk_id for g in rest for t in g)
-                self.inner.step()
+                unhooked_step(self.inner)  # no step hooks for the inner optimizer ([Note: step hooks])
             for cid, chosen in same_pass.items():
                 self._step_same_pass(cid, chosen)
         finally:
