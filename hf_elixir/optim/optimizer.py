@@ -29,12 +29,12 @@ from hf_elixir.chunk.chunk import Chunk, ParamSlot
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.config import ElixirConfig
 from hf_elixir.optim._host_state import HostStates
-from hf_elixir.optim._overlap import HostLane, speculates
+from hf_elixir.optim._overlap import HostLane, snapshot_rollback, speculates
 from hf_elixir.optim._same_pass import SamePassTable, ViewTensors, group_runs_fused, step_and_cast
 from hf_elixir.optim._step_hooks import hooked_step, unhooked_step
 from hf_elixir.optim.loss_scaler import DynamicLossScaler
 
-__all__ = ["ElixirOptimizer", "SUPPORTED_OPTIMIZERS", "optimizer_state_numel_factor"]
+__all__ = ["ElixirOptimizer", "SUPPORTED_OPTIMIZERS", "optimizer_cost_terms", "optimizer_state_numel_factor"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,21 @@ def optimizer_state_numel_factor(optimizer: torch.optim.Optimizer) -> int:
     if isinstance(optimizer, torch.optim.RMSprop):
         return 1 + int(bool(group.get("momentum", 0))) + int(bool(group.get("centered")))
     return 2
+
+
+def optimizer_cost_terms(optimizer: torch.optim.Optimizer | None, config: ElixirConfig) -> dict:
+    """What the plan search needs to know of the user's optimizer (``hf_elixir.search.search`` keywords).
+
+    Returns:
+        ``{"optim_states": fp32 state elements per parameter element (:func:`optimizer_state_numel_factor`:
+        Adam/AdamW 2, i.e. 8 bytes; SGD with momentum 1, 4 bytes; plain SGD 0), "snapshot_rollback": whether the
+        host lane keeps snapshots ([Note: inverse rollback]; Adam/AdamW without AMSGrad: ``False``)}``. With
+        ``optimizer=None`` the search's defaults (AdamW: 2, ``False``).
+    """
+    if optimizer is None:
+        return {"optim_states": 2, "snapshot_rollback": False}
+    return {"optim_states": optimizer_state_numel_factor(optimizer),
+            "snapshot_rollback": snapshot_rollback(optimizer, config.precision, config.loss_scale)}
 
 
 class _ShardView:
