@@ -549,6 +549,10 @@ class ElixirOptimizer(torch.optim.Optimizer):
         their chunks during backward already; the step joins it (a wait on the host thread, not on the
         device), keeps the updates the read validates and rolls back and redoes the others.
 
+        Step hooks (``register_step_pre_hook`` / ``register_step_post_hook`` on this optimizer or on the user's,
+        and torch's global ones) run once per call, around all of it ([Note: step hooks] in ``_step_hooks.py``);
+        an lr a pre hook sets is the lr of this step.
+
         Raises:
             ValueError: a closure was given (not supported: forward/backward run outside the step).
         """
