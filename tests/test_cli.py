@@ -229,3 +229,32 @@ def test_profile_takes_ranks_and_checkpointing_and_agrees_with_plan_on_budgets(t
     assert code == 0 and "ckpt True" in fig.axes[0].get_title()
     _, _, labels = _axes_report(fig)
     assert "budget minus activations" in labels
+
+
+def test_plan_optimizer_flag_prices_its_state_bytes(monkeypatch, capsys):
+    """``--optimizer`` hands the search that optimizer's terms (``optimizer_cost_terms`` of the same optimizer),
+    not AdamW's."""
+    import torch
+
+    from hf_elixir import ElixirConfig
+    from hf_elixir.cli import OPTIMIZER_TERMS
+    from hf_elixir.optim.optimizer import optimizer_cost_terms
+    from hf_elixir.search import _plan_search
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    made = {"adamw": torch.optim.AdamW(params), "adam": torch.optim.Adam(params),
+            "adamw-amsgrad": torch.optim.AdamW(params, amsgrad=True),
+            "sgd-momentum": torch.optim.SGD(params, lr=0.1, momentum=0.9), "sgd": torch.optim.SGD(params, lr=0.1)}
+    for name, opt in made.items():
+        terms = optimizer_cost_terms(opt, ElixirConfig())
+        assert OPTIMIZER_TERMS[name] == (terms["optim_states"], terms["snapshot_rollback"]), name
+    seen = []
+    real = _plan_search.search
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["optim_states"], kwargs["snapshot_rollback"]))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(_plan_search, "search", spy)
+    monkeypatch.setattr("hf_elixir.search.search", spy)
+    assert main(["plan", "--model", "gpt2", "--gpu-memory", "2GiB", "--seq-len", "64", "--optimizer", "sgd"]) == 0
+    assert seen and all(s == (0, True) for s in seen), seen
