@@ -25,13 +25,14 @@ import torch.distributed as dist
 
 from hf_elixir._compat import all_gather_single
 from hf_elixir.chunk import strict
-from hf_elixir.chunk.chunk import Chunk, ParamSlot
+from hf_elixir.chunk.chunk import Chunk, ParamSlot, refresh_staging_numel
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.config import ElixirConfig
 from hf_elixir.optim._host_state import HostStates
 from hf_elixir.optim._overlap import HostLane, speculates
 from hf_elixir.optim._same_pass import SamePassTable, ViewTensors, group_runs_fused, step_and_cast
 from hf_elixir.optim.loss_scaler import DynamicLossScaler
+from hf_elixir.plan import REFRESH_CASTS
 
 __all__ = ["ElixirOptimizer", "SUPPORTED_OPTIMIZERS", "optimizer_state_numel_factor"]
 
@@ -95,13 +96,20 @@ class ElixirOptimizer(torch.optim.Optimizer):
             :data:`SUPPORTED_OPTIMIZERS`.
         manager: the model's :class:`~hf_elixir.chunk.manager.ChunkManager`.
         config: the :class:`~hf_elixir.config.ElixirConfig` given to ``prepare``.
+        refresh_cast: ``ElixirPlan.refresh_cast``: where uploaded chunks' masters are cast to the compute dtype,
+            ``"host"`` (default) or ``"device"`` ([Note: refresh cast]).
 
     Raises:
         TypeError: an optimizer that is not element-wise (lists the supported ones).
-        ValueError: the optimizer holds parameters that are not in the prepared model.
+        ValueError: the optimizer holds parameters that are not in the prepared model; ``refresh_cast`` is not
+            ``"host"`` or ``"device"``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, manager: ChunkManager, config: ElixirConfig) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, manager: ChunkManager, config: ElixirConfig,
+                 refresh_cast: str = "host") -> None:
+        if refresh_cast not in REFRESH_CASTS:
+            raise ValueError(f"ElixirPlan.refresh_cast={refresh_cast!r} must be one of {REFRESH_CASTS}")
+        self.refresh_cast = refresh_cast
         if type(optimizer) not in SUPPORTED_OPTIMIZERS:
             names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED_OPTIMIZERS)
             raise TypeError(
@@ -192,10 +200,20 @@ class ElixirOptimizer(torch.optim.Optimizer):
                                  + [(c.shard_numel, torch.float32) for c in host if c.dtype != torch.float32
                                     or c.shard_on_device]
                                  + [(c.shard_numel, torch.float32) for c in host for _ in state_keys.get(c.chunk_id, ())]
-                                 + [(c.shard_numel, c.dtype) for c in host if _uploads_cast(c)])  # staging
+                                 + [(c.shard_numel, c.dtype) for c in host if _uploads_cast(c)
+                                    and self.refresh_cast == "host"])  # staging
         # [Note: overlapped refresh] the compute-dtype host copy each upload reads
         self._refresh_staging: dict[int, torch.Tensor] = {
-            c.chunk_id: manager.host_empty(c.shard_numel, c.dtype) for c in host if _uploads_cast(c)}
+            c.chunk_id: manager.host_empty(c.shard_numel, c.dtype) for c in host
+            if _uploads_cast(c) and self.refresh_cast == "host"}
+        # [Note: refresh cast] or one fp32 device buffer the uploads go through, cast on the device
+        self._device_cast: list[Chunk] = [c for c in host if _uploads_cast(c) and self.refresh_cast == "device"]
+        self._device_staging: torch.Tensor | None = None
+        staging_numel = refresh_staging_numel([c.shard_numel for c in self._device_cast])
+        if staging_numel:
+            manager.pool.charge(staging_numel * 4, "the refresh cast's fp32 device staging buffer")
+            self._device_staging = strict.register_device(
+                torch.empty(staging_numel, dtype=torch.float32, device=manager.compute_device))
         self._staged: set[int] = set()  # chunks whose staging holds the master's current values
         for chunk in manager.chunks:
             if not chunk.trainable:
@@ -545,6 +563,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self.manager.join_side_streams()
         if self._lane is not None:
             self._lane.join()
+        for chunk in self._device_cast:  # a step with no backward since the last: its uploads read the masters
+            self._release_staging(chunk)
         if self.scaler.enabled and not self._scaled_backward and not self._warned_unscaled:
             self._warned_unscaled = True
             logger.warning("precision='fp16' but the loss was not scaled: call optimizer.backward(loss) (or "
@@ -731,6 +751,19 @@ class ElixirOptimizer(torch.optim.Optimizer):
         then, so a read that skips the wait raises (as the hardware would return the old values).
         Source: ZeRO-Offload (arXiv 2101.06840) section 4.2, the fp16 parameter copy overlapped with the next
         step; FSDP2's per-parameter-group events on a side stream.
+
+        [Note: refresh cast] Where the cast of such an upload happens is the plan's ``refresh_cast``. ``"host"``
+        (above): the host lane pays the cast (about a fifth of the AdamW update, [Note: same-pass host step]),
+        PCIe carries ``b`` bytes per element. ``"device"``: no host staging buffer; the fp32 master itself is
+        uploaded, 4 bytes per element, on the same copy stream and event, through one fp32 device staging buffer
+        of at most ``REFRESH_STAGING_NUMEL`` elements (``hf_elixir/chunk/chunk.py``) that every such chunk
+        reuses block by block (upload a block, cast it into the shard on the device, next block: one stream, so
+        the buffer is never overwritten before its cast ran), charged to the device pool for the whole run. The
+        master is then what an upload reads, so it is written only after the upload finished: after backward's
+        drain (as the staging buffers above), or, for a step with no backward since the last, after
+        :meth:`step` waits for the pending upload. The search picks the side by cost
+        (``hf_elixir/search/_cost.py``): the host lane's cast against the doubled PCIe bytes and the device
+        staging bytes. Only for a compute dtype narrower than fp32: fp32 has nothing to cast.
         """
         import triton_kernels  # noqa: PLC0415
 
@@ -760,8 +793,13 @@ class ElixirOptimizer(torch.optim.Optimizer):
             chunk.version += 1
             if chunk.full_alias:
                 chunk.full_version = chunk.version
+        device_cast = {c.chunk_id for c in self._device_cast}
         for chunk in self.manager.next_use_order(uploads):
-            chunk.issue_refresh(self._upload_source(chunk), side_stream=self.manager.copy_stream)
+            if chunk.chunk_id in device_cast:  # [Note: refresh cast] the fp32 master, cast on the device
+                chunk.issue_refresh(self.masters[chunk.chunk_id], side_stream=self.manager.copy_stream,
+                                    staging=self._device_staging)
+            else:
+                chunk.issue_refresh(self._upload_source(chunk), side_stream=self.manager.copy_stream)
 
     def zero_grad(self, set_to_none: bool | None = True) -> None:
         """Zero the reduced gradient shards; ``p.grad`` stays ``None`` (gradients live in chunks).
