@@ -563,8 +563,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self.manager.join_side_streams()
         if self._lane is not None:
             self._lane.join()
-        for chunk in self._device_cast:  # a step with no backward since the last: its uploads read the masters
-            self._release_staging(chunk)
+        self._release_master_reads()  # a step with no backward since the last one: uploads may still read masters
         if self.scaler.enabled and not self._scaled_backward and not self._warned_unscaled:
             self._warned_unscaled = True
             logger.warning("precision='fp16' but the loss was not scaled: call optimizer.backward(loss) (or "
@@ -721,6 +720,15 @@ class ElixirOptimizer(torch.optim.Optimizer):
         if pending is not None and pending.event is not None:
             pending.event.synchronize()
         chunk.wait_refresh()
+
+    def _release_master_reads(self) -> None:
+        """Before masters are written on the host outside backward: wait (host sync on its event) for every
+        pending upload that reads a master itself (fp32 compute copies, or the cast on the device, [Note: refresh
+        cast]); backward's drain orders the host lane after them, a stream wait does not order the host."""
+        for chunk in self.manager.chunks:
+            pending = chunk.pending_refresh
+            if pending is not None and pending.source is self.masters.get(chunk.chunk_id):
+                self._release_staging(chunk)
 
     def _upload_source(self, chunk: Chunk) -> torch.Tensor:
         self._release_staging(chunk)
@@ -911,7 +919,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 this optimizer's (names the group, the expected and the found parameter names).
         """
         self.settle_host_steps()
-        self.manager.drain_refreshes()  # pending uploads may read the masters written below
+        self._release_master_reads()  # pending uploads may read the masters written below
+        self.manager.drain_refreshes()
         self._staged.clear()
         if "format" not in state_dict and _is_plain_torch_state(state_dict):
             state_dict = self._from_plain_torch_state(state_dict)
