@@ -404,7 +404,7 @@ def _apply_layout(model, optimizer, names, layout: _Layout, stream: StreamedInit
         plan = dataclasses.replace(plan, activation_policy=dict(layout.activation_policy))
     state = ElixirState(manager=manager, handles=handles, config=config, plan=plan)
     if optimizer is not None:
-        state.optimizer = ElixirOptimizer(optimizer, manager, config)
+        state.optimizer = ElixirOptimizer(optimizer, manager, config, refresh_cast=plan.refresh_cast)
     install_state_dict_hooks(model, manager, on_loaded=(
         state.optimizer.sync_masters_from_params if state.optimizer is not None else (lambda: None)))
     if layout.activation_policy:

@@ -215,7 +215,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     chosen.add_column("value")
     chosen.add_row("data parallel", best.data_parallel)
     for key in ("chunk_size_numel", "resident_chunks", "device_shard_chunks", "device_optim_chunks",
-                "host_copy_chunks", "prefetch_depth", "activation_checkpointing"):
+                "host_copy_chunks", "prefetch_depth", "activation_checkpointing", "refresh_cast"):
         value = getattr(plan, key)
         if isinstance(value, list):
             value = f"{len(value)} chunks {value[:12]}{'...' if len(value) > 12 else ''}"

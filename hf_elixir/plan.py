@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ACTIVATION_POLICIES", "ElixirPlan", "policy_summary"]
+__all__ = ["ACTIVATION_POLICIES", "REFRESH_CASTS", "ElixirPlan", "policy_summary"]
 
 #: 2: ``activation_peak_bytes`` (version-1 files load unchanged: the field defaults to ``None``)
 PLAN_FORMAT_VERSION = 2
@@ -25,6 +25,8 @@ _PRECISIONS = ("fp32", "bf16", "fp16")
 _PLACEMENTS = ("sharded", "replicated", "column", "row", "expert")
 #: what a transformer block does with the tensors autograd saves (see ``hf_elixir/runtime/activations.py``)
 ACTIVATION_POLICIES = ("keep", "recompute", "offload")
+#: where an uploaded chunk's fp32 master is cast to the compute dtype ([Note: refresh cast] in optim/optimizer.py)
+REFRESH_CASTS = ("host", "device")
 _INT = "give a whole number"
 #: (field, accepted types, fix) checked by ``ElixirPlan.__post_init__``
 _FIELD_TYPES: tuple[tuple[str, tuple[type, ...], str], ...] = (
@@ -42,6 +44,7 @@ _FIELD_TYPES: tuple[tuple[str, tuple[type, ...], str], ...] = (
     ("activation_checkpointing", (bool,), "use true or false"),
     ("activation_policy", (dict,), "give a mapping of block name -> 'keep', 'recompute' or 'offload'"),
     ("placements", (dict,), "give a mapping of module name -> placement"),
+    ("refresh_cast", (str,), "use 'host' or 'device'"),
     ("predicted_step_s", (int, float, type(None)), "give seconds or null"),
     ("predicted_peak_device_bytes", (int, type(None)), "give bytes or null"),
     ("activation_peak_bytes", (int, type(None)), "give bytes or null"),
@@ -88,6 +91,13 @@ class ElixirPlan:
             forward and come back in backward); see ``hf_elixir/runtime/activations.py``. Blocks not named follow
             ``activation_checkpointing``. (ProTrain, arXiv 2406.08334: block-wise activation management.)
         placements: module FQN -> placement name (``"sharded"``, ``"column"``, ...).
+        refresh_cast: where the refresh of a chunk whose fp32 master is on the host and whose compute copy is on
+            the device casts fp32 to the compute dtype ([Note: refresh cast] in ``hf_elixir/optim/optimizer.py``):
+            ``"host"`` (into a pinned host staging buffer, uploading ``b`` bytes per element) or ``"device"``
+            (uploading the fp32 master, 4 bytes per element, through a device staging buffer of at most
+            ``REFRESH_STAGING_NUMEL`` fp32 elements charged to the device budget, and casting on the device: no
+            host cast in the host lane, twice the refresh bytes on PCIe at bf16/fp16). Only ``"host"`` with
+            ``precision="fp32"`` (nothing to cast). Plans written before the field load as ``"host"``.
         predicted_step_s: the cost model's step time (seconds), if a search made the plan.
         predicted_peak_device_bytes: the cost model's device peak (bytes), if a search made it.
         activation_peak_bytes: device bytes to keep for the activations autograd saves (and its
@@ -112,6 +122,7 @@ class ElixirPlan:
     activation_checkpointing: bool = False
     activation_policy: dict[str, str] = field(default_factory=dict)
     placements: dict[str, str] = field(default_factory=dict)
+    refresh_cast: str = "host"
     predicted_step_s: float | None = None
     predicted_peak_device_bytes: int | None = None
     activation_peak_bytes: int | None = None
@@ -145,6 +156,12 @@ class ElixirPlan:
             if not isinstance(block, str) or policy not in ACTIVATION_POLICIES:
                 raise ValueError(f"ElixirPlan.activation_policy[{block!r}]={policy!r} must map a block name to one of "
                                  f"{ACTIVATION_POLICIES}")
+        if self.refresh_cast not in REFRESH_CASTS:
+            raise ValueError(f"ElixirPlan.refresh_cast={self.refresh_cast!r} must be one of {REFRESH_CASTS}: 'host' "
+                             "casts the fp32 masters on the host, 'device' uploads them and casts on the device")
+        if self.refresh_cast == "device" and self.precision == "fp32":
+            raise ValueError("ElixirPlan.refresh_cast='device' with precision='fp32': fp32 compute copies need no "
+                             "cast; use refresh_cast='host' (or a 'bf16' / 'fp16' plan)")
         if self.predicted_step_s is not None and not self.predicted_step_s >= 0:
             raise ValueError(f"ElixirPlan.predicted_step_s={self.predicted_step_s} must be >= 0 or None")
         for name in ("predicted_peak_device_bytes", "activation_peak_bytes"):

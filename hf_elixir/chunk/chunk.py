@@ -41,7 +41,7 @@ from hf_elixir.chunk.params import mark_managed
 from hf_elixir.chunk.params import show as show_param
 from hf_elixir.chunk.states import TensorState, check_transition
 
-__all__ = ["ParamSlot", "Chunk"]
+__all__ = ["ParamSlot", "Chunk", "REFRESH_STAGING_NUMEL", "refresh_staging_numel"]
 
 
 @dataclass(eq=False)
@@ -94,12 +94,27 @@ class _PendingRefresh:
     Attributes:
         source: the host buffer it reads (pinned staging in the compute dtype, or the fp32 master),
             ``[shard_numel]``; not written again before the wait.
+        staging: with a cast on the device, the fp32 device buffer the master goes through block by block
+            (``[<= REFRESH_STAGING_NUMEL]``); ``None``: ``source`` is in the compute dtype.
         event: CUDA event recorded after the copy on the side stream; ``None`` on the simulated device,
             where the copy itself is done by the wait.
     """
 
     source: torch.Tensor
     event: object
+    staging: torch.Tensor | None = None
+
+
+#: elements of the fp32 device staging buffer a refresh cast on the device goes through, block by block ([Note:
+#: refresh cast] in ``hf_elixir/optim/optimizer.py``): 32 Mi elements, 128 MiB (a smaller shard needs less)
+REFRESH_STAGING_NUMEL = 1 << 25
+
+
+def refresh_staging_numel(shard_numels: list[int]) -> int:
+    """Elements of the one fp32 device staging buffer the refreshes cast on the device share: the largest such
+    shard, at most :data:`REFRESH_STAGING_NUMEL` (0 when there is none). The optimizer charges it to the pool
+    and the cost model prices the same bytes."""
+    return min(max(shard_numels, default=0), REFRESH_STAGING_NUMEL)
 
 
 @dataclass(eq=False)
@@ -370,28 +385,47 @@ class Chunk(ChunkBytes):
             show_param(slot.param, self.full[slot.offset:slot.offset + slot.numel].view(slot.shape))
         self.hidden = False
 
-    def issue_refresh(self, source: torch.Tensor, side_stream=None) -> None:
+    def issue_refresh(self, source: torch.Tensor, side_stream=None, staging: torch.Tensor | None = None) -> None:
         """Upload ``source`` (this rank's new shard values, a host buffer of ``shard_numel`` elements) into the
         device shard without making the compute wait ([Note: overlapped refresh] in
         ``hf_elixir/optim/optimizer.py``): on CUDA a non-blocking copy on ``side_stream`` and an event; on the
         simulated device the copy is left to :meth:`wait_refresh`, so a read that skips the wait sees the old
         values, and the parameters are stale placeholders until then (a read raises, [Note: stale placeholder]).
-        Counted in ``h2d_bytes`` and ``num_refreshes_ahead``."""
+        With ``staging`` (an fp32 device buffer; ``source`` the fp32 master, the compute dtype narrower) the
+        upload goes through it block by block and is cast on the device ([Note: refresh cast]).
+        Counted in ``h2d_bytes`` (the source's bytes) and ``num_refreshes_ahead``."""
         assert strict.is_host(source) or source.device.type == "cpu", f"chunk {self.chunk_id}: refresh from device"
-        assert source.dtype == self.dtype and source.numel() == self.shard_numel, f"chunk {self.chunk_id}"
+        assert source.numel() == self.shard_numel, f"chunk {self.chunk_id}"
+        assert source.dtype == (torch.float32 if staging is not None else self.dtype), f"chunk {self.chunk_id}"
+        assert staging is None or (staging.dtype == torch.float32 and not strict.is_host(staging)), \
+            f"chunk {self.chunk_id}: the refresh cast's staging is an fp32 device buffer"
         self.wait_refresh()  # an earlier refresh never waited for (two steps without a forward)
         event = None
         if side_stream is not None:
             side_stream.wait_stream(torch.cuda.current_stream())  # after the compute's last read of the shard
             with torch.cuda.stream(side_stream), torch.no_grad(), strict.host_copies():
-                self._refresh_target().copy_(source, non_blocking=True)
+                self._copy_refresh(source, staging, non_blocking=True)
             event = torch.cuda.Event()
             event.record(side_stream)
-        self.pending_refresh = _PendingRefresh(source, event)
+        self.pending_refresh = _PendingRefresh(source, event, staging)
         counters = self.manager.counters
-        counters.h2d_bytes += self.shard_bytes
+        counters.h2d_bytes += source.numel() * source.element_size()
         counters.num_refreshes_ahead += 1
         self.hide_stale_params()
+
+    def _copy_refresh(self, source: torch.Tensor, staging: torch.Tensor | None, non_blocking: bool) -> None:
+        """The refresh's copies (inside ``strict.host_copies``): one copy into the device shard, or, with
+        ``staging``, per block of ``staging.numel()`` elements an fp32 upload into it and a cast out of it on the
+        device. On CUDA all on one stream, so a block's upload waits for the cast that read the buffer before."""
+        target = self._refresh_target()
+        if staging is None:
+            target.copy_(source, non_blocking=non_blocking)
+            return
+        block = staging.numel()
+        for lo in range(0, source.numel(), block):
+            hi = min(lo + block, source.numel())
+            staging[:hi - lo].copy_(source[lo:hi], non_blocking=non_blocking)
+            target[lo:hi].copy_(staging[:hi - lo])  # fp32 -> compute dtype on the device (round to nearest even)
 
     def _refresh_target(self) -> torch.Tensor:
         return self.full if self.full_alias else self.shard
@@ -407,7 +441,7 @@ class Chunk(ChunkBytes):
             (stream or torch.cuda.current_stream()).wait_event(pending.event)
         else:
             with torch.no_grad(), strict.host_copies():
-                self._refresh_target().copy_(pending.source)
+                self._copy_refresh(pending.source, pending.staging, non_blocking=False)
         if not self.needs_fill():
             self.show_params()
 

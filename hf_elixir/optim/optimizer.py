@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from hf_elixir._compat import all_gather_single
 from hf_elixir.chunk import strict
-from hf_elixir.chunk.chunk import Chunk, ParamSlot
+from hf_elixir.chunk.chunk import Chunk, ParamSlot, refresh_staging_numel
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.config import ElixirConfig
 from hf_elixir.optim._host_state import HostStates
@@ -33,6 +33,7 @@ from hf_elixir.optim._overlap import HostLane, snapshot_rollback, speculates
 from hf_elixir.optim._same_pass import SamePassTable, ViewTensors, group_runs_fused, step_and_cast
 from hf_elixir.optim._step_hooks import hooked_step, unhooked_step
 from hf_elixir.optim.loss_scaler import DynamicLossScaler
+from hf_elixir.plan import REFRESH_CASTS
 
 __all__ = ["ElixirOptimizer", "SUPPORTED_OPTIMIZERS", "optimizer_cost_terms", "optimizer_state_numel_factor"]
 
@@ -111,13 +112,20 @@ class ElixirOptimizer(torch.optim.Optimizer):
             :data:`SUPPORTED_OPTIMIZERS`.
         manager: the model's :class:`~hf_elixir.chunk.manager.ChunkManager`.
         config: the :class:`~hf_elixir.config.ElixirConfig` given to ``prepare``.
+        refresh_cast: ``ElixirPlan.refresh_cast``: where uploaded chunks' masters are cast to the compute dtype,
+            ``"host"`` (default) or ``"device"`` ([Note: refresh cast]).
 
     Raises:
         TypeError: an optimizer that is not element-wise (lists the supported ones).
-        ValueError: the optimizer holds parameters that are not in the prepared model.
+        ValueError: the optimizer holds parameters that are not in the prepared model; ``refresh_cast`` is not
+            ``"host"`` or ``"device"``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, manager: ChunkManager, config: ElixirConfig) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, manager: ChunkManager, config: ElixirConfig,
+                 refresh_cast: str = "host") -> None:
+        if refresh_cast not in REFRESH_CASTS:
+            raise ValueError(f"ElixirPlan.refresh_cast={refresh_cast!r} must be one of {REFRESH_CASTS}")
+        self.refresh_cast = refresh_cast
         if type(optimizer) not in SUPPORTED_OPTIMIZERS:
             names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED_OPTIMIZERS)
             raise TypeError(
@@ -208,10 +216,20 @@ class ElixirOptimizer(torch.optim.Optimizer):
                                  + [(c.shard_numel, torch.float32) for c in host if c.dtype != torch.float32
                                     or c.shard_on_device]
                                  + [(c.shard_numel, torch.float32) for c in host for _ in state_keys.get(c.chunk_id, ())]
-                                 + [(c.shard_numel, c.dtype) for c in host if _uploads_cast(c)])  # staging
+                                 + [(c.shard_numel, c.dtype) for c in host if _uploads_cast(c)
+                                    and self.refresh_cast == "host"])  # staging
         # [Note: overlapped refresh] the compute-dtype host copy each upload reads
         self._refresh_staging: dict[int, torch.Tensor] = {
-            c.chunk_id: manager.host_empty(c.shard_numel, c.dtype) for c in host if _uploads_cast(c)}
+            c.chunk_id: manager.host_empty(c.shard_numel, c.dtype) for c in host
+            if _uploads_cast(c) and self.refresh_cast == "host"}
+        # [Note: refresh cast] or one fp32 device buffer the uploads go through, cast on the device
+        self._device_cast: list[Chunk] = [c for c in host if _uploads_cast(c) and self.refresh_cast == "device"]
+        self._device_staging: torch.Tensor | None = None
+        staging_numel = refresh_staging_numel([c.shard_numel for c in self._device_cast])
+        if staging_numel:
+            manager.pool.charge(staging_numel * 4, "the refresh cast's fp32 device staging buffer")
+            self._device_staging = strict.register_device(
+                torch.empty(staging_numel, dtype=torch.float32, device=manager.compute_device))
         self._staged: set[int] = set()  # chunks whose staging holds the master's current values
         for chunk in manager.chunks:
             if not chunk.trainable:
@@ -566,6 +584,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self.manager.join_side_streams()
         if self._lane is not None:
             self._lane.join()
+        self._release_master_reads()  # a step with no backward since the last one: uploads may still read masters
         if self.scaler.enabled and not self._scaled_backward and not self._warned_unscaled:
             self._warned_unscaled = True
             logger.warning("precision='fp16' but the loss was not scaled: call optimizer.backward(loss) (or "
@@ -729,6 +748,15 @@ class ElixirOptimizer(torch.optim.Optimizer):
             pending.event.synchronize()
         chunk.wait_refresh()
 
+    def _release_master_reads(self) -> None:
+        """Before masters are written on the host outside backward: wait (host sync on its event) for every
+        pending upload that reads a master itself (fp32 compute copies, or the cast on the device, [Note: refresh
+        cast]); backward's drain orders the host lane after them, a stream wait does not order the host."""
+        for chunk in self.manager.chunks:
+            pending = chunk.pending_refresh
+            if pending is not None and pending.source is self.masters.get(chunk.chunk_id):
+                self._release_staging(chunk)
+
     def _upload_source(self, chunk: Chunk) -> torch.Tensor:
         self._release_staging(chunk)
         cid = chunk.chunk_id
@@ -758,6 +786,19 @@ class ElixirOptimizer(torch.optim.Optimizer):
         then, so a read that skips the wait raises (as the hardware would return the old values).
         Source: ZeRO-Offload (arXiv 2101.06840) section 4.2, the fp16 parameter copy overlapped with the next
         step; FSDP2's per-parameter-group events on a side stream.
+
+        [Note: refresh cast] Where the cast of such an upload happens is the plan's ``refresh_cast``. ``"host"``
+        (above): the host lane pays the cast (about a fifth of the AdamW update, [Note: same-pass host step]),
+        PCIe carries ``b`` bytes per element. ``"device"``: no host staging buffer; the fp32 master itself is
+        uploaded, 4 bytes per element, on the same copy stream and event, through one fp32 device staging buffer
+        of at most ``REFRESH_STAGING_NUMEL`` elements (``hf_elixir/chunk/chunk.py``) that every such chunk
+        reuses block by block (upload a block, cast it into the shard on the device, next block: one stream, so
+        the buffer is never overwritten before its cast ran), charged to the device pool for the whole run. The
+        master is then what an upload reads, so it is written only after the upload finished: after backward's
+        drain (as the staging buffers above), or, for a step with no backward since the last, after
+        :meth:`step` waits for the pending upload. The search picks the side by cost
+        (``hf_elixir/search/_cost.py``): the host lane's cast against the doubled PCIe bytes and the device
+        staging bytes. Only for a compute dtype narrower than fp32: fp32 has nothing to cast.
         """
         import triton_kernels  # noqa: PLC0415
 
@@ -787,8 +828,13 @@ class ElixirOptimizer(torch.optim.Optimizer):
             chunk.version += 1
             if chunk.full_alias:
                 chunk.full_version = chunk.version
+        device_cast = {c.chunk_id for c in self._device_cast}
         for chunk in self.manager.next_use_order(uploads):
-            chunk.issue_refresh(self._upload_source(chunk), side_stream=self.manager.copy_stream)
+            if chunk.chunk_id in device_cast:  # [Note: refresh cast] the fp32 master, cast on the device
+                chunk.issue_refresh(self.masters[chunk.chunk_id], side_stream=self.manager.copy_stream,
+                                    staging=self._device_staging)
+            else:
+                chunk.issue_refresh(self._upload_source(chunk), side_stream=self.manager.copy_stream)
 
     def zero_grad(self, set_to_none: bool | None = True) -> None:
         """Zero the reduced gradient shards; ``p.grad`` stays ``None`` (gradients live in chunks).
@@ -900,7 +946,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 this optimizer's (names the group, the expected and the found parameter names).
         """
         self.settle_host_steps()
-        self.manager.drain_refreshes()  # pending uploads may read the masters written below
+        self._release_master_reads()  # pending uploads may read the masters written below
+        self.manager.drain_refreshes()
         self._staged.clear()
         if "format" not in state_dict and _is_plain_torch_state(state_dict):
             state_dict = self._from_plain_torch_state(state_dict)

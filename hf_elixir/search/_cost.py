@@ -98,6 +98,10 @@ with several ranks an all-gather may, on any device; everything else on CPU is s
   them. The step is priced in steady state: every step refreshes what the next forward waits for. Off CUDA
   the copy is done at the chunk's first access on the compute thread: priced in the serial step as before.
   (With several ranks a resident chunk's all-gather after the refresh stays priced in the step, as before.)
+  With ``Knobs.refresh_cast="device"`` ([Note: refresh cast] in ``optim/optimizer.py``, bf16/fp16 only) no host
+  cast is priced and no host staging buffer counted; the upload moves ``4 * shard_numel`` bytes and casts on the
+  device on the same copy stream (:func:`_device_cast_s`), and the fixed device bytes gain the one fp32 staging
+  buffer the runtime charges (:func:`refresh_staging_bytes`).
 
 [Note: activation policy] in ``_activation_cost.py``: what keep / recompute / offload per block cost in
 memory and time; :func:`predict` adds the offload copies it lists (``ChunkedStep.offload_after`` /
@@ -109,6 +113,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hf_elixir.chunk import pack_chunks
+from hf_elixir.chunk.chunk import refresh_staging_numel
 from hf_elixir.profiler import HardwareProfile, StepProfile
 from hf_elixir.search._activation_cost import (DTYPE_BYTES, activation_bytes, checkpointed_events, offload_events,
                                                profile_blocks, resolve_policy)
@@ -137,6 +142,9 @@ class Knobs:
     # ws > 1: keep a rank-local host copy of each evicted gathered chunk (host RAM for the all-gather a
     # re-unshard in the same step would cost; [Note: rank-local refill] in hf_elixir/chunk/chunk.py)
     host_copies: bool = False
+    # where uploaded chunks' masters are cast to the compute dtype: "host" or "device" ([Note: refresh cast] in
+    # optim/optimizer.py; ElixirPlan.refresh_cast)
+    refresh_cast: str = "host"
 
 
 @dataclass
@@ -381,6 +389,33 @@ def _uploaded_chunks(step: ChunkedStep, knobs: Knobs) -> list[int]:
     return [c for c in range(step.num_chunks) if step.trained_numels[c] and c in held and c not in knobs.device_optim]
 
 
+def casts_on_device(step: ChunkedStep, knobs: Knobs) -> bool:
+    """The uploads are cast on the device ([Note: refresh cast] in ``optim/optimizer.py``): ``refresh_cast`` is
+    ``"device"`` and the compute dtype is narrower than the fp32 master."""
+    return knobs.refresh_cast == "device" and step.precision != "fp32"
+
+
+def refresh_upload_bytes_per_numel(step: ChunkedStep, knobs: Knobs) -> int:
+    """PCIe bytes per element of an upload refreshing a compute copy: the fp32 master's 4 when cast on the
+    device, else the compute dtype's (cast on the host, or fp32 with nothing to cast)."""
+    return 4 if casts_on_device(step, knobs) else DTYPE_BYTES[step.precision]
+
+
+def refresh_staging_bytes(step: ChunkedStep, knobs: Knobs) -> int:
+    """Device bytes of the fp32 staging buffer the uploads cast on the device share (``ElixirOptimizer`` charges
+    them for the whole run: :func:`hf_elixir.chunk.chunk.refresh_staging_numel`); 0 with the cast on the host."""
+    if not casts_on_device(step, knobs):
+        return 0
+    return 4 * refresh_staging_numel([step.shard_numel(c) for c in _uploaded_chunks(step, knobs)])
+
+
+def _device_cast_s(numel: int, step: ChunkedStep, hardware: HardwareProfile) -> float:
+    """Seconds of the device cast of ``numel`` uploaded fp32 elements out of the staging buffer into the compute
+    copy: ``4 + b`` bytes of memory traffic per element at twice the local copy rate (:func:`_local_copy_rate`
+    counts 2 bytes of traffic per byte copied)."""
+    return numel * (4 + DTYPE_BYTES[step.precision]) / (2 * _local_copy_rate(hardware))
+
+
 #: [Note: same-pass host step] (``optim/_same_pass.py``): the runtime steps an AdamW host chunk with a staging buffer
 #: block by block and casts each block into the staging buffer while it is in cache. What the cast then adds, as a
 #: fraction of the AdamW step of the same elements, measured on this project's CPU (AMD EPYC, 32 MiB L3, 1 thread,
@@ -432,13 +467,15 @@ def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, i
             optim += step.shard_numel(c) * optim_bytes_per_numel(step.precision, c not in held, step.optim_states)
         else:
             host_optim += step.shard_numel(c) * optim_bytes_per_numel(step.precision, c in held, step.optim_states)
-            if c in held and step.precision != "fp32":  # the upload's staging buffer ([Note: overlapped refresh])
-                host_optim += step.shard_numel(c) * b
+            if c in held and step.precision != "fp32" and not casts_on_device(step, knobs):
+                host_optim += step.shard_numel(c) * b  # the upload's host staging buffer ([Note: overlapped refresh])
     host_params = sum(step.shard_numel(c) * b for c in range(step.num_chunks) if c not in held)
     if ws > 1 and knobs.host_copies:  # rank-local refill copies of evicted unsharded chunks
         host_params += sum(step.full_bytes(c) for c in range(step.num_chunks) if c not in knobs.resident)
-    breakdown = {"resident_chunks": resident, "device_shards": shards, "device_optimizer": optim}
-    return resident + shards + optim, host_params + host_optim, breakdown
+    staging = refresh_staging_bytes(step, knobs)  # [Note: refresh cast]
+    breakdown = {"resident_chunks": resident, "device_shards": shards, "device_optimizer": optim,
+                 "refresh_staging": staging}
+    return resident + shards + optim + staging, host_params + host_optim, breakdown
 
 
 def _backward_room(step: ChunkedStep, k: int, depth: int, cached: dict[int, int], last_seen: dict[int, float],
@@ -530,8 +567,14 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     t_offload = t_lane = 0.0  # the offload stream (CUDA) and the host lane's worker thread
     # [Note: overlapped refresh] uploads of host masters into device shards: on CUDA on the copy stream from the
     # start of the step (the previous step's end), in first forward use order, each event waiting for its own
-    upload_s = {c: step.shard_numel(c) * b / h2d_rate for c in _uploaded_chunks(step, knobs)}
-    cast_s = {c: _host_cast_s(step.shard_numel(c), hardware) for c in upload_s if step.precision != "fp32"}
+    # [Note: refresh cast] cast on the host (in the lane) or on the device (fp32 bytes over PCIe, then the cast)
+    upload_b = refresh_upload_bytes_per_numel(step, knobs)
+    device_cast = casts_on_device(step, knobs)
+    upload_s = {c: step.shard_numel(c) * upload_b / h2d_rate
+                + (_device_cast_s(step.shard_numel(c), step, hardware) if device_cast else 0.0)
+                for c in _uploaded_chunks(step, knobs)}
+    cast_s = {c: _host_cast_s(step.shard_numel(c), hardware) for c in upload_s
+              if step.precision != "fp32" and not device_cast}
     refresh_done = _refresh_times(step, upload_s) if hardware.can_overlap else {}
     upload_end = max(refresh_done.values(), default=0.0)
     t_copy = upload_end  # onloads prefetched on the copy stream queue behind the uploads
@@ -706,6 +749,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     compute_s = sum(step.event_compute_s)
     host_numel = dev_numel = 0
     refresh_bytes = device_refresh_bytes = 0  # casts refreshing compute copies; of which within the device
+    refresh_tail_s = 0.0  # uploads cast on the device and done in the step (off CUDA)
     views = 0
     for c in range(step.num_chunks):
         if not step.trained_numels[c]:
@@ -719,7 +763,11 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             views += step.views[c]
             host_numel += step.shard_numel(c)
         master_is_shard = step.precision == "fp32" and ((c in knobs.device_optim) == (c in held))
-        if not master_is_shard:
+        if c in upload_s and device_cast:  # [Note: refresh cast] fp32 over PCIe, cast on the device
+            h2d_bytes += step.shard_numel(c) * upload_b
+            if c not in refresh_done:
+                refresh_tail_s += upload_s[c]
+        elif not master_is_shard:
             refresh_bytes += step.shard_numel(c) * b
             if (c in knobs.device_optim) != (c in held):
                 h2d_bytes += step.shard_numel(c) * b
@@ -728,13 +776,13 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     # what the lane has left when backward ends, then the host chunks it did not step (none unless off)
     host_s = max(0.0, t_lane - fwd_bwd) + host_numel / host_rate + snapshot_serial_s
     host_s += sum(t for c, t in cast_s.items() if c not in lane_chunks)  # upload casts in the step
-    if refresh_done:  # uploads overlap the next forward (priced in its timeline above), not the step
+    if refresh_done and not device_cast:  # uploads overlap the next forward (priced in its timeline above)
         refresh_bytes -= sum(step.shard_numel(c) * b for c in refresh_done)
     dev_s = dev_numel / (hardware.device_adam_numel_per_s or 1e9)
     regather = sum(step.full_bytes(c) for c in knobs.resident if step.trained_numels[c]) if ws > 1 else 0
     ag_bytes += regather
     tail_s = ((refresh_bytes - device_refresh_bytes) / h2d_rate + device_refresh_bytes / local_rate
-              + regather / ag_rate + views * hardware.optim_tensor_s)
+              + regather / ag_rate + views * hardware.optim_tensor_s + refresh_tail_s)
     optim_s = host_s + dev_s + tail_s  # host update, then the device kernels (see [Note: overlap])
     breakdown = dict(breakdown, cache=cache_peak, grad_buffers=grad_peak)
     host_bytes += sum(step.offload_after.values())  # offloaded activations, on the host from forward to backward

@@ -41,8 +41,8 @@ from hf_elixir.profiler import HardwareProfile, StepProfile, profile_step
 from hf_elixir.runtime.activations import resolve_activation_policy
 from hf_elixir.search._chunk_size import search_chunk_size
 from hf_elixir.search._activation_cost import activation_bytes, moved_kind, policy_grid
-from hf_elixir.search._cost import (DTYPE_BYTES, ChunkedStep, Knobs, Prediction, build_chunked_step,
-                                    fixed_memory, optim_bytes_per_numel, predict, profile_blocks)
+from hf_elixir.search._cost import (DTYPE_BYTES, ChunkedStep, Knobs, Prediction, _uploaded_chunks,
+                                    build_chunked_step, fixed_memory, optim_bytes_per_numel, predict, profile_blocks)
 
 __all__ = ["Candidate", "SearchResult", "auto_plan", "brute_force_grid", "search", "search_plan"]
 
@@ -66,7 +66,7 @@ class Candidate:
         return (f"{self.data_parallel} chunk={self.chunk_size_numel} resident={len(k.resident)} "
                 f"cache_blocks={k.cache_blocks} "
                 f"device_shards={len(k.device_shard)} device_optim={len(k.device_optim)} "
-                f"prefetch={k.prefetch_depth} host_copies={k.host_copies} "
+                f"prefetch={k.prefetch_depth} host_copies={k.host_copies} refresh_cast={k.refresh_cast} "
                 f"act={policy_summary(self.activation_policy)}: "
                 f"{self.prediction.step_s:.4g} s, {self.prediction.device_peak_bytes / 2**30:.3g} GiB")
 
@@ -147,6 +147,14 @@ def _fill(step: ChunkedStep, knobs: Knobs, spare: int, hardware: HardwareProfile
 _FILL_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
+def _cast_variants(step: ChunkedStep, knobs: Knobs) -> tuple[Knobs, ...]:
+    """``knobs`` with the refresh cast on the host and, where there is something to cast (bf16/fp16, some chunk
+    uploaded from a host master), on the device ([Note: refresh cast] in ``optim/optimizer.py``)."""
+    if step.precision == "fp32" or not _uploaded_chunks(step, knobs):
+        return (knobs,)
+    return knobs, replace(knobs, refresh_cast="device")
+
+
 def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, limit_bytes: int,
                 activations_on_device: bool, grid_points: int, prefetch_depths: Iterable[int],
                 host_budget_bytes: int | None = None,
@@ -179,7 +187,8 @@ def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, l
                 seen.add(knobs)
                 # with several ranks, each point with and without rank-local host copies (host RAM for
                 # all-gather traffic; the host limit filters the copies out where they do not fit)
-                for variant in ((knobs, replace(knobs, host_copies=True)) if step.world_size > 1 else (knobs,)):
+                copies = (knobs, replace(knobs, host_copies=True)) if step.world_size > 1 else (knobs,)
+                for variant in (v for c in copies for v in _cast_variants(step, c)):
                     pred = predict(step, variant, hardware, pool_bytes=pool_bytes,
                                    activations_on_device=activations_on_device, host_budget_bytes=host_budget_bytes,
                                    overlap_host_optimizer=overlap_host_optimizer)
@@ -206,18 +215,21 @@ def _search_replicated(step: ChunkedStep, hardware: HardwareProfile, pool_bytes:
     order = sorted(range(step.num_chunks), key=lambda c: (-step.accesses[c], c))
     found: list[Candidate] = []
     seen: set[Knobs] = set()
+    evaluated = 0
     for fraction in _FILL_FRACTIONS:
         knobs = _fill(step, base, int((limit_bytes - floor) * fraction), hardware, order, {})
         if knobs in seen:
             continue
         seen.add(knobs)
-        pred = predict(step, knobs, hardware, pool_bytes=pool_bytes, activations_on_device=activations_on_device,
-                       host_budget_bytes=host_budget_bytes, overlap_host_optimizer=overlap_host_optimizer)
-        if pred is not None and _fits(step, knobs, pred, pool_bytes, limit_bytes):
-            found.append(Candidate(step.chunk_size_numel, step.activation_checkpointing,
-                                   replace(knobs, cache_blocks=pred.cache_blocks), pred, "replicated",
-                                   activation_policy=dict(step.activation_policy)))
-    return found, len(seen)
+        for variant in _cast_variants(step, knobs):
+            pred = predict(step, variant, hardware, pool_bytes=pool_bytes, activations_on_device=activations_on_device,
+                           host_budget_bytes=host_budget_bytes, overlap_host_optimizer=overlap_host_optimizer)
+            evaluated += 1
+            if pred is not None and _fits(step, variant, pred, pool_bytes, limit_bytes):
+                found.append(Candidate(step.chunk_size_numel, step.activation_checkpointing,
+                                       replace(variant, cache_blocks=pred.cache_blocks), pred, "replicated",
+                                       activation_policy=dict(step.activation_policy)))
+    return found, evaluated
 
 
 def _memory_not_binding(step: ChunkedStep, cand: Candidate) -> bool:
@@ -486,6 +498,10 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
         reasons.append("activation checkpointing on: without it the activations do not leave room for a faster plan")
     if k.prefetch_depth == 0 and best.data_parallel == "sharded":
         reasons.append("prefetch depth 0: copies do not overlap compute here, or blocks are better spent on caching")
+    if k.refresh_cast == "device":
+        reasons.append(f"refresh cast on the device: uploading the fp32 masters (twice the PCIe bytes, "
+                       f"{p.breakdown.get('refresh_staging', 0) / 2**20:.3g} MiB of device staging) beats casting them "
+                       "in the host lane here")
     if host_memory_bytes is not None:
         reasons.append(f"host bytes {p.host_bytes / gib:.3g} GiB per rank x {ranks_per_host} rank(s) per host fit "
                        f"in host memory {host_memory_bytes / gib:.3g} GiB")
@@ -495,6 +511,7 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
         resident_chunks=sorted(k.resident), device_shard_chunks=sorted(k.device_shard | k.resident),
         device_optim_chunks=sorted(k.device_optim), prefetch_depth=k.prefetch_depth,
         host_copy_chunks=sorted(set(range(best.num_chunks)) - set(k.resident)) if k.host_copies else [],
+        refresh_cast=k.refresh_cast if precision != "fp32" else "host",
         activation_checkpointing=best.activation_checkpointing, activation_policy=dict(best.activation_policy),
         predicted_step_s=float(p.step_s), predicted_peak_device_bytes=int(p.device_peak_bytes),
         activation_peak_bytes=_activation_room_bytes(
@@ -653,7 +670,7 @@ def brute_force_grid(profile: StepProfile, hardware: HardwareProfile, *, world_s
                      activations_on_device: bool = False, prefetch_depths: Iterable[int] = (0,),
                      optim_states: int = 2, activation_checkpointing: bool = False,
                      activation_policy: dict[str, str] | None = None) -> list[Candidate]:
-    """Every (resident prefix, device-shard prefix, device-optimizer prefix, prefetch) point that fits,
+    """Every (resident prefix, device-shard prefix, device-optimizer prefix, prefetch, refresh cast) point that fits,
     priced with the same pool as :func:`search` (for small models; used to check the search against
     exhaustive enumeration), at one chunk size and one ``activation_checkpointing`` setting. Sorted
     fastest first."""
@@ -674,12 +691,14 @@ def brute_force_grid(profile: StepProfile, hardware: HardwareProfile, *, world_s
             held = [c for c in order if c in shard]
             for no in range(len(held) + 1):
                 for depth in prefetch_depths:
-                    knobs = Knobs(resident=resident, device_shard=shard, device_optim=frozenset(held[:no]),
+                    point = Knobs(resident=resident, device_shard=shard, device_optim=frozenset(held[:no]),
                                   prefetch_depth=depth)
-                    pred = predict(step, knobs, hardware, pool_bytes=pool, activations_on_device=activations_on_device)
-                    if pred is not None and _fits(step, knobs, pred, pool, limit - act):
-                        out.append(Candidate(chunk_size_numel, step.activation_checkpointing,
-                                             replace(knobs, cache_blocks=pred.cache_blocks),
-                                             pred, activation_policy=dict(step.activation_policy)))
+                    for knobs in _cast_variants(step, point):  # the refresh cast on the host, and on the device
+                        pred = predict(step, knobs, hardware, pool_bytes=pool,
+                                       activations_on_device=activations_on_device)
+                        if pred is not None and _fits(step, knobs, pred, pool, limit - act):
+                            out.append(Candidate(chunk_size_numel, step.activation_checkpointing,
+                                                 replace(knobs, cache_blocks=pred.cache_blocks),
+                                                 pred, activation_policy=dict(step.activation_policy)))
     out.sort(key=lambda c: c.prediction.step_s)
     return out
