@@ -92,9 +92,9 @@ def _heap() -> dict:
 
 class _HostPeak:
     """The peak of RSS less the simulated device's model data held at that moment (what a GPU rank's host
-    pays: on a GPU those bytes are device memory). Model data = the device pool's charges plus the gradient
-    buffers it keeps for reuse (uncharged between backwards, [Note: buffer reuse] in
-    ``hf_elixir/chunk/manager.py``); constant between two pool charges or releases. So at every charge and
+    pays: on a GPU those bytes are device memory). Model data = the device pool's charges (the gradient
+    buffers kept for reuse included, [Note: buffer reuse] in ``hf_elixir/chunk/manager.py``); constant
+    between two pool charges or releases. So at every charge and
     release the kernel's high-water mark since the previous one (``VmHWM``, then reset through
     ``/proc/self/clear_refs``) less the model data held in between is a candidate. Activations and
     autograd's temporaries stay in (a GPU keeps them on the device too: a lower bound of the device's share).
@@ -115,8 +115,7 @@ class _HostPeak:
         self.pool.charge, self.pool.release = counted_charge, counted_release
 
     def device_bytes(self) -> int:
-        kept = sum(b.numel() * b.element_size() for bufs in self.manager._free_buffers.values() for b in bufs)
-        return self.pool.counters.device_used_bytes + kept
+        return self.pool.counters.device_used_bytes  # kept gradient buffers included ([Note: buffer reuse])
 
     def mark(self) -> None:
         hwm = _status("VmHWM")

@@ -81,8 +81,8 @@ def test_gradient_buffers_are_reused_off_cuda(single_rank_group):
     handed: list[set[int]] = []
     grad_buffer = manager.grad_buffer
 
-    def spy(numel, dtype, zero=True):
-        buffer = grad_buffer(numel, dtype, zero)
+    def spy(numel, dtype, what, zero=True):
+        buffer = grad_buffer(numel, dtype, what, zero)
         handed[-1].add(buffer.data_ptr())
         assert not zero or not buffer.any(), "a reused gradient buffer must start at zero"
         return buffer

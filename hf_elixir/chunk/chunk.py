@@ -596,7 +596,6 @@ class Chunk(ChunkBytes):
         with torch.no_grad(), strict.host_copies():
             host.copy_(self.grad_full)
         self.manager.counters.d2h_bytes += self.grad_full_bytes
-        self.manager.release_grad_bytes(self.grad_full_bytes)
         self.manager.recycle_buffer(self.grad_full)
         self.grad_full, self.grad_spill = None, host
 
@@ -604,8 +603,8 @@ class Chunk(ChunkBytes):
         """Bring a spilled gradient buffer back to the device (charged again, making room as any buffer does)."""
         host = self.grad_spill
         self.grad_spill = None
-        self.manager.charge_grad_bytes(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id} (spilled)")
-        self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype, zero=False)
+        self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype,
+                                                  f"gradient buffer of chunk {self.chunk_id} (spilled)", zero=False)
         with torch.no_grad(), strict.host_copies():
             self.grad_full.copy_(host)
         self.manager.counters.h2d_bytes += self.grad_full_bytes
@@ -632,8 +631,8 @@ class Chunk(ChunkBytes):
                     else:
                         target.add_(grad.reshape(-1), alpha=scale)
                 return
-            self.manager.charge_grad_bytes(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
-            self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype)
+            self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype,
+                                                      f"gradient buffer of chunk {self.chunk_id}")
         with torch.no_grad():
             target = self.grad_full[slot.offset:slot.offset + slot.numel]
             if self.replicate_group is None:
@@ -688,8 +687,8 @@ class Chunk(ChunkBytes):
             if self.world_size == 1 and self.replicate_group is None:
                 self._mark_reduced()  # no collective to join: adding zeros changes nothing
                 return None
-            self.manager.charge_grad_bytes(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id}")
-            self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype)
+            self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype,
+                                                      f"gradient buffer of chunk {self.chunk_id}")
         # [Note: reduce overlap] on CUDA, with the optimizer state on the device, the reduce-scatter and
         # the accumulation into the shard gradient run on the manager's reduce stream, overlapping the
         # rest of backward; record_stream keeps the caching allocator from reusing the buffers early and
@@ -704,9 +703,8 @@ class Chunk(ChunkBytes):
         with torch.no_grad(), stream_ctx():
             if self.world_size > 1:
                 shard_grad_bytes = self.grad_full_bytes // self.world_size
-                self.manager.charge_grad_bytes(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}",
-                                               keep=self)
-                out = self.manager.grad_buffer(self.shard_numel, self.grad_dtype, zero=False)
+                out = self.manager.grad_buffer(self.shard_numel, self.grad_dtype,
+                                               f"reduce-scatter output of chunk {self.chunk_id}", zero=False, keep=self)
                 work = reduce_scatter_single(out, grad_full, op=dist.ReduceOp.SUM, group=self.group,
                                              async_op=async_op)
                 counters.reduce_scatter_bytes += self.grad_full_bytes
@@ -732,7 +730,6 @@ class Chunk(ChunkBytes):
                 if stream is not None:
                     grad_full.record_stream(stream)
                     out.record_stream(stream)
-            self.manager.release_grad_bytes(shard_grad_bytes + self.grad_full_bytes)
             if shard_grad_bytes:
                 self.manager.recycle_buffer(out)
             self.manager.recycle_buffer(grad_full)

@@ -162,6 +162,7 @@ class ChunkManager:
         self._grad_staging: dict[int, torch.Tensor] = {}  # chunk id -> fp32 host [shard_numel]
         # off CUDA, gradient buffers whose reduce finished, kept for the next backward ([Note: buffer reuse])
         self._free_buffers: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        self.kept_buffer_bytes = 0  # their bytes, charged to the pool while kept
         self._offload_done: dict[int, object] = {}  # chunk id -> callable waiting for its last host add
         # ``on_grad_offloaded(chunk, staging, event)`` takes over a host gradient (the optimizer's host lane)
         # and may return a callable that waits until it has consumed ``staging``; ``host_fence(chunk)`` is
@@ -301,27 +302,73 @@ class ChunkManager:
         out of the resident set until first used, see [Note: zero pages] in ``host_blocks.py``)."""
         return strict.register_host(self.host.zeros(numel, dtype))
 
-    def grad_buffer(self, numel: int, dtype: torch.dtype, zero: bool = True) -> torch.Tensor:
-        """A device tensor ``[numel]`` of ``dtype`` for a gradient buffer or a reduce-scatter output (the caller
-        charges the pool): zero-filled unless ``zero`` is False.
+    def grad_buffer(self, numel: int, dtype: torch.dtype, what: str, zero: bool = True,
+                    keep: Chunk | None = None) -> torch.Tensor:
+        """A device tensor ``[numel]`` of ``dtype`` for a gradient buffer or a reduce-scatter output, charged to
+        the pool (counted for the backward gather prefetch's reserve, [Note: backward gather prefetch]) until
+        :meth:`recycle_buffer` takes it back; zero-filled unless ``zero`` is False.
 
         [Note: buffer reuse] On CUDA this is ``torch.zeros`` / ``torch.empty``: the caching allocator reuses
         freed blocks. Off CUDA a fresh tensor of a chunk's size is a new ``mmap`` every time, whose pages fault
         in as they are first written (~50-75 ms per 147 MiB buffer, each backward, for every chunk); the buffers
-        :meth:`recycle_buffer` got back are reused instead, as the caching allocator would (the pool still
-        charges a buffer only while it is in use; the ones kept are the same few the step's peak needed, and
-        they stay in host RAM between backwards, as DDP's gradient buckets do).
+        :meth:`recycle_buffer` got back are kept and reused instead, as the caching allocator would. A kept
+        buffer is device memory (it stays allocated), so it stays charged to the pool while kept
+        (``kept_buffer_bytes``; in ``device_used_bytes`` and its peak), and :meth:`make_room` drops kept
+        buffers before it finishes reduces or evicts a chunk: the pool never holds more than its budget, kept
+        buffers included (DESIGN.md: "The simulation must be as strict as the hardware"). Reusing a kept
+        buffer moves its charge from kept to in use (no new charge, no room to make).
+
+        Args:
+            numel: elements of the buffer.
+            dtype: its dtype (the chunk's gradient dtype).
+            what: what the buffer is for (named in a budget error).
+            zero: zero-fill it (a reduce-scatter output is written whole by the collective: ``False``).
+            keep: a chunk whose gradient buffer is being read and must not be spilled to make room
+                ([Note: gradient spill]).
+
+        Raises:
+            DeviceBudgetExceededError: nothing left to drop, finish or evict and still no room.
         """
+        nbytes = numel * dtype.itemsize
         free = self._free_buffers.get((numel, dtype))
         if free:
             buffer = free.pop()
-            return buffer.zero_() if zero else buffer
-        return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=self.compute_device)
+            self.kept_buffer_bytes -= nbytes  # its charge moves to the in-use gradient bytes
+            buffer = buffer.zero_() if zero else buffer
+        else:
+            self.make_room(nbytes, what, exclude={keep.chunk_id} if keep is not None else None)
+            self.pool.charge(nbytes, what)
+            buffer = (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=self.compute_device)
+        self._grad_live_bytes += nbytes
+        self._grad_peak_bytes = max(self._grad_peak_bytes, self._grad_live_bytes)
+        return buffer
 
     def recycle_buffer(self, buffer: torch.Tensor) -> None:
-        """Give back a :meth:`grad_buffer` tensor nothing reads any more ([Note: buffer reuse]; CUDA: dropped)."""
+        """Give back a :meth:`grad_buffer` tensor nothing reads any more: off CUDA it is kept for reuse, still
+        charged ([Note: buffer reuse]); on CUDA it is dropped and its bytes released."""
+        nbytes = buffer.numel() * buffer.element_size()
+        self._grad_live_bytes -= nbytes
         if self.compute_device.type != "cuda":
             self._free_buffers[(buffer.numel(), buffer.dtype)].append(buffer)
+            self.kept_buffer_bytes += nbytes
+        else:
+            self.pool.release(nbytes)
+
+    def drop_kept_buffers(self, nbytes: int | None = None) -> None:
+        """Free kept gradient buffers ([Note: buffer reuse]) and release their charge: until ``nbytes`` more
+        fit the pool (largest first), or all of them when ``nbytes`` is ``None``."""
+        for key in sorted(self._free_buffers, key=lambda k: k[0] * k[1].itemsize, reverse=True):
+            free = self._free_buffers[key]
+            while free and (nbytes is None or not self.pool.fits(nbytes)):
+                buffer = free.pop()
+                size = buffer.numel() * buffer.element_size()
+                del buffer
+                self.kept_buffer_bytes -= size
+                self.pool.release(size)
+            if not free:
+                del self._free_buffers[key]
+            if nbytes is not None and self.pool.fits(nbytes):
+                return
 
     def host_free(self, tensor: torch.Tensor) -> None:
         """Give back a tensor :meth:`host_empty` returned (drop every reference to it)."""
@@ -361,11 +408,15 @@ class ChunkManager:
         exclude = exclude or set()
         if self.pool.charges_activations and not self.pool.fits(nbytes):
             self.sync_activation_bytes()  # activations freed since the last count give their room back
-        while not self.pool.fits(nbytes) and self._pending:
-            self._finish_reduce()  # finishing an in-flight reduce frees its gradient buffers
+        while not self.pool.fits(nbytes) and (self.kept_buffer_bytes or self._pending):
+            if self.kept_buffer_bytes:
+                self.drop_kept_buffers(nbytes)  # kept for reuse only: the first to go ([Note: buffer reuse])
+            else:
+                self._finish_reduce()  # finishing an in-flight reduce frees (keeps) its gradient buffers
         while not self.pool.fits(nbytes):
             victim = self._victim(exclude)
             if victim is None and self._spill_a_grad(exclude):
+                self.drop_kept_buffers(nbytes)  # the spilled buffer is kept for reuse until dropped here
                 continue
             if victim is None:
                 try:
@@ -393,24 +444,6 @@ class ChunkManager:
         max(open_buffers, key=lambda c: (order.get(c.chunk_id, -1), c.chunk_id)).spill_grad()
         self.num_grad_spills += 1
         return True
-
-    def charge_grad_bytes(self, nbytes: int, what: str, keep: Chunk | None = None) -> None:
-        """Make room for and charge ``nbytes`` of a gradient buffer or reduce-scatter output (counted for the
-        backward gather prefetch's reserve, [Note: backward gather prefetch]); ``keep``: a chunk whose gradient
-        buffer is being read and must not be spilled ([Note: gradient spill]).
-
-        Raises:
-            DeviceBudgetExceededError: nothing left to evict or spill and still no room.
-        """
-        self.make_room(nbytes, what, exclude={keep.chunk_id} if keep is not None else None)
-        self.pool.charge(nbytes, what)
-        self._grad_live_bytes += nbytes
-        self._grad_peak_bytes = max(self._grad_peak_bytes, self._grad_live_bytes)
-
-    def release_grad_bytes(self, nbytes: int) -> None:
-        """Give back ``nbytes`` that :meth:`charge_grad_bytes` charged."""
-        self.pool.release(nbytes)
-        self._grad_live_bytes -= nbytes
 
     def describe(self) -> str:
         """What occupies the device, for error messages."""
@@ -474,9 +507,8 @@ class ChunkManager:
         end of backward and the step, where the tied embedding's gradients and the optimizer's work peak.
         Only for a chunk whole on one rank without a replica group: its refill is a local onload (no
         collective ranks could disagree on), and no gradient collective of it is in flight. With several
-        ranks the room freed here would keep more reduces in flight ([Note: late reduce waits]), whose buffers
-        off CUDA are kept for reuse outside the budget ([Note: buffer reuse]); not measured apart, so not
-        there."""
+        ranks the room freed here would keep more reduces in flight ([Note: late reduce waits]); not measured
+        apart, so not there."""
         if chunk.world_size != 1 or chunk.replicate_group is not None or not self.prev_trace:
             return False
         if not self._dead(chunk):
@@ -522,6 +554,8 @@ class ChunkManager:
                 fills_before += need
                 continue  # not this phase's, not allowed, or no room (see [Note: gather prefetch])
             dead_only = collective and self.backward_pending  # [Note: backward gather prefetch]
+            if self.kept_buffer_bytes and not self.pool.fits(need):
+                self.drop_kept_buffers(need)  # what the hook's make_room drops first too ([Note: buffer reuse])
             beyond = self._kept_until(keep, index) if collective and not dead_only and not self.pool.fits(need) else None
             while not self.pool.fits(need):
                 victim = self._dead_victim() if dead_only else self._victim(keep, beyond=beyond)
@@ -564,7 +598,9 @@ class ChunkManager:
         at = self.prev_grad_at
         reserve = max(0, max(peak for _, peak in at[pos:index + 1]) - self._grad_live_bytes)
         dead = sum(c.full_bytes for c in self.chunks if self._dead(c))
-        return self.pool.used_bytes + need + reserve <= self.pool.budget_bytes + dead
+        # kept gradient buffers ([Note: buffer reuse]) are room: the rise reuses them, make_room drops the rest
+        used = self.pool.used_bytes - self.kept_buffer_bytes
+        return used + need + reserve <= self.pool.budget_bytes + dead
 
     def gather_prefetch_allowed(self) -> bool:
         """Whether all-gathers may be issued ahead ([Note: gather prefetch]): with a pool that charges model

@@ -67,6 +67,7 @@ import torch
 from hf_elixir.chunk import strict
 from hf_elixir.chunk.memory import default_host_budget_bytes
 from hf_elixir.optim._inverse_adam import group_invertible, power_of_two, undo_adam_step
+from hf_elixir.optim._norms import pow_sum
 
 __all__ = ["HostLane", "scale_invertible", "snapshot_rollback", "speculates"]
 
@@ -257,7 +258,7 @@ class HostLane:
         if fp16:
             grad.mul_(1.0 / scale)
         found_inf = fp16 and not bool(torch.isfinite(grad).all())
-        self.prepared[cid] = _Prepared(found_inf, 0.0 if found_inf else float(grad.double().norm() ** 2))
+        self.prepared[cid] = _Prepared(found_inf, 0.0 if found_inf else float(pow_sum(grad, 2.0)))  # [Note: blockwise norms]
         views = [v for v in self._views[cid] if v.slot.flag_index in flags]
         stepped = not found_inf and bool(views)
         if found_inf:

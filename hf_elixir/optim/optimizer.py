@@ -29,6 +29,7 @@ from hf_elixir.chunk.chunk import Chunk, ParamSlot, refresh_staging_numel
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.config import ElixirConfig
 from hf_elixir.optim._host_state import HostStates
+from hf_elixir.optim._norms import max_abs, pow_sum
 from hf_elixir.optim._overlap import HostLane, snapshot_rollback, speculates
 from hf_elixir.optim._same_pass import SamePassTable, ViewTensors, group_runs_fused, step_and_cast
 from hf_elixir.optim._step_hooks import hooked_step, unhooked_step
@@ -504,14 +505,14 @@ class ElixirOptimizer(torch.optim.Optimizer):
         cached = self._kernel_sq_norms if norm_type == 2.0 else {}
         for cid, g in self.manager.grad_shards.items():
             if norm_type == float("inf"):
-                if g.numel():
-                    local = torch.maximum(local, g.abs().max().double().reshape(1).to(device, non_blocking=True))
+                if g.numel():  # blockwise ([Note: blockwise norms] in _norms.py)
+                    local = torch.maximum(local, max_abs(g).reshape(1).to(device, non_blocking=True))
                 continue
             host_sq = self._lane.host_sq_norm(cid) if self._lane is not None and norm_type == 2.0 else None
             if host_sq is not None:  # computed by the host lane during backward
                 local += host_sq / chunks[cid].norm_replicas
                 continue
-            part = cached[cid].double() if cid in cached else g.double().norm(norm_type) ** norm_type
+            part = cached[cid].double() if cid in cached else pow_sum(g, norm_type)  # [Note: blockwise norms]
             local += part.reshape(1).to(device, non_blocking=True) / chunks[cid].norm_replicas
         return local
 

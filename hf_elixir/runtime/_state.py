@@ -157,7 +157,8 @@ def memory_stats(model: torch.nn.Module) -> dict[str, int | float]:
     (uploads of updated parameters into device shards waited for at their first use), ``num_unshards``,
     ``num_prefetched_act_onloads`` / ``num_blocking_act_onloads`` (offloaded activations of one block call
     copied back ahead of its backward / when its backward first needs them),
-    ``device_budget_bytes`` (-1 = unlimited),
+    ``device_budget_bytes`` (-1 = unlimited), ``kept_grad_buffer_bytes`` (gradient buffers kept for the next
+    backward off CUDA, part of ``device_used_bytes``: [Note: buffer reuse] in ``hf_elixir/chunk/manager.py``),
     ``num_chunks``, ``chunk_size_numel``, ``loss_scale`` (float, when an optimizer is attached),
     ``gather_wait_s`` / ``reduce_wait_s`` (float seconds the training thread was blocked in all-gathers and
     in gradient reduce-scatters / all-reduces; ``step_*`` deltas too).
@@ -171,6 +172,7 @@ def memory_stats(model: torch.nn.Module) -> dict[str, int | float]:
     stats: dict[str, int | float] = dict(manager.counters.as_dict())
     stats.update(manager.last_step)
     stats["device_budget_bytes"] = -1 if manager.pool.budget_bytes is None else manager.pool.budget_bytes
+    stats["kept_grad_buffer_bytes"] = manager.kept_buffer_bytes
     stats["num_chunks"] = len(manager.chunks)
     stats["chunk_size_numel"] = max((c.chunk_numel for c in manager.chunks), default=0)
     if state.optimizer is not None:

@@ -23,7 +23,12 @@ the chunk manager's pool charges (``Chunk.materialize``, ``ElixirOptimizer._buil
 * activations are outside the pool; they count toward the device only when ``activations_on_device``;
 * off CUDA the manager issues gradient collectives asynchronously and finishes each one two reduces
   later (or when the pool needs the room, or at the end of backward): its gradient buffer (and
-  reduce-scatter output) stays charged until then.
+  reduce-scatter output) stays charged until then;
+* off CUDA the buffers a finished reduce frees are kept for the next backward, still charged, and dropped
+  first when the pool needs room ([Note: buffer reuse] in hf_elixir/chunk/manager.py): they never cause an
+  eviction or a finished reduce, only fill the pool. :func:`_kept_peak` replays them over the step's pool
+  events (buffers taken and freed, room made, peaks), from none kept and then from what one step left (the
+  steady state), and the model-data peak is the replay's.
 
 [Note: replicated data parallelism] (Elixir section 5: partition parameters only when memory requires
 it.) A replicated step (``ChunkedStep.replicate_world_size > 1``, :func:`build_chunked_step` with
@@ -492,6 +497,38 @@ def _backward_room(step: ChunkedStep, k: int, depth: int, cached: dict[int, int]
     return free + dead >= 0
 
 
+def _kept_peak(log: list[tuple], pool_bytes: int, kept: dict[int, int]) -> tuple[int, dict[int, int]]:
+    """Replay ``predict``'s pool events with the gradient buffers kept off CUDA ([Note: buffer reuse] in
+    hf_elixir/chunk/manager.py), starting from ``kept`` (buffer bytes -> how many): a buffer taken reuses a
+    kept one of its size (no room made), a freed one is kept, making room drops kept buffers (largest first)
+    before anything else. Returns the peak of the model's bytes plus the kept ones, and what is kept at the end."""
+    kept = dict(kept)
+    held = sum(size * count for size, count in kept.items())
+    peak = 0
+    reused = False
+    for event in log:
+        if event[0] == "take":
+            reused = kept.get(event[1], 0) > 0
+            if reused:
+                kept[event[1]] -= 1
+                held -= event[1]
+        elif event[0] == "free":
+            kept[event[1]] = kept.get(event[1], 0) + 1
+            held += event[1]
+        elif event[0] == "room":
+            if reused:  # the manager made no room for a reused buffer
+                continue
+            _, nbytes, used = event
+            for size in sorted(kept, reverse=True):
+                while kept[size] and used + held + nbytes > pool_bytes:
+                    kept[size] -= 1
+                    held -= size
+        else:
+            peak = max(peak, event[1] + held)
+            reused = False
+    return peak, kept
+
+
 def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_bytes: int | None = None,
             activations_on_device: bool = False, timeline: bool = False,
             overlap_host_optimizer: bool | None = None, host_budget_bytes: int | None = None) -> Prediction | None:
@@ -532,7 +569,10 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     # off CUDA a gradient collective finishes (frees its buffers) when the pool is short or backward's readers
     # wait for it, as in ChunkManager._reduce / make_room
     async_reduce = hardware.device_kind != "cuda" and (ws > 1 or step.replicated)
-    pending: list[tuple[int, int]] = []  # (bytes charged, of which gradient buffer) of unfinished reduces
+    pending: list[tuple[int, int, int]] = []  # (bytes charged, gradient buffer, reduce output) of unfinished reduces
+    # off CUDA finished buffers are kept ([Note: memory accounting]): the pool events _kept_peak replays
+    buffers_kept = hardware.device_kind != "cuda"
+    pool_log: list[tuple] = []
     # ChunkManager.reduce_window: no limit but the budget when every chunk stays on the device ([Note: reduce window])
     lane_in_backward = overlap_host_optimizer and any(
         step.trained_numels[c] and c not in knobs.device_optim for c in range(step.num_chunks))
@@ -588,14 +628,17 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
 
     def finish_reduce() -> None:
         nonlocal used, grad_live
-        nbytes, grad = pending.pop(0)
+        nbytes, grad, out = pending.pop(0)
         used -= nbytes
         grad_live -= grad
+        pool_log.extend(("free", size) for size in (grad, out) if size)
 
     def make_room(nbytes: int, pinned: tuple[int, ...], k: int) -> bool:
         nonlocal used, evictions, d2h_bytes
+        pool_log.append(("room", nbytes, used))
         while used + nbytes > pool_bytes and pending:
             finish_reduce()  # finishing an in-flight reduce frees its buffers first (ChunkManager.make_room)
+            pool_log.append(("room", nbytes, used))
         while used + nbytes > pool_bytes:
             victims = [c for c in cached if c not in pinned]
             if not victims:
@@ -641,6 +684,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             used += full
             cached[c] = full
             peak = max(peak, used + staging)
+            pool_log.append(("peak", used + staging))
             onloads += 1
             chunk_onloads[c] = chunk_onloads.get(c, 0) + 1
             copy_s = hardware.onload_fixed_s
@@ -685,11 +729,13 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 t_compute += nbytes / d2h_rate
         for c in arrive_at.get(k, []):
             g = step.chunk_numels[c] * step.grad_elem_bytes
+            pool_log.append(("take", g))
             if not make_room(g, group, k):
                 return None
             used += g
             grad_live += g
             peak = max(peak, used)
+            pool_log.append(("peak", used))
             t_compute += step.trained_numels[c] * 4 / local_rate  # gradients copied into the buffer
         grad_peak = max(grad_peak, grad_live)
         for c in reduce_at.get(k, []):
@@ -699,10 +745,12 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             reduce_s = 0.0
             if ws > 1:  # reduce-scatter into a charged output shard
                 out = g // ws
+                pool_log.append(("take", out))
                 if not make_room(out, group, k):
                     return None
                 used += out
                 peak = max(peak, used)
+                pool_log.append(("peak", used))
                 rs_bytes += g
                 reduce_s += g / rs_rate
             elif step.replicated:  # all-reduce in place
@@ -738,13 +786,16 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 lane_chunks.add(c)
             elif host_ready is not None:  # off CUDA: the lane shares the compute's cores, its copies add up
                 snapshot_serial_s += snapshot / host_copy_rate
-            pending.append((g + out, g))
+            pending.append((g + out, g, out))
             while pending and (not async_reduce or (window is not None and len(pending) > window)):
                 finish_reduce()
         if timeline:
             points.append((t_compute, used, f"{step.event_phase[k]}:{loaded} onloads"))
     while pending:  # the end of backward drains every in-flight reduce
         finish_reduce()
+    if buffers_kept:  # [Note: memory accounting]: the kept buffers fill the pool, the steady state's peak
+        _, kept = _kept_peak(pool_log, pool_bytes, {})
+        peak = max(peak, _kept_peak(pool_log, pool_bytes, kept)[0])
     fwd_bwd = max(t_compute, t_copy, t_reduce, t_act, t_gather, t_offload)  # backward joins the other streams
     compute_s = sum(step.event_compute_s)
     host_numel = dev_numel = 0
