@@ -66,7 +66,7 @@ def test_refinement_is_never_slower_nor_over_budget(profile, world_size, fractio
     assert floor_bytes(step, best.knobs) <= int(budget * 0.95)
     assert best.knobs.device_optim <= best.knobs.resident | best.knobs.device_shard
     # the refinement's priced configurations are counted, within its bound
-    assert plain.evaluated < result.evaluated <= plain.evaluated + 1000
+    assert plain.evaluated < result.evaluated <= plain.evaluated + max(500, min(1000, plain.evaluated))
 
 
 def test_refinement_is_deterministic_and_bounded(profile):

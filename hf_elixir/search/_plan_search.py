@@ -90,6 +90,10 @@ class SearchResult:
     best_by_mode: dict[str, Candidate] = field(default_factory=dict)  # fastest "sharded" / "replicated"
 
 
+#: the local refinement's default bound on priced configurations: as many as the grid priced, within these
+REFINE_MIN_PRICED, REFINE_MAX_PRICED = 500, 1000
+
+
 def _spread(lo: int, hi: int, count: int) -> list[int]:
     """At most ``count`` integers from ``lo`` to ``hi`` inclusive, denser near ``lo`` (log spacing)."""
     if hi <= lo:
@@ -302,7 +306,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
            max_alternatives: int = 4, optim_states: int = 2, data_parallel: str = "auto",
            replicated_placements: dict[str, str] | None = None, ranks_per_host: int | None = None,
            overlap_host_optimizer: bool | None = None, snapshot_rollback: bool = False,
-           refine_starts: int = 3, refine_max_priced: int = 1000) -> SearchResult:
+           refine_starts: int = 3, refine_max_priced: int | None = None) -> SearchResult:
     """Profile (if given a model) and search; see :func:`search_plan` for the arguments.
 
     Returns:
@@ -340,8 +344,9 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     per_host = _ranks_per_host(world_size, ranks_per_host)
     if not isinstance(refine_starts, int) or refine_starts < 0:
         raise ValueError(f"refine_starts={refine_starts!r} must be an int >= 0 (0: no local refinement)")
-    if not isinstance(refine_max_priced, int) or refine_max_priced < 0:
-        raise ValueError(f"refine_max_priced={refine_max_priced!r} must be an int >= 0 (0: no local refinement)")
+    if refine_max_priced is not None and (not isinstance(refine_max_priced, int) or refine_max_priced < 0):
+        raise ValueError(f"refine_max_priced={refine_max_priced!r} must be None or an int >= 0 (0: no local "
+                         "refinement)")
     found: list[Candidate] = []
     evaluated = over_host = 0
     size_reasons: dict[str, Callable[[int], str]] = {}
@@ -404,6 +409,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
             "a smaller batch or sequence, activation checkpointing, or a larger budget"
         )
     found.sort(key=lambda c: (c.prediction.step_s, c.prediction.device_peak_bytes))
+    if refine_max_priced is None:  # about what the grid priced (at least 500: a small grid says little here)
+        refine_max_priced = min(REFINE_MAX_PRICED, max(REFINE_MIN_PRICED, evaluated))
     if refine_starts and refine_max_priced:
         def step_for(mode: str, size: int, policy: dict[str, str] | None) -> StepBudget:
             key = (mode, size, _policy_key(policy))
@@ -538,8 +545,11 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
     if not act_on_device:
         reasons.append("activations are not counted in the device budget (the pool bounds model data only)")
     if best.activation_policy and policy_summary(best.activation_policy) != "keep":
-        reasons.append(f"activation policy {policy_summary(best.activation_policy)} blocks (first blocks in forward "
-                       f"order; activations {p.breakdown.get('activations', 0) / gib:.3g} GiB on the device): keeping "
+        blocks = list(best.activation_policy)  # forward order
+        moved = [b for b in blocks if best.activation_policy[b] != "keep"]
+        where = "first blocks in forward order" if moved == blocks[:len(moved)] else "blocks: " + ", ".join(moved)
+        reasons.append(f"activation policy {policy_summary(best.activation_policy)} blocks ({where}; "
+                       f"activations {p.breakdown.get('activations', 0) / gib:.3g} GiB on the device): keeping "
                        "every block's activations does not leave room for a faster plan")
     elif best.activation_checkpointing:
         reasons.append("activation checkpointing on: without it the activations do not leave room for a faster plan")
@@ -608,8 +618,9 @@ def search_plan(model_or_profile: Any, hardware: HardwareProfile, *, world_size:
             speculative updates the host lane undoes by the inverse update; ``True``: AMSGrad or another optimizer
             class, whose lane keeps snapshots, priced as copies and host bytes), ``refine_starts`` (default 3:
             hill-climb from the best 3 distinct candidates; 0: no local refinement) and ``refine_max_priced``
-            (default 1000: at most that many configurations priced by the refinement, all climbs together;
-            counted in ``SearchResult.evaluated``); [Note: local refinement] in ``_refine.py``.
+            (at most that many configurations priced by the refinement, all climbs together, counted in
+            ``SearchResult.evaluated``; default ``None``: as many as the grid before it priced, at least 500
+            and at most 1000; 0: no refinement); [Note: local refinement] in ``_refine.py``.
 
     Returns:
         the plan; ``plan.reasons`` says why.

@@ -32,8 +32,10 @@ point; stop when no move improves (a local optimum) or when ``max_priced`` confi
   grows or shrinks), alone and followed by the transfer's refill of each set with the bytes the policy frees
   or takes (the slack below the limit kept as it was).
 
-Each improvement lowers the predicted step strictly, so the climb ends; the order of moves and the
-tie-break (step seconds, then device peak bytes, then move order) are fixed, so the result is deterministic.
+Each improvement lowers the predicted step by more than a rounding error (relative ``TIE``), so the climb ends;
+the order of moves and the tie-break (step seconds within ``TIE``, then device peak bytes, then move order: a
+policy move that keeps the moved blocks first in forward order comes first) are fixed, so the result is
+deterministic.
 Points already priced (in any climb) are remembered and not priced again; ``max_priced`` counts only real
 calls to :func:`predict` (points ruled out by the fixed bytes alone are not priced, as in the search).
 Every accepted point passed the search's own fit checks, and the search keeps its starting candidates, so
@@ -54,6 +56,7 @@ from hf_elixir.search._cost import ChunkedStep, Knobs, Prediction, fixed_memory,
 __all__ = ["RefineContext", "StepBudget", "fits", "refine"]
 
 POLICY_KINDS = ("keep", "recompute", "offload")
+TIE = 1e-9  # step times this close (relative) are equal: the earlier move, or the lower device peak, wins
 
 
 @dataclass(frozen=True)
@@ -177,13 +180,16 @@ def _add(step: ChunkedStep, knobs: Knobs, which: str, c: int) -> Knobs | None:
 def _refill(step: ChunkedStep, knobs: Knobs, which: str, room_bytes: int, order: list[int], cache: dict,
             skip: int | None = None) -> Knobs:
     """Add chunks to ``which`` in ``order`` (not ``skip``) while the fixed bytes plus working set stay within
-    ``room_bytes``."""
+    ``room_bytes`` (up to the first that does not fit)."""
     for c in order:
         if c == skip:
             continue
         more = _add(step, knobs, which, c)
-        if more is not None and floor_bytes(step, more, cache) <= room_bytes:
-            knobs = more
+        if more is None:
+            continue
+        if floor_bytes(step, more, cache) > room_bytes:
+            break
+        knobs = more
     return knobs
 
 
@@ -222,7 +228,8 @@ def _knob_moves(step: ChunkedStep, knobs: Knobs, depths: tuple[int, ...]) -> lis
 
 def _policy_moves(policy: dict[str, str]) -> list[dict[str, str]]:
     """One block's kind changed: for each ``from -> to``, the first and the last block (forward order, the
-    mapping's order) of kind ``from``."""
+    mapping's order) of kind ``from``; the one that keeps the moved blocks first in forward order (the search's
+    shape) comes first, so that it wins ties."""
     blocks = list(policy)
     out: list[dict[str, str]] = []
     for old in POLICY_KINDS:
@@ -230,7 +237,8 @@ def _policy_moves(policy: dict[str, str]) -> list[dict[str, str]]:
         for new in POLICY_KINDS:
             if new == old or not having:
                 continue
-            for b in dict.fromkeys((having[0], having[-1])):
+            ends = (having[0], having[-1]) if old == "keep" else (having[-1], having[0])
+            for b in dict.fromkeys(ends):
                 out.append({**policy, b: new})
     return out
 
@@ -245,8 +253,12 @@ class _Point:
     knobs: Knobs
     prediction: Prediction
 
-    def rank(self) -> tuple[float, int]:
-        return (self.prediction.step_s, self.prediction.device_peak_bytes)
+    def better_than(self, other: _Point) -> bool:
+        """Faster by more than a rounding error (relative ``TIE``), or as fast with a lower device peak."""
+        mine, theirs = self.prediction.step_s, other.prediction.step_s
+        if abs(mine - theirs) > TIE * max(mine, theirs):
+            return mine < theirs
+        return self.prediction.device_peak_bytes < other.prediction.device_peak_bytes
 
 
 def _price(ctx: RefineContext, mode: str, size: int, policy: dict[str, str] | None, knobs: Knobs,
@@ -301,9 +313,9 @@ def _climb(ctx: RefineContext, start: _Point, max_priced: int) -> _Point:
             if pred is None:
                 continue
             cand = _Point(current.data_parallel, current.chunk_size_numel, policy, knobs, pred)
-            if best is None or cand.rank() < best.rank():
+            if best is None or cand.better_than(best):
                 best = cand
-        if best is None or best.prediction.step_s >= current.prediction.step_s:
+        if best is None or best.prediction.step_s >= current.prediction.step_s * (1 - TIE):
             break
         current = best
     return current
