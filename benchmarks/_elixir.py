@@ -47,10 +47,16 @@ def elixir_available() -> str:
     return f"hf_elixir has no {', '.join(missing)} yet (the core has not landed)" if missing else ""
 
 
+def _optimizer(model, spec) -> torch.optim.Optimizer:
+    """The optimizer every Elixir run of the benchmark trains with (the peers' AdamW settings); the plan search and
+    the budget floor are given it too, so they price its state bytes, not an assumed AdamW's."""
+    from benchmarks.peers import _ADAM_KW
+
+    return torch.optim.AdamW(model.parameters(), lr=spec.lr, **_ADAM_KW)
+
+
 def _prepare(model, spec, budget_bytes, plan=None, default_placement=None):
     import hf_elixir
-
-    from benchmarks.peers import _ADAM_KW
 
     if spec.device != "cpu":  # prepare() places parameters; non-parameter buffers go to the device here
         for module in model.modules():
@@ -63,8 +69,7 @@ def _prepare(model, spec, budget_bytes, plan=None, default_placement=None):
                                     chunk_size_numel=spec.options.get("chunk_size_numel"), plan=plan,
                                     default_placement=default_placement or spec.options.get("default_placement", "auto"),
                                     overlap_host_optimizer=spec.options.get("overlap_host_optimizer"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, **_ADAM_KW)
-    return hf_elixir.prepare(model, optimizer, config=config)
+    return hf_elixir.prepare(model, _optimizer(model, spec), config=config)
 
 
 def _probe(model, spec, budget_bytes, default_placement=None) -> tuple[bool, int | None, str]:
@@ -149,7 +154,7 @@ def _searched_plan(model, spec, budget_bytes, info: dict[str, Any]):
                                     default_placement=spec.options.get("default_placement", "auto"),
                                     overlap_host_optimizer=spec.options.get("overlap_host_optimizer"))
     start = time.perf_counter()
-    plan = auto_plan(model, {"input_ids": ids, "labels": ids}, config)
+    plan = auto_plan(model, {"input_ids": ids, "labels": ids}, config, optimizer=_optimizer(model, spec))
     model.zero_grad(set_to_none=True)
     info.update(search_s=round(time.perf_counter() - start, 2), plan_chunk_size_numel=plan.chunk_size_numel,
                 plan_resident_chunks=len(plan.resident_chunks), plan_device_shard_chunks=len(plan.device_shard_chunks),
@@ -166,12 +171,9 @@ def _library_min_budget(model, spec) -> int | None:
         return None
     import torch.distributed as dist
 
-    from benchmarks.peers import _ADAM_KW
-
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     config = hf_elixir.ElixirConfig(precision="fp32", chunk_size_numel=spec.options.get("chunk_size_numel"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, **_ADAM_KW)
-    return int(fn(model, optimizer, config=config, world_size=world_size))
+    return int(fn(model, _optimizer(model, spec), config=config, world_size=world_size))
 
 
 def setup_elixir(model, spec, rank):

@@ -180,7 +180,7 @@ def _activation_reserve(plan: ElixirPlan | None, config: ElixirConfig, charges_a
     return plan.activation_peak_bytes or 0
 
 
-def _resolve_plan(model, config: ElixirConfig, sample_batch) -> ElixirPlan | None:
+def _resolve_plan(model, config: ElixirConfig, sample_batch, optimizer=None) -> ElixirPlan | None:
     plan = load_plan(config)
     if plan is None and config.search == "auto":
         if sample_batch is None:
@@ -188,7 +188,7 @@ def _resolve_plan(model, config: ElixirConfig, sample_batch) -> ElixirPlan | Non
                              "hf_elixir.prepare(model, optimizer, config, sample_batch=batch)")
         from hf_elixir.search import auto_plan  # noqa: PLC0415 (optional heavy import)
 
-        plan = auto_plan(model, sample_batch, config)
+        plan = auto_plan(model, sample_batch, config, optimizer=optimizer)  # priced with its state bytes
     return plan
 
 
@@ -338,7 +338,7 @@ def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params
     budget, charges_activations = resolve_budget_bytes(config.device_memory_budget_bytes, device, None,
                                                        config.budget_covers_activations)
     config = _agree_budget(dataclasses.replace(config, device_memory_budget_bytes=budget), agree_group, device)
-    plan = agree_object(_resolve_plan(model, config, sample_batch), agree_group, device)
+    plan = agree_object(_resolve_plan(model, config, sample_batch, optimizer), agree_group, device)
     activation_bytes = _activation_reserve(plan, config, charges_activations)  # from the agreed plan
     world_size = dist.get_world_size(group) if group is not None else 1
     if len(params) != len(names):

@@ -86,6 +86,12 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: ``--optimizer`` -> the search's optimizer terms (``hf_elixir.optim.optimizer.optimizer_cost_terms`` of that
+#: optimizer): fp32 state elements per parameter element, and whether the host lane rolls back by snapshots
+OPTIMIZER_TERMS = {"adamw": (2, False), "adam": (2, False), "adamw-amsgrad": (3, True),
+                   "sgd-momentum": (1, True), "sgd": (0, True)}
+
+
 def _add_step_flags(parser: argparse.ArgumentParser) -> None:
     """The flags ``plan`` and ``profile`` share: what is trained and how the budget is counted (the same
     values give the same search, so both accept or both refuse a budget)."""
@@ -96,6 +102,9 @@ def _add_step_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activation-checkpointing", default="auto", choices=("auto", "on", "off"),
                         help="auto: the search decides (only when activations count in the budget)")
     parser.add_argument("--safety-margin", type=float, default=0.05, help="fraction of device memory kept free")
+    parser.add_argument("--optimizer", default="adamw", choices=tuple(OPTIMIZER_TERMS),
+                        help="the torch.optim optimizer trained with (its state bytes per parameter: Adam/AdamW 8, "
+                        "AMSGrad 12, SGD with momentum 4, plain SGD 0; default adamw)")
     on_device = parser.prog.endswith("plan")
     parser.add_argument("--activations-on-device", default=on_device, action=argparse.BooleanOptionalAction,
                         help="count activations in the device budget (a GPU's accounting; default for plan) or "
@@ -106,7 +115,9 @@ def _search(args: argparse.Namespace, profile, hardware, budget: int, **extra):
     """The search both commands run, from the shared flags (:func:`_add_step_flags`)."""
     from hf_elixir.search import search
 
+    optim_states, snapshot_rollback = OPTIMIZER_TERMS[args.optimizer]
     return search(profile, hardware, world_size=args.num_gpus, precision=args.precision,
+                  optim_states=optim_states, snapshot_rollback=snapshot_rollback,
                   device_memory_budget_bytes=budget, safety_margin=args.safety_margin,
                   activations_on_device=args.activations_on_device,
                   activation_checkpointing={"auto": None, "on": True, "off": False}[args.activation_checkpointing],

@@ -64,3 +64,48 @@ def rel_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def float_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A detached fp32 copy of ``model.state_dict()`` (parity references and snapshots between steps)."""
     return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+#: seconds every access event costs in a :func:`fixed_times` profile beyond its parameters' elements
+FIXED_EVENT_S = 30e-6
+#: seconds per parameter element an access event uses in a :func:`fixed_times` profile (backward: twice that)
+FIXED_NUMEL_S = 2e-8
+
+
+def fixed_times(profile, event_s: float = FIXED_EVENT_S, numel_s: float = FIXED_NUMEL_S):
+    """A copy of ``profile`` (a measured :class:`~hf_elixir.profiler.StepProfile`) whose measured seconds are
+    replaced by ones derived from the trace alone: each event takes ``event_s + numel_s * n`` seconds forward
+    and ``event_s + 2 * numel_s * n`` backward, ``n`` the elements of the parameters it uses; ``forward_s`` /
+    ``backward_s`` and the plain (untraced) times are the sums, so the cost model rescales nothing. The
+    defaults are the order of what a tiny GPT-2 step measures on one CPU thread (30-250 us per event).
+
+    Tests that check the search's decisions price with these (and a fixed ``HardwareProfile``, see
+    :func:`fixed_cpu_hardware`): a measured profile on a loaded machine changes which configuration wins.
+    Tests of the measurement itself keep measuring."""
+    import dataclasses
+
+    events = []
+    for e in profile.events:
+        numel = sum(profile.param_numels[i] for i in e.params)
+        events.append(dataclasses.replace(e, compute_s=event_s + numel_s * numel * (2 if e.phase == "bwd" else 1)))
+    fwd = sum(e.compute_s for e in events if e.phase == "fwd")
+    bwd = sum(e.compute_s for e in events if e.phase == "bwd")
+    return dataclasses.replace(profile, events=events, forward_s=fwd, backward_s=bwd, plain_forward_s=fwd,
+                               plain_backward_s=bwd)
+
+
+def fixed_cpu_hardware(budget_bytes: int = 2**30, **changes):
+    """A CPU :class:`~hf_elixir.profiler.HardwareProfile` with fixed rates (what ``probe_hardware`` measured on a
+    2-core test VM, rounded) and ``budget_bytes`` of device memory; ``changes`` override any field. For tests
+    that check the search's decisions instead of ``probe_hardware``, whose timings vary with the machine's load."""
+    import dataclasses
+
+    from hf_elixir.profiler import HardwareProfile
+
+    hw = HardwareProfile(hostname="test", device_name="cpu", device_kind="cpu", device_total_bytes=budget_bytes,
+                         device_free_bytes=budget_bytes, host_total_bytes=64 * 2**30,
+                         host_available_bytes=64 * 2**30, h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9,
+                         host_adam_numel_per_s=5e8, device_adam_numel_per_s=5e8, device_flops_per_s=2e9,
+                         device_fp32_flops_per_s=2e9, hook_event_s=40e-6, onload_fixed_s=60e-6,
+                         optim_tensor_s=6e-6, world_size=1, can_overlap=False)
+    return dataclasses.replace(hw, **changes)

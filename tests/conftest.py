@@ -1,8 +1,14 @@
 """Test set-up: CPU only, no hub access, Triton in interpreter mode (set before any @triton.jit runs),
 strict device simulation on (collectives over host memory and uncounted host<->device copies raise,
-[Note: strict device] in hf_elixir/chunk/strict.py; spawned ranks inherit it through the environment)."""
+[Note: strict device] in hf_elixir/chunk/strict.py; spawned ranks inherit it through the environment), and a
+hardware cache of this session's own (``HF_ELIXIR_CACHE_DIR``: a fresh temporary folder, removed at exit), so
+that no test reads rates another session or the user's own runs measured; a test may still point it elsewhere
+with ``monkeypatch.setenv``."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -11,19 +17,24 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["HF_ELIXIR_STRICT_DEVICE"] = "1"
+_CACHE_DIR = tempfile.mkdtemp(prefix="hf_elixir_test_cache_")
+os.environ["HF_ELIXIR_CACHE_DIR"] = _CACHE_DIR  # spawned ranks inherit it
+atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
 
 
 import pytest  # noqa: E402
 
 
 @pytest.fixture
-def single_rank_group():
-    """A one-rank gloo process group on a free port (torch.distributed APIs without spawning)."""
+def single_rank_group(monkeypatch):
+    """A one-rank gloo process group on a free port (torch.distributed APIs without spawning); the
+    ``MASTER_ADDR`` / ``MASTER_PORT`` it sets are undone after the test."""
     import torch.distributed as dist
 
     from tests._dist import free_port
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
     dist.destroy_process_group()

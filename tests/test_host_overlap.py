@@ -54,9 +54,9 @@ def _elixir(rank: int, world_size: int, accum: int, overlap: bool | None, placem
     if opt._lane is not None:
         step_views = opt._step_views
 
-        def spy(views):
+        def spy(views, hyper):
             in_backward.append(opt.manager.backward_pending)
-            step_views(views)
+            step_views(views, hyper)
         opt._step_views = spy
     skipped_unchanged = None
     masters_drift = None
@@ -191,7 +191,7 @@ def test_an_error_on_the_host_lane_surfaces_on_the_main_thread(single_rank_group
     model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(chunk_size_numel=CHUNK, offload_optimizer=True,
                                                                       overlap_host_optimizer=True))
 
-    def broken(self, views):
+    def broken(self, views, hyper):
         raise ValueError("injected host step failure")
     monkeypatch.setattr(ElixirOptimizer, "_step_views", broken)
     opt.backward(model(**batch("gpt2", 0, ROWS)).loss)

@@ -131,8 +131,14 @@ def _flags_worker(rank: int, world_size: int):
     delays = iter([0.0, DELAY_S])
 
     def late_merge():
-        if rank == 1:
-            time.sleep(next(delays))  # rank 1 reaches the flags' all-reduce late in the second step
+        delay = next(delays)
+        if delay:
+            # both ranks line up here first, so rank 1's sleep starts no earlier than rank 0 reaches its flags
+            # (without it, rank 1 could start the second backward ahead of rank 0 and spend the delay
+            # catching up, and a loaded machine could shrink rank 0's wait below the bound)
+            dist.barrier()
+            if rank == 1:
+                time.sleep(delay)  # rank 1 reaches the flags' all-reduce late in the second step
         merge()
     manager._merge_flags = late_merge
     waits = []
@@ -146,6 +152,8 @@ def _flags_worker(rank: int, world_size: int):
 
 
 def test_flags_all_reduce_wait_is_timed_at_two_ranks():
-    """Rank 0 waits for rank 1's late flags: that wait is a blocked gradient collective and is counted."""
+    """Rank 0 waits for rank 1's late flags: that wait is a blocked gradient collective and is counted. A lower
+    bound from an injected sleep (after a barrier): rank 0 only issues its flags and the last reduce and enters
+    the step between the barrier and the wait, far less than half the delay even on a loaded machine."""
     waits = run_distributed(_flags_worker, 2, timeout_s=300)
     assert waits[0][1] >= 0.5 * DELAY_S, waits

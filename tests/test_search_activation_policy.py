@@ -17,7 +17,7 @@ from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
 from hf_elixir.search import build_chunked_step, predict, search
 from hf_elixir.search._activation_cost import activation_bytes, profile_blocks
 from hf_elixir.search._cost import Knobs
-from tests._models import batch, tiny_model
+from tests._models import batch, fixed_times, tiny_model
 
 GIB = 2**30
 H = [f"transformer.h.{i}" for i in range(12)]
@@ -133,7 +133,7 @@ def test_searched_policy_runs_in_prepare():
     """``search="auto"`` with activations on the device: the plan's policy is what the model runs."""
     model = tiny_model("gpt2")
     sample = batch("gpt2", 0, 2)
-    profile = profile_step(model, sample, device="cpu")
+    profile = fixed_times(profile_step(model, sample, device="cpu"))  # the search's choice: no measured times
     hw = dataclasses.replace(_gpu(10**9), device_kind="cpu", can_overlap=False, device_flops_per_s=1e10)
     keep = build_chunked_step(profile, 8192, world_size=1, precision="fp32", hardware=hw,
                               activation_policy={b: "keep" for b in profile_blocks(profile)})

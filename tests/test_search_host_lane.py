@@ -10,7 +10,7 @@ import pytest
 from hf_elixir.profiler import HardwareProfile, profile_step
 from hf_elixir.search import build_chunked_step, predict, search
 from hf_elixir.search._cost import Knobs
-from tests._models import batch, tiny_model
+from tests._models import batch, fixed_times, tiny_model
 
 GIB = 2**30
 
@@ -25,7 +25,8 @@ def _hardware(kind: str) -> HardwareProfile:
 
 @pytest.fixture(scope="module")
 def profile():
-    return profile_step(tiny_model("gpt2"), batch("gpt2", 0, 2, seq=8), device="cpu", count_flops=True)
+    # fixed per-event seconds: the search's choice below must not hang on this machine's load
+    return fixed_times(profile_step(tiny_model("gpt2"), batch("gpt2", 0, 2, seq=8), device="cpu", count_flops=True))
 
 
 def _host_optimizer_step(profile, hardware, snapshot_rollback=True):
@@ -127,3 +128,79 @@ def test_auto_plan_passes_the_config_setting(monkeypatch):
         _plan_search.auto_plan(model, sample, ElixirConfig(device_memory_budget_bytes=GIB, overlap_host_optimizer=value),
                                hardware=_hardware("cpu"))
     assert seen == [None, False, True]
+
+
+def test_optimizer_cost_terms_follow_the_optimizer():
+    """The search's optimizer terms come from the user's optimizer: state elements per parameter element (x 4
+    bytes) and whether the host lane keeps snapshots ([Note: inverse rollback])."""
+    import torch
+
+    from hf_elixir import ElixirConfig, LossScalePolicy
+    from hf_elixir.optim.optimizer import optimizer_cost_terms
+
+    params = tiny_model("gpt2").parameters
+    fp32 = ElixirConfig()
+    cases = {"adamw": (torch.optim.AdamW(params()), 2, False),
+             "adam": (torch.optim.Adam(params()), 2, False),
+             "amsgrad": (torch.optim.AdamW(params(), amsgrad=True), 3, True),
+             "sgd-momentum": (torch.optim.SGD(params(), lr=0.1, momentum=0.9), 1, True),
+             "sgd": (torch.optim.SGD(params(), lr=0.1), 0, True)}
+    for name, (opt, states, snapshots) in cases.items():
+        assert optimizer_cost_terms(opt, fp32) == {"optim_states": states, "snapshot_rollback": snapshots}, name
+    adamw = cases["adamw"][0]
+    assert optimizer_cost_terms(None, fp32) == {"optim_states": 2, "snapshot_rollback": False}
+    assert not optimizer_cost_terms(adamw, ElixirConfig(precision="fp16"))["snapshot_rollback"]
+    odd_scale = ElixirConfig(precision="fp16", loss_scale=LossScalePolicy(backoff_factor=0.3))
+    assert optimizer_cost_terms(adamw, odd_scale)["snapshot_rollback"], "fp16 unscale not exactly invertible"
+
+
+def test_auto_plan_prices_the_users_optimizer(monkeypatch):
+    """``auto_plan(..., optimizer=)`` hands the optimizer's terms to the search (``None``: AdamW's), and they change
+    the plan: at one budget, fewer optimizer state bytes leave room for more device optimizer chunks."""
+    import torch
+
+    from hf_elixir import ElixirConfig
+    from hf_elixir.search import _plan_search
+
+    seen = []
+    real = _plan_search.search
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("optim_states"), kwargs.get("snapshot_rollback")))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(_plan_search, "search", spy)
+    model, sample = tiny_model("gpt2"), batch("gpt2", 0, 2, seq=8)
+    numel = sum(p.numel() for p in model.parameters())
+    config = ElixirConfig(device_memory_budget_bytes=16 * numel, chunk_size_numel=4096, budget_covers_activations=False)
+    device_optim = {}
+    for name, opt in (("none", None), ("adamw", torch.optim.AdamW(model.parameters())),
+                      ("sgd-momentum", torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)),
+                      ("sgd", torch.optim.SGD(model.parameters(), lr=0.1))):
+        plan = _plan_search.auto_plan(model, sample, config, hardware=_hardware("cuda"), optimizer=opt)
+        device_optim[name] = len(plan.device_optim_chunks)
+    assert seen == [(2, False), (2, False), (1, True), (0, True)]
+    assert device_optim["none"] == device_optim["adamw"] < device_optim["sgd-momentum"] < device_optim["sgd"], device_optim
+
+
+def test_prepare_search_auto_gives_auto_plan_the_optimizer(single_rank_group, monkeypatch):
+    """``prepare(model, SGD, ElixirConfig(search="auto"))`` prices SGD (0 state bytes, snapshots), not AdamW."""
+    import torch
+
+    import hf_elixir
+    from hf_elixir.search import _plan_search
+
+    seen = []
+    real = _plan_search.search
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("optim_states"), kwargs.get("snapshot_rollback")))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(_plan_search, "search", spy)
+    monkeypatch.setattr("hf_elixir.profiler.probe_hardware", lambda *a, **k: _hardware("cpu"))
+    model = tiny_model("gpt2")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(search="auto", device_memory_budget_bytes=GIB),
+                                   sample_batch=batch("gpt2", 0, 2, seq=8))
+    assert seen == [(0, True)]
+    opt.backward(model(**batch("gpt2", 1, 2, seq=8)).loss)
+    opt.step()

@@ -1,5 +1,7 @@
 """Searched plans against the real chunk manager: they run, keep the budget, and the cost model's
-memory/traffic accounting equals what ``memory_stats`` counts; ``search="auto"`` end to end."""
+memory/traffic accounting equals what ``memory_stats`` counts; ``search="auto"`` end to end. The search is fed
+fixed times (``tests/_models.fixed_times`` and ``fixed_cpu_hardware``, also inside ``auto_plan``), so the plan it
+picks does not depend on this machine's load; memory and traffic are what is checked against the runtime."""
 
 import pytest
 import torch
@@ -7,16 +9,28 @@ import torch
 import hf_elixir
 from hf_elixir import ElixirConfig
 from hf_elixir.chunk.packing import pack_chunks
-from hf_elixir.profiler import probe_hardware, profile_step
-from hf_elixir.search import auto_plan, search
+from hf_elixir.profiler import profile_step
+from hf_elixir.search import _plan_search, auto_plan, search
 from hf_elixir.search._cost import activation_bytes
 
-from _models import batch, tiny_model
+from _models import batch, fixed_cpu_hardware, fixed_times, tiny_model
 
 
 @pytest.fixture(scope="module")
-def hardware(tmp_path_factory):
-    return probe_hardware(cache_path=tmp_path_factory.mktemp("hw") / "hardware.json", repeats=2)
+def hardware():
+    return fixed_cpu_hardware()
+
+
+def _fixed_auto_plan_inputs(set_attr) -> None:
+    """Make ``auto_plan`` (and so ``prepare(search="auto")``) price with fixed times: its profile of the step
+    through :func:`fixed_times`, its hardware probe replaced by :func:`fixed_cpu_hardware` (``set_attr``:
+    ``monkeypatch.setattr``, or the builtin ``setattr`` in a spawned rank, whose modules are its own)."""
+    import hf_elixir.profiler
+
+    profile_for = _plan_search._profile_for
+    set_attr(_plan_search, "_profile_for", lambda *args, **kwargs: fixed_times(profile_for(*args, **kwargs)))
+    set_attr(hf_elixir.profiler, "probe_hardware", lambda *args, budget_bytes=None, **kwargs: fixed_cpu_hardware(
+        **({} if budget_bytes is None else {"budget_bytes": budget_bytes})))
 
 
 def _numel(model):
@@ -27,7 +41,7 @@ def _numel(model):
 @pytest.mark.parametrize("fraction", [0.9, 1.4, 3.0])
 def test_searched_plan_runs_in_budget_and_memory_is_predicted_exactly(kind, fraction, hardware):
     model = tiny_model(kind)
-    profile = profile_step(model, batch(kind, 0, 4, 16), repeats=2)
+    profile = fixed_times(profile_step(model, batch(kind, 0, 4, 16)))
     budget = int(_numel(model) * 4 * fraction)
     result = search(profile, hardware, precision="fp32", device_memory_budget_bytes=budget)
     plan, pred = result.plan, result.best.prediction
@@ -53,7 +67,7 @@ def test_searched_plan_runs_in_budget_and_memory_is_predicted_exactly(kind, frac
 
 
 def test_tighter_budgets_trade_memory_for_onloads(hardware):
-    profile = profile_step(tiny_model("gpt2"), batch("gpt2", 0, 4, 16), repeats=1)
+    profile = fixed_times(profile_step(tiny_model("gpt2"), batch("gpt2", 0, 4, 16)))
     numel = _numel(tiny_model("gpt2"))
     preds = [search(profile, hardware, device_memory_budget_bytes=int(numel * 4 * f), chunk_size_numel=5120).best
              .prediction for f in (0.9, 1.4, 3.0)]
@@ -62,8 +76,8 @@ def test_tighter_budgets_trade_memory_for_onloads(hardware):
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "opt"])
-def test_search_auto_in_prepare_trains_within_budget(kind, monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_ELIXIR_CACHE_DIR", str(tmp_path))
+def test_search_auto_in_prepare_trains_within_budget(kind, monkeypatch):
+    _fixed_auto_plan_inputs(monkeypatch.setattr)
     model = tiny_model(kind)
     sample = batch(kind, 0, 4, 16)
     # the budget covers activations (the default): 0.6x the parameters' bytes for model data beside the
@@ -71,7 +85,7 @@ def test_search_auto_in_prepare_trains_within_budget(kind, monkeypatch, tmp_path
     # Keeping every block's activations does not fit even with all model data offloaded (checked below), so
     # the search must recompute or offload some blocks (with 1.2x the parameters' bytes, offloading model
     # data made room for keeping them all, and the search rightly chose that)
-    profile = profile_step(tiny_model(kind), sample, repeats=1)
+    profile = fixed_times(profile_step(tiny_model(kind), sample))
     temp = max(profile.param_numels) * 4
     activation_room = activation_bytes(profile, "fp32", True) + temp
     budget = int((_numel(model) * 4 * 0.6 + activation_room) / 0.95)
@@ -125,25 +139,23 @@ STEPS = 4
 ROWS_PER_RANK = 2
 
 
-def _replicated_worker(rank: int, world_size: int, cache_dir: str):
+def _replicated_worker(rank: int, world_size: int):
     # tight: params + gradient buffers fit, optimizer states do not; roomy: small chunks whose in-flight
     # gradient all-reduces (finished two chunks later off CUDA) raise the peak, which must be predicted
-    return [_replicated_run(rank, world_size, cache_dir, chunk, factor)
+    _fixed_auto_plan_inputs(setattr)
+    return [_replicated_run(rank, world_size, chunk, factor)
             for chunk, factor in ((None, 2.2), (8192, 2.2), (8192, 20.0))]
 
 
-def _replicated_run(rank: int, world_size: int, cache_dir: str, chunk_size_numel: int | None, budget_factor: float):
-    """Search (auto_plan) a plan for tiny GPT-2 at ``budget_factor`` x its fp32 parameter bytes, with
-    all-gather / reduce-scatter priced slow (so the choice does not hang on this machine's timings),
-    prepare it, train and return what the test checks."""
-    import dataclasses
-
+def _replicated_run(rank: int, world_size: int, chunk_size_numel: int | None, budget_factor: float):
+    """Search (auto_plan) a plan for tiny GPT-2 at ``budget_factor`` x its fp32 parameter bytes, with fixed
+    times and all-gather / reduce-scatter priced 100x slower than all-reduce (so the choice does not hang on
+    this machine's timings; the probe at two ranks is tests/test_profiler_hardware.py's), prepare it, train
+    and return what the test checks."""
     import torch.distributed as dist
 
-    hw = probe_hardware(cache_path=f"{cache_dir}/hw{rank}.json", size_bytes=2**20, repeats=1)
-    assert hw.world_size == world_size and hw.allreduce_bytes_per_s > 0
-    hw = dataclasses.replace(hw, allgather_bytes_per_s=hw.allreduce_bytes_per_s / 100,
-                             reduce_scatter_bytes_per_s=hw.allreduce_bytes_per_s / 100)
+    hw = fixed_cpu_hardware(world_size=world_size, allreduce_bytes_per_s=1e9, allgather_bytes_per_s=1e7,
+                            reduce_scatter_bytes_per_s=1e7)
     model = tiny_model("gpt2")
     numel = _numel(model)
     budget = int(numel * 4 * budget_factor)
@@ -184,11 +196,11 @@ def _plain_reference(world_size: int):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_searched_replicated_plan_trains_like_pytorch_within_budget(tmp_path):
+def test_searched_replicated_plan_trains_like_pytorch_within_budget():
     from _dist import run_distributed
     from _models import rel_l2
 
-    results = run_distributed(_replicated_worker, 2, str(tmp_path), timeout_s=300)
+    results = run_distributed(_replicated_worker, 2, timeout_s=300)
     ref_losses, ref_state = _plain_reference(2)
     runs = [(rank, run) for rank, per_rank in enumerate(results) for run in per_rank]
     # 8192-element chunks give 6; with chunk_size_numel=None the search sizes the replicated buckets itself

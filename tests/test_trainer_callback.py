@@ -146,3 +146,39 @@ def test_bf16_training_arguments_select_elixir_bf16(tmp_path):
     with pytest.raises(ValueError, match="disagrees"):
         Trainer(model, TrainingArguments(str(tmp_path), fp16=False, bf16=True, use_cpu=True, report_to=[]),
                 train_dataset=data, callbacks=[ElixirCallback(ElixirConfig(precision="fp16"))])
+
+
+def test_trainer_and_plugin_log_the_same_settings_line(tmp_path, caplog):
+    """Both integrations log one line with the ElixirConfig fields that differ from the defaults
+    (``hf_elixir.integrations._binding.config_summary``), from the one call both go through: the Trainer
+    callback's line and the accelerate plugin's carry the same settings."""
+    import logging
+
+    import torch
+    from accelerate import Accelerator
+    from transformers import Trainer, TrainingArguments
+
+    from hf_elixir import ElixirConfig
+    from hf_elixir.integrations import ElixirCallback, ElixirPlugin
+    from tests._models import VOCAB, tiny_model
+
+    config = ElixirConfig(chunk_size_numel=4096, offload_optimizer=True)
+    settings = "chunk_size_numel=4096, offload_optimizer=True"
+
+    def lines() -> list[str]:
+        found = [r.getMessage() for r in caplog.records if r.getMessage().startswith("hf_elixir: ElixirConfig from")]
+        caplog.clear()
+        return found
+
+    caplog.set_level(logging.INFO, logger="hf_elixir")
+    data = [{"input_ids": t, "labels": t} for t in torch.randint(0, VOCAB, (4, 12))]
+    args = TrainingArguments(str(tmp_path), max_steps=1, per_device_train_batch_size=2, use_cpu=True,
+                             report_to=[], save_strategy="no", disable_tqdm=True)
+    Trainer(tiny_model("gpt2"), args, train_dataset=data, callbacks=[ElixirCallback(config)]).train()
+    trainer_lines = lines()
+    assert trainer_lines == [f"hf_elixir: ElixirConfig from ElixirCallback(config=...): {settings}"], trainer_lines
+
+    model = tiny_model("gpt2")
+    ElixirPlugin(config=config).prepare(Accelerator(cpu=True), model, torch.optim.AdamW(model.parameters()))
+    plugin_lines = lines()
+    assert plugin_lines == [f"hf_elixir: ElixirConfig from ElixirPlugin(config=...): {settings}"], plugin_lines

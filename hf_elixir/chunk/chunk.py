@@ -178,6 +178,9 @@ class Chunk(ChunkBytes):
         self.dirty = False
         # gradients
         self.grad_full: torch.Tensor | None = None
+        # [Note: gradient spill] in manager.py: a partial gradient buffer moved to the host (None: not spilled)
+        self.grad_spill: torch.Tensor | None = None
+        self._grad_spill_host: torch.Tensor | None = None  # its host buffer, kept for the next spill
         self.reduced_this_backward = False
         self.used_slots: set[int] = set()
         self.subtree_only = False  # only MoE-expert (subtree unit) parameters: see [Note: idle experts]
@@ -549,8 +552,34 @@ class Chunk(ChunkBytes):
         self.grad_zero_pending = False
         self._grad_written.clear()
 
+    def spill_grad(self) -> None:
+        """Move the partial gradient buffer to the host and free its device bytes ([Note: gradient spill] in
+        ``manager.py``); :meth:`_restore_grad` brings it back before the next gradient or the reduce."""
+        assert self.grad_full is not None and self.grad_spill is None, f"chunk {self.chunk_id}: nothing to spill"
+        host = self._grad_spill_host
+        if host is None:
+            host = self._grad_spill_host = self.manager.host_empty(self.chunk_numel, self.grad_dtype)
+        with torch.no_grad(), strict.host_copies():
+            host.copy_(self.grad_full)
+        self.manager.counters.d2h_bytes += self.grad_full_bytes
+        self.manager.release_grad_bytes(self.grad_full_bytes)
+        self.manager.recycle_buffer(self.grad_full)
+        self.grad_full, self.grad_spill = None, host
+
+    def _restore_grad(self) -> None:
+        """Bring a spilled gradient buffer back to the device (charged again, making room as any buffer does)."""
+        host = self.grad_spill
+        self.grad_spill = None
+        self.manager.charge_grad_bytes(self.grad_full_bytes, f"gradient buffer of chunk {self.chunk_id} (spilled)")
+        self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype, zero=False)
+        with torch.no_grad(), strict.host_copies():
+            self.grad_full.copy_(host)
+        self.manager.counters.h2d_bytes += self.grad_full_bytes
+
     def accumulate_grad(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         """Add ``grad`` (shape ``slot.shape``) into the chunk's gradient buffer."""
+        if self.grad_spill is not None:
+            self._restore_grad()
         if self.grad_full is None:
             direct = self.direct_grad_shard()
             if direct is not None:
@@ -602,6 +631,8 @@ class Chunk(ChunkBytes):
         """
         counters = self.manager.counters
         self.settle_grad_zero()  # the collective and the accumulation below read the whole shard
+        if self.grad_spill is not None:
+            self._restore_grad()
         direct = self.direct_grad_shard() if self.grad_full is None else None
         if direct is not None:  # gradients are already in the optimizer's shard
             self._mark_reduced()
@@ -639,7 +670,8 @@ class Chunk(ChunkBytes):
         with torch.no_grad(), stream_ctx():
             if self.world_size > 1:
                 shard_grad_bytes = self.grad_full_bytes // self.world_size
-                self.manager.charge_grad_bytes(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}")
+                self.manager.charge_grad_bytes(shard_grad_bytes, f"reduce-scatter output of chunk {self.chunk_id}",
+                                               keep=self)
                 out = self.manager.grad_buffer(self.shard_numel, self.grad_dtype, zero=False)
                 work = reduce_scatter_single(out, grad_full, op=dist.ReduceOp.SUM, group=self.group,
                                              async_op=async_op)

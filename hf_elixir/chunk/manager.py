@@ -191,6 +191,7 @@ class ChunkManager:
         # access of this / the previous step's trace: (bytes at it, peak since the access before it)
         # ([Note: backward gather prefetch])
         self._grad_live_bytes = 0
+        self.num_grad_spills = 0  # gradient buffers moved to the host for room ([Note: gradient spill])
         self._grad_peak_bytes = 0
         self._grad_at: list[tuple[int, int]] = []
         self.prev_grad_at: list[tuple[int, int]] = []
@@ -364,6 +365,8 @@ class ChunkManager:
             self._finish_reduce()  # finishing an in-flight reduce frees its gradient buffers
         while not self.pool.fits(nbytes):
             victim = self._victim(exclude)
+            if victim is None and self._spill_a_grad(exclude):
+                continue
             if victim is None:
                 try:
                     self.pool.charge(nbytes, what)  # raises with the numbers
@@ -371,14 +374,35 @@ class ChunkManager:
                     raise DeviceBudgetExceededError(f"{err}. Device holds: {self.describe()}") from None
             victim.reshard()
 
-    def charge_grad_bytes(self, nbytes: int, what: str) -> None:
+    def _spill_a_grad(self, exclude: set[int]) -> bool:
+        """[Note: gradient spill] A chunk's gradient buffer lives from its first gradient to its reduce, and a chunk
+        whose parameters are used far apart in forward (packing follows registration order, which is not always
+        the order of use: OPT registers the decoder's ``final_layer_norm`` between the position embedding and the
+        first layer) keeps it through most of backward, beside the buffers of the chunks in between: three or
+        more at once, where the budget floor (``device_floor_bytes``: two adjacent units and two gradient
+        buffers) and the cost model count two. When nothing is left to evict, the partial buffer of the chunk
+        reduced last (the one needed farthest ahead) goes to the host instead (:meth:`Chunk.spill_grad`) and
+        comes back before its next gradient or its reduce: rank-local copies, the same collectives in the same
+        order. So a step runs within the floor. Returns whether a buffer was spilled."""
+        if not self.backward_pending:
+            return False
+        order = {c.chunk_id: i for i, c in enumerate(self._reduce_order)}
+        open_buffers = [c for c in self.chunks if c.grad_full is not None and c.chunk_id not in exclude]
+        if not open_buffers:
+            return False
+        max(open_buffers, key=lambda c: (order.get(c.chunk_id, -1), c.chunk_id)).spill_grad()
+        self.num_grad_spills += 1
+        return True
+
+    def charge_grad_bytes(self, nbytes: int, what: str, keep: Chunk | None = None) -> None:
         """Make room for and charge ``nbytes`` of a gradient buffer or reduce-scatter output (counted for the
-        backward gather prefetch's reserve, [Note: backward gather prefetch]).
+        backward gather prefetch's reserve, [Note: backward gather prefetch]); ``keep``: a chunk whose gradient
+        buffer is being read and must not be spilled ([Note: gradient spill]).
 
         Raises:
-            DeviceBudgetExceededError: nothing left to evict and still no room.
+            DeviceBudgetExceededError: nothing left to evict or spill and still no room.
         """
-        self.make_room(nbytes, what)
+        self.make_room(nbytes, what, exclude={keep.chunk_id} if keep is not None else None)
         self.pool.charge(nbytes, what)
         self._grad_live_bytes += nbytes
         self._grad_peak_bytes = max(self._grad_peak_bytes, self._grad_live_bytes)
@@ -401,6 +425,8 @@ class ChunkManager:
                 held.append("shard")
             if c.grad_full is not None:
                 held.append("grad buffer")
+            elif c.grad_spill is not None:
+                held.append("grad buffer spilled to host")
             if held:
                 parts.append(f"chunk {c.chunk_id}: {'+'.join(held)}")
         return "; ".join(parts) or "no chunk data"
@@ -714,7 +740,7 @@ class ChunkManager:
 
     def _reduce(self, chunk: Chunk) -> None:
         before, started = self.counters.reduce_scatter_bytes, time.perf_counter()
-        in_place = chunk.grad_full is None and chunk.direct_grad_shard() is not None
+        in_place = chunk.grad_full is None and chunk.grad_spill is None and chunk.direct_grad_shard() is not None
         finish = chunk.reduce_scatter_grad(self.grad_shards[chunk.chunk_id], async_op=self.async_reduce)
         collective = self.counters.reduce_scatter_bytes != before  # one rank, not replicated: a local add
         if collective:
@@ -842,7 +868,7 @@ class ChunkManager:
         # a gradient that arrived after its chunk was reduced (a parameter used in two reentrant
         # checkpoint segments) is reduced once more; structural, so every rank does the same
         for chunk in self._reduce_order:
-            if chunk.grad_full is not None:
+            if chunk.grad_full is not None or chunk.grad_spill is not None:
                 self._reduce(chunk)
         if not self.async_reduce:
             self.drain_reduces()

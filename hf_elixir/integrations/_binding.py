@@ -52,9 +52,11 @@ from typing import Any, Iterable
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
 
+from hf_elixir._logging import info_on_main_rank
 from hf_elixir.runtime._state import is_prepared
 
-__all__ = ["ElixirAcceleratedOptimizer", "binding_of", "elixir_prepare", "merge_precision", "rebind_optimizer"]
+__all__ = ["ElixirAcceleratedOptimizer", "binding_of", "config_summary", "elixir_prepare", "merge_precision",
+           "rebind_optimizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +257,28 @@ def rebind_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, c
     return existing
 
 
-def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config, checkpoint=None):
+def config_summary(config, source: str) -> str:
+    """The one line both integrations log before ``prepare`` (``ElixirPlugin`` and ``ElixirCallback``, through
+    :func:`elixir_prepare`): where the settings came from and every ``ElixirConfig`` field that differs from
+    its default, e.g. ``hf_elixir: ElixirConfig from elixir.yaml: precision='bf16', offload_optimizer=True``.
+
+    Args:
+        config: the :class:`hf_elixir.ElixirConfig` about to be used (precision already merged).
+        source: where it came from (a YAML path, ``ELIXIR_*`` environment variables, a constructor argument).
+    """
+    from hf_elixir.config import ElixirConfig  # noqa: PLC0415
+
+    default = ElixirConfig()
+    changed = []
+    for f in dataclasses.fields(config):
+        value, base = getattr(config, f.name), getattr(default, f.name)
+        if value is not base and value != base:
+            changed.append(f"{f.name}={value!r}")
+    return f"hf_elixir: ElixirConfig from {source}: {', '.join(changed) or 'all defaults'}"
+
+
+def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config, checkpoint=None,
+                   source: str = "the caller"):
     """Run :func:`hf_elixir.prepare` and register the result with ``accelerator`` without DDP.
 
     Args:
@@ -265,6 +288,7 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
         config: the :class:`hf_elixir.ElixirConfig` (precision already merged).
         checkpoint: a Hugging Face folder to stream the parameters from (``hf_elixir.prepare(...,
             checkpoint=)``; the model may be on the meta device), or ``None``.
+        source: where ``config`` came from, for the settings line (:func:`config_summary`) logged first.
 
     Returns:
         ``(model, accelerated_optimizer)``: the same model object (registered in
@@ -280,6 +304,7 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
     if isinstance(optimizer, AcceleratedOptimizer):
         optimizer = optimizer.optimizer
     binding = binding_of(accelerator)
+    info_on_main_rank(logger, "%s", config_summary(config, source))
     if config.precision == "fp16" and accelerator.scaler is not None:
         accelerator.scaler = None  # Elixir's loss scaler replaces accelerate's GradScaler
     if is_prepared(model):  # a model a previous Trainer/Accelerator already trained

@@ -106,6 +106,14 @@ class ElixirPlugin:
         elif not isinstance(self.config, ElixirConfig):
             raise TypeError(f"ElixirPlugin.config={self.config!r} must be an hf_elixir.ElixirConfig or None")
 
+    def _source(self) -> str:
+        """Where the settings came from, for the settings line ``prepare`` logs."""
+        if self.source_file is not None:
+            return f"{self.source_file} (and ELIXIR_* environment variables)"
+        if self.config_file is None and not _env_overrides():
+            return "ElixirPlugin(config=...)" if self.config != ElixirConfig() else "ElixirPlugin (defaults)"
+        return "ElixirPlugin (ELIXIR_* environment variables)"
+
     def prepare(self, accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *others):
         """Put `model`/`optimizer` under Elixir and let `accelerator` prepare the rest.
 
@@ -127,7 +135,8 @@ class ElixirPlugin:
         """
         config = merge_precision(self.config, accelerator.mixed_precision)
         self.config = config
-        model, optimizer = elixir_prepare(accelerator, model, optimizer, config, checkpoint=self.checkpoint)
+        model, optimizer = elixir_prepare(accelerator, model, optimizer, config, checkpoint=self.checkpoint,
+                                          source=self._source())
         if not others:
             return model, optimizer
         prepared = accelerator.prepare(*others)

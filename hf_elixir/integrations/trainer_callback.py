@@ -112,6 +112,7 @@ class ElixirCallback(TrainerCallback):
         if config is not None and not isinstance(config, ElixirConfig):
             raise TypeError(f"ElixirCallback(config={config!r}) must be an hf_elixir.ElixirConfig or None")
         self.config = config
+        self._source = "ElixirCallback(config=...)"  # for the settings line logged at prepare
         self.checkpoint = checkpoint
         self.log_memory_stats = log_memory_stats
         self.log_all_stats = log_all_stats
@@ -133,6 +134,8 @@ class ElixirCallback(TrainerCallback):
             raise ValueError("ElixirCallback cannot be combined with DeepSpeed or FSDP in TrainingArguments; remove one")
         args = trainer.args
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+        if self.config is None:
+            self._source = "ElixirCallback (ELIXIR_* environment variables)"
         config = self.config if self.config is not None else _config_from_env()
         self.config = merge_precision(config, precision, source="TrainingArguments (bf16/fp16)")
         self.trainer = trainer
@@ -165,7 +168,7 @@ class ElixirCallback(TrainerCallback):
             if self.model is not None:  # model_init replaced the model: the old one leaves the binding
                 binding_of(trainer.accelerator).forget(self.model)
             prepared_model, prepared_opt = elixir_prepare(trainer.accelerator, model, optimizers[0], self.config,
-                                                         checkpoint=self.checkpoint)
+                                                         checkpoint=self.checkpoint, source=self._source)
             self.model, self.optimizer = prepared_model, prepared_opt.optimizer
             out = [prepared_model if o is model else prepared_opt if o is optimizers[0] else o for o in objects]
             rest = [o for o in out if o is not prepared_model and o is not prepared_opt]

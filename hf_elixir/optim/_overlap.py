@@ -68,7 +68,7 @@ from hf_elixir.chunk import strict
 from hf_elixir.chunk.memory import default_host_budget_bytes
 from hf_elixir.optim._inverse_adam import group_invertible, power_of_two, undo_adam_step
 
-__all__ = ["HostLane", "speculates"]
+__all__ = ["HostLane", "scale_invertible", "snapshot_rollback", "speculates"]
 
 
 def speculates(overlap_host_optimizer: bool | None, compute_device: torch.device) -> bool:
@@ -80,6 +80,24 @@ def speculates(overlap_host_optimizer: bool | None, compute_device: torch.device
     if overlap_host_optimizer is None:
         return compute_device.type == "cuda"
     return bool(overlap_host_optimizer)
+
+
+def scale_invertible(scale: float, policy) -> bool:
+    """fp16: whether the loss scale ``scale`` and the factors of its ``LossScalePolicy`` are powers of two, so the
+    lane's in-place unscale is undone exactly ([Note: inverse rollback] in ``_inverse_adam.py``)."""
+    factors = (scale, policy.growth_factor, policy.backoff_factor, policy.min_scale)
+    return all(power_of_two(float(f)) for f in factors)
+
+
+def snapshot_rollback(optimizer: torch.optim.Optimizer, precision: str, loss_scale) -> bool:
+    """Whether the host lane keeps snapshots for some chunk of ``optimizer`` (the search's ``snapshot_rollback``,
+    [Note: overlap] in ``hf_elixir/search/_cost.py``): a param group whose update has no inverse (AMSGrad, an
+    optimizer class other than Adam/AdamW, tensor hyperparameters), or ``precision="fp16"`` with a
+    ``loss_scale`` policy (``ElixirConfig.loss_scale``) that is not all powers of two. ``False``: every
+    speculative update is undone by the inverse Adam/AdamW update, no snapshot held."""
+    if precision == "fp16" and not scale_invertible(loss_scale.init_scale, loss_scale):
+        return True
+    return not all(group_invertible(type(optimizer), group) for group in optimizer.param_groups)
 
 
 @dataclass
@@ -197,11 +215,8 @@ class HostLane:
         opt = self._opt
         if opt.inner is None or hyper is None:
             return False
-        if opt.scaler.enabled:
-            policy = opt.scaler.policy
-            factors = (opt.scaler.scale, policy.growth_factor, policy.backoff_factor, policy.min_scale)
-            if not all(power_of_two(float(f)) for f in factors):
-                return False
+        if opt.scaler.enabled and not scale_invertible(opt.scaler.scale, opt.scaler.policy):
+            return False
         cls = type(opt.inner)
         return all(group_invertible(cls, hyper[g]) for g in {v.group_index for v in self._views[cid]})
 
@@ -248,7 +263,7 @@ class HostLane:
         if found_inf:
             self.local_inf = True
         elif views:
-            opt._step_views(views)
+            opt._step_views(views, hyper)  # the values validate() compares, not the live ones
             if cid not in opt._staged:  # cast in the same pass already ([Note: same-pass host step])
                 opt.stage_refresh(cid)  # the upload's host cast, overlapped too ([Note: overlapped refresh])
         self.speculations[cid] = _Speculation(flags, hyper, stepped, snap is not None and snap.grad is not None,

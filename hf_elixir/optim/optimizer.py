@@ -29,11 +29,12 @@ from hf_elixir.chunk.chunk import Chunk, ParamSlot
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.config import ElixirConfig
 from hf_elixir.optim._host_state import HostStates
-from hf_elixir.optim._overlap import HostLane, speculates
+from hf_elixir.optim._overlap import HostLane, snapshot_rollback, speculates
 from hf_elixir.optim._same_pass import SamePassTable, ViewTensors, group_runs_fused, step_and_cast
+from hf_elixir.optim._step_hooks import hooked_step, unhooked_step
 from hf_elixir.optim.loss_scaler import DynamicLossScaler
 
-__all__ = ["ElixirOptimizer", "SUPPORTED_OPTIMIZERS", "optimizer_state_numel_factor"]
+__all__ = ["ElixirOptimizer", "SUPPORTED_OPTIMIZERS", "optimizer_cost_terms", "optimizer_state_numel_factor"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,21 @@ def optimizer_state_numel_factor(optimizer: torch.optim.Optimizer) -> int:
     if isinstance(optimizer, torch.optim.RMSprop):
         return 1 + int(bool(group.get("momentum", 0))) + int(bool(group.get("centered")))
     return 2
+
+
+def optimizer_cost_terms(optimizer: torch.optim.Optimizer | None, config: ElixirConfig) -> dict:
+    """What the plan search needs to know of the user's optimizer (``hf_elixir.search.search`` keywords).
+
+    Returns:
+        ``{"optim_states": fp32 state elements per parameter element (:func:`optimizer_state_numel_factor`:
+        Adam/AdamW 2, i.e. 8 bytes; SGD with momentum 1, 4 bytes; plain SGD 0), "snapshot_rollback": whether the
+        host lane keeps snapshots ([Note: inverse rollback]; Adam/AdamW without AMSGrad: ``False``)}``. With
+        ``optimizer=None`` the search's defaults (AdamW: 2, ``False``).
+    """
+    if optimizer is None:
+        return {"optim_states": 2, "snapshot_rollback": False}
+    return {"optim_states": optimizer_state_numel_factor(optimizer),
+            "snapshot_rollback": snapshot_rollback(optimizer, config.precision, config.loss_scale)}
 
 
 class _ShardView:
@@ -517,6 +533,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         return total
 
     # -- step ----------------------------------------------------------------------------------
+    @hooked_step  # [Note: step hooks] in _step_hooks.py: torch's step hooks once per call
     @torch.no_grad()
     def step(self, closure=None):
         """Update every shard where its optimizer state lives, then refresh the compute copies.
@@ -531,6 +548,10 @@ class ElixirOptimizer(torch.optim.Optimizer):
         Host optimizer states: the host lane ([Note: host lane] in ``_overlap.py``) has usually stepped
         their chunks during backward already; the step joins it (a wait on the host thread, not on the
         device), keeps the updates the read validates and rolls back and redoes the others.
+
+        Step hooks (``register_step_pre_hook`` / ``register_step_post_hook`` on this optimizer or on the user's,
+        and torch's global ones) run once per call, around all of it ([Note: step hooks] in ``_step_hooks.py``);
+        an lr a pre hook sets is the lr of this step.
 
         Raises:
             ValueError: a closure was given (not supported: forward/backward run outside the step).
@@ -604,20 +625,26 @@ class ElixirOptimizer(torch.optim.Optimizer):
             todo = [[t for t in group if self._view_by_tensor[id(t)].chunk.chunk_id in late] for group in todo]
         self._run_inner(todo)
 
-    def _step_views(self, views: list[_ShardView]) -> None:
-        """Step exactly ``views`` with the param groups' current hyperparameters (the host lane's
-        speculative step of one chunk; same inner optimizer, so the same arithmetic as :meth:`_inner_step`)."""
+    def _step_views(self, views: list[_ShardView], hyper: list[dict]) -> None:
+        """Step exactly ``views`` with the hyperparameters ``hyper`` (per param group, as the host lane recorded
+        them for its speculative step of one chunk; same inner optimizer, so the same arithmetic as
+        :meth:`_inner_step`). Not the param groups' live values: the lane runs on its own thread, and a step pre
+        hook may set a new lr on the main thread meanwhile ([Note: step hooks] in ``_step_hooks.py``); the
+        validation compares the recorded values with the ones the step uses, and the rollback undoes an update
+        made with exactly the recorded ones."""
         chosen = {id(v.tensor) for v in views}
-        self._run_inner([[t for t in full if id(t) in chosen] for full in self._full_group_params])
+        self._run_inner([[t for t in full if id(t) in chosen] for full in self._full_group_params], hyper)
 
-    def _run_inner(self, params_per_group: list[list[torch.Tensor]]) -> None:
-        """Step ``params_per_group`` (views, aligned with the param groups) with the groups' current
-        hyperparameters: the views of chunks :meth:`_same_pass_chunks` picks block by block with their staging
-        cast ([Note: same-pass host step]), the others by the inner optimizer."""
+    def _run_inner(self, params_per_group: list[list[torch.Tensor]], hyper: list[dict] | None = None) -> None:
+        """Step ``params_per_group`` (views, aligned with the param groups) with ``hyper`` (per group; default:
+        the groups' current hyperparameters): the views of chunks :meth:`_same_pass_chunks` picks block by block
+        with their staging cast ([Note: same-pass host step]), the others by the inner optimizer."""
         if not any(params_per_group):
             return
-        for inner_group, user_group, params in zip(self.inner.param_groups, self.param_groups, params_per_group):
-            for key, value in user_group.items():
+        if hyper is None:
+            hyper = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
+        for inner_group, values, params in zip(self.inner.param_groups, hyper, params_per_group):
+            for key, value in values.items():
                 if key != "params":
                     inner_group[key] = value
             inner_group.update(self._inner_overrides)
@@ -631,7 +658,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 for inner_group, params in zip(self.inner.param_groups, rest):
                     inner_group["params"] = params
                 self._staged.difference_update(self._view_by_tensor[id(t)].chunk.chunk_id for g in rest for t in g)
-                self.inner.step()
+                unhooked_step(self.inner)  # no step hooks for the inner optimizer ([Note: step hooks])
             for cid, chosen in same_pass.items():
                 self._step_same_pass(cid, chosen)
         finally:

@@ -632,11 +632,15 @@ def search_plan(model_or_profile: Any, hardware: HardwareProfile, *, world_size:
                   device_memory_budget_bytes=device_memory_budget_bytes, **kwargs).plan
 
 
-def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: HardwareProfile | None = None) -> ElixirPlan:
+def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: HardwareProfile | None = None,
+              optimizer: Any = None) -> ElixirPlan:
     """What ``hf_elixir.prepare`` runs for ``ElixirConfig(search="auto")``: profile one step of ``model`` on
     ``sample_batch``, probe (or reuse) the hardware and search with the config's precision, budget,
     world size (the config's process group, else the default group, else 1), chunk size and
-    ``overlap_host_optimizer`` (the host update priced as the runtime will run it).
+    ``overlap_host_optimizer`` (the host update priced as the runtime will run it), and the optimizer's state
+    bytes per parameter and rollback kind (``optimizer``: the ``torch.optim`` optimizer ``prepare`` will wrap;
+    :func:`hf_elixir.optim.optimizer.optimizer_cost_terms`: Adam/AdamW 8 B and the inverse rollback, SGD with
+    momentum 4 B, plain SGD 0 B, AMSGrad and other classes snapshots; ``None``: priced as AdamW).
 
     The model must still be a plain module (before ``prepare`` installs its hooks); gradients the profiled
     step creates are cleared. With several ranks, replicated data parallelism is searched too (see
@@ -647,6 +651,7 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
     """
     import torch.distributed as dist
 
+    from hf_elixir.optim.optimizer import optimizer_cost_terms  # noqa: PLC0415
     from hf_elixir.profiler import probe_hardware
 
     world_size = 1
@@ -677,7 +682,8 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
                     activations_on_device=covers, activation_policy=fixed_policy,
                     data_parallel=data_parallel, replicated_placements=replicated_placements,
                     host_memory_bytes=host_budget * per_host if host_budget else None, ranks_per_host=per_host,
-                    overlap_host_optimizer=getattr(config, "overlap_host_optimizer", None))
+                    overlap_host_optimizer=getattr(config, "overlap_host_optimizer", None),
+                    **optimizer_cost_terms(optimizer, config))
     plan = result.plan
     if note:
         plan.reasons.append(note)
