@@ -10,7 +10,7 @@ from hf_elixir.chunk import pack_chunks
 from hf_elixir.plan import ElixirPlan
 from hf_elixir.profiler import HardwareProfile, profile_step
 from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
-from hf_elixir.search import _plan_search, brute_force_grid, build_chunked_step, predict, search, search_plan
+from hf_elixir.search import _plan_search, _refine, brute_force_grid, build_chunked_step, predict, search, search_plan
 from tests._models import fixed_times
 
 GIB = 2**30
@@ -35,9 +35,10 @@ def _meta_profile(name, batch_size, seq_len):
     return profile_step(model, batch, device="meta")
 
 
-#: simulated steps (``predict`` calls) a mid-size search may make, each a replay of the whole step, so this bounds
-#: the search's time without timing it: 201 (GPT-2 medium) and 1,992 (OPT-1.3B) when written; 3,168 for OPT-1.3B
-#: once each bf16 point is also priced with the refresh cast on the device ([Note: refresh cast])
+#: simulated steps (``predict`` calls, the local refinement's included) a mid-size search may make, each a replay
+#: of the whole step, so this bounds the search's time without timing it: 201 (GPT-2 medium) and 1,992 (OPT-1.3B)
+#: when written; 3,168 for OPT-1.3B once each bf16 point is also priced with the refresh cast on the device
+#: ([Note: refresh cast])
 MAX_SIMULATIONS = 4000
 
 
@@ -51,6 +52,7 @@ def test_search_on_mid_size_configs_is_fast(name, monkeypatch):
         simulations.append(1)
         return real(*args, **kwargs)
     monkeypatch.setattr(_plan_search, "predict", counting)
+    monkeypatch.setattr(_refine, "predict", counting)  # the local refinement's pricings count too
     result = search(profile, _gpu(16 * GIB, 128 * GIB), precision="bf16")
     assert result.evaluated <= len(simulations) <= MAX_SIMULATIONS, (result.evaluated, len(simulations))
     assert result.plan.predicted_peak_device_bytes <= 16 * GIB * 0.95

@@ -71,6 +71,11 @@ class AccessEvent:
         params: indices into :attr:`StepProfile.param_names` this call uses.
         compute_s: measured seconds from this event to the next one (``None`` on meta).
         flops: floating-point operations from this event to the next one (0 unless counted).
+        grad_inputs: ``"bwd"`` events: whether the module's forward call had a tensor input that requires
+            grad. The runtime then releases the backward access when the input gradients exist; without one,
+            once the unit's trainable parameters have their gradients, leaving its frozen parameters in
+            ``COMPUTE`` until the end of backward ([Note: dead chunks] in ``hf_elixir/chunk/manager.py``).
+            ``True`` in profiles saved before it was recorded.
     """
 
     phase: str
@@ -78,6 +83,7 @@ class AccessEvent:
     params: list[int]
     compute_s: float | None = None
     flops: float = 0.0
+    grad_inputs: bool = True
 
 
 @dataclass
@@ -234,6 +240,7 @@ class _Tracer:
         self.saved_total = 0
         self.largest_output = 0
         self.phase = "fwd"
+        self.call_grad_inputs: dict[str, bool] = {}  # module -> its running forward call had a grad input
         # FlopCounterMode dispatches every op through Python (~20x slower on small models): only when asked
         self.flop_counter = FlopCounterMode(display=False) if count_flops else contextlib.nullcontext()
         self.handles: list[Any] = []
@@ -250,8 +257,8 @@ class _Tracer:
         counter = self.flop_counter
         return float(counter.get_total_flops()) if hasattr(counter, "get_total_flops") else 0.0
 
-    def _record(self, phase: str, module: str, own: list[int]) -> None:
-        self.events.append(AccessEvent(phase=phase, module=module, params=list(own)))
+    def _record(self, phase: str, module: str, own: list[int], grad_inputs: bool = True) -> None:
+        self.events.append(AccessEvent(phase=phase, module=module, params=list(own), grad_inputs=grad_inputs))
         self.event_start_s.append(time.perf_counter() if self.timed else 0.0)
         self.event_start_flops.append(self._flops_now())
 
@@ -261,6 +268,8 @@ class _Tracer:
             if name in self.blocks:
                 self.block_in[name] = sum(_nbytes(t) for t in _tensors_in((args, kwargs), []))
                 self.block_act.setdefault(name, 0)
+            if own and self.phase == "fwd":  # as ModuleHandle.pre_forward decides bwd_pins / grad_pins
+                self.call_grad_inputs[name] = any(t.requires_grad for t in _tensors_in((args, kwargs), []))
             if own:
                 # inside backward this is a recompute (activation checkpointing): a forward access
                 self._record("fwd" if self.phase == "fwd" else "bwd", name, own)
@@ -278,9 +287,10 @@ class _Tracer:
             if not own or self.phase != "fwd":
                 return
             needing = [t for t in outputs if t.requires_grad]
+            grad_inputs = self.call_grad_inputs.pop(name, True)
             if needing:
                 torch.autograd.graph.register_multi_grad_hook(
-                    needing, lambda grads: self._record("bwd", name, bwd_params), mode="any")
+                    needing, lambda grads: self._record("bwd", name, bwd_params, grad_inputs), mode="any")
         return hook
 
     def _grad_ready(self, index: int) -> Callable:

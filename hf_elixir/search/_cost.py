@@ -20,6 +20,10 @@ the chunk manager's pool charges (``Chunk.materialize``, ``ElixirOptimizer._buil
 * unsharded non-resident chunks stay on the device until the pool needs room; the manager then evicts
   the unpinned one whose next use is farthest (Belady over the previous step's order). So the cache is
   *whatever the budget leaves*, and ``Knobs.cache_blocks`` only reports it;
+* with one rank and no replica group, a cached trained chunk is freed right after its last backward event
+  (no later use in the step's order), after that event's gradient buffers are charged: the manager reshards
+  such a chunk when that access is released ([Note: dead chunks] in ``hf_elixir/chunk/manager.py``) instead of
+  holding it until a make-room evicts it;
 * activations are outside the pool; they count toward the device only when ``activations_on_device``;
 * off CUDA the manager issues gradient collectives asynchronously and finishes each one two reduces
   later (or when the pool needs the room, or at the end of backward): its gradient buffer (and
@@ -210,6 +214,11 @@ class ChunkedStep:
     # forward all-gathers may be issued ahead (False: the model has subtree units such as MoE experts,
     # [Note: overlap])
     gather_prefetch: bool = True
+    # [Note: dead chunks] in chunk/manager.py: backward events whose release reshards no chunk (recomputed
+    # forwards, released with their parameters still in COMPUTE), and per backward event of a unit without a
+    # grad input the chunks of its frozen parameters, left in COMPUTE (so never resharded) until backward ends
+    no_dead_release: frozenset[int] = frozenset()
+    compute_held: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def replicated(self) -> bool:
@@ -302,6 +311,10 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
                 ids.append(chunk_of[i])
         groups.append(tuple(ids))
     num_chunks = layout.num_chunks
+    original = {id(e) for e in profile.events}
+    no_dead_release = frozenset(k for k, e in enumerate(events) if e.phase == "bwd" and id(e) not in original)
+    compute_held = {k: held for k, e in enumerate(events) if e.phase == "bwd" and not e.grad_inputs
+                    and (held := tuple(sorted({chunk_of[i] for i in e.params if not profile.param_requires_grad[i]})))}
     trained = [sum(profile.param_numels[i] for i in members if profile.param_requires_grad[i])
                for members in layout.members]
     last = len(events) - 1
@@ -361,7 +374,7 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
         optim_states=optim_states, snapshot_rollback=snapshot_rollback,
         grad_elem_bytes=grad_elem_bytes, replicate_world_size=replicate_world_size, activation_policy=policy,
         **dict(zip(("offload_after", "offload_before"), offload_events(profile, events, policy, precision))),
-        gather_prefetch=not profile.subtree_units,
+        gather_prefetch=not profile.subtree_units, no_dead_release=no_dead_release, compute_held=compute_held,
     )
 
 
@@ -652,6 +665,10 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         return True
 
     host_copied: set[int] = set()
+    # the manager reshards a chunk backward uses no more at its last backward access (whole on one rank, no
+    # replica group), not at the next make-room ([Note: dead chunks] in chunk/manager.py)
+    reshard_dead = ws == 1 and not step.replicated
+    computing: set[int] = set()  # chunks with a parameter left in COMPUTE until the end of backward
     for k, group in enumerate(step.groups):
         for c in group:
             last_seen[c] = next_use[k][c]
@@ -789,6 +806,12 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             pending.append((g + out, g, out))
             while pending and (not async_reduce or (window is not None and len(pending) > window)):
                 finish_reduce()
+        computing.update(step.compute_held.get(k, ()))
+        if reshard_dead and step.event_phase[k] == "bwd" and k not in step.no_dead_release:
+            for c in group:  # [Note: dead chunks] in chunk/manager.py
+                if c in cached and step.trained_numels[c] and next_use[k][c] == _INF and c not in computing:
+                    used -= cached.pop(c)
+                    evictions += 1
         if timeline:
             points.append((t_compute, used, f"{step.event_phase[k]}:{loaded} onloads"))
     while pending:  # the end of backward drains every in-flight reduce

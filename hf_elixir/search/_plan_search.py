@@ -16,6 +16,10 @@ seconds saved per byte. With several data-parallel ranks it also prices **replic
 states): Elixir section 5 partitions parameters only when memory requires it, so replicated wins where it
 fits and the measured all-reduce beats the sharded plan's all-gathers and reduce-scatters.
 
+Then a local refinement hill-climbs from the best few distinct candidates by single moves (one chunk into or
+out of a set, one chunk's bytes traded to another set, prefetch depth +-1, one block's activation policy) while
+that makes the step faster ([Note: local refinement] in ``_refine.py``).
+
 Every point is priced by :func:`hf_elixir.search._cost.predict`; points whose device bytes exceed
 ``budget * (1 - safety_margin)``, or whose host bytes times the ranks per machine exceed its host memory,
 are dropped. The fastest remaining point becomes the :class:`~hf_elixir.plan.ElixirPlan`, with its
@@ -42,7 +46,10 @@ from hf_elixir.runtime.activations import resolve_activation_policy
 from hf_elixir.search._chunk_size import search_chunk_size
 from hf_elixir.search._activation_cost import activation_bytes, moved_kind, policy_grid
 from hf_elixir.search._cost import (DTYPE_BYTES, ChunkedStep, Knobs, Prediction, _uploaded_chunks,
-                                    build_chunked_step, fixed_memory, optim_bytes_per_numel, predict, profile_blocks)
+                                    build_chunked_step, fixed_memory, optim_bytes_per_numel, predict, profile_blocks,
+                                    refresh_staging_bytes)
+from hf_elixir.search._refine import RefineContext, StepBudget, refine
+from hf_elixir.search._refine import fits as _fits
 
 __all__ = ["Candidate", "SearchResult", "auto_plan", "brute_force_grid", "search", "search_plan"]
 
@@ -82,6 +89,10 @@ class SearchResult:
     search_s: float = 0.0
     profile: StepProfile | None = None
     best_by_mode: dict[str, Candidate] = field(default_factory=dict)  # fastest "sharded" / "replicated"
+
+
+#: the local refinement's default bound on priced configurations: as many as the grid priced, within these
+REFINE_MIN_PRICED, REFINE_MAX_PRICED = 500, 1000
 
 
 def _spread(lo: int, hi: int, count: int) -> list[int]:
@@ -177,27 +188,38 @@ def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, l
         for depth in prefetch_depths:
             probe = predict(step, Knobs(resident=resident, device_shard=base.device_shard, prefetch_depth=depth),
                             hardware, pool_bytes=pool_bytes, activations_on_device=activations_on_device)
+            evaluated += 1  # the probe is priced too (its onloads guide the fill)
             if probe is None:
                 continue
             for fraction in _FILL_FRACTIONS:
-                knobs = _fill(step, Knobs(resident=resident, device_shard=base.device_shard, prefetch_depth=depth),
-                              int((limit_bytes - floor) * fraction), hardware, order, probe.chunk_onloads)
-                if knobs in seen:
-                    continue
-                seen.add(knobs)
-                # with several ranks, each point with and without rank-local host copies (host RAM for
-                # all-gather traffic; the host limit filters the copies out where they do not fit)
-                copies = (knobs, replace(knobs, host_copies=True)) if step.world_size > 1 else (knobs,)
-                for variant in (v for c in copies for v in _cast_variants(step, c)):
-                    pred = predict(step, variant, hardware, pool_bytes=pool_bytes,
-                                   activations_on_device=activations_on_device, host_budget_bytes=host_budget_bytes,
-                                   overlap_host_optimizer=overlap_host_optimizer)
-                    evaluated += 1
-                    if pred is not None and _fits(step, variant, pred, pool_bytes, limit_bytes):
-                        found.append(Candidate(step.chunk_size_numel, step.activation_checkpointing,
-                                               replace(variant, cache_blocks=pred.cache_blocks), pred,
-                                               num_chunks=step.num_chunks,
-                                               activation_policy=dict(step.activation_policy)))
+                start = Knobs(resident=resident, device_shard=base.device_shard, prefetch_depth=depth)
+                spare = int((limit_bytes - floor) * fraction)
+                knobs = _fill(step, start, spare, hardware, order, probe.chunk_onloads)
+                variants = list(_cast_variants(step, knobs))
+                if len(variants) > 1:
+                    # the device cast's staging buffer takes room the fill gave away: fill again without it
+                    # ([Note: refresh cast]), else a full fill never fits the device cast
+                    staging = refresh_staging_bytes(step, variants[1])
+                    roomy = _fill(step, start, max(0, spare - staging), hardware, order, probe.chunk_onloads)
+                    if _uploaded_chunks(step, roomy):
+                        variants.append(replace(roomy, refresh_cast="device"))
+                for point in variants:
+                    if point in seen:
+                        continue
+                    seen.add(point)
+                    # with several ranks, each point with and without rank-local host copies (host RAM for
+                    # all-gather traffic; the host limit filters the copies out where they do not fit)
+                    for variant in (point, replace(point, host_copies=True)) if step.world_size > 1 else (point,):
+                        pred = predict(step, variant, hardware, pool_bytes=pool_bytes,
+                                       activations_on_device=activations_on_device,
+                                       host_budget_bytes=host_budget_bytes,
+                                       overlap_host_optimizer=overlap_host_optimizer)
+                        evaluated += 1
+                        if pred is not None and _fits(step, variant, pred, pool_bytes, limit_bytes):
+                            found.append(Candidate(step.chunk_size_numel, step.activation_checkpointing,
+                                                   replace(variant, cache_blocks=pred.cache_blocks), pred,
+                                                   num_chunks=step.num_chunks,
+                                                   activation_policy=dict(step.activation_policy)))
     return found, evaluated
 
 
@@ -236,12 +258,6 @@ def _memory_not_binding(step: ChunkedStep, cand: Candidate) -> bool:
     """Every chunk resident with its optimizer state on the device: more memory buys nothing."""
     trained = {c for c in range(step.num_chunks) if step.trained_numels[c]}
     return len(cand.knobs.resident) == step.num_chunks and trained <= cand.knobs.device_optim
-
-
-def _fits(step: ChunkedStep, knobs: Knobs, pred: Prediction, pool_bytes: int, limit_bytes: int) -> bool:
-    fixed, _, _ = fixed_memory(step, knobs)
-    held = knobs.resident | knobs.device_shard if step.world_size == 1 else knobs.resident
-    return pred.device_model_bytes <= pool_bytes and fixed + step.working_set_bytes(held) <= limit_bytes
 
 
 def _resolve_profile(model_or_profile: Any, sample_batch: Any, hardware: HardwareProfile) -> StepProfile:
@@ -312,7 +328,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
            prefetch_depths: Iterable[int] | None = None, host_memory_bytes: int | None = None,
            max_alternatives: int = 4, optim_states: int = 2, data_parallel: str = "auto",
            replicated_placements: dict[str, str] | None = None, ranks_per_host: int | None = None,
-           overlap_host_optimizer: bool | None = None, snapshot_rollback: bool = False) -> SearchResult:
+           overlap_host_optimizer: bool | None = None, snapshot_rollback: bool = False,
+           refine_starts: int = 3, refine_max_priced: int | None = None) -> SearchResult:
     """Profile (if given a model) and search; see :func:`search_plan` for the arguments.
 
     Returns:
@@ -348,9 +365,15 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     policies = policy_grid(profile, activations_on_device, activation_checkpointing, activation_policy)
     host_limit = host_memory_bytes if host_memory_bytes is not None else (hardware.host_total_bytes or None)
     per_host = _ranks_per_host(world_size, ranks_per_host)
+    if not isinstance(refine_starts, int) or refine_starts < 0:
+        raise ValueError(f"refine_starts={refine_starts!r} must be an int >= 0 (0: no local refinement)")
+    if refine_max_priced is not None and (not isinstance(refine_max_priced, int) or refine_max_priced < 0):
+        raise ValueError(f"refine_max_priced={refine_max_priced!r} must be None or an int >= 0 (0: no local "
+                         "refinement)")
     found: list[Candidate] = []
     evaluated = over_host = 0
     size_reasons: dict[str, Callable[[int], str]] = {}
+    steps: dict[tuple, StepBudget] = {}  # (mode, chunk size, policy key) -> step, for the local refinement
     for mode in modes:
         replicated = mode == "replicated"
         sizes: list[int] = []
@@ -380,6 +403,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                 # margin-reduced budget when they are charged to it
                 pool = budget if not activations_on_device else limit - act
                 rank_host = host_limit // per_host if host_limit is not None else None  # bounds the lane's snapshots
+                steps[(mode, size, _policy_key(step.activation_policy))] = StepBudget(step, pool, limit - act)
                 if replicated:
                     more, count = _search_replicated(step, hardware, pool, limit - act, activations_on_device,
                                                      rank_host, overlap_host_optimizer)
@@ -408,6 +432,29 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
             "a smaller batch or sequence, activation checkpointing, or a larger budget"
         )
     found.sort(key=lambda c: (c.prediction.step_s, c.prediction.device_peak_bytes))
+    if refine_max_priced is None:  # about what the grid priced (at least 500: a small grid says little here)
+        refine_max_priced = min(REFINE_MAX_PRICED, max(REFINE_MIN_PRICED, evaluated))
+    if refine_starts and refine_max_priced:
+        def step_for(mode: str, size: int, policy: dict[str, str] | None) -> StepBudget:
+            key = (mode, size, _policy_key(policy))
+            if key not in steps:  # a policy the refinement moved to: built as the loop above builds its steps
+                step = build_chunked_step(profile, size, world_size=world_size, precision=precision,
+                                          hardware=hardware, optim_states=optim_states,
+                                          replicated=mode == "replicated", snapshot_rollback=snapshot_rollback,
+                                          activation_checkpointing=bool(activation_checkpointing),
+                                          activation_policy=policy)
+                act = step.activation_bytes if activations_on_device else 0
+                steps[key] = StepBudget(step, budget if not activations_on_device else limit - act, limit - act)
+            return steps[key]
+
+        ctx = RefineContext(hardware=hardware, step_for=step_for, activations_on_device=activations_on_device,
+                            prefetch_depths=tuple(prefetch_depths), policy_searched=len(policies) > 1,
+                            host_budget_bytes=host_limit // per_host if host_limit is not None else None,
+                            host_limit_bytes=host_limit, ranks_per_host=per_host,
+                            overlap_host_optimizer=overlap_host_optimizer)
+        found += _refined(found, ctx, refine_starts, refine_max_priced)
+        evaluated += ctx.priced
+        found.sort(key=lambda c: (c.prediction.step_s, c.prediction.device_peak_bytes))
     best = found[0]
     best_by_mode: dict[str, Candidate] = {}
     for cand in found:
@@ -435,6 +482,36 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
             plan.reasons.append("placements unknown (an old profile): set them before hf_elixir.prepare")
     return SearchResult(plan=plan, best=best, alternatives=alternatives, evaluated=evaluated,
                         search_s=time.perf_counter() - started, profile=profile, best_by_mode=best_by_mode)
+
+
+def _policy_key(policy: dict[str, str] | None) -> tuple | None:
+    """A hashable key of a block policy (``None`` / empty: the step built without blocks)."""
+    return tuple(sorted(policy.items())) if policy else None
+
+
+def _refined(found: list[Candidate], ctx: RefineContext, starts: int, max_priced: int) -> list[Candidate]:
+    """[Note: local refinement] in ``_refine.py``: hill-climb from the best ``starts`` distinct candidates of
+    ``found`` (sorted, best first; distinct up to prefetch depth and cache blocks, which the climb moves or
+    derives) and return the faster points it reaches as candidates."""
+    chosen: list[Candidate] = []
+    seen: set[tuple] = set()
+    for cand in found:
+        key = (cand.data_parallel, cand.chunk_size_numel, _policy_key(cand.activation_policy),
+               replace(cand.knobs, prefetch_depth=0, cache_blocks=0))
+        if key not in seen:
+            seen.add(key)
+            chosen.append(cand)
+        if len(chosen) >= starts:
+            break
+    points = [(c.data_parallel, c.chunk_size_numel, c.activation_policy or None, c.knobs, c.prediction)
+              for c in chosen]
+    out = []
+    for mode, size, policy, knobs, pred in refine(points, ctx, max_priced=max_priced):
+        step = ctx.step_for(mode, size, policy).step
+        out.append(Candidate(size, step.activation_checkpointing, knobs, pred, mode,
+                             num_chunks=step.num_chunks if mode == "sharded" else 0,
+                             activation_policy=dict(step.activation_policy)))
+    return out
 
 
 def _default_replicated_placements(model_or_profile: Any, profile: StepProfile) -> dict[str, str]:
@@ -491,8 +568,11 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
     if not act_on_device:
         reasons.append("activations are not counted in the device budget (the pool bounds model data only)")
     if best.activation_policy and policy_summary(best.activation_policy) != "keep":
-        reasons.append(f"activation policy {policy_summary(best.activation_policy)} blocks (first blocks in forward "
-                       f"order; activations {p.breakdown.get('activations', 0) / gib:.3g} GiB on the device): keeping "
+        blocks = list(best.activation_policy)  # forward order
+        moved = [b for b in blocks if best.activation_policy[b] != "keep"]
+        where = "first blocks in forward order" if moved == blocks[:len(moved)] else "blocks: " + ", ".join(moved)
+        reasons.append(f"activation policy {policy_summary(best.activation_policy)} blocks ({where}; "
+                       f"activations {p.breakdown.get('activations', 0) / gib:.3g} GiB on the device): keeping "
                        "every block's activations does not leave room for a faster plan")
     elif best.activation_checkpointing:
         reasons.append("activation checkpointing on: without it the activations do not leave room for a faster plan")
@@ -564,7 +644,11 @@ def search_plan(model_or_profile: Any, hardware: HardwareProfile, *, world_size:
             ``True`` on the host lane during backward, ``None`` as the runtime resolves it: on for CUDA, off
             on CPU; [Note: overlap] in ``_cost.py``), ``snapshot_rollback`` (default ``False``: Adam/AdamW, whose
             speculative updates the host lane undoes by the inverse update; ``True``: AMSGrad or another optimizer
-            class, whose lane keeps snapshots, priced as copies and host bytes).
+            class, whose lane keeps snapshots, priced as copies and host bytes), ``refine_starts`` (default 3:
+            hill-climb from the best 3 distinct candidates; 0: no local refinement) and ``refine_max_priced``
+            (at most that many configurations priced by the refinement, all climbs together, counted in
+            ``SearchResult.evaluated``; default ``None``: as many as the grid before it priced, at least 500
+            and at most 1000; 0: no refinement); [Note: local refinement] in ``_refine.py``.
 
     Returns:
         the plan; ``plan.reasons`` says why.
