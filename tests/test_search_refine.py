@@ -40,7 +40,7 @@ def _search(profile, budget: int, world_size: int, **kwargs):
                   host_memory_bytes=64 * GIB, **kwargs)
 
 
-@pytest.mark.parametrize("world_size,fraction", [(1, 4.0), (1, 5.5), (2, 2.0), (2, 4.0)])
+@pytest.mark.parametrize("world_size,fraction", [(1, 4.0), (1, 5.5)])
 def test_refinement_reaches_the_grid_best_where_the_greedy_search_misses_it(profile, world_size, fraction):
     budget = _budget(profile, fraction, world_size)
     greedy = _search(profile, budget, world_size, refine_starts=0).best
@@ -48,8 +48,9 @@ def test_refinement_reaches_the_grid_best_where_the_greedy_search_misses_it(prof
     grid = brute_force_grid(profile, _gpu(budget), world_size=world_size, precision="bf16",
                             device_memory_budget_bytes=budget, chunk_size_numel=SIZE, prefetch_depths=(0, 1, 2))
     best = grid[0].prediction.step_s
-    # the case: the greedy fill misses the grid's best (by 0.09-0.3% here; by 1.5% before the search priced the
-    # refresh cast on the device with a fill that leaves room for its staging buffer)
+    # the case: the greedy fill misses the grid's best (by 0.2-0.3% here; at 2 ranks the search's prefix points
+    # now reach it without the refinement, and by 1.5% before the search priced the refresh cast on the device
+    # with a fill that leaves room for its staging buffer)
     assert greedy.prediction.step_s > best * (1 + 5e-4)
     assert refined.prediction.step_s <= best * (1 + 1e-9)
 

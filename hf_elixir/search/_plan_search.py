@@ -48,7 +48,8 @@ from hf_elixir.search._activation_cost import activation_bytes, moved_kind, poli
 from hf_elixir.search._cost import (DTYPE_BYTES, ChunkedStep, Knobs, Prediction, _uploaded_chunks,
                                     build_chunked_step, fixed_memory, optim_bytes_per_numel, predict, profile_blocks,
                                     refresh_staging_bytes)
-from hf_elixir.search._refine import RefineContext, StepBudget, refine
+from hf_elixir.search._refine import RefineContext, StepBudget, floor_bytes, refine
+from hf_elixir.search._refine import _refill as _refill_knobs
 from hf_elixir.search._refine import fits as _fits
 
 __all__ = ["Candidate", "SearchResult", "auto_plan", "brute_force_grid", "search", "search_plan"]
@@ -166,6 +167,28 @@ def _cast_variants(step: ChunkedStep, knobs: Knobs) -> tuple[Knobs, ...]:
     return knobs, replace(knobs, refresh_cast="device")
 
 
+def _prefix_points(step: ChunkedStep, start: Knobs, limit_bytes: int, order: list[int]) -> list[Knobs]:
+    """Several ranks: the grid's shape of point beside the fill's, device shards a prefix of ``order`` (a few
+    lengths) and then as many device optimizer states as fit, with the refresh cast on each side where there is
+    something to cast. The fill spends bytes by gain per byte against the probe's misses, and where the probe
+    caches nearly everything it offers few shard-only items, so it never reaches "every shard on the device,
+    little cache" (OPT-30B on two H200s: the fill's best 4.06 s against 3.70 s for such a point)."""
+    cache: dict = {}
+    out = []
+    free = [c for c in order if c not in start.resident]
+    casts = ("host", "device") if step.precision != "fp32" else ("host",)
+    for count in _spread(0, len(free), 4):
+        shards = replace(start, device_shard=start.device_shard | frozenset(free[:count]))
+        for cast in casts:
+            knobs = replace(shards, refresh_cast=cast)
+            if floor_bytes(step, knobs, cache) > limit_bytes:
+                continue
+            knobs = _refill_knobs(step, knobs, "device_optim", limit_bytes, order, cache)
+            if cast == "host" or _uploaded_chunks(step, knobs):
+                out.append(knobs)
+    return out
+
+
 def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, limit_bytes: int,
                 activations_on_device: bool, grid_points: int, prefetch_depths: Iterable[int],
                 host_budget_bytes: int | None = None,
@@ -203,6 +226,8 @@ def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, l
                     roomy = _fill(step, start, max(0, spare - staging), hardware, order, probe.chunk_onloads)
                     if _uploaded_chunks(step, roomy):
                         variants.append(replace(roomy, refresh_cast="device"))
+                if fraction == _FILL_FRACTIONS[-1] and step.world_size > 1:
+                    variants += _prefix_points(step, start, limit_bytes, order)
                 for point in variants:
                     if point in seen:
                         continue
