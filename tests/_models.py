@@ -109,3 +109,30 @@ def fixed_cpu_hardware(budget_bytes: int = 2**30, **changes):
                          device_fp32_flops_per_s=2e9, hook_event_s=40e-6, onload_fixed_s=60e-6,
                          optim_tensor_s=6e-6, world_size=1, can_overlap=False)
     return dataclasses.replace(hw, **changes)
+
+
+def low_precision_reference(steps: int, rows: int, dtype: torch.dtype, lr: float = 5e-3,
+                            schedule=None) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Plain PyTorch mixed precision on tiny GPT-2: fp32 masters stepped by AdamW (``two_groups``; ``schedule``: a
+    ``LambdaLR`` factor, stepped after each step) from the gradients of a ``dtype`` copy cast from the masters
+    before every step, which is cast once more at the end. Returns ``(masters, model)``."""
+    masters = tiny_model("gpt2")
+    opt = torch.optim.AdamW(two_groups(masters), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule) if schedule is not None else None
+    model = tiny_model("gpt2").to(dtype)
+    for step in range(steps):
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), masters.parameters()):
+                p.copy_(m)
+        model.zero_grad()
+        model(**batch("gpt2", step, rows)).loss.backward()
+        for p, m in zip(model.parameters(), masters.parameters()):
+            m.grad = p.grad.float()
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+    with torch.no_grad():
+        for p, m in zip(model.parameters(), masters.parameters()):
+            p.copy_(m)
+    return masters, model

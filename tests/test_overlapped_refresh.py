@@ -12,7 +12,7 @@ import hf_elixir
 from hf_elixir.chunk.chunk import Chunk
 from hf_elixir.chunk.params import StaleParameterError
 from tests._dist import run_distributed
-from tests._models import batch, rank_batch, rel_l2, tiny_model, two_groups
+from tests._models import batch, low_precision_reference, rank_batch, rel_l2, tiny_model, two_groups
 
 STEPS = 4
 ROWS = 2
@@ -35,22 +35,7 @@ def _uploaded(model) -> list[Chunk]:
 def _reference(world_size: int, precision: str) -> dict[str, torch.Tensor]:
     """Plain PyTorch: fp32 masters stepped by AdamW, the model computing in ``precision`` (a copy cast from the
     masters after every step), gradients of the global batch."""
-    masters = tiny_model("gpt2")
-    opt = torch.optim.AdamW(two_groups(masters), lr=5e-3)
-    model = tiny_model("gpt2").to(DTYPES[precision])
-    for step in range(STEPS):
-        with torch.no_grad():
-            for p, m in zip(model.parameters(), masters.parameters()):
-                p.copy_(m)
-        model.zero_grad()
-        model(**batch("gpt2", step, ROWS * world_size)).loss.backward()
-        for p, m in zip(model.parameters(), masters.parameters()):
-            m.grad = p.grad.float()
-        opt.step()
-        opt.zero_grad()
-    with torch.no_grad():
-        for p, m in zip(model.parameters(), masters.parameters()):
-            p.copy_(m)
+    _, model = low_precision_reference(STEPS, ROWS * world_size, DTYPES[precision])
     return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 

@@ -18,7 +18,7 @@ from hf_elixir.plan import ElixirPlan
 from hf_elixir.profiler import HardwareProfile, profile_step
 from hf_elixir.search import build_chunked_step, predict, search
 from hf_elixir.search._cost import Knobs, fixed_memory, refresh_staging_bytes
-from tests._models import batch, rel_l2, tiny_model, two_groups
+from tests._models import batch, low_precision_reference, rel_l2, tiny_model, two_groups
 
 STEPS = 4
 ROWS = 2
@@ -57,22 +57,7 @@ def _train(cast: str, budget: int | None = None) -> dict:
 
 def _reference() -> dict[str, torch.Tensor]:
     """Plain PyTorch: fp32 masters stepped by AdamW, a bf16 model cast from them after every step."""
-    masters = tiny_model("gpt2")
-    opt = torch.optim.AdamW(two_groups(masters), lr=5e-3)
-    model = tiny_model("gpt2").to(torch.bfloat16)
-    for step in range(STEPS):
-        with torch.no_grad():
-            for p, m in zip(model.parameters(), masters.parameters()):
-                p.copy_(m)
-        model.zero_grad()
-        model(**batch("gpt2", step, ROWS)).loss.backward()
-        for p, m in zip(model.parameters(), masters.parameters()):
-            m.grad = p.grad.float()
-        opt.step()
-        opt.zero_grad()
-    with torch.no_grad():
-        for p, m in zip(model.parameters(), masters.parameters()):
-            p.copy_(m)
+    _, model = low_precision_reference(STEPS, ROWS, torch.bfloat16)
     return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 

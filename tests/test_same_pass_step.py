@@ -18,7 +18,7 @@ from hf_elixir.optim import _same_pass
 from hf_elixir.optim._same_pass import ALIGN_NUMEL, SamePassTable, ViewTensors, step_and_cast
 from hf_elixir.optim.optimizer import ElixirOptimizer
 from tests._dist import run_distributed
-from tests._models import batch, rank_batch, rel_l2, tiny_model, two_groups
+from tests._models import low_precision_reference, rank_batch, rel_l2, tiny_model, two_groups
 
 ROWS = 2
 CHUNK = 4096
@@ -234,21 +234,7 @@ def test_checkpoint_round_trip_is_exact(single_rank_group):
 
 def _reference_masters(steps: int) -> dict[str, torch.Tensor]:
     """Plain PyTorch: fp32 masters stepped by AdamW (the same LR schedule) from the gradients of a bf16 copy cast from them."""
-    masters = tiny_model("gpt2")
-    opt = torch.optim.AdamW(two_groups(masters), lr=5e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
-    model = tiny_model("gpt2").to(torch.bfloat16)
-    for step in range(steps):
-        with torch.no_grad():
-            for p, m in zip(model.parameters(), masters.parameters()):
-                p.copy_(m)
-        model.zero_grad()
-        model(**batch("gpt2", step, ROWS)).loss.backward()
-        for p, m in zip(model.parameters(), masters.parameters()):
-            m.grad = p.grad.float()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
+    masters, _ = low_precision_reference(steps, ROWS, torch.bfloat16, schedule=lambda s: 1.0 / (1.0 + 0.3 * s))
     return {n: p.detach().clone() for n, p in masters.named_parameters()}
 
 

@@ -154,12 +154,8 @@ def test_optimizer_cost_terms_follow_the_optimizer():
     assert optimizer_cost_terms(adamw, odd_scale)["snapshot_rollback"], "fp16 unscale not exactly invertible"
 
 
-def test_auto_plan_prices_the_users_optimizer(monkeypatch):
-    """``auto_plan(..., optimizer=)`` hands the optimizer's terms to the search (``None``: AdamW's), and they change
-    the plan: at one budget, fewer optimizer state bytes leave room for more device optimizer chunks."""
-    import torch
-
-    from hf_elixir import ElixirConfig
+def _record_optimizer_terms(monkeypatch) -> list[tuple]:
+    """Patch the search to record the ``(optim_states, snapshot_rollback)`` each call is given."""
     from hf_elixir.search import _plan_search
 
     seen = []
@@ -169,6 +165,18 @@ def test_auto_plan_prices_the_users_optimizer(monkeypatch):
         seen.append((kwargs.get("optim_states"), kwargs.get("snapshot_rollback")))
         return real(*args, **kwargs)
     monkeypatch.setattr(_plan_search, "search", spy)
+    return seen
+
+
+def test_auto_plan_prices_the_users_optimizer(monkeypatch):
+    """``auto_plan(..., optimizer=)`` hands the optimizer's terms to the search (``None``: AdamW's), and they change
+    the plan: at one budget, fewer optimizer state bytes leave room for more device optimizer chunks."""
+    import torch
+
+    from hf_elixir import ElixirConfig
+    from hf_elixir.search import _plan_search
+
+    seen = _record_optimizer_terms(monkeypatch)
     model, sample = tiny_model("gpt2"), batch("gpt2", 0, 2, seq=8)
     numel = sum(p.numel() for p in model.parameters())
     config = ElixirConfig(device_memory_budget_bytes=16 * numel, chunk_size_numel=4096, budget_covers_activations=False)
@@ -187,15 +195,8 @@ def test_prepare_search_auto_gives_auto_plan_the_optimizer(single_rank_group, mo
     import torch
 
     import hf_elixir
-    from hf_elixir.search import _plan_search
 
-    seen = []
-    real = _plan_search.search
-
-    def spy(*args, **kwargs):
-        seen.append((kwargs.get("optim_states"), kwargs.get("snapshot_rollback")))
-        return real(*args, **kwargs)
-    monkeypatch.setattr(_plan_search, "search", spy)
+    seen = _record_optimizer_terms(monkeypatch)
     monkeypatch.setattr("hf_elixir.profiler.probe_hardware", lambda *a, **k: _hardware("cpu"))
     model = tiny_model("gpt2")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

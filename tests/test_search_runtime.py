@@ -38,6 +38,17 @@ def _numel(model):
     return sum(p.numel() for p in model.parameters())
 
 
+def _third_step_stats(model, opt, kind: str) -> dict:
+    """Three training steps on ``batch(kind, step, 4, 16)``; ``memory_stats`` of the third (a steady step, the
+    trace recorded)."""
+    for step in range(3):
+        hf_elixir.reset_memory_stats(model) if step == 2 else None
+        model(**batch(kind, step, 4, 16)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return hf_elixir.memory_stats(model)
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "opt"])
 @pytest.mark.parametrize("fraction", [0.9, 1.4, 3.0])
 def test_searched_plan_runs_in_budget_and_memory_is_predicted_exactly(kind, fraction, hardware):
@@ -52,12 +63,7 @@ def test_searched_plan_runs_in_budget_and_memory_is_predicted_exactly(kind, frac
     model, opt = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                                    ElixirConfig(plan=plan, device_memory_budget_bytes=budget,
                                                 budget_covers_activations=False))
-    for step in range(3):
-        hf_elixir.reset_memory_stats(model) if step == 2 else None
-        model(**batch(kind, step, 4, 16)).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    stats = hf_elixir.memory_stats(model)
+    stats = _third_step_stats(model, opt, kind)
     assert stats["device_peak_bytes"] <= budget
     # steady state (a recorded trace): the simulation replays the manager's rules; the peak may differ by
     # stale chunks the manager still holds from the previous step (the simulation starts empty)
@@ -112,12 +118,7 @@ def test_dead_chunk_reshard_is_priced_exactly(kind, frozen, hardware):
         model, opt = hf_elixir.prepare(model, torch.optim.AdamW(trained, lr=1e-3),
                                        ElixirConfig(plan=plan, device_memory_budget_bytes=budget,
                                                     budget_covers_activations=False))
-        for i in range(3):
-            hf_elixir.reset_memory_stats(model) if i == 2 else None
-            model(**batch(kind, i, 4, 16)).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        stats = hf_elixir.memory_stats(model)
+        stats = _third_step_stats(model, opt, kind)
         assert (stats["step_num_onloads"], stats["step_h2d_bytes"]) == (pred.onloads, pred.h2d_bytes), resident
         # within an event the model charges every arriving gradient buffer before the reduces that free one (the
         # runtime may reduce a small chunk between two gradients of the event): never under, at most 1% over
