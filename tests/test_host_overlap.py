@@ -7,6 +7,8 @@ that do not.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -21,6 +23,8 @@ CHUNK = 4096
 # the gradient norm of tiny GPT-2 falls from ~2.9 to ~1.3 over these steps (1 and 2 ranks): the first
 # steps clip (speculation rolled back), the later ones do not (speculation stands)
 MAX_NORM = 1.6
+# seconds backward waits for the host lane's first step (see _elixir); far above the milliseconds it takes
+LANE_WAIT_S = 60.0
 
 
 def _schedule(opt):
@@ -53,11 +57,31 @@ def _elixir(rank: int, world_size: int, accum: int, overlap: bool | None, placem
     in_backward = []
     if opt._lane is not None:
         step_views = opt._step_views
+        stepped = threading.Event()
 
         def spy(views, hyper):
             in_backward.append(opt.manager.backward_pending)
+            stepped.set()
             step_views(views, hyper)
         opt._step_views = spy
+        # Deterministic, not a race with the thread scheduler: the embedding's gradient is the last of backward
+        # (tied with the LM head). Once a chunk has been handed to the lane, its hook holds backward until the
+        # lane has stepped one (once per run; a lane that only steps in ``step()`` never does, and the wait ends
+        # after LANE_WAIT_S with ``in_backward`` false, which fails the test).
+        handed = threading.Event()  # a chunk went to the lane to be stepped in this run
+        take_over = opt.manager.on_grad_offloaded
+
+        def take(chunk, staging, event):
+            waiting = take_over(chunk, staging, event)
+            if waiting is not None:
+                handed.set()
+            return waiting
+        opt.manager.on_grad_offloaded = take
+
+        def hold_backward(grad):
+            if handed.is_set():
+                stepped.wait(LANE_WAIT_S)
+        model.get_input_embeddings().weight.register_hook(hold_backward)
     skipped_unchanged = None
     masters_drift = None
     overflow = {}
