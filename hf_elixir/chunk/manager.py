@@ -14,6 +14,17 @@ forward used on this rank have their gradients, or it holds only MoE-expert para
 forward used: [Note: idle experts] in hooks.py); whatever is left is flushed at the end of backward.
 Ranks whose MoE experts got no tokens therefore issue the same collectives in the same order.
 
+[Note: reduce order check] Nothing but the model's code makes the forward the same on every rank: a module called
+on some ranks only (data-dependent control flow), or modules called in another order, gives the ranks different
+reduce orders, and chunks of equal size then pair with the wrong chunk in their collectives: silently wrong
+gradients (measured: parameters 0.2 relative off PyTorch after one step, no error). So the has-gradient flags'
+all-reduce (one per backward already, MAX) carries two more numbers per flag group: ``code`` and ``-code``, a 24-bit
+CRC of the order of the group's chunks in this backward (exact in float32). After the MAX, ``max(code) +
+max(-code)`` is ``max - min`` over the group's ranks: zero iff every rank reduced in the same order. The result is
+kept on the device (``reduce_order_mismatch``, no host read) and read by the step's one host read, which raises
+before anything is updated: parameters and optimizer state stay as they were; ``zero_grad`` discards the
+gradients and the mismatch with them. A mismatch of unequal sizes fails in the collective itself (gloo, NCCL).
+
 [Note: late reduce waits] (issue 14: blocked-wait time.) Off CUDA a gradient collective is issued with
 ``async_op=True`` as soon as its chunk is complete and finished (waited, divided, added into the gradient
 shard) as late as possible: when the in-flight window is full during backward ([Note: reduce window]), and
@@ -117,8 +128,10 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import struct
 import time
 import weakref
+import zlib
 from collections import defaultdict
 
 import torch
@@ -211,6 +224,10 @@ class ChunkManager:
         self.has_grad_flags = torch.zeros(0, device=compute_device)
         self.flag_groups: list[tuple[object, torch.Tensor]] = []  # (group of size > 1, flag indices)
         self.arrived_flags: set[int] = set()
+        # [Note: reduce order check] > 0 where the ranks of a flag group reduced its chunks in different orders in
+        # a backward since the last step / zero_grad (one element, on the compute device; read by the step)
+        self.reduce_order_mismatch = torch.zeros(1, device=compute_device)
+        self._flag_group_chunks: list[list[int]] = []  # per flag group, its chunk ids (init_flags)
         # activation storages charged -> their bytes (see saved_tensors_accounting)
         self._saved_storages: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # access trace (chunk ids) of the previous and the current step
@@ -286,6 +303,12 @@ class ChunkManager:
         self.num_flags = num_flags
         self.has_grad_flags = torch.zeros(num_flags, device=self.compute_device)
         self.flag_groups = [(group, indices.to(self.compute_device)) for group, indices in flag_groups]
+        # [Note: reduce order check] each flag group's chunks (read here, from the host indices: no device read later)
+        self._flag_group_chunks = []
+        for _, indices in flag_groups:
+            wanted = set(indices.tolist())
+            self._flag_group_chunks.append(sorted({c.chunk_id for c in self.chunks for slot in c.slots
+                                                   if slot.trainable and slot.flag_index in wanted}))
 
     # -- memory helpers ------------------------------------------------------------------------
     def _count_host(self, delta_bytes: int) -> None:
@@ -933,7 +956,9 @@ class ChunkManager:
         if self.arrived_flags:
             arrived = torch.tensor(sorted(self.arrived_flags), dtype=torch.int64)
             flags[arrived.to(self.compute_device, non_blocking=True)] = 1.0
-        parts = [(indices, flags[indices]) for _, indices in self.flag_groups]
+        codes = self._reduce_order_codes()
+        parts = [(indices, torch.cat([flags[indices], torch.tensor([code, -code], device=self.compute_device)]))
+                 for (_, indices), code in zip(self.flag_groups, codes)]
         works = [dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group, async_op=self.async_reduce)
                  for (group, _), (_, part) in zip(self.flag_groups, parts)]
         self.local_flags |= self.arrived_flags
@@ -943,12 +968,24 @@ class ChunkManager:
             for work, (indices, part) in zip(works, parts):
                 if self.async_reduce:
                     work.wait()
-                flags[indices] = part
+                flags[indices] = part[:-2]
+                # [Note: reduce order check] max(code) + max(-code) = max - min over the group's ranks
+                self.reduce_order_mismatch = torch.maximum(self.reduce_order_mismatch, part[-2:].sum().abs().reshape(1))
             self.has_grad_flags = torch.maximum(self.has_grad_flags, flags)
         if self.async_reduce and works:  # waited by the step's read, timed like a reduce's wait
             self._pending.append((FLAGS_IN_FLIGHT, self._timed_wait(finish)))
         else:
             finish()
+
+    def _reduce_order_codes(self) -> list[float]:
+        """Per flag group, a 24-bit code of the order in which this backward reduced the group's chunks
+        ([Note: reduce order check]); exact in the float32 flags."""
+        position = {c.chunk_id: i for i, c in enumerate(self._reduce_order)}
+        codes = []
+        for members in self._flag_group_chunks:
+            order = sorted(members, key=lambda cid: position.get(cid, len(position)))
+            codes.append(float(zlib.crc32(struct.pack(f"<{len(order)}q", *order)) & 0xFFFFFF))
+        return codes
 
     def zero_grad(self, keep_has_grad: bool = False) -> None:
         """Zero every gradient shard; ``keep_has_grad``: parameters that had a gradient keep a (zero)
@@ -965,6 +1002,7 @@ class ChunkManager:
         if not keep_has_grad:
             self.has_grad_flags.zero_()
             self.local_flags = set()
+        self.reduce_order_mismatch.zero_()  # the gradients a mismatched order reduced are gone
         self.grads_pending = False
 
     def clear_param_grad(self, param: torch.nn.Parameter, keep_has_grad: bool = False) -> None:

@@ -574,6 +574,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
 
         Raises:
             ValueError: a closure was given (not supported: forward/backward run outside the step).
+            RuntimeError: the ranks reduced their gradients in different orders since the last step (their
+                forwards differed; [Note: reduce order check] in ``hf_elixir/chunk/manager.py``); nothing updated.
         """
         if closure is not None:
             raise ValueError("ElixirOptimizer.step(closure) is not supported; call forward/backward before step()")
@@ -625,9 +627,17 @@ class ElixirOptimizer(torch.optim.Optimizer):
         coef = self._host_clip_coef if self._host_clip_coef is not None else torch.ones((), device=device)
         self.manager.wait_flags()  # the flags' all-reduce, issued at the end of backward ([Note: late reduce waits])
         packed = torch.cat([found.reshape(1).float(), coef.reshape(1).float(),
-                            self.manager.has_grad_flags.float()])
+                            self.manager.reduce_order_mismatch.float(), self.manager.has_grad_flags.float()])
         values = strict.host_read(packed).tolist()
-        return values[0] > 0, values[1], values[2:]
+        if values[2] > 0:  # [Note: reduce order check] in chunk/manager.py: nothing is updated
+            raise RuntimeError(
+                "the ranks reduced their gradient chunks in different orders in a backward since the last step: "
+                "the forward ran different modules, or the same modules in another order, on different ranks "
+                "(e.g. a submodule called only on some ranks under data-dependent control flow), so gradients "
+                "were summed with another chunk's. This step was not applied (parameters and optimizer state "
+                "are unchanged). Run the same modules in the same order on every rank (call the module "
+                "everywhere and discard its output where it is not needed), then call zero_grad() and go on")
+        return values[0] > 0, values[1], values[3:]
 
     def _inner_step(self, flags: list[float], done: set[int] = frozenset()) -> None:
         """Step every view with a gradient (``flags``) except those of the chunks in ``done`` (stepped
