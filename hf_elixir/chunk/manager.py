@@ -956,9 +956,11 @@ class ChunkManager:
         if self.arrived_flags:
             arrived = torch.tensor(sorted(self.arrived_flags), dtype=torch.int64)
             flags[arrived.to(self.compute_device, non_blocking=True)] = 1.0
-        codes = self._reduce_order_codes()
-        parts = [(indices, torch.cat([flags[indices], torch.tensor([code, -code], device=self.compute_device)]))
-                 for (_, indices), code in zip(self.flag_groups, codes)]
+        # [Note: reduce order check] per group (code, -code), uploaded like the arrivals: no stream sync on CUDA
+        codes = (torch.tensor([[code, -code] for code in self._reduce_order_codes()]).to(self.compute_device,
+                                                                                         non_blocking=True)
+                 if self.flag_groups else None)
+        parts = [(indices, torch.cat([flags[indices], codes[i]])) for i, (_, indices) in enumerate(self.flag_groups)]
         works = [dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group, async_op=self.async_reduce)
                  for (group, _), (_, part) in zip(self.flag_groups, parts)]
         self.local_flags |= self.arrived_flags
