@@ -630,6 +630,11 @@ class ElixirOptimizer(torch.optim.Optimizer):
                             self.manager.reduce_order_mismatch.float(), self.manager.has_grad_flags.float()])
         values = strict.host_read(packed).tolist()
         if values[2] > 0:  # [Note: reduce order check] in chunk/manager.py: nothing is updated
+            self.settle_host_steps()  # the host lane's speculative updates of this backward are undone
+            if self._lane is not None:
+                self._lane.end_step()
+            self._unscaled = False
+            self._found_inf = self._host_clip_coef = None
             raise RuntimeError(
                 "the ranks reduced their gradient chunks in different orders in a backward since the last step: "
                 "the forward ran different modules, or the same modules in another order, on different ranks "
