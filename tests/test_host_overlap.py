@@ -199,7 +199,9 @@ def test_state_read_between_backward_and_step_sees_the_last_step(single_rank_gro
     # the read rolls back by the inverse update ([Note: inverse rollback]): ~1 ulp, not bitwise
     assert rel_l2(after, plain) < 1e-5
     for (model_before, opt_before), (model_mid, opt_mid) in reads:
-        assert all(torch.equal(v, model_before[k]) for k, v in model_mid.items())
+        # the chunks' uploads were issued during backward ([Note: early refresh]): the read undid them, and the
+        # compute copies hold the masters as the inverse update restored them (~1 ulp, like the masters below)
+        assert rel_l2(model_mid, model_before) < 1e-6
         for name, entry in opt_before["state"].items():
             for key, value in entry.items():
                 mid = opt_mid["state"][name][key]

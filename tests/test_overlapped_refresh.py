@@ -115,9 +115,9 @@ def test_uploads_follow_the_next_forwards_first_use():
     issued = []
     original = Chunk.issue_refresh
 
-    def spy(self, source, side_stream=None):
+    def spy(self, source, side_stream=None, **kwargs):
         issued.append(self.chunk_id)
-        return original(self, source, side_stream)
+        return original(self, source, side_stream, **kwargs)
 
     Chunk.issue_refresh = spy
     try:

@@ -103,6 +103,10 @@ class _PendingRefresh:
     source: torch.Tensor
     event: object
     staging: torch.Tensor | None = None
+    # issued during backward from a speculative host step that ``step()`` has not validated yet ([Note: early
+    # refresh] in ``hf_elixir/optim/optimizer.py``): a wait before the validation goes through the manager's
+    # ``early_refresh_fence`` first
+    speculative: bool = False
 
 
 #: elements of the fp32 device staging buffer a refresh cast on the device goes through, block by block ([Note:
@@ -385,7 +389,8 @@ class Chunk(ChunkBytes):
             show_param(slot.param, self.full[slot.offset:slot.offset + slot.numel].view(slot.shape))
         self.hidden = False
 
-    def issue_refresh(self, source: torch.Tensor, side_stream=None, staging: torch.Tensor | None = None) -> None:
+    def issue_refresh(self, source: torch.Tensor, side_stream=None, staging: torch.Tensor | None = None,
+                      speculative: bool = False) -> None:
         """Upload ``source`` (this rank's new shard values, a host buffer of ``shard_numel`` elements) into the
         device shard without making the compute wait ([Note: overlapped refresh] in
         ``hf_elixir/optim/optimizer.py``): on CUDA a non-blocking copy on ``side_stream`` and an event; on the
@@ -393,6 +398,7 @@ class Chunk(ChunkBytes):
         values, and the parameters are stale placeholders until then (a read raises, [Note: stale placeholder]).
         With ``staging`` (an fp32 device buffer; ``source`` the fp32 master, the compute dtype narrower) the
         upload goes through it block by block and is cast on the device ([Note: refresh cast]).
+        ``speculative``: issued during backward from an unvalidated host step ([Note: early refresh]).
         Counted in ``h2d_bytes`` (the source's bytes) and ``num_refreshes_ahead``."""
         assert strict.is_host(source) or source.device.type == "cpu", f"chunk {self.chunk_id}: refresh from device"
         assert source.numel() == self.shard_numel, f"chunk {self.chunk_id}"
@@ -407,7 +413,7 @@ class Chunk(ChunkBytes):
                 self._copy_refresh(source, staging, non_blocking=True)
             event = torch.cuda.Event()
             event.record(side_stream)
-        self.pending_refresh = _PendingRefresh(source, event, staging)
+        self.pending_refresh = _PendingRefresh(source, event, staging, speculative)
         counters = self.manager.counters
         counters.h2d_bytes += source.numel() * source.element_size()
         counters.num_refreshes_ahead += 1
@@ -433,7 +439,14 @@ class Chunk(ChunkBytes):
     def wait_refresh(self, stream=None) -> None:
         """Make the refresh :meth:`issue_refresh` issued visible: on CUDA ``stream`` (default: the current one)
         waits for its event (no host sync); on the simulated device the copy is done here. The parameters of a
-        current chunk point at ``full`` again."""
+        current chunk point at ``full`` again. A refresh issued from a speculative host step that ``step()`` has
+        not validated yet ([Note: early refresh] in ``hf_elixir/optim/optimizer.py``) is a misprediction when
+        anything waits for it first: the manager's ``early_refresh_fence`` undoes that step and uploads the
+        values from before it, which this then waits for."""
+        early = self.pending_refresh
+        if early is not None and early.speculative:
+            early.speculative = False
+            self.manager.early_refresh_fence(self)  # may issue a new refresh in its place
         pending, self.pending_refresh = self.pending_refresh, None
         if pending is None:
             return

@@ -155,6 +155,10 @@ _MAX_TRACE = 1_000_000
 FLAGS_IN_FLIGHT = -1
 
 
+def _no_fence(chunk) -> None:
+    """The default ``ChunkManager.early_refresh_fence``: no optimizer issues refreshes early."""
+
+
 class ChunkManager:
     """Chunks of one model plus the device pool, counters, access trace and reduce bookkeeping."""
 
@@ -182,6 +186,11 @@ class ChunkManager:
         # called before a shard is read (see [Note: gradient offload])
         self.on_grad_offloaded = None
         self.host_fence = None
+        # [Note: early refresh] in optim/optimizer.py: ``on_grad_progress()`` runs after each gradient lands (the
+        # host lane issues the uploads of chunks it has stepped); ``early_refresh_fence(chunk)`` runs before a
+        # wait for a refresh issued from an unvalidated speculative step
+        self.on_grad_progress = None
+        self.early_refresh_fence = _no_fence
         self.backward_count = 0  # backwards started so far
         # host mirror of this rank's has-gradient arrivals since the last zero_grad (flag indices)
         self.local_flags: set[int] = set()
@@ -741,6 +750,17 @@ class ChunkManager:
         if slot.state is not TensorState.READY_FOR_REDUCE:
             slot.set_state(TensorState.READY_FOR_REDUCE)
         self._reduce_ready_prefix()
+        if self.on_grad_progress is not None:
+            self.on_grad_progress()
+
+    def used_no_more(self, chunk: Chunk) -> bool:
+        """In backward: ``chunk`` has no later access in the previous step's order (the step's last backward)
+        and no parameter left in COMPUTE, so nothing reads its compute copy again before the next forward
+        ([Note: early refresh] in ``hf_elixir/optim/optimizer.py``). ``False`` without a previous step, and
+        once this step has made more accesses than the previous one (its order says nothing about them)."""
+        return (self.backward_pending and len(self.trace) < len(self.prev_trace)  # within the known order
+                and self._next_use(chunk) == float("inf")
+                and not any(slot.state is TensorState.COMPUTE for slot in chunk.slots))
 
     def start_backward(self) -> None:
         """Called by the first backward hook of a backward: fix the reduce order (see [Note: reduce order]).

@@ -57,6 +57,7 @@ as without overlap.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import math
 import weakref
@@ -129,6 +130,7 @@ class _Speculation:
     grad_saved: bool
     inverse: bool = False  # rolled back by the inverse update ([Note: inverse rollback]), no snapshot
     scale: float = 1.0  # fp16: the loss scale the lane unscaled the gradient by (a power of two if inverse)
+    backward: int = 0  # the manager's backward_count of the backward it was made in
 
 
 def _hyper_of(groups: list[dict]) -> list[dict] | None:
@@ -168,6 +170,7 @@ class HostLane:
         self._count_at_step = self.manager.backward_count
         self.local_inf = False
         self.num_speculated = 0  # chunks stepped during backward (counters for tests and benchmarks)
+        self.num_early_refreshes = 0  # uploads issued during backward ([Note: early refresh])
         self.num_rolled_back = 0
         self._new_snapshot_bytes = 0
         budget = optimizer.config.host_memory_budget_bytes or default_host_budget_bytes()
@@ -177,8 +180,16 @@ class HostLane:
         # chunks rolled back by the inverse Adam/AdamW update: no snapshot held ([Note: inverse rollback])
         hyper = _hyper_of(optimizer.param_groups)
         self.inverse_chunks = {cid for cid in self.host_chunks if self._invertible(cid, hyper)}
+        # [Note: early refresh] in optimizer.py: chunks the worker stepped speculatively whose refresh is an
+        # upload (appended by the worker), those waiting for backward to be done with them, those issued
+        self.ready: collections.deque[int] = collections.deque()
+        self._waiting: list[int] = []
+        self.early: set[int] = set()
         self.manager.on_grad_offloaded = self.on_grad_offloaded
         self.manager.host_fence = self.fence
+        if speculate:
+            self.manager.on_grad_progress = self.issue_ready
+            self.manager.early_refresh_fence = self.early_fence
 
     # -- intake ------------------------------------------------------------------------------------
     def _submit(self, fn, *args) -> concurrent.futures.Future:
@@ -206,7 +217,8 @@ class HostLane:
             self._intake(cid, staging, None, None)
             return None
         self._pending.add(cid)
-        future = self._submit(self._intake, cid, staging, event, (flags, hyper) if speculate else None)
+        future = self._submit(self._intake, cid, staging, event,
+                              (flags, hyper, self.manager.backward_count) if speculate else None)
         return lambda: concurrent.futures.wait([future])  # its error, if any, is raised by join()
 
     def _invertible(self, cid: int, hyper: list[dict] | None) -> bool:
@@ -239,6 +251,11 @@ class HostLane:
             if event is not None:
                 event.synchronize()
             grad = self.manager.grad_shards[cid]
+            if cid in self.early:  # its upload may be on the bus: the worker cannot take it back
+                raise RuntimeError(
+                    f"chunk {cid} got a gradient after backward had used it for the last time in the previous "
+                    "step's order and its refresh was issued early ([Note: early refresh]); the step's module "
+                    "order changed within a backward. Set ElixirConfig(overlap_host_optimizer=False) for this model")
             if cid in self.speculations:  # a later gradient for a chunk already stepped: undo it first
                 self._rollback(cid, restore_grad=True)
             self.prepared.pop(cid, None)
@@ -247,7 +264,8 @@ class HostLane:
             if speculation is not None:
                 self._speculate(cid, grad, *speculation)
 
-    def _speculate(self, cid: int, grad: torch.Tensor, flags: frozenset[int], hyper: list[dict]) -> None:
+    def _speculate(self, cid: int, grad: torch.Tensor, flags: frozenset[int], hyper: list[dict],
+                   backward: int) -> None:
         opt = self._opt
         if self.local_inf:
             return  # an earlier chunk overflowed: the step is skipped, nothing to speculate on
@@ -268,8 +286,40 @@ class HostLane:
             if cid not in opt._staged:  # cast in the same pass already ([Note: same-pass host step])
                 opt.stage_refresh(cid)  # the upload's host cast, overlapped too ([Note: overlapped refresh])
         self.speculations[cid] = _Speculation(flags, hyper, stepped, snap is not None and snap.grad is not None,
-                                              inverse, scale)
+                                              inverse, scale, backward)
         self.num_speculated += int(stepped)
+        if stepped and cid in opt.early_refresh_chunks:
+            self.ready.append(cid)  # the main thread issues its upload ([Note: early refresh])
+
+    def issue_ready(self) -> None:
+        """The manager's ``on_grad_progress`` (main thread, after each gradient lands): issue the upload of
+        every chunk the worker has stepped speculatively and backward uses no more ([Note: early refresh])."""
+        while self.ready:
+            self._waiting.append(self.ready.popleft())
+        if not self._waiting:
+            return
+        waiting = []
+        for cid in self._waiting:
+            spec = self.speculations.get(cid)
+            if spec is None or spec.backward != self.manager.backward_count:
+                continue  # rolled back meanwhile, or another backward came: a misprediction, never uploaded
+            chunk = self.manager.chunks[cid]
+            if self.manager.used_no_more(chunk):
+                self.early.add(cid)
+                self._opt.issue_upload(chunk, speculative=True)
+                self.num_early_refreshes += 1
+            else:
+                waiting.append(cid)
+        self._waiting = waiting
+
+    def early_fence(self, chunk) -> None:
+        """The manager's ``early_refresh_fence``: something waits for ``chunk``'s early refresh before ``step()``
+        validated it (another micro-batch's forward: the lane mispredicted the step; a state dict, ...). Undo
+        the speculative step and upload the values from before it ([Note: early refresh])."""
+        self.join()
+        if chunk.chunk_id in self.speculations:
+            with torch.no_grad():
+                self._rollback(chunk.chunk_id, restore_grad=True)
 
     # -- snapshots ---------------------------------------------------------------------------------
     def _buffer(self, numel: int) -> torch.Tensor:
@@ -310,12 +360,18 @@ class HostLane:
             snap.grad.copy_(grad)
         return snap
 
-    def _rollback(self, cid: int, restore_grad: bool) -> None:
+    def _rollback(self, cid: int, restore_grad: bool, reupload: bool = True) -> None:
         """Undo chunk ``cid``'s speculation: master and optimizer state as before it (snapshot: exact copies;
         else the inverse update, [Note: inverse rollback]), and with ``restore_grad`` the gradient too (fp16:
-        scaled again, so later micro-batches add to it)."""
+        scaled again, so later micro-batches add to it). An upload issued early from it ([Note: early refresh])
+        is waited for first (the undo writes what it reads), and with ``reupload`` the values from before are
+        uploaded again (``False``: the step redoes the chunk and uploads the result)."""
         spec = self.speculations.pop(cid)
         self.prepared.pop(cid, None)
+        early = cid in self.early
+        if early:
+            self.early.discard(cid)
+            self._opt.release_upload(self.manager.chunks[cid])
         if spec.stepped:
             self.num_rolled_back += 1
             self._opt._staged.discard(cid)  # the staging holds the undone values: cast again after the real step
@@ -323,6 +379,8 @@ class HostLane:
                 self._undo_by_inverse(cid, spec)
             else:
                 self._restore_snapshot(cid)
+        if early and reupload:
+            self._opt.issue_upload(self.manager.chunks[cid])
         grad = self.manager.grad_shards[cid]
         if restore_grad and spec.grad_saved:
             grad.copy_(self._snapshots[cid].grad)
@@ -394,6 +452,8 @@ class HostLane:
                 self._rollback(cid, restore_grad=restore_grads)
         self.prepared.clear()
         self.local_inf = False
+        self.ready.clear()
+        self._waiting.clear()
 
     def fence(self, chunk) -> None:
         """The manager's ``host_fence``: ``chunk`` (``None``: every gradient shard) is about to be read or
@@ -421,10 +481,14 @@ class HostLane:
             for cid, spec in list(self.speculations.items()):
                 actual = frozenset(v.slot.flag_index for v in self._views[cid] if flags[v.slot.flag_index] > 0)
                 if redo_all or actual != spec.flags or hyper != spec.hyper:
-                    self._rollback(cid, restore_grad=False)
+                    # an overflow skips the step: nothing redoes and uploads the chunk ([Note: early refresh])
+                    self._rollback(cid, restore_grad=False, reupload=found_inf)
                 else:
                     kept.add(cid)
                     del self.speculations[cid]
+                    pending = self.manager.chunks[cid].pending_refresh
+                    if cid in self.early and pending is not None:
+                        pending.speculative = False  # validated: its early upload stands
         return kept
 
     def end_step(self) -> None:
@@ -435,6 +499,9 @@ class HostLane:
         self.speculations.clear()
         self.prepared.clear()
         self.local_inf = False
+        self.ready.clear()
+        self._waiting.clear()
+        self.early.clear()
 
     def host_sq_norm(self, cid: int) -> float | None:
         """The squared L2 norm the lane computed for chunk ``cid``'s final gradient, if it did."""

@@ -225,6 +225,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
             if _uploads_cast(c) and self.refresh_cast == "host"}
         # [Note: refresh cast] or one fp32 device buffer the uploads go through, cast on the device
         self._device_cast: list[Chunk] = [c for c in host if _uploads_cast(c) and self.refresh_cast == "device"]
+        self._device_cast_ids = frozenset(c.chunk_id for c in self._device_cast)
         self._device_staging: torch.Tensor | None = None
         staging_numel = refresh_staging_numel([c.shard_numel for c in self._device_cast])
         if staging_numel:
@@ -232,6 +233,9 @@ class ElixirOptimizer(torch.optim.Optimizer):
             self._device_staging = strict.register_device(
                 torch.empty(staging_numel, dtype=torch.float32, device=manager.compute_device))
         self._staged: set[int] = set()  # chunks whose staging holds the master's current values
+        # [Note: early refresh] chunks whose refresh is an upload the host lane may issue during backward (not
+        # under fp16 loss scaling: a skipped step must leave the compute copies as they were, bit for bit)
+        self.early_refresh_chunks = frozenset(c.chunk_id for c in host if _uploads(c) and not self.scaler.enabled)
         for chunk in manager.chunks:
             if not chunk.trainable:
                 continue
@@ -770,8 +774,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
         cast]); backward's drain orders the host lane after them, a stream wait does not order the host."""
         for chunk in self.manager.chunks:
             pending = chunk.pending_refresh
-            if pending is not None and pending.source is self.masters.get(chunk.chunk_id):
-                self._release_staging(chunk)
+            if pending is not None and pending.source is self.masters.get(chunk.chunk_id) and not pending.speculative:
+                self._release_staging(chunk)  # (an early one is released by its rollback: [Note: early refresh])
 
     def _upload_source(self, chunk: Chunk) -> torch.Tensor:
         self._release_staging(chunk)
@@ -815,6 +819,24 @@ class ElixirOptimizer(torch.optim.Optimizer):
         :meth:`step` waits for the pending upload. The search picks the side by cost
         (``hf_elixir/search/_cost.py``): the host lane's cast against the doubled PCIe bytes and the device
         staging bytes. Only for a compute dtype narrower than fp32: fp32 has nothing to cast.
+
+        [Note: early refresh] With the host lane speculating ([Note: host lane] in ``_overlap.py``), a chunk's
+        upload does not wait for the step: the main thread issues it during backward, at the first gradient
+        hook after the lane has stepped (and cast) the chunk and backward uses the chunk no more in the previous
+        step's order (``ChunkManager.used_no_more``: no later access, no parameter in COMPUTE), so nothing reads
+        the compute copy the upload overwrites before the next forward. The host-to-device direction of the bus
+        is idle in backward (gradients go the other way), so most uploads are done when backward ends and the
+        next forward waits only for the last chunks the lane steps; with the cast on the device ([Note: refresh
+        cast]) the lane is left with the AdamW update alone. The upload carries speculative values until
+        ``step()`` validates them: a kept speculation keeps its upload (``step`` skips it); one rolled back
+        waits for the upload first (``release_upload``: the undo writes what it reads) and the step uploads the
+        redone values; a wait for it before the step (the next micro-batch's forward when the lane mispredicted
+        the step, a state dict) goes through ``early_refresh_fence``, which undoes the speculative step and
+        uploads the values from before it. A gradient for the chunk after its early upload (the module order
+        changed within a backward) raises. Not under fp16 loss scaling: an overflow skips the step, and the
+        compute copies must then stay bit for bit as they were, which re-uploading a master the inverse update
+        restored to about one ulp ([Note: inverse rollback]) would not guarantee. Source: SuperOffload (arXiv 2509.21271) section 4, the parameter
+        copy-back overlapped with the remaining backward; priced in ``hf_elixir/search/_cost.py``.
         """
         import triton_kernels  # noqa: PLC0415
 
@@ -844,13 +866,30 @@ class ElixirOptimizer(torch.optim.Optimizer):
             chunk.version += 1
             if chunk.full_alias:
                 chunk.full_version = chunk.version
-        device_cast = {c.chunk_id for c in self._device_cast}
+        early = self._lane.early if self._lane is not None else ()
         for chunk in self.manager.next_use_order(uploads):
-            if chunk.chunk_id in device_cast:  # [Note: refresh cast] the fp32 master, cast on the device
-                chunk.issue_refresh(self.masters[chunk.chunk_id], side_stream=self.manager.copy_stream,
-                                    staging=self._device_staging)
-            else:
-                chunk.issue_refresh(self._upload_source(chunk), side_stream=self.manager.copy_stream)
+            if chunk.chunk_id not in early:  # uploaded during backward already ([Note: early refresh])
+                self.issue_upload(chunk)
+
+    def issue_upload(self, chunk: Chunk, speculative: bool = False) -> None:
+        """Issue the upload refreshing ``chunk``'s device shard from its master ([Note: overlapped refresh]):
+        the fp32 master cast on the device ([Note: refresh cast]), or its host staging buffer (cast now unless
+        the step or the lane cast it already). ``speculative``: from a host-lane step ``step()`` has not
+        validated yet ([Note: early refresh])."""
+        if chunk.chunk_id in self._device_cast_ids:  # [Note: refresh cast] the fp32 master, cast on the device
+            chunk.issue_refresh(self.masters[chunk.chunk_id], side_stream=self.manager.copy_stream,
+                                staging=self._device_staging, speculative=speculative)
+        else:
+            chunk.issue_refresh(self._upload_source(chunk), side_stream=self.manager.copy_stream,
+                                speculative=speculative)
+
+    def release_upload(self, chunk: Chunk) -> None:
+        """Wait (host sync on its event) until ``chunk``'s pending upload has read its source, and make it
+        visible: before the source is written outside the step's order ([Note: early refresh])."""
+        pending = chunk.pending_refresh
+        if pending is not None:
+            pending.speculative = False
+        self._release_staging(chunk)
 
     def zero_grad(self, set_to_none: bool | None = True) -> None:
         """Zero the reduced gradient shards; ``p.grad`` stays ``None`` (gradients live in chunks).
