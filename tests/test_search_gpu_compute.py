@@ -255,3 +255,36 @@ def test_refresh_uploads_overlap_the_next_forward():
     assert fast.forward_backward_s < cuda.forward_backward_s
     assert cuda.step_s < cuda.forward_backward_s + cuda.optimizer_s + 1e-12 < \
         cpu.optimizer_s + cuda.forward_backward_s + 1e-12
+
+
+def test_lane_uploads_go_out_during_backward(monkeypatch):
+    """[Note: early refresh pricing]: with the host lane on (the CUDA default), a chunk the lane has stepped is
+    uploaded during backward, after its last access, instead of at the start of the next step; with a link
+    too slow for the uploads to hide under the forward, the next forward then waits only for what backward did
+    not finish. The same bytes move. Not under fp16 loss scaling, and nothing changes when the lane only
+    finishes after backward."""
+    from hf_elixir.search import _cost
+
+    model, sample = tiny_model("gpt2"), batch("gpt2", 0, 2, seq=8)
+    profile = profile_step(model, sample, device="cpu", count_flops=True)
+    # slow compute (backward outlasts the lane) and a slow link (the uploads outlast the forward)
+    hw = replace(_gpu(), h2d_bytes_per_s=1e7, device_flops_per_s=1e8, device_fp32_flops_per_s=1e8)
+
+    def both(precision, hardware):
+        step = build_chunked_step(profile, 4096, world_size=1, precision=precision, hardware=hardware)
+        everything = frozenset(range(step.num_chunks))
+        knobs = Knobs(resident=everything, device_shard=everything)  # every optimizer state on the host
+        early = predict(step, knobs, hardware, pool_bytes=GIB)
+        with monkeypatch.context() as m:
+            m.setattr(_cost, "_early_refresh", lambda step, hardware: False)
+            late = predict(step, knobs, hardware, pool_bytes=GIB)
+        return early, late
+
+    early, late = both("bf16", hw)
+    assert early.h2d_bytes == late.h2d_bytes > 0 and early.d2h_bytes == late.d2h_bytes
+    assert early.forward_backward_s < late.forward_backward_s and early.step_s < late.step_s
+    early16, late16 = both("fp16", hw)
+    assert early16.step_s == late16.step_s
+    slow_lane = replace(hw, host_adam_numel_per_s=1e3)  # the lane finishes its first chunk after backward
+    early_slow, late_slow = both("bf16", slow_lane)
+    assert early_slow.step_s == late_slow.step_s

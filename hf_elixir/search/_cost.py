@@ -111,6 +111,13 @@ with several ranks an all-gather may, on any device; everything else on CPU is s
   cast is priced and no host staging buffer counted; the upload moves ``4 * shard_numel`` bytes and casts on the
   device on the same copy stream (:func:`_device_cast_s`), and the fixed device bytes gain the one fp32 staging
   buffer the runtime charges (:func:`refresh_staging_bytes`).
+  [Note: early refresh pricing] With the host lane on CUDA (not fp16: [Note: early refresh] in
+  ``optim/optimizer.py``) a chunk the lane stepped is uploaded during backward instead: on the copy stream at the
+  first backward event after the lane finished it (:func:`_early_refresh`) and after the chunk's last access,
+  queued with the backward's onloads. In steady state the next forward then waits for those not done when the
+  step ends and for the lane's last chunks, which the step uploads in first-use order behind them: predict runs
+  a second pass with those waits (``_refresh_prev``). The device cast then costs the lane nothing and its
+  doubled bytes ride the host-to-device direction backward leaves idle.
 
 [Note: activation policy] in ``_activation_cost.py``: what keep / recompute / offload per block cost in
 memory and time; :func:`predict` adds the offload copies it lists (``ChunkedStep.offload_after`` /
@@ -452,6 +459,12 @@ def _host_cast_s(numel: int, hardware: HardwareProfile) -> float:
     return numel / (hardware.host_adam_numel_per_s or 1e9) * SAME_PASS_CAST_FRACTION
 
 
+def _early_refresh(step: ChunkedStep, hardware: HardwareProfile) -> bool:
+    """Whether the host lane's uploads go out during backward ([Note: early refresh] in ``optim/optimizer.py``):
+    beside a CUDA compute stream, and not under fp16 loss scaling."""
+    return hardware.can_overlap and step.precision != "fp16"
+
+
 def _refresh_times(step: ChunkedStep, upload_s: dict[int, float]) -> dict[int, float]:
     """When each upload is done, seconds from the start of the step: issued back to back on the copy stream when
     the previous step ends, in the order the forward first uses the chunks (``ChunkManager.next_use_order``)."""
@@ -544,7 +557,8 @@ def _kept_peak(log: list[tuple], pool_bytes: int, kept: dict[int, int]) -> tuple
 
 def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_bytes: int | None = None,
             activations_on_device: bool = False, timeline: bool = False,
-            overlap_host_optimizer: bool | None = None, host_budget_bytes: int | None = None) -> Prediction | None:
+            overlap_host_optimizer: bool | None = None, host_budget_bytes: int | None = None,
+            _refresh_prev: dict[int, float] | None = None) -> Prediction | None:
     """Predicted time and memory of ``knobs`` with a model-data pool of ``pool_bytes`` (the
     ``device_memory_budget_bytes`` given to ``prepare``); ``None`` if the step cannot run in it (the
     manager would raise). Without ``pool_bytes`` the pool is the fixed parts plus
@@ -552,6 +566,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     ``ElixirConfig.overlap_host_optimizer``, ``None`` resolved as the runtime does (on for a CUDA device,
     off on CPU: :func:`hf_elixir.optim._overlap.speculates`), see [Note: overlap];
     ``host_budget_bytes``: this rank's host memory, which bounds the host lane's snapshots (``None``: no bound).
+    ``_refresh_prev`` (internal): when each upload of the previous step is done, seconds from this step's start
+    (the second pass of [Note: early refresh pricing]).
 
     See [Note: time model] and [Note: memory accounting] in this module's docstring.
     """
@@ -629,6 +645,15 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     cast_s = {c: _host_cast_s(step.shard_numel(c), hardware) for c in upload_s
               if step.precision != "fp32" and not device_cast}
     refresh_done = _refresh_times(step, upload_s) if hardware.can_overlap else {}
+    if _refresh_prev is not None:
+        refresh_done = _refresh_prev
+    # [Note: early refresh pricing] the host lane's uploads go out during backward (on CUDA, not under fp16 loss
+    # scaling: [Note: early refresh] in optim/optimizer.py): a chunk the lane stepped is uploaded on the copy
+    # stream at the first backward event after the lane finished it and after the chunk's last access
+    early_refresh = _early_refresh(step, hardware)
+    last_access = {c: k for k, group in enumerate(step.groups) for c in group}
+    lane_done: dict[int, float] = {}  # lane chunk -> when the lane finished it (step + cast)
+    early_done: dict[int, float] = {}  # lane chunk -> when its upload issued in backward is done
     upload_end = max(refresh_done.values(), default=0.0)
     t_copy = upload_end  # onloads prefetched on the copy stream queue behind the uploads
     backward_waited = False
@@ -737,6 +762,11 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         start = max(t_compute, ready)
         starts.append(start)
         t_compute = start + step.event_compute_s[k] + hardware.hook_event_s
+        if early_refresh and lane_done and step.event_phase[k] == "bwd":
+            for c in sorted(c for c, t in lane_done.items() if c not in early_done and t <= t_compute
+                            and last_access[c] < k and c in upload_s):
+                t_copy = max(t_copy, lane_done[c]) + upload_s[c]
+                early_done[c] = t_copy
         if k in step.offload_after:  # an offloaded block's activations go to the host (CUDA: on a side stream)
             nbytes = step.offload_after[k]
             d2h_bytes += nbytes
@@ -801,6 +831,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                           + step.views[c] * hardware.optim_tensor_s)
                 t_lane += cast_s.get(c, 0.0)  # the upload's host cast, right after the chunk's step
                 lane_chunks.add(c)
+                lane_done[c] = t_lane
             elif host_ready is not None:  # off CUDA: the lane shares the compute's cores, its copies add up
                 snapshot_serial_s += snapshot / host_copy_rate
             pending.append((g + out, g, out))
@@ -864,6 +895,18 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     device_peak = peak + breakdown["activations"]
     if timeline:
         points.append((fwd_bwd + optim_s, fixed, "optimizer step"))
+    if early_done and _refresh_prev is None:
+        # [Note: early refresh pricing] steady state: the next forward waits for the uploads issued in this
+        # backward that are not done when the step ends, then for the others, issued by the step in first-use
+        # order behind them; priced again with those waits
+        end = fwd_bwd + optim_s
+        prev = {c: max(0.0, t - end) for c, t in early_done.items()}
+        rest = {c: t for c, t in upload_s.items() if c not in early_done}
+        queued = max(prev.values(), default=0.0)
+        prev.update({c: queued + t for c, t in _refresh_times(step, rest).items()})
+        return predict(step, knobs, hardware, pool_bytes=pool_bytes, activations_on_device=activations_on_device,
+                       timeline=timeline, overlap_host_optimizer=overlap_host_optimizer,
+                       host_budget_bytes=host_budget_bytes, _refresh_prev=prev)
     return Prediction(
         step_s=fwd_bwd + optim_s, forward_backward_s=fwd_bwd, optimizer_s=optim_s, compute_s=compute_s,
         onloads=onloads, h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes, allgather_bytes=ag_bytes,
