@@ -206,6 +206,7 @@ class Chunk(ChunkBytes):
         # [Note: gradient spill] in manager.py: a partial gradient buffer moved to the host (None: not spilled)
         self.grad_spill: torch.Tensor | None = None
         self._grad_spill_host: torch.Tensor | None = None  # its host buffer, kept for the next spill
+        self._grad_spill_event = None  # CUDA: recorded after the last copy into or out of that host buffer
         self.reduced_this_backward = False
         self.used_slots: set[int] = set()
         self.subtree_only = False  # only MoE-expert (subtree unit) parameters: see [Note: idle experts]
@@ -633,26 +634,42 @@ class Chunk(ChunkBytes):
 
     def spill_grad(self) -> None:
         """Move the partial gradient buffer to the host and free its device bytes ([Note: gradient spill] in
-        ``manager.py``); :meth:`_restore_grad` brings it back before the next gradient or the reduce."""
+        ``manager.py``); :meth:`_restore_grad` brings it back before the next gradient or the reduce. No host
+        sync: a non-blocking copy into the host buffer (pinned on CUDA) queued on the current stream."""
         assert self.grad_full is not None and self.grad_spill is None, f"chunk {self.chunk_id}: nothing to spill"
         host = self._grad_spill_host
         if host is None:
             host = self._grad_spill_host = self.manager.host_empty(self.chunk_numel, self.grad_dtype)
-        with torch.no_grad(), strict.host_copies():
-            host.copy_(self.grad_full)
+        grad_full = self.grad_full
+        self._spill_copy(host, grad_full)
+        if grad_full.is_cuda:  # freed below while the copy may still read it: no reuse before it ran on this
+            grad_full.record_stream(torch.cuda.current_stream())  # stream (a no-op on the allocation stream)
         self.manager.counters.d2h_bytes += self.grad_full_bytes
-        self.manager.recycle_buffer(self.grad_full)
+        self.manager.recycle_buffer(grad_full)
         self.grad_full, self.grad_spill = None, host
 
     def _restore_grad(self) -> None:
-        """Bring a spilled gradient buffer back to the device (charged again, making room as any buffer does)."""
+        """Bring a spilled gradient buffer back to the device (charged again, making room as any buffer does);
+        a non-blocking copy on the current stream, after the spill's."""
         host = self.grad_spill
         self.grad_spill = None
         self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype,
                                                   f"gradient buffer of chunk {self.chunk_id} (spilled)", zero=False)
-        with torch.no_grad(), strict.host_copies():
-            self.grad_full.copy_(host)
+        self._spill_copy(self.grad_full, host)
         self.manager.counters.h2d_bytes += self.grad_full_bytes
+
+    def _spill_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One copy of a gradient spill or restore ([Note: gradient spill] in ``manager.py``), non-blocking on
+        the current stream; on CUDA after the previous copy into or out of the host buffer (an event: the spill
+        may have run on the reduce stream, its restore on the compute stream), and an event recorded after it."""
+        cuda = dst.is_cuda or src.is_cuda
+        if cuda and self._grad_spill_event is not None:
+            torch.cuda.current_stream().wait_event(self._grad_spill_event)
+        with torch.no_grad(), strict.host_copies():
+            dst.copy_(src, non_blocking=True)
+        if cuda:
+            self._grad_spill_event = torch.cuda.Event()
+            self._grad_spill_event.record()
 
     def accumulate_grad(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         """Add ``grad`` (shape ``slot.shape``) into the chunk's gradient buffer."""
