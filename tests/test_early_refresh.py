@@ -84,3 +84,29 @@ def test_clipped_steps_redo_and_upload_again(single_rank_group):
     on = _elixir(max_norm=0.1, overlap=True)
     assert on["early"] > 0 and on["rolled_back"] > 0
     assert rel_l2(on["state"], ref) < 1e-5, rel_l2(on["state"], ref)
+
+
+def _bf16(cast: str, overlap: bool) -> dict:
+    import dataclasses
+
+    from tests.test_refresh_cast import _plan
+
+    config, plan = _plan(cast)
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(two_groups(model), lr=5e-3)
+    model, opt = hf_elixir.prepare(model, opt, dataclasses.replace(config, plan=plan, overlap_host_optimizer=overlap))
+    for step in range(4):
+        model(**batch("gpt2", step, ROWS)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"state": float_state(model), "early": opt._lane.num_early_refreshes if overlap else 0}
+
+
+def test_bf16_uploads_in_backward_cast_on_the_host_or_the_device(single_rank_group):
+    """bf16 compute copies, fp32 masters on the host: the early uploads read the staging buffer the lane cast
+    into, or the master itself cast on the device ([Note: refresh cast]); either way bitwise the parameters of
+    the lane-off run, whose uploads the step issues."""
+    for cast in ("host", "device"):
+        on, off = _bf16(cast, True), _bf16(cast, False)
+        assert on["early"] > 0, cast
+        assert all(torch.equal(v, off["state"][k]) for k, v in on["state"].items()), cast

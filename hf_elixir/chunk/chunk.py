@@ -93,20 +93,30 @@ class _PendingRefresh:
 
     Attributes:
         source: the host buffer it reads (pinned staging in the compute dtype, or the fp32 master),
-            ``[shard_numel]``; not written again before the wait.
+            ``[shard_numel]``; not written again before the wait (checked there, ``stamp``).
         staging: with a cast on the device, the fp32 device buffer the master goes through block by block
             (``[<= REFRESH_STAGING_NUMEL]``); ``None``: ``source`` is in the compute dtype.
         event: CUDA event recorded after the copy on the side stream; ``None`` on the simulated device,
             where the copy itself is done by the wait.
+        stamp: ``source``'s :func:`_write_stamp` at the issue; the wait raises if it changed ([Note: strict
+            refresh source]).
     """
 
     source: torch.Tensor
     event: object
     staging: torch.Tensor | None = None
+    stamp: tuple[int, int] = (0, -1)
     # issued during backward from a speculative host step that ``step()`` has not validated yet ([Note: early
     # refresh] in ``hf_elixir/optim/optimizer.py``): a wait before the validation goes through the manager's
     # ``early_refresh_fence`` first
     speculative: bool = False
+
+
+def _write_stamp(tensor: torch.Tensor) -> tuple[int, int]:
+    """``(data_ptr, version counter)`` of ``tensor``: both stay equal while nothing writes it in place (the
+    counter is shared with its views and bumped by every in-place op autograd sees) or rebinds its storage
+    ([Note: strict refresh source]). An inference tensor has no counter: ``-1`` (its writes are not seen)."""
+    return tensor.data_ptr(), (-1 if tensor.is_inference() else tensor._version)
 
 
 #: elements of the fp32 device staging buffer a refresh cast on the device goes through, block by block ([Note:
@@ -200,6 +210,7 @@ class Chunk(ChunkBytes):
         # [Note: gradient spill] in manager.py: a partial gradient buffer moved to the host (None: not spilled)
         self.grad_spill: torch.Tensor | None = None
         self._grad_spill_host: torch.Tensor | None = None  # its host buffer, kept for the next spill
+        self._grad_spill_event = None  # CUDA: recorded after the last copy into or out of that host buffer
         self.reduced_this_backward = False
         self.used_slots: set[int] = set()
         self.subtree_only = False  # only MoE-expert (subtree unit) parameters: see [Note: idle experts]
@@ -413,7 +424,7 @@ class Chunk(ChunkBytes):
                 self._copy_refresh(source, staging, non_blocking=True)
             event = torch.cuda.Event()
             event.record(side_stream)
-        self.pending_refresh = _PendingRefresh(source, event, staging, speculative)
+        self.pending_refresh = _PendingRefresh(source, event, staging, _write_stamp(source), speculative)
         counters = self.manager.counters
         counters.h2d_bytes += source.numel() * source.element_size()
         counters.num_refreshes_ahead += 1
@@ -442,7 +453,13 @@ class Chunk(ChunkBytes):
         current chunk point at ``full`` again. A refresh issued from a speculative host step that ``step()`` has
         not validated yet ([Note: early refresh] in ``hf_elixir/optim/optimizer.py``) is a misprediction when
         anything waits for it first: the manager's ``early_refresh_fence`` undoes that step and uploads the
-        values from before it, which this then waits for."""
+        values from before it, which this then waits for.
+
+        Raises:
+            RuntimeError: the refresh's source was written in place (or its storage rebound) since
+                :meth:`issue_refresh`: a race with the upload on CUDA ([Note: strict refresh source]); the
+                refresh is dropped (the shard keeps its old values).
+        """
         early = self.pending_refresh
         if early is not None and early.speculative:
             early.speculative = False
@@ -450,6 +467,7 @@ class Chunk(ChunkBytes):
         pending, self.pending_refresh = self.pending_refresh, None
         if pending is None:
             return
+        self._check_refresh_source(pending)
         if pending.event is not None:
             (stream or torch.cuda.current_stream()).wait_event(pending.event)
         else:
@@ -457,6 +475,34 @@ class Chunk(ChunkBytes):
                 self._copy_refresh(pending.source, pending.staging, non_blocking=False)
         if not self.needs_fill():
             self.show_params()
+
+    def _check_refresh_source(self, pending: _PendingRefresh) -> None:
+        """[Note: strict refresh source] On CUDA :meth:`issue_refresh` queues a non-blocking host->device copy on
+        the copy stream: the DMA reads ``source`` some time between the issue and the event, so a host write to
+        ``source`` before the host knows the copy finished (its event synchronised) uploads the old values, or a
+        torn mix of old and new. The simulated device copies at the wait, so it would upload the new values and
+        hide that race. Both paths therefore stamp the source at the issue (``data_ptr`` and the version counter,
+        :func:`_write_stamp`) and compare at the wait: a changed stamp raises. Every writer of a master or a
+        staging buffer bumps the counter: ``copy_`` and the ``_foreach_*`` ops of the inverse rollback do it
+        themselves; ``torch._fused_adam(w)_`` does not (PyTorch 2.13, direct or via ``torch.optim.AdamW(
+        fused=True)``), so the same-pass step (``hf_elixir/optim/_same_pass.py``) and the inner optimizer's step
+        (``ElixirOptimizer._run_inner``) bump it with ``torch.autograd.graph.increment_version`` after the
+        kernel. A write through ``.data`` is not seen (new counter): the masters are not written that way. The
+        sanctioned order is the one of ``ElixirOptimizer._release_staging`` (synchronise the event, wait, then
+        write) or the start of backward's drain (the host lane writes only after it). Cost: two integer reads per
+        issue and per wait."""
+        stamp = _write_stamp(pending.source)
+        if stamp == pending.stamp:
+            return
+        what = ("rebound to other storage" if stamp[0] != pending.stamp[0] else
+                f"written in place (version counter {pending.stamp[1]} -> {stamp[1]})")
+        raise RuntimeError(
+            f"chunk {self.chunk_id}: the host buffer its refresh uploads (the {tuple(pending.source.shape)} "
+            f"{'fp32 master' if pending.source.dtype == torch.float32 else 'staging buffer'}) "
+            f"was {what} between issue_refresh and wait_refresh. On CUDA the upload is a non-blocking copy queued at "
+            "issue_refresh, so it would have read the values of the issue time (or a torn mix), not the new ones. "
+            "Wait for the refresh before writing its source (ElixirOptimizer._release_staging: synchronise its "
+            "event, then Chunk.wait_refresh)")
 
     def wait_ready(self) -> bool:
         """Wait for the refresh of the device shard (:meth:`wait_refresh`) and for a prefetched all-gather
@@ -601,26 +647,42 @@ class Chunk(ChunkBytes):
 
     def spill_grad(self) -> None:
         """Move the partial gradient buffer to the host and free its device bytes ([Note: gradient spill] in
-        ``manager.py``); :meth:`_restore_grad` brings it back before the next gradient or the reduce."""
+        ``manager.py``); :meth:`_restore_grad` brings it back before the next gradient or the reduce. No host
+        sync: a non-blocking copy into the host buffer (pinned on CUDA) queued on the current stream."""
         assert self.grad_full is not None and self.grad_spill is None, f"chunk {self.chunk_id}: nothing to spill"
         host = self._grad_spill_host
         if host is None:
             host = self._grad_spill_host = self.manager.host_empty(self.chunk_numel, self.grad_dtype)
-        with torch.no_grad(), strict.host_copies():
-            host.copy_(self.grad_full)
+        grad_full = self.grad_full
+        self._spill_copy(host, grad_full)
+        if grad_full.is_cuda:  # freed below while the copy may still read it: no reuse before it ran on this
+            grad_full.record_stream(torch.cuda.current_stream())  # stream (a no-op on the allocation stream)
         self.manager.counters.d2h_bytes += self.grad_full_bytes
-        self.manager.recycle_buffer(self.grad_full)
+        self.manager.recycle_buffer(grad_full)
         self.grad_full, self.grad_spill = None, host
 
     def _restore_grad(self) -> None:
-        """Bring a spilled gradient buffer back to the device (charged again, making room as any buffer does)."""
+        """Bring a spilled gradient buffer back to the device (charged again, making room as any buffer does);
+        a non-blocking copy on the current stream, after the spill's."""
         host = self.grad_spill
         self.grad_spill = None
         self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype,
                                                   f"gradient buffer of chunk {self.chunk_id} (spilled)", zero=False)
-        with torch.no_grad(), strict.host_copies():
-            self.grad_full.copy_(host)
+        self._spill_copy(self.grad_full, host)
         self.manager.counters.h2d_bytes += self.grad_full_bytes
+
+    def _spill_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One copy of a gradient spill or restore ([Note: gradient spill] in ``manager.py``), non-blocking on
+        the current stream; on CUDA after the previous copy into or out of the host buffer (an event: the spill
+        may have run on the reduce stream, its restore on the compute stream), and an event recorded after it."""
+        cuda = dst.is_cuda or src.is_cuda
+        if cuda and self._grad_spill_event is not None:
+            torch.cuda.current_stream().wait_event(self._grad_spill_event)
+        with torch.no_grad(), strict.host_copies():
+            dst.copy_(src, non_blocking=True)
+        if cuda:
+            self._grad_spill_event = torch.cuda.Event()
+            self._grad_spill_event.record()
 
     def accumulate_grad(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         """Add ``grad`` (shape ``slot.shape``) into the chunk's gradient buffer."""

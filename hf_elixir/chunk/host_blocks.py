@@ -157,7 +157,10 @@ class HostBlockAllocator:
             offset = block.take(nbytes)
         fresh = offset >= block.zero_from
         block.zero_from = max(block.zero_from, offset + nbytes)
-        tensor = block.data[offset:offset + numel * element].view(dtype)
+        # not a view of ``block.data`` (whose version counter every slice would share: a write to any buffer
+        # would look like a write to all of them) but a tensor of its own over the block's storage, with its own
+        # version counter ([Note: strict refresh source] in chunk.py); ``offset`` is a multiple of ALIGN_BYTES
+        tensor = torch.empty(0, dtype=dtype).set_(block.data.untyped_storage(), offset // element, (numel,))
         self._where[tensor.data_ptr()] = (block, offset, nbytes)
         return tensor, fresh
 

@@ -466,7 +466,24 @@ class ChunkManager:
         buffers) and the cost model count two. When nothing is left to evict, the partial buffer of the chunk
         reduced last (the one needed farthest ahead) goes to the host instead (:meth:`Chunk.spill_grad`) and
         comes back before its next gradient or its reduce: rank-local copies, the same collectives in the same
-        order. So a step runs within the floor. Returns whether a buffer was spilled."""
+        order. So a step runs within the floor. Returns whether a buffer was spilled.
+
+        Neither copy syncs the host (DESIGN.md: host syncs in the step's hot path are counted, one per step): the
+        spill is a non-blocking device->host copy into the chunk's host buffer (:meth:`host_empty`: pinned on CUDA,
+        so a real asynchronous DMA) queued on the current stream, the restore a non-blocking host->device copy on
+        the current stream, and nothing on the host reads that buffer, so nothing waits for them (a blocking
+        ``copy_`` would: ``memcpy_and_sync``, both ways). The device buffer goes to :meth:`recycle_buffer` right
+        after its copy is queued: on CUDA that releases its pool charge and the chunk drops the last reference, so
+        the caching allocator puts the block back in the free pool of the stream it was allocated on (the compute
+        stream: gradient buffers are made by the backward hooks and the restore), where a later allocation is
+        used only by work queued after the copy, which therefore reads it first. A spill can also be asked for on
+        the reduce stream (the ``make_room`` of a reduce-scatter output, [Note: reduce overlap] in ``chunk.py``):
+        its copy is then queued there, and ``record_stream`` on it keeps the allocator from handing the block to
+        the compute stream before the copy ran (a no-op on the allocation stream). The host buffer is reused by
+        the chunk's next spill: an event recorded after each copy and waited for by the next one (a stream wait)
+        orders spill, restore and the next spill when they run on different streams. Off CUDA both are plain
+        copies, the buffer is kept for reuse as before, the counters (``d2h_bytes``, ``h2d_bytes``,
+        ``num_grad_spills``) are unchanged. ``tests/test_host_syncs.py`` counts the syncs of steps that spill."""
         if not self.backward_pending:
             return False
         order = {c.chunk_id: i for i, c in enumerate(self._reduce_order)}

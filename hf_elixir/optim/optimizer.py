@@ -698,6 +698,9 @@ class ElixirOptimizer(torch.optim.Optimizer):
                     inner_group["params"] = params
                 self._staged.difference_update(self._view_by_tensor[id(t)].chunk.chunk_id for g in rest for t in g)
                 unhooked_step(self.inner)  # no step hooks for the inner optimizer ([Note: step hooks])
+                # a fused kernel (torch._fused_adamw_) leaves the masters' version counter as it was: bump it, so
+                # a pending upload of a master sees the write ([Note: strict refresh source] in chunk.py)
+                torch.autograd.graph.increment_version([t for params in rest for t in params])
             for cid, chosen in same_pass.items():
                 self._step_same_pass(cid, chosen)
         finally:
@@ -803,7 +806,9 @@ class ElixirOptimizer(torch.optim.Optimizer):
         host halves the bytes on the bus: ``copy_`` from an fp32 host tensor into a bf16 device one with
         ``non_blocking=True`` moves fp32 and casts on the device, in an uncharged fp32 device temporary.
         On the simulated device the copy is done at the wait and the parameters are stale placeholders until
-        then, so a read that skips the wait raises (as the hardware would return the old values).
+        then, so a read that skips the wait raises (as the hardware would return the old values); a write to the
+        upload's source (staging buffer or master) between the issue and the wait raises too, where the hardware
+        would upload the values of the issue time ([Note: strict refresh source] in ``hf_elixir/chunk/chunk.py``).
         Source: ZeRO-Offload (arXiv 2101.06840) section 4.2, the fp16 parameter copy overlapped with the next
         step; FSDP2's per-parameter-group events on a side stream.
 
@@ -1051,7 +1056,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
                     continue
                 part = value.reshape(-1)[view.start:view.stop].to(view.tensor.device, torch.float32)
                 if key == "master":
-                    view.tensor.data.copy_(part)
+                    view.tensor.detach().copy_(part)  # not .data: bumps the master's version counter too
                 elif fused is not None:
                     fused[key][view.lo:view.hi].copy_(part)
                 else:
