@@ -193,7 +193,7 @@ def _resolve_plan(model, config: ElixirConfig, sample_batch, optimizer=None) -> 
         from hf_elixir.search import auto_plan  # noqa: PLC0415 (optional heavy import)
 
         # priced with the optimizer's state bytes; without one, a forward-only (inference) step
-        plan = auto_plan(model, sample_batch, config, optimizer=optimizer)
+        plan = auto_plan(model, sample_batch, config, optimizer=optimizer, inference=optimizer is None)
     return plan
 
 

@@ -737,17 +737,18 @@ def search_plan(model_or_profile: Any, hardware: HardwareProfile, *, world_size:
 
 
 def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: HardwareProfile | None = None,
-              optimizer: Any = None) -> ElixirPlan:
+              optimizer: Any = None, inference: bool = False) -> ElixirPlan:
     """What ``hf_elixir.prepare`` runs for ``ElixirConfig(search="auto")``: profile one step of ``model`` on
     ``sample_batch``, probe (or reuse) the hardware and search with the config's precision, budget,
     world size (the config's process group, else the default group, else 1), chunk size and
     ``overlap_host_optimizer`` (the host update priced as the runtime will run it), and the optimizer's state
     bytes per parameter and rollback kind (``optimizer``: the ``torch.optim`` optimizer ``prepare`` will wrap;
     :func:`hf_elixir.optim.optimizer.optimizer_cost_terms`: Adam/AdamW 8 B and the inverse rollback, SGD with
-    momentum 4 B, plain SGD 0 B, AMSGrad and other classes snapshots). ``optimizer=None`` is inference: one forward
-    under ``torch.no_grad()`` is profiled (``sample_batch`` needs no labels) and priced as the runtime runs it
-    without an optimizer (no backward, gradient buffers or optimizer states; every block keeps, no prefetch; [Note:
-    forward-only pricing] in ``_cost.py``).
+    momentum 4 B, plain SGD 0 B, AMSGrad and other classes snapshots; ``None``: priced as AdamW). ``inference=True``
+    (what ``prepare`` passes for ``optimizer=None``): one forward under ``torch.no_grad()`` is profiled
+    (``sample_batch`` needs no labels) and priced as the runtime runs it without an optimizer (no backward, gradient
+    buffers or optimizer states; every block keeps, no prefetch; [Note: forward-only pricing] in ``_cost.py``);
+    ``optimizer`` is then unused.
 
     The model must still be a plain module (before ``prepare`` installs its hooks); gradients the profiled
     step creates are cleared. With several ranks, replicated data parallelism is searched too (see
@@ -771,7 +772,7 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
                                   budget_bytes=config.device_memory_budget_bytes,
                                   process_group=getattr(config, "process_group", None))
     profile = _profile_for(model, sample_batch, device.type if device is not None else "cpu", hardware,
-                           forward_only=optimizer is None)
+                           forward_only=inference)
     budget = config.device_memory_budget_bytes
     if budget is None and hardware.device_kind != "cuda":
         budget = hardware.device_total_bytes
