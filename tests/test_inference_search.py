@@ -16,6 +16,7 @@ from hf_elixir import ElixirConfig
 from hf_elixir.cli import main
 from hf_elixir.plan import ElixirPlan
 from hf_elixir.profiler import profile_step
+from hf_elixir.profiler._step import static_profile
 from hf_elixir.runtime._state import is_prepared
 from hf_elixir.search import search
 from hf_elixir.search._cost import Knobs, activation_bytes, build_chunked_step, predict
@@ -69,6 +70,9 @@ def test_forward_only_profile_is_one_forward_without_labels(kind):
     assert infer.model_data_bytes("fp32")["grads"] == infer.model_data_bytes("fp32")["optimizer"] == 0
     with pytest.raises(ValueError, match="could not find a loss"):  # a training profile still needs one
         profile_step(tiny_model(kind), _inputs(kind))
+    static = static_profile(model, _inputs(kind), forward_only=True)  # what a model that cannot run on meta gets
+    assert static.forward_only and {e.phase for e in static.events} == {"fwd"} and static.backward_flops == 0
+    assert not any(static.param_requires_grad) and set(static.grad_ready_event) == {-1}
 
 
 def test_forward_only_step_prices_no_training_work(hardware):
@@ -223,3 +227,63 @@ def test_plan_command_optimizer_none_searches_for_inference(tmp_path, capsys, mo
     assert plan.device_optim_chunks == [] and plan.prefetch_depth == 0 and plan.resident_chunks
     assert plan.predicted_peak_device_bytes <= 512 * 1024
     assert "model data: grads" in text
+
+
+def _two_rank_worker(rank: int, world_size: int):
+    """Per rank: a sharded inference plan searched at 0.9 x the parameter bytes (model data; the search's own
+    prediction kept), and ``search="auto"`` at 1.4 x, where a replicated copy fits; three forwards of each."""
+    _fixed_auto_plan_inputs(setattr)
+    hw = fixed_cpu_hardware(world_size=world_size)
+
+    def inputs(step):
+        return {"input_ids": _inputs("gpt2", step)["input_ids"][rank * 2:(rank + 1) * 2]}
+
+    profile = fixed_times(profile_step(tiny_model("gpt2"), inputs(0), forward_only=True))
+    out = {}
+    budget = int(profile.num_params * 4 * 0.9)
+    result = search(profile, hw, world_size=world_size, device_memory_budget_bytes=budget, data_parallel="sharded")
+    model, _ = hf_elixir.prepare(tiny_model("gpt2"), None, ElixirConfig(
+        plan=result.plan, device_memory_budget_bytes=budget, budget_covers_activations=False,
+        default_placement="sharded"))
+    pred = result.best.prediction
+    out["sharded"] = (result.plan, (pred.onloads, pred.h2d_bytes, pred.allgather_bytes, pred.device_peak_bytes),
+                      budget, [_counters(model, inputs(s)) for s in range(3)])
+    budget = int(profile.num_params * 4 * 1.4)
+    model, _ = hf_elixir.prepare(tiny_model("gpt2"), None, ElixirConfig(search="auto", device_memory_budget_bytes=budget),
+                                 sample_batch=inputs(0))
+    reference = tiny_model("gpt2").eval()
+    with torch.no_grad():
+        same = torch.equal(model(**inputs(1)).logits, reference(**inputs(1)).logits)
+    out["auto"] = (hf_elixir.get_state(model).plan, same, budget, [_counters(model, inputs(s)) for s in range(3)])
+    return out
+
+
+def _counters(model, inputs: dict) -> tuple:
+    """``(onloads, H2D bytes, all-gather bytes, model-data peak)`` of one forward under ``torch.no_grad()``."""
+    model.eval()
+    hf_elixir.reset_memory_stats(model)
+    with torch.no_grad():
+        model(**inputs)
+    s = hf_elixir.memory_stats(model)
+    return s["num_onloads"], s["h2d_bytes"], s["allgather_bytes"], s["device_peak_bytes"]
+
+
+def test_inference_at_two_ranks_sharded_exact_traffic_and_replicated_where_it_fits():
+    """Two gloo ranks. Sharded: the steady forward's onloads, H2D and all-gather bytes are what the plan's
+    prediction says; its model-data peak is never under-predicted, and over by at most the resident chunks' shard
+    bytes, which the cost model charges beside their full buffer while the runtime keeps a resident shard inside
+    it (``Chunk.shard_in_full``; a pre-existing difference of the cost model, training plans have it too).
+    ``search="auto"`` where a replicated copy fits (no gradients or optimizer states needed) replicates: no
+    onload, no all-gather, the plain model's logits."""
+    from _dist import run_distributed
+
+    for rank, out in enumerate(run_distributed(_two_rank_worker, 2, timeout_s=300)):
+        plan, (onloads, h2d, gathered, peak), budget, counts = out["sharded"]
+        assert plan.device_optim_chunks == [] and plan.prefetch_depth == 0 and onloads > 0, rank
+        assert [c[:3] for c in counts[1:]] == [(onloads, h2d, gathered)] * 2, (rank, counts)
+        slack = len(plan.resident_chunks) * plan.chunk_size_numel // 2 * 4
+        assert 0 <= peak - counts[2][3] <= slack and counts[2][3] <= budget, (rank, peak, counts)
+        plan, same, budget, counts = out["auto"]
+        assert set(plan.placements.values()) == {"replicated"} and same, (rank, plan.reasons)
+        assert any("inference (no optimizer)" in r for r in plan.reasons)
+        assert all(c[:3] == (0, 0, 0) and c[3] <= budget for c in counts), (rank, counts)

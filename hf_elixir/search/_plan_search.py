@@ -542,14 +542,13 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
 
 def _ranking(profile: StepProfile) -> Callable[[Candidate], tuple]:
     """The order of candidates, best first: predicted step seconds, then the device peak. A forward-only step
-    breaks a tie in step seconds by more resident bytes first: a forward leaves cached chunks valid, so in the
-    steady state of repeated forwards a cached chunk costs no more than a resident one ([Note: forward-only
-    pricing] in ``_cost.py``), but only a resident one is kept through the first forward, activations and a
-    forward of another shape."""
+    breaks a tie in step seconds by fewer bytes in the cache first: a forward leaves cached chunks valid, so in
+    the steady state of repeated forwards a chunk kept cached costs no more than a resident one ([Note:
+    forward-only pricing] in ``_cost.py``), but only a resident one is kept through the first forward,
+    activations and a forward of another shape."""
     if not profile.forward_only:
         return lambda c: (c.prediction.step_s, c.prediction.device_peak_bytes)
-    return lambda c: (c.prediction.step_s, -c.prediction.breakdown.get("resident_chunks", 0),
-                      c.prediction.device_peak_bytes)
+    return lambda c: (c.prediction.step_s, c.prediction.breakdown.get("cache", 0), c.prediction.device_peak_bytes)
 
 
 def _policy_key(policy: dict[str, str] | None) -> tuple | None:
