@@ -332,10 +332,16 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     import matplotlib.pyplot as plt
 
     plt.close(_draw_profile(args, best, pred, budget, measured))
-    print(f"wrote {args.output}: measured fwd+bwd {_human_s(measured)} (fp32 step on this CPU), predicted "
+    print(f"wrote {args.output}: measured {_step_name(args)} {_human_s(measured)} (fp32 step on this CPU), predicted "
           f"{_human_s(pred.forward_backward_s)}, {pred.onloads} onloads, peak {pred.device_model_bytes} bytes of model "
           f"data in a budget of {budget} ({args.num_gpus} rank(s), {args.precision})")
     return 0
+
+
+def _step_name(args: argparse.Namespace) -> str:
+    """What the profiled step runs: ``"forward"`` for ``--optimizer none`` (inference), else
+    ``"forward+backward"``."""
+    return "forward" if args.optimizer == "none" else "forward+backward"
 
 
 def _budget_from_fraction(args: argparse.Namespace, profile, hardware) -> int:
@@ -406,7 +412,7 @@ def _draw_profile(args: argparse.Namespace, best, pred, budget: int, measured_s:
     ax.legend(handles, labels, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=len(labels), frameon=False,
               fontsize=9)  # above the axes: never over the curve
     bar.bar(["measured\n(fp32, CPU)", "predicted"], [measured_s * 1e3, pred.forward_backward_s * 1e3])
-    bar.set_title("forward+backward", fontsize=10)
+    bar.set_title(_step_name(args), fontsize=10)
     bar.set_ylabel("ms")
     fig.tight_layout()
     fig.savefig(args.output, dpi=100, bbox_inches="tight")
