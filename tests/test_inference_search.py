@@ -249,8 +249,8 @@ def _two_rank_worker(rank: int, world_size: int):
     out["sharded"] = (result.plan, (pred.onloads, pred.h2d_bytes, pred.allgather_bytes, pred.device_peak_bytes),
                       budget, [_counters(model, inputs(s)) for s in range(3)])
     budget = int(profile.num_params * 4 * 1.4)
-    model, _ = hf_elixir.prepare(tiny_model("gpt2"), None, ElixirConfig(search="auto", device_memory_budget_bytes=budget),
-                                 sample_batch=inputs(0))
+    config = ElixirConfig(search="auto", device_memory_budget_bytes=budget)
+    model, _ = hf_elixir.prepare(tiny_model("gpt2"), None, config, sample_batch=inputs(0))
     reference = tiny_model("gpt2").eval()
     with torch.no_grad():
         same = torch.equal(model(**inputs(1)).logits, reference(**inputs(1)).logits)
