@@ -184,11 +184,16 @@ def _resolve_plan(model, config: ElixirConfig, sample_batch, optimizer=None) -> 
     plan = load_plan(config)
     if plan is None and config.search == "auto":
         if sample_batch is None:
-            raise ValueError("ElixirConfig.search='auto' profiles one training step: pass "
-                             "hf_elixir.prepare(model, optimizer, config, sample_batch=batch)")
+            raise ValueError(
+                "ElixirConfig.search='auto' profiles one training step: pass hf_elixir.prepare(model, optimizer, "
+                "config, sample_batch=batch)" if optimizer is not None else
+                "ElixirConfig.search='auto' without an optimizer (inference) profiles one forward under "
+                "torch.no_grad(): pass hf_elixir.prepare(model, None, config, sample_batch=batch), a batch "
+                "model(**batch) accepts (labels not needed)")
         from hf_elixir.search import auto_plan  # noqa: PLC0415 (optional heavy import)
 
-        plan = auto_plan(model, sample_batch, config, optimizer=optimizer)  # priced with its state bytes
+        # priced with the optimizer's state bytes; without one, a forward-only (inference) step
+        plan = auto_plan(model, sample_batch, config, optimizer=optimizer, inference=optimizer is None)
     return plan
 
 
@@ -240,8 +245,11 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         optimizer: a ``torch.optim`` optimizer on ``model.parameters()`` (element-wise kinds only), or
             ``None`` for inference (no gradient buffers are kept or counted in the budget).
         config: :class:`~hf_elixir.config.ElixirConfig`; default all-resident fp32.
-        sample_batch: a batch (``model(**sample_batch)`` returns ``.loss``) to profile one step with,
-            required by ``ElixirConfig(search="auto")``.
+        sample_batch: a batch to profile one step with, required by ``ElixirConfig(search="auto")``: with an
+            optimizer one training step (``model(**sample_batch)`` returns ``.loss``); with ``optimizer=None``
+            one forward under ``torch.no_grad()`` (any batch ``model(**sample_batch)`` accepts, no labels
+            needed), and the plan is searched for inference (no backward, gradient buffers or optimizer
+            states; [Note: forward-only pricing] in ``hf_elixir/search/_cost.py``).
         checkpoint: a Hugging Face folder (``model.safetensors``, or shards with
             ``model.safetensors.index.json``) to take the parameters' values from. The model may then be
             on the meta device (``torch.device("meta")`` or accelerate's ``init_empty_weights()``): each

@@ -4,6 +4,8 @@
 --batch-size 1 --seq-len 2048 --precision bf16 --output plan.yaml`` profiles one step on the meta
 device (nothing big is materialised), searches, prints the memory breakdown, the chosen plan, its
 predicted step time and the runners-up, and writes the plan (``ElixirConfig(plan="plan.yaml")`` reads it).
+``--optimizer none`` searches for inference instead (``hf_elixir.prepare(model, None, ...)``): one forward
+under ``torch.no_grad()`` is profiled and priced, with no backward, gradient buffers or optimizer states.
 
 ``hf-elixir profile --output step.png`` runs a real step of a small model on this machine, searches a plan
 for the given budget and draws the predicted device-memory curve with chunk onloads, and the measured
@@ -87,9 +89,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 #: ``--optimizer`` -> the search's optimizer terms (``hf_elixir.optim.optimizer.optimizer_cost_terms`` of that
-#: optimizer): fp32 state elements per parameter element, and whether the host lane rolls back by snapshots
+#: optimizer): fp32 state elements per parameter element, and whether the host lane rolls back by snapshots;
+#: ``none``: inference, a forward-only step ([Note: forward-only step] in ``hf_elixir/profiler/_step.py``)
 OPTIMIZER_TERMS = {"adamw": (2, False), "adam": (2, False), "adamw-amsgrad": (3, True),
-                   "sgd-momentum": (1, True), "sgd": (0, True)}
+                   "sgd-momentum": (1, True), "sgd": (0, True), "none": (0, False)}
 
 
 def _add_step_flags(parser: argparse.ArgumentParser) -> None:
@@ -104,7 +107,8 @@ def _add_step_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--safety-margin", type=float, default=0.05, help="fraction of device memory kept free")
     parser.add_argument("--optimizer", default="adamw", choices=tuple(OPTIMIZER_TERMS),
                         help="the torch.optim optimizer trained with (its state bytes per parameter: Adam/AdamW 8, "
-                        "AMSGrad 12, SGD with momentum 4, plain SGD 0; default adamw)")
+                        "AMSGrad 12, SGD with momentum 4, plain SGD 0; default adamw), or none: inference "
+                        "(prepare(model, None, ...)): a forward under torch.no_grad() is profiled and priced")
     on_device = parser.prog.endswith("plan")
     parser.add_argument("--activations-on-device", default=on_device, action=argparse.BooleanOptionalAction,
                         help="count activations in the device budget (a GPU's accounting; default for plan) or "
@@ -180,7 +184,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     _check_positions(config, args.seq_len)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     model, batch = meta_model_and_batch(config, batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype)
-    profile = profile_step(model, batch, device="meta")
+    profile = profile_step(model, batch, device="meta", forward_only=args.optimizer == "none")
     hardware, notes = _target_hardware(args)
     placements = _placements(model, args)
     # replicated data parallelism (whole chunks, gradient all-reduce) is searched for plain data parallel
@@ -311,7 +315,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     _check_positions(config, args.seq_len)
     model, batch = meta_model_and_batch(config, batch_size=args.batch_size, seq_len=args.seq_len, device="cpu")
     # probe_hardware() below describes the GPU where there is one: price the CPU-profiled step by its FLOPs there
-    profile = profile_step(model, batch, device="cpu", count_flops=torch.cuda.is_available())
+    profile = profile_step(model, batch, device="cpu", count_flops=torch.cuda.is_available(),
+                           forward_only=args.optimizer == "none")
     hardware = probe_hardware(budget_bytes=1)  # the CPU's rates; the budget is set below
     budget = parse_bytes(args.budget) if args.budget else _budget_from_fraction(args, profile, hardware)
     hardware = replace(hardware, device_total_bytes=budget, device_free_bytes=budget)
@@ -327,10 +332,16 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     import matplotlib.pyplot as plt
 
     plt.close(_draw_profile(args, best, pred, budget, measured))
-    print(f"wrote {args.output}: measured fwd+bwd {_human_s(measured)} (fp32 step on this CPU), predicted "
+    print(f"wrote {args.output}: measured {_step_name(args)} {_human_s(measured)} (fp32 step on this CPU), predicted "
           f"{_human_s(pred.forward_backward_s)}, {pred.onloads} onloads, peak {pred.device_model_bytes} bytes of model "
           f"data in a budget of {budget} ({args.num_gpus} rank(s), {args.precision})")
     return 0
+
+
+def _step_name(args: argparse.Namespace) -> str:
+    """What the profiled step runs: ``"forward"`` for ``--optimizer none`` (inference), else
+    ``"forward+backward"``."""
+    return "forward" if args.optimizer == "none" else "forward+backward"
 
 
 def _budget_from_fraction(args: argparse.Namespace, profile, hardware) -> int:
@@ -401,7 +412,7 @@ def _draw_profile(args: argparse.Namespace, best, pred, budget: int, measured_s:
     ax.legend(handles, labels, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=len(labels), frameon=False,
               fontsize=9)  # above the axes: never over the curve
     bar.bar(["measured\n(fp32, CPU)", "predicted"], [measured_s * 1e3, pred.forward_backward_s * 1e3])
-    bar.set_title("forward+backward", fontsize=10)
+    bar.set_title(_step_name(args), fontsize=10)
     bar.set_ylabel("ms")
     fig.tight_layout()
     fig.savefig(args.output, dpi=100, bbox_inches="tight")

@@ -177,7 +177,8 @@ class ElixirConfig:
         plan (`ElixirPlan`, `str` path or `None`):
             A plan from the search (or a YAML/JSON file written by `hf-elixir plan --output`).
         search (`str`, defaults to `"off"`):
-            `"auto"` profiles one step and searches for the fastest plan inside `prepare`.
+            `"auto"` profiles one step and searches for the fastest plan inside `prepare`: a training step,
+            or with `prepare(model, None, ...)` (inference) one forward under `torch.no_grad()`.
         placements (`dict[str, str]`, *optional*):
             Module-name glob -> placement (`"sharded"`, `"replicated"`, `"column"`, `"row"`, `"expert"`).
         default_placement (`str`, defaults to `"auto"`):

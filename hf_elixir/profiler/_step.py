@@ -1,8 +1,9 @@
 """One-step tracer: parameter access order, activation memory and compute per access.
 
-:func:`profile_step` runs one forward and one backward pass of a model on a sample batch and
-records, as a list of :class:`AccessEvent`, every module call that touches parameters, in the
-order the chunk manager will see them:
+:func:`profile_step` runs one forward and one backward pass of a model on a sample batch (with
+``forward_only=True``, an inference step: one forward under ``torch.no_grad()``, see
+[Note: forward-only step]) and records, as a list of :class:`AccessEvent`, every module call that
+touches parameters, in the order the chunk manager will see them:
 
 * forward: a module forward pre-hook fires before the module uses its own (``recurse=False``)
   parameters;
@@ -19,6 +20,16 @@ per tensor, and attributed to the innermost module running.
 
 On the meta device (``accelerate.init_empty_weights()``) nothing is materialised and no time is
 measured; FLOPs still are, so the cost model can turn them into seconds with a measured throughput.
+
+[Note: forward-only step] A model prepared without an optimizer (``hf_elixir.prepare(model, None, ...)``)
+runs forwards under ``torch.no_grad()`` (evaluation, ``generate``): its hooks unshard for the forward
+only, no gradient buffer or optimizer state exists, and autograd saves nothing. ``profile_step(...,
+forward_only=True)`` profiles that step: the model in eval mode, one forward under ``torch.no_grad()``, no
+loss (the batch needs no labels) and no backward. The profile has only ``"fwd"`` events, trains no
+parameter (``param_requires_grad`` all ``False``, ``grad_ready_event`` all ``-1``), saves no activation
+(``block_activation_bytes`` all 0), and its ``activation_peak_bytes`` is the largest single output: the
+forward's transient. ``StepProfile.forward_only`` marks it; the cost model prices it as the runtime runs it
+(``hf_elixir/search/_cost.py``, [Note: forward-only pricing]).
 
 Source: PatrickStar (arXiv 2108.05818) section 5 (warm-up iteration trace), Elixir (arXiv 2212.05339)
 section 5.2 (profiling the first step); FSDP2 ``_register_pre_backward_hook`` for the backward hook.
@@ -118,6 +129,8 @@ class StepProfile:
             it was recorded).
         subtree_units: the model has access units over a subtree (MoE expert containers,
             ``nn.MultiheadAttention``), whose all-gathers the chunk manager never issues ahead.
+        forward_only: an inference step ([Note: forward-only step]): forward events only, nothing trained,
+            nothing saved for backward.
     """
 
     model_type: str = ""
@@ -141,6 +154,7 @@ class StepProfile:
     plain_backward_s: float | None = None
     param_modules: list[str] = field(default_factory=list)
     subtree_units: bool = False
+    forward_only: bool = False
 
     @property
     def num_params(self) -> int:
@@ -400,10 +414,16 @@ def _call(model: nn.Module, sample_batch: Any) -> Any:
 
 
 def _run_untraced(model: nn.Module, sample_batch: Any, loss_fn: Callable | None,
-                  sync: Callable[[], None] = lambda: None) -> tuple[float, float]:
-    """One plain forward + backward; returns its (forward, backward) wall seconds."""
+                  sync: Callable[[], None] = lambda: None, forward_only: bool = False) -> tuple[float, float]:
+    """One plain forward + backward (``forward_only``: one forward under ``torch.no_grad()``, backward 0 s);
+    returns its (forward, backward) wall seconds."""
     sync()
     start = time.perf_counter()
+    if forward_only:
+        with torch.no_grad():
+            _call(model, sample_batch)
+        sync()
+        return time.perf_counter() - start, 0.0
     loss = (loss_fn or _default_loss)(_call(model, sample_batch))
     sync()
     mid = time.perf_counter()
@@ -418,8 +438,9 @@ def _run_untraced(model: nn.Module, sample_batch: Any, loss_fn: Callable | None,
 def profile_step(model: nn.Module, sample_batch: Mapping[str, Any] | tuple | torch.Tensor, *,
                  device: str = "cpu", loss_fn: Callable[[Any], torch.Tensor] | None = None,
                  static_fallback: bool = True, warmup_steps: int = 1,
-                 count_flops: bool | None = None, repeats: int = 1) -> StepProfile:
-    """Run one forward + backward of ``model`` on ``sample_batch`` and record what it touches.
+                 count_flops: bool | None = None, repeats: int = 1, forward_only: bool = False) -> StepProfile:
+    """Run one forward + backward of ``model`` on ``sample_batch`` (``forward_only``: one forward under
+    ``torch.no_grad()``) and record what it touches.
 
     Args:
         model: any ``nn.Module``; a Hugging Face ``PreTrainedModel`` returning ``.loss`` works as is.
@@ -441,31 +462,34 @@ def profile_step(model: nn.Module, sample_batch: Mapping[str, Any] | tuple | tor
             device's rate (see ``hf_elixir.search._cost._event_seconds``).
         repeats: traced steps to run when timing for real; the fastest one's times are kept (a
             busy machine makes single timings noisy).
+        forward_only: profile an inference step ([Note: forward-only step]): the model in eval mode, one
+            forward under ``torch.no_grad()``, no loss (``loss_fn`` unused; the batch need not carry labels)
+            and no backward (``backward_s`` 0 when timed).
 
     Returns:
-        :class:`StepProfile`.
+        :class:`StepProfile` (``forward_only`` as asked).
 
     Raises:
-        ValueError: ``device`` is not one of the three, or no loss can be found.
+        ValueError: ``device`` is not one of the three, or no loss can be found (not with ``forward_only``).
     """
     if device not in ("cpu", "cuda", "meta"):
         raise ValueError(f"profile_step(device={device!r}) must be 'cpu', 'cuda' or 'meta'")
     timed = device != "meta"
     was_training = model.training
-    model.train()
+    model.train(not forward_only)  # inference runs in eval mode (dropout off), as evaluation and generate do
     try:
         plain: tuple[float, float] | None = None
         if timed:
             sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
             for i in range(max(0, warmup_steps) + (max(1, repeats) if warmup_steps > 0 else 0)):
-                times = _run_untraced(model, sample_batch, loss_fn, sync)
+                times = _run_untraced(model, sample_batch, loss_fn, sync, forward_only)
                 if i >= 1 and (plain is None or sum(times) < sum(plain)):
                     plain = times  # the first call pays one-off costs
         best: StepProfile | None = None
         runs: list[StepProfile] = []
         for _ in range(max(1, repeats) if timed else 1):
             result = _profile_once(model, sample_batch, device, loss_fn, static_fallback,
-                                   False if timed else count_flops)
+                                   False if timed else count_flops, forward_only)
             runs.append(result)
             if best is None or (result.forward_s or 0) + (result.backward_s or 0) < \
                     (best.forward_s or 0) + (best.backward_s or 0):
@@ -476,7 +500,7 @@ def profile_step(model: nn.Module, sample_batch: Mapping[str, Any] | tuple | tor
             for i, event in enumerate(best.events):
                 event.compute_s = min(r.events[i].compute_s or 0.0 for r in runs)
         if timed and count_flops and best is not None:
-            counted = _profile_once(model, sample_batch, device, loss_fn, static_fallback, True)
+            counted = _profile_once(model, sample_batch, device, loss_fn, static_fallback, True, forward_only)
             _copy_flops(counted, best)
     finally:
         model.train(was_training)
@@ -505,7 +529,7 @@ def _copy_flops(counted: StepProfile, timed: StepProfile) -> None:
 
 
 def _profile_once(model: nn.Module, sample_batch: Any, device: str, loss_fn: Callable | None,
-                  static_fallback: bool, count_flops: bool | None) -> StepProfile:
+                  static_fallback: bool, count_flops: bool | None, forward_only: bool = False) -> StepProfile:
     timed = device != "meta"
     if count_flops is None:
         count_flops = device == "meta"
@@ -513,29 +537,31 @@ def _profile_once(model: nn.Module, sample_batch: Any, device: str, loss_fn: Cal
     fwd_s = bwd_s = None
     try:
         with _meta_nonzero_assumption(device == "meta"), tracer.flop_counter, \
-                torch.autograd.graph.saved_tensors_hooks(tracer.pack, lambda t: t):
+                torch.autograd.graph.saved_tensors_hooks(tracer.pack, lambda t: t), \
+                (torch.no_grad() if forward_only else contextlib.nullcontext()):
             sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
             sync()
             start = time.perf_counter()
             output = _call(model, sample_batch)
-            loss = (loss_fn or _default_loss)(output)
+            loss = None if forward_only else (loss_fn or _default_loss)(output)
             sync()
             mid = time.perf_counter()
             fwd_end_flops = tracer._flops_now()
             forward_events = len(tracer.events)
             tracer.phase = "bwd"
             tracer.saved_refs.clear()
-            loss.backward()
+            if loss is not None:
+                loss.backward()
             sync()
             end = time.perf_counter()
             end_flops = tracer._flops_now()
         if timed:
-            fwd_s, bwd_s = mid - start, end - mid
+            fwd_s, bwd_s = mid - start, (0.0 if forward_only else end - mid)
     except Exception as exc:  # noqa: BLE001 - meta runs fail in many data-dependent ways
         tracer.close()
         if device == "meta" and static_fallback:
             logger.warning("profile_step on meta failed (%s); using a static trace from module order", exc)
-            return static_profile(model, sample_batch)
+            return static_profile(model, sample_batch, forward_only=forward_only)
         raise
     finally:
         tracer.close()
@@ -571,7 +597,7 @@ def _profile_once(model: nn.Module, sample_batch: Any, device: str, loss_fn: Cal
     for event in events:
         event.params = [position[i] for i in event.params]
     act_dtype = 4
-    if tracer.saved_total and tracer.params:
+    if (tracer.saved_total or forward_only) and tracer.params:  # forward only: the outputs' dtype
         act_dtype = tracer.params[0].element_size() if tracer.params[0].is_floating_point() else 4
     return StepProfile(
         param_modules=_param_module_names(model),
@@ -579,7 +605,7 @@ def _profile_once(model: nn.Module, sample_batch: Any, device: str, loss_fn: Cal
         model_type=str(getattr(getattr(model, "config", None), "model_type", "") or ""),
         param_names=[tracer.names[i] for i in order],
         param_numels=[tracer.params[i].numel() for i in order],
-        param_requires_grad=[bool(tracer.params[i].requires_grad) for i in order],
+        param_requires_grad=[bool(tracer.params[i].requires_grad) and not forward_only for i in order],
         events=events,
         grad_ready_event=[tracer.grad_ready_event[i] for i in order],
         module_activation_bytes=tracer.module_act,
@@ -592,10 +618,12 @@ def _profile_once(model: nn.Module, sample_batch: Any, device: str, loss_fn: Cal
         backward_flops=end_flops - fwd_end_flops,
         activation_dtype_bytes=act_dtype,
         device=device,
+        forward_only=forward_only,
     )
 
 
-def static_profile(model: nn.Module, sample_batch: Any = None, *, tokens: int | None = None) -> StepProfile:
+def static_profile(model: nn.Module, sample_batch: Any = None, *, tokens: int | None = None,
+                   forward_only: bool = False) -> StepProfile:
     """A trace built without running the model: forward = modules with parameters in registration
     order, backward = the reverse; FLOPs = 2 (forward) and 4 (backward) per parameter element per
     token; activations = 34 * hidden bytes per token per block (Korthikanti et al. 2022, fp32
@@ -605,6 +633,8 @@ def static_profile(model: nn.Module, sample_batch: Any = None, *, tokens: int | 
         model: the model (any device).
         sample_batch: used only to count tokens (numel of ``input_ids`` or the first tensor).
         tokens: overrides the token count.
+        forward_only: an inference trace ([Note: forward-only step]): the forward only, nothing trained,
+            nothing saved; the activation peak is one block's 34 * hidden bytes per token (the transient).
     """
     names, index_of_id, params = canonical_parameters(model)
     if tokens is None:
@@ -619,7 +649,7 @@ def static_profile(model: nn.Module, sample_batch: Any = None, *, tokens: int | 
             bwd_access[name] = accessed
     bwd = [AccessEvent(phase="bwd", module=e.module, params=list(e.params) if bwd_access[e.module] else [],
                        flops=2 * e.flops) for e in reversed(fwd)]
-    events = fwd + bwd
+    events = fwd if forward_only else fwd + bwd
     ready = [-1] * len(params)
     for i, event in enumerate(events):
         if event.phase == "bwd":
@@ -644,15 +674,16 @@ def static_profile(model: nn.Module, sample_batch: Any = None, *, tokens: int | 
         model_type=str(getattr(config, "model_type", "") or ""),
         param_names=[names[i] for i in order],
         param_numels=[params[i].numel() for i in order],
-        param_requires_grad=[bool(params[i].requires_grad) for i in order],
+        param_requires_grad=[bool(params[i].requires_grad) and not forward_only for i in order],
         events=events,
         grad_ready_event=[ready[i] for i in order],
-        block_activation_bytes={b: per_block for b in blocks},
+        block_activation_bytes={b: 0 if forward_only else per_block for b in blocks},
         block_input_bytes={b: hidden * tokens * elem for b in blocks},
-        activation_peak_bytes=per_block * len(blocks),
+        activation_peak_bytes=per_block * (1 if forward_only else len(blocks)),
         forward_flops=sum(e.flops for e in fwd),
-        backward_flops=sum(e.flops for e in bwd),
+        backward_flops=0.0 if forward_only else sum(e.flops for e in bwd),
         activation_dtype_bytes=elem,
         device="meta",
         static=True,
+        forward_only=forward_only,
     )

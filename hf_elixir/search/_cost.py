@@ -122,6 +122,23 @@ with several ranks an all-gather may, on any device; everything else on CPU is s
 [Note: activation policy] in ``_activation_cost.py``: what keep / recompute / offload per block cost in
 memory and time; :func:`predict` adds the offload copies it lists (``ChunkedStep.offload_after`` /
 ``offload_before``).
+
+[Note: forward-only pricing] An inference step (a :class:`StepProfile` with ``forward_only``, [Note: forward-only
+step] in ``hf_elixir/profiler/_step.py``; ``ChunkedStep.forward_only``) has forward events only and trains no
+chunk, so the rules above leave no gradient buffer, reduce, optimizer state (device or host), refresh or
+rollback snapshot to price, and its activations are the forward's transient alone. The runtime of a model
+prepared without an optimizer differs from a training step in two ways the model follows:
+
+* no optimizer step ends a step, so the manager never gets a previous step's order: it evicts the least
+  recently used unpinned chunk (``ChunkManager._victim`` without ``prev_trace``), never prefetches (neither
+  local onloads nor all-gathers ahead: ``_prefetch`` follows the previous order) and never reshards dead
+  chunks. :func:`predict` evicts by recency and prices ``prefetch_depth`` as 0;
+* nothing makes a cached chunk stale between forwards (no optimizer updates its shard), so a forward starts
+  with what the previous one left cached. :func:`predict` replays the forward from an empty cache, then again
+  from what each replay left (at most :data:`FORWARD_PASSES` replays) until a replay starts from the cache the
+  one before it started from (or the last), and prices that replay: the steady state of repeated forwards
+  (evaluation batches of one shape, ``generate``'s steps with a fixed-size input). The first forward after
+  ``prepare`` may onload more.
 """
 
 from __future__ import annotations
@@ -140,6 +157,9 @@ __all__ = ["ChunkedStep", "Knobs", "Prediction", "activation_bytes", "build_chun
 
 _INF = float("inf")
 _MAX_PENDING_REDUCES = 2  # ChunkManager.max_pending_reduces
+#: forward-only steps: at most this many replays of the forward to reach the steady cache ([Note: forward-only
+#: pricing]); least-recently-used eviction over one fixed order settles after one or two
+FORWARD_PASSES = 4
 
 
 @dataclass(frozen=True)
@@ -226,6 +246,8 @@ class ChunkedStep:
     # grad input the chunks of its frozen parameters, left in COMPUTE (so never resharded) until backward ends
     no_dead_release: frozenset[int] = frozenset()
     compute_held: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # an inference step: forward events only, nothing trained ([Note: forward-only pricing])
+    forward_only: bool = False
 
     @property
     def replicated(self) -> bool:
@@ -382,6 +404,7 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
         grad_elem_bytes=grad_elem_bytes, replicate_world_size=replicate_world_size, activation_policy=policy,
         **dict(zip(("offload_after", "offload_before"), offload_events(profile, events, policy, precision))),
         gather_prefetch=not profile.subtree_units, no_dead_release=no_dead_release, compute_held=compute_held,
+        forward_only=profile.forward_only,
     )
 
 
@@ -607,9 +630,11 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         step.trained_numels[c] and c not in knobs.device_optim for c in range(step.num_chunks))
     window = (None if not lane_in_backward and all(c in on_device for c in range(step.num_chunks))
               else _MAX_PENDING_REDUCES)
-    overlap = hardware.can_overlap and knobs.prefetch_depth > 0
+    # nothing is prefetched in a forward-only step ([Note: forward-only pricing])
+    overlap = hardware.can_overlap and knobs.prefetch_depth > 0 and not step.forward_only
     # forward all-gathers issued ahead, on CUDA and off it ([Note: overlap])
-    gather_ahead = ws > 1 and knobs.prefetch_depth > 0 and step.gather_prefetch and not activations_on_device
+    gather_ahead = (ws > 1 and knobs.prefetch_depth > 0 and step.gather_prefetch and not activations_on_device
+                    and not step.forward_only)
     # next use of each chunk after each event (Belady's victim choice, as the manager's)
     next_use: list[dict[int, float]] = [dict() for _ in step.groups]
     upcoming: dict[int, float] = {}
@@ -681,7 +706,10 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             victims = [c for c in cached if c not in pinned]
             if not victims:
                 return False
-            victim = max(victims, key=lambda c: (last_seen.get(c, _INF), -c))
+            if step.forward_only:  # least recently used ([Note: forward-only pricing])
+                victim = min(victims, key=recency.__getitem__)
+            else:
+                victim = max(victims, key=lambda c: (last_seen.get(c, _INF), -c))
             used -= cached.pop(victim)
             evictions += 1
             if ws > 1 and knobs.host_copies and victim in gathered and victim not in host_copied:
@@ -690,13 +718,40 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         return True
 
     host_copied: set[int] = set()
+    recency: dict[int, int] = {}  # chunk -> when last accessed (forward-only steps evict the least recent)
+
+    def forward_passes():
+        """The events to replay: once, or for a forward-only step until a replay starts from the cache the one
+        before it started from (at most ``FORWARD_PASSES``), the counters and clocks reset before each replay
+        so that the last one is what is priced ([Note: forward-only pricing])."""
+        nonlocal onloads, evictions, h2d_bytes, d2h_bytes, ag_bytes, rs_bytes, peak, cache_peak
+        nonlocal t_compute, t_copy, t_reduce, t_act, t_gather, t_offload, t_lane
+        starts_from = None
+        for replay in range(FORWARD_PASSES if step.forward_only else 1):
+            state = (tuple(sorted(cached, key=recency.__getitem__)), frozenset(gathered), frozenset(host_copied))
+            if state == starts_from:
+                return  # the replay just priced started where this one would: it is the steady state
+            starts_from = state
+            if replay:
+                onloads = evictions = h2d_bytes = d2h_bytes = ag_bytes = rs_bytes = 0
+                t_compute = t_copy = t_reduce = t_act = t_gather = t_offload = t_lane = 0.0
+                peak, cache_peak = used, sum(cached.values())
+                for log in (starts, points, pool_log):
+                    log.clear()
+                chunk_onloads.clear()
+                gathers_ahead.clear()
+            yield from enumerate(step.groups)
+
+    clock = 0
     # the manager reshards a chunk backward uses no more at its last backward access (whole on one rank, no
     # replica group), not at the next make-room ([Note: dead chunks] in chunk/manager.py)
     reshard_dead = ws == 1 and not step.replicated
     computing: set[int] = set()  # chunks with a parameter left in COMPUTE until the end of backward
-    for k, group in enumerate(step.groups):
+    for k, group in forward_passes():
         for c in group:
             last_seen[c] = next_use[k][c]
+            recency[c] = clock  # as ChunkManager._record, chunk by chunk before any room is made
+            clock += 1
         if k in step.offload_before:  # an offloaded block's activations come back; its backward waits for them
             nbytes = step.offload_before[k]
             h2d_bytes += nbytes
@@ -894,7 +949,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     breakdown["activations"] = step.activation_bytes if activations_on_device else 0
     device_peak = peak + breakdown["activations"]
     if timeline:
-        points.append((fwd_bwd + optim_s, fixed, "optimizer step"))
+        points.append((fwd_bwd + optim_s, fixed, "end of forward" if step.forward_only else "optimizer step"))
     if early_done and _refresh_prev is None:
         # [Note: early refresh pricing] steady state: the next forward waits for the uploads issued in this
         # backward that are not done when the step ends, then for the others, issued by the step in first-use

@@ -20,6 +20,11 @@ Then a local refinement hill-climbs from the best few distinct candidates by sin
 out of a set, one chunk's bytes traded to another set, prefetch depth +-1, one block's activation policy) while
 that makes the step faster ([Note: local refinement] in ``_refine.py``).
 
+A forward-only profile (inference, ``hf_elixir.prepare(model, None, ...)``; [Note: forward-only pricing] in
+``_cost.py``) is searched with the knobs that only matter for training fixed: every block keeps its activations
+(a forward under ``torch.no_grad()`` saves none to recompute or offload), prefetch depth 0 (the runtime of a model
+without an optimizer never prefetches), and no optimizer state to place (nothing is trained).
+
 Every point is priced by :func:`hf_elixir.search._cost.predict`; points whose device bytes exceed
 ``budget * (1 - safety_margin)``, or whose host bytes times the ranks per machine exceed its host memory,
 are dropped. The fastest remaining point becomes the :class:`~hf_elixir.plan.ElixirPlan`, with its
@@ -297,11 +302,34 @@ def _resolve_profile(model_or_profile: Any, sample_batch: Any, hardware: Hardwar
     raise TypeError(f"search_plan expects an nn.Module or a StepProfile, got {type(model_or_profile).__name__}")
 
 
-def _profile_for(model: nn.Module, sample_batch: Any, device: str, hardware: HardwareProfile) -> StepProfile:
-    """Profile one step on ``device``; FLOPs are counted when ``hardware`` is another kind of device (a model
+def _profile_for(model: nn.Module, sample_batch: Any, device: str, hardware: HardwareProfile,
+                 forward_only: bool = False) -> StepProfile:
+    """Profile one step on ``device`` (``forward_only``: an inference step, [Note: forward-only step] in
+    ``hf_elixir/profiler/_step.py``); FLOPs are counted when ``hardware`` is another kind of device (a model
     still on the CPU priced for a GPU), since the measured seconds then say nothing about it."""
     return profile_step(model, sample_batch, device=device,
-                        count_flops=True if device != hardware.device_kind else None)
+                        count_flops=True if device != hardware.device_kind else None, forward_only=forward_only)
+
+
+def _forward_only_settings(activation_checkpointing: bool | None, activation_policy: dict[str, str] | str | None,
+                           prefetch_depths: Iterable[int] | None) -> tuple[bool, str, tuple[int, ...]]:
+    """``(activation_checkpointing, activation_policy, prefetch_depths)`` for a forward-only step ([Note:
+    forward-only pricing] in ``_cost.py``): every block keeps (nothing is saved for backward, so recompute and
+    offload change nothing) and prefetch depth 0 (a model prepared without an optimizer never prefetches). A
+    warning names each setting of the caller's that this ignores."""
+    ignored = []
+    if activation_checkpointing:
+        ignored.append("activation_checkpointing=True")
+    if activation_policy is not None and set(
+            activation_policy.values() if isinstance(activation_policy, dict) else [activation_policy]) - {"keep"}:
+        ignored.append(f"activation_policy={activation_policy!r}")
+    if prefetch_depths is not None and set(prefetch_depths) - {0}:
+        ignored.append(f"prefetch_depths={tuple(prefetch_depths)!r}")
+    if ignored:
+        logger.warning("search: %s ignored for a forward-only (inference) step: it saves no activations for "
+                       "backward and the runtime prefetches nothing without an optimizer step; priced with every "
+                       "block kept and prefetch depth 0", ", ".join(ignored))
+    return False, "keep", (0,)
 
 
 _DATA_PARALLEL = ("auto", "sharded", "replicated")
@@ -377,6 +405,9 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     profile = _resolve_profile(model_or_profile, sample_batch, hardware)
     if activations_on_device is None:
         activations_on_device = hardware.device_kind == "cuda"
+    if profile.forward_only:
+        activation_checkpointing, activation_policy, prefetch_depths = _forward_only_settings(
+            activation_checkpointing, activation_policy, prefetch_depths)
     budget = device_memory_budget_bytes
     if budget is None:
         budget = hardware.device_free_bytes or hardware.device_total_bytes
@@ -456,7 +487,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
             f"{limit} bytes); the smallest needs about {need} bytes per rank. Use more ranks (world_size), "
             "a smaller batch or sequence, activation checkpointing, or a larger budget"
         )
-    found.sort(key=lambda c: (c.prediction.step_s, c.prediction.device_peak_bytes))
+    found.sort(key=_ranking(profile))
     if refine_max_priced is None:  # about what the grid priced (at least 500: a small grid says little here)
         refine_max_priced = min(REFINE_MAX_PRICED, max(REFINE_MIN_PRICED, evaluated))
     if refine_starts and refine_max_priced:
@@ -479,7 +510,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                             overlap_host_optimizer=overlap_host_optimizer)
         found += _refined(found, ctx, refine_starts, refine_max_priced)
         evaluated += ctx.priced
-        found.sort(key=lambda c: (c.prediction.step_s, c.prediction.device_peak_bytes))
+        found.sort(key=_ranking(profile))
     best = found[0]
     best_by_mode: dict[str, Candidate] = {}
     for cand in found:
@@ -507,6 +538,17 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
             plan.reasons.append("placements unknown (an old profile): set them before hf_elixir.prepare")
     return SearchResult(plan=plan, best=best, alternatives=alternatives, evaluated=evaluated,
                         search_s=time.perf_counter() - started, profile=profile, best_by_mode=best_by_mode)
+
+
+def _ranking(profile: StepProfile) -> Callable[[Candidate], tuple]:
+    """The order of candidates, best first: predicted step seconds, then the device peak. A forward-only step
+    breaks a tie in step seconds by fewer bytes in the cache first: a forward leaves cached chunks valid, so in
+    the steady state of repeated forwards a chunk kept cached costs no more than a resident one ([Note:
+    forward-only pricing] in ``_cost.py``), but only a resident one is kept through the first forward,
+    activations and a forward of another shape."""
+    if not profile.forward_only:
+        return lambda c: (c.prediction.step_s, c.prediction.device_peak_bytes)
+    return lambda c: (c.prediction.step_s, c.prediction.breakdown.get("cache", 0), c.prediction.device_peak_bytes)
 
 
 def _policy_key(policy: dict[str, str] | None) -> tuple | None:
@@ -588,7 +630,11 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
         f"(budget {budget / gib:.3g} GiB minus safety margin) is {best.summary()}",
         "device bytes: " + ", ".join(f"{name} {v / gib:.3g} GiB" for name, v in p.breakdown.items() if v),
         f"predicted step {p.step_s:.4g} s = forward+backward {p.forward_backward_s:.4g} s "
-        f"(compute {p.compute_s:.4g} s, {p.onloads} chunk onloads) + optimizer {p.optimizer_s:.4g} s",
+        f"(compute {p.compute_s:.4g} s, {p.onloads} chunk onloads) + optimizer {p.optimizer_s:.4g} s"
+        if not profile.forward_only else
+        f"inference (no optimizer): predicted forward {p.step_s:.4g} s (compute {p.compute_s:.4g} s, {p.onloads} "
+        "chunk onloads in the steady state of repeated forwards); no backward, gradient buffers or optimizer "
+        "states, every block keeps its activations (none are saved)",
     ]
     if not act_on_device:
         reasons.append("activations are not counted in the device budget (the pool bounds model data only)")
@@ -601,7 +647,10 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
                        "every block's activations does not leave room for a faster plan")
     elif best.activation_checkpointing:
         reasons.append("activation checkpointing on: without it the activations do not leave room for a faster plan")
-    if k.prefetch_depth == 0 and best.data_parallel == "sharded":
+    if profile.forward_only and best.data_parallel == "sharded":
+        reasons.append("prefetch depth 0: without an optimizer step the runtime has no previous step's order to "
+                       "prefetch by")
+    elif k.prefetch_depth == 0 and best.data_parallel == "sharded":
         reasons.append("prefetch depth 0: copies do not overlap compute here, or blocks are better spent on caching")
     if k.refresh_cast == "device":
         reasons.append(f"refresh cast on the device: uploading the fp32 masters (twice the PCIe bytes, "
@@ -633,8 +682,9 @@ def _policy_or_ckpt(policy: dict[str, str] | None, checkpointing: bool | None) -
 def _activation_room_bytes(profile: StepProfile, precision: str, checkpointing: bool | dict[str, str]) -> int:
     """``ElixirPlan.activation_peak_bytes``: the profiled activation peak at ``precision`` (with or
     without checkpointing) plus the largest parameter's gradient, the temporary autograd holds before it
-    lands in its chunk ([Note: activations in the budget] in ``hf_elixir/chunk/memory.py``)."""
-    largest_grad = max(profile.param_numels, default=0) * DTYPE_BYTES[precision]
+    lands in its chunk ([Note: activations in the budget] in ``hf_elixir/chunk/memory.py``); a forward-only step
+    has no gradient, so only the forward's transient ([Note: forward-only step] in ``profiler/_step.py``)."""
+    largest_grad = 0 if profile.forward_only else max(profile.param_numels, default=0) * DTYPE_BYTES[precision]
     return int(activation_bytes(profile, precision, checkpointing)) + largest_grad
 
 
@@ -686,14 +736,18 @@ def search_plan(model_or_profile: Any, hardware: HardwareProfile, *, world_size:
 
 
 def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: HardwareProfile | None = None,
-              optimizer: Any = None) -> ElixirPlan:
+              optimizer: Any = None, inference: bool = False) -> ElixirPlan:
     """What ``hf_elixir.prepare`` runs for ``ElixirConfig(search="auto")``: profile one step of ``model`` on
     ``sample_batch``, probe (or reuse) the hardware and search with the config's precision, budget,
     world size (the config's process group, else the default group, else 1), chunk size and
     ``overlap_host_optimizer`` (the host update priced as the runtime will run it), and the optimizer's state
     bytes per parameter and rollback kind (``optimizer``: the ``torch.optim`` optimizer ``prepare`` will wrap;
     :func:`hf_elixir.optim.optimizer.optimizer_cost_terms`: Adam/AdamW 8 B and the inverse rollback, SGD with
-    momentum 4 B, plain SGD 0 B, AMSGrad and other classes snapshots; ``None``: priced as AdamW).
+    momentum 4 B, plain SGD 0 B, AMSGrad and other classes snapshots; ``None``: priced as AdamW). ``inference=True``
+    (what ``prepare`` passes for ``optimizer=None``): one forward under ``torch.no_grad()`` is profiled
+    (``sample_batch`` needs no labels) and priced as the runtime runs it without an optimizer (no backward, gradient
+    buffers or optimizer states; every block keeps, no prefetch; [Note: forward-only pricing] in ``_cost.py``);
+    ``optimizer`` is then unused.
 
     The model must still be a plain module (before ``prepare`` installs its hooks); gradients the profiled
     step creates are cleared. With several ranks, replicated data parallelism is searched too (see
@@ -716,7 +770,8 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
         hardware = probe_hardware(device if device is not None and device.type == "cuda" else None,
                                   budget_bytes=config.device_memory_budget_bytes,
                                   process_group=getattr(config, "process_group", None))
-    profile = _profile_for(model, sample_batch, device.type if device is not None else "cpu", hardware)
+    profile = _profile_for(model, sample_batch, device.type if device is not None else "cpu", hardware,
+                           forward_only=inference)
     budget = config.device_memory_budget_bytes
     if budget is None and hardware.device_kind != "cuda":
         budget = hardware.device_total_bytes
