@@ -136,3 +136,15 @@ def low_precision_reference(steps: int, rows: int, dtype: torch.dtype, lr: float
         for p, m in zip(model.parameters(), masters.parameters()):
             p.copy_(m)
     return masters, model
+
+
+def priced_plan(profile, resident: list[int], prediction, chunk_size_numel: int = 4096):
+    """An fp32 one-rank ``ElixirPlan`` for ``profile`` holding ``resident`` chunks resident (and as device shards),
+    no prefetch, carrying ``prediction``'s step time and device peak: a priced plan, whose lists ``prepare``
+    follows even when empty (else the budget decides)."""
+    from hf_elixir.plan import ElixirPlan
+
+    return ElixirPlan(model_type=profile.model_type, num_params=profile.num_params, world_size=1, precision="fp32",
+                      chunk_size_numel=chunk_size_numel, param_order=list(profile.param_names),
+                      resident_chunks=resident, device_shard_chunks=resident, prefetch_depth=0,
+                      predicted_step_s=prediction.step_s, predicted_peak_device_bytes=prediction.device_peak_bytes)

@@ -21,7 +21,7 @@ from hf_elixir.runtime._state import is_prepared
 from hf_elixir.search import search
 from hf_elixir.search._cost import Knobs, activation_bytes, build_chunked_step, predict
 
-from _models import batch, fixed_cpu_hardware, fixed_times, tiny_model
+from _models import batch, fixed_cpu_hardware, fixed_times, priced_plan, tiny_model
 from test_search_runtime import _fixed_auto_plan_inputs
 
 
@@ -173,10 +173,7 @@ def test_least_recently_used_eviction_is_priced_for_any_resident_set(kind, hardw
         knobs = Knobs(resident=frozenset(resident), device_shard=frozenset(resident))
         pred = predict(step, knobs, hardware, pool_bytes=budget)
         assert pred is not None, resident
-        plan = ElixirPlan(model_type=profile.model_type, num_params=profile.num_params, world_size=1,
-                          precision="fp32", chunk_size_numel=4096, param_order=list(profile.param_names),
-                          resident_chunks=resident, device_shard_chunks=resident, prefetch_depth=0,
-                          predicted_step_s=pred.step_s, predicted_peak_device_bytes=pred.device_peak_bytes)
+        plan = priced_plan(profile, resident, pred)
         model = tiny_model(kind)
         model, _ = hf_elixir.prepare(model, None, ElixirConfig(plan=plan, device_memory_budget_bytes=budget,
                                                                budget_covers_activations=False))

@@ -10,11 +10,10 @@ import hf_elixir
 from hf_elixir import ElixirConfig
 from hf_elixir.chunk.packing import pack_chunks
 from hf_elixir.profiler import profile_step
-from hf_elixir.plan import ElixirPlan
 from hf_elixir.search import _plan_search, auto_plan, search
 from hf_elixir.search._cost import Knobs, activation_bytes, build_chunked_step, predict
 
-from _models import batch, fixed_cpu_hardware, fixed_times, tiny_model
+from _models import batch, fixed_cpu_hardware, fixed_times, priced_plan, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +107,7 @@ def test_dead_chunk_reshard_is_priced_exactly(kind, frozen, hardware):
         knobs = Knobs(resident=frozenset(resident), device_shard=frozenset(resident))
         pred = predict(step, knobs, hardware, pool_bytes=budget)
         assert pred is not None, resident
-        plan = ElixirPlan(model_type=profile.model_type, num_params=profile.num_params, world_size=1,
-                          precision="fp32", chunk_size_numel=4096, param_order=list(profile.param_names),
-                          resident_chunks=resident, device_shard_chunks=resident, prefetch_depth=0,
-                          # a priced plan: its lists are followed even when empty (else the budget decides)
-                          predicted_step_s=pred.step_s, predicted_peak_device_bytes=pred.device_peak_bytes)
+        plan = priced_plan(profile, resident, pred)
         model = make()
         trained = [p for p in model.parameters() if p.requires_grad]
         model, opt = hf_elixir.prepare(model, torch.optim.AdamW(trained, lr=1e-3),
