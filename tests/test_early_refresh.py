@@ -110,3 +110,39 @@ def test_bf16_uploads_in_backward_cast_on_the_host_or_the_device(single_rank_gro
         on, off = _bf16(cast, True), _bf16(cast, False)
         assert on["early"] > 0, cast
         assert all(torch.equal(v, off["state"][k]) for k, v in on["state"].items()), cast
+
+
+def _checkpointed(elixir: bool, max_norm: float) -> dict:
+    """Tiny GPT-2 under reentrant activation checkpointing (its blocks' forward runs under ``no_grad``), AdamW."""
+    model = tiny_model("gpt2")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    opt = torch.optim.AdamW(two_groups(model), lr=5e-3)
+    if elixir:
+        model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(
+            chunk_size_numel=CHUNK, offload_optimizer=True, overlap_host_optimizer=True))
+    seen = 0
+    for accum in SCHEDULE:
+        for _ in range(accum):
+            (model(**batch("gpt2", seen, ROWS)).loss / accum).backward()
+            seen += 1
+        if elixir:
+            opt.clip_grad_norm(max_norm)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+    return {"state": float_state(model), "early": opt._lane.num_early_refreshes if elixir else 0}
+
+
+def test_reentrant_checkpointing_gradient_after_first_reduce_is_not_uploaded_early(single_rank_group):
+    """Reentrant checkpointing runs a block's forward under ``no_grad``: a chunk holding the block's last bias and
+    ``ln_f`` is reduced once for ``ln_f``'s gradient and again when the recomputed block's bias gradient comes.
+    Between the two, the bias gradient sits in the chunk (``READY_FOR_REDUCE``) after the chunk's last access in
+    the previous step's order: the early upload must wait for the second reduce (it used to be issued there, and
+    the second gradient then raised "got a gradient after backward had used it for the last time")."""
+    for max_norm in (1e9, 0.1):
+        ref = _checkpointed(False, max_norm)
+        on = _checkpointed(True, max_norm)
+        assert on["early"] > 0, max_norm
+        assert rel_l2(on["state"], ref["state"]) < 1e-5, (max_norm, rel_l2(on["state"], ref["state"]))

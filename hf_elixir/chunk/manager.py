@@ -774,10 +774,14 @@ class ChunkManager:
         """In backward: ``chunk`` has no later access in the previous step's order (the step's last backward)
         and no parameter left in COMPUTE, so nothing reads its compute copy again before the next forward
         ([Note: early refresh] in ``hf_elixir/optim/optimizer.py``). ``False`` without a previous step, and
-        once this step has made more accesses than the previous one (its order says nothing about them)."""
+        once this step has made more accesses than the previous one (its order says nothing about them), and
+        while a slot holds a gradient not yet reduced (``READY_FOR_REDUCE``: the chunk is reduced again, and the
+        host lane takes that gradient too, e.g. a parameter of a block that reentrant activation checkpointing ran
+        under ``no_grad`` in forward, whose gradient comes after the chunk's first reduce)."""
         return (self.backward_pending and len(self.trace) < len(self.prev_trace)  # within the known order
                 and self._next_use(chunk) == float("inf")
-                and not any(slot.state is TensorState.COMPUTE for slot in chunk.slots))
+                and not any(slot.state in (TensorState.COMPUTE, TensorState.READY_FOR_REDUCE)
+                            for slot in chunk.slots))
 
     def start_backward(self) -> None:
         """Called by the first backward hook of a backward: fix the reduce order (see [Note: reduce order]).

@@ -828,7 +828,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
         [Note: early refresh] With the host lane speculating ([Note: host lane] in ``_overlap.py``), a chunk's
         upload does not wait for the step: the main thread issues it during backward, at the first gradient
         hook after the lane has stepped (and cast) the chunk and backward uses the chunk no more in the previous
-        step's order (``ChunkManager.used_no_more``: no later access, no parameter in COMPUTE), so nothing reads
+        step's order (``ChunkManager.used_no_more``: no later access, no parameter in COMPUTE, no gradient
+        waiting for another reduce of the chunk), so nothing reads
         the compute copy the upload overwrites before the next forward. The host-to-device direction of the bus
         is idle in backward (gradients go the other way), so most uploads are done when backward ends and the
         next forward waits only for the last chunks the lane steps; with the cast on the device ([Note: refresh
