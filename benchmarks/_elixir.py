@@ -50,9 +50,9 @@ def elixir_available() -> str:
 def _optimizer(model, spec) -> torch.optim.Optimizer:
     """The optimizer every Elixir run of the benchmark trains with (the peers' AdamW settings); the plan search and
     the budget floor are given it too, so they price its state bytes, not an assumed AdamW's."""
-    from benchmarks.peers import _ADAM_KW
+    from benchmarks._runner import ADAM_KW
 
-    return torch.optim.AdamW(model.parameters(), lr=spec.lr, **_ADAM_KW)
+    return torch.optim.AdamW(model.parameters(), lr=spec.lr, **ADAM_KW)
 
 
 def _prepare(model, spec, budget_bytes, plan=None, default_placement=None):
@@ -179,7 +179,7 @@ def _library_min_budget(model, spec) -> int | None:
 def setup_elixir(model, spec, rank):
     import hf_elixir
 
-    from benchmarks.peers import Runner
+    from benchmarks._runner import Runner
 
     budget_bytes, budget_info = _find_budget(model, spec)
     plan = _searched_plan(model, spec, budget_bytes, budget_info) if spec.options.get("search") else None

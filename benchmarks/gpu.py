@@ -214,14 +214,14 @@ def _elixir_model(model, precision: str, budget: int | None, device: str, lr: fl
     import torch
 
     import hf_elixir
-    from benchmarks.peers import _ADAM_KW
+    from benchmarks._runner import ADAM_KW
 
     if device != "cpu":  # prepare() places parameters; buffers (position ids, masks) go to the device here
         for module in model.modules():
             for name, buf in list(module._buffers.items()):
                 if buf is not None:
                     module._buffers[name] = buf.to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, **_ADAM_KW)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, **ADAM_KW)
     # resident / half / minimum are model-data budgets (min_device_budget_bytes without activation_bytes):
     # the activations live beside them (measured: pool_total_peak_bytes); None on CUDA covers them anyway
     config = hf_elixir.ElixirConfig(precision=precision, device_memory_budget_bytes=budget, plan=plan,
@@ -271,7 +271,7 @@ def section_parity(ctx: Context) -> None:
     import torch
 
     from benchmarks._harness import ModelSpec, build_model
-    from benchmarks.peers import _ADAM_KW
+    from benchmarks._runner import ADAM_KW
 
     torch.backends.cuda.matmul.allow_tf32 = False  # exact fp32 parity needs real fp32 matmuls on both sides
     torch.backends.cudnn.allow_tf32 = False
@@ -284,7 +284,7 @@ def section_parity(ctx: Context) -> None:
     ctx.record(model=spec.label(), num_params=sum(p.numel() for p in master.parameters()), steps=steps, lr=lr)
     batches = _batches(spec, steps, ctx.device)
     plain = copy.deepcopy(master).to(ctx.device)  # plain PyTorch, fp32: the reference for every run
-    rows = _train(plain, torch.optim.AdamW(plain.parameters(), lr=lr, **_ADAM_KW), batches, ctx.device, False,
+    rows = _train(plain, torch.optim.AdamW(plain.parameters(), lr=lr, **ADAM_KW), batches, ctx.device, False,
                   deadline)
     ref = ([r["loss"] for r in rows if "loss" in r], {k: v.detach().cpu().clone() for k, v in plain.state_dict().items()})
     ctx.row({"run": "plain PyTorch fp32", "precision": "fp32", "budget": "-", "steps": rows})

@@ -35,27 +35,9 @@ from typing import Any, Callable
 
 import torch
 
+from benchmarks._runner import ADAM_KW, Runner
+
 __all__ = ["Peer", "Runner", "PEERS", "peer_available"]
-
-_ADAM_KW = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-
-
-class Runner:
-    """One prepared training setup. ``step`` returns the loss as a float."""
-
-    def __init__(self, step: Callable[[torch.Tensor], float], stats: Callable[[], dict] | None = None,
-                 close: Callable[[], None] | None = None):
-        self._step, self._stats, self._close = step, stats, close
-
-    def step(self, input_ids: torch.Tensor) -> float:
-        return self._step(input_ids)
-
-    def stats(self) -> dict[str, Any]:
-        return self._stats() if self._stats else {}
-
-    def close(self) -> None:
-        if self._close:
-            self._close()
 
 
 @dataclass(frozen=True)
@@ -115,7 +97,7 @@ def _simple_step(model, optimizer, backward=None):
 
 def _setup_plain(model, spec, rank) -> Runner:
     model.to(spec.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, **_ADAM_KW)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, **ADAM_KW)
     return Runner(_simple_step(model, optimizer))
 
 
@@ -124,7 +106,7 @@ def _setup_ddp(model, spec, rank) -> Runner:
 
     model.to(spec.device)
     ddp = DistributedDataParallel(model, device_ids=[rank] if spec.device.startswith("cuda") else None)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=spec.lr, **_ADAM_KW)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=spec.lr, **ADAM_KW)
     return Runner(_simple_step(ddp, optimizer))
 
 
@@ -144,7 +126,7 @@ def _setup_fsdp2(model, spec, rank, offload: bool = False) -> Runner:
     for block in blocks:
         fully_shard(block, mesh=mesh, offload_policy=policy)
     fully_shard(model, mesh=mesh, offload_policy=policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, **_ADAM_KW)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, **ADAM_KW)
     return Runner(_simple_step(model, optimizer))
 
 
@@ -166,7 +148,7 @@ def _setup_deepspeed(model, spec, rank, stage: int) -> Runner:
     config = {"train_micro_batch_size_per_gpu": spec.model.batch_size, "gradient_accumulation_steps": 1,
               "zero_optimization": zero, "fp16": {"enabled": False}, "bf16": {"enabled": False},
               "gradient_clipping": 0.0, "steps_per_print": 10**9, "wall_clock_breakdown": False}
-    optimizer = DeepSpeedCPUAdam(model.parameters(), lr=spec.lr, adamw_mode=True, **_ADAM_KW)
+    optimizer = DeepSpeedCPUAdam(model.parameters(), lr=spec.lr, adamw_mode=True, **ADAM_KW)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
     def step(ids: torch.Tensor) -> float:

@@ -7,8 +7,6 @@ group each gradient is reduced over), :func:`gather_full_state_dict` / :func:`sa
 """
 
 from hf_elixir.parallel._apply import (
-    ParallelState,
-    get_parallel_state,
     param_process_groups,
     parallelize,
     placements_for_plan,
@@ -18,6 +16,7 @@ from hf_elixir.parallel._collectives import all_to_all, copy_to_group, reduce_fr
 from hf_elixir.parallel._expert_parallel import ExpertParallelExperts
 from hf_elixir.parallel._gather import gather_full_state_dict, save_pretrained_full
 from hf_elixir.parallel._mesh import ElixirMesh, build_mesh
+from hf_elixir.parallel._state import ParallelState, get_parallel_state
 from hf_elixir.parallel._tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPShardLayout
 
 __all__ = [

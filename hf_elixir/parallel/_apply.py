@@ -7,7 +7,6 @@ from the same checkpoint), before building the optimizer (parameters of rewritte
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,41 +14,13 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_elixir.parallel._expert_parallel import ExpertParallelExperts
+from hf_elixir.parallel._gather import install_save_guard
 from hf_elixir.parallel._mesh import ElixirMesh, build_mesh
-from hf_elixir.parallel._tensor_parallel import TPShardLayout, parallelize_block
+from hf_elixir.parallel._state import _STATE_ATTR, ParallelState, get_parallel_state
+from hf_elixir.parallel._tensor_parallel import parallelize_block
 from hf_elixir.placement import resolve_placements_detailed
 
-__all__ = ["ParallelState", "get_parallel_state", "param_process_groups", "parallelize", "placements_for_plan",
-           "reduce_gradients"]
-
-_STATE_ATTR = "_hf_elixir_parallel"
-
-
-@dataclass
-class ParallelState:
-    """What :func:`parallelize` did to a model (kept on it as ``model._hf_elixir_parallel``).
-
-    Attributes:
-        mesh: the :class:`ElixirMesh`.
-        placements: module FQN -> placement (record as ``ElixirPlan.placements``).
-        full_shapes: state-dict key -> full shape, in the unmodified model's key order.
-        tp_layouts: parameter FQN -> :class:`TPShardLayout` for tp-sharded parameters.
-        expert_containers: FQN -> number of experts, for expert-parallel containers.
-    """
-
-    mesh: ElixirMesh
-    placements: dict[str, str]
-    full_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    tp_layouts: dict[str, TPShardLayout] = field(default_factory=dict)
-    expert_containers: dict[str, int] = field(default_factory=dict)
-
-    def is_expert_param(self, name: str) -> bool:
-        return any(name.startswith(c + ".") for c in self.expert_containers)
-
-
-def get_parallel_state(model: nn.Module) -> ParallelState | None:
-    """The :class:`ParallelState` of a model rewritten by :func:`parallelize`, else ``None``."""
-    return getattr(model, _STATE_ATTR, None)
+__all__ = ["param_process_groups", "parallelize", "placements_for_plan", "reduce_gradients"]
 
 
 def parallelize(model: nn.Module, config: Any, mesh: ElixirMesh | None = None) -> ParallelState:
@@ -90,8 +61,6 @@ def parallelize(model: nn.Module, config: Any, mesh: ElixirMesh | None = None) -
         new = ExpertParallelExperts(container, mesh.ep_group, mesh.ep_rank, mesh.ep_size)
         setattr(named[parent_fqn] if parent_fqn else model, child, new)
     setattr(model, _STATE_ATTR, state)
-    from hf_elixir.parallel._gather import install_save_guard  # noqa: PLC0415 (_gather imports this module)
-
     install_save_guard(model)
     return state
 

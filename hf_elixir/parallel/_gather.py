@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_elixir.chunk.strict import register_host, to_device, to_host
-from hf_elixir.parallel._apply import get_parallel_state
+from hf_elixir.parallel._state import get_parallel_state
 from hf_elixir.parallel._tensor_parallel import merge_shards
 
 __all__ = ["gather_full_state_dict", "install_save_guard", "save_pretrained_full"]

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 from torch import nn
 
-from hf_elixir.parallel._apply import get_parallel_state
+from hf_elixir.parallel._state import get_parallel_state
 
 __all__ = ["chunk_group_of", "group_size", "job_group_of", "planned_chunk_groups"]
 
