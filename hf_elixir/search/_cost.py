@@ -679,6 +679,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     last_access = {c: k for k, group in enumerate(step.groups) for c in group}
     lane_done: dict[int, float] = {}  # lane chunk -> when the lane finished it (step + cast)
     early_done: dict[int, float] = {}  # lane chunk -> when its upload issued in backward is done
+    early_queue: dict[int, float] = {}  # lane chunks with an upload not issued yet -> when the lane finished them
     upload_end = max(refresh_done.values(), default=0.0)
     t_copy = upload_end  # onloads prefetched on the copy stream queue behind the uploads
     backward_waited = False
@@ -817,11 +818,11 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         start = max(t_compute, ready)
         starts.append(start)
         t_compute = start + step.event_compute_s[k] + hardware.hook_event_s
-        if early_refresh and lane_done and step.event_phase[k] == "bwd":
-            for c in sorted(c for c, t in lane_done.items() if c not in early_done and t <= t_compute
-                            and last_access[c] < k and c in upload_s):
+        if early_queue and step.event_phase[k] == "bwd":
+            for c in sorted(c for c, t in early_queue.items() if t <= t_compute and last_access[c] < k):
                 t_copy = max(t_copy, lane_done[c]) + upload_s[c]
                 early_done[c] = t_copy
+                del early_queue[c]
         if k in step.offload_after:  # an offloaded block's activations go to the host (CUDA: on a side stream)
             nbytes = step.offload_after[k]
             d2h_bytes += nbytes
@@ -887,6 +888,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 t_lane += cast_s.get(c, 0.0)  # the upload's host cast, right after the chunk's step
                 lane_chunks.add(c)
                 lane_done[c] = t_lane
+                if early_refresh and c in upload_s and c not in early_done:
+                    early_queue[c] = t_lane
             elif host_ready is not None:  # off CUDA: the lane shares the compute's cores, its copies add up
                 snapshot_serial_s += snapshot / host_copy_rate
             pending.append((g + out, g, out))
