@@ -143,6 +143,7 @@ prepared without an optimizer differs from a training step in two ways the model
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from hf_elixir.chunk import pack_chunks
@@ -267,6 +268,50 @@ class ChunkedStep:
 
     def shard_numel(self, c: int) -> int:
         return self.chunk_numels[c] // self.world_size
+
+    # what :func:`predict` derives from the events alone, computed once per step (the search prices thousands of
+    # knobs on one step; a ChunkedStep is not changed after it is built: ``dataclasses.replace`` makes a new one)
+    @functools.cached_property
+    def next_use(self) -> list[dict[int, float]]:
+        """Per event, each of its chunks' next event (``inf``: none): Belady's victim choice, as the manager's."""
+        out: list[dict[int, float]] = [dict() for _ in self.groups]
+        upcoming: dict[int, float] = {}
+        for k in range(len(self.groups) - 1, -1, -1):
+            for c in self.groups[k]:
+                out[k][c] = upcoming.get(c, _INF)
+            for c in self.groups[k]:
+                upcoming[c] = k
+        return out
+
+    @functools.cached_property
+    def last_access(self) -> dict[int, int]:
+        """Chunk -> the last event that accesses it."""
+        return {c: k for k, group in enumerate(self.groups) for c in group}
+
+    @functools.cached_property
+    def first_access(self) -> dict[int, int]:
+        """Chunk -> the first event that accesses it (the forward's first use order)."""
+        first: dict[int, int] = {}
+        for k, group in enumerate(self.groups):
+            for c in group:
+                first.setdefault(c, k)
+        return first
+
+    @functools.cached_property
+    def reduce_at(self) -> dict[int, list[int]]:
+        """Event -> the chunks reduced after it (``grad_reduce`` inverted)."""
+        out: dict[int, list[int]] = {}
+        for c, k in self.grad_reduce.items():
+            out.setdefault(k, []).append(c)
+        return out
+
+    @functools.cached_property
+    def arrive_at(self) -> dict[int, list[int]]:
+        """Event -> the chunks whose gradient buffer exists after it (``grad_arrive`` inverted)."""
+        out: dict[int, list[int]] = {}
+        for c, k in self.grad_arrive.items():
+            out.setdefault(k, []).append(c)
+        return out
 
     def working_set_bytes(self, held: frozenset[int] = frozenset()) -> int:
         """Device bytes the step needs beyond the fixed parts: the largest event's unsharded non-held
@@ -491,10 +536,7 @@ def _early_refresh(step: ChunkedStep, hardware: HardwareProfile) -> bool:
 def _refresh_times(step: ChunkedStep, upload_s: dict[int, float]) -> dict[int, float]:
     """When each upload is done, seconds from the start of the step: issued back to back on the copy stream when
     the previous step ends, in the order the forward first uses the chunks (``ChunkManager.next_use_order``)."""
-    first: dict[int, int] = {}
-    for k, group in enumerate(step.groups):
-        for c in group:
-            first.setdefault(c, k)
+    first = step.first_access
     done, t = {}, 0.0
     for c in sorted(upload_s, key=lambda c: (first.get(c, len(step.groups)), c)):
         t += upload_s[c]
@@ -635,21 +677,9 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     # forward all-gathers issued ahead, on CUDA and off it ([Note: overlap])
     gather_ahead = (ws > 1 and knobs.prefetch_depth > 0 and step.gather_prefetch and not activations_on_device
                     and not step.forward_only)
-    # next use of each chunk after each event (Belady's victim choice, as the manager's)
-    next_use: list[dict[int, float]] = [dict() for _ in step.groups]
-    upcoming: dict[int, float] = {}
-    for k in range(len(step.groups) - 1, -1, -1):
-        for c in step.groups[k]:
-            next_use[k][c] = upcoming.get(c, _INF)
-        for c in step.groups[k]:
-            upcoming[c] = k
+    next_use = step.next_use  # next use of each chunk after each event (Belady's victim choice, as the manager's)
     last_seen: dict[int, float] = {}
-    reduce_at: dict[int, list[int]] = {}
-    for c, k in step.grad_reduce.items():
-        reduce_at.setdefault(k, []).append(c)
-    arrive_at: dict[int, list[int]] = {}
-    for c, k in step.grad_arrive.items():
-        arrive_at.setdefault(k, []).append(c)
+    reduce_at, arrive_at = step.reduce_at, step.arrive_at
     used = fixed
     peak = fixed
     cached: dict[int, int] = {}  # chunk -> bytes held
@@ -676,7 +706,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     # scaling: [Note: early refresh] in optim/optimizer.py): a chunk the lane stepped is uploaded on the copy
     # stream at the first backward event after the lane finished it and after the chunk's last access
     early_refresh = _early_refresh(step, hardware)
-    last_access = {c: k for k, group in enumerate(step.groups) for c in group}
+    last_access = step.last_access
     lane_done: dict[int, float] = {}  # lane chunk -> when the lane finished it (step + cast)
     early_done: dict[int, float] = {}  # lane chunk -> when its upload issued in backward is done
     early_queue: dict[int, float] = {}  # lane chunks with an upload not issued yet -> when the lane finished them
@@ -763,7 +793,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             else:
                 t_compute += nbytes / h2d_rate
         issue = starts[k - knobs.prefetch_depth] if overlap and k >= knobs.prefetch_depth else t_compute
-        ready = max([t_compute] + [refresh_done.get(c, 0.0) for c in group])  # each chunk's upload event
+        ready = max(t_compute, max([refresh_done.get(c, 0.0) for c in group], default=0.0)) if refresh_done \
+            else t_compute  # each chunk's upload event
         if step.event_phase[k] == "bwd" and not backward_waited:  # the start of backward drains every upload
             ready, backward_waited = max(ready, upload_end), True
         loaded = 0
