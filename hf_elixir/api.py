@@ -373,7 +373,7 @@ def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params
                           _DTYPES[config.precision], device)
     if plan is not None:
         check_plan(plan, model, sum(numels), world_size, config.precision, len(chunks),
-                   config.device_memory_budget_bytes)
+                   config.device_memory_budget_bytes, config.reduce_dtype)
         check_plan_placements(plan, placements)
     try:
         mark_subtree_chunks(model, manager)  # MoE-expert chunks need rank-local host copies (placement reads it)

@@ -109,6 +109,9 @@ def _add_step_flags(parser: argparse.ArgumentParser) -> None:
                         help="the torch.optim optimizer trained with (its state bytes per parameter: Adam/AdamW 8, "
                         "AMSGrad 12, SGD with momentum 4, plain SGD 0; default adamw), or none: inference "
                         "(prepare(model, None, ...)): a forward under torch.no_grad() is profiled and priced")
+    parser.add_argument("--reduce-dtype", default="fp32", choices=("fp32", "compute"),
+                        help="gradient buffers and their reduce: fp32 (default) or the compute precision; use the "
+                        "same ElixirConfig(reduce_dtype='fp32' / None)")
     on_device = parser.prog.endswith("plan")
     parser.add_argument("--activations-on-device", default=on_device, action=argparse.BooleanOptionalAction,
                         help="count activations in the device budget (a GPU's accounting; default for plan) or "
@@ -122,7 +125,7 @@ def _search(args: argparse.Namespace, profile, hardware, budget: int, **extra):
     optim_states, snapshot_rollback = OPTIMIZER_TERMS[args.optimizer]
     return search(profile, hardware, world_size=args.num_gpus, precision=args.precision,
                   optim_states=optim_states, snapshot_rollback=snapshot_rollback,
-                  device_memory_budget_bytes=budget, safety_margin=args.safety_margin,
+                  reduce_dtype=None if args.reduce_dtype == "compute" else "fp32", device_memory_budget_bytes=budget, safety_margin=args.safety_margin,
                   activations_on_device=args.activations_on_device,
                   activation_checkpointing={"auto": None, "on": True, "off": False}[args.activation_checkpointing],
                   **extra)

@@ -19,8 +19,9 @@ from typing import Any
 
 __all__ = ["ACTIVATION_POLICIES", "REFRESH_CASTS", "ElixirPlan", "policy_summary"]
 
-#: 2: ``activation_peak_bytes`` (version-1 files load unchanged: the field defaults to ``None``)
-PLAN_FORMAT_VERSION = 2
+#: 2: ``activation_peak_bytes`` (version-1 files load unchanged: the field defaults to ``None``); 3: ``reduce_dtype``
+#: (older files load as ``"fp32"``, the only dtype searched then)
+PLAN_FORMAT_VERSION = 3
 _PRECISIONS = ("fp32", "bf16", "fp16")
 _PLACEMENTS = ("sharded", "replicated", "column", "row", "expert")
 #: what a transformer block does with the tensors autograd saves (see ``hf_elixir/runtime/activations.py``)
@@ -45,6 +46,7 @@ _FIELD_TYPES: tuple[tuple[str, tuple[type, ...], str], ...] = (
     ("activation_policy", (dict,), "give a mapping of block name -> 'keep', 'recompute' or 'offload'"),
     ("placements", (dict,), "give a mapping of module name -> placement"),
     ("refresh_cast", (str,), "use 'host' or 'device'"),
+    ("reduce_dtype", (str, type(None)), "use 'fp32' or null (the compute precision)"),
     ("predicted_step_s", (int, float, type(None)), "give seconds or null"),
     ("predicted_peak_device_bytes", (int, type(None)), "give bytes or null"),
     ("activation_peak_bytes", (int, type(None)), "give bytes or null"),
@@ -98,6 +100,9 @@ class ElixirPlan:
             ``REFRESH_STAGING_NUMEL`` fp32 elements charged to the device budget, and casting on the device: no
             host cast in the host lane, twice the refresh bytes on PCIe at bf16/fp16). Only ``"host"`` with
             ``precision="fp32"`` (nothing to cast). Plans written before the field load as ``"host"``.
+        reduce_dtype: the gradient buffers' and reduces' dtype the search priced (``ElixirConfig.reduce_dtype``:
+            ``"fp32"``, 4 bytes per element, or ``None``, the compute precision's); ``prepare`` refuses a searched
+            plan under another ``reduce_dtype``. Plans written before the field load as ``"fp32"``.
         predicted_step_s: the cost model's step time (seconds), if a search made the plan.
         predicted_peak_device_bytes: the cost model's device peak (bytes), if a search made it.
         activation_peak_bytes: device bytes to keep for the activations autograd saves (and its
@@ -123,6 +128,7 @@ class ElixirPlan:
     activation_policy: dict[str, str] = field(default_factory=dict)
     placements: dict[str, str] = field(default_factory=dict)
     refresh_cast: str = "host"
+    reduce_dtype: str | None = "fp32"
     predicted_step_s: float | None = None
     predicted_peak_device_bytes: int | None = None
     activation_peak_bytes: int | None = None
@@ -162,6 +168,9 @@ class ElixirPlan:
         if self.refresh_cast == "device" and self.precision == "fp32":
             raise ValueError("ElixirPlan.refresh_cast='device' with precision='fp32': fp32 compute copies need no "
                              "cast; use refresh_cast='host' (or a 'bf16' / 'fp16' plan)")
+        if self.reduce_dtype not in ("fp32", None):
+            raise ValueError(f"ElixirPlan.reduce_dtype={self.reduce_dtype!r} must be 'fp32' or None (the compute "
+                             "precision), as ElixirConfig.reduce_dtype")
         if self.predicted_step_s is not None and not self.predicted_step_s >= 0:
             raise ValueError(f"ElixirPlan.predicted_step_s={self.predicted_step_s} must be >= 0 or None")
         for name in ("predicted_peak_device_bytes", "activation_peak_bytes"):

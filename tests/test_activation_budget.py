@@ -159,7 +159,7 @@ def test_plan_round_trip_carries_activation_bytes(tmp_path, suffix):
     plan.save(path)
     loaded = ElixirPlan.load(path)
     assert loaded.activation_peak_bytes == 123_456 and loaded == plan
-    assert loaded.format_version == 2
+    assert loaded.format_version == 3
 
 
 def test_a_version_1_plan_file_loads_without_activation_bytes(tmp_path):

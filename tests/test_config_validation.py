@@ -124,6 +124,8 @@ PLAN_CASES = [
     ("refresh_cast", "gpu", ValueError, "refresh_cast='gpu' must be one of"),
     ("refresh_cast", "device", ValueError, "refresh_cast='device' with precision='fp32'"),
     ("refresh_cast", 1, TypeError, "refresh_cast=1 has type int"),
+    ("reduce_dtype", "bf16", ValueError, "reduce_dtype='bf16' must be 'fp32' or None"),
+    ("reduce_dtype", 4, TypeError, "reduce_dtype=4 has type int"),
     ("predicted_step_s", -1.0, ValueError, "predicted_step_s=-1.0 must be >= 0"),
     ("predicted_peak_device_bytes", "1G", TypeError, "predicted_peak_device_bytes='1G' has type str"),
     ("activation_peak_bytes", "1G", TypeError, "activation_peak_bytes='1G' has type str"),

@@ -32,13 +32,19 @@ def load_plan(config: ElixirConfig) -> ElixirPlan | None:
 
 
 def check_plan(plan: ElixirPlan, model: torch.nn.Module, num_params: int, world_size: int,
-               precision: str, num_chunks: int, budget: int | None = None) -> None:
-    """Raise ``ValueError`` when ``plan`` was made for another precision, budget, model or world size."""
+               precision: str, num_chunks: int, budget: int | None = None, reduce_dtype: str | None = "fp32") -> None:
+    """Raise ``ValueError`` when ``plan`` was made for another precision, budget, model or world size, or a searched
+    plan for another ``reduce_dtype`` (its gradient bytes were priced at that dtype)."""
     if plan.precision != precision:  # the one mismatch the user fixes in the config, not by re-planning
         raise ValueError(f"ElixirConfig.plan was made for precision={plan.precision!r} but ElixirConfig.precision="
                          f"{precision!r} (the default is 'fp32'; `hf-elixir plan` defaults to bf16): set "
                          f"ElixirConfig(precision={plan.precision!r}), or re-run `hf-elixir plan --precision "
                          f"{precision}`")
+    if plan.predicted_step_s is not None and plan.reduce_dtype != reduce_dtype:
+        raise ValueError(f"ElixirConfig.plan was searched with reduce_dtype={plan.reduce_dtype!r} (its gradient "
+                         f"buffers and reduces priced at that dtype) but ElixirConfig.reduce_dtype={reduce_dtype!r}: "
+                         f"set ElixirConfig(reduce_dtype={plan.reduce_dtype!r}), or re-run `hf-elixir plan "
+                         f"--reduce-dtype {'fp32' if reduce_dtype == 'fp32' else 'compute'}`")
     if budget is not None and plan.predicted_peak_device_bytes and plan.predicted_peak_device_bytes > budget:
         raise ValueError(f"ElixirConfig.plan predicts a device peak of {plan.predicted_peak_device_bytes} bytes but "
                          f"device_memory_budget_bytes={budget}: the plan was made for a larger budget. Re-run the "

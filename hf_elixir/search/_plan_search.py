@@ -335,6 +335,19 @@ def _forward_only_settings(activation_checkpointing: bool | None, activation_pol
 _DATA_PARALLEL = ("auto", "sharded", "replicated")
 
 
+def _grad_elem_bytes(reduce_dtype: str | None, precision: str) -> int:
+    """Bytes per gradient element, as ``ElixirConfig.reduce_dtype`` sets the runtime's gradient buffers and their
+    reduce (``Chunk.grad_dtype``): ``"fp32"`` 4, ``None`` the compute precision's.
+
+    Raises:
+        ValueError: ``reduce_dtype`` is neither.
+    """
+    if reduce_dtype not in (None, "fp32"):
+        raise ValueError(f"reduce_dtype={reduce_dtype!r} must be 'fp32' or None (the compute precision), as "
+                         "ElixirConfig.reduce_dtype")
+    return 4 if reduce_dtype == "fp32" else DTYPE_BYTES[precision]
+
+
 def _data_parallel_modes(data_parallel: str, world_size: int) -> tuple[str, ...]:
     if data_parallel not in _DATA_PARALLEL:
         raise ValueError(f"data_parallel={data_parallel!r} must be one of {_DATA_PARALLEL}")
@@ -382,7 +395,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
            max_alternatives: int = 4, optim_states: int = 2, data_parallel: str = "auto",
            replicated_placements: dict[str, str] | None = None, ranks_per_host: int | None = None,
            overlap_host_optimizer: bool | None = None, snapshot_rollback: bool = False,
-           refine_starts: int = 3, refine_max_priced: int | None = None) -> SearchResult:
+           refine_starts: int = 3, refine_max_priced: int | None = None,
+           reduce_dtype: str | None = "fp32") -> SearchResult:
     """Profile (if given a model) and search; see :func:`search_plan` for the arguments.
 
     Returns:
@@ -401,6 +415,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     if not isinstance(snapshot_rollback, bool):
         raise TypeError(f"snapshot_rollback={snapshot_rollback!r} must be True (AMSGrad or a non-Adam optimizer: the "
                         "host lane keeps snapshots) or False (Adam/AdamW: rolled back by the inverse update)")
+    grad_elem_bytes = _grad_elem_bytes(reduce_dtype, precision)
     modes = _data_parallel_modes(data_parallel, world_size)
     profile = _resolve_profile(model_or_profile, sample_batch, hardware)
     if activations_on_device is None:
@@ -450,7 +465,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                     continue
                 step = build_chunked_step(profile, size, world_size=world_size, precision=precision,
                                           hardware=hardware, optim_states=optim_states, replicated=replicated,
-                                          snapshot_rollback=snapshot_rollback,
+                                          snapshot_rollback=snapshot_rollback, grad_elem_bytes=grad_elem_bytes,
                                           activation_checkpointing=bool(activation_checkpointing),
                                           activation_policy=policy)
                 act = step.activation_bytes if activations_on_device else 0
@@ -481,7 +496,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                 f"device_memory_budget_bytes={budget}); {over_host} fitting the device need more host memory. "
                 "Use more machines, a larger budget, or pass host_memory_bytes= if the host is larger")
         sizes = _chunk_sizes(profile, world_size, b, limit, chunk_size_numel, num_chunk_sizes, False)[0]
-        need = _minimum_bytes(profile, world_size, precision, sizes[0], activations_on_device, hardware, policies)
+        need = _minimum_bytes(profile, world_size, precision, sizes[0], activations_on_device, hardware, policies,
+                              grad_elem_bytes)
         raise ValueError(
             f"no configuration fits device_memory_budget_bytes={budget} (with safety_margin={safety_margin}: "
             f"{limit} bytes); the smallest needs about {need} bytes per rank. Use more ranks (world_size), "
@@ -497,6 +513,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                 step = build_chunked_step(profile, size, world_size=world_size, precision=precision,
                                           hardware=hardware, optim_states=optim_states,
                                           replicated=mode == "replicated", snapshot_rollback=snapshot_rollback,
+                                          grad_elem_bytes=grad_elem_bytes,
                                           activation_checkpointing=bool(activation_checkpointing),
                                           activation_policy=policy)
                 act = step.activation_bytes if activations_on_device else 0
@@ -525,7 +542,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
             alternatives.append(cand)
     plan = _to_plan(profile, best, world_size, precision, budget, limit,
                     size_reasons[best.data_parallel](best.chunk_size_numel), evaluated,
-                    host_limit, activations_on_device, per_host)
+                    host_limit, activations_on_device, per_host, reduce_dtype)
     plan.reasons[2:2] = _data_parallel_reasons(modes, best, best_by_mode, world_size)
     if best.data_parallel == "replicated":
         modules = replicated_placements if replicated_placements is not None else (
@@ -609,19 +626,19 @@ def _data_parallel_reasons(modes: tuple[str, ...], best: Candidate, best_by_mode
 
 
 def _minimum_bytes(profile: StepProfile, world_size: int, precision: str, size: int, act_on_device: bool,
-                   hardware: HardwareProfile, policies: list | None = None) -> int:
+                   hardware: HardwareProfile, policies: list | None = None, grad_elem_bytes: int = 4) -> int:
     """The smallest working set plus activations over ``policies`` (default: the uniform switch off)."""
     need = []
     for policy in policies or [None]:
         step = build_chunked_step(profile, size, world_size=world_size, precision=precision, hardware=hardware,
-                                  activation_policy=policy)
+                                  activation_policy=policy, grad_elem_bytes=grad_elem_bytes)
         need.append(step.working_set_bytes() + (step.activation_bytes if act_on_device else 0))
     return min(need)
 
 
 def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: str, budget: int, limit: int,
              size_reason: str, evaluated: int, host_memory_bytes: int | None, act_on_device: bool,
-             ranks_per_host: int = 1) -> ElixirPlan:
+             ranks_per_host: int = 1, reduce_dtype: str | None = "fp32") -> ElixirPlan:
     k, p = best.knobs, best.prediction
     gib = 2**30
     reasons = [
@@ -665,7 +682,7 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
         resident_chunks=sorted(k.resident), device_shard_chunks=sorted(k.device_shard | k.resident),
         device_optim_chunks=sorted(k.device_optim), prefetch_depth=k.prefetch_depth,
         host_copy_chunks=sorted(set(range(best.num_chunks)) - set(k.resident)) if k.host_copies else [],
-        refresh_cast=k.refresh_cast if precision != "fp32" else "host",
+        refresh_cast=k.refresh_cast if precision != "fp32" else "host", reduce_dtype=reduce_dtype,
         activation_checkpointing=best.activation_checkpointing, activation_policy=dict(best.activation_policy),
         predicted_step_s=float(p.step_s), predicted_peak_device_bytes=int(p.device_peak_bytes),
         activation_peak_bytes=_activation_room_bytes(
@@ -723,7 +740,10 @@ def search_plan(model_or_profile: Any, hardware: HardwareProfile, *, world_size:
             hill-climb from the best 3 distinct candidates; 0: no local refinement) and ``refine_max_priced``
             (at most that many configurations priced by the refinement, all climbs together, counted in
             ``SearchResult.evaluated``; default ``None``: as many as the grid before it priced, at least 500
-            and at most 1000; 0: no refinement); [Note: local refinement] in ``_refine.py``.
+            and at most 1000; 0: no refinement); [Note: local refinement] in ``_refine.py``; ``reduce_dtype``
+            (``ElixirConfig.reduce_dtype``: ``"fp32"``, the default, prices fp32 gradient buffers and reduces,
+            4 bytes per element; ``None`` the compute precision's, as FSDP2's ``MixedPrecisionPolicy`` with no
+            ``reduce_dtype`` and DeepSpeed's bf16 do).
 
     Returns:
         the plan; ``plan.reasons`` says why.
@@ -791,7 +811,7 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
                     data_parallel=data_parallel, replicated_placements=replicated_placements,
                     host_memory_bytes=host_budget * per_host if host_budget else None, ranks_per_host=per_host,
                     overlap_host_optimizer=getattr(config, "overlap_host_optimizer", None),
-                    **optimizer_cost_terms(optimizer, config))
+                    reduce_dtype=getattr(config, "reduce_dtype", "fp32"), **optimizer_cost_terms(optimizer, config))
     plan = result.plan
     if note:
         plan.reasons.append(note)
@@ -833,13 +853,14 @@ def brute_force_grid(profile: StepProfile, hardware: HardwareProfile, *, world_s
                      device_memory_budget_bytes: int, chunk_size_numel: int, safety_margin: float = 0.05,
                      activations_on_device: bool = False, prefetch_depths: Iterable[int] = (0,),
                      optim_states: int = 2, activation_checkpointing: bool = False,
-                     activation_policy: dict[str, str] | None = None) -> list[Candidate]:
+                     activation_policy: dict[str, str] | None = None, reduce_dtype: str | None = "fp32") -> list[Candidate]:
     """Every (resident prefix, device-shard prefix, device-optimizer prefix, prefetch, refresh cast) point that fits,
     priced with the same pool as :func:`search` (for small models; used to check the search against
     exhaustive enumeration), at one chunk size and one ``activation_checkpointing`` setting. Sorted
     fastest first."""
     step = build_chunked_step(profile, chunk_size_numel, world_size=world_size, precision=precision,
                               hardware=hardware, optim_states=optim_states,
+                              grad_elem_bytes=_grad_elem_bytes(reduce_dtype, precision),
                               activation_checkpointing=activation_checkpointing, activation_policy=activation_policy)
     limit = int(device_memory_budget_bytes * (1.0 - safety_margin))
     act = step.activation_bytes if activations_on_device else 0
