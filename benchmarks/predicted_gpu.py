@@ -5,6 +5,8 @@ H200 with PCIe Gen5 host links and NVLink between the GPUs), price
 
 * hf_elixir's searched plan (:func:`hf_elixir.search.search`, the cost model of ``search/_cost.py``,
   which overlaps only what the runtime overlaps today: see its [Note: overlap]);
+* the same search with gradients reduced in the compute dtype (``ElixirConfig.reduce_dtype=None``; the default
+  reduces fp32 gradients), as the peers' models below reduce theirs;
 * the peers, from what each moves by construction (``benchmarks/_peers_predicted.py``): FSDP2 +
   CPUOffload, DeepSpeed ZeRO-3 offload, ZeRO-Offload (ZeRO-2 + CPU Adam);
 
@@ -95,6 +97,13 @@ def rows_for(model: str, *, batch: int, seq: int, precision: str, host_adam: flo
                     row["elixir"]["searched_vs_grid"] = _grid_ratio(profile, hw, ws, precision, best)
             except ValueError as err:
                 row["elixir"] = {"step_s": None, "plan": f"does not fit: {err}"}
+            try:  # gradients reduced in the compute dtype, as the peers reduce them (ElixirConfig.reduce_dtype=None)
+                half = search(profile, hw, world_size=ws, precision=precision,
+                              device_memory_budget_bytes=hw.device_total_bytes, activations_on_device=True,
+                              host_memory_bytes=HOST_BYTES, reduce_dtype=None).best
+                row["elixir_compute_reduce"] = {"step_s": half.prediction.step_s, "plan": half.summary()}
+            except ValueError as err:
+                row["elixir_compute_reduce"] = {"step_s": None, "plan": f"does not fit: {err}"}
             for peer in PEER_MODELS:
                 pred = predict_peer(peer, profile, hw, precision=precision, world_size=ws, device_bytes=limit)
                 row[peer] = None if pred is None else {
@@ -111,15 +120,19 @@ def _fmt(entry) -> str:
 def table(rows: list[dict]) -> str:
     """Markdown: seconds per step per system, and hf_elixir's speed-up over each peer."""
     head = ("| model | GPU | GPUs | hf_elixir s | FSDP2+CPUOffload s | ZeRO-3 offload s | ZeRO-Offload s "
-            "| vs FSDP2 | vs ZeRO-3 | vs ZeRO-Offload | searched / grid |")
-    lines = [head, "|" + "---|" * 11]
+            "| vs FSDP2 | vs ZeRO-3 | vs ZeRO-Offload | searched / grid | hf_elixir, compute-dtype reduce s "
+            "| its speed-up over the fastest peer |")
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         e = r["elixir"].get("step_s")
         ratio = [f"{r[p]['step_s'] / e:.2f}x" if e and r[p] else "-" for p in PEER_MODELS]
         g = r["elixir"].get("searched_vs_grid")
+        half = r.get("elixir_compute_reduce") or {}
+        fastest = min((r[p]["step_s"] for p in PEER_MODELS if r[p]), default=None)
+        over = f"{fastest / half['step_s']:.2f}x" if fastest and half.get("step_s") else "-"
         lines.append(f"| {r['model']} | {r['gpu']} | {r['gpus']} | {_fmt(r['elixir'])} | "
                      + " | ".join(_fmt(r[p]) for p in PEER_MODELS) + " | " + " | ".join(ratio)
-                     + f" | {'-' if g is None else f'{g:.3f}'} |")
+                     + f" | {'-' if g is None else f'{g:.3f}'} | {_fmt(half)} | {over} |")
     return "\n".join(lines)
 
 
