@@ -8,7 +8,8 @@ the chunk manager's pool charges (``Chunk.materialize``, ``ElixirOptimizer._buil
 * ``world_size == 1``: a chunk in ``resident_chunks`` or ``device_shard_chunks`` keeps its full buffer,
   which *is* its shard (``Chunk.full_alias``): ``n_c * b``, never evicted. Other chunks' shards live on
   the host and are copied into a freshly charged full buffer (``n_c * b``) when used;
-* ``world_size > 1``: a resident chunk holds its full buffer and a shard clone, ``(n_c + s_c) * b``;
+* ``world_size > 1``: a resident chunk holds its full buffer, ``n_c * b``, its shard a slice of it
+  (``Chunk.shard_in_full``);
   a device-shard chunk ``s_c * b``; every other chunk is gathered into a charged full buffer when used
   (plus an ``s_c * b`` onload staging buffer while its host shard is gathered);
 * optimizer state of a trained chunk on the device (``device_optim_chunks``): fp32 gradient shard
@@ -511,7 +512,7 @@ def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, i
         resident = sum(step.full_bytes(c) for c in held)
         shards = 0
     else:
-        resident = sum(step.full_bytes(c) + step.shard_numel(c) * b for c in knobs.resident)
+        resident = sum(step.full_bytes(c) for c in knobs.resident)  # its shard is a slice of it (shard_in_full)
         shards = sum(step.shard_numel(c) * b for c in knobs.device_shard - knobs.resident)
     optim = host_optim = 0
     for c in range(step.num_chunks):
