@@ -130,10 +130,18 @@ chunk, so the rules above leave no gradient buffer, reduce, optimizer state (dev
 rollback snapshot to price, and its activations are the forward's transient alone. The runtime of a model
 prepared without an optimizer differs from a training step in two ways the model follows:
 
-* no optimizer step ends a step, so the manager never gets a previous step's order: it evicts the least
-  recently used unpinned chunk (``ChunkManager._victim`` without ``prev_trace``), never prefetches (neither
-  local onloads nor all-gathers ahead: ``_prefetch`` follows the previous order) and never reshards dead
-  chunks. :func:`predict` evicts by recency and prices ``prefetch_depth`` as 0;
+* no optimizer step ends a step: each top-level forward is one ([Note: forward steps] in
+  ``hf_elixir/chunk/manager.py``). The first forward after ``prepare`` has no previous order: the manager evicts
+  the least recently used unpinned chunk (``ChunkManager._victim`` without ``prev_trace``) and prefetches
+  nothing. Every later forward evicts by Belady over the forward before it (ties, chunks that forward does not
+  use again, to the least recently used: ``ChunkManager._belady_key``) and prefetches ``prefetch_depth`` chunks
+  ahead of it, local onloads on CUDA and all-gathers at several ranks, as a training forward does ([Note:
+  overlap]). :func:`predict` replays the first forward with recency and no prefetch, the later ones with Belady
+  over the profiled order (next uses by event and place in it, the manager's trace positions) and prefetch. A
+  forward all-gather is priced as ahead only where the chunks evicted for it were not used in the ``prefetch_depth``
+  events before it: the runtime's window keeps those (pinned, or about to be used: [Note: Belady-consistent
+  gather ahead]), and in a forward whose pool is full the chunk Belady evicts is usually the one just used, so
+  the gather stays in the hook. No dead chunk is resharded early (there is no backward);
 * nothing makes a cached chunk stale between forwards (no optimizer updates its shard), so a forward starts
   with what the previous one left cached. :func:`predict` replays the forward from an empty cache, then again
   from what each replay left (at most :data:`FORWARD_PASSES` replays) until a replay starts from the cache the
@@ -631,19 +639,23 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         step.trained_numels[c] and c not in knobs.device_optim for c in range(step.num_chunks))
     window = (None if not lane_in_backward and all(c in on_device for c in range(step.num_chunks))
               else _MAX_PENDING_REDUCES)
-    # nothing is prefetched in a forward-only step ([Note: forward-only pricing])
-    overlap = hardware.can_overlap and knobs.prefetch_depth > 0 and not step.forward_only
+    # a forward-only step's first replay has no previous forward to prefetch by ([Note: forward-only pricing])
+    prefetching = knobs.prefetch_depth > 0
+    overlap = hardware.can_overlap and prefetching
     # forward all-gathers issued ahead, on CUDA and off it ([Note: overlap])
-    gather_ahead = (ws > 1 and knobs.prefetch_depth > 0 and step.gather_prefetch and not activations_on_device
-                    and not step.forward_only)
-    # next use of each chunk after each event (Belady's victim choice, as the manager's)
+    gather_ahead = ws > 1 and prefetching and step.gather_prefetch and not activations_on_device
+    # next use of each chunk after each event (Belady's victim choice, as the manager's); for a forward-only
+    # step also its place in that event, the manager's trace position ([Note: forward-only pricing])
     next_use: list[dict[int, float]] = [dict() for _ in step.groups]
-    upcoming: dict[int, float] = {}
+    next_place: list[dict[int, tuple[float, int]]] = [dict() for _ in step.groups]
+    upcoming: dict[int, tuple[float, int]] = {}
     for k in range(len(step.groups) - 1, -1, -1):
         for c in step.groups[k]:
-            next_use[k][c] = upcoming.get(c, _INF)
-        for c in step.groups[k]:
-            upcoming[c] = k
+            next_place[k][c] = upcoming.get(c, (_INF, 0))
+            next_use[k][c] = next_place[k][c][0]
+        for i, c in enumerate(step.groups[k]):
+            upcoming[c] = (k, i)
+    first_place = dict(upcoming)  # where a forward first uses each chunk: the next use as a forward starts
     last_seen: dict[int, float] = {}
     reduce_at: dict[int, list[int]] = {}
     for c, k in step.grad_reduce.items():
@@ -707,10 +719,13 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             victims = [c for c in cached if c not in pinned]
             if not victims:
                 return False
-            if step.forward_only:  # least recently used ([Note: forward-only pricing])
+            if step.forward_only and first_pass:  # least recently used ([Note: forward-only pricing])
                 victim = min(victims, key=recency.__getitem__)
+            elif step.forward_only:  # Belady over the previous forward, as ChunkManager._belady_key
+                victim = max(victims, key=lambda c: (*place[c], -recency[c]))
             else:
                 victim = max(victims, key=lambda c: (last_seen.get(c, _INF), -c))
+            evicted.append(victim)
             used -= cached.pop(victim)
             evictions += 1
             if ws > 1 and knobs.host_copies and victim in gathered and victim not in host_copied:
@@ -720,19 +735,26 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
 
     host_copied: set[int] = set()
     recency: dict[int, int] = {}  # chunk -> when last accessed (forward-only steps evict the least recent)
+    place: dict[int, tuple[float, int]] = {}  # forward-only: chunk -> its next use (event, place in it)
+    evicted: list[int] = []  # the victims of the last make_room calls (forward-only gathers ahead)
+    first_pass = True  # forward-only: the first replay, the first forward after prepare
 
     def forward_passes():
         """The events to replay: once, or for a forward-only step until a replay starts from the cache the one
         before it started from (at most ``FORWARD_PASSES``), the counters and clocks reset before each replay
         so that the last one is what is priced ([Note: forward-only pricing])."""
         nonlocal onloads, evictions, h2d_bytes, d2h_bytes, ag_bytes, rs_bytes, peak, cache_peak
-        nonlocal t_compute, t_copy, t_reduce, t_act, t_gather, t_offload, t_lane
+        nonlocal t_compute, t_copy, t_reduce, t_act, t_gather, t_offload, t_lane, first_pass, prefetching
         starts_from = None
         for replay in range(FORWARD_PASSES if step.forward_only else 1):
             state = (tuple(sorted(cached, key=recency.__getitem__)), frozenset(gathered), frozenset(host_copied))
             if state == starts_from:
                 return  # the replay just priced started where this one would: it is the steady state
-            starts_from = state
+            # the first forward has no previous one: LRU, nothing prefetched; the later ones follow the one before
+            first_pass = step.forward_only and replay == 0
+            prefetching = knobs.prefetch_depth > 0 and not first_pass
+            starts_from = state if not first_pass else None
+            place.update({c: first_place.get(c, (_INF, 0)) for c in cached})
             if replay:
                 onloads = evictions = h2d_bytes = d2h_bytes = ag_bytes = rs_bytes = 0
                 t_compute = t_copy = t_reduce = t_act = t_gather = t_offload = t_lane = 0.0
@@ -751,6 +773,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     for k, group in forward_passes():
         for c in group:
             last_seen[c] = next_use[k][c]
+            place[c] = next_place[k][c]
             recency[c] = clock  # as ChunkManager._record, chunk by chunk before any room is made
             clock += 1
         if k in step.offload_before:  # an offloaded block's activations come back; its backward waits for them
@@ -774,11 +797,15 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             full = step.full_bytes(c)
             collective = ws > 1 and (c not in gathered or not knobs.host_copies)
             staging = step.shard_numel(c) * b if collective and c not in knobs.device_shard else 0
-            ahead = collective and gather_ahead and k >= knobs.prefetch_depth and (
+            ahead = collective and gather_ahead and prefetching and k >= knobs.prefetch_depth and (
                 step.event_phase[k] == "fwd" or _backward_room(step, k, knobs.prefetch_depth, cached, last_seen,
                                                                pool_bytes - used - full - staging))
+            evicted.clear()
             if not make_room(full + staging, group, k):
                 return None
+            if ahead and step.forward_only and evicted:  # [Note: forward-only pricing]: evicting only chunks
+                window = {c for j in range(k - knobs.prefetch_depth, k + 1) for c in step.groups[j]}
+                ahead = not window.intersection(evicted)  # the runtime's window does not keep
             used += full
             cached[c] = full
             peak = max(peak, used + staging)
@@ -797,7 +824,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             else:
                 h2d_bytes += full
                 copy_s += full / h2d_rate
-            if overlap and not collective:  # side-stream prefetch of a local copy (ChunkManager._prefetch)
+            if overlap and prefetching and not collective:  # side-stream prefetch of a local copy (_prefetch)
                 t_copy = max(t_copy, issue) + copy_s
                 ready = max(ready, t_copy)
             elif ahead:
