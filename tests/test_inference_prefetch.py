@@ -122,7 +122,7 @@ def test_one_rank_forward_steps_rotate_the_trace_and_evict_by_belady():
         assert manager.trace == [] and manager.prev_forward_ends == [len(manager.prev_trace)]
         traces.append(list(manager.prev_trace))
     assert traces[0] == traces[1] == traces[2] and len(traces[0]) > len(manager.chunks)
-    assert onloads[0] > 0 and onloads[1] == onloads[2] <= onloads[0], onloads
+    assert onloads[1] == onloads[2] < onloads[0], onloads  # here 10 < 13: Belady beats recency
 
 
 def _train_with_eval(evaluate: bool):
