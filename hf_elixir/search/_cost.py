@@ -653,7 +653,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         for c in step.groups[k]:
             next_place[k][c] = upcoming.get(c, (_INF, 0))
             next_use[k][c] = next_place[k][c][0]
-        for i, c in enumerate(step.groups[k]):
+        for i, c in enumerate(sorted(step.groups[k])):  # a unit's chunks are accessed by id (ModuleHandle.chunks)
             upcoming[c] = (k, i)
     first_place = dict(upcoming)  # where a forward first uses each chunk: the next use as a forward starts
     last_seen: dict[int, float] = {}
@@ -771,10 +771,10 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     reshard_dead = ws == 1 and not step.replicated
     computing: set[int] = set()  # chunks with a parameter left in COMPUTE until the end of backward
     for k, group in forward_passes():
-        for c in group:
+        for c in sorted(group):
             last_seen[c] = next_use[k][c]
             place[c] = next_place[k][c]
-            recency[c] = clock  # as ChunkManager._record, chunk by chunk before any room is made
+            recency[c] = clock  # as ChunkManager._record, chunk by chunk (by id) before any room is made
             clock += 1
         if k in step.offload_before:  # an offloaded block's activations come back; its backward waits for them
             nbytes = step.offload_before[k]
