@@ -173,6 +173,7 @@ __all__ = ["ChunkManager"]
 logger = logging.getLogger(__name__)
 
 _MAX_TRACE = 1_000_000
+_INF = float("inf")
 
 
 # ``reduces_in_flight`` id of the has-gradient flags' all-reduce ([Note: late reduce waits])
@@ -642,7 +643,8 @@ class ChunkManager:
             dead_only = collective and self.backward_pending  # [Note: backward gather prefetch]
             if self.kept_buffer_bytes and not self.pool.fits(need):
                 self.drop_kept_buffers(need)  # what the hook's make_room drops first too ([Note: buffer reuse])
-            beyond = self._kept_until(keep, index) if collective and not dead_only and not self.pool.fits(need) else None
+            beyond = (self._kept_until(pinned, upcoming, index, cid)
+                      if collective and not dead_only and not self.pool.fits(need) else None)
             while not self.pool.fits(need):
                 victim = self._dead_victim() if dead_only else self._victim(keep, beyond=beyond)
                 if victim is None or self._next_use(victim) <= self._next_use(chunk):
@@ -655,18 +657,25 @@ class ChunkManager:
             if chunk.pending_gather is not None:
                 self._pending_gathers.append(chunk)
 
-    def _kept_until(self, keep: set[int], index: int) -> tuple[float, int]:
-        """[Note: Belady-consistent gather ahead] A gather issued ahead for the chunk used at position ``index``
-        of the previous step's order may evict only a chunk Belady ranks above every chunk in ``keep`` (pinned
-        now, or in the prefetch window: chunks the hook at ``index`` could evict instead) as that hook will
-        rank them: used after every chunk of ``keep`` is next used after ``index``, or, where a chunk of
-        ``keep`` is not used again either, less recently than it (the accesses up to ``index`` are of chunks
-        in ``keep``, which only makes them more recent). When that hook makes room, such a chunk is Belady's
-        first victim anyway (nothing in forward frees memory in between), so issuing the gather early evicts
-        what the hook would, and adds no all-gather. The tie matters where the chunk just used is never used
-        again (a forward without backward, [Note: forward steps]): the hook would evict an older such chunk,
-        not it. Returns that Belady key (:meth:`_belady_key`)."""
-        return max(self._belady_key(self.chunks[cid], after=index) for cid in keep)
+    def _kept_until(self, pinned: set[int], upcoming: list[tuple[int, int]], index: int,
+                    target: int) -> tuple[float, int]:
+        """[Note: Belady-consistent gather ahead] A gather issued ahead for chunk ``target``, used at position
+        ``index`` of the previous step's order, may evict only a chunk Belady ranks above every rival: a chunk
+        the hook at ``index`` could evict instead, i.e. one of ``pinned`` (pinned now) or of ``upcoming`` (the
+        prefetch window, ``(position, chunk id)``) that will be on the device and unpinned then (on it now, or
+        used before ``index``; not ``target``, which its hook pins, nor a resident chunk), as that hook will rank
+        them: used after every rival is next used after ``index``, or, where a rival is not used again either,
+        less recently than it (the accesses up to ``index`` are of rivals, which only makes them more recent).
+        When that hook makes room, such a chunk is Belady's first victim anyway (nothing in forward frees memory
+        in between), so issuing the gather early evicts what the hook would, and adds no all-gather. The tie
+        matters where the chunk just used is never used again (a forward without backward, [Note: forward
+        steps]): the hook would evict an older such chunk, not it. Returns that Belady key
+        (:meth:`_belady_key`), ``(-inf, 0)`` without a rival."""
+        before = {cid for position, cid in upcoming if position < index}
+        rivals = [self.chunks[cid] for cid in pinned | {cid for _, cid in upcoming}
+                  if cid != target and (cid in before or self.chunks[cid].unsharded)]
+        return max((self._belady_key(c, after=index) for c in rivals if not (c.resident or c.full_alias)),
+                   default=(-_INF, 0))
 
     def _dead(self, chunk: Chunk) -> bool:
         """An evictable trainable chunk this step uses no more (the optimizer step makes its gathered copy

@@ -138,10 +138,13 @@ prepared without an optimizer differs from a training step in two ways the model
   ahead of it, local onloads on CUDA and all-gathers at several ranks, as a training forward does ([Note:
   overlap]). :func:`predict` replays the first forward with recency and no prefetch, the later ones with Belady
   over the profiled order (next uses by event and place in it, the manager's trace positions) and prefetch. A
-  forward all-gather is priced as ahead only where the chunks evicted for it were not used in the ``prefetch_depth``
-  events before it: the runtime's window keeps those (pinned, or about to be used: [Note: Belady-consistent
-  gather ahead]), and in a forward whose pool is full the chunk Belady evicts is usually the one just used, so
-  the gather stays in the hook. No dead chunk is resharded early (there is no backward);
+  forward all-gather (after the forward's first event) is priced as ahead unless the room for it is made by
+  evicting a chunk of the event before it: the runtime issues it at the latest at that event's access, when
+  that chunk is pinned and its gather ahead may not evict it ([Note: Belady-consistent gather ahead]); in a
+  forward whose pool is full the chunk Belady evicts is often the one just used (not used again in the forward),
+  and the gather then stays in the hook. The count is the runtime's (``Prediction.gathers_ahead``; its timing,
+  issued ``prefetch_depth`` events ahead, is the approximation training's gathers get too). No dead chunk is
+  resharded early (there is no backward);
 * nothing makes a cached chunk stale between forwards (no optimizer updates its shard), so a forward starts
   with what the previous one left cached. :func:`predict` replays the forward from an empty cache, then again
   from what each replay left (at most :data:`FORWARD_PASSES` replays) until a replay starts from the cache the
@@ -797,15 +800,15 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             full = step.full_bytes(c)
             collective = ws > 1 and (c not in gathered or not knobs.host_copies)
             staging = step.shard_numel(c) * b if collective and c not in knobs.device_shard else 0
-            ahead = collective and gather_ahead and prefetching and k >= knobs.prefetch_depth and (
+            ahead = collective and gather_ahead and prefetching and k >= (
+                1 if step.forward_only else knobs.prefetch_depth) and (
                 step.event_phase[k] == "fwd" or _backward_room(step, k, knobs.prefetch_depth, cached, last_seen,
                                                                pool_bytes - used - full - staging))
             evicted.clear()
             if not make_room(full + staging, group, k):
                 return None
-            if ahead and step.forward_only and evicted:  # [Note: forward-only pricing]: evicting only chunks
-                window = {c for j in range(k - knobs.prefetch_depth, k + 1) for c in step.groups[j]}
-                ahead = not window.intersection(evicted)  # the runtime's window does not keep
+            if ahead and step.forward_only:  # [Note: forward-only pricing]: not where its room is a chunk just used
+                ahead = not set(evicted) & (set(step.groups[k - 1]) - set(group))
             used += full
             cached[c] = full
             peak = max(peak, used + staging)
