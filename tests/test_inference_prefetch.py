@@ -2,7 +2,7 @@
 rotates its access trace at the end of each top-level forward, so the second and later forwards evict by Belady
 over the forward before and issue all-gathers ahead of their use (two gloo ranks, sharded chunks, a model-data
 budget), with the plain model's outputs; a forward whose module order differs from the previous one is still
-right and its gathers still pair across ranks. A training run's evaluation forwards under ``torch.no_grad()``
+right and its gathers still pair across ranks; ``generate`` gives the plain model's tokens. A training run's evaluation forwards under ``torch.no_grad()``
 record into a trace of their own and leave the training step's trace as it was.
 
 Gathers issued ahead are counted (``step_num_prefetched_gathers``, per forward without an optimizer), not timed.
@@ -19,6 +19,7 @@ from tests._models import batch, rank_batch, rel_l2, tiny_model
 CHUNK = 8192
 ROWS_PER_RANK = 2
 FORWARDS = 4
+GENERATED = 6  # new tokens: forwards of ``generate``
 EXTRA_BYTES = 2 * CHUNK * 2  # above the smallest budget: room for a gather ahead at some accesses
 STEP_KEYS = ("step_num_prefetched_gathers", "step_num_blocking_gathers", "step_allgather_bytes",
              "step_num_onloads", "step_device_peak_bytes")
@@ -56,6 +57,12 @@ def _inference_worker(rank: int, world_size: int) -> dict:
             steps.append({k: stats[k] for k in STEP_KEYS})
         out[depth] = {"steps": steps, "logits": logits, "budget": budget,
                       "peak": hf_elixir.memory_stats(model)["device_peak_bytes"]}
+        if depth:  # generate: each step's forward is predicted by the one before (the prompt's, then the tokens')
+            hf_elixir.reset_memory_stats(model)
+            with torch.no_grad():
+                out["generated"] = model.generate(_inputs(0, rank)["input_ids"], max_new_tokens=GENERATED,
+                                                  do_sample=False, pad_token_id=0)
+            out["generate_stats"] = hf_elixir.memory_stats(model)
     return out
 
 
@@ -76,7 +83,7 @@ def test_forwards_without_optimizer_gather_ahead_by_the_previous_forward_at_two_
     results = run_distributed(_inference_worker, 2, timeout_s=120)
     for rank, r in enumerate(results):
         reference = _reference_logits(rank)
-        for depth, run in r.items():
+        for depth, run in ((depth, r[depth]) for depth in (0, 2)):
             for step, (got, want) in enumerate(zip(run["logits"], reference)):
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=f"rank {rank} depth {depth} step {step}")
             assert run["peak"] <= run["budget"], (rank, depth, run["peak"], run["budget"])
@@ -95,6 +102,16 @@ def test_forwards_without_optimizer_gather_ahead_by_the_previous_forward_at_two_
         assert counts[FORWARDS + 2] == counts[FORWARDS - 1], (rank, on)
         assert counts[FORWARDS] != counts[FORWARDS - 1], (rank, on)  # the other order did change what happened
     assert results[0][2]["steps"] == results[1][2]["steps"], "ranks decided differently"
+    assert results[0]["generate_stats"]["num_prefetched_gathers"] == results[1]["generate_stats"][
+        "num_prefetched_gathers"]
+    for rank, r in enumerate(results):
+        reference = tiny_model("gpt2").eval()
+        with torch.no_grad():
+            expected = reference.generate(_inputs(0, rank)["input_ids"], max_new_tokens=GENERATED, do_sample=False,
+                                          pad_token_id=0)
+        assert torch.equal(r["generated"], expected), rank
+        # every forward but the first issues gathers ahead (here 2 of 5 per forward, 10 of 32 in all)
+        assert r["generate_stats"]["num_prefetched_gathers"] >= GENERATED - 1, r["generate_stats"]
 
 
 def test_one_rank_forward_steps_rotate_the_trace_and_evict_by_belady():
