@@ -413,6 +413,8 @@ def _apply_layout(model, optimizer, names, layout: _Layout, stream: StreamedInit
     state = ElixirState(manager=manager, handles=handles, config=config, plan=plan)
     if optimizer is not None:
         state.optimizer = ElixirOptimizer(optimizer, manager, config, refresh_cast=plan.refresh_cast)
+    else:  # no optimizer step: each forward is a step ([Note: forward steps] in chunk/manager.py)
+        manager.forward_steps = True
     install_state_dict_hooks(model, manager, on_loaded=(
         state.optimizer.sync_masters_from_params if state.optimizer is not None else (lambda: None)))
     if layout.activation_policy:

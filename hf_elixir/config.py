@@ -173,7 +173,9 @@ class ElixirConfig:
             cores with the compute and gains nothing; `True`: on on any device;
             `False`: the host update runs inside `step()`.
         prefetch_depth (`int`, defaults to 2):
-            How many chunks ahead (in the profiled access order) to unshard early.
+            How many chunks ahead to unshard early, in the access order of the previous step (the previous
+            training step; for a model prepared without an optimizer the previous forward, so from the second
+            forward on).
         plan (`ElixirPlan`, `str` path or `None`):
             A plan from the search (or a YAML/JSON file written by `hf-elixir plan --output`).
         search (`str`, defaults to `"off"`):

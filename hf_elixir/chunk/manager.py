@@ -103,6 +103,30 @@ same all-gathers, only issued ahead. All of this is the same on every rank for d
 model-data budget (the gradient charges follow the autograd graph, identical on every rank). At the
 tightest budgets there is no such room and backward gathers stay in the hooks.
 
+[Note: forward steps] A model prepared without an optimizer (``hf_elixir.prepare(model, None, ...)``: evaluation,
+``generate``) has no optimizer step to end a step, so each top-level forward is one: :meth:`end_forward` (the
+model's outermost forward hook, also when forward raises) drains the gathers issued ahead, records the forward's
+end and rotates the trace as :meth:`end_step` does, and ``last_step`` (``step_*`` in ``memory_stats``) holds that
+forward's counters. The next forward is predicted by the previous one's order: Belady eviction and the prefetch
+above, under the same rules (the window stops where that forward ended, so no gather ahead spans two forwards;
+the first forward after ``prepare`` evicts by recency and prefetches nothing). Ranks issue the same gathers in
+the same order because every decision reads only the previous forward's trace, the agreed plan and budget and
+the pool state, and those are the same on every rank when the ranks run the same forwards in the same order.
+Gathers inside the hooks need that already (which chunks are evicted, and so re-gathered, follows from the same
+state under recency too), so prefetching adds no condition. A forward whose order differs from the previous one
+(another path through the model, generation's prompt then its steps, an encoder called outside the top-level
+forward) is still run right: the previous order only predicts; a chunk gathered ahead and not used is a wasted
+gather, waited for by its eviction or at the end of the forward, on every rank alike. Off CUDA, where a local
+onload ahead is a synchronous copy that overlaps nothing and only changes what is evicted, a forward step issues
+none (``_prefetch`` stops at the first one; the cost model prices none off CUDA either, [Note: forward-only
+pricing] in ``hf_elixir/search/_cost.py``); a backward after forward steps (a model with nothing trainable) gets
+no gather ahead (the previous step had no backward). Inside a training run, a forward under ``torch.no_grad()``
+outside backward (``Trainer.evaluate`` between steps) records into a trace of its own, predicted by the training
+step's order from its start (a forward runs the modules in the same order), and dropped at its end: the training
+step's trace, its phase ends and the reduce order's first uses are as if the evaluation had not run, so the next
+step prefetches and evicts by the order it will follow (before, the evaluation's accesses were appended to the
+next step's trace and shifted every position after them, backward's included).
+
 ``num_prefetched_gathers`` counts gathers issued ahead, ``num_blocking_gathers`` those issued inside an
 access for the chunk it needs (the compute waits for the whole collective).
 
@@ -149,6 +173,7 @@ __all__ = ["ChunkManager"]
 logger = logging.getLogger(__name__)
 
 _MAX_TRACE = 1_000_000
+_INF = float("inf")
 
 
 # ``reduces_in_flight`` id of the has-gradient flags' all-reduce ([Note: late reduce waits])
@@ -239,6 +264,11 @@ class ChunkManager:
         self._flag_group_chunks: list[list[int]] = []  # per flag group, its chunk ids (init_flags)
         # activation storages charged -> their bytes (see saved_tensors_accounting)
         self._saved_storages: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # [Note: forward steps] a model prepared without an optimizer: each top-level forward is a step
+        # (``end_forward`` rotates the trace); else the training step's trace while a no-grad forward between
+        # steps records into a trace of its own (``None`` outside one)
+        self.forward_steps = False
+        self._outer_trace: tuple[list[int], list[tuple[int, int]]] | None = None
         # access trace (chunk ids) of the previous and the current step
         self.prev_trace: list[int] = []
         self.prev_positions: dict[int, list[int]] = {}
@@ -415,21 +445,27 @@ class ChunkManager:
         i = bisect.bisect_right(positions, len(self.trace) - 1 if after is None else after)
         return positions[i] if i < len(positions) else float("inf")
 
-    def _victim(self, exclude: set[int], beyond: float | None = None) -> Chunk | None:
-        """The chunk to evict: Belady (farthest next use in the previous step's order), else LRU.
+    def _victim(self, exclude: set[int], beyond: tuple[float, int] | None = None) -> Chunk | None:
+        """The chunk to evict: Belady (farthest next use in the previous step's order, the least recently used
+        of those never used again), else LRU.
 
         Args:
             exclude: chunk ids that must stay.
-            beyond: only chunks whose next use comes after this position.
+            beyond: only chunks Belady ranks above this ``(next use, -last access)`` key (:meth:`_kept_until`).
         """
         candidates = [c for c in self.chunks if c.evictable and c.chunk_id not in exclude]
         if beyond is not None:
-            candidates = [c for c in candidates if self._next_use(c) > beyond]
+            candidates = [c for c in candidates if self._belady_key(c) > beyond]
         if not candidates:
             return None
         if self.prev_trace:
-            return max(candidates, key=lambda c: (self._next_use(c), -c.last_access))
+            return max(candidates, key=self._belady_key)
         return min(candidates, key=lambda c: c.last_access)
+
+    def _belady_key(self, chunk: Chunk, after: int | None = None) -> tuple[float, int]:
+        """Belady's eviction rank of ``chunk`` (the largest goes first): its next use after ``after``
+        (:meth:`_next_use`), ties (never used again) to the least recently used."""
+        return self._next_use(chunk, after), -chunk.last_access
 
     def make_room(self, nbytes: int, what: str, exclude: set[int] | None = None) -> None:
         """Evict unpinned unsharded chunks until ``nbytes`` more fit the budget.
@@ -568,7 +604,7 @@ class ChunkManager:
     def _record(self, chunk: Chunk) -> None:
         self.clock += 1
         chunk.last_access = self.clock
-        if not self.backward_pending:
+        if not self.backward_pending and self._outer_trace is None:
             self.first_use.setdefault(chunk.chunk_id, self.clock)
         if len(self.trace) < _MAX_TRACE:
             self.trace.append(chunk.chunk_id)
@@ -597,6 +633,8 @@ class ChunkManager:
             if not chunk.needs_fill():
                 continue
             collective = chunk.needs_collective()
+            if not collective and self.forward_steps and self.copy_stream is None:
+                return  # [Note: forward steps]: a local onload ahead off CUDA overlaps nothing, it only evicts
             need = chunk.fill_bytes_needed()
             if collective and (index >= gather_end or (self.backward_pending
                                                         and not self._backward_room(need + fills_before, pos, index))):
@@ -605,7 +643,8 @@ class ChunkManager:
             dead_only = collective and self.backward_pending  # [Note: backward gather prefetch]
             if self.kept_buffer_bytes and not self.pool.fits(need):
                 self.drop_kept_buffers(need)  # what the hook's make_room drops first too ([Note: buffer reuse])
-            beyond = self._kept_until(keep, index) if collective and not dead_only and not self.pool.fits(need) else None
+            beyond = (self._kept_until(pinned, upcoming, index, cid)
+                      if collective and not dead_only and not self.pool.fits(need) else None)
             while not self.pool.fits(need):
                 victim = self._dead_victim() if dead_only else self._victim(keep, beyond=beyond)
                 if victim is None or self._next_use(victim) <= self._next_use(chunk):
@@ -618,14 +657,25 @@ class ChunkManager:
             if chunk.pending_gather is not None:
                 self._pending_gathers.append(chunk)
 
-    def _kept_until(self, keep: set[int], index: int) -> float:
-        """[Note: Belady-consistent gather ahead] A gather issued ahead for the chunk used at position ``index``
-        of the previous step's order may evict only a chunk used after every chunk in ``keep`` (pinned now, or
-        in the prefetch window: chunks the hook at ``index`` could evict instead) is next used after ``index``:
-        when that hook makes room, such a chunk is Belady's first victim anyway (nothing in forward frees
-        memory in between), so issuing the gather early evicts what the hook would, and adds no all-gather.
-        Returns that position."""
-        return max(self._next_use(self.chunks[cid], after=index) for cid in keep)
+    def _kept_until(self, pinned: set[int], upcoming: list[tuple[int, int]], index: int,
+                    target: int) -> tuple[float, int]:
+        """[Note: Belady-consistent gather ahead] A gather issued ahead for chunk ``target``, used at position
+        ``index`` of the previous step's order, may evict only a chunk Belady ranks above every rival: a chunk
+        the hook at ``index`` could evict instead, i.e. one of ``pinned`` (pinned now) or of ``upcoming`` (the
+        prefetch window, ``(position, chunk id)``) that will be on the device and unpinned then (on it now, or
+        used before ``index``; not ``target``, which its hook pins, nor a resident chunk), as that hook will rank
+        them: used after every rival is next used after ``index``, or, where a rival is not used again either,
+        less recently than it (the accesses up to ``index`` are of rivals, which only makes them more recent).
+        When that hook makes room, such a chunk is Belady's first victim anyway (nothing in forward frees memory
+        in between), so issuing the gather early evicts what the hook would, and adds no all-gather. The tie
+        matters where the chunk just used is never used again (a forward without backward, [Note: forward
+        steps]): the hook would evict an older such chunk, not it. Returns that Belady key
+        (:meth:`_belady_key`), ``(-inf, 0)`` without a rival."""
+        before = {cid for position, cid in upcoming if position < index}
+        rivals = [self.chunks[cid] for cid in pinned | {cid for _, cid in upcoming}
+                  if cid != target and (cid in before or self.chunks[cid].unsharded)]
+        return max((self._belady_key(c, after=index) for c in rivals if not (c.resident or c.full_alias)),
+                   default=(-_INF, 0))
 
     def _dead(self, chunk: Chunk) -> bool:
         """An evictable trainable chunk this step uses no more (the optimizer step makes its gathered copy
@@ -664,6 +714,8 @@ class ChunkManager:
         if not self.gather_prefetch_allowed():
             return pos
         ends = self.prev_backward_ends if self.backward_pending else self.prev_forward_ends
+        if not ends:  # the previous step had no such phase (a backward after forward steps): its order says nothing
+            return pos
         i = bisect.bisect_right(ends, pos)
         return ends[i] if i < len(ends) else len(self.prev_trace)
 
@@ -704,6 +756,40 @@ class ChunkManager:
         """Called at the optimizer step: the current trace becomes the reference for eviction."""
         self.drain_reduces()
         self.drain_gathers()
+        self._rotate_trace()
+        self.grads_pending = False  # consumed by the step
+        self.hide_stale()
+        self._close_step()
+        self.sync_activation_bytes()
+        if self.compute_device.type == "cuda":
+            self.pool.reconcile_cuda(self.compute_device)
+
+    def begin_forward(self) -> None:
+        """Called as the model's top-level forward starts ([Note: forward steps]): a forward under
+        ``torch.no_grad()`` of a trained model outside backward (an evaluation between steps) records its
+        accesses into a trace of its own, which :meth:`end_forward` drops."""
+        if (not self.forward_steps and self._outer_trace is None and not self.backward_pending
+                and not torch.is_grad_enabled()):
+            self._outer_trace = (self.trace, self._grad_at)
+            self.trace, self._grad_at = [], []
+
+    def end_forward(self) -> None:
+        """Called as the model's top-level forward returns or raises ([Note: forward steps]): without an
+        optimizer the forward's trace becomes the reference for eviction and prefetch and ``last_step`` its
+        counters; after an evaluation forward of a trained model the training step's trace is back."""
+        if self._outer_trace is not None:
+            self.drain_gathers()  # a gather issued ahead for a chunk this forward did not use
+            self.trace, self._grad_at = self._outer_trace
+            self._outer_trace = None
+        elif self.forward_steps and not self.backward_pending:
+            self.drain_gathers()
+            if len(self.trace) < _MAX_TRACE:
+                self._forward_ends.append(len(self.trace))
+            self._rotate_trace()
+            self._close_step()
+
+    def _rotate_trace(self) -> None:
+        """The current step's trace and phase ends become the previous step's (kept when nothing was recorded)."""
         if self.trace:
             self.prev_trace = self.trace
             self.prev_forward_ends = self._forward_ends
@@ -717,8 +803,9 @@ class ChunkManager:
         self._forward_ends = []
         self._backward_ends = []
         self._grad_at = []
-        self.grads_pending = False  # consumed by the step
-        self.hide_stale()
+
+    def _close_step(self) -> None:
+        """``last_step``: the counters' change since the last step ended (``step_*`` in ``memory_stats``)."""
         now = self.counters.as_dict()
         self.last_step = {f"step_{k}": now[k] - self._step_start.get(k, 0)
                           for k in ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes",
@@ -727,9 +814,6 @@ class ChunkManager:
                                     "num_prefetched_act_onloads", "num_blocking_act_onloads")}
         self.last_step["step_device_peak_bytes"] = self.counters.device_peak_bytes
         self._step_start = now
-        self.sync_activation_bytes()
-        if self.compute_device.type == "cuda":
-            self.pool.reconcile_cuda(self.compute_device)
 
     def hide_stale(self) -> None:
         """Point the parameters of every chunk without a current unsharded copy at stale placeholders

@@ -148,7 +148,8 @@ def _reset_counters(manager: ChunkManager) -> None:
 
 def memory_stats(model: torch.nn.Module) -> dict[str, int | float]:
     """Counters of the chunk manager: cumulative since ``prepare`` plus ``step_*`` deltas of the last
-    optimizer step; bytes are ints. Keys: ``device_used_bytes``, ``device_peak_bytes`` (model data),
+    optimizer step (of the last top-level forward for a model prepared without an optimizer: [Note: forward
+    steps] in ``hf_elixir/chunk/manager.py``); bytes are ints. Keys: ``device_used_bytes``, ``device_peak_bytes`` (model data),
     ``activation_bytes`` / ``activation_peak_bytes`` (what autograd saved for backward, live / peak),
     ``device_total_peak_bytes`` (model data + activations + temporaries), ``host_bytes``,
     ``h2d_bytes``, ``d2h_bytes``, ``allgather_bytes``, ``reduce_scatter_bytes``, ``num_evictions``,

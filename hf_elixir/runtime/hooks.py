@@ -305,19 +305,25 @@ def _grad_ready(manager: ChunkManager | None, param: torch.nn.Parameter, owners:
 
 def _install_activation_accounting(model: torch.nn.Module, manager: ChunkManager) -> list:
     """Around the outermost forward with grad enabled, charge what autograd saves for backward
-    (:meth:`ChunkManager.saved_tensors_accounting`); the post-hook runs also when forward raises."""
+    (:meth:`ChunkManager.saved_tensors_accounting`); around every outermost forward, tell the manager where it
+    starts and ends (:meth:`ChunkManager.begin_forward` / :meth:`~ChunkManager.end_forward`, [Note: forward
+    steps] in ``chunk/manager.py``). The post-hook runs also when forward raises."""
     depth, active = [0], []
 
     def enter(module, args):
-        if depth[0] == 0 and torch.is_grad_enabled():
-            active.append(manager.saved_tensors_accounting())
-            active[-1].__enter__()
+        if depth[0] == 0:
+            manager.begin_forward()
+            if torch.is_grad_enabled():
+                active.append(manager.saved_tensors_accounting())
+                active[-1].__enter__()
         depth[0] += 1
 
     def leave(module, args, output):
         depth[0] -= 1
-        if depth[0] == 0 and active:
-            active.pop().__exit__(None, None, None)
+        if depth[0] == 0:
+            if active:
+                active.pop().__exit__(None, None, None)
+            manager.end_forward()
 
     return [model.register_forward_pre_hook(enter, prepend=True),
             model.register_forward_hook(leave, always_call=True)]

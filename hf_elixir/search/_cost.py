@@ -8,7 +8,8 @@ the chunk manager's pool charges (``Chunk.materialize``, ``ElixirOptimizer._buil
 * ``world_size == 1``: a chunk in ``resident_chunks`` or ``device_shard_chunks`` keeps its full buffer,
   which *is* its shard (``Chunk.full_alias``): ``n_c * b``, never evicted. Other chunks' shards live on
   the host and are copied into a freshly charged full buffer (``n_c * b``) when used;
-* ``world_size > 1``: a resident chunk holds its full buffer and a shard clone, ``(n_c + s_c) * b``;
+* ``world_size > 1``: a resident chunk holds its full buffer, ``n_c * b``, its shard a slice of it
+  (``Chunk.shard_in_full``);
   a device-shard chunk ``s_c * b``; every other chunk is gathered into a charged full buffer when used
   (plus an ``s_c * b`` onload staging buffer while its host shard is gathered);
 * optimizer state of a trained chunk on the device (``device_optim_chunks``): fp32 gradient shard
@@ -129,10 +130,21 @@ chunk, so the rules above leave no gradient buffer, reduce, optimizer state (dev
 rollback snapshot to price, and its activations are the forward's transient alone. The runtime of a model
 prepared without an optimizer differs from a training step in two ways the model follows:
 
-* no optimizer step ends a step, so the manager never gets a previous step's order: it evicts the least
-  recently used unpinned chunk (``ChunkManager._victim`` without ``prev_trace``), never prefetches (neither
-  local onloads nor all-gathers ahead: ``_prefetch`` follows the previous order) and never reshards dead
-  chunks. :func:`predict` evicts by recency and prices ``prefetch_depth`` as 0;
+* no optimizer step ends a step: each top-level forward is one ([Note: forward steps] in
+  ``hf_elixir/chunk/manager.py``). The first forward after ``prepare`` has no previous order: the manager evicts
+  the least recently used unpinned chunk (``ChunkManager._victim`` without ``prev_trace``) and prefetches
+  nothing. Every later forward evicts by Belady over the forward before it (ties, chunks that forward does not
+  use again, to the least recently used: ``ChunkManager._belady_key``) and prefetches ``prefetch_depth`` chunks
+  ahead of it, local onloads on CUDA and all-gathers at several ranks, as a training forward does ([Note:
+  overlap]). :func:`predict` replays the first forward with recency and no prefetch, the later ones with Belady
+  over the profiled order (next uses by event and place in it, the manager's trace positions) and prefetch. A
+  forward all-gather (after the forward's first event) is priced as ahead unless the room for it is made by
+  evicting a chunk of the event before it: the runtime issues it at the latest at that event's access, when
+  that chunk is pinned and its gather ahead may not evict it ([Note: Belady-consistent gather ahead]); in a
+  forward whose pool is full the chunk Belady evicts is often the one just used (not used again in the forward),
+  and the gather then stays in the hook. The count is the runtime's (``Prediction.gathers_ahead``; its timing,
+  issued ``prefetch_depth`` events ahead, is the approximation training's gathers get too). No dead chunk is
+  resharded early (there is no backward);
 * nothing makes a cached chunk stale between forwards (no optimizer updates its shard), so a forward starts
   with what the previous one left cached. :func:`predict` replays the forward from an empty cache, then again
   from what each replay left (at most :data:`FORWARD_PASSES` replays) until a replay starts from the cache the
@@ -272,16 +284,21 @@ class ChunkedStep:
     # what :func:`predict` derives from the events alone, computed once per step (the search prices thousands of
     # knobs on one step; a ChunkedStep is not changed after it is built: ``dataclasses.replace`` makes a new one)
     @functools.cached_property
-    def next_use(self) -> list[dict[int, float]]:
-        """Per event, each of its chunks' next event (``inf``: none): Belady's victim choice, as the manager's."""
-        out: list[dict[int, float]] = [dict() for _ in self.groups]
-        upcoming: dict[int, float] = {}
+    def next_places(self) -> tuple[list[dict[int, float]], list[dict[int, tuple[float, int]]],
+                                   dict[int, tuple[float, int]]]:
+        """Per event, each of its chunks' next event (``inf``: none), Belady's victim choice as the manager's; the
+        same with the chunk's place in that event, the manager's trace position (a unit's chunks are accessed by
+        id, ``ModuleHandle.chunks``); and where the step first uses each chunk (the next use as a step starts)."""
+        next_use: list[dict[int, float]] = [dict() for _ in self.groups]
+        next_place: list[dict[int, tuple[float, int]]] = [dict() for _ in self.groups]
+        upcoming: dict[int, tuple[float, int]] = {}
         for k in range(len(self.groups) - 1, -1, -1):
             for c in self.groups[k]:
-                out[k][c] = upcoming.get(c, _INF)
-            for c in self.groups[k]:
-                upcoming[c] = k
-        return out
+                next_place[k][c] = upcoming.get(c, (_INF, 0))
+                next_use[k][c] = next_place[k][c][0]
+            for i, c in enumerate(sorted(self.groups[k])):
+                upcoming[c] = (k, i)
+        return next_use, next_place, dict(upcoming)
 
     @functools.cached_property
     def last_access(self) -> dict[int, int]:
@@ -553,7 +570,7 @@ def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, i
         resident = sum(step.full_bytes(c) for c in held)
         shards = 0
     else:
-        resident = sum(step.full_bytes(c) + step.shard_numel(c) * b for c in knobs.resident)
+        resident = sum(step.full_bytes(c) for c in knobs.resident)  # its shard is a slice of it (shard_in_full)
         shards = sum(step.shard_numel(c) * b for c in knobs.device_shard - knobs.resident)
     optim = host_optim = 0
     for c in range(step.num_chunks):
@@ -672,12 +689,14 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         step.trained_numels[c] and c not in knobs.device_optim for c in range(step.num_chunks))
     window = (None if not lane_in_backward and all(c in on_device for c in range(step.num_chunks))
               else _MAX_PENDING_REDUCES)
-    # nothing is prefetched in a forward-only step ([Note: forward-only pricing])
-    overlap = hardware.can_overlap and knobs.prefetch_depth > 0 and not step.forward_only
+    # a forward-only step's first replay has no previous forward to prefetch by ([Note: forward-only pricing])
+    prefetching = knobs.prefetch_depth > 0
+    overlap = hardware.can_overlap and prefetching
     # forward all-gathers issued ahead, on CUDA and off it ([Note: overlap])
-    gather_ahead = (ws > 1 and knobs.prefetch_depth > 0 and step.gather_prefetch and not activations_on_device
-                    and not step.forward_only)
-    next_use = step.next_use  # next use of each chunk after each event (Belady's victim choice, as the manager's)
+    gather_ahead = ws > 1 and prefetching and step.gather_prefetch and not activations_on_device
+    # next use of each chunk after each event (Belady's victim choice, as the manager's); for a forward-only
+    # step also its place in that event, the manager's trace position ([Note: forward-only pricing])
+    next_use, next_place, first_place = step.next_places
     last_seen: dict[int, float] = {}
     reduce_at, arrive_at = step.reduce_at, step.arrive_at
     used = fixed
@@ -737,10 +756,13 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             victims = [c for c in cached if c not in pinned]
             if not victims:
                 return False
-            if step.forward_only:  # least recently used ([Note: forward-only pricing])
+            if step.forward_only and first_pass:  # least recently used ([Note: forward-only pricing])
                 victim = min(victims, key=recency.__getitem__)
+            elif step.forward_only:  # Belady over the previous forward, as ChunkManager._belady_key
+                victim = max(victims, key=lambda c: (*place[c], -recency[c]))
             else:
                 victim = max(victims, key=lambda c: (last_seen.get(c, _INF), -c))
+            evicted.append(victim)
             used -= cached.pop(victim)
             evictions += 1
             if ws > 1 and knobs.host_copies and victim in gathered and victim not in host_copied:
@@ -750,19 +772,26 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
 
     host_copied: set[int] = set()
     recency: dict[int, int] = {}  # chunk -> when last accessed (forward-only steps evict the least recent)
+    place: dict[int, tuple[float, int]] = {}  # forward-only: chunk -> its next use (event, place in it)
+    evicted: list[int] = []  # the victims of the last make_room calls (forward-only gathers ahead)
+    first_pass = True  # forward-only: the first replay, the first forward after prepare
 
     def forward_passes():
         """The events to replay: once, or for a forward-only step until a replay starts from the cache the one
         before it started from (at most ``FORWARD_PASSES``), the counters and clocks reset before each replay
         so that the last one is what is priced ([Note: forward-only pricing])."""
         nonlocal onloads, evictions, h2d_bytes, d2h_bytes, ag_bytes, rs_bytes, peak, cache_peak
-        nonlocal t_compute, t_copy, t_reduce, t_act, t_gather, t_offload, t_lane
+        nonlocal t_compute, t_copy, t_reduce, t_act, t_gather, t_offload, t_lane, first_pass, prefetching
         starts_from = None
         for replay in range(FORWARD_PASSES if step.forward_only else 1):
             state = (tuple(sorted(cached, key=recency.__getitem__)), frozenset(gathered), frozenset(host_copied))
             if state == starts_from:
                 return  # the replay just priced started where this one would: it is the steady state
-            starts_from = state
+            # the first forward has no previous one: LRU, nothing prefetched; the later ones follow the one before
+            first_pass = step.forward_only and replay == 0
+            prefetching = knobs.prefetch_depth > 0 and not first_pass
+            starts_from = state if not first_pass else None
+            place.update({c: first_place.get(c, (_INF, 0)) for c in cached})
             if replay:
                 onloads = evictions = h2d_bytes = d2h_bytes = ag_bytes = rs_bytes = 0
                 t_compute = t_copy = t_reduce = t_act = t_gather = t_offload = t_lane = 0.0
@@ -779,9 +808,10 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     reshard_dead = ws == 1 and not step.replicated
     computing: set[int] = set()  # chunks with a parameter left in COMPUTE until the end of backward
     for k, group in forward_passes():
-        for c in group:
+        for c in sorted(group):
             last_seen[c] = next_use[k][c]
-            recency[c] = clock  # as ChunkManager._record, chunk by chunk before any room is made
+            place[c] = next_place[k][c]
+            recency[c] = clock  # as ChunkManager._record, chunk by chunk (by id) before any room is made
             clock += 1
         if k in step.offload_before:  # an offloaded block's activations come back; its backward waits for them
             nbytes = step.offload_before[k]
@@ -805,11 +835,15 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             full = step.full_bytes(c)
             collective = ws > 1 and (c not in gathered or not knobs.host_copies)
             staging = step.shard_numel(c) * b if collective and c not in knobs.device_shard else 0
-            ahead = collective and gather_ahead and k >= knobs.prefetch_depth and (
+            ahead = collective and gather_ahead and prefetching and k >= (
+                1 if step.forward_only else knobs.prefetch_depth) and (
                 step.event_phase[k] == "fwd" or _backward_room(step, k, knobs.prefetch_depth, cached, last_seen,
                                                                pool_bytes - used - full - staging))
+            evicted.clear()
             if not make_room(full + staging, group, k):
                 return None
+            if ahead and step.forward_only:  # [Note: forward-only pricing]: not where its room is a chunk just used
+                ahead = not set(evicted) & (set(step.groups[k - 1]) - set(group))
             used += full
             cached[c] = full
             peak = max(peak, used + staging)
@@ -828,7 +862,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             else:
                 h2d_bytes += full
                 copy_s += full / h2d_rate
-            if overlap and not collective:  # side-stream prefetch of a local copy (ChunkManager._prefetch)
+            if overlap and prefetching and not collective:  # side-stream prefetch of a local copy (_prefetch)
                 t_copy = max(t_copy, issue) + copy_s
                 ready = max(ready, t_copy)
             elif ahead:

@@ -22,8 +22,9 @@ that makes the step faster ([Note: local refinement] in ``_refine.py``).
 
 A forward-only profile (inference, ``hf_elixir.prepare(model, None, ...)``; [Note: forward-only pricing] in
 ``_cost.py``) is searched with the knobs that only matter for training fixed: every block keeps its activations
-(a forward under ``torch.no_grad()`` saves none to recompute or offload), prefetch depth 0 (the runtime of a model
-without an optimizer never prefetches), and no optimizer state to place (nothing is trained).
+(a forward under ``torch.no_grad()`` saves none to recompute or offload) and no optimizer state to place (nothing
+is trained). Prefetch depths are searched as for training: the runtime prefetches each forward by the previous
+one's order ([Note: forward steps] in ``hf_elixir/chunk/manager.py``), priced in steady state.
 
 Every point is priced by :func:`hf_elixir.search._cost.predict`; points whose device bytes exceed
 ``budget * (1 - safety_margin)``, or whose host bytes times the ranks per machine exceed its host memory,
@@ -311,11 +312,10 @@ def _profile_for(model: nn.Module, sample_batch: Any, device: str, hardware: Har
                         count_flops=True if device != hardware.device_kind else None, forward_only=forward_only)
 
 
-def _forward_only_settings(activation_checkpointing: bool | None, activation_policy: dict[str, str] | str | None,
-                           prefetch_depths: Iterable[int] | None) -> tuple[bool, str, tuple[int, ...]]:
-    """``(activation_checkpointing, activation_policy, prefetch_depths)`` for a forward-only step ([Note:
-    forward-only pricing] in ``_cost.py``): every block keeps (nothing is saved for backward, so recompute and
-    offload change nothing) and prefetch depth 0 (a model prepared without an optimizer never prefetches). A
+def _forward_only_settings(activation_checkpointing: bool | None,
+                           activation_policy: dict[str, str] | str | None) -> tuple[bool, str]:
+    """``(activation_checkpointing, activation_policy)`` for a forward-only step ([Note: forward-only pricing] in
+    ``_cost.py``): every block keeps (nothing is saved for backward, so recompute and offload change nothing). A
     warning names each setting of the caller's that this ignores."""
     ignored = []
     if activation_checkpointing:
@@ -323,13 +323,10 @@ def _forward_only_settings(activation_checkpointing: bool | None, activation_pol
     if activation_policy is not None and set(
             activation_policy.values() if isinstance(activation_policy, dict) else [activation_policy]) - {"keep"}:
         ignored.append(f"activation_policy={activation_policy!r}")
-    if prefetch_depths is not None and set(prefetch_depths) - {0}:
-        ignored.append(f"prefetch_depths={tuple(prefetch_depths)!r}")
     if ignored:
         logger.warning("search: %s ignored for a forward-only (inference) step: it saves no activations for "
-                       "backward and the runtime prefetches nothing without an optimizer step; priced with every "
-                       "block kept and prefetch depth 0", ", ".join(ignored))
-    return False, "keep", (0,)
+                       "backward; priced with every block kept", ", ".join(ignored))
+    return False, "keep"
 
 
 _DATA_PARALLEL = ("auto", "sharded", "replicated")
@@ -421,8 +418,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     if activations_on_device is None:
         activations_on_device = hardware.device_kind == "cuda"
     if profile.forward_only:
-        activation_checkpointing, activation_policy, prefetch_depths = _forward_only_settings(
-            activation_checkpointing, activation_policy, prefetch_depths)
+        activation_checkpointing, activation_policy = _forward_only_settings(activation_checkpointing,
+                                                                             activation_policy)
     budget = device_memory_budget_bytes
     if budget is None:
         budget = hardware.device_free_bytes or hardware.device_total_bytes
@@ -664,10 +661,7 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
                        "every block's activations does not leave room for a faster plan")
     elif best.activation_checkpointing:
         reasons.append("activation checkpointing on: without it the activations do not leave room for a faster plan")
-    if profile.forward_only and best.data_parallel == "sharded":
-        reasons.append("prefetch depth 0: without an optimizer step the runtime has no previous step's order to "
-                       "prefetch by")
-    elif k.prefetch_depth == 0 and best.data_parallel == "sharded":
+    if k.prefetch_depth == 0 and best.data_parallel == "sharded":
         reasons.append("prefetch depth 0: copies do not overlap compute here, or blocks are better spent on caching")
     if k.refresh_cast == "device":
         reasons.append(f"refresh cast on the device: uploading the fp32 masters (twice the PCIe bytes, "
@@ -766,7 +760,7 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
     momentum 4 B, plain SGD 0 B, AMSGrad and other classes snapshots; ``None``: priced as AdamW). ``inference=True``
     (what ``prepare`` passes for ``optimizer=None``): one forward under ``torch.no_grad()`` is profiled
     (``sample_batch`` needs no labels) and priced as the runtime runs it without an optimizer (no backward, gradient
-    buffers or optimizer states; every block keeps, no prefetch; [Note: forward-only pricing] in ``_cost.py``);
+    buffers or optimizer states; every block keeps; [Note: forward-only pricing] in ``_cost.py``);
     ``optimizer`` is then unused.
 
     The model must still be a plain module (before ``prepare`` installs its hooks); gradients the profiled
