@@ -9,8 +9,9 @@ the chunk manager's pool charges (``Chunk.materialize``, ``ElixirOptimizer._buil
   which *is* its shard (``Chunk.full_alias``): ``n_c * b``, never evicted. Other chunks' shards live on
   the host and are copied into a freshly charged full buffer (``n_c * b``) when used;
 * ``world_size > 1``: a resident chunk holds its full buffer, ``n_c * b``, with its shard a view into it
-  (``Chunk.shard_in_full``: the all-gather runs in place); a device-shard chunk ``s_c * b``; every other chunk is gathered into a charged full buffer when used
-  (plus an ``s_c * b`` onload staging buffer while its host shard is gathered);
+  (``Chunk.shard_in_full``: the all-gather runs in place); a device-shard chunk ``s_c * b``; every other
+  chunk is gathered into a charged full buffer when used (plus an ``s_c * b`` onload staging buffer while
+  its host shard is gathered);
 * optimizer state of a trained chunk on the device (``device_optim_chunks``): fp32 gradient shard
   ``4 s_c`` + ``4 k s_c`` states + an fp32 master ``4 s_c`` unless the precision is fp32 and the shard
   is on the device too (then the shard is the master);
