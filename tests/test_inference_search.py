@@ -305,7 +305,7 @@ def test_inference_at_two_ranks_sharded_exact_traffic_and_replicated_where_it_fi
         plan, (onloads, h2d, gathered, peak), budget, counts = out["sharded"]
         assert plan.device_optim_chunks == [] and onloads > 0, rank
         assert [c[:3] for c in counts[1:]] == [(onloads, h2d, gathered)] * 2, (rank, counts)
-        assert peak == counts[2][3] and counts[2][3] <= budget, (rank, peak, counts)
+        assert plan.resident_chunks and peak == counts[2][3] <= budget, (rank, peak, counts, plan.resident_chunks)
         ahead = 0
         for fraction, (plan, (onloads, h2d, gathered, peak, priced_ahead), budget, counts) in out["prefetch"].items():
             # with gathers issued ahead by the previous forward's order ([Note: forward steps] in manager.py): the

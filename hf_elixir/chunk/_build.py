@@ -115,9 +115,10 @@ def build_chunks(manager: ChunkManager, params, names, placements: dict[str, str
 
 def _materialize_bytes(chunk: Chunk) -> int:
     """Device bytes :meth:`Chunk.materialize` charges: the full buffer, plus a device copy of the shard
-    when the shard stays on the device and is not the full buffer itself (one rank: they alias)."""
-    aliased = chunk.world_size == 1 and chunk.shard_on_device
-    return chunk.full_bytes + (chunk.shard_bytes if chunk.shard_on_device and not aliased else 0)
+    when the shard stays on the device and is not part of the full buffer (one rank: they alias; a
+    resident chunk sharded over several ranks keeps its shard as a view into it, ``Chunk.shard_in_full``)."""
+    inside = chunk.world_size == 1 or chunk.resident  # full_alias, or shard_in_full
+    return chunk.full_bytes + (chunk.shard_bytes if chunk.shard_on_device and not inside else 0)
 
 
 def materialize_chunks(manager: ChunkManager, fill_of=None) -> None:

@@ -63,11 +63,11 @@ def _device_optim_bytes(sizes: Sizes, config: ElixirConfig, chunks) -> int:
 
 
 def _resident_bytes(sizes: Sizes, chunks) -> int:
-    """Device bytes with every chunk resident: its full buffer (and its shard, when sharded), every
-    optimizer state and two gradient buffers."""
-    shard_all = sum(sizes.shard[c.chunk_id] for c in chunks if c.world_size > 1)
-    return sum(sizes.full.values()) + shard_all + sum(sizes.optim.values()) + sum(
-        sorted(sizes.grad.values(), reverse=True)[:2])
+    """Device bytes with every chunk resident: its full buffer, every optimizer state and two gradient
+    buffers. A resident chunk's shard costs nothing more: with one rank (or replicated) the full buffer is
+    the shard (``Chunk.full_alias``), with several the shard is a view into it (``Chunk.shard_in_full``),
+    and ``prepare`` charges no more while it builds the chunks (``chunk/_build.py: materialize_chunks``)."""
+    return sum(sizes.full.values()) + sum(sizes.optim.values()) + sum(sorted(sizes.grad.values(), reverse=True)[:2])
 
 
 def device_floor_bytes(chunks, units_chunks: list[list], config: ElixirConfig, optimizer) -> int:

@@ -8,10 +8,10 @@ the chunk manager's pool charges (``Chunk.materialize``, ``ElixirOptimizer._buil
 * ``world_size == 1``: a chunk in ``resident_chunks`` or ``device_shard_chunks`` keeps its full buffer,
   which *is* its shard (``Chunk.full_alias``): ``n_c * b``, never evicted. Other chunks' shards live on
   the host and are copied into a freshly charged full buffer (``n_c * b``) when used;
-* ``world_size > 1``: a resident chunk holds its full buffer, ``n_c * b``, its shard a slice of it
-  (``Chunk.shard_in_full``);
-  a device-shard chunk ``s_c * b``; every other chunk is gathered into a charged full buffer when used
-  (plus an ``s_c * b`` onload staging buffer while its host shard is gathered);
+* ``world_size > 1``: a resident chunk holds its full buffer, ``n_c * b``, with its shard a view into it
+  (``Chunk.shard_in_full``: the all-gather runs in place); a device-shard chunk ``s_c * b``; every other
+  chunk is gathered into a charged full buffer when used (plus an ``s_c * b`` onload staging buffer while
+  its host shard is gathered);
 * optimizer state of a trained chunk on the device (``device_optim_chunks``): fp32 gradient shard
   ``4 s_c`` + ``4 k s_c`` states + an fp32 master ``4 s_c`` unless the precision is fp32 and the shard
   is on the device too (then the shard is the master);
@@ -569,8 +569,8 @@ def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, i
     if ws == 1:
         resident = sum(step.full_bytes(c) for c in held)
         shards = 0
-    else:
-        resident = sum(step.full_bytes(c) for c in knobs.resident)  # its shard is a slice of it (shard_in_full)
+    else:  # a resident chunk's shard is a view into its full buffer (Chunk.shard_in_full)
+        resident = sum(step.full_bytes(c) for c in knobs.resident)
         shards = sum(step.shard_numel(c) * b for c in knobs.device_shard - knobs.resident)
     optim = host_optim = 0
     for c in range(step.num_chunks):

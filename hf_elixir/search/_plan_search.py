@@ -392,7 +392,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
            max_alternatives: int = 4, optim_states: int = 2, data_parallel: str = "auto",
            replicated_placements: dict[str, str] | None = None, ranks_per_host: int | None = None,
            overlap_host_optimizer: bool | None = None, snapshot_rollback: bool = False,
-           refine_starts: int = 3, refine_max_priced: int | None = None,
+           refine_starts: int = 6, refine_max_priced: int | None = None,
            reduce_dtype: str | None = "fp32") -> SearchResult:
     """Profile (if given a model) and search; see :func:`search_plan` for the arguments.
 
@@ -572,13 +572,14 @@ def _policy_key(policy: dict[str, str] | None) -> tuple | None:
 
 def _refined(found: list[Candidate], ctx: RefineContext, starts: int, max_priced: int) -> list[Candidate]:
     """[Note: local refinement] in ``_refine.py``: hill-climb from the best ``starts`` distinct candidates of
-    ``found`` (sorted, best first; distinct up to prefetch depth and cache blocks, which the climb moves or
-    derives) and return the faster points it reaches as candidates."""
+    ``found`` (sorted, best first; distinct up to prefetch depth, rank-local host copies and where the refresh
+    casts, which the climb moves, and cache blocks, which it derives) and return the faster points it reaches as
+    candidates."""
     chosen: list[Candidate] = []
     seen: set[tuple] = set()
     for cand in found:
         key = (cand.data_parallel, cand.chunk_size_numel, _policy_key(cand.activation_policy),
-               replace(cand.knobs, prefetch_depth=0, cache_blocks=0))
+               replace(cand.knobs, prefetch_depth=0, cache_blocks=0, host_copies=False, refresh_cast="host"))
         if key not in seen:
             seen.add(key)
             chosen.append(cand)
@@ -730,8 +731,8 @@ def search_plan(model_or_profile: Any, hardware: HardwareProfile, *, world_size:
             ``True`` on the host lane during backward, ``None`` as the runtime resolves it: on for CUDA, off
             on CPU; [Note: overlap] in ``_cost.py``), ``snapshot_rollback`` (default ``False``: Adam/AdamW, whose
             speculative updates the host lane undoes by the inverse update; ``True``: AMSGrad or another optimizer
-            class, whose lane keeps snapshots, priced as copies and host bytes), ``refine_starts`` (default 3:
-            hill-climb from the best 3 distinct candidates; 0: no local refinement) and ``refine_max_priced``
+            class, whose lane keeps snapshots, priced as copies and host bytes), ``refine_starts`` (default 6:
+            hill-climb from the best 6 distinct candidates; 0: no local refinement) and ``refine_max_priced``
             (at most that many configurations priced by the refinement, all climbs together, counted in
             ``SearchResult.evaluated``; default ``None``: as many as the grid before it priced, at least 500
             and at most 1000; 0: no refinement); [Note: local refinement] in ``_refine.py``; ``reduce_dtype``
