@@ -101,6 +101,16 @@ def test_world_size_shards_memory_and_tight_budgets_offload():
         search(profile, _gpu(10 * 2**20, 64 * GIB), precision="bf16")
 
 
+def test_a_sharded_plan_whose_budget_covers_activations_says_its_gathers_wait_in_the_hooks():
+    """At several ranks a pool that charges activations keeps all-gathers in the hooks ([Note: gather prefetch]);
+    the plan says so and how to lift it, not that copies do not overlap compute."""
+    profile = _meta_profile("gpt2", 2, 128)
+    plans = {on: search(profile, _gpu(int(1.2 * GIB), 64 * GIB), precision="bf16", world_size=2,
+                        data_parallel="sharded", activations_on_device=on).plan for on in (True, False)}
+    assert any("all-gathers are not issued ahead: the budget covers activations" in r for r in plans[True].reasons)
+    assert not any("all-gathers are not issued ahead" in r for r in plans[False].reasons)
+
+
 def _tiny_real_profile():
     """Tiny GPT-2 profiled on the CPU, its measured seconds replaced by fixed ones (``fixed_times``)."""
     model, batch = meta_model_and_batch(load_config("tiny-gpt2"), batch_size=2, seq_len=16, device="cpu")

@@ -662,7 +662,12 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
                        "every block's activations does not leave room for a faster plan")
     elif best.activation_checkpointing:
         reasons.append("activation checkpointing on: without it the activations do not leave room for a faster plan")
-    if k.prefetch_depth == 0 and best.data_parallel == "sharded":
+    if world_size > 1 and act_on_device and best.data_parallel == "sharded":
+        reasons.append("all-gathers are not issued ahead: the budget covers activations, whose bytes can differ "
+                       "between ranks, so each gather waits in its hook where the ranks agree ([Note: gather "
+                       "prefetch] in chunk/manager.py); ElixirConfig(budget_covers_activations=False) with a budget "
+                       "for model data lets them run ahead")
+    elif k.prefetch_depth == 0 and best.data_parallel == "sharded":
         reasons.append("prefetch depth 0: copies do not overlap compute here, or blocks are better spent on caching")
     if k.refresh_cast == "device":
         reasons.append(f"refresh cast on the device: uploading the fp32 masters (twice the PCIe bytes, "
