@@ -156,7 +156,7 @@ prepared without an optimizer differs from a training step in two ways the model
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hf_elixir.chunk import pack_chunks
 from hf_elixir.chunk.chunk import refresh_staging_numel
@@ -499,6 +499,16 @@ def _uploaded_chunks(step: ChunkedStep, knobs: Knobs) -> list[int]:
     return [c for c in range(step.num_chunks) if step.trained_numels[c] and c in held and c not in knobs.device_optim]
 
 
+def host_copies_forced(step: ChunkedStep, activations_on_device: bool) -> bool:
+    """Whether the runtime keeps a rank-local host copy of every offloadable chunk whatever the plan says
+    (``hf_elixir.placement.choose_host_copies``): several ranks, sharded, and either a pool that charges
+    activations (``activations_on_device``: each rank's batch decides what its activations evict, so a chunk
+    evicted on one rank only must refill locally) or MoE experts (``ChunkedStep.gather_prefetch`` off). The
+    cost model then prices the copies (their host bytes, the copy at eviction, local refills instead of
+    re-gathers) for every point, as the runtime runs it."""
+    return step.world_size > 1 and not step.replicated and (activations_on_device or not step.gather_prefetch)
+
+
 def casts_on_device(step: ChunkedStep, knobs: Knobs) -> bool:
     """The uploads are cast on the device ([Note: refresh cast] in ``optim/optimizer.py``): ``refresh_cast`` is
     ``"device"`` and the compute dtype is narrower than the fp32 master."""
@@ -659,6 +669,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         overlap_host_optimizer = hardware.device_kind == "cuda"
     held = knobs.resident | knobs.device_shard
     on_device = knobs.resident if ws > 1 else held  # chunks that never need a fill
+    if not knobs.host_copies and host_copies_forced(step, activations_on_device):
+        knobs = replace(knobs, host_copies=True)  # what the runtime keeps whatever the plan says
     fixed, host_bytes, breakdown = fixed_memory(step, knobs)
     # the host lane's rollback snapshots (master + states, + the fp16 gradient) while they fit the host
     # (none for Adam/AdamW: rolled back by the inverse update, [Note: inverse rollback] in optim/_inverse_adam.py)

@@ -52,8 +52,8 @@ from hf_elixir.runtime.activations import resolve_activation_policy
 from hf_elixir.search._chunk_size import search_chunk_size
 from hf_elixir.search._activation_cost import activation_bytes, moved_kind, policy_grid
 from hf_elixir.search._cost import (DTYPE_BYTES, ChunkedStep, Knobs, Prediction, _uploaded_chunks,
-                                    build_chunked_step, fixed_memory, optim_bytes_per_numel, predict, profile_blocks,
-                                    refresh_staging_bytes)
+                                    build_chunked_step, fixed_memory, host_copies_forced, optim_bytes_per_numel,
+                                    predict, profile_blocks, refresh_staging_bytes)
 from hf_elixir.search._refine import RefineContext, StepBudget, floor_bytes, refine
 from hf_elixir.search._refine import _refill as _refill_knobs
 from hf_elixir.search._refine import fits as _fits
@@ -240,7 +240,11 @@ def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, l
                     seen.add(point)
                     # with several ranks, each point with and without rank-local host copies (host RAM for
                     # all-gather traffic; the host limit filters the copies out where they do not fit)
-                    for variant in (point, replace(point, host_copies=True)) if step.world_size > 1 else (point,):
+                    # (with a pool that charges activations the runtime keeps them anyway: host_copies_forced)
+                    priced = (point, replace(point, host_copies=True)) if step.world_size > 1 else (point,)
+                    if host_copies_forced(step, activations_on_device):
+                        priced = (replace(point, host_copies=True),)
+                    for variant in priced:
                         pred = predict(step, variant, hardware, pool_bytes=pool_bytes,
                                        activations_on_device=activations_on_device,
                                        host_budget_bytes=host_budget_bytes,
@@ -877,7 +881,7 @@ def brute_force_grid(profile: StepProfile, hardware: HardwareProfile, *, world_s
             for no in range(len(held) + 1):
                 for depth in prefetch_depths:
                     point = Knobs(resident=resident, device_shard=shard, device_optim=frozenset(held[:no]),
-                                  prefetch_depth=depth)
+                                  prefetch_depth=depth, host_copies=host_copies_forced(step, activations_on_device))
                     for knobs in _cast_variants(step, point):  # the refresh cast on the host, and on the device
                         pred = predict(step, knobs, hardware, pool_bytes=pool,
                                        activations_on_device=activations_on_device)
