@@ -220,9 +220,7 @@ class ElixirCallback(TrainerCallback):
 
 
 def _config_from_env() -> ElixirConfig:
-    from hf_elixir.integrations.accelerate_plugin import _env_overrides
-
-    return ElixirConfig.from_dict(_env_overrides())
+    return ElixirConfig.from_env()  # a typo'd variable warns, a bad value names its variable
 
 
 def _loss_scale(optimizer) -> float | None:
