@@ -236,11 +236,24 @@ def _loss_scale(optimizer) -> float | None:
 
 
 def _save_gathered(original_save):
-    """Trainer._save that consolidates the state dict on every rank (a collective under Elixir)."""
+    """Trainer._save that consolidates the state dict on every rank (a collective under Elixir).
+
+    A model rewritten by ``hf_elixir.parallel.parallelize`` (tensor/expert parallel) holds only this rank's
+    shards and experts in ``state_dict()``; its save guard refuses such a ``state_dict=`` (the folder would not
+    load), which made every Trainer checkpoint and ``save_model`` of an expert-parallel model raise on the
+    writing rank while the others waited in the next collective. For it the unmodified model's full state dict
+    is gathered instead (``gather_full_state_dict``, collective over every rank; kept on every rank when
+    ``save_on_each_node`` makes more than one rank write)."""
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if state_dict is None:
-            state_dict = self.accelerator.get_state_dict(self.model)
+            from hf_elixir.parallel._apply import get_parallel_state  # noqa: PLC0415
+            from hf_elixir.parallel._gather import gather_full_state_dict  # noqa: PLC0415
+
+            if get_parallel_state(self.model) is not None:
+                state_dict = gather_full_state_dict(self.model, rank0_only=not self.args.save_on_each_node)
+            else:
+                state_dict = self.accelerator.get_state_dict(self.model)
         return original_save(self, output_dir, state_dict=state_dict)
 
     return _save

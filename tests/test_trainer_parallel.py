@@ -1,0 +1,91 @@
+"""ElixirCallback with an expert-parallel model (``parallelize`` before the Trainer) at 2 processes (torchrun, gloo).
+
+Before the fix the Trainer's first checkpoint raised on the writing rank: the callback's ``_save`` passed
+``accelerator.get_state_dict(model)`` (this rank's experts only) to ``save_pretrained``, whose parallel save guard
+refuses a partial dict, and the other rank then waited in the next collective until the job was killed. Now the
+unmodified model's state dict is gathered for a parallelized model: training matches the stock Trainer (DDP on
+the unmodified model) step by step, and the checkpoint and ``save_model`` folders load with plain
+``from_pretrained`` and hold the gathered weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests._dist import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent(
+    r'''
+    import json, os, sys
+    import torch
+    from transformers import SwitchTransformersForConditionalGeneration, Trainer, TrainingArguments
+    from hf_elixir import ElixirConfig
+    from hf_elixir.integrations import ElixirCallback
+    from hf_elixir.parallel import gather_full_state_dict, parallelize
+    from tests._models import tiny_model
+
+    out = sys.argv[1]
+    rank = int(os.environ["RANK"])
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": a, "labels": b} for a, b in zip(torch.randint(3, 128, (32, 12), generator=g),
+                                                          torch.randint(3, 128, (32, 6), generator=g))]
+
+    def args(name):
+        return TrainingArguments(os.path.join(out, name), max_steps=3, per_device_train_batch_size=4,
+                                 learning_rate=1e-3, max_grad_norm=1.0, logging_steps=1, save_strategy="steps",
+                                 save_steps=2, report_to=[], use_cpu=True, seed=0, data_seed=0, disable_tqdm=True)
+
+    def losses(trainer):
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    ref = Trainer(tiny_model("switch"), args("ref"), train_dataset=data)
+    ref.train()
+    config = ElixirConfig(expert_parallel_size=2, placements={"*.mlp.experts": "expert"})
+    model = tiny_model("switch")
+    parallelize(model, config)
+    el = Trainer(model, args("el"), train_dataset=data, callbacks=[ElixirCallback(config)])
+    el.train()
+    el.save_model(os.path.join(out, "final"))
+    full = gather_full_state_dict(el.model, rank0_only=False)
+    ref_sd = ref.accelerator.get_state_dict(ref.model)
+    if rank == 0:
+        diffs = {}
+        for folder in ("final", os.path.join("el", "checkpoint-2")):
+            sd = SwitchTransformersForConditionalGeneration.from_pretrained(os.path.join(out, folder)).state_dict()
+            diffs[folder] = max(float((sd[k] - full[k]).abs().max()) for k in full) if folder == "final" else \
+                sorted(set(full) - set(sd))
+        json.dump(dict(ref=losses(ref), el=losses(el), diffs=diffs,
+                       param_diff=max(float((full[k] - ref_sd[k]).abs().max()) for k in ref_sd),
+                       ckpt=sorted(os.listdir(os.path.join(out, "el", "checkpoint-2")))),
+                  open(os.path.join(out, "result.json"), "w"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    '''
+)
+
+
+def test_trainer_checkpoints_and_saves_an_expert_parallel_model(tmp_path):
+    script = tmp_path / "train_ep.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ)
+    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", HF_ELIXIR_STRICT_DEVICE="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(script), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    r = json.loads((tmp_path / "result.json").read_text())
+    assert len(r["el"]) == 3 and r["el"] == pytest.approx(r["ref"], rel=1e-6)
+    assert r["param_diff"] < 1e-5
+    assert r["diffs"]["final"] == 0.0  # save_model wrote the gathered (unmodified-class) weights
+    assert r["diffs"][os.path.join("el", "checkpoint-2")] == []  # the checkpoint holds every expert
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"} <= set(r["ckpt"])
