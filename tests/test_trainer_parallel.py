@@ -4,8 +4,9 @@ Before the fix the Trainer's first checkpoint raised on the writing rank: the ca
 ``accelerator.get_state_dict(model)`` (this rank's experts only) to ``save_pretrained``, whose parallel save guard
 refuses a partial dict, and the other rank then waited in the next collective until the job was killed. Now the
 unmodified model's state dict is gathered for a parallelized model: training matches the stock Trainer (DDP on
-the unmodified model) step by step, and the checkpoint and ``save_model`` folders load with plain
-``from_pretrained`` and hold the gathered weights.
+the unmodified model) step by step, the checkpoint and ``save_model`` folders load with plain
+``from_pretrained`` and hold the gathered weights, and a run resumed from the checkpoint (each rank's optimizer
+state from its own file) ends on the uninterrupted run's weights.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ SCRIPT = textwrap.dedent(
     el.train()
     el.save_model(os.path.join(out, "final"))
     full = gather_full_state_dict(el.model, rank0_only=False)
+    resumed_model = tiny_model("switch")
+    parallelize(resumed_model, config)
+    resumed = Trainer(resumed_model, args("el"), train_dataset=data, callbacks=[ElixirCallback(config)])
+    resumed.train(resume_from_checkpoint=os.path.join(out, "el", "checkpoint-2"))
+    resumed_full = gather_full_state_dict(resumed.model, rank0_only=False)
     ref_sd = ref.accelerator.get_state_dict(ref.model)
     if rank == 0:
         diffs = {}
@@ -65,6 +71,8 @@ SCRIPT = textwrap.dedent(
                 sorted(set(full) - set(sd))
         json.dump(dict(ref=losses(ref), el=losses(el), diffs=diffs,
                        param_diff=max(float((full[k] - ref_sd[k]).abs().max()) for k in ref_sd),
+                       resumed=losses(resumed), resumed_diff=max(float((resumed_full[k] - full[k]).abs().max())
+                                                                 for k in full),
                        ckpt=sorted(os.listdir(os.path.join(out, "el", "checkpoint-2")))),
                   open(os.path.join(out, "result.json"), "w"))
     torch.distributed.barrier()
@@ -88,4 +96,8 @@ def test_trainer_checkpoints_and_saves_an_expert_parallel_model(tmp_path):
     assert r["param_diff"] < 1e-5
     assert r["diffs"]["final"] == 0.0  # save_model wrote the gathered (unmodified-class) weights
     assert r["diffs"][os.path.join("el", "checkpoint-2")] == []  # the checkpoint holds every expert
-    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"} <= set(r["ckpt"])
+    assert {"model.safetensors", "optimizer.pt", "optimizer_rank1.pt", "scheduler.pt", "trainer_state.json"} <= \
+        set(r["ckpt"])
+    # resume from step 2: each rank reads its own experts' optimizer state; step 3 and the weights are the
+    # uninterrupted run's (before: rank 1's load raised on rank 0's expert names and the job hung)
+    assert r["resumed"][-1] == r["el"][-1] and r["resumed_diff"] == 0.0

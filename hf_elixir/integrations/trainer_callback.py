@@ -150,6 +150,8 @@ class ElixirCallback(TrainerCallback):
         accelerator.prepare = prepare
         trainer._save = types.MethodType(_save_gathered(type(trainer)._save), trainer)
         trainer._save_optimizer_and_scheduler = types.MethodType(_save_optimizer_and_scheduler, trainer)
+        trainer._load_optimizer_and_scheduler = types.MethodType(
+            _load_optimizer_and_scheduler_per_rank(type(trainer)._load_optimizer_and_scheduler), trainer)
         # Run first so Elixir's counters are in `logs` before the printer/reporters see them.
         handler = trainer.callback_handler
         if self in handler.callbacks:
@@ -247,10 +249,9 @@ def _save_gathered(original_save):
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if state_dict is None:
-            from hf_elixir.parallel._apply import get_parallel_state  # noqa: PLC0415
             from hf_elixir.parallel._gather import gather_full_state_dict  # noqa: PLC0415
 
-            if get_parallel_state(self.model) is not None:
+            if _parallelized(self.model):
                 state_dict = gather_full_state_dict(self.model, rank0_only=not self.args.save_on_each_node)
             else:
                 state_dict = self.accelerator.get_state_dict(self.model)
@@ -259,12 +260,61 @@ def _save_gathered(original_save):
     return _save
 
 
+def _parallelized(model) -> bool:
+    from hf_elixir.parallel._apply import get_parallel_state  # noqa: PLC0415
+
+    return get_parallel_state(model) is not None
+
+
+def _rank_optimizer_name(rank: int) -> str:
+    """Optimizer file of rank ``rank`` of a tensor/expert-parallel model: ``optimizer.pt`` on rank 0 (where the
+    Trainer looks), ``optimizer_rank<r>.pt`` on the others."""
+    return _OPTIMIZER_NAME if rank == 0 else f"optimizer_rank{rank}.pt"
+
+
 def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-    """Trainer._save_optimizer_and_scheduler for Elixir: every rank gathers, the main one writes."""
+    """Trainer._save_optimizer_and_scheduler for Elixir: every rank gathers, the main one writes.
+
+    [Note: parallel optimizer files] After ``hf_elixir.parallel.parallelize`` the consolidated optimizer state
+    holds the parameters this rank computes with (its experts, its tensor-parallel shards), so one file from the
+    main rank cannot resume the others (their load failed naming param groups that differ past the shared
+    parameters). Each rank writes its own (:func:`_rank_optimizer_name`) and
+    :func:`_load_optimizer_and_scheduler_per_rank` reads it back."""
     import warnings
 
     optimizer_state = self.optimizer.state_dict()
-    if self.args.should_save:
+    if _parallelized(self.model):
+        torch.save(optimizer_state, os.path.join(output_dir, _rank_optimizer_name(self.args.process_index)))
+    elif self.args.should_save:
         torch.save(optimizer_state, os.path.join(output_dir, _OPTIMIZER_NAME))
+    if self.args.should_save:
         with warnings.catch_warnings(record=True):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
+
+
+def _load_optimizer_and_scheduler_per_rank(original_load):
+    """Trainer._load_optimizer_and_scheduler that reads each rank's own optimizer file for a tensor/expert-parallel
+    model ([Note: parallel optimizer files]); any other model loads as the Trainer does.
+
+    Raises:
+        FileNotFoundError: a parallel model's checkpoint lacks this rank's optimizer file (saved by another
+            number of ranks, or before per-rank files), naming the file.
+    """
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not _parallelized(self.model):
+            return original_load(self, checkpoint)
+        if not os.path.isfile(os.path.join(checkpoint, _SCHEDULER_NAME)):
+            return None  # as the Trainer: no optimizer/scheduler state saved, nothing to restore
+        path = os.path.join(checkpoint, _rank_optimizer_name(self.args.process_index))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{path} not found: a tensor/expert-parallel model resumes each rank's optimizer state from its own "
+                f"file; resume from a checkpoint saved by this ElixirCallback with the same {self.args.world_size} "
+                "processes")
+        self.optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, _SCHEDULER_NAME), map_location="cpu",
+                                                     weights_only=True))
+        return None
+
+    return _load_optimizer_and_scheduler
