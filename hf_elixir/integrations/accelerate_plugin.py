@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from hf_elixir.config import ElixirConfig, env_values
-from hf_elixir.integrations._binding import elixir_prepare, merge_precision
+from hf_elixir.integrations._binding import elixir_prepare, feed_tensor_parallel_rows, merge_precision
 from hf_elixir.integrations._launch_config import find_launch_config_file, read_elixir_section
 
 __all__ = ["ElixirPlugin", "resolve_elixir_config"]
@@ -139,6 +139,7 @@ class ElixirPlugin:
                                           source=self._source())
         if not others:
             return model, optimizer
+        feed_tensor_parallel_rows(accelerator, model)  # [Note: tensor-parallel batches] in _binding.py
         prepared = accelerator.prepare(*others)
         prepared = prepared if isinstance(prepared, tuple) else (prepared,)
         return (model, optimizer, *prepared)

@@ -44,7 +44,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from transformers import TrainerCallback
 
 from hf_elixir.config import ElixirConfig
-from hf_elixir.integrations._binding import binding_of, elixir_prepare, merge_precision
+from hf_elixir.integrations._binding import binding_of, elixir_prepare, feed_tensor_parallel_rows, merge_precision
 
 __all__ = ["ElixirCallback"]
 
@@ -141,6 +141,8 @@ class ElixirCallback(TrainerCallback):
         self.trainer = trainer
         accelerator = trainer.accelerator
         binding_of(accelerator)
+        if trainer.model is not None:  # tp ranks of a row read the same batches ([Note: tensor-parallel batches])
+            feed_tensor_parallel_rows(accelerator, trainer.model)
         original_prepare = accelerator.prepare
         callback = self
 
