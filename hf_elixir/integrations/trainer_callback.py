@@ -154,6 +154,8 @@ class ElixirCallback(TrainerCallback):
         trainer._save_optimizer_and_scheduler = types.MethodType(_save_optimizer_and_scheduler, trainer)
         trainer._load_optimizer_and_scheduler = types.MethodType(
             _load_optimizer_and_scheduler_per_rank(type(trainer)._load_optimizer_and_scheduler), trainer)
+        trainer._load_from_checkpoint = types.MethodType(
+            _refuse_tensor_parallel_resume(type(trainer)._load_from_checkpoint), trainer)
         # Run first so Elixir's counters are in `logs` before the printer/reporters see them.
         handler = trainer.callback_handler
         if self in handler.callbacks:
@@ -292,6 +294,31 @@ def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
     if self.args.should_save:
         with warnings.catch_warnings(record=True):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
+
+
+def _refuse_tensor_parallel_resume(original_load):
+    """Trainer._load_from_checkpoint that refuses a tensor-parallel model by name: the checkpoint holds the
+    unmodified model's full tensors (:func:`_save_gathered`), which do not load into this rank's column/row shards
+    (before: ``load_state_dict``'s size mismatches). Expert-parallel models load: their experts keep full shapes.
+
+    Raises:
+        NotImplementedError: ``model`` was parallelized with ``tensor_parallel_size > 1``.
+    """
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        from hf_elixir.parallel._apply import get_parallel_state  # noqa: PLC0415
+
+        state = get_parallel_state(model if model is not None else self.model)
+        if state is not None and state.mesh.mp_axis == "tp" and state.mesh.tp_size > 1:
+            raise NotImplementedError(
+                f"resume_from_checkpoint={resume_from_checkpoint!r} with a tensor-parallel model "
+                f"(tensor_parallel_size={state.mesh.tp_size}) is not supported yet: the checkpoint holds the full "
+                "model's tensors and this rank's shards cannot take them; resume expert-parallel or data-parallel "
+                "runs, or load the folder with from_pretrained and parallelize afterwards (optimizer state restarts)")
+        return original_load(self, resume_from_checkpoint, model) if model is not None else \
+            original_load(self, resume_from_checkpoint)
+
+    return _load_from_checkpoint
 
 
 def _load_optimizer_and_scheduler_per_rank(original_load):
