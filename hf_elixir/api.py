@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -190,11 +191,32 @@ def _resolve_plan(model, config: ElixirConfig, sample_batch, optimizer=None) -> 
                 "ElixirConfig.search='auto' without an optimizer (inference) profiles one forward under "
                 "torch.no_grad(): pass hf_elixir.prepare(model, None, config, sample_batch=batch), a batch "
                 "model(**batch) accepts (labels not needed)")
+        _check_decoder_inputs(model, sample_batch, optimizer)
         from hf_elixir.search import auto_plan  # noqa: PLC0415 (optional heavy import)
 
         # priced with the optimizer's state bytes; without one, a forward-only (inference) step
         plan = auto_plan(model, sample_batch, config, optimizer=optimizer, inference=optimizer is None)
     return plan
+
+
+def _check_decoder_inputs(model, sample_batch, optimizer) -> None:
+    """An encoder-decoder model (Switch-Transformers, T5, BART) cannot run ``model(**sample_batch)`` without
+    decoder inputs: ``generate`` makes them itself, the profiled forward does not. Raise before profiling, naming the
+    keys to add, instead of the model's own error from deep inside the profiler ("You must specify exactly one of
+    input_ids or inputs_embeds")."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "is_encoder_decoder", False) or not isinstance(sample_batch, Mapping):
+        return
+    if any(sample_batch.get(k) is not None for k in ("decoder_input_ids", "decoder_inputs_embeds", "labels")):
+        return
+    start = getattr(config, "decoder_start_token_id", None)
+    fix = ("labels (the training step computes the loss from them)" if optimizer is not None else
+           f"decoder_input_ids, e.g. torch.full((batch_size, 1), {start}) (model.config.decoder_start_token_id: "
+           "the first decoder step of generate), or labels")
+    raise ValueError(
+        f"sample_batch={sorted(sample_batch)} for {type(model).__name__}, an encoder-decoder model, has no "
+        "decoder_input_ids, decoder_inputs_embeds or labels, so model(**sample_batch) cannot run its decoder; "
+        f"add {fix}")
 
 
 def _ordered_params(plan: ElixirPlan | None, params: list, names: dict) -> list:
@@ -269,7 +291,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             parameters on the meta device without ``checkpoint=`` (names them); a checkpoint missing
             parameters or with other shapes; the budget is below :func:`min_device_budget_bytes` (with
             the plan's ``activation_peak_bytes`` as ``activation_bytes``; names the bytes needed); the plan was made for another model/world size/precision; the optimizer
-            holds parameters outside the model.
+            holds parameters outside the model; ``search="auto"`` with an encoder-decoder model's ``sample_batch``
+            that has no ``decoder_input_ids``/``labels`` (names the keys to add).
         FileNotFoundError: ``checkpoint`` is not a folder with safetensors weights.
         TypeError: an unsupported optimizer.
     """

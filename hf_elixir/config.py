@@ -382,21 +382,50 @@ class ElixirConfig:
 
     @classmethod
     def from_env(cls, prefix: str = "ELIXIR_") -> "ElixirConfig":
-        """Read ``ELIXIR_<FIELD>`` environment variables (how settings reach launched processes)."""
-        import yaml  # parse "1024", "true", "{a: b}" the way YAML does
+        """Read ``ELIXIR_<FIELD>`` environment variables (how settings reach launched processes).
 
-        names = [prefix + f.name.upper() for f in dataclasses.fields(cls)]
-        for key in os.environ:
-            if key.startswith(prefix) and key not in names and key != prefix + "CONFIG_FILE":
-                warnings.warn(f"environment variable {key} is not an ElixirConfig field and is ignored."
-                              f"{_closest(key, names)}", stacklevel=2)
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            raw = os.environ.get(prefix + f.name.upper())
-            if raw is not None:
-                values[f.name] = yaml.safe_load(raw)
+        Raises:
+            ValueError / TypeError: a value that does not parse or is not valid for its field, naming the
+                variables read from the environment.
+        """
+        values = env_values(prefix)
         try:
             return cls.from_dict(values)
         except (TypeError, ValueError) as err:
             used = [prefix + k.upper() for k in values]
             raise type(err)(f"{err} (read from the environment: {', '.join(used)})") from None
+
+
+def env_values(prefix: str = "ELIXIR_") -> dict[str, Any]:
+    """The ``ELIXIR_<FIELD>`` environment variables as ``{field: value}``, each value parsed as YAML ("1024",
+    "true", "{'*.mlp': sharded}"); not yet validated. The one reader for :meth:`ElixirConfig.from_env`, the
+    Accelerate plugin and the Trainer callback, so a typo warns and a bad value names its variable everywhere.
+
+    Warns:
+        UserWarning: a variable with the prefix that is no field (a typo such as ``ELIXIR_CHUNK_SIZE``), naming
+            the closest field's variable; it is ignored (``ELIXIR_CONFIG_FILE`` is the launch file, not a field).
+
+    Raises:
+        ValueError: a value that is not valid YAML, naming the variable, its value and the YAML form to use.
+    """
+    import yaml  # parse "1024", "true", "{a: b}" the way YAML does
+
+    fields = [f.name for f in dataclasses.fields(ElixirConfig)]
+    names = [prefix + name.upper() for name in fields]
+    for key in os.environ:
+        if key.startswith(prefix) and key not in names and key != prefix + "CONFIG_FILE":
+            warnings.warn(f"environment variable {key} is not an ElixirConfig field and is ignored."
+                          f"{_closest(key, names)}", stacklevel=3)
+    values: dict[str, Any] = {}
+    for name, key in zip(fields, names):
+        raw = os.environ.get(key)
+        if raw is None:
+            continue
+        try:
+            values[name] = yaml.safe_load(raw)
+        except yaml.YAMLError as err:
+            problem = str(getattr(err, "problem", None) or type(err).__name__)
+            raise ValueError(f"environment variable {key}={raw!r} is not a valid YAML value ({problem}); give "
+                             f"the value as YAML, e.g. {key}=\"{{'*.mlp': sharded}}\" for a mapping, "
+                             f"{key}=true for a flag") from None
+    return values

@@ -409,6 +409,16 @@ def logging_interval(train_args) -> int:
     return max(1, math.ceil(train_args.max_steps * steps) if steps < 1 else int(steps))
 
 
+def parallelize_for(model, config) -> None:
+    """Rewrite ``model`` for ``config``'s ``tensor_parallel_size`` / ``expert_parallel_size`` (``elixir.yaml`` or
+    ``ELIXIR_*``) with :func:`hf_elixir.parallel.parallelize`, before its optimizer is built; nothing for 1 / 1.
+    Without it a config asking for expert parallelism stopped at ``prepare`` ("needs a model rewritten for it")."""
+    if config.tensor_parallel_size > 1 or config.expert_parallel_size > 1:
+        from hf_elixir.parallel import parallelize
+
+        parallelize(model, config)
+
+
 def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixir_args, train_args,
                           checkpoint: str | None = None, on_prepared=None) -> list[float]:
     """Plain Accelerate loop (+ ElixirPlugin; ``checkpoint``: stream the weights of a meta model from that
@@ -426,7 +436,7 @@ def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixi
     # accelerate's AcceleratedScheduler.step() advances the schedule num_processes times per optimizer
     # step (unless split_batches): sized for max_steps alone, 2 processes reached lr 0 at half the run
     calls = accelerator.num_processes if accelerator.step_scheduler_with_optimizer and not accelerator.split_batches else 1
-    optimizer, scheduler = build_optimizer_and_scheduler(model, train_args, train_args.max_steps, calls)
+    plugin = None
     if elixir_args.use_elixir:
         import dataclasses
 
@@ -436,6 +446,9 @@ def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixi
         overrides = elixir_config_overrides(elixir_args)
         if overrides:
             plugin.config = dataclasses.replace(plugin.config, **overrides)
+        parallelize_for(model, plugin.config)  # before the optimizer is built on the parameters
+    optimizer, scheduler = build_optimizer_and_scheduler(model, train_args, train_args.max_steps, calls)
+    if plugin is not None:
         model, optimizer, loader, scheduler = plugin.prepare(accelerator, model, optimizer, loader, scheduler)
         if accelerator.is_main_process:
             logger.info("hf_elixir: %s (settings from %s)", plugin.config, plugin.source_file or "defaults/env")
@@ -478,9 +491,16 @@ def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixi
             if step >= train_args.max_steps:
                 break
     bar.close()
-    state_dict = accelerator.get_state_dict(model)  # consolidated on every rank (a collective under Elixir)
-    accelerator.unwrap_model(model).save_pretrained(train_args.output_dir, state_dict=state_dict,
-                                                    is_main_process=accelerator.is_main_process)
+    from hf_elixir.parallel import get_parallel_state
+
+    if get_parallel_state(model) is not None:
+        # tensor/expert parallel: every rank calls save_pretrained, which gathers the unmodified model's
+        # weights (this rank's state dict holds only its shards/experts) and writes them on rank 0
+        model.save_pretrained(train_args.output_dir)
+    else:
+        state_dict = accelerator.get_state_dict(model)  # consolidated on every rank (a collective under Elixir)
+        accelerator.unwrap_model(model).save_pretrained(train_args.output_dir, state_dict=state_dict,
+                                                        is_main_process=accelerator.is_main_process)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(train_args.output_dir)
     accelerator.wait_for_everyone()
@@ -501,6 +521,7 @@ def train_with_trainer(model, tokenizer, train_ds, collate, model_args, elixir_a
         overrides = elixir_config_overrides(elixir_args)
         if overrides:
             config = ElixirConfig.from_dict({**{f: getattr(config, f) for f in config.__dataclass_fields__}, **overrides})
+        parallelize_for(model, config)
         callbacks.append(ElixirCallback(config))
     trainer = Trainer(model=model, args=train_args, train_dataset=train_ds, data_collator=collate,
                       processing_class=tokenizer, callbacks=callbacks)

@@ -213,6 +213,33 @@ def test_yaml_and_env_forms_sizes_loss_scale_mapping_and_env_typos(monkeypatch):
         ElixirConfig.from_env()
 
 
+def test_plugin_and_callback_read_the_environment_as_from_env_does(monkeypatch):
+    """ElixirPlugin() and ElixirCallback() without a config read ELIXIR_* like ElixirConfig.from_env: a typo'd
+    variable warns (it was silently ignored), a value that is not YAML and an invalid value name the variable (a
+    bare yaml ScannerError / a message without the variable before)."""
+    from hf_elixir.integrations.trainer_callback import _config_from_env
+
+    monkeypatch.delenv("ELIXIR_CONFIG_FILE", raising=False)
+    monkeypatch.setattr("sys.argv", ["train.py"])
+    monkeypatch.setenv("ELIXIR_CHUNK_SIZE", "4096")
+    for read in (lambda: ElixirPlugin().config, _config_from_env):
+        with pytest.warns(UserWarning, match="ELIXIR_CHUNK_SIZE is not an ElixirConfig field.*ELIXIR_CHUNK_SIZE_NUMEL"):
+            assert read().chunk_size_numel is None
+    monkeypatch.delenv("ELIXIR_CHUNK_SIZE")
+    monkeypatch.setenv("ELIXIR_PLACEMENTS", "*.mlp=sharded")
+    for read in (lambda: ElixirPlugin().config, _config_from_env, ElixirConfig.from_env):
+        with pytest.raises(ValueError, match="ELIXIR_PLACEMENTS='\\*.mlp=sharded' is not a valid YAML value.*"
+                                             "ELIXIR_PLACEMENTS=\"{'\\*.mlp': sharded}\""):
+            read()
+    monkeypatch.setenv("ELIXIR_PLACEMENTS", "{'*.mlp': sharded}")
+    assert ElixirPlugin().config.placements == {"*.mlp": "sharded"}
+    monkeypatch.delenv("ELIXIR_PLACEMENTS")
+    monkeypatch.setenv("ELIXIR_PREFETCH_DEPTH", "-1")
+    for read in (lambda: ElixirPlugin().config, _config_from_env):
+        with pytest.raises(ValueError, match="prefetch_depth=-1 must be >= 0.*ELIXIR_PREFETCH_DEPTH"):
+            read()
+
+
 def test_prepare_arguments_and_process_group_of_the_wrong_kind_say_what_is_expected():
     model = tiny_model("gpt2")
     with pytest.raises(TypeError, match="prepare\\(model=...\\) got NoneType; pass a torch.nn.Module"):

@@ -197,6 +197,31 @@ def test_search_auto_inference_errors_name_the_batch(monkeypatch):
     hf_elixir.prepare(model, None, config, sample_batch=_inputs("gpt2"))
 
 
+def test_search_auto_encoder_decoder_batch_without_decoder_inputs_names_the_keys_to_add(monkeypatch):
+    """Switch-Transformers with sample_batch={"input_ids": ...} (the README's inference form) raised the model's
+    own "You must specify exactly one of input_ids or inputs_embeds" from inside the profiler; now a ValueError
+    names the missing decoder inputs and the fix, nothing is prepared, and the fixed batch searches and
+    generates as the plain model does."""
+    _fixed_auto_plan_inputs(monkeypatch.setattr)
+    config = ElixirConfig(search="auto", device_memory_budget_bytes=2**22)
+    model = tiny_model("switch")
+    ids = _inputs("switch")["input_ids"]
+    with pytest.raises(ValueError, match=r"SwitchTransformersForConditionalGeneration, an encoder-decoder model, has "
+                                         r"no decoder_input_ids.*torch.full\(\(batch_size, 1\), 0\)"):
+        hf_elixir.prepare(model, None, config, sample_batch={"input_ids": ids})
+    with pytest.raises(ValueError, match="encoder-decoder model.*add labels"):
+        hf_elixir.prepare(model, torch.optim.AdamW(model.parameters()), config, sample_batch={"input_ids": ids})
+    assert not is_prepared(model) and model.training
+    start = torch.full((ids.shape[0], 1), model.config.decoder_start_token_id)
+    model, _ = hf_elixir.prepare(model, None, config, sample_batch={"input_ids": ids, "decoder_input_ids": start})
+    reference = tiny_model("switch").eval()
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(ids[:2], max_new_tokens=5, do_sample=False, output_router_logits=False)
+        expected = reference.generate(ids[:2], max_new_tokens=5, do_sample=False, output_router_logits=False)
+    assert torch.equal(out, expected)
+
+
 def test_forward_only_search_ignores_training_knobs_and_says_so(hardware, caplog):
     profile = _forward_profile("gpt2")
     with caplog.at_level(logging.WARNING, logger="hf_elixir.search._plan_search"):

@@ -153,6 +153,20 @@ def test_switch_trainer_logs_the_true_mean_loss_at_2_processes(tmp_path):
     assert abs(r["first_loss"] - true_loss) < 0.5, (r["first_loss"], true_loss)
 
 
+@pytest.mark.parametrize("path", [["--trainer"], []], ids=["trainer", "accelerate"])
+def test_switch_recipe_trains_expert_parallel_from_the_config(tmp_path, monkeypatch, path):
+    """recipes/switch/elixir.yaml offers expert_parallel_size; set (here through ELIXIR_EXPERT_PARALLEL_SIZE=2) it
+    stopped both recipe paths at prepare ("needs a model rewritten for it"): the recipe never called parallelize.
+    Now the model is parallelized before its optimizer is built, trains, and the saved folder (gathered from both
+    ranks' experts) reloads with plain from_pretrained and evaluates lower than before training."""
+    monkeypatch.setenv("ELIXIR_EXPERT_PARALLEL_SIZE", "2")
+    launcher = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()))
+    r = _run_recipe(tmp_path, "finetune_switch.py", *path, "--max_steps", "4", "--per_device_train_batch_size", "8",
+                    launcher=launcher)
+    assert r["num_processes"] == 2 and "expert_parallel_size=2" in r["stderr"] + r["stdout"]
+    assert r["eval_ppl_after"] < r["eval_ppl_before"]
+
+
 def test_recipe_refuses_to_overwrite_another_runs_output_dir(tmp_path):
     out = tmp_path / "model"
     out.mkdir()

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from hf_elixir.config import ElixirConfig
-from hf_elixir.integrations._binding import elixir_prepare, merge_precision
+from hf_elixir.config import ElixirConfig, env_values
+from hf_elixir.integrations._binding import elixir_prepare, feed_tensor_parallel_rows, merge_precision
 from hf_elixir.integrations._launch_config import find_launch_config_file, read_elixir_section
 
 __all__ = ["ElixirPlugin", "resolve_elixir_config"]
@@ -21,14 +21,9 @@ logger = logging.getLogger(__name__)
 
 
 def _env_overrides(prefix: str = "ELIXIR_") -> dict[str, Any]:
-    import yaml
-
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(ElixirConfig):
-        raw = os.environ.get(prefix + f.name.upper())
-        if raw is not None:
-            values[f.name] = yaml.safe_load(raw)
-    return values
+    """``ELIXIR_<FIELD>`` overrides as ``{field: value}`` (:func:`hf_elixir.config.env_values`: a variable that is
+    no field warns, a value that is not YAML raises naming it)."""
+    return env_values(prefix)
 
 
 def resolve_elixir_config(config_file: str | os.PathLike | None = None) -> tuple[ElixirConfig, Path | None]:
@@ -46,8 +41,13 @@ def resolve_elixir_config(config_file: str | os.PathLike | None = None) -> tuple
     """
     path = find_launch_config_file(config_file)
     values = read_elixir_section(path) if path is not None else {}
-    values.update(_env_overrides())
-    return ElixirConfig.from_dict(values), path
+    env = _env_overrides()
+    values.update(env)
+    try:
+        return ElixirConfig.from_dict(values), path
+    except (TypeError, ValueError) as err:
+        where = [f"ELIXIR_{k.upper()} (environment)" for k in env] + ([str(path)] if path is not None else [])
+        raise type(err)(f"{err} (settings read from: {', '.join(where)})") from None
 
 
 @dataclass
@@ -139,6 +139,7 @@ class ElixirPlugin:
                                           source=self._source())
         if not others:
             return model, optimizer
+        feed_tensor_parallel_rows(accelerator, model)  # [Note: tensor-parallel batches] in _binding.py
         prepared = accelerator.prepare(*others)
         prepared = prepared if isinstance(prepared, tuple) else (prepared,)
         return (model, optimizer, *prepared)

@@ -44,7 +44,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from transformers import TrainerCallback
 
 from hf_elixir.config import ElixirConfig
-from hf_elixir.integrations._binding import binding_of, elixir_prepare, merge_precision
+from hf_elixir.integrations._binding import binding_of, elixir_prepare, feed_tensor_parallel_rows, merge_precision
 
 __all__ = ["ElixirCallback"]
 
@@ -141,6 +141,8 @@ class ElixirCallback(TrainerCallback):
         self.trainer = trainer
         accelerator = trainer.accelerator
         binding_of(accelerator)
+        if trainer.model is not None:  # tp ranks of a row read the same batches ([Note: tensor-parallel batches])
+            feed_tensor_parallel_rows(accelerator, trainer.model)
         original_prepare = accelerator.prepare
         callback = self
 
@@ -150,6 +152,10 @@ class ElixirCallback(TrainerCallback):
         accelerator.prepare = prepare
         trainer._save = types.MethodType(_save_gathered(type(trainer)._save), trainer)
         trainer._save_optimizer_and_scheduler = types.MethodType(_save_optimizer_and_scheduler, trainer)
+        trainer._load_optimizer_and_scheduler = types.MethodType(
+            _load_optimizer_and_scheduler_per_rank(type(trainer)._load_optimizer_and_scheduler), trainer)
+        trainer._load_from_checkpoint = types.MethodType(
+            _refuse_tensor_parallel_resume(type(trainer)._load_from_checkpoint), trainer)
         # Run first so Elixir's counters are in `logs` before the printer/reporters see them.
         handler = trainer.callback_handler
         if self in handler.callbacks:
@@ -220,9 +226,7 @@ class ElixirCallback(TrainerCallback):
 
 
 def _config_from_env() -> ElixirConfig:
-    from hf_elixir.integrations.accelerate_plugin import _env_overrides
-
-    return ElixirConfig.from_dict(_env_overrides())
+    return ElixirConfig.from_env()  # a typo'd variable warns, a bad value names its variable
 
 
 def _loss_scale(optimizer) -> float | None:
@@ -238,22 +242,108 @@ def _loss_scale(optimizer) -> float | None:
 
 
 def _save_gathered(original_save):
-    """Trainer._save that consolidates the state dict on every rank (a collective under Elixir)."""
+    """Trainer._save that consolidates the state dict on every rank (a collective under Elixir).
+
+    A model rewritten by ``hf_elixir.parallel.parallelize`` (tensor/expert parallel) holds only this rank's
+    shards and experts in ``state_dict()``; its save guard refuses such a ``state_dict=`` (the folder would not
+    load), which made every Trainer checkpoint and ``save_model`` of an expert-parallel model raise on the
+    writing rank while the others waited in the next collective. For it the unmodified model's full state dict
+    is gathered instead (``gather_full_state_dict``, collective over every rank; kept on every rank when
+    ``save_on_each_node`` makes more than one rank write)."""
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if state_dict is None:
-            state_dict = self.accelerator.get_state_dict(self.model)
+            from hf_elixir.parallel._gather import gather_full_state_dict  # noqa: PLC0415
+
+            if _parallelized(self.model):
+                state_dict = gather_full_state_dict(self.model, rank0_only=not self.args.save_on_each_node)
+            else:
+                state_dict = self.accelerator.get_state_dict(self.model)
         return original_save(self, output_dir, state_dict=state_dict)
 
     return _save
 
 
+def _parallelized(model) -> bool:
+    from hf_elixir.parallel._apply import get_parallel_state  # noqa: PLC0415
+
+    return get_parallel_state(model) is not None
+
+
+def _rank_optimizer_name(rank: int) -> str:
+    """Optimizer file of rank ``rank`` of a tensor/expert-parallel model: ``optimizer.pt`` on rank 0 (where the
+    Trainer looks), ``optimizer_rank<r>.pt`` on the others."""
+    return _OPTIMIZER_NAME if rank == 0 else f"optimizer_rank{rank}.pt"
+
+
 def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-    """Trainer._save_optimizer_and_scheduler for Elixir: every rank gathers, the main one writes."""
+    """Trainer._save_optimizer_and_scheduler for Elixir: every rank gathers, the main one writes.
+
+    [Note: parallel optimizer files] After ``hf_elixir.parallel.parallelize`` the consolidated optimizer state
+    holds the parameters this rank computes with (its experts, its tensor-parallel shards), so one file from the
+    main rank cannot resume the others (their load failed naming param groups that differ past the shared
+    parameters). Each rank writes its own (:func:`_rank_optimizer_name`) and
+    :func:`_load_optimizer_and_scheduler_per_rank` reads it back."""
     import warnings
 
     optimizer_state = self.optimizer.state_dict()
-    if self.args.should_save:
+    if _parallelized(self.model):
+        torch.save(optimizer_state, os.path.join(output_dir, _rank_optimizer_name(self.args.process_index)))
+    elif self.args.should_save:
         torch.save(optimizer_state, os.path.join(output_dir, _OPTIMIZER_NAME))
+    if self.args.should_save:
         with warnings.catch_warnings(record=True):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
+
+
+def _refuse_tensor_parallel_resume(original_load):
+    """Trainer._load_from_checkpoint that refuses a tensor-parallel model by name: the checkpoint holds the
+    unmodified model's full tensors (:func:`_save_gathered`), which do not load into this rank's column/row shards
+    (before: ``load_state_dict``'s size mismatches). Expert-parallel models load: their experts keep full shapes.
+
+    Raises:
+        NotImplementedError: ``model`` was parallelized with ``tensor_parallel_size > 1``.
+    """
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        from hf_elixir.parallel._apply import get_parallel_state  # noqa: PLC0415
+
+        state = get_parallel_state(model if model is not None else self.model)
+        if state is not None and state.mesh.mp_axis == "tp" and state.mesh.tp_size > 1:
+            raise NotImplementedError(
+                f"resume_from_checkpoint={resume_from_checkpoint!r} with a tensor-parallel model "
+                f"(tensor_parallel_size={state.mesh.tp_size}) is not supported yet: the checkpoint holds the full "
+                "model's tensors and this rank's shards cannot take them; resume expert-parallel or data-parallel "
+                "runs, or load the folder with from_pretrained and parallelize afterwards (optimizer state restarts)")
+        return original_load(self, resume_from_checkpoint, model) if model is not None else \
+            original_load(self, resume_from_checkpoint)
+
+    return _load_from_checkpoint
+
+
+def _load_optimizer_and_scheduler_per_rank(original_load):
+    """Trainer._load_optimizer_and_scheduler that reads each rank's own optimizer file for a tensor/expert-parallel
+    model ([Note: parallel optimizer files]); any other model loads as the Trainer does.
+
+    Raises:
+        FileNotFoundError: a parallel model's checkpoint lacks this rank's optimizer file (saved by another
+            number of ranks, or before per-rank files), naming the file.
+    """
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not _parallelized(self.model):
+            return original_load(self, checkpoint)
+        if not os.path.isfile(os.path.join(checkpoint, _SCHEDULER_NAME)):
+            return None  # as the Trainer: no optimizer/scheduler state saved, nothing to restore
+        path = os.path.join(checkpoint, _rank_optimizer_name(self.args.process_index))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{path} not found: a tensor/expert-parallel model resumes each rank's optimizer state from its own "
+                f"file; resume from a checkpoint saved by this ElixirCallback with the same {self.args.world_size} "
+                "processes")
+        self.optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, _SCHEDULER_NAME), map_location="cpu",
+                                                     weights_only=True))
+        return None
+
+    return _load_optimizer_and_scheduler
