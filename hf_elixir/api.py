@@ -408,6 +408,13 @@ def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params
         raise
     if get_parallel_state(model) is None:  # a mesh's ranks hold different chunks: placed from agreed inputs
         _agree_placements(chunks, agree_group, device)
+    if manager.prefetch_depth and not manager.gather_prefetch_allowed() and any(
+            c.world_size > 1 and not c.resident for c in chunks):
+        reasons.append("all-gathers wait in their hooks, none issued ahead ([Note: gather prefetch] in "
+                       "chunk/manager.py): " + ("MoE-expert chunks" if any(c.host_copy_required for c in chunks)
+                                                 else "the budget covers activations, whose bytes can differ between "
+                                                 "ranks; ElixirConfig(budget_covers_activations=False) with a "
+                                                 "budget for model data lets them run ahead"))
     return _Layout(config, plan, manager, params, placements, chunk_size, world_size,
                    ([placement_reason] if placement_reason else []) + reasons,
                    _activation_policy(model, plan, config))

@@ -52,7 +52,8 @@ def _worker(rank: int, world_size: int) -> dict:
     with hf_elixir.full_parameters(model):
         state = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"state": state, "evictions": stats["num_evictions"], "total_peak": stats["device_total_peak_bytes"],
-            "budget": config.device_memory_budget_bytes}
+            "budget": config.device_memory_budget_bytes, "reasons": hf_elixir.get_state(model).plan.reasons,
+            "ahead": stats["num_prefetched_gathers"]}
 
 
 def test_ranks_with_different_activations_evict_apart_without_hanging_and_match_pytorch():
@@ -62,6 +63,9 @@ def test_ranks_with_different_activations_evict_apart_without_hanging_and_match_
     for r in out:
         assert rel_l2(r["state"], ref) < 1e-5
         assert r["total_peak"] <= r["budget"]
+        # no gather is issued ahead under such a pool, and the plan says so ([Note: gather prefetch])
+        assert r["ahead"] == 0
+        assert any("all-gathers wait in their hooks" in line and "covers activations" in line for line in r["reasons"])
 
 
 def _no_room_worker(rank: int, world_size: int) -> dict:
