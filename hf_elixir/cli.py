@@ -67,6 +67,9 @@ def _build_parser() -> argparse.ArgumentParser:
                       "(default: measured here)")
     plan.add_argument("--device-adam-gelems", type=float, default=None,
                       help="device AdamW G elements/s of the target (default: measured here)")
+    plan.add_argument("--host-adam-gelems", type=float, default=None,
+                      help="host AdamW G elements/s of the target's CPU, per rank (default: measured here, which "
+                      "says little about a GPU server's host when planning from another machine)")
     plan.add_argument("--tensor-parallel-size", type=int, default=1,
                       help="tensor-parallel ranks within --num-gpus (placements column/row)")
     plan.add_argument("--expert-parallel-size", type=int, default=1,
@@ -169,6 +172,10 @@ def _target_hardware(args: argparse.Namespace):
         notes.append(f"device {args.device_tflops} TFLOP/s given")
     if args.device_adam_gelems is not None:
         changes["device_adam_numel_per_s"] = args.device_adam_gelems * 1e9
+    if args.host_adam_gelems is not None:
+        changes["host_adam_numel_per_s"] = args.host_adam_gelems * 1e9
+        notes[0] = (f"host AdamW {args.host_adam_gelems} G elements/s given; other host-side rates measured on "
+                    f"{hw.hostname}")
     return replace(hw, **changes), notes
 
 
@@ -435,7 +442,7 @@ def _check_args(args: argparse.Namespace) -> None:
     for flag in ("batch_size", "seq_len", "num_gpus"):
         if getattr(args, flag, 1) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
-    for flag in ("h2d_gbps", "device_tflops", "device_adam_gelems", "budget_fraction"):
+    for flag in ("h2d_gbps", "device_tflops", "device_adam_gelems", "host_adam_gelems", "budget_fraction"):
         value = getattr(args, flag, None)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"--{flag.replace('_', '-')} {value} must be a positive number")

@@ -74,6 +74,7 @@ def test_plan_command_names_the_bad_flag(argv, message):
 @pytest.mark.parametrize("argv,message", [
     (["plan", "--model", "gpt2", "--device-tflops", "nan"], "--device-tflops nan must be a positive number"),
     (["plan", "--model", "gpt2", "--h2d-gbps", "0"], "--h2d-gbps 0.0 must be a positive number"),
+    (["plan", "--model", "gpt2", "--host-adam-gelems", "-1"], "--host-adam-gelems -1.0 must be a positive number"),
     (["plan", "--model", "gpt2", "--seq-len", "100000"], "--seq-len 100000 is longer than the model's 1024"),
     (["plan", "--model", "gpt2", "--output", "/no/such/dir/plan.yaml"], "the folder /no/such/dir does not exist"),
     (["profile", "--batch-size", "0"], "--batch-size 0 must be >= 1"),
@@ -258,3 +259,20 @@ def test_plan_optimizer_flag_prices_its_state_bytes(monkeypatch, capsys):
     monkeypatch.setattr("hf_elixir.search.search", spy)
     assert main(["plan", "--model", "gpt2", "--gpu-memory", "2GiB", "--seq-len", "64", "--optimizer", "sgd"]) == 0
     assert seen and all(s == (0, True) for s in seen), seen
+
+
+def test_plan_host_adam_flag_sets_the_target_host_rate(tmp_path, capsys):
+    """``--host-adam-gelems`` prices the target's host AdamW, not this machine's: the same flag gives the same plan
+    whatever the load here, and a slower host makes a plan that keeps optimizer states on the host slower."""
+    times = {}
+    for rate in ("4.5", "4.5", "0.5"):
+        out = tmp_path / f"plan{len(times)}.yaml"
+        assert main(["plan", "--model", "facebook/opt-1.3b", "--gpu", "a100-40gb", "--gpu-memory", "12GiB",
+                     "--host-memory", "256GiB", "--batch-size", "2", "--seq-len", "256", "--host-adam-gelems", rate,
+                     "--output", str(out)]) == 0
+        plan = ElixirPlan.load(out)
+        times.setdefault(rate, []).append(plan.predicted_step_s)
+        assert any("host AdamW " + rate + " G elements/s given" in r for r in plan.reasons), plan.reasons
+    capsys.readouterr()
+    assert times["4.5"][0] == times["4.5"][1]
+    assert times["0.5"][0] > times["4.5"][0]
