@@ -177,3 +177,42 @@ def test_opt_bf16_trains_at_its_floor(single_rank_group):
     assert peak <= need, (peak, need)
     for name, value in roomy.items():
         assert torch.equal(tight[name], value), name
+
+
+class _Line(torch.nn.Module):
+    """``y = x * a + b`` with two 0-d parameters (accelerate's ``RegressionModel``): one chunk of 2 elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.tensor(1.0))
+        self.b = torch.nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x):
+        return x * self.a + self.b
+
+
+def _line_floor_worker(rank: int, world_size: int) -> list:
+    out = []
+    for make in (lambda p: torch.optim.SGD(p, lr=0.1), lambda p: torch.optim.AdamW(p, lr=0.1)):
+        torch.manual_seed(0)
+        model = _Line()
+        opt = make(model.parameters())
+        config = hf_elixir.ElixirConfig(default_placement="sharded", budget_covers_activations=False)
+        floor = hf_elixir.min_device_budget_bytes(model, opt, config=config, world_size=world_size)
+        model, opt = hf_elixir.prepare(model, opt, dataclasses.replace(config, device_memory_budget_bytes=floor))
+        x = torch.arange(4.0) + rank
+        for _ in range(2):
+            opt.backward(((model(x) - 2 * x) ** 2).mean())
+            opt.step()
+            opt.zero_grad()
+        out.append((floor, hf_elixir.memory_stats(model)["device_peak_bytes"]))
+    return out
+
+
+def test_the_floor_of_an_all_resident_sharded_chunk_holds_its_reduce_scatter_output():
+    """With SGD (no state) everything resident costs the full buffer, the master shard and the gradient buffer:
+    20 bytes here, which the floor took as enough, but the gradient's reduce-scatter also needs its output shard
+    (accelerate's ``test_script`` at 2 processes raised at the first backward at that floor)."""
+    for rank_out in run_distributed(_line_floor_worker, 2, timeout_s=120):
+        for floor, peak in rank_out:
+            assert peak <= floor, rank_out

@@ -81,14 +81,15 @@ def _planned(rank: int, world_size: int, device_optim: bool) -> dict:
 def _placed(rank: int, world_size: int) -> dict:
     """``prepare`` without a plan at the budget that holds every chunk resident: what the pool charges for every
     chunk and optimizer state (``prepare`` without a budget places everything resident) plus two gradient
-    buffers, the room the budget floor keeps for backward (``placement/_device_placement.py: working_set``);
-    and one byte less."""
+    buffers and one reduce-scatter output shard, the room the budget floor keeps for backward
+    (``placement/_device_placement.py: _resident_bytes``); and one byte less."""
     model = tiny_model("gpt2")
     model, _ = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), _config())
     chunks = get_state(model).manager.chunks
     assert all(c.resident for c in chunks), f"rank {rank}: no budget, yet not everything resident"
     grads = sorted((c.grad_full_bytes for c in chunks), reverse=True)
-    budget = hf_elixir.memory_stats(model)["device_peak_bytes"] + sum(grads[:2])
+    reduce_out = max(c.grad_full_bytes // c.world_size for c in chunks)  # a gradient's reduce-scatter output shard
+    budget = hf_elixir.memory_stats(model)["device_peak_bytes"] + sum(grads[:2]) + reduce_out
     out = {"budget": budget, "shard_bytes": sum(c.shard_bytes for c in chunks)}
     for name, nbytes in (("at", budget), ("below", budget - 1)):
         model = tiny_model("gpt2")
@@ -109,7 +110,7 @@ def test_resident_sharded_chunks_cost_their_full_buffer_only():
     """Cost model: an all-resident plan at 2 ranks (optimizer states on the device, then on the host) has fixed
     bytes equal to what ``prepare`` charges (chunks built, optimizer states made) and a predicted step peak equal
     to the pool's measured one at the smallest pool the model accepts. Placement: at the pool's own figure for
-    everything resident plus two gradient buffers, every chunk is resident and a step stays in the budget; one
+    everything resident plus two gradient buffers and a reduce-scatter output shard, every chunk is resident and a step stays in the budget; one
     byte less is not everything resident. Before, both charged each resident shard a second time (98496 bytes)."""
     for rank, out in enumerate(run_distributed(_worker, 2, timeout_s=300)):
         for name in ("device_optim", "host_optim"):

@@ -63,11 +63,15 @@ def _device_optim_bytes(sizes: Sizes, config: ElixirConfig, chunks) -> int:
 
 
 def _resident_bytes(sizes: Sizes, chunks) -> int:
-    """Device bytes with every chunk resident: its full buffer, every optimizer state and two gradient
-    buffers. A resident chunk's shard costs nothing more: with one rank (or replicated) the full buffer is
-    the shard (``Chunk.full_alias``), with several the shard is a view into it (``Chunk.shard_in_full``),
-    and ``prepare`` charges no more while it builds the chunks (``chunk/_build.py: materialize_chunks``)."""
-    return sum(sizes.full.values()) + sum(sizes.optim.values()) + sum(sorted(sizes.grad.values(), reverse=True)[:2])
+    """Device bytes with every chunk resident: its full buffer, every optimizer state, two gradient buffers
+    and, for a chunk sharded over several ranks, the reduce-scatter output shard its gradient is reduced into
+    (the largest one: the manager finishes a reduce before it charges another when the pool is short). A
+    resident chunk's shard costs nothing more: with one rank (or replicated) the full buffer is the shard
+    (``Chunk.full_alias``), with several the shard is a view into it (``Chunk.shard_in_full``), and ``prepare``
+    charges no more while it builds the chunks (``chunk/_build.py: materialize_chunks``)."""
+    reduce_out = max((sizes.grad[c.chunk_id] // c.world_size for c in chunks if c.world_size > 1), default=0)
+    return (sum(sizes.full.values()) + sum(sizes.optim.values()) + sum(sorted(sizes.grad.values(), reverse=True)[:2])
+            + reduce_out)
 
 
 def device_floor_bytes(chunks, units_chunks: list[list], config: ElixirConfig, optimizer) -> int:
