@@ -408,13 +408,22 @@ def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params
         raise
     if get_parallel_state(model) is None:  # a mesh's ranks hold different chunks: placed from agreed inputs
         _agree_placements(chunks, agree_group, device)
-    if manager.prefetch_depth and not manager.gather_prefetch_allowed() and any(
-            c.world_size > 1 and not c.resident for c in chunks):
+    offloaded = any(c.world_size > 1 and not c.resident for c in chunks)
+    if manager.prefetch_depth and offloaded and manager.pool.charges_activations and optimizer is not None \
+            and manager.gather_prefetch_mode() == "agreed":
+        reasons.append("forward all-gathers are issued ahead from the third step on, those every rank had room "
+                       "for in the step before (agreed at each optimizer step: the budget covers activations, "
+                       "whose bytes can differ between ranks; [Note: agreed gathers ahead] in chunk/manager.py)")
+    elif manager.prefetch_depth and offloaded and (
+            optimizer is None and manager.pool.charges_activations or not manager.gather_prefetch_allowed()):
+        why = ("MoE-expert chunks" if any(c.host_copy_required for c in chunks) else
+               "the budget covers activations, whose bytes can differ between ranks, and "
+               + ("there is no optimizer step at which the ranks could agree on gathers ahead"
+                  if optimizer is None else "the rank-local host copies that would let the ranks agree on "
+                  "gathers ahead do not fit host_memory_budget_bytes")
+               + "; ElixirConfig(budget_covers_activations=False) with a budget for model data lets them run ahead")
         reasons.append("all-gathers wait in their hooks, none issued ahead ([Note: gather prefetch] in "
-                       "chunk/manager.py): " + ("MoE-expert chunks" if any(c.host_copy_required for c in chunks)
-                                                 else "the budget covers activations, whose bytes can differ between "
-                                                 "ranks; ElixirConfig(budget_covers_activations=False) with a "
-                                                 "budget for model data lets them run ahead"))
+                       "chunk/manager.py): " + why)
     return _Layout(config, plan, manager, params, placements, chunk_size, world_size,
                    ([placement_reason] if placement_reason else []) + reasons,
                    _activation_policy(model, plan, config))

@@ -73,10 +73,11 @@ order on every rank, so a rank may issue a gather ahead only where every rank do
   charges model data only (an explicit ``device_memory_budget_bytes``; a whole-device budget also charges
   activations, which are rank-local) and every rank accesses the same chunks in the same order, which holds
   for dense models. A model with MoE-expert chunks (``subtree_only`` / ``host_copy_required``: backward
-  touches them only where experts got tokens, so pool states drift apart) gets no gather prefetch, and
-  neither does a whole-device budget: their gathers stay in the hooks, where they already agree. Never
-  free memory, timing, or whether a collective has finished (waits happen at fixed points: the chunk's
-  access, its eviction, the start of backward, the optimizer step);
+  touches them only where experts got tokens, so pool states drift apart) gets no gather prefetch: its
+  gathers stay in the hooks, where they already agree. A pool that charges activations (a whole-device
+  budget) follows [Note: agreed gathers ahead] instead. Never free memory, timing, or whether a collective
+  has finished (waits happen at fixed points: the chunk's access, its eviction, the start of backward, the
+  optimizer step);
 * a gather ahead evicts only what the hook of its chunk would evict anyway ([Note: Belady-consistent gather
   ahead] in :meth:`_kept_until`), so prefetching issues the same gathers as the hooks alone, only earlier
   (what the cost model assumes);
@@ -85,6 +86,35 @@ order on every rank, so a rank may issue a gather ahead only where every rank do
   backward ended, under the stricter room rule of [Note: backward gather prefetch];
 * nothing reads an unfilled buffer: the parameters stay stale placeholders until the wait, eviction and
   ``unshard`` wait first, and the start of backward and the optimizer step drain every pending gather.
+
+[Note: agreed gathers ahead] (issue 14 item 1 on a real GPU, whose budget covers activations.) A pool that
+charges activations is rank-local: each rank's batch decides how much room its forward leaves, so the rule
+above (a decision every rank computes alike) does not hold. The runtime then keeps a rank-local host copy of
+every offloadable chunk (``keep_host_copy``, ``hf_elixir/placement/_device_placement.py``): after a chunk's
+first all-gather of a step, every refill is a local onload, so the step's all-gathers are exactly the first
+unshards in forward order, the same on every rank; only *when* each is issued can differ. Collectives on one
+group must still be issued in one order on every rank (and on NCCL, interleaved alike with the collectives of
+other groups), so which gathers run ahead is agreed, one step late:
+
+* in forward, where a chunk that still needs its all-gather first enters the prefetch window
+  (``prefetch_depth`` chunks of the previous step's order, within the forward), each rank records whether its
+  pool has room for it without evicting a chunk used before it (free bytes, kept gradient buffers, and
+  evictable chunks not in the window whose next use comes later): ``_ahead_room``. Evaluation forwards
+  between steps do not vote;
+* the votes ride the has-gradient flags' all-reduce (MAX of "no room"; a chunk without a vote counts as no
+  room) and the step's one host read brings them back (``ElixirOptimizer._read_step_state`` ->
+  :meth:`agree_gathers_ahead`): the chunks every rank had room for, the same set on every rank;
+* in the next step each rank issues exactly those gathers ahead, at the same window positions, in the same
+  order (whatever its local onloads ahead do), making room rank-locally with Belady's victims (safe: with the
+  copies an eviction costs a local refill, never a collective). Where this batch left less room than the
+  previous one, that may evict a chunk used before the gathered one (counted,
+  ``num_agreed_gather_evictions``; its vote then says no room); where no eviction makes room at all the
+  access raises :class:`DeviceBudgetExceededError` (the hook would need that room moments later too).
+
+So prefetch starts with the third step (the first has no order, the second votes), backward keeps its
+refills local (no gather ahead there), and a model prepared without an optimizer (no step to agree at)
+keeps its gathers in the hooks under such a pool. Test: ``tests/test_activation_budget_ranks.py`` (ranks
+with different batch shapes: no hang, the same gathers issued ahead, parity with PyTorch).
 
 [Note: backward gather prefetch] In backward the re-gathers of evicted chunks without a host copy are issued
 ahead too (FSDP2's backward prefetch), on the same terms as in forward (previous trace, agreed plan and
@@ -262,6 +292,13 @@ class ChunkManager:
         # a backward since the last step / zero_grad (one element, on the compute device; read by the step)
         self.reduce_order_mismatch = torch.zeros(1, device=compute_device)
         self._flag_group_chunks: list[list[int]] = []  # per flag group, its chunk ids (init_flags)
+        # [Note: agreed gathers ahead] this step's votes (chunk id -> room for its gather ahead), the chunks every
+        # rank voted for at the last step (issued ahead now), and the merged "no room" votes (on the compute
+        # device, [num_chunks], read by the step's host read)
+        self._ahead_room: dict[int, bool] = {}
+        self._ahead_agreed: frozenset[int] = frozenset()
+        self.ahead_veto = torch.zeros(0, device=compute_device)
+        self._voter_indices: dict[int, torch.Tensor] = {}
         # activation storages charged -> their bytes (see saved_tensors_accounting)
         self._saved_storages: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # [Note: forward steps] a model prepared without an optimizer: each top-level forward is a step
@@ -627,6 +664,8 @@ class ChunkManager:
             if len(upcoming) == self.prefetch_depth:
                 break
         keep = pinned | {cid for _, cid in upcoming}
+        if self.gather_prefetch_mode() == "agreed":
+            self._agreed_gathers_ahead(pos, pinned, upcoming, keep)  # the loop below then onloads only
         fills_before = 0  # bytes the hooks will charge for upcoming chunks not filled here ([Note: backward ...])
         for index, cid in upcoming:
             chunk = self.chunks[cid]
@@ -701,17 +740,105 @@ class ChunkManager:
         used = self.pool.used_bytes - self.kept_buffer_bytes
         return used + need + reserve <= self.pool.budget_bytes + dead
 
+    def gather_prefetch_mode(self) -> str | None:
+        """How all-gathers may be issued ahead: ``"fixed"`` (a pool that charges model data only: every rank
+        computes the same decisions, [Note: gather prefetch]), ``"agreed"`` (a pool that charges activations,
+        in training, every offloadable chunk with a rank-local host copy: [Note: agreed gathers ahead]), or
+        ``None`` (in the hooks only: MoE-expert chunks, or such a pool without the copies or an optimizer)."""
+        if any(c.subtree_only or c.host_copy_required for c in self.chunks):
+            return None
+        if not self.pool.charges_activations:
+            return "fixed"
+        if self.forward_steps:
+            return None
+        if all(c.keep_host_copy for c in self.chunks if c.world_size > 1 and not c.resident):
+            return "agreed"
+        return None
+
     def gather_prefetch_allowed(self) -> bool:
-        """Whether all-gathers may be issued ahead ([Note: gather prefetch]): with a pool that charges model
-        data only, and no MoE-expert chunk."""
-        return (not self.pool.charges_activations
-                and not any(c.subtree_only or c.host_copy_required for c in self.chunks))
+        """Whether any all-gather may be issued ahead (:meth:`gather_prefetch_mode` is not ``None``)."""
+        return self.gather_prefetch_mode() is not None
+
+    def _agreed_gathers_ahead(self, pos: int, pinned: set[int], upcoming: list[tuple[int, int]],
+                              keep: set[int]) -> None:
+        """[Note: agreed gathers ahead] In forward, for each chunk of the prefetch window ``upcoming``
+        (``(position in the previous step's order, chunk id)``) that still needs its all-gather: record this
+        rank's vote (room without evicting a chunk used sooner) the first time, and issue the gather now when
+        every rank voted for it at the last step, making room by Belady's victims (never one of ``pinned``).
+
+        Raises:
+            DeviceBudgetExceededError: no eviction makes room for an agreed gather (this rank's activations
+                leave less than the batch it voted with).
+        """
+        if self.backward_pending or not self.prev_forward_ends:
+            return
+        i = bisect.bisect_right(self.prev_forward_ends, pos)
+        end = self.prev_forward_ends[i] if i < len(self.prev_forward_ends) else len(self.prev_trace)
+        for index, cid in upcoming:
+            chunk = self.chunks[cid]
+            if index >= end or not chunk.needs_collective():
+                continue
+            need = chunk.fill_bytes_needed()
+            room = self._room_ahead(chunk, need, keep)
+            if self._outer_trace is None:  # an evaluation forward between steps does not vote
+                self._ahead_room.setdefault(cid, room)
+            if cid not in self._ahead_agreed:
+                continue
+            evictions = self.counters.num_evictions
+            self.make_room(need, f"chunk {cid}, all-gathered ahead of its use as every rank agreed at the last "
+                           "optimizer step ([Note: agreed gathers ahead] in hf_elixir/chunk/manager.py; this rank's "
+                           "batch saved more activations than the one it voted with)", exclude=pinned)
+            if not room:
+                self.counters.num_agreed_gather_evictions += self.counters.num_evictions - evictions
+            chunk.unshard(side_stream=self.copy_stream, async_op=self.async_gather)
+            self.counters.num_prefetches += 1
+            self.counters.num_prefetched_gathers += 1
+            if chunk.pending_gather is not None:
+                self._pending_gathers.append(chunk)
+
+    def _room_ahead(self, chunk: Chunk, need: int, keep: set[int]) -> bool:
+        """Whether ``need`` more bytes for ``chunk`` fit the pool after dropping kept gradient buffers and
+        evicting only chunks outside ``keep`` whose next use comes after ``chunk``'s ([Note: agreed gathers
+        ahead])."""
+        if self.pool.fits(need):
+            return True
+        self.sync_activation_bytes()  # activations freed since the last count give their room back
+        target = self._next_use(chunk)
+        spare = self.kept_buffer_bytes + sum(c.full_bytes for c in self.chunks if c.evictable and c.chunk_id not in keep
+                                             and self._next_use(c) > target)
+        return self.pool.used_bytes + need <= self.pool.budget_bytes + spare
+
+    def agree_gathers_ahead(self, veto: list[float]) -> None:
+        """The step's host read of the merged votes (``ahead_veto``, one per chunk: > 0 where some rank had no
+        room or did not vote): the chunks whose all-gathers the next step issues ahead ([Note: agreed gathers
+        ahead]). The same list, so the same set, on every rank."""
+        self._ahead_agreed = frozenset(cid for cid, v in enumerate(veto) if v == 0)
+        self._ahead_room = {}
+
+    def _ahead_votes(self, group) -> list[float]:
+        """This rank's "no room" votes (1.0 / 0.0) for the chunks gathered over ``group``, by chunk id (none
+        outside the agreed mode): [Note: agreed gathers ahead]."""
+        if self.gather_prefetch_mode() != "agreed":
+            return []
+        return [0.0 if self._ahead_room.get(c.chunk_id, False) else 1.0 for c in self._voters(group)]
+
+    def _voters(self, group) -> list[Chunk]:
+        return [c for c in self.chunks if c.world_size > 1 and c.group is group]
+
+    def _voter_index(self, group) -> torch.Tensor:
+        """The chunk ids of :meth:`_voters` as an int64 tensor on the compute device (uploaded once per group)."""
+        index = self._voter_indices.get(id(group))
+        if index is None:
+            ids = torch.tensor([c.chunk_id for c in self._voters(group)], dtype=torch.int64)
+            index = self._voter_indices[id(group)] = ids.to(self.compute_device, non_blocking=True)
+        return index
 
     def _gather_window_end(self, pos: int) -> int:
         """The first position of the previous step's trace, at or after ``pos``, whose chunk may not be
-        all-gathered ahead: where the forward or backward running now ended in that step (``pos`` itself when
-        :meth:`gather_prefetch_allowed` says no)."""
-        if not self.gather_prefetch_allowed():
+        all-gathered ahead by the rule every rank computes alike: where the forward or backward running now
+        ended in that step (``pos`` itself unless :meth:`gather_prefetch_mode` is ``"fixed"``; the agreed
+        mode issues its gathers in :meth:`_agreed_gathers_ahead`)."""
+        if self.gather_prefetch_mode() != "fixed":
             return pos
         ends = self.prev_backward_ends if self.backward_pending else self.prev_forward_ends
         if not ends:  # the previous step had no such phase (a backward after forward steps): its order says nothing
@@ -810,7 +937,8 @@ class ChunkManager:
         self.last_step = {f"step_{k}": now[k] - self._step_start.get(k, 0)
                           for k in ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes",
                                     "num_evictions", "num_onloads", "num_prefetches", "num_prefetched_gathers",
-                                    "num_blocking_gathers", "num_refreshes_ahead", "gather_wait_s", "reduce_wait_s",
+                                    "num_blocking_gathers", "num_agreed_gather_evictions", "num_refreshes_ahead",
+                                    "gather_wait_s", "reduce_wait_s",
                                     "num_prefetched_act_onloads", "num_blocking_act_onloads")}
         self.last_step["step_device_peak_bytes"] = self.counters.device_peak_bytes
         self._step_start = now
@@ -1081,21 +1209,31 @@ class ChunkManager:
         if self.arrived_flags:
             arrived = torch.tensor(sorted(self.arrived_flags), dtype=torch.int64)
             flags[arrived.to(self.compute_device, non_blocking=True)] = 1.0
-        # [Note: reduce order check] per group (code, -code), uploaded like the arrivals: no stream sync on CUDA
-        codes = (torch.tensor([[code, -code] for code in self._reduce_order_codes()]).to(self.compute_device,
-                                                                                         non_blocking=True)
-                 if self.flag_groups else None)
-        parts = [(indices, torch.cat([flags[indices], codes[i]])) for i, (_, indices) in enumerate(self.flag_groups)]
+        # per group its "no room" votes ([Note: agreed gathers ahead]) and (code, -code) ([Note: reduce order
+        # check]), uploaded like the arrivals: no stream sync on CUDA
+        extras = [self._ahead_votes(group) + [code, -code]
+                  for (group, _), code in zip(self.flag_groups, self._reduce_order_codes())]
+        extras_dev = (torch.tensor([v for e in extras for v in e]).to(self.compute_device, non_blocking=True)
+                      if extras else None)
+        parts, begin = [], 0
+        for (group, indices), extra in zip(self.flag_groups, extras):
+            parts.append((indices, torch.cat([flags[indices], extras_dev[begin:begin + len(extra)]]), group))
+            begin += len(extra)
         works = [dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group, async_op=self.async_reduce)
-                 for (group, _), (_, part) in zip(self.flag_groups, parts)]
+                 for _, part, group in parts]
         self.local_flags |= self.arrived_flags
         self.arrived_flags = set()
+        if extras and self.ahead_veto.numel() != len(self.chunks):
+            self.ahead_veto = torch.ones(len(self.chunks), device=self.compute_device)
 
         def finish() -> None:
-            for work, (indices, part) in zip(works, parts):
+            for work, (indices, part, group) in zip(works, parts):
                 if self.async_reduce:
                     work.wait()
-                flags[indices] = part[:-2]
+                flags[indices] = part[:len(indices)]
+                votes = part[len(indices):-2]
+                if votes.numel():
+                    self.ahead_veto[self._voter_index(group)] = votes
                 # [Note: reduce order check] max(code) + max(-code) = max - min over the group's ranks
                 self.reduce_order_mismatch = torch.maximum(self.reduce_order_mismatch, part[-2:].sum().abs().reshape(1))
             self.has_grad_flags = torch.maximum(self.has_grad_flags, flags)

@@ -128,6 +128,9 @@ class MemoryCounters:
     # (the compute waits for the whole collective): [Note: gather prefetch] in manager.py
     num_prefetched_gathers: int = 0
     num_blocking_gathers: int = 0
+    # evictions of a chunk used sooner, forced by an all-gather issued ahead that every rank had agreed on
+    # ([Note: agreed gathers ahead] in manager.py): this rank's batch left less room than the one it voted with
+    num_agreed_gather_evictions: int = 0
     # uploads of the optimizer's new values into device shards issued without making the compute wait, each
     # waited for at its chunk's first use ([Note: overlapped refresh] in hf_elixir/optim/optimizer.py)
     num_refreshes_ahead: int = 0

@@ -631,8 +631,12 @@ class ElixirOptimizer(torch.optim.Optimizer):
         coef = self._host_clip_coef if self._host_clip_coef is not None else torch.ones((), device=device)
         self.manager.wait_flags()  # the flags' all-reduce, issued at the end of backward ([Note: late reduce waits])
         packed = torch.cat([found.reshape(1).float(), coef.reshape(1).float(),
-                            self.manager.reduce_order_mismatch.float(), self.manager.has_grad_flags.float()])
+                            self.manager.reduce_order_mismatch.float(), self.manager.has_grad_flags.float(),
+                            self.manager.ahead_veto.float()])
         values = strict.host_read(packed).tolist()
+        num_flags = self.manager.has_grad_flags.numel()
+        if self.manager.ahead_veto.numel():  # [Note: agreed gathers ahead] in chunk/manager.py
+            self.manager.agree_gathers_ahead(values[3 + num_flags:])
         if values[2] > 0:  # [Note: reduce order check] in chunk/manager.py: nothing is updated
             self.settle_host_steps()  # the host lane's speculative updates of this backward are undone
             if self._lane is not None:
@@ -646,7 +650,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 "were summed with another chunk's. This step was not applied (parameters and optimizer state "
                 "are unchanged). Run the same modules in the same order on every rank (call the module "
                 "everywhere and discard its output where it is not needed), then call zero_grad() and go on")
-        return values[0] > 0, values[1], values[3:]
+        return values[0] > 0, values[1], values[3:3 + num_flags]
 
     def _inner_step(self, flags: list[float], done: set[int] = frozenset()) -> None:
         """Step every view with a gradient (``flags``) except those of the chunks in ``done`` (stepped

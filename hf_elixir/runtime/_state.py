@@ -30,7 +30,7 @@ _ATTR = "_hf_elixir_state"
 
 #: the traffic counters ``prepare`` and ``reset_memory_stats`` zero
 _TRAFFIC_COUNTERS = ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes", "num_evictions",
-                     "num_onloads", "num_prefetches", "num_prefetched_gathers", "num_blocking_gathers",
+                     "num_onloads", "num_prefetches", "num_prefetched_gathers", "num_blocking_gathers", "num_agreed_gather_evictions",
                      "num_refreshes_ahead", "num_unshards", "gather_wait_s", "reduce_wait_s",
                      "num_prefetched_act_onloads", "num_blocking_act_onloads")
 
@@ -154,7 +154,10 @@ def memory_stats(model: torch.nn.Module) -> dict[str, int | float]:
     ``device_total_peak_bytes`` (model data + activations + temporaries), ``host_bytes``,
     ``h2d_bytes``, ``d2h_bytes``, ``allgather_bytes``, ``reduce_scatter_bytes``, ``num_evictions``,
     ``num_onloads``, ``num_prefetches`` (of which ``num_prefetched_gathers`` all-gathers issued ahead of use),
-    ``num_blocking_gathers`` (all-gathers issued inside a hook for the chunk it needs), ``num_refreshes_ahead``
+    ``num_blocking_gathers`` (all-gathers issued inside a hook for the chunk it needs),
+    ``num_agreed_gather_evictions`` (chunks evicted before their next use to make room for an all-gather every
+    rank agreed to issue ahead, under a budget that covers activations: [Note: agreed gathers ahead] in
+    ``hf_elixir/chunk/manager.py``), ``num_refreshes_ahead``
     (uploads of updated parameters into device shards waited for at their first use), ``num_unshards``,
     ``num_prefetched_act_onloads`` / ``num_blocking_act_onloads`` (offloaded activations of one block call
     copied back ahead of its backward / when its backward first needs them),
