@@ -1223,7 +1223,7 @@ class ChunkManager:
                  for _, part, group in parts]
         self.local_flags |= self.arrived_flags
         self.arrived_flags = set()
-        if extras and self.ahead_veto.numel() != len(self.chunks):
+        if any(len(e) > 2 for e in extras) and self.ahead_veto.numel() != len(self.chunks):
             self.ahead_veto = torch.ones(len(self.chunks), device=self.compute_device)
 
         def finish() -> None:
