@@ -778,6 +778,8 @@ class ChunkManager:
             chunk = self.chunks[cid]
             if index >= end or not chunk.needs_collective():
                 continue
+            if cid in self._ahead_room and cid not in self._ahead_agreed:
+                continue  # voted at its first window position; its gather waits for its hook
             need = chunk.fill_bytes_needed()
             room = self._room_ahead(chunk, need, keep)
             if self._outer_trace is None:  # an evaluation forward between steps does not vote
