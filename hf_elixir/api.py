@@ -414,14 +414,16 @@ def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params
         reasons.append("forward all-gathers are issued ahead from the third step on, those every rank had room "
                        "for in the step before (agreed at each optimizer step: the budget covers activations, "
                        "whose bytes can differ between ranks; [Note: agreed gathers ahead] in chunk/manager.py)")
-    elif manager.prefetch_depth and offloaded and (
-            optimizer is None and manager.pool.charges_activations or not manager.gather_prefetch_allowed()):
+    elif manager.prefetch_depth and offloaded and optimizer is None and manager.pool.charges_activations \
+            and all(c.keep_host_copy for c in chunks if c.world_size > 1 and not c.resident):
+        reasons.append("the first forward's all-gathers wait in their hooks (the budget covers activations, whose "
+                       "bytes can differ between ranks, and there is no optimizer step at which the ranks could "
+                       "agree on gathers ahead); later refills come from the rank-local host copies, no all-gather")
+    elif manager.prefetch_depth and offloaded and not manager.gather_prefetch_allowed():
         why = ("MoE-expert chunks" if any(c.host_copy_required for c in chunks) else
-               "the budget covers activations, whose bytes can differ between ranks, and "
-               + ("there is no optimizer step at which the ranks could agree on gathers ahead"
-                  if optimizer is None else "the rank-local host copies that would let the ranks agree on "
-                  "gathers ahead do not fit host_memory_budget_bytes")
-               + "; ElixirConfig(budget_covers_activations=False) with a budget for model data lets them run ahead")
+               "the budget covers activations, whose bytes can differ between ranks, and the rank-local host "
+               "copies that would let the ranks agree on gathers ahead do not fit host_memory_budget_bytes; "
+               "ElixirConfig(budget_covers_activations=False) with a budget for model data lets them run ahead")
         reasons.append("all-gathers wait in their hooks, none issued ahead ([Note: gather prefetch] in "
                        "chunk/manager.py): " + why)
     return _Layout(config, plan, manager, params, placements, chunk_size, world_size,
