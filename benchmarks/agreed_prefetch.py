@@ -129,13 +129,15 @@ def run(args) -> dict:
     """
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_worker, args=(2, _free_port(), args, out_dir), nprocs=2, join=True, start_method="spawn")
-        results = []
+        results, errors = [], []
         for rank in range(2):
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
                 status, value = pickle.load(f)
             if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                errors.append(f"rank {rank} failed:\n{value}")
             results.append(value)
+        if errors:  # every rank's: the first to fail makes the other's collective fail too
+            raise RuntimeError("\n".join(errors))
     summary: dict = {"ranks_seq": [r["seq"] for r in results], "budget_bytes": results[0]["budget"]}
     for name, _ in _SETUPS:
         rows = results[0]["stats"][name]
@@ -159,14 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seq", type=int, default=64, help="rank 0's sequence length (tokens)")
     parser.add_argument("--long-ratio", type=int, default=2, help="rank 1's sequences are this many times longer")
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--chunk-numel", type=int, default=1 << 20)
+    parser.add_argument("--chunk-numel", type=int, default=1 << 21)
     parser.add_argument("--budget-fraction", type=float, default=0.25,
                         help="cache room above the floor, as a fraction of the model's parameter bytes")
-    parser.add_argument("--activation-room-mib", type=int, default=64, help="room for activations (MiB)")
+    parser.add_argument("--activation-room-mib", type=int, default=128, help="room for activations (MiB)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (the agreement starts at step 3)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--json", type=Path, default=None)
