@@ -99,14 +99,16 @@ def test_moe_and_inference_keep_gathers_in_the_hooks_under_an_activation_pool(pr
 
 def test_plan_reasons_say_where_the_gathers_run(profiles):
     """A dense training plan under a budget covering activations says its forward gathers go ahead from the third
-    step on; an inference plan says they wait in their hooks."""
+    step on; an inference plan and an MoE (Switch) plan say they wait in their hooks."""
     hw = _gpu()
-    train, infer = profiles
-    budget = int(train.num_params * 4 * 3)
+    moe = profile_step(tiny_model("switch"), batch("switch", 0, 2, seq=8), count_flops=True)
+    assert moe.subtree_units
     reasons = {}
-    for name, profile in (("train", train), ("infer", infer)):
-        result = search(profile, hw, world_size=WS, device_memory_budget_bytes=budget, data_parallel="sharded",
-                        activations_on_device=True, precision="fp32", prefetch_depths=(2,), chunk_size_numel=CHUNK)
+    for name, profile in (("train", profiles[0]), ("infer", profiles[1]), ("moe", moe)):
+        result = search(profile, hw, world_size=WS, device_memory_budget_bytes=int(profile.num_params * 4 * 3),
+                        data_parallel="sharded", activations_on_device=True, precision="fp32", prefetch_depths=(2,),
+                        chunk_size_numel=CHUNK)
+        assert name == "train" or result.best.prediction.gathers_ahead == {}, name
         reasons[name] = result.plan.reasons
     assert any("forward all-gathers are issued ahead (2 events) from the third step on" in r
                and "each rank votes, per chunk, whether it had room in the previous step" in r
@@ -114,3 +116,6 @@ def test_plan_reasons_say_where_the_gathers_run(profiles):
     assert not any("not issued ahead" in r for r in reasons["train"])
     assert any("all-gathers are not issued ahead" in r and "inference" in r and "wait" in r
                for r in reasons["infer"]), reasons["infer"]
+    assert any("all-gathers are not issued ahead: MoE-expert chunks" in r and "waits in its hook" in r
+               for r in reasons["moe"]), reasons["moe"]
+    assert not any("issued ahead from the third step" in r for r in reasons["moe"] + reasons["infer"])

@@ -647,7 +647,7 @@ def _gather_reasons(profile: StepProfile, best: Candidate, world_size: int, act_
         return []
     hooks = "so each gather waits in its hook where the ranks agree ([Note: gather prefetch] in chunk/manager.py)"
     if profile.subtree_units:
-        return ["all-gathers are not issued ahead: MoE-expert chunks are used only where experts got tokens, so "
+        return ["all-gathers are not issued ahead: MoE-expert chunks are used only where experts got tokens and "
                 f"the ranks' pools drift apart, {hooks}"]
     if not act_on_device:
         return []
