@@ -69,18 +69,21 @@ with several ranks an all-gather may, on any device; everything else on CPU is s
   ``activations_on_device`` (the whole-device budget, whose activation charges are rank-local) the runtime
   issues them ahead in training only, where every offloadable chunk keeps a rank-local host copy (which it
   forces then: :func:`host_copies_forced`): the ranks agree at each optimizer step on which chunks each of
-  them had room for in the previous step, so from the third step on (the steady state priced here) the
-  forward gathers run ahead as with a model-data pool, evicting what the hooks would (only the timing
-  changes). Not where the runtime keeps gathers in the hooks: a model with subtree units
-  (``ChunkedStep.gather_prefetch``, MoE experts), an inference step (``ChunkedStep.forward_only``) under
-  ``activations_on_device``, nor for the first ``prefetch_depth`` events (nothing runs ahead of them);
+  them had room for in the previous step ([Note: agreed gathers ahead] in ``hf_elixir/chunk/manager.py``), so
+  from the third step on (the steady state priced here) the forward gathers run ahead as with a model-data
+  pool, the same gathers and evictions (only the timing changes). Like the model-data case, this does not
+  check the runtime's room rule (a rank votes no where the gather would evict a chunk used before it), so at
+  the tightest budgets the runtime may keep a gather in the hook that this prices as ahead. Not where the
+  runtime keeps gathers in the hooks: a model with subtree units (``ChunkedStep.gather_prefetch``, MoE
+  experts), an inference step (``ChunkedStep.forward_only``) under ``activations_on_device``, nor for the
+  first ``prefetch_depth`` events (nothing runs ahead of them);
 * a **backward all-gather** (the re-gather of an evicted chunk without a host copy) is issued ahead the same
   way, with a model-data pool only (under ``activations_on_device`` a backward refill is a local onload of the
   forced host copy), where the runtime finds room for it without evicting a chunk the step still uses ([Note:
   backward gather prefetch] in ``hf_elixir/chunk/manager.py``): priced as ahead when, at its event, the free
-  pool plus the cached trained chunks with no later use cover it. The runtime decides ``prefetch_depth`` events earlier and
-  also reserves the gradient buffers charged in between, so at the tightest budgets it may keep a gather in
-  the hook that this prices as ahead. Other backward gathers run inside the pre-backward hook and the compute
+  pool plus the cached trained chunks with no later use cover it. The runtime decides ``prefetch_depth`` events
+  earlier and also reserves the gradient buffers charged in between, so at the tightest budgets it may keep a
+  gather in the hook that this prices as ahead. Other backward gathers run inside the pre-backward hook and the compute
   waits for them (and for gathers queued before them);
 * the reduce-scatter (or replicated all-reduce) of a chunk whose optimizer state is on the device runs on the
   manager's reduce stream, overlapping the rest of backward ([Note: reduce overlap] in ``chunk/chunk.py``);
@@ -137,21 +140,20 @@ rollback snapshot to price, and its activations are the forward's transient alon
 prepared without an optimizer differs from a training step in two ways the model follows:
 
 * no optimizer step ends a step: each top-level forward is one ([Note: forward steps] in
-  ``hf_elixir/chunk/manager.py``). The first forward after ``prepare`` has no previous order: the manager evicts
-  the least recently used unpinned chunk (``ChunkManager._victim`` without ``prev_trace``) and prefetches
-  nothing. Every later forward evicts by Belady over the forward before it (ties, chunks that forward does not
-  use again, to the least recently used: ``ChunkManager._belady_key``) and prefetches ``prefetch_depth`` chunks
-  ahead of it, local onloads on CUDA and all-gathers at several ranks, as a training forward does ([Note:
-  overlap]; not the all-gathers under ``activations_on_device``: without an optimizer step the ranks have no
-  point at which to agree on them, so they stay in the hooks). :func:`predict` replays the first forward with recency and no prefetch, the later ones with Belady
-  over the profiled order (next uses by event and place in it, the manager's trace positions) and prefetch. A
-  forward all-gather (after the forward's first event) is priced as ahead unless the room for it is made by
-  evicting a chunk of the event before it: the runtime issues it at the latest at that event's access, when
-  that chunk is pinned and its gather ahead may not evict it ([Note: Belady-consistent gather ahead]); in a
-  forward whose pool is full the chunk Belady evicts is often the one just used (not used again in the forward),
-  and the gather then stays in the hook. The count is the runtime's (``Prediction.gathers_ahead``; its timing,
-  issued ``prefetch_depth`` events ahead, is the approximation training's gathers get too). No dead chunk is
-  resharded early (there is no backward);
+  ``hf_elixir/chunk/manager.py``). The first forward after ``prepare`` has no previous order: the manager evicts the
+  least recently used unpinned chunk (``ChunkManager._victim`` without ``prev_trace``) and prefetches nothing. Every
+  later forward evicts by Belady over the forward before it (ties, chunks that forward does not use again, to the
+  least recently used: ``ChunkManager._belady_key``) and prefetches ``prefetch_depth`` chunks ahead of it, local
+  onloads on CUDA and all-gathers at several ranks, as a training forward does ([Note: overlap]; not the all-gathers
+  under ``activations_on_device``: without an optimizer step the ranks have no point at which to agree on them, so
+  they stay in the hooks). :func:`predict` replays the first forward with recency and no prefetch, the later ones with
+  Belady over the profiled order (next uses by event and place in it, the manager's trace positions) and prefetch. A
+  forward all-gather (after the forward's first event) is priced as ahead unless the room for it is made by evicting a
+  chunk of the event before it: the runtime issues it at the latest at that event's access, when that chunk is pinned
+  and its gather ahead may not evict it ([Note: Belady-consistent gather ahead]); in a forward whose pool is full the
+  chunk Belady evicts is often the one just used (not used again in the forward), and the gather then stays in the
+  hook. The count is the runtime's (``Prediction.gathers_ahead``; its timing, issued ``prefetch_depth`` events ahead,
+  is the approximation training's gathers get too). No dead chunk is resharded early (there is no backward);
 * nothing makes a cached chunk stale between forwards (no optimizer updates its shard), so a forward starts
   with what the previous one left cached. :func:`predict` replays the forward from an empty cache, then again
   from what each replay left (at most :data:`FORWARD_PASSES` replays) until a replay starts from the cache the
