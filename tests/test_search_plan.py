@@ -101,14 +101,19 @@ def test_world_size_shards_memory_and_tight_budgets_offload():
         search(profile, _gpu(10 * 2**20, 64 * GIB), precision="bf16")
 
 
-def test_a_sharded_plan_whose_budget_covers_activations_says_its_gathers_wait_in_the_hooks():
-    """At several ranks a pool that charges activations keeps all-gathers in the hooks ([Note: gather prefetch]);
-    the plan says so and how to lift it, not that copies do not overlap compute."""
+def test_a_sharded_plan_whose_budget_covers_activations_says_its_forward_gathers_go_ahead_when_agreed():
+    """At several ranks a training step under a pool that charges activations issues its forward all-gathers
+    ahead from the third step on, agreed by the ranks at each optimizer step ([Note: gather prefetch]); the plan
+    says so (MoE and inference keep them in the hooks: tests/test_agreed_gather_pricing.py)."""
     profile = _meta_profile("gpt2", 2, 128)
-    plans = {on: search(profile, _gpu(int(1.2 * GIB), 64 * GIB), precision="bf16", world_size=2,
-                        data_parallel="sharded", activations_on_device=on).plan for on in (True, False)}
-    assert any("all-gathers are not issued ahead: the budget covers activations" in r for r in plans[True].reasons)
-    assert not any("all-gathers are not issued ahead" in r for r in plans[False].reasons)
+    results = {on: search(profile, _gpu(int(1.2 * GIB), 64 * GIB), precision="bf16", world_size=2,
+                          data_parallel="sharded", activations_on_device=on) for on in (True, False)}
+    plans = {on: r.plan for on, r in results.items()}
+    assert plans[True].prefetch_depth > 0 and results[True].best.prediction.gathers_ahead.get("fwd", 0) > 0
+    assert any("forward all-gathers are issued ahead" in r and "from the third step on" in r
+               for r in plans[True].reasons), plans[True].reasons
+    for on in (True, False):
+        assert not any("all-gathers are not issued ahead" in r for r in plans[on].reasons), plans[on].reasons
 
 
 def _tiny_real_profile():

@@ -65,16 +65,25 @@ with several ranks an all-gather may, on any device; everything else on CPU is s
   ([Note: gather prefetch] in ``hf_elixir/chunk/manager.py``), on CUDA and off it (gloo runs async
   collectives on its own threads), so it overlaps the compute of the events before its own. Gathers run one
   after another on the group (``t_gather``); the event waits for its own. On CUDA the staging onload rides
-  the side stream too; off CUDA it and the fixed cost stay on the compute thread. Not where the runtime
-  keeps gathers in the hooks: with ``activations_on_device`` (the whole-device budget, whose activation
-  charges are rank-local) or a model with subtree units (``ChunkedStep.gather_prefetch``, MoE experts), nor
-  for the first ``prefetch_depth`` events (nothing runs ahead of them);
+  the side stream too; off CUDA it and the fixed cost stay on the compute thread. With
+  ``activations_on_device`` (the whole-device budget, whose activation charges are rank-local) the runtime
+  issues them ahead in training only, where every offloadable chunk keeps a rank-local host copy (which it
+  forces then: :func:`host_copies_forced`): the ranks agree at each optimizer step on which chunks each of
+  them had room for in the previous step ([Note: agreed gathers ahead] in ``hf_elixir/chunk/manager.py``), so
+  from the third step on (the steady state priced here) the forward gathers run ahead as with a model-data
+  pool, the same gathers and evictions (only the timing changes). Like the model-data case, this does not
+  check the runtime's room rule (a rank votes no where the gather would evict a chunk used before it), so at
+  the tightest budgets the runtime may keep a gather in the hook that this prices as ahead. Not where the
+  runtime keeps gathers in the hooks: a model with subtree units (``ChunkedStep.gather_prefetch``, MoE
+  experts), an inference step (``ChunkedStep.forward_only``) under ``activations_on_device``, nor for the
+  first ``prefetch_depth`` events (nothing runs ahead of them);
 * a **backward all-gather** (the re-gather of an evicted chunk without a host copy) is issued ahead the same
-  way where the runtime finds room for it without evicting a chunk the step still uses ([Note: backward gather
-  prefetch] in ``hf_elixir/chunk/manager.py``): priced as ahead when, at its event, the free pool plus the
-  cached trained chunks with no later use cover it. The runtime decides ``prefetch_depth`` events earlier and
-  also reserves the gradient buffers charged in between, so at the tightest budgets it may keep a gather in
-  the hook that this prices as ahead. Other backward gathers run inside the pre-backward hook and the compute
+  way, with a model-data pool only (under ``activations_on_device`` a backward refill is a local onload of the
+  forced host copy), where the runtime finds room for it without evicting a chunk the step still uses ([Note:
+  backward gather prefetch] in ``hf_elixir/chunk/manager.py``): priced as ahead when, at its event, the free
+  pool plus the cached trained chunks with no later use cover it. The runtime decides ``prefetch_depth`` events
+  earlier and also reserves the gradient buffers charged in between, so at the tightest budgets it may keep a
+  gather in the hook that this prices as ahead. Other backward gathers run inside the pre-backward hook and the compute
   waits for them (and for gathers queued before them);
 * the reduce-scatter (or replicated all-reduce) of a chunk whose optimizer state is on the device runs on the
   manager's reduce stream, overlapping the rest of backward ([Note: reduce overlap] in ``chunk/chunk.py``);
@@ -131,20 +140,20 @@ rollback snapshot to price, and its activations are the forward's transient alon
 prepared without an optimizer differs from a training step in two ways the model follows:
 
 * no optimizer step ends a step: each top-level forward is one ([Note: forward steps] in
-  ``hf_elixir/chunk/manager.py``). The first forward after ``prepare`` has no previous order: the manager evicts
-  the least recently used unpinned chunk (``ChunkManager._victim`` without ``prev_trace``) and prefetches
-  nothing. Every later forward evicts by Belady over the forward before it (ties, chunks that forward does not
-  use again, to the least recently used: ``ChunkManager._belady_key``) and prefetches ``prefetch_depth`` chunks
-  ahead of it, local onloads on CUDA and all-gathers at several ranks, as a training forward does ([Note:
-  overlap]). :func:`predict` replays the first forward with recency and no prefetch, the later ones with Belady
-  over the profiled order (next uses by event and place in it, the manager's trace positions) and prefetch. A
-  forward all-gather (after the forward's first event) is priced as ahead unless the room for it is made by
-  evicting a chunk of the event before it: the runtime issues it at the latest at that event's access, when
-  that chunk is pinned and its gather ahead may not evict it ([Note: Belady-consistent gather ahead]); in a
-  forward whose pool is full the chunk Belady evicts is often the one just used (not used again in the forward),
-  and the gather then stays in the hook. The count is the runtime's (``Prediction.gathers_ahead``; its timing,
-  issued ``prefetch_depth`` events ahead, is the approximation training's gathers get too). No dead chunk is
-  resharded early (there is no backward);
+  ``hf_elixir/chunk/manager.py``). The first forward after ``prepare`` has no previous order: the manager evicts the
+  least recently used unpinned chunk (``ChunkManager._victim`` without ``prev_trace``) and prefetches nothing. Every
+  later forward evicts by Belady over the forward before it (ties, chunks that forward does not use again, to the
+  least recently used: ``ChunkManager._belady_key``) and prefetches ``prefetch_depth`` chunks ahead of it, local
+  onloads on CUDA and all-gathers at several ranks, as a training forward does ([Note: overlap]; not the all-gathers
+  under ``activations_on_device``: without an optimizer step the ranks have no point at which to agree on them, so
+  they stay in the hooks). :func:`predict` replays the first forward with recency and no prefetch, the later ones with
+  Belady over the profiled order (next uses by event and place in it, the manager's trace positions) and prefetch. A
+  forward all-gather (after the forward's first event) is priced as ahead unless the room for it is made by evicting a
+  chunk of the event before it: the runtime issues it at the latest at that event's access, when that chunk is pinned
+  and its gather ahead may not evict it ([Note: Belady-consistent gather ahead]); in a forward whose pool is full the
+  chunk Belady evicts is often the one just used (not used again in the forward), and the gather then stays in the
+  hook. The count is the runtime's (``Prediction.gathers_ahead``; its timing, issued ``prefetch_depth`` events ahead,
+  is the approximation training's gathers get too). No dead chunk is resharded early (there is no backward);
 * nothing makes a cached chunk stale between forwards (no optimizer updates its shard), so a forward starts
   with what the previous one left cached. :func:`predict` replays the forward from an empty cache, then again
   from what each replay left (at most :data:`FORWARD_PASSES` replays) until a replay starts from the cache the
@@ -704,8 +713,10 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     # a forward-only step's first replay has no previous forward to prefetch by ([Note: forward-only pricing])
     prefetching = knobs.prefetch_depth > 0
     overlap = hardware.can_overlap and prefetching
-    # forward all-gathers issued ahead, on CUDA and off it ([Note: overlap])
-    gather_ahead = ws > 1 and prefetching and step.gather_prefetch and not activations_on_device
+    # forward all-gathers issued ahead, on CUDA and off it ([Note: overlap]); under a pool that charges
+    # activations only in training with rank-local host copies (the ranks agree on them at each optimizer step)
+    gather_ahead = ws > 1 and prefetching and step.gather_prefetch and (
+        not activations_on_device or (knobs.host_copies and not step.forward_only))
     # next use of each chunk after each event (Belady's victim choice, as the manager's); for a forward-only
     # step also its place in that event, the manager's trace position ([Note: forward-only pricing])
     next_use, next_place, first_place = step.next_places
@@ -849,8 +860,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             staging = step.shard_numel(c) * b if collective and c not in knobs.device_shard else 0
             ahead = collective and gather_ahead and prefetching and k >= (
                 1 if step.forward_only else knobs.prefetch_depth) and (
-                step.event_phase[k] == "fwd" or _backward_room(step, k, knobs.prefetch_depth, cached, last_seen,
-                                                               pool_bytes - used - full - staging))
+                step.event_phase[k] == "fwd" or not activations_on_device and _backward_room(
+                    step, k, knobs.prefetch_depth, cached, last_seen, pool_bytes - used - full - staging))
             evicted.clear()
             if not make_room(full + staging, group, k):
                 return None

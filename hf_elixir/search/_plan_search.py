@@ -638,6 +638,33 @@ def _minimum_bytes(profile: StepProfile, world_size: int, precision: str, size: 
     return min(need)
 
 
+def _gather_reasons(profile: StepProfile, best: Candidate, world_size: int, act_on_device: bool) -> list[str]:
+    """Where a sharded plan at several ranks issues its all-gathers ([Note: gather prefetch] in
+    ``chunk/manager.py``, priced as in [Note: overlap] in ``_cost.py``): MoE-expert chunks keep every gather in its
+    hook; so does inference (prepare without an optimizer) under a budget covering activations; training under
+    such a budget issues the forward ones ahead from the third step on, as the ranks agree at each optimizer step."""
+    if world_size < 2 or best.data_parallel != "sharded":
+        return []
+    hooks = "so each gather waits in its hook where the ranks agree ([Note: gather prefetch] in chunk/manager.py)"
+    if profile.subtree_units:
+        return ["all-gathers are not issued ahead: MoE-expert chunks are used only where experts got tokens and "
+                f"the ranks' pools drift apart, {hooks}"]
+    if not act_on_device:
+        return []
+    if profile.forward_only:
+        return ["all-gathers are not issued ahead: the budget covers activations, whose bytes can differ between "
+                "ranks, and inference (prepare without an optimizer) has no optimizer step at which the ranks "
+                f"agree, {hooks}; ElixirConfig(budget_covers_activations=False) with a budget for model data lets "
+                "them run ahead"]
+    if best.knobs.prefetch_depth == 0:
+        return []
+    return [f"forward all-gathers are issued ahead ({best.knobs.prefetch_depth} events) from the third step on "
+            "although the budget covers activations, whose bytes can differ between ranks: agreed by every rank at "
+            "each optimizer step (each rank votes, per chunk, whether it had room in the previous step; [Note: "
+            "agreed gathers ahead] in chunk/manager.py); backward refills are local copies of the rank-local host "
+            "copies; MoE-expert models and inference (prepare without an optimizer) keep them in their hooks"]
+
+
 def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: str, budget: int, limit: int,
              size_reason: str, evaluated: int, host_memory_bytes: int | None, act_on_device: bool,
              ranks_per_host: int = 1, reduce_dtype: str | None = "fp32") -> ElixirPlan:
@@ -666,12 +693,9 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
                        "every block's activations does not leave room for a faster plan")
     elif best.activation_checkpointing:
         reasons.append("activation checkpointing on: without it the activations do not leave room for a faster plan")
-    if world_size > 1 and act_on_device and best.data_parallel == "sharded":
-        reasons.append("all-gathers are not issued ahead: the budget covers activations, whose bytes can differ "
-                       "between ranks, so each gather waits in its hook where the ranks agree ([Note: gather "
-                       "prefetch] in chunk/manager.py); ElixirConfig(budget_covers_activations=False) with a budget "
-                       "for model data lets them run ahead")
-    elif k.prefetch_depth == 0 and best.data_parallel == "sharded":
+    gathers = _gather_reasons(profile, best, world_size, act_on_device)
+    reasons.extend(gathers)
+    if not gathers and k.prefetch_depth == 0 and best.data_parallel == "sharded":
         reasons.append("prefetch depth 0: copies do not overlap compute here, or blocks are better spent on caching")
     if k.refresh_cast == "device":
         reasons.append(f"refresh cast on the device: uploading the fp32 masters (twice the PCIe bytes, "
