@@ -27,7 +27,6 @@ import datetime
 import json
 import os
 import pickle
-import socket
 import statistics
 import sys
 import tempfile
@@ -42,6 +41,8 @@ import torch.multiprocessing as mp
 _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
+
+from benchmarks._harness import free_port  # noqa: E402
 
 _KEYS = ("step_gather_wait_s", "step_num_prefetched_gathers", "step_num_blocking_gathers",
          "step_num_agreed_gather_evictions", "step_allgather_bytes")
@@ -115,12 +116,6 @@ def _worker(rank: int, world_size: int, port: int, args, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args) -> dict:
     """Spawn the two ranks and summarise rank 0's timed steps (both ranks' for the agreement checks).
 
@@ -128,7 +123,7 @@ def run(args) -> dict:
         RuntimeError: a rank failed (its traceback is in the message).
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(2, _free_port(), args, out_dir), nprocs=2, join=True, start_method="spawn")
+        mp.start_processes(_worker, args=(2, free_port(), args, out_dir), nprocs=2, join=True, start_method="spawn")
         results, errors = [], []
         for rank in range(2):
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
