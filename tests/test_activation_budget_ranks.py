@@ -147,3 +147,60 @@ def test_copies_that_do_not_fit_host_memory_are_not_kept_and_the_run_is_warned()
     for r in out:
         assert r["copies"] == 0
         assert len(r["warned"]) == 1 and "budget_covers_activations=False" in r["warned"][0]
+
+
+def _eval_batch(step: int, rank: int) -> dict[str, torch.Tensor]:
+    return batch("gpt2", 700 + step, 1, 8 if rank == 0 else 30)
+
+
+def _eval_worker(rank: int, world_size: int, steps: int) -> dict:
+    """Train ``steps`` steps with a no-grad evaluation forward (each rank its own length) after every odd step."""
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    config = ElixirConfig(chunk_size_numel=CHUNK, default_placement="sharded")
+    floor = hf_elixir.min_device_budget_bytes(model, opt, config, world_size=world_size)
+    config = ElixirConfig(chunk_size_numel=CHUNK, default_placement="sharded",
+                          device_memory_budget_bytes=floor + 320_000)
+    model, opt = hf_elixir.prepare(model, opt, config)
+    ahead, logits = [], []
+    for step in range(steps):
+        opt.backward(model(**_batch(step, rank)).loss)
+        opt.step()
+        opt.zero_grad()
+        ahead.append(hf_elixir.memory_stats(model)["step_num_prefetched_gathers"])
+        if step % 2 == 1:
+            model.eval()
+            with torch.no_grad():
+                logits.append(model(**_eval_batch(step, rank)).logits.clone())
+            model.train()
+    with hf_elixir.full_parameters(model):
+        state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"ahead": ahead, "logits": logits, "state": state}
+
+
+def test_evaluation_forwards_between_steps_keep_the_agreed_gathers_ahead():
+    """An evaluation forward between steps (``Trainer`` with ``eval_steps``) issues the agreed gathers ahead
+    itself, so the training forward after it needs none and votes on none: the last agreement stands, and every
+    step from the third on still issues its gathers ahead (before, the step after each one issued none).
+    Training and the evaluation logits match PyTorch."""
+    steps = 6
+    out = run_distributed(_eval_worker, 2, steps, timeout_s=120)
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    ref_logits = []
+    for step in range(steps):
+        for rank in range(2):
+            (model(**_batch(step, rank)).loss / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 2 == 1:
+            with torch.no_grad():
+                ref_logits.append([model(**_eval_batch(step, rank)).logits for rank in range(2)])
+    ref = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert out[0]["ahead"] == out[1]["ahead"], [r["ahead"] for r in out]
+    ahead = out[0]["ahead"]
+    assert ahead[:2] == [0, 0] and min(ahead[2:]) > 0 and len(set(ahead[2:])) == 1, ahead
+    for rank, r in enumerate(out):
+        assert rel_l2(r["state"], ref) < 1e-5
+        for got, want in zip(r["logits"], ref_logits):
+            torch.testing.assert_close(got, want[rank], rtol=1e-5, atol=1e-5)

@@ -101,9 +101,13 @@ other groups), so which gathers run ahead is agreed, one step late:
   pool has room for it without evicting a chunk used before it (free bytes, kept gradient buffers, and
   evictable chunks not in the window whose next use comes later): ``_ahead_room``. Evaluation forwards
   between steps do not vote;
-* the votes ride the has-gradient flags' all-reduce (MAX of "no room"; a chunk without a vote counts as no
-  room) and the step's one host read brings them back (``ElixirOptimizer._read_step_state`` ->
-  :meth:`agree_gathers_ahead`): the chunks every rank had room for, the same set on every rank;
+* the votes ride the has-gradient flags' all-reduce (MAX of 1 "no room", 0 "room", -1 "no vote") and the
+  step's one host read brings them back (``ElixirOptimizer._read_step_state`` -> :meth:`agree_gathers_ahead`):
+  the chunks every rank had room for, the same set on every rank. A chunk no rank voted on keeps the last
+  agreement: an evaluation forward between steps issues the agreed gathers (its chunks then need none in the
+  training forward, so nothing votes), and dropping them would leave every step after an evaluation without
+  gathers ahead (``Trainer`` with ``eval_steps``); a vote of "room" from some ranks and none from others
+  agrees (whether a chunk needs its all-gather is the same on every rank);
 * in the next step each rank issues exactly those gathers ahead, at the same window positions, in the same
   order (whatever its local onloads ahead do), making room rank-locally with Belady's victims (safe: with the
   copies an eviction costs a local refill, never a collective). Where this batch left less room than the
@@ -812,17 +816,20 @@ class ChunkManager:
 
     def agree_gathers_ahead(self, veto: list[float]) -> None:
         """The step's host read of the merged votes (``ahead_veto``, one per chunk: > 0 where some rank had no
-        room or did not vote): the chunks whose all-gathers the next step issues ahead ([Note: agreed gathers
-        ahead]). The same list, so the same set, on every rank."""
-        self._ahead_agreed = frozenset(cid for cid, v in enumerate(veto) if v == 0)
+        room, 0 where every voting rank had room, < 0 where no rank voted: the last agreement stands): the
+        chunks whose all-gathers the next step issues ahead ([Note: agreed gathers ahead]). The same list and
+        the same last agreement, so the same set, on every rank."""
+        self._ahead_agreed = frozenset(cid for cid, v in enumerate(veto)
+                                       if v == 0 or (v < 0 and cid in self._ahead_agreed))
         self._ahead_room = {}
 
     def _ahead_votes(self, group) -> list[float]:
-        """This rank's "no room" votes (1.0 / 0.0) for the chunks gathered over ``group``, by chunk id (none
-        outside the agreed mode): [Note: agreed gathers ahead]."""
+        """This rank's votes for the chunks gathered over ``group``, by chunk id: 1.0 no room, 0.0 room, -1.0 no
+        vote this step (none outside the agreed mode): [Note: agreed gathers ahead]."""
         if self.gather_prefetch_mode() != "agreed":
             return []
-        return [0.0 if self._ahead_room.get(c.chunk_id, False) else 1.0 for c in self._voters(group)]
+        return [-1.0 if c.chunk_id not in self._ahead_room else 0.0 if self._ahead_room[c.chunk_id] else 1.0
+                for c in self._voters(group)]
 
     def _voters(self, group) -> list[Chunk]:
         return [c for c in self.chunks if c.world_size > 1 and c.group is group]
