@@ -40,19 +40,25 @@ def _reference(world_size: int, steps: int = STEPS) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, world_size: int, no_room: dict[int, set[int] | None] | None = None,
-            steps: int = STEPS) -> dict:
-    """Train ``steps`` steps; ``no_room``: {step: chunk ids (``None``: all)} for which rank 1 votes "no room"
-    in that step, as if its batch had left none."""
+def _prepared(world_size: int):
+    """The tiny GPT-2 and AdamW prepared sharded under a budget that covers activations: the floor plus room for
+    rank 1's activations (about 205 KB at 24 tokens; rank 0's are 34 KB) and a cache of chunks, of which rank 1
+    evicts more. Returns ``(model, optimizer, config)``."""
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     config = ElixirConfig(chunk_size_numel=CHUNK, default_placement="sharded")
     floor = hf_elixir.min_device_budget_bytes(model, opt, config, world_size=world_size)
-    # room for rank 1's activations (about 205 KB at 24 tokens; rank 0's are 34 KB) and a cache of chunks:
-    # rank 1 evicts more of it
     config = ElixirConfig(chunk_size_numel=CHUNK, default_placement="sharded",
                           device_memory_budget_bytes=floor + 320_000)
     model, opt = hf_elixir.prepare(model, opt, config)
+    return model, opt, config
+
+
+def _worker(rank: int, world_size: int, no_room: dict[int, set[int] | None] | None = None,
+            steps: int = STEPS) -> dict:
+    """Train ``steps`` steps; ``no_room``: {step: chunk ids (``None``: all)} for which rank 1 votes "no room"
+    in that step, as if its batch had left none."""
+    model, opt, config = _prepared(world_size)
     manager = hf_elixir.get_state(model).manager
     room_ahead = manager._room_ahead
     per_step = []
@@ -155,13 +161,7 @@ def _eval_batch(step: int, rank: int) -> dict[str, torch.Tensor]:
 
 def _eval_worker(rank: int, world_size: int, steps: int) -> dict:
     """Train ``steps`` steps with a no-grad evaluation forward (each rank its own length) after every odd step."""
-    model = tiny_model("gpt2")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    config = ElixirConfig(chunk_size_numel=CHUNK, default_placement="sharded")
-    floor = hf_elixir.min_device_budget_bytes(model, opt, config, world_size=world_size)
-    config = ElixirConfig(chunk_size_numel=CHUNK, default_placement="sharded",
-                          device_memory_budget_bytes=floor + 320_000)
-    model, opt = hf_elixir.prepare(model, opt, config)
+    model, opt, _ = _prepared(world_size)
     ahead, logits = [], []
     for step in range(steps):
         opt.backward(model(**_batch(step, rank)).loss)
