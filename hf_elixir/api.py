@@ -194,8 +194,12 @@ def _resolve_plan(model, config: ElixirConfig, sample_batch, optimizer=None) -> 
         _check_decoder_inputs(model, sample_batch, optimizer)
         from hf_elixir.search import auto_plan  # noqa: PLC0415 (optional heavy import)
 
-        # priced with the optimizer's state bytes; without one, a forward-only (inference) step
-        plan = auto_plan(model, sample_batch, config, optimizer=optimizer, inference=optimizer is None)
+        # priced with the optimizer's state bytes; without one, a forward-only (inference) step. The profiled
+        # step (dropout) and the hardware probe draw random numbers: the caller's RNG streams are restored, so
+        # training after a search draws what it would without one (data order, dropout masks)
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            plan = auto_plan(model, sample_batch, config, optimizer=optimizer, inference=optimizer is None)
     return plan
 
 

@@ -298,3 +298,49 @@ def test_join_uneven_inputs_refuses_uneven_batches_for_an_elixir_model_instead_o
         assert "even_batches=True" in error and "drop_last=True" in error, error
         assert steps == 3
         assert any("only supported for multi-GPU" in w for w in other_warnings), other_warnings
+
+
+def test_search_auto_profiles_the_first_batch_of_the_training_loader_and_keeps_its_order():
+    """``ElixirConfig(search="auto")`` through ``ElixirPlugin`` takes the profiled step's batch from the training
+    DataLoader passed to ``prepare`` (a Trainer or Accelerate user has no other place to give one). The loader then
+    yields the same shuffled order as without the search (the sampler's seed draw runs under a forked RNG, and so
+    do the search's profiled step and hardware probe, which drew from the global generator on a cold cache), and
+    without a DataLoader the error says what to pass."""
+    import torch
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    import hf_elixir
+    from hf_elixir.integrations import ElixirPlugin
+    from tests._models import batch, tiny_model
+
+    rows = [{k: v[0] for k, v in batch("gpt2", i, 1).items()} for i in range(8)]
+
+    def loader():
+        return torch.utils.data.DataLoader(rows, batch_size=2, shuffle=True)
+
+    def run(search: str):
+        accelerator = Accelerator(cpu=True)
+        config = hf_elixir.ElixirConfig(search=search, chunk_size_numel=4096, device_memory_budget_bytes=2_000_000)
+        model = tiny_model("gpt2")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if search == "auto":
+            with pytest.raises(ValueError, match="pass the training DataLoader"):
+                ElixirPlugin(config=config).prepare(accelerator, model, opt)
+        torch.manual_seed(7)
+        model, opt, train = ElixirPlugin(config=config).prepare(accelerator, model, opt, loader())
+        seen = []
+        for b in train:
+            seen.append(b["input_ids"])
+            accelerator.backward(model(**b).loss)
+            opt.step()
+            opt.zero_grad()
+        return hf_elixir.get_state(model).plan, seen
+
+    _, expected = run("off")
+    plan, seen = run("auto")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    assert plan.predicted_step_s is not None and plan.activation_peak_bytes, plan  # a searched, profiled plan
+    assert len(seen) == len(expected) == 4
+    assert all(torch.equal(a, b) for a, b in zip(seen, expected)), ([s[0, 0].item() for s in seen], [e[0, 0].item() for e in expected])

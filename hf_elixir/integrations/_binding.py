@@ -331,7 +331,7 @@ def config_summary(config, source: str) -> str:
 
 
 def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config, checkpoint=None,
-                   source: str = "the caller"):
+                   source: str = "the caller", sample_batch=None):
     """Run :func:`hf_elixir.prepare` and register the result with ``accelerator`` without DDP.
 
     Args:
@@ -342,6 +342,7 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
         checkpoint: a Hugging Face folder to stream the parameters from (``hf_elixir.prepare(...,
             checkpoint=)``; the model may be on the meta device), or ``None``.
         source: where ``config`` came from, for the settings line (:func:`config_summary`) logged first.
+        sample_batch: the batch ``search="auto"`` profiles (``hf_elixir.prepare(..., sample_batch=)``), or ``None``.
 
     Returns:
         ``(model, accelerated_optimizer)``: the same model object (registered in
@@ -363,7 +364,8 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
     if is_prepared(model):  # a model a previous Trainer/Accelerator already trained
         elixir_optimizer = rebind_optimizer(model, optimizer, config)
     else:
-        model, elixir_optimizer = hf_elixir.prepare(model, optimizer, config=config, checkpoint=checkpoint)
+        model, elixir_optimizer = hf_elixir.prepare(model, optimizer, config=config, checkpoint=checkpoint,
+                                                    sample_batch=sample_batch)
     wrapped = ElixirAcceleratedOptimizer(elixir_optimizer)
     model._is_accelerate_prepared = True  # accelerate: register, do not wrap (no DDP, no autocast)
     wrapped._is_accelerate_prepared = True

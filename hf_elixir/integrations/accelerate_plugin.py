@@ -132,14 +132,42 @@ class ElixirPlugin:
         Raises:
             ValueError: precision conflict between the Elixir config and the accelerator.
             TypeError: `model` was already wrapped by `accelerator.prepare`.
+            ValueError: `search="auto"` without a `DataLoader` in `others` to take the profiled batch from.
+
+        With `ElixirConfig(search="auto")` the first batch of the first `DataLoader` in `others` is the
+        `sample_batch` of `hf_elixir.prepare` (the profiled step, moved to `accelerator.device`); the global
+        torch RNG is restored afterwards, so the loader shuffles as it would without the search.
         """
         config = merge_precision(self.config, accelerator.mixed_precision)
         self.config = config
+        sample_batch = _sample_batch(others, accelerator.device) if config.search == "auto" else None
         model, optimizer = elixir_prepare(accelerator, model, optimizer, config, checkpoint=self.checkpoint,
-                                          source=self._source())
+                                          source=self._source(), sample_batch=sample_batch)
         if not others:
             return model, optimizer
         feed_tensor_parallel_rows(accelerator, model)  # [Note: tensor-parallel batches] in _binding.py
         prepared = accelerator.prepare(*others)
         prepared = prepared if isinstance(prepared, tuple) else (prepared,)
         return (model, optimizer, *prepared)
+
+
+def _sample_batch(others: tuple, device: torch.device):
+    """The first batch of the first ``DataLoader`` in ``others`` on ``device``, drawn under a forked CPU RNG (the
+    sampler's seed draw leaves the global generator as it was), for ``search="auto"``'s profiled step.
+
+    Raises:
+        ValueError: no ``DataLoader`` in ``others``, or it yields no batch.
+    """
+    from accelerate.utils import send_to_device
+
+    loader = next((o for o in others if isinstance(o, torch.utils.data.DataLoader)), None)
+    if loader is None:
+        raise ValueError("ElixirConfig.search='auto' profiles one training step on a batch: pass the training "
+                         "DataLoader to ElixirPlugin.prepare(accelerator, model, optimizer, train_loader, ...) "
+                         "(its first batch is profiled), or set search='off' (ELIXIR_SEARCH=off)")
+    with torch.random.fork_rng(devices=[]):
+        batch = next(iter(loader), None)
+    if batch is None:
+        raise ValueError("ElixirConfig.search='auto': the training DataLoader passed to ElixirPlugin.prepare "
+                         "yields no batch to profile")
+    return send_to_device(batch, device)
