@@ -182,3 +182,48 @@ def test_trainer_and_plugin_log_the_same_settings_line(tmp_path, caplog):
     ElixirPlugin(config=config).prepare(Accelerator(cpu=True), model, torch.optim.AdamW(model.parameters()))
     plugin_lines = lines()
     assert plugin_lines == [f"hf_elixir: ElixirConfig from ElixirPlugin(config=...): {settings}"], plugin_lines
+
+
+def test_search_auto_profiles_the_trainers_first_training_batch(tmp_path):
+    """``ElixirCallback(ElixirConfig(search="auto"))`` (``ELIXIR_SEARCH=auto``) takes the profiled step's batch from
+    the Trainer's own training DataLoader: the model gets a searched, profiled plan, and the Trainer then sees the
+    same batches in the same shuffled order (a seeded ``data_seed`` generator included), so the losses match a
+    ``search="off"`` run step for step."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    import hf_elixir
+    from hf_elixir.integrations import ElixirCallback
+
+    cfg = GPT2Config(vocab_size=128, n_positions=32, n_layer=2, n_embd=32, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    tokens = torch.randint(0, 128, (16, 16), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": t, "labels": t} for t in tokens]
+    seen: dict[str, list[int]] = {}
+
+    def run(search: str):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(cfg)
+
+        def spy(module, args, kwargs):  # the first token of each row of every training batch, in order
+            if module.training and torch.is_grad_enabled():
+                seen.setdefault(search, []).append(int(kwargs["input_ids"][:, 0].sum()))
+
+        model.register_forward_pre_hook(spy, with_kwargs=True)
+        args = TrainingArguments(str(tmp_path / search), max_steps=4, per_device_train_batch_size=2,
+                                 learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[],
+                                 use_cpu=True, seed=0, data_seed=3, disable_tqdm=True)
+        config = hf_elixir.ElixirConfig(search=search, chunk_size_numel=4096, device_memory_budget_bytes=2_000_000)
+        trainer = Trainer(model, args, train_dataset=data, callbacks=[ElixirCallback(config)])
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return hf_elixir.get_state(trainer.model).plan, losses
+
+    _, expected = run("off")
+    plan, losses = run("auto")
+    assert plan is not None and plan.predicted_step_s is not None and plan.activation_peak_bytes, plan
+    # the profiled forwards ran on the first batch, then training saw the same 4 batches as search="off"
+    profiled, trained = seen["auto"][:-4], seen["auto"][-4:]
+    assert len(seen["off"]) == 4 and trained == seen["off"], seen
+    assert profiled and set(profiled) == {seen["off"][0]}, seen
+    assert losses == pytest.approx(expected, rel=1e-5)

@@ -310,6 +310,51 @@ def rebind_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, c
     return existing
 
 
+def _loader_generators(loader) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects drawing ``loader``'s order: its own, its sampler's, its batch sampler's
+    sampler's (``DataLoader(generator=...)``, ``RandomSampler(generator=...)``, a Trainer's ``data_seed``)."""
+    found: list[torch.Generator] = []
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for owner in (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
+        gen = getattr(owner, "generator", None)
+        if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
+            found.append(gen)
+    return found
+
+
+def first_batch(loader: torch.utils.data.DataLoader, device: torch.device, source: str):
+    """The first batch of ``loader`` on ``device``, drawn without changing what ``loader`` yields afterwards: for
+    ``search="auto"``'s profiled step (``hf_elixir.prepare(..., sample_batch=)``).
+
+    The draw runs under a forked CPU RNG (a ``RandomSampler`` without a generator seeds itself from the global
+    one) and every generator of the loader's samplers is restored after it, so the training loop sees the same
+    shuffled order as without the search. The loader must be a plain ``DataLoader`` (before
+    ``accelerator.prepare``: iterating a prepared one registers it with accelerate's gradient state).
+
+    Args:
+        loader: the training ``DataLoader``; its batches are what ``model(**batch)`` takes.
+        device: where the batch goes (``accelerate.utils.send_to_device``).
+        source: who asked (``"ElixirPlugin.prepare"``, ``"ElixirCallback"``), for the error.
+
+    Raises:
+        ValueError: ``loader`` yields no batch.
+    """
+    from accelerate.utils import send_to_device
+
+    generators = _loader_generators(loader)
+    states = [g.get_state() for g in generators]
+    try:
+        with torch.random.fork_rng(devices=[]):
+            batch = next(iter(loader), None)
+    finally:
+        for gen, state in zip(generators, states):
+            gen.set_state(state)
+    if batch is None:
+        raise ValueError(f"ElixirConfig.search='auto': the training DataLoader {source} profiles yields no batch; "
+                         "give it a non-empty dataset or set search='off' (ELIXIR_SEARCH=off)")
+    return send_to_device(batch, device)
+
+
 def config_summary(config, source: str) -> str:
     """The one line both integrations log before ``prepare`` (``ElixirPlugin`` and ``ElixirCallback``, through
     :func:`elixir_prepare`): where the settings came from and every ``ElixirConfig`` field that differs from

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from hf_elixir.config import ElixirConfig, env_values
-from hf_elixir.integrations._binding import elixir_prepare, feed_tensor_parallel_rows, merge_precision
+from hf_elixir.integrations._binding import elixir_prepare, feed_tensor_parallel_rows, first_batch, merge_precision
 from hf_elixir.integrations._launch_config import find_launch_config_file, read_elixir_section
 
 __all__ = ["ElixirPlugin", "resolve_elixir_config"]
@@ -152,22 +152,15 @@ class ElixirPlugin:
 
 
 def _sample_batch(others: tuple, device: torch.device):
-    """The first batch of the first ``DataLoader`` in ``others`` on ``device``, drawn under a forked CPU RNG (the
-    sampler's seed draw leaves the global generator as it was), for ``search="auto"``'s profiled step.
+    """The first batch of the first ``DataLoader`` in ``others`` on ``device`` (:func:`first_batch`: the loader's
+    order is left as it was), for ``search="auto"``'s profiled step.
 
     Raises:
         ValueError: no ``DataLoader`` in ``others``, or it yields no batch.
     """
-    from accelerate.utils import send_to_device
-
     loader = next((o for o in others if isinstance(o, torch.utils.data.DataLoader)), None)
     if loader is None:
         raise ValueError("ElixirConfig.search='auto' profiles one training step on a batch: pass the training "
                          "DataLoader to ElixirPlugin.prepare(accelerator, model, optimizer, train_loader, ...) "
                          "(its first batch is profiled), or set search='off' (ELIXIR_SEARCH=off)")
-    with torch.random.fork_rng(devices=[]):
-        batch = next(iter(loader), None)
-    if batch is None:
-        raise ValueError("ElixirConfig.search='auto': the training DataLoader passed to ElixirPlugin.prepare "
-                         "yields no batch to profile")
-    return send_to_device(batch, device)
+    return first_batch(loader, device, "passed to ElixirPlugin.prepare")

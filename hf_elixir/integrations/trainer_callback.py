@@ -44,7 +44,8 @@ from accelerate.optimizer import AcceleratedOptimizer
 from transformers import TrainerCallback
 
 from hf_elixir.config import ElixirConfig
-from hf_elixir.integrations._binding import binding_of, elixir_prepare, feed_tensor_parallel_rows, merge_precision
+from hf_elixir.integrations._binding import (binding_of, elixir_prepare, feed_tensor_parallel_rows, first_batch,
+                                             merge_precision)
 
 __all__ = ["ElixirCallback"]
 
@@ -84,6 +85,8 @@ class ElixirCallback(TrainerCallback):
         config (`hf_elixir.ElixirConfig`, *optional*):
             Elixir settings; `None` = `ElixirConfig()` with `ELIXIR_<FIELD>` environment overrides. Its
             precision is merged with the `TrainingArguments` (`bf16`/`fp16`); a conflict raises `ValueError`.
+            With `search="auto"` (`ELIXIR_SEARCH=auto`) the first batch of the Trainer's training DataLoader is
+            the profiled step's `sample_batch`; the loader's shuffled order stays what it would be without it.
         log_memory_stats (`bool`, defaults to `True`):
             Add Elixir's counters to the Trainer's logs (`False`: none).
         log_all_stats (`bool`, defaults to `False`):
@@ -119,6 +122,7 @@ class ElixirCallback(TrainerCallback):
         self.trainer = None
         self.model: torch.nn.Module | None = None
         self.optimizer = None
+        self._train_loader: torch.utils.data.DataLoader | None = None  # see _prepare
 
     # ------------------------------------------------------------------ attaching
     def bind(self, trainer) -> None:
@@ -170,11 +174,25 @@ class ElixirCallback(TrainerCallback):
         # already under Elixir with its AcceleratedOptimizer (a second `train()`, an auto_find_batch_size
         # retry) only needs accelerate to register it again.
         optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer) and not isinstance(o, AcceleratedOptimizer)]
+        loaders = [o for o in objects if isinstance(o, torch.utils.data.DataLoader)]
+        if loaders:
+            # `train()` prepares the plain training DataLoader (`get_train_dataloader`) right before the model and
+            # optimizer, so the last loader seen here when they come is the training one: its first batch is
+            # `search="auto"`'s profiled step (an evaluation loader prepared earlier is replaced by it).
+            self._train_loader = loaders[-1]
         if model is not self.model and any(o is model for o in objects) and len(optimizers) == 1:
             if self.model is not None:  # model_init replaced the model: the old one leaves the binding
                 binding_of(trainer.accelerator).forget(self.model)
+            sample_batch = None
+            if self.config.search == "auto":
+                if self._train_loader is None:
+                    raise ValueError("ElixirCallback with ElixirConfig.search='auto' profiles the first training batch, "
+                                     "but the Trainer prepared no training DataLoader before the model; give the "
+                                     "Trainer a train_dataset, or set search='off' (ELIXIR_SEARCH=off)")
+                sample_batch = first_batch(self._train_loader, trainer.accelerator.device, "the Trainer built")
             prepared_model, prepared_opt = elixir_prepare(trainer.accelerator, model, optimizers[0], self.config,
-                                                         checkpoint=self.checkpoint, source=self._source)
+                                                         checkpoint=self.checkpoint, source=self._source,
+                                                         sample_batch=sample_batch)
             self.model, self.optimizer = prepared_model, prepared_opt.optimizer
             out = [prepared_model if o is model else prepared_opt if o is optimizers[0] else o for o in objects]
             rest = [o for o in out if o is not prepared_model and o is not prepared_opt]
