@@ -168,6 +168,45 @@ def test_search_auto_in_prepare_trains_within_budget(kind, monkeypatch):
     assert stats["activation_peak_bytes"] > 0 and stats["device_total_peak_bytes"] <= budget
 
 
+def test_search_auto_in_prepare_leaves_the_models_buffers_as_they_were(monkeypatch):
+    """``search="auto"`` profiles training steps on the model itself; a ``BatchNorm`` in train mode updates its
+    running statistics and ``num_batches_tracked`` on each of them. ``prepare`` must hand back the buffers the
+    caller gave it (as with ``search="off"``), or training starts from statistics of batches it never trained on
+    (before the fix: ``num_batches_tracked`` 3 and every running statistic moved)."""
+    _fixed_auto_plan_inputs(monkeypatch.setattr)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.norm, self.fc2 = torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 1)
+
+        def forward(self, x, y):
+            from transformers.modeling_outputs import ModelOutput  # noqa: PLC0415
+
+            out = self.fc2(torch.relu(self.norm(self.fc1(x))))
+            return ModelOutput(loss=torch.nn.functional.mse_loss(out.squeeze(-1), y))
+
+    g = torch.Generator().manual_seed(0)
+    sample = {"x": torch.randn(16, 8, generator=g) * 3 + 1, "y": torch.randn(16, generator=g)}
+    buffers = {}
+    for search in ("off", "auto"):
+        torch.manual_seed(0)
+        model = Net()
+        model, opt = hf_elixir.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), ElixirConfig(search=search),
+                                       sample_batch=sample if search == "auto" else None)
+        assert search == "off" or hf_elixir.get_state(model).plan.predicted_step_s is not None  # it searched
+        buffers[search] = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("norm.")}
+        loss = model(**sample).loss
+        loss.backward()
+        opt.step()
+        buffers[search + " stepped"] = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("norm.")}
+    assert int(buffers["auto"]["norm.num_batches_tracked"]) == 0
+    assert float(buffers["auto"]["norm.running_mean"].abs().max()) == 0.0
+    for key in ("auto", "auto stepped"):
+        off = buffers[key.replace("auto", "off")]
+        assert all(torch.equal(buffers[key][k], off[k]) for k in off), (key, buffers[key], off)
+
+
 def test_auto_plan_without_budget_fails_clearly_with_too_small_budget(hardware):
     model = tiny_model("gpt2")
     with pytest.raises(ValueError, match="no configuration fits"):
