@@ -112,7 +112,7 @@ class _Binding:
 
     def __init__(self, accelerator) -> None:
         self.accelerator = accelerator
-        self.entries: list[tuple[torch.nn.Module, Any]] = []  # (model, ElixirOptimizer)
+        self.entries: list[tuple[torch.nn.Module, Any]] = []  # (model, ElixirOptimizer, or None: inference only)
         self.original_prepare = accelerator.prepare  # before the Trainer callback wraps it
         self.original_backward = accelerator.backward
         self.original_clip_grad_norm_ = accelerator.clip_grad_norm_
@@ -127,22 +127,28 @@ class _Binding:
 
     def optimizer_for_parameters(self, parameters: list[torch.Tensor]):
         ids = {id(p) for p in parameters}
-        for model, optimizer in self.entries:
+        for model, optimizer in self.trained():
             if any(id(p) in ids for p in model.parameters()):
                 return optimizer
         return None
 
+    def trained(self) -> list[tuple[torch.nn.Module, Any]]:
+        """The entries with an optimizer: a model prepared for inference (a frozen reference or teacher next to the
+        trained one) takes no backward and no clipping."""
+        return [(m, o) for m, o in self.entries if o is not None]
+
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        if not self.entries:
+        trained = self.trained()
+        if not trained:
             return self.original_backward(loss, **kwargs)
-        if len(self.entries) > 1:
+        if len(trained) > 1:
             raise ValueError(
                 "accelerator.backward cannot tell which of several Elixir models a loss belongs to; "
                 "call optimizer.backward(loss / accelerator.gradient_accumulation_steps) directly"
             )
         if kwargs:
             logger.warning("accelerator.backward: %s are ignored under Elixir", sorted(kwargs))
-        self.entries[0][1].backward(loss / self.accelerator.gradient_accumulation_steps)
+        trained[0][1].backward(loss / self.accelerator.gradient_accumulation_steps)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -382,7 +388,9 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
     Args:
         accelerator: an ``accelerate.Accelerator``.
         model: the unwrapped model (an ``nn.Module``; not yet prepared by accelerate).
-        optimizer: a torch optimizer over ``model``'s parameters.
+        optimizer: a torch optimizer over ``model``'s parameters, or ``None`` for a model that is only evaluated
+            (prepared for inference, ``hf_elixir.prepare(model, None)``; registered with accelerate without an
+            optimizer, and left out of ``accelerator.backward`` / ``clip_grad_norm_``).
         config: the :class:`hf_elixir.ElixirConfig` (precision already merged).
         checkpoint: a Hugging Face folder to stream the parameters from (``hf_elixir.prepare(...,
             checkpoint=)``; the model may be on the meta device), or ``None``.
@@ -391,7 +399,10 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
 
     Returns:
         ``(model, accelerated_optimizer)``: the same model object (registered in
-        ``accelerator._models``) and an ``AcceleratedOptimizer`` around the ``ElixirOptimizer``.
+        ``accelerator._models``) and an ``AcceleratedOptimizer`` around the ``ElixirOptimizer`` (``None`` when
+        ``optimizer`` is ``None``: before, an ``AcceleratedOptimizer`` around ``None`` was registered, whose
+        ``accelerator.save_state`` raised an ``AttributeError``, and a trained model's ``accelerator.backward``
+        refused to choose between it and the reference model).
 
     Raises:
         TypeError: ``model`` is already wrapped (DDP/FSDP/compiled) or ``optimizer`` already prepared.
@@ -404,6 +415,12 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
         optimizer = optimizer.optimizer
     binding = binding_of(accelerator)
     info_on_main_rank(logger, "%s", config_summary(config, source))
+    if optimizer is None:  # a model only evaluated (a reference or teacher model): nothing to step or wrap
+        if not is_prepared(model):
+            model, _ = hf_elixir.prepare(model, None, config=config, checkpoint=checkpoint, sample_batch=sample_batch)
+        model._is_accelerate_prepared = True
+        binding.entries.append((model, None))
+        return binding.original_prepare(model), None
     if config.precision == "fp16" and accelerator.scaler is not None:
         accelerator.scaler = None  # Elixir's loss scaler replaces accelerate's GradScaler
     if is_prepared(model):  # a model a previous Trainer/Accelerator already trained
