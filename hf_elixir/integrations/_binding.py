@@ -47,6 +47,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any, Iterable
 
 import torch
@@ -358,6 +359,16 @@ def first_batch(loader: torch.utils.data.DataLoader, device: torch.device, sourc
     if batch is None:
         raise ValueError(f"ElixirConfig.search='auto': the training DataLoader {source} profiles yields no batch; "
                          "give it a non-empty dataset or set search='off' (ELIXIR_SEARCH=off)")
+    if not isinstance(batch, Mapping):
+        # a TensorDataset's [x, y] reached the model as one positional list (GPT-2: "'list' object has no
+        # attribute 'size'" from inside the profiler), and a loop's own loss function cannot reach the profile
+        kind = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (list, tuple)) else \
+            f"a {type(batch).__name__}"
+        raise ValueError(
+            f"ElixirConfig.search='auto' profiles one training step as model(**batch).loss on the first batch of the "
+            f"training DataLoader {source}, but it yields {kind}, not a dict of the model's keyword arguments: give "
+            "the DataLoader dict batches (with labels, so that a Hugging Face model returns .loss), or set "
+            "search='off' (ELIXIR_SEARCH=off)")
     return send_to_device(batch, device)
 
 
