@@ -350,12 +350,15 @@ def first_batch(loader: torch.utils.data.DataLoader, device: torch.device, sourc
 
     generators = _loader_generators(loader)
     states = [g.get_state() for g in generators]
+    iterator = None
     try:
         with torch.random.fork_rng(devices=[]):
-            batch = next(iter(loader), None)
+            iterator = iter(loader)
+            batch = next(iterator, None)
     finally:
         for gen, state in zip(generators, states):
             gen.set_state(state)
+        _close_iterator(loader, iterator)
     if batch is None:
         raise ValueError(f"ElixirConfig.search='auto': the training DataLoader {source} profiles yields no batch; "
                          "give it a non-empty dataset or set search='off' (ELIXIR_SEARCH=off)")
@@ -370,6 +373,20 @@ def first_batch(loader: torch.utils.data.DataLoader, device: torch.device, sourc
             "the DataLoader dict batches (with labels, so that a Hugging Face model returns .loss), or set "
             "search='off' (ELIXIR_SEARCH=off)")
     return send_to_device(batch, device)
+
+
+def _close_iterator(loader: torch.utils.data.DataLoader, iterator) -> None:
+    """Stop the worker processes of ``first_batch``'s one-batch ``iterator`` now. With ``persistent_workers=True`` the
+    loader keeps its iterator (``loader._iterator``) and with it ``num_workers`` processes for as long as the loader
+    lives: a Trainer trained beside one idle worker process per ``dataloader_num_workers`` of this throw-away draw
+    (the training loader is another object, with its own workers)."""
+    if iterator is None:
+        return
+    if getattr(loader, "_iterator", None) is iterator:
+        loader._iterator = None
+    shutdown = getattr(iterator, "_shutdown_workers", None)  # torch's _MultiProcessingDataLoaderIter
+    if callable(shutdown):
+        shutdown()
 
 
 def config_summary(config, source: str) -> str:
