@@ -389,6 +389,30 @@ def _close_iterator(loader: torch.utils.data.DataLoader, iterator) -> None:
         shutdown()
 
 
+def _prepare_explaining_no_loss(model, optimizer, config, checkpoint, sample_batch):
+    """``hf_elixir.prepare`` whose "no loss in the model output" (``search="auto"``'s profiled step) speaks to an
+    integration's user, who can give neither ``sample_batch`` nor ``loss_fn`` (prepare changed nothing yet).
+
+    Raises:
+        ValueError: the model returned no loss for the first training batch (no labels in it: a Trainer subclass's
+            ``compute_loss`` or a training loop's own loss function, which the profile cannot run).
+    """
+    import hf_elixir
+    from hf_elixir.profiler._step import NoLossError  # noqa: PLC0415
+
+    try:
+        return hf_elixir.prepare(model, optimizer, config=config, checkpoint=checkpoint, sample_batch=sample_batch)
+    except NoLossError as err:
+        keys = sorted(sample_batch) if isinstance(sample_batch, Mapping) else type(sample_batch).__name__
+        raise ValueError(
+            f"ElixirConfig.search='auto' profiles one training step as model(**batch).loss on the first training "
+            f"batch, but {type(model).__name__} returned no loss for a batch with {keys}: the profile runs the model "
+            "alone, not a Trainer's compute_loss or a training loop's own loss function. Give the batches labels (a "
+            "Hugging Face model then returns .loss), or set search='off' (ELIXIR_SEARCH=off); for a searched plan "
+            "without labels, write one with `hf-elixir plan ... --output plan.yaml` and pass "
+            "ElixirConfig(plan='plan.yaml')") from err
+
+
 def config_summary(config, source: str) -> str:
     """The one line both integrations log before ``prepare`` (``ElixirPlugin`` and ``ElixirCallback``, through
     :func:`elixir_prepare`): where the settings came from and every ``ElixirConfig`` field that differs from
@@ -454,8 +478,7 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
     if is_prepared(model):  # a model a previous Trainer/Accelerator already trained
         elixir_optimizer = rebind_optimizer(model, optimizer, config)
     else:
-        model, elixir_optimizer = hf_elixir.prepare(model, optimizer, config=config, checkpoint=checkpoint,
-                                                    sample_batch=sample_batch)
+        model, elixir_optimizer = _prepare_explaining_no_loss(model, optimizer, config, checkpoint, sample_batch)
     wrapped = ElixirAcceleratedOptimizer(elixir_optimizer)
     model._is_accelerate_prepared = True  # accelerate: register, do not wrap (no DDP, no autocast)
     wrapped._is_accelerate_prepared = True
