@@ -245,9 +245,11 @@ def test_search_auto_leaves_no_idle_worker_processes_of_the_profiled_draw(tmp_pa
     data = [{"input_ids": t, "labels": t} for t in tokens]
     counts = []
 
+    before = {p.pid for p in psutil.Process().children(recursive=True)}  # other tests' processes, if any
+
     class CountWorkers(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            counts.append(len(psutil.Process().children(recursive=True)))
+            counts.append(len({p.pid for p in psutil.Process().children(recursive=True)} - before))
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_layer=1, n_embd=32, n_head=4))
