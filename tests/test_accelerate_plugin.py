@@ -338,11 +338,13 @@ def test_search_auto_profiles_the_first_batch_of_the_training_loader_and_keeps_i
         return hf_elixir.get_state(model).plan, seen
 
     # a TensorDataset's [x, y] batches cannot be profiled as model(**batch).loss: said so, before anything changes
-    pairs = torch.utils.data.TensorDataset(torch.stack([r["input_ids"] for r in rows]), torch.stack([r["labels"] for r in rows]))
+    pairs = torch.utils.data.TensorDataset(torch.stack([r["input_ids"] for r in rows]),
+                                           torch.stack([r["labels"] for r in rows]))
     model = tiny_model("gpt2")
     with pytest.raises(ValueError, match=r"yields a list of 2, not a dict .*search='off'"):
         ElixirPlugin(config=hf_elixir.ElixirConfig(search="auto")).prepare(
-            Accelerator(cpu=True), model, torch.optim.AdamW(model.parameters()), torch.utils.data.DataLoader(pairs, batch_size=2))
+            Accelerator(cpu=True), model, torch.optim.AdamW(model.parameters()),
+            torch.utils.data.DataLoader(pairs, batch_size=2))
     from hf_elixir.runtime._state import is_prepared
     assert not is_prepared(model)
     _, expected = run("off")
