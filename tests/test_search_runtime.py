@@ -11,6 +11,7 @@ from hf_elixir import ElixirConfig
 from hf_elixir.chunk.packing import pack_chunks
 from hf_elixir.profiler import profile_step
 from hf_elixir.search import _plan_search, auto_plan, search
+from hf_elixir.runtime.activations import transformer_blocks
 from hf_elixir.search._cost import Knobs, activation_bytes, build_chunked_step, predict
 
 from _models import batch, fixed_cpu_hardware, fixed_times, priced_plan, tiny_model
@@ -205,6 +206,31 @@ def test_search_auto_in_prepare_leaves_the_models_buffers_as_they_were(monkeypat
     for key in ("auto", "auto stepped"):
         off = buffers[key.replace("auto", "off")]
         assert all(torch.equal(buffers[key][k], off[k]) for k in off), (key, buffers[key], off)
+
+
+def test_search_auto_after_gradient_checkpointing_enable_prices_kept_blocks_and_keeps_the_budget(monkeypatch):
+    """``Trainer(gradient_checkpointing=True)`` turns the model's checkpointing on before ``prepare``. The search must
+    profile the blocks as kept (it prices recompute and offload per block from that), or "keep" looks nearly free and
+    the step leaves the budget in its first forward (before: both blocks kept, priced at 70532 bytes of activations,
+    ``DeviceBudgetExceededError`` with 263552 saved). The user's switches are as they were during the search."""
+    _fixed_auto_plan_inputs(monkeypatch.setattr)
+    budget = 400_000
+    sample = batch("gpt2", 0, 2, 16)
+    model = tiny_model("gpt2")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model, opt = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                   ElixirConfig(search="auto", device_memory_budget_bytes=budget), sample_batch=sample)
+    plan = hf_elixir.get_state(model).plan
+    for _ in range(3):
+        model(**sample).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    stats = hf_elixir.memory_stats(model)
+    assert stats["device_total_peak_bytes"] <= budget
+    assert plan.activation_peak_bytes >= stats["activation_peak_bytes"] * 0.5, (plan.activation_peak_bytes, stats)
+    for name in transformer_blocks(model):  # what the plan recomputes keeps the switch, what it keeps loses it
+        block = model.get_submodule(name)
+        assert block.gradient_checkpointing is (plan.activation_policy[name] == "recompute"), (name, plan.activation_policy)
 
 
 def test_auto_plan_without_budget_fails_clearly_with_too_small_budget(hardware):
