@@ -29,6 +29,7 @@ keep working.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -196,11 +197,62 @@ def _resolve_plan(model, config: ElixirConfig, sample_batch, optimizer=None) -> 
 
         # priced with the optimizer's state bytes; without one, a forward-only (inference) step. The profiled
         # step (dropout) and the hardware probe draw random numbers: the caller's RNG streams are restored, so
-        # training after a search draws what it would without one (data order, dropout masks)
+        # training after a search draws what it would without one (data order, dropout masks); and its training
+        # forwards update buffers (BatchNorm running statistics, num_batches_tracked): those are restored too
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), _buffers_restored(model), _hf_checkpointing_off(model):
             plan = auto_plan(model, sample_batch, config, optimizer=optimizer, inference=optimizer is None)
     return plan
+
+
+@contextlib.contextmanager
+def _hf_checkpointing_off(model: torch.nn.Module):
+    """Turn the Hugging Face gradient-checkpointing switches (``module.gradient_checkpointing``, set by
+    ``model.gradient_checkpointing_enable()``, which ``Trainer(gradient_checkpointing=True)`` calls before
+    ``prepare``) off for the block, back on after it.
+
+    The search profiles every block as kept and prices recompute and offload per block from that profile
+    (:mod:`hf_elixir.search._activation_cost`), and ``prepare`` then installs the plan's policy, turning the user's
+    switch off on the blocks it keeps (:func:`~hf_elixir.runtime.activations.apply_activation_policy`). A profile
+    taken with the switches on measured only the checkpoints' inputs, so "keep" looked nearly free: a tiny GPT-2
+    under a 400000-byte budget got "keep" for both blocks priced at 70532 bytes of activations, then ran out of
+    the budget in its first forward (263552 bytes saved)."""
+    switched = [m for m in model.modules() if getattr(m, "gradient_checkpointing", None) is True]
+    for module in switched:
+        module.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for module in switched:
+            module.gradient_checkpointing = True
+
+
+@contextlib.contextmanager
+def _buffers_restored(model: torch.nn.Module):
+    """Put every buffer of ``model`` back to its values on entry when the block exits (a copy of each, same
+    device and dtype: the buffers' bytes once more while the block runs).
+
+    ``search="auto"`` profiles real training steps on the unprepared model (a warm-up, the traced step, repeats):
+    a ``BatchNorm`` in train mode updates ``running_mean``/``running_var`` and ``num_batches_tracked`` on each,
+    so without this the model ``prepare`` returned had statistics of batches it never trained on, and differed
+    from a ``search="off"`` run (a tiny ResNet: 3 extra ``num_batches_tracked``, every running statistic moved,
+    the evaluation loss after two steps 0.7785 against 0.8348). A buffer on the meta device has no values to
+    keep and is left alone."""
+    values: dict[int, torch.Tensor] = {}
+    saved = []  # (module, name, buffer object, its values on entry): a forward may also replace a buffer object
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and not buffer.is_meta:
+                if id(buffer) not in values:
+                    values[id(buffer)] = buffer.detach().clone()
+                saved.append((module, name, buffer, values[id(buffer)]))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, name, buffer, value in saved:
+                buffer.copy_(value)
+                module._buffers[name] = buffer
 
 
 def _check_decoder_inputs(model, sample_batch, optimizer) -> None:

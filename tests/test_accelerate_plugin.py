@@ -337,6 +337,16 @@ def test_search_auto_profiles_the_first_batch_of_the_training_loader_and_keeps_i
             opt.zero_grad()
         return hf_elixir.get_state(model).plan, seen
 
+    # a TensorDataset's [x, y] batches cannot be profiled as model(**batch).loss: said so, before anything changes
+    pairs = torch.utils.data.TensorDataset(torch.stack([r["input_ids"] for r in rows]),
+                                           torch.stack([r["labels"] for r in rows]))
+    model = tiny_model("gpt2")
+    with pytest.raises(ValueError, match=r"yields a list of 2, not a dict .*search='off'"):
+        ElixirPlugin(config=hf_elixir.ElixirConfig(search="auto")).prepare(
+            Accelerator(cpu=True), model, torch.optim.AdamW(model.parameters()),
+            torch.utils.data.DataLoader(pairs, batch_size=2))
+    from hf_elixir.runtime._state import is_prepared
+    assert not is_prepared(model)
     _, expected = run("off")
     plan, seen = run("auto")
     if dist.is_initialized():
@@ -344,3 +354,49 @@ def test_search_auto_profiles_the_first_batch_of_the_training_loader_and_keeps_i
     assert plan.predicted_step_s is not None and plan.activation_peak_bytes, plan  # a searched, profiled plan
     assert len(seen) == len(expected) == 4
     assert all(torch.equal(a, b) for a, b in zip(seen, expected)), ([s[0, 0].item() for s in seen], [e[0, 0].item() for e in expected])
+
+
+def test_a_reference_model_prepared_without_an_optimizer_leaves_the_trained_one_alone(tmp_path):
+    """A frozen reference (or teacher) model beside the trained one, both through ``ElixirPlugin.prepare``, the
+    reference with ``optimizer=None`` (DPO, distillation): it is prepared for inference and ``None`` comes back in
+    the optimizer's place; ``accelerator.backward`` and ``clip_grad_norm_`` go to the trained model, which trains
+    exactly as beside a plain reference model, and ``save_state`` works. Before: an ``AcceleratedOptimizer``
+    around ``None`` was returned and registered, ``accelerator.backward`` raised "cannot tell which of several
+    Elixir models" and ``save_state`` an ``AttributeError``."""
+    import torch
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    import hf_elixir
+    from hf_elixir.integrations import ElixirPlugin
+    from tests._models import batch, tiny_model
+
+    def run(reference_under_elixir: bool):
+        accelerator = Accelerator(cpu=True)
+        model, reference = tiny_model("gpt2", seed=0), tiny_model("gpt2", seed=1)
+        model, opt = ElixirPlugin().prepare(accelerator, model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        if reference_under_elixir:
+            out = ElixirPlugin().prepare(accelerator, reference, None)
+            assert out[0] is reference and out[1] is None and hf_elixir.get_state(reference).optimizer is None
+            assert not any(o.optimizer is None for o in accelerator._optimizers)
+        losses, norms = [], []
+        for step in range(3):
+            ids = batch("gpt2", step, 2)["input_ids"]
+            with torch.no_grad():
+                target = reference(input_ids=ids).logits.log_softmax(-1)
+            logits = model(input_ids=ids).logits
+            loss = torch.nn.functional.kl_div(logits.log_softmax(-1), target, log_target=True, reduction="batchmean")
+            accelerator.backward(loss)
+            norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 0.5)))
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        accelerator.save_state(str(tmp_path / f"state_{reference_under_elixir}"))
+        return losses, norms
+
+    expected = run(False)
+    got = run(True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    assert got[0] == pytest.approx(expected[0], rel=1e-6) and got[1] == pytest.approx(expected[1], rel=1e-6)
+    assert expected[1][0] > 0.5  # the clip was active

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 
 import hf_elixir
 from hf_elixir.chunk.params import StaleParameterError
@@ -162,9 +163,16 @@ def test_eval_forward_and_generate_match_reference():
 def test_tied_weights_save_pretrained_round_trip(tmp_path):
     model, opt = _prepare(tiny_model("gpt2"), device_memory_budget_bytes=140_000)
     _train_elixir(model, opt, [[batch("gpt2", s, 2)] for s in range(2)])
+    state = model.state_dict()  # as PyTorch's: one tensor under both names of the tied weight
+    assert state["lm_head.weight"] is state["transformer.wte.weight"]
     model.save_pretrained(tmp_path)
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    # the file holds the tied weight once, as plain transformers writes it (before: lm_head.weight too)
+    plain = tmp_path / "plain"
+    tiny_model("gpt2").save_pretrained(plain)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f, safe_open(str(plain / "model.safetensors"), "pt") as g:
+        assert sorted(f.keys()) == sorted(g.keys()) and "lm_head.weight" not in f.keys()
     ids = batch("gpt2", 9, 2)["input_ids"]
     with torch.no_grad():
         assert torch.allclose(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-6)

@@ -283,3 +283,22 @@ def test_rank_local_host_copies_are_priced_against_host_memory():
                     data_parallel="sharded", host_memory_bytes=tight, ranks_per_host=1)
     assert not capped.best.knobs.host_copies and capped.plan.host_copy_chunks == []
     assert capped.best.prediction.allgather_bytes > roomy.best.prediction.allgather_bytes
+
+
+def test_too_small_budget_names_about_the_smallest_budget_the_search_accepts():
+    """"no configuration fits" names the budget that would fit: the least working set plus activations over every
+    candidate chunk size, margin included (before: the first candidate chunk size only, without the margin; a tiny
+    GPT-2 at batch 4x16 was told "about 676356 bytes" where 512500 fitted)."""
+    import re
+
+    from tests._models import batch, tiny_model
+
+    model = tiny_model("gpt2")
+    profile = fixed_times(profile_step(model, batch("gpt2", 0, 4, 16)))
+    hardware = _cpu(64 * 2**20)
+    with pytest.raises(ValueError, match="no configuration fits") as failed:
+        search(profile, hardware, device_memory_budget_bytes=200_000, activations_on_device=True)
+    stated = int(re.search(r"device_memory_budget_bytes of about (\d+)", str(failed.value)).group(1))
+    assert search(profile, hardware, device_memory_budget_bytes=int(stated * 1.02), activations_on_device=True).plan
+    with pytest.raises(ValueError, match="no configuration fits"):
+        search(profile, hardware, device_memory_budget_bytes=int(stated * 0.9), activations_on_device=True)

@@ -11,6 +11,7 @@ from hf_elixir import ElixirConfig
 from hf_elixir.chunk.packing import pack_chunks
 from hf_elixir.profiler import profile_step
 from hf_elixir.search import _plan_search, auto_plan, search
+from hf_elixir.runtime.activations import transformer_blocks
 from hf_elixir.search._cost import Knobs, activation_bytes, build_chunked_step, predict
 
 from _models import batch, fixed_cpu_hardware, fixed_times, priced_plan, tiny_model
@@ -166,6 +167,70 @@ def test_search_auto_in_prepare_trains_within_budget(kind, monkeypatch):
     assert plan.activation_peak_bytes is not None
     assert plan.activation_peak_bytes >= stats["activation_peak_bytes"]
     assert stats["activation_peak_bytes"] > 0 and stats["device_total_peak_bytes"] <= budget
+
+
+def test_search_auto_in_prepare_leaves_the_models_buffers_as_they_were(monkeypatch):
+    """``search="auto"`` profiles training steps on the model itself; a ``BatchNorm`` in train mode updates its
+    running statistics and ``num_batches_tracked`` on each of them. ``prepare`` must hand back the buffers the
+    caller gave it (as with ``search="off"``), or training starts from statistics of batches it never trained on
+    (before the fix: ``num_batches_tracked`` 3 and every running statistic moved)."""
+    _fixed_auto_plan_inputs(monkeypatch.setattr)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.norm, self.fc2 = torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 1)
+
+        def forward(self, x, y):
+            from transformers.modeling_outputs import ModelOutput  # noqa: PLC0415
+
+            out = self.fc2(torch.relu(self.norm(self.fc1(x))))
+            return ModelOutput(loss=torch.nn.functional.mse_loss(out.squeeze(-1), y))
+
+    g = torch.Generator().manual_seed(0)
+    sample = {"x": torch.randn(16, 8, generator=g) * 3 + 1, "y": torch.randn(16, generator=g)}
+    buffers = {}
+    for search in ("off", "auto"):
+        torch.manual_seed(0)
+        model = Net()
+        model, opt = hf_elixir.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), ElixirConfig(search=search),
+                                       sample_batch=sample if search == "auto" else None)
+        assert search == "off" or hf_elixir.get_state(model).plan.predicted_step_s is not None  # it searched
+        buffers[search] = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("norm.")}
+        loss = model(**sample).loss
+        loss.backward()
+        opt.step()
+        buffers[search + " stepped"] = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("norm.")}
+    assert int(buffers["auto"]["norm.num_batches_tracked"]) == 0
+    assert float(buffers["auto"]["norm.running_mean"].abs().max()) == 0.0
+    for key in ("auto", "auto stepped"):
+        off = buffers[key.replace("auto", "off")]
+        assert all(torch.equal(buffers[key][k], off[k]) for k in off), (key, buffers[key], off)
+
+
+def test_search_auto_after_gradient_checkpointing_enable_prices_kept_blocks_and_keeps_the_budget(monkeypatch):
+    """``Trainer(gradient_checkpointing=True)`` turns the model's checkpointing on before ``prepare``. The search must
+    profile the blocks as kept (it prices recompute and offload per block from that), or "keep" looks nearly free and
+    the step leaves the budget in its first forward (before: both blocks kept, priced at 70532 bytes of activations,
+    ``DeviceBudgetExceededError`` with 263552 saved). The user's switches are as they were during the search."""
+    _fixed_auto_plan_inputs(monkeypatch.setattr)
+    budget = 400_000
+    sample = batch("gpt2", 0, 2, 16)
+    model = tiny_model("gpt2")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model, opt = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                   ElixirConfig(search="auto", device_memory_budget_bytes=budget), sample_batch=sample)
+    plan = hf_elixir.get_state(model).plan
+    for _ in range(3):
+        model(**sample).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    stats = hf_elixir.memory_stats(model)
+    assert stats["device_total_peak_bytes"] <= budget
+    assert plan.activation_peak_bytes >= stats["activation_peak_bytes"] * 0.5, (plan.activation_peak_bytes, stats)
+    for name in transformer_blocks(model):  # what the plan recomputes keeps the switch, what it keeps loses it
+        block = model.get_submodule(name)
+        assert block.gradient_checkpointing is (plan.activation_policy[name] == "recompute"), (name, plan.activation_policy)
 
 
 def test_auto_plan_without_budget_fails_clearly_with_too_small_budget(hardware):

@@ -227,3 +227,66 @@ def test_search_auto_profiles_the_trainers_first_training_batch(tmp_path):
     assert len(seen["off"]) == 4 and trained == seen["off"], seen
     assert profiled and set(profiled) == {seen["off"][0]}, seen
     assert losses == pytest.approx(expected, rel=1e-5)
+
+
+def test_search_auto_leaves_no_idle_worker_processes_of_the_profiled_draw(tmp_path):
+    """The profiled batch of ``search="auto"`` is drawn from the Trainer's plain training DataLoader; with
+    ``dataloader_persistent_workers=True`` that loader kept its one-batch iterator and so ``dataloader_num_workers``
+    idle processes for the whole training, beside the prepared loader's own (before: 2 worker processes with
+    ``dataloader_num_workers=1``, 1 without the callback)."""
+    import psutil
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    import hf_elixir
+    from hf_elixir.integrations import ElixirCallback
+
+    tokens = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": t, "labels": t} for t in tokens]
+    counts = []
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}  # other tests' processes, if any
+
+    class CountWorkers(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            counts.append(len({p.pid for p in psutil.Process().children(recursive=True)} - before))
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_layer=1, n_embd=32, n_head=4))
+    args = TrainingArguments(str(tmp_path), max_steps=2, per_device_train_batch_size=2, save_strategy="no",
+                             report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=1,
+                             dataloader_persistent_workers=True)
+    trainer = Trainer(model, args, train_dataset=data,
+                      callbacks=[ElixirCallback(hf_elixir.ElixirConfig(search="auto")), CountWorkers()])
+    trainer.train()
+    assert hf_elixir.get_state(trainer.model).plan.predicted_step_s is not None  # it searched
+    assert counts == [1, 1], counts  # the training loader's one worker, no idle one left by the draw
+
+
+def test_search_auto_without_labels_says_the_profile_runs_the_model_alone(tmp_path):
+    """A Trainer subclass computing its own loss from batches without labels: ``search="auto"``'s profiled step
+    (``model(**batch).loss``) finds no loss. The error speaks to the Trainer user, who can pass neither
+    ``sample_batch`` nor ``loss_fn`` (before: "pass labels in sample_batch or give loss_fn=" from the profiler),
+    and the model is left unprepared."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    import hf_elixir
+    from hf_elixir.integrations import ElixirCallback
+    from hf_elixir.runtime._state import is_prepared
+
+    class OwnLossTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            logits = model(input_ids=inputs["input_ids"]).logits
+            return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), inputs["input_ids"][:, 1:].flatten())
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_layer=1, n_embd=32, n_head=4))
+    data = [{"input_ids": t} for t in torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))]
+    args = TrainingArguments(str(tmp_path), max_steps=1, per_device_train_batch_size=2, save_strategy="no",
+                             report_to=[], use_cpu=True, disable_tqdm=True)
+    trainer = OwnLossTrainer(model, args, train_dataset=data,
+                             callbacks=[ElixirCallback(hf_elixir.ElixirConfig(search="auto"))])
+    with pytest.raises(ValueError, match=r"returned no loss for a batch with \['input_ids'\].*compute_loss.*search='off'"):
+        trainer.train()
+    assert not is_prepared(model)

@@ -47,6 +47,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any, Iterable
 
 import torch
@@ -112,7 +113,7 @@ class _Binding:
 
     def __init__(self, accelerator) -> None:
         self.accelerator = accelerator
-        self.entries: list[tuple[torch.nn.Module, Any]] = []  # (model, ElixirOptimizer)
+        self.entries: list[tuple[torch.nn.Module, Any]] = []  # (model, ElixirOptimizer, or None: inference only)
         self.original_prepare = accelerator.prepare  # before the Trainer callback wraps it
         self.original_backward = accelerator.backward
         self.original_clip_grad_norm_ = accelerator.clip_grad_norm_
@@ -127,22 +128,28 @@ class _Binding:
 
     def optimizer_for_parameters(self, parameters: list[torch.Tensor]):
         ids = {id(p) for p in parameters}
-        for model, optimizer in self.entries:
+        for model, optimizer in self.trained():
             if any(id(p) in ids for p in model.parameters()):
                 return optimizer
         return None
 
+    def trained(self) -> list[tuple[torch.nn.Module, Any]]:
+        """The entries with an optimizer: a model prepared for inference (a frozen reference or teacher next to the
+        trained one) takes no backward and no clipping."""
+        return [(m, o) for m, o in self.entries if o is not None]
+
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        if not self.entries:
+        trained = self.trained()
+        if not trained:
             return self.original_backward(loss, **kwargs)
-        if len(self.entries) > 1:
+        if len(trained) > 1:
             raise ValueError(
                 "accelerator.backward cannot tell which of several Elixir models a loss belongs to; "
                 "call optimizer.backward(loss / accelerator.gradient_accumulation_steps) directly"
             )
         if kwargs:
             logger.warning("accelerator.backward: %s are ignored under Elixir", sorted(kwargs))
-        self.entries[0][1].backward(loss / self.accelerator.gradient_accumulation_steps)
+        trained[0][1].backward(loss / self.accelerator.gradient_accumulation_steps)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -343,16 +350,67 @@ def first_batch(loader: torch.utils.data.DataLoader, device: torch.device, sourc
 
     generators = _loader_generators(loader)
     states = [g.get_state() for g in generators]
+    iterator = None
     try:
         with torch.random.fork_rng(devices=[]):
-            batch = next(iter(loader), None)
+            iterator = iter(loader)
+            batch = next(iterator, None)
     finally:
         for gen, state in zip(generators, states):
             gen.set_state(state)
+        _close_iterator(loader, iterator)
     if batch is None:
         raise ValueError(f"ElixirConfig.search='auto': the training DataLoader {source} profiles yields no batch; "
                          "give it a non-empty dataset or set search='off' (ELIXIR_SEARCH=off)")
+    if not isinstance(batch, Mapping):
+        # a TensorDataset's [x, y] reached the model as one positional list (GPT-2: "'list' object has no
+        # attribute 'size'" from inside the profiler), and a loop's own loss function cannot reach the profile
+        kind = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (list, tuple)) else \
+            f"a {type(batch).__name__}"
+        raise ValueError(
+            f"ElixirConfig.search='auto' profiles one training step as model(**batch).loss on the first batch of the "
+            f"training DataLoader {source}, but it yields {kind}, not a dict of the model's keyword arguments: give "
+            "the DataLoader dict batches (with labels, so that a Hugging Face model returns .loss), or set "
+            "search='off' (ELIXIR_SEARCH=off)")
     return send_to_device(batch, device)
+
+
+def _close_iterator(loader: torch.utils.data.DataLoader, iterator) -> None:
+    """Stop the worker processes of ``first_batch``'s one-batch ``iterator`` now. With ``persistent_workers=True`` the
+    loader keeps its iterator (``loader._iterator``) and with it ``num_workers`` processes for as long as the loader
+    lives: a Trainer trained beside one idle worker process per ``dataloader_num_workers`` of this throw-away draw
+    (the training loader is another object, with its own workers)."""
+    if iterator is None:
+        return
+    if getattr(loader, "_iterator", None) is iterator:
+        loader._iterator = None
+    shutdown = getattr(iterator, "_shutdown_workers", None)  # torch's _MultiProcessingDataLoaderIter
+    if callable(shutdown):
+        shutdown()
+
+
+def _prepare_explaining_no_loss(model, optimizer, config, checkpoint, sample_batch):
+    """``hf_elixir.prepare`` whose "no loss in the model output" (``search="auto"``'s profiled step) speaks to an
+    integration's user, who can give neither ``sample_batch`` nor ``loss_fn`` (prepare changed nothing yet).
+
+    Raises:
+        ValueError: the model returned no loss for the first training batch (no labels in it: a Trainer subclass's
+            ``compute_loss`` or a training loop's own loss function, which the profile cannot run).
+    """
+    import hf_elixir
+    from hf_elixir.profiler._step import NoLossError  # noqa: PLC0415
+
+    try:
+        return hf_elixir.prepare(model, optimizer, config=config, checkpoint=checkpoint, sample_batch=sample_batch)
+    except NoLossError as err:
+        keys = sorted(sample_batch) if isinstance(sample_batch, Mapping) else type(sample_batch).__name__
+        raise ValueError(
+            f"ElixirConfig.search='auto' profiles one training step as model(**batch).loss on the first training "
+            f"batch, but {type(model).__name__} returned no loss for a batch with {keys}: the profile runs the model "
+            "alone, not a Trainer's compute_loss or a training loop's own loss function. Give the batches labels (a "
+            "Hugging Face model then returns .loss), or set search='off' (ELIXIR_SEARCH=off); for a searched plan "
+            "without labels, write one with `hf-elixir plan ... --output plan.yaml` and pass "
+            "ElixirConfig(plan='plan.yaml')") from err
 
 
 def config_summary(config, source: str) -> str:
@@ -382,7 +440,9 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
     Args:
         accelerator: an ``accelerate.Accelerator``.
         model: the unwrapped model (an ``nn.Module``; not yet prepared by accelerate).
-        optimizer: a torch optimizer over ``model``'s parameters.
+        optimizer: a torch optimizer over ``model``'s parameters, or ``None`` for a model that is only evaluated
+            (prepared for inference, ``hf_elixir.prepare(model, None)``; registered with accelerate without an
+            optimizer, and left out of ``accelerator.backward`` / ``clip_grad_norm_``).
         config: the :class:`hf_elixir.ElixirConfig` (precision already merged).
         checkpoint: a Hugging Face folder to stream the parameters from (``hf_elixir.prepare(...,
             checkpoint=)``; the model may be on the meta device), or ``None``.
@@ -391,7 +451,10 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
 
     Returns:
         ``(model, accelerated_optimizer)``: the same model object (registered in
-        ``accelerator._models``) and an ``AcceleratedOptimizer`` around the ``ElixirOptimizer``.
+        ``accelerator._models``) and an ``AcceleratedOptimizer`` around the ``ElixirOptimizer`` (``None`` when
+        ``optimizer`` is ``None``: before, an ``AcceleratedOptimizer`` around ``None`` was registered, whose
+        ``accelerator.save_state`` raised an ``AttributeError``, and a trained model's ``accelerator.backward``
+        refused to choose between it and the reference model).
 
     Raises:
         TypeError: ``model`` is already wrapped (DDP/FSDP/compiled) or ``optimizer`` already prepared.
@@ -404,13 +467,18 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
         optimizer = optimizer.optimizer
     binding = binding_of(accelerator)
     info_on_main_rank(logger, "%s", config_summary(config, source))
+    if optimizer is None:  # a model only evaluated (a reference or teacher model): nothing to step or wrap
+        if not is_prepared(model):
+            model, _ = hf_elixir.prepare(model, None, config=config, checkpoint=checkpoint, sample_batch=sample_batch)
+        model._is_accelerate_prepared = True
+        binding.entries.append((model, None))
+        return binding.original_prepare(model), None
     if config.precision == "fp16" and accelerator.scaler is not None:
         accelerator.scaler = None  # Elixir's loss scaler replaces accelerate's GradScaler
     if is_prepared(model):  # a model a previous Trainer/Accelerator already trained
         elixir_optimizer = rebind_optimizer(model, optimizer, config)
     else:
-        model, elixir_optimizer = hf_elixir.prepare(model, optimizer, config=config, checkpoint=checkpoint,
-                                                    sample_batch=sample_batch)
+        model, elixir_optimizer = _prepare_explaining_no_loss(model, optimizer, config, checkpoint, sample_batch)
     wrapped = ElixirAcceleratedOptimizer(elixir_optimizer)
     model._is_accelerate_prepared = True  # accelerate: register, do not wrap (no DDP, no autocast)
     wrapped._is_accelerate_prepared = True

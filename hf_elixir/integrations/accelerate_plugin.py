@@ -114,20 +114,23 @@ class ElixirPlugin:
             return "ElixirPlugin(config=...)" if self.config != ElixirConfig() else "ElixirPlugin (defaults)"
         return "ElixirPlugin (ELIXIR_* environment variables)"
 
-    def prepare(self, accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *others):
+    def prepare(self, accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *others):
         """Put `model`/`optimizer` under Elixir and let `accelerator` prepare the rest.
 
         Args:
             accelerator (`accelerate.Accelerator`): the script's accelerator.
             model (`torch.nn.Module`): the plain model (do not pass it to `accelerator.prepare` first).
-            optimizer (`torch.optim.Optimizer`): an optimizer over `model.parameters()`.
+            optimizer (`torch.optim.Optimizer` or `None`): an optimizer over `model.parameters()`; `None` for a
+                model that is only evaluated (a frozen reference or teacher model beside the trained one): it is
+                prepared for inference (`hf_elixir.prepare(model, None)`), `None` is returned in the optimizer's
+                place, and `accelerator.backward` / `clip_grad_norm_` keep going to the trained model.
             *others: dataloaders and LR schedulers, prepared by `accelerator.prepare` as usual
                 (schedulers built on `optimizer` then drive the Elixir optimizer: its param_groups
                 are `optimizer`'s).
 
         Returns:
             `(model, optimizer, *others)` in the order given: the same model object and an
-            `AcceleratedOptimizer` around the `ElixirOptimizer`.
+            `AcceleratedOptimizer` around the `ElixirOptimizer` (`None` when `optimizer` is `None`).
 
         Raises:
             ValueError: precision conflict between the Elixir config and the accelerator.

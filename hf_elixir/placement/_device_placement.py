@@ -125,7 +125,7 @@ def _from_plan(chunks, plan: ElixirPlan) -> list[str]:
         c.resident = c.chunk_id in resident
         c.shard_on_device = c.chunk_id in dev_shard or c.resident
         c.optim_on_device = c.chunk_id in dev_optim
-    return ["placement taken from ElixirConfig.plan"]
+    return ["placement taken from the plan (ElixirConfig.plan, or searched for search='auto')"]
 
 
 def _working_set_error(chunks, needed: int, budget: int, optim_dev: int, training: bool,

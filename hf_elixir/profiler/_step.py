@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-__all__ = ["AccessEvent", "StepProfile", "canonical_parameters", "profile_step", "static_profile"]
+__all__ = ["AccessEvent", "NoLossError", "StepProfile", "canonical_parameters", "profile_step", "static_profile"]
 
 logger = logging.getLogger(__name__)
 
@@ -369,6 +369,11 @@ def _has_subtree_units(model: nn.Module) -> bool:
                if any(True for _ in m.parameters()))
 
 
+class NoLossError(ValueError):
+    """The profiled model's output holds no loss (no ``.loss``, no ``"loss"`` key, not a tensor): the integrations,
+    which cannot take a ``loss_fn``, turn it into their own message."""
+
+
 def _default_loss(output: Any) -> torch.Tensor:
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
@@ -376,7 +381,7 @@ def _default_loss(output: Any) -> torch.Tensor:
     if loss is None and isinstance(output, torch.Tensor):
         loss = output.float().mean() if output.dim() else output
     if loss is None:
-        raise ValueError(
+        raise NoLossError(
             "profile_step could not find a loss in the model output; pass labels in sample_batch "
             "or give loss_fn=callable(output) -> scalar tensor"
         )

@@ -78,6 +78,22 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
         removables.append(module._register_state_dict_hook(save_hook))
         removables.append(module._register_load_state_dict_pre_hook(load_pre_hook))
 
+    # [Note: tied entries share one tensor] Each module's save_hook above writes a fresh host copy of each of its
+    # parameters, so a parameter under two names (GPT-2's lm_head.weight tied to transformer.wte.weight) got two
+    # unrelated copies. PyTorch's state_dict gives both names one storage, and Hugging Face's save_pretrained
+    # (remove_tied_weights_from_state_dict) and accelerate's safetensors save find tied weights by storage: with two
+    # copies they wrote lm_head.weight too (a larger file than plain transformers writes, one embedding more). The
+    # root's hook, run after every module's, points every name of one parameter at the first name's copy.
+    tied = _tied_names(model, manager)
+    if tied:
+        def share_tied_hook(mod, destination, prefix, local_metadata):
+            for names in tied:
+                keys = [prefix + name for name in names if prefix + name in destination]
+                for key in keys[1:]:
+                    destination[key] = destination[keys[0]]
+
+        removables.append(model._register_state_dict_hook(share_tied_hook))
+
     # PyTorch copies the (host) state-dict tensors into the unsharded chunks between the root's
     # load pre-hook and its post-hook: a manager copy path ([Note: strict device])
     copies = []
@@ -101,6 +117,16 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
 
     removables.append(model.register_load_state_dict_post_hook(load_post_hook))
     return removables
+
+
+def _tied_names(model: torch.nn.Module, manager: ChunkManager) -> list[list[str]]:
+    """Names (relative to ``model``, in ``named_parameters`` order) of each managed parameter that ``model`` holds
+    under more than one name; parameters with one name are left out."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param in manager.slot_of:
+            names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 @contextlib.contextmanager
