@@ -346,11 +346,22 @@ class ChunkManager:
         self.pool.release_activation(self.counters.activation_bytes - live)
 
     def _pack_saved(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Charge ``tensor``'s storage (saved for backward) to the activation bytes; return what autograd keeps.
+
+        [Note: pack without a cycle] The packed object is ``tensor.detach()`` (autograd re-attaches the history
+        at unpack), never ``tensor`` itself, except for chunk views (parameters: leaves, no history): a saved
+        output packed as itself holds its own ``grad_fn``, which holds it, a cycle through C++ that the garbage
+        collector cannot see. Backward frees it, but a forward with grad enabled and no backward (an evaluation
+        without ``torch.no_grad()``, a forward that raised, a loss computed only to log) then kept its graph
+        and every activation it saved for good, still charged to the budget, until a later step failed with
+        ``DeviceBudgetExceededError`` on that rank alone (PyTorch's ``saved_tensors_hooks`` warns of this)."""
+        if strict.is_managed_device(tensor):
+            return tensor
         if tensor.device != self.compute_device or tensor.layout != torch.strided:
-            return tensor
+            return tensor.detach()
         storage = tensor.untyped_storage()
-        if storage in self._saved_storages or strict.is_managed_device(tensor):
-            return tensor
+        if storage in self._saved_storages:
+            return tensor.detach()
         nbytes = storage.nbytes()
         if self.pool.charges_activations and not self.pool.fits(nbytes):
             self.sync_activation_bytes()
@@ -361,7 +372,7 @@ class ChunkManager:
                 raise DeviceBudgetExceededError(f"{err}. Device holds: {self.describe()}") from None
         self.pool.charge_activation(nbytes)
         self._saved_storages[storage] = nbytes
-        return tensor
+        return tensor.detach()
 
     def charge_temporary(self, nbytes: int, what: str):
         """Context: ``nbytes`` of an autograd temporary live on the device inside (charged only when the
