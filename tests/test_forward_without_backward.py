@@ -96,3 +96,32 @@ def test_ranks_keep_training_after_forwards_without_backward_under_an_activation
         assert r["left"] == [0] * (2 * steps), r["left"]
         assert r["peak"] <= r["budget"]
         assert rel_l2(r["state"], ref) < 1e-5
+
+
+class _InPlaceOnSaved(torch.nn.Module):
+    """``exp`` saves its output, which the forward then doubles in place: plain PyTorch's backward raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x).exp()
+        y.mul_(2)
+        return y.sum()
+
+
+def test_a_saved_activation_modified_in_place_raises_as_in_pytorch():
+    """The accounting's pack hook replaces autograd's own version check of saved tensors (it does not run for
+    tensors packed by hooks): before, backward silently used the modified values ([Note: pack without a
+    cycle] in hf_elixir/chunk/manager.py)."""
+    import pytest
+
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _InPlaceOnSaved()(x).backward()
+    model = _InPlaceOnSaved()
+    model, _ = hf_elixir.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), ElixirConfig())
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: \[torch.float32, shape \(4, 8\)\] is "
+                                           r"at version 1; expected version 0"):
+        model(x).backward()
