@@ -337,8 +337,9 @@ class ChunkManager:
         outer = _active_saved_tensors_hooks()
         if outer is None:
             return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, _unpack_saved)
-        outer_pack, outer_unpack = outer  # e.g. the profiler's tracer: keep it seeing every saved tensor
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: outer_pack(self._pack_saved(t)), outer_unpack)
+        outer_pack, outer_unpack = outer  # e.g. the profiler's tracer: keep it seeing every saved tensor, itself
+        # (the tracer tells tensors apart by identity); what the outer hook packs is what autograd keeps
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: (self._pack_saved(t), outer_pack(t))[1], outer_unpack)
 
     def sync_activation_bytes(self) -> None:
         """Set the pool's activation bytes to the storages still alive (a weak mapping forgets the dead)."""
