@@ -7,7 +7,8 @@ on CPU-only CI exactly as they would on a GPU.
 
 [Note: activations in the budget] The activations autograd saves during forward are measured (the
 bytes of every distinct storage packed by ``torch.autograd.graph.saved_tensors_hooks`` that is not a
-chunk, released when the storage dies after backward) and reported (``activation_bytes``,
+chunk, released when the storage dies: after backward, or with the graph of a forward that had none, [Note:
+pack without a cycle] in ``chunk/manager.py``) and reported (``activation_bytes``,
 ``activation_peak_bytes``, ``device_total_peak_bytes`` = the peak of model data plus activations plus
 temporaries). The budget is the whole device a user grants (DESIGN.md: "The budget is the whole card"):
 an explicit ``device_memory_budget_bytes`` (with ``ElixirConfig.budget_covers_activations=True``, the
