@@ -448,6 +448,7 @@ def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params
                            prefetch_depth=plan.prefetch_depth if plan else config.prefetch_depth)
     manager.job_group = agree_group
     manager.pool.charges_activations = charges_activations
+    manager.pool.activation_reserve_bytes = activation_bytes  # what placement keeps for them (its errors say so)
     chunks = build_chunks(manager, params, names, placements, chunk_group_of(model, group), chunk_size,
                           _DTYPES[config.precision], device)
     if plan is not None:

@@ -144,6 +144,13 @@ def test_floor_with_activations_is_exact_and_the_plan_reserves_them(measured, re
     assert max(peaks) <= need, f"total peaks {peaks} above the budget {need}"
     assert hf_elixir.get_state(model).plan.activation_peak_bytes == room
     assert rel_l2(state, reference) < TOL
+    # a batch larger than the one the plan measured: the error says the reserve came from the plan (search again
+    # with the largest batch), not "search='auto'", which is how such a plan is made
+    with pytest.raises(DeviceBudgetExceededError) as info:
+        model(**batch("gpt2", 0, 16 * ROWS, SEQ)).loss.backward()
+    message = str(info.value)
+    assert f"placement kept {room} bytes of the budget for activations" in message, message
+    assert "largest batch" in message and "search='auto'" not in message, message
     # the model-data-only meaning ignores the plan's activations: the floor is the model data's
     opt_out = dataclasses.replace(config, budget_covers_activations=False)
     assert hf_elixir.min_device_budget_bytes(tiny_model("gpt2"), _opt(tiny_model("gpt2")), opt_out,

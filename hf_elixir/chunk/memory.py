@@ -161,6 +161,9 @@ class DevicePool:
         self.budget_bytes = budget_bytes
         self.counters = counters
         self.charges_activations = charges_activations
+        # bytes placement kept out of the budget for activations (a plan's ``activation_peak_bytes``); 0 when
+        # ``prepare`` had no measured figure: the advice in :meth:`activation_error` depends on which
+        self.activation_reserve_bytes = 0
         self.drift_warned = False
 
     @property
@@ -242,11 +245,21 @@ class DevicePool:
             f"{self.budget_bytes} covers activations (budget_covers_activations=True). This is part-way through "
             f"the forward: the step needs more than {self.counters.device_used_bytes + live + nbytes} bytes, and "
             "chunks that prepare placed resident (or pinned) are not evicted for activations. Fixes: "
-            "prepare with search='auto' and a sample batch (it measures the step's activations and places the "
-            "chunks beside them: hf_elixir.prepare(model, optimizer, ElixirConfig(search='auto', ...), "
-            "sample_batch=batch)), turn on activation checkpointing (model.gradient_checkpointing_enable() or "
+            + self._placement_fix() +
+            "turn on activation checkpointing (model.gradient_checkpointing_enable() or "
             "ElixirConfig(activation_policy='recompute')), use a smaller batch or sequence, or "
             "budget_covers_activations=False to make the budget bound model data only")
+
+    def _placement_fix(self) -> str:
+        """The first fix :meth:`activation_error` names: with no measured activations, let the search measure them;
+        with a plan's figure, say that this batch needs more than the batch it was measured on."""
+        if not self.activation_reserve_bytes:
+            return ("prepare with search='auto' and a sample batch (it measures the step's activations and places the "
+                    "chunks beside them: hf_elixir.prepare(model, optimizer, ElixirConfig(search='auto', ...), "
+                    "sample_batch=batch); ElixirPlugin and ElixirCallback take the first training batch), ")
+        return (f"placement kept {self.activation_reserve_bytes} bytes of the budget for activations, the plan's "
+                "activation_peak_bytes measured on its sample batch, and this batch saves more: search again (or "
+                "run hf-elixir plan) with the largest batch and sequence the run trains on, ")
 
     def release(self, nbytes: int) -> None:
         self.counters.device_used_bytes -= nbytes
