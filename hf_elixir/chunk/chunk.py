@@ -24,6 +24,26 @@ backward did not write (parameters without a gradient, padding): at the chunk's 
 all-reduce) and in :meth:`ChunkManager.settle_grad_zeros`, which ``drain_reduces`` and the optimizer step call
 (every reader of gradient shards calls ``drain_reduces`` first, [Note: late reduce waits] in manager.py). A
 step's pass over the gradients shrinks from zero + add (write, then read + write) to one write per element.
+
+[Note: parameter writes] A managed parameter with a current copy is a plain view into ``full``, so user code
+may write it in place between steps (``with torch.no_grad(): p.mul_(0.99)``, ``p[pad_id].zero_()``,
+``p.copy_(ema)``), as it would a plain PyTorch parameter. ``full`` is only a compute copy: the shard and the
+optimizer's fp32 master are the truth ([Note: shard authority]), so such a write used to be lost silently
+wherever they are separate buffers (resharding frees ``full``; the step overwrites it from the master): two
+ranks with replicated chunks and host optimizer states trained as if the write never happened (4% parameter
+difference after 4 steps of a manual weight decay), while one rank without a budget, where ``full`` is the
+master, applied it. Every write through the parameter bumps its version counter (``param._version``; set
+``.data`` keeps it), so :meth:`Chunk.take_param_writes` finds the written parameters by comparing it with
+``ParamSlot.seen_version`` and copies this rank's slice of ``full`` into the shard (and into a rank-local host
+copy); the manager's ``on_param_writes`` (the optimizer) then merges the shard into the master element by
+element: elements whose compute value differs from the master's cast value take it, the others keep their fp32
+master value (so bf16 masters are not rounded by a write elsewhere in the chunk). It runs at every reshard, at
+the start of each backward (before the host lane steps the masters and uploads them into the compute copies,
+[Note: early refresh] in ``hf_elixir/optim/optimizer.py``), at the start of ``step()`` and on entering
+``full_parameters``: every way ``full`` is freed or overwritten while current. A write through ``.data``
+(``p.data.mul_()``) has a fresh version counter and is not seen: written on a current parameter it is lost as
+before (use ``with torch.no_grad(): p.mul_()`` or ``hf_elixir.full_parameters(model, writeback=True)``). Every
+rank takes its own writes (no collective); deterministic writes on every rank, as under DDP, stay identical.
 """
 
 from __future__ import annotations
@@ -67,6 +87,7 @@ class ParamSlot:
     index_in_chunk: int = -1
     state: TensorState = TensorState.FREE
     aliases: list[str] = field(default_factory=list)
+    seen_version: int = 0  # ``param._version`` when its writes were last taken ([Note: parameter writes])
 
     def set_state(self, new: TensorState) -> None:
         check_transition(self.state, new, f"for parameter {self.name!r}")
@@ -205,6 +226,7 @@ class Chunk(ChunkBytes):
         self.full_version = -1
         self.pins = 0
         self.dirty = False
+        self.params_written = False  # the shard holds parameter writes the master has not taken yet
         # gradients
         self.grad_full: torch.Tensor | None = None
         # [Note: gradient spill] in manager.py: a partial gradient buffer moved to the host (None: not spilled)
@@ -317,6 +339,7 @@ class Chunk(ChunkBytes):
                     self.shard.copy_(src)
         self.unsharded = True
         self.full_version = -1 if partial else self.version  # partial: only this rank's slice was read
+        self.stamp_params()
 
     # -- unshard / reshard ---------------------------------------------------------------------
     def needs_fill(self) -> bool:
@@ -565,6 +588,9 @@ class Chunk(ChunkBytes):
         if self.full_alias or not self.unsharded:
             return
         self.wait_ready()  # never free a buffer a collective is still writing
+        if self.take_param_writes() and self.manager.on_param_writes is not None \
+                and not self.manager.backward_pending:  # in backward: merged at the step
+            self.manager.on_param_writes([self])
         if self.dirty:
             self.write_back()
         assert not self.shard_in_full, f"rank {self.rank}: resharding chunk {self.chunk_id}, whose shard is in full"
@@ -599,6 +625,40 @@ class Chunk(ChunkBytes):
         self.dirty = False
         self.version += 1
         self.full_version = self.version
+        self.stamp_params()  # what load_state_dict / full_parameters wrote through the parameters is in
+
+    def stamp_params(self) -> None:
+        """Record every parameter's version counter as taken ([Note: parameter writes])."""
+        for slot in self.slots:
+            slot.seen_version = slot.param._version
+
+    def take_param_writes(self) -> bool:
+        """Carry in-place writes made through the parameters since they were last taken from ``full`` into
+        the shard ([Note: parameter writes]); a rank-local host copy of ``full`` is updated too.
+
+        Returns:
+            whether there were writes on a current copy (the master still has to take them:
+            ``params_written`` is set until the optimizer merged them).
+        """
+        written = False
+        for slot in self.slots:
+            if slot.param._version != slot.seen_version:
+                slot.seen_version = slot.param._version
+                written = True
+        if not written or not self.unsharded or self.needs_fill() or self.hidden:
+            return False  # a stale parameter raises on any write: nothing reached a freed or old copy
+        if self.manager.host_fence is not None:  # the host optimizer may be stepping this shard in place
+            self.manager.host_fence(self)
+        with torch.no_grad(), strict.host_copies():
+            if not self.full_alias and not self.shard_in_full:
+                self.shard.copy_(self.full[self.shard_begin:self.shard_begin + self.shard_numel])
+                if not self.shard_on_device:
+                    self.manager.counters.d2h_bytes += self.shard_bytes
+            if self.host_full is not None and self.host_full_version == self.version:
+                self.host_full.copy_(self.full)
+                self.manager.counters.d2h_bytes += self.full_bytes
+        self.params_written = True
+        return True
 
     # -- gradients -----------------------------------------------------------------------------
     def direct_grad_shard(self) -> torch.Tensor | None:

@@ -245,6 +245,9 @@ class ChunkManager:
         # called before a shard is read (see [Note: gradient offload])
         self.on_grad_offloaded = None
         self.host_fence = None
+        # ``on_param_writes(chunks)`` merges parameter writes a reshard took into the shards of ``chunks`` into the
+        # optimizer's masters ([Note: parameter writes] in chunk.py); ``None`` without an optimizer
+        self.on_param_writes = None
         # [Note: early refresh] in optim/optimizer.py: ``on_grad_progress()`` runs after each gradient lands (the
         # host lane issues the uploads of chunks it has stepped); ``early_refresh_fence(chunk)`` runs before a
         # wait for a refresh issued from an unvalidated speculative step
@@ -967,6 +970,20 @@ class ChunkManager:
         self.last_step["step_device_peak_bytes"] = self.counters.device_peak_bytes
         self._step_start = now
 
+    def take_param_writes(self) -> None:
+        """Take what user code wrote in place into parameters with a current copy (``with torch.no_grad():
+        p.mul_(0.99)`` between backward and step) into the shards, and give every chunk whose shard holds such
+        writes to ``on_param_writes`` (the optimizer's masters take them) ([Note: parameter writes] in chunk.py).
+        Called at the start of each backward, at the step and on entering ``full_parameters``; each reshard takes
+        its chunk's. No collective: each rank takes its own writes. Costs one version-counter read per parameter
+        when nothing was written."""
+        for chunk in self.chunks:
+            chunk.take_param_writes()
+        if self.on_param_writes is not None:
+            written = [c for c in self.chunks if c.params_written]
+            if written:
+                self.on_param_writes(written)
+
     def hide_stale(self) -> None:
         """Point the parameters of every chunk without a current unsharded copy at stale placeholders
         (:meth:`Chunk.hide_stale_params`): reading or writing one raises until its next unshard."""
@@ -1035,6 +1052,9 @@ class ChunkManager:
                                "forward under torch.no_grad()")
         self.drain_gathers()
         self.drain_refreshes()
+        # writes made before the forward, in the masters before the host lane steps them and uploads its result
+        # into the compute copies ([Note: early refresh] in optim/optimizer.py, [Note: parameter writes] in chunk.py)
+        self.take_param_writes()
         if len(self.trace) < _MAX_TRACE:
             self._forward_ends.append(len(self.trace))
         self.backward_pending = True

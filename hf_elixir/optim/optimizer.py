@@ -183,6 +183,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
             self._lane = HostLane(self, speculate=speculates(config.overlap_host_optimizer, manager.compute_device),
                                   state_numel_factor=optimizer_state_numel_factor(optimizer))
             manager.host_steps_in_backward = self._lane.speculate  # [Note: reduce window] in chunk/manager.py
+        manager.on_param_writes = self.merge_param_writes  # [Note: parameter writes] in chunk/chunk.py
 
     def add_param_group(self, param_group: dict) -> None:
         """Only used while constructing; afterwards adding parameters is refused.
@@ -585,6 +586,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
             raise ValueError("ElixirOptimizer.step(closure) is not supported; call forward/backward before step()")
         assert not self.manager.backward_pending, "optimizer.step() called while a backward is still running"
         self._check_groups_unchanged()
+        self.manager.take_param_writes()  # before anything reads the masters ([Note: parameter writes] in chunk.py)
         self.manager.settle_grad_zeros()  # a step with no backward since zero_grad reads zeros
         if self._lane is not None and self._lane.speculate:
             self.manager.drain_reduces()  # the lane takes every offloaded gradient before it is validated
@@ -1109,6 +1111,34 @@ class ElixirOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _per_element_keys_local(saved_state: dict) -> set[str]:
         return {k for entry in saved_state.values() for k in entry}
+
+    def merge_param_writes(self, chunks: list[Chunk]) -> None:
+        """The manager's ``on_param_writes``: merge the compute shards of ``chunks`` (which hold parameter writes)
+        into their fp32 masters element by element: an element whose compute value differs from its master cast
+        to the compute dtype was written and takes that value; the others keep their master value, so a bf16
+        chunk's masters are not rounded to bf16 by a write elsewhere in it. Speculative host steps are undone
+        first (the step redoes them from the merged masters), as :meth:`sync_masters_from_params` does."""
+        self.settle_host_steps()
+        self._release_master_reads()  # pending uploads may read the masters written below
+        self.manager.drain_refreshes()
+        counters = self.manager.counters
+        for chunk in chunks:
+            chunk.params_written = False
+            master = self.masters.get(chunk.chunk_id)
+            source = chunk.full if chunk.full_alias else chunk.shard
+            if master is None or master is source:
+                continue  # no optimizer state, or the shard is the master: the write is in already
+            self._staged.discard(chunk.chunk_id)
+            moved = strict.is_host(source) != strict.is_host(master)
+            with torch.no_grad(), strict.host_copies():
+                values = source.to(master.device, copy=moved)
+                written = values != master.to(values.dtype)
+                master.copy_(torch.where(written, values.to(master.dtype), master))
+            if moved:
+                if strict.is_host(master):
+                    counters.d2h_bytes += chunk.shard_bytes
+                else:
+                    counters.h2d_bytes += chunk.shard_bytes
 
     def sync_masters_from_params(self) -> None:
         """Refresh fp32 masters from the compute shards (after ``model.load_state_dict``)."""
