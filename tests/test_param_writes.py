@@ -1,6 +1,7 @@
 """In-place writes to current parameters between steps reach the shards and fp32 masters ([Note: parameter
-writes] in hf_elixir/chunk/chunk.py): a manual weight decay (``with torch.no_grad(): p.mul_(0.99)`` between
-backward and step, as hand-written loops do) and a zeroed embedding row used to be lost silently wherever the
+writes] in hf_elixir/chunk/chunk.py): a manual weight decay (``with torch.no_grad(): p.mul_(0.99)`` or
+``p.data.mul_(0.99)`` between backward and step, as hand-written loops do) and a zeroed embedding row used to
+be lost silently wherever the
 compute copy is not the master (two ranks with replicated chunks and host optimizer states: 4% parameter
 difference from plain PyTorch after 4 steps; bf16 at one rank: the step restored the zeroed weight)."""
 
@@ -25,6 +26,8 @@ def _loop(model, opt, get):
             for p in model.transformer.h[0].parameters():
                 p.mul_(0.99)  # a manual weight decay between backward and step
             model.transformer.wte.weight[5].zero_()  # a padding row kept at zero
+        for p in model.transformer.h[1].parameters():
+            p.data.mul_(0.98)  # the same, written the older way
         opt.step()
         opt.zero_grad()
     return {k: v.detach().float().clone() for k, v in model.state_dict().items()}

@@ -40,9 +40,8 @@ element: elements whose compute value differs from the master's cast value take 
 master value (so bf16 masters are not rounded by a write elsewhere in the chunk). It runs at every reshard, at
 the start of each backward (before the host lane steps the masters and uploads them into the compute copies,
 [Note: early refresh] in ``hf_elixir/optim/optimizer.py``), at the start of ``step()`` and on entering
-``full_parameters``: every way ``full`` is freed or overwritten while current. A write through ``.data``
-(``p.data.mul_()``) has a fresh version counter and is not seen: written on a current parameter it is lost as
-before (use ``with torch.no_grad(): p.mul_()`` or ``hf_elixir.full_parameters(model, writeback=True)``). Every
+``full_parameters``: every way ``full`` is freed or overwritten while current. A managed parameter's
+``.data`` shares its version counter (``_ManagedMixin.data`` in params.py), so ``p.data.mul_()`` is seen too. Every
 rank takes its own writes (no collective); deterministic writes on every rank, as under DDP, stay identical.
 """
 

@@ -160,6 +160,23 @@ class _ManagedMixin:
     def grad(self) -> None:
         self.grad = None
 
+    @property
+    def data(self):
+        """``param.data`` as in PyTorch (same storage, no autograd history), except that it shares the
+        parameter's version counter, as ``param.detach()`` does: a write through it (``p.data.mul_(0.99)``, a hand
+        written weight decay) bumps ``param._version``, so the chunk sees it and carries it into the shard and
+        the fp32 master ([Note: parameter writes] in chunk.py); with a fresh counter it was lost silently wherever
+        the chunk is not the master. The one difference a user can see: writing a parameter through ``.data``
+        between a forward that saved it and its backward now raises autograd's in-place error instead of
+        computing gradients from the new values. A stale parameter raises as before."""
+        if isinstance(self, _StaleMixin):
+            return _T.data.__get__(self)  # raises StaleParameterError (see the module Note)
+        return _T.detach(self)
+
+    @data.setter
+    def data(self, value) -> None:
+        _T.data.__set__(self, value)
+
 
 def _base_of(cls: type) -> type:
     while issubclass(cls, (_ManagedMixin, _StaleMixin)):
