@@ -248,6 +248,10 @@ class ChunkManager:
         # ``on_param_writes(chunks)`` merges parameter writes a reshard took into the shards of ``chunks`` into the
         # optimizer's masters ([Note: parameter writes] in chunk.py); ``None`` without an optimizer
         self.on_param_writes = None
+        # the optimizer's: ``before_backward()`` runs as a backward starts, ``on_zero_grad()`` when every gradient
+        # is zeroed ([Note: owed clip factor] in optim/optimizer.py)
+        self.before_backward = None
+        self.on_zero_grad = None
         # [Note: early refresh] in optim/optimizer.py: ``on_grad_progress()`` runs after each gradient lands (the
         # host lane issues the uploads of chunks it has stepped); ``early_refresh_fence(chunk)`` runs before a
         # wait for a refresh issued from an unvalidated speculative step
@@ -1050,6 +1054,8 @@ class ChunkManager:
             raise RuntimeError("backward through a model prepared without an optimizer (hf_elixir.prepare(model, "
                                "None, ...) is for inference): pass the optimizer to prepare to train, or run the "
                                "forward under torch.no_grad()")
+        if self.before_backward is not None:
+            self.before_backward()
         self.drain_gathers()
         self.drain_refreshes()
         # writes made before the forward, in the masters before the host lane steps them and uploads its result
@@ -1313,6 +1319,8 @@ class ChunkManager:
             self.local_flags = set()
         self.reduce_order_mismatch.zero_()  # the gradients a mismatched order reduced are gone
         self.grads_pending = False
+        if self.on_zero_grad is not None:
+            self.on_zero_grad()
 
     def clear_param_grad(self, param: torch.nn.Parameter, keep_has_grad: bool = False) -> None:
         """One parameter's :meth:`zero_grad` (``p.grad = None``, ``submodule.zero_grad()``): zero its

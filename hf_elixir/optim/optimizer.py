@@ -184,6 +184,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
                                   state_numel_factor=optimizer_state_numel_factor(optimizer))
             manager.host_steps_in_backward = self._lane.speculate  # [Note: reduce window] in chunk/manager.py
         manager.on_param_writes = self.merge_param_writes  # [Note: parameter writes] in chunk/chunk.py
+        manager.before_backward = self._settle_clip  # [Note: owed clip factor]
+        manager.on_zero_grad = self._forget_clip
 
     def add_param_group(self, param_group: dict) -> None:
         """Only used while constructing; afterwards adding parameters is refused.
@@ -503,23 +505,58 @@ class ElixirOptimizer(torch.optim.Optimizer):
 
     def _local_norm(self, norm_type: float) -> torch.Tensor:
         """This rank's share of the global gradient norm (fp64 ``[1]`` on the compute device): the max of
-        |g| (``inf``), else the sum of |g|^p, tensor-parallel replicas counted once."""
+        |g| (``inf``), else the sum of |g|^p, tensor-parallel replicas counted once. Host gradients count
+        with the clip factor an earlier :meth:`clip_grad_norm` of this step still owes them ([Note: owed clip
+        factor])."""
         device = self.manager.compute_device
         chunks = {c.chunk_id: c for c in self.manager.chunks}
         local = torch.zeros(1, dtype=torch.float64, device=device)
         cached = self._kernel_sq_norms if norm_type == 2.0 else {}
+        owed = self._host_clip_coef.double() if self._host_clip_coef is not None else None
         for cid, g in self.manager.grad_shards.items():
+            factor = owed if owed is not None and self._is_host(g) else None
             if norm_type == float("inf"):
                 if g.numel():  # blockwise ([Note: blockwise norms] in _norms.py)
-                    local = torch.maximum(local, max_abs(g).reshape(1).to(device, non_blocking=True))
+                    part = max_abs(g).reshape(1).to(device, non_blocking=True)
+                    local = torch.maximum(local, part if factor is None else part * factor)
                 continue
+            if factor is not None:
+                factor = factor ** norm_type
             host_sq = self._lane.host_sq_norm(cid) if self._lane is not None and norm_type == 2.0 else None
             if host_sq is not None:  # computed by the host lane during backward
-                local += host_sq / chunks[cid].norm_replicas
+                local += (host_sq if factor is None else host_sq * factor) / chunks[cid].norm_replicas
                 continue
             part = cached[cid].double() if cid in cached else pow_sum(g, norm_type)  # [Note: blockwise norms]
-            local += part.reshape(1).to(device, non_blocking=True) / chunks[cid].norm_replicas
+            part = part.reshape(1).to(device, non_blocking=True)
+            local += (part if factor is None else part * factor) / chunks[cid].norm_replicas
         return local
+
+    def _forget_clip(self) -> None:
+        """The manager's ``on_zero_grad``: every gradient is zero again, so no clip factor is owed and nothing
+        is unscaled ([Note: owed clip factor])."""
+        self._unscaled = False
+        self._found_inf = self._host_clip_coef = None
+        self._kernel_sq_norms = {}
+
+    def _settle_clip(self) -> None:
+        """The manager's ``before_backward``: a backward after :meth:`clip_grad_norm` and before :meth:`step`
+        (clipping every micro-batch, or clearing some gradients with ``p.grad = None`` after a clip) adds to
+        gradients that are clipped and unscaled ([Note: owed clip factor]). Pays the owed factor into the host
+        gradients (a host read of it) and, under fp16 loss scaling, scales every gradient back by the loss scale
+        (a power of two: exact), so the new gradients add to them as in PyTorch and the next clip or step sees
+        the sum. Speculative host steps are undone first (they stepped the unclipped gradients)."""
+        if not self._unscaled:
+            return
+        self.settle_host_steps()
+        owed = self._host_clip_coef
+        value = float(strict.host_read(owed.reshape(1).float())[0]) if owed is not None else 1.0
+        with torch.no_grad():
+            for g in self._grad_shards():
+                if value < 1.0 and self._is_host(g):
+                    g.mul_(value)
+                if self.scaler.enabled:
+                    g.mul_(self.scaler.scale)
+        self._forget_clip()
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients by one global norm over every rank and chunk, without a host sync.
@@ -528,6 +565,15 @@ class ElixirOptimizer(torch.optim.Optimizer):
         clamped to 1 and multiplied into every gradient. Padding elements have zero gradient and do not
         contribute. Gradients on the device are scaled at once on the device; gradients of host
         optimizer states are scaled in :meth:`step` after its one host read ([Note: one host read]).
+
+        [Note: owed clip factor] Until the step pays it, the factor owed to host gradients is part of their
+        value: a second clip before the step (measure, then clip; two callers) counts the host gradients with it
+        (the norm PyTorch would see after the first clip) and multiplies the factors; a backward after a clip
+        pays it into the host gradients first (:meth:`_settle_clip`, with the fp16 loss scale restored), and
+        ``zero_grad`` forgets it (:meth:`_forget_clip`: the gradients it was owed to are gone). Before, the second
+        clip counted the host gradients unclipped, a later backward's gradients were scaled by the earlier factor
+        too, and a clip followed by ``zero_grad`` without a step (skipping a batch whose norm was too large)
+        scaled the next step's host gradients (fp16: left them unscaled) — all silently.
 
         Returns:
             the total norm before clipping (fp32 0-d tensor on the compute device; ``inf`` when fp16
