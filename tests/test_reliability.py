@@ -248,7 +248,7 @@ def test_accumulated_and_clipped_norm_equals_reference_norm():
 # -- two ranks: generate() with different lengths, fp16 overflow on one rank only ----------------------
 def _two_rank_worker(rank, world_size):
     out = {}
-    # generate: rank 0 stops after 2 new tokens, rank 1 after 9 (and once more with synced_gpus)
+    # generate: rank 0 stops after 2 new tokens, rank 1 after 9 (and again with synced_gpus=True and False)
     ref = tiny_model("gpt2").eval()
     model, opt = _prepare(copy.deepcopy(ref), device_memory_budget_bytes=200_000)
     opt.backward(model(**batch("gpt2", rank, 2)).loss)
@@ -259,10 +259,13 @@ def _two_rank_worker(rank, world_size):
     new = 2 if rank == 0 else 9
     generated = model.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
     synced = model.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0, synced_gpus=True)
+    # Seq2SeqTrainer(predict_with_generate=True) passes synced_gpus=False for any model that is not ZeRO-3/FSDP
+    unsynced = model.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0, synced_gpus=False)
     full = model.state_dict()
     ref.load_state_dict(full)
     expected = ref.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
-    out["generate"] = (generated.shape[1], torch.equal(generated, expected), torch.equal(synced, expected))
+    out["generate"] = (generated.shape[1], torch.equal(generated, expected), torch.equal(synced, expected),
+                       torch.equal(unsynced, expected))
     # fp16: only rank 1's gradients overflow -> every rank skips; parameters stay finite and identical
     model, opt = _prepare(tiny_model("gpt2"), precision="fp16", device_memory_budget_bytes=200_000)
     scale = opt.loss_scale
@@ -283,9 +286,10 @@ def two_rank_results():
 
 
 def test_generate_on_two_ranks_stopping_at_different_lengths_does_not_hang(two_rank_results):
-    (len0, same0, synced0), (len1, same1, synced1) = (r["generate"] for r in two_rank_results)
+    (len0, same0, synced0, unsynced0), (len1, same1, synced1, unsynced1) = (r["generate"] for r in two_rank_results)
     assert (len0, len1) == (4 + 2, 4 + 9)
     assert same0 and same1 and synced0 and synced1
+    assert unsynced0 and unsynced1  # an explicit synced_gpus=False is overridden (was: rank 1 left waiting)
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(two_rank_results):

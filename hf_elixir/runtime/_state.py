@@ -112,18 +112,24 @@ def get_state(model: torch.nn.Module) -> ElixirState:
 
 
 def _synced_generate(model: torch.nn.Module, manager) -> None:
-    """Make ``model.generate`` default to ``synced_gpus=True`` (Hugging Face's mode for ZeRO-3 and FSDP):
+    """Make ``model.generate`` run with ``synced_gpus=True`` (Hugging Face's mode for ZeRO-3 and FSDP):
     a rank whose sequences finish first keeps joining the others' forward passes. Needed when chunks
     sharded over several ranks keep no rank-local host copy ([Note: rank-local refill] in
     ``hf_elixir/chunk/chunk.py``): every re-unshard then all-gathers, so every rank must run every
     forward. Not inside :func:`hf_elixir.full_parameters` (every chunk gathered and pinned), where one
-    rank may generate alone."""
+    rank may generate alone.
+
+    An explicit ``synced_gpus=False`` is overridden too: ``Seq2SeqTrainer(predict_with_generate=True)``
+    passes it for every model that is neither DeepSpeed ZeRO-3 nor FSDP, and a rank that stopped first
+    then left the others in an all-gather it never joined (gloo: a peer aborted, NCCL: a hang). The
+    generated tokens are the same either way; a synced rank only runs extra forwards whose outputs it
+    discards."""
     original = model.generate
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
         if not all(c.pins > 0 for c in manager.chunks):
-            kwargs.setdefault("synced_gpus", True)
+            kwargs["synced_gpus"] = True
         return original(*args, **kwargs)
 
     model.generate = generate
