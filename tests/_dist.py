@@ -2,6 +2,16 @@
 
 Workers return a picklable result through a file; failures re-raise in the parent with the rank's
 traceback. Every collective runs under the process group's timeout, so a hang fails the test.
+
+[Note: forkserver ranks] The ranks start by ``forkserver``, not ``spawn``: a spawned rank imports torch,
+transformers and hf_elixir again (3-5 s a test on the 2-core CI machine, 8-10 s under load, for a step of
+milliseconds), while a rank forked from the server, which imported them once per test session, starts in
+about 0.1 s. Each rank is a fresh fork of the server (never of an earlier rank or of the pytest process,
+whose threads and process groups it must not inherit), so it sees those modules as freshly imported. The
+server's environment is the one it started with; each rank therefore takes the caller's ``os.environ`` as it
+is at ``run_distributed`` (a test's ``monkeypatch.setenv`` reaches its ranks, as with ``spawn``). What a module
+reads from the environment at import (``HF_ELIXIR_STRICT_DEVICE``, ``TRITON_INTERPRET``) is fixed by
+``conftest.py`` before the server starts. ``HF_ELIXIR_TEST_START_METHOD=spawn`` restores spawned ranks.
 """
 
 from __future__ import annotations
@@ -23,7 +33,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn, args, out_dir: str, timeout_s: int) -> None:
+#: imported once by the forkserver ([Note: forkserver ranks]); a module that fails to import is skipped there
+_PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.gpt2.modeling_gpt2",
+            "transformers.models.opt.modeling_opt",
+            "transformers.models.switch_transformers.modeling_switch_transformers", "accelerate", "hf_elixir"]
+
+
+def _start_method() -> str:
+    method = os.environ.get("HF_ELIXIR_TEST_START_METHOD", "forkserver")
+    if method == "forkserver":
+        mp.set_forkserver_preload(_PRELOAD)
+    return method
+
+
+def _worker(rank: int, world_size: int, port: int, fn, args, out_dir: str, timeout_s: int,
+            environ: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(environ)  # the caller's, not the forkserver's ([Note: forkserver ranks])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
@@ -46,8 +72,8 @@ def _worker(rank: int, world_size: int, port: int, fn, args, out_dir: str, timeo
 def run_distributed(fn, world_size: int, *args, timeout_s: int = 120):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the list of results."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, out_dir, timeout_s),
-                           nprocs=world_size, join=True, start_method="spawn")
+        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, out_dir, timeout_s, dict(os.environ)),
+                           nprocs=world_size, join=True, start_method=_start_method())
         results = []
         for rank in range(world_size):
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
