@@ -25,6 +25,15 @@ kept on the device (``reduce_order_mismatch``, no host read) and read by the ste
 before anything is updated: parameters and optimizer state stay as they were; ``zero_grad`` discards the
 gradients and the mismatch with them. A mismatch of unequal sizes fails in the collective itself (gloo, NCCL).
 
+[Note: hyperparameter check] The same all-reduce carries ``hyper`` and ``-hyper``: a 24-bit CRC of the optimizer's
+hyperparameters (every param group's numbers, flags and strings: lr, weight_decay, betas, eps, ...) as this rank
+holds them when its backward ends (``hyper_code``, set by the optimizer). Ranks that step with different ones
+(``ReduceLROnPlateau`` stepped with each rank's own loss, an lr set from rank-local data) used to train on
+silently: replicated copies drifted apart (5.8e-2 from PyTorch after a few steps, sharded chunks 3.3e-2), each
+shard with its own rank's lr. DDP drifts the same way; hf_elixir raises at the step instead, before anything
+is updated, as for the reduce order (``hyper_mismatch``). A value changed between the end of backward and
+``step()`` is not seen; schedulers step after ``step()``, so the next backward carries their value.
+
 [Note: late reduce waits] (issue 14: blocked-wait time.) Off CUDA a gradient collective is issued with
 ``async_op=True`` as soon as its chunk is complete and finished (waited, divided, added into the gradient
 shard) as late as possible: when the in-flight window is full during backward ([Note: reduce window]), and
@@ -302,6 +311,11 @@ class ChunkManager:
         # [Note: reduce order check] > 0 where the ranks of a flag group reduced its chunks in different orders in
         # a backward since the last step / zero_grad (one element, on the compute device; read by the step)
         self.reduce_order_mismatch = torch.zeros(1, device=compute_device)
+        # [Note: hyperparameter check] > 0 where the ranks of a flag group stepped with different optimizer
+        # hyperparameters in a backward since the last step / zero_grad; ``hyper_code()`` (the optimizer's) gives
+        # this rank's 24-bit code of them, 0 without an optimizer
+        self.hyper_mismatch = torch.zeros(1, device=compute_device)
+        self.hyper_code = None
         self._flag_group_chunks: list[list[int]] = []  # per flag group, its chunk ids (init_flags)
         # [Note: agreed gathers ahead] this step's votes (chunk id -> room for its gather ahead), the chunks every
         # rank voted for at the last step (issued ahead now), and the merged "no room" votes (on the compute
@@ -1261,7 +1275,8 @@ class ChunkManager:
             flags[arrived.to(self.compute_device, non_blocking=True)] = 1.0
         # per group its "no room" votes ([Note: agreed gathers ahead]) and (code, -code) ([Note: reduce order
         # check]), uploaded like the arrivals: no stream sync on CUDA
-        extras = [self._ahead_votes(group) + [code, -code]
+        hyper = float(self.hyper_code()) if self.hyper_code is not None else 0.0  # [Note: hyperparameter check]
+        extras = [self._ahead_votes(group) + [code, -code, hyper, -hyper]
                   for (group, _), code in zip(self.flag_groups, self._reduce_order_codes())]
         extras_dev = (torch.tensor([v for e in extras for v in e]).to(self.compute_device, non_blocking=True)
                       if extras else None)
@@ -1273,7 +1288,7 @@ class ChunkManager:
                  for _, part, group in parts]
         self.local_flags |= self.arrived_flags
         self.arrived_flags = set()
-        if any(len(e) > 2 for e in extras) and self.ahead_veto.numel() != len(self.chunks):
+        if any(len(e) > 4 for e in extras) and self.ahead_veto.numel() != len(self.chunks):
             self.ahead_veto = torch.ones(len(self.chunks), device=self.compute_device)
 
         def finish() -> None:
@@ -1281,11 +1296,13 @@ class ChunkManager:
                 if self.async_reduce:
                     work.wait()
                 flags[indices] = part[:len(indices)]
-                votes = part[len(indices):-2]
+                votes = part[len(indices):-4]
                 if votes.numel():
                     self.ahead_veto[self._voter_index(group)] = votes
                 # [Note: reduce order check] max(code) + max(-code) = max - min over the group's ranks
-                self.reduce_order_mismatch = torch.maximum(self.reduce_order_mismatch, part[-2:].sum().abs().reshape(1))
+                self.reduce_order_mismatch = torch.maximum(self.reduce_order_mismatch,
+                                                           part[-4:-2].sum().abs().reshape(1))
+                self.hyper_mismatch = torch.maximum(self.hyper_mismatch, part[-2:].sum().abs().reshape(1))
             self.has_grad_flags = torch.maximum(self.has_grad_flags, flags)
         if self.async_reduce and works:  # waited by the step's read, timed like a reduce's wait
             self._pending.append((FLAGS_IN_FLIGHT, self._timed_wait(finish)))
@@ -1318,6 +1335,7 @@ class ChunkManager:
             self.has_grad_flags.zero_()
             self.local_flags = set()
         self.reduce_order_mismatch.zero_()  # the gradients a mismatched order reduced are gone
+        self.hyper_mismatch.zero_()
         self.grads_pending = False
         if self.on_zero_grad is not None:
             self.on_zero_grad()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import zlib
 from collections import defaultdict
 
 import torch
@@ -186,6 +187,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         manager.on_param_writes = self.merge_param_writes  # [Note: parameter writes] in chunk/chunk.py
         manager.before_backward = self._settle_clip  # [Note: owed clip factor]
         manager.on_zero_grad = self._forget_clip
+        manager.hyper_code = self._hyper_code  # [Note: hyperparameter check] in chunk/manager.py
 
     def add_param_group(self, param_group: dict) -> None:
         """Only used while constructing; afterwards adding parameters is refused.
@@ -671,6 +673,20 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self.manager.end_step()
         return None
 
+    def _hyperparameters(self) -> list[dict]:
+        """Per param group, its scalar hyperparameters (numbers, flags, strings, tuples of them), as the ranks
+        compare them ([Note: hyperparameter check] in ``chunk/manager.py``); a tensor value (a tensor lr) is
+        left out (``None``): reading it could be a device sync."""
+        def scalar(value):
+            if isinstance(value, (tuple, list)):
+                return tuple(scalar(v) for v in value)
+            return value if value is None or isinstance(value, (bool, int, float, str)) else None
+        return [{k: scalar(v) for k, v in sorted(group.items()) if k != "params"} for group in self.param_groups]
+
+    def _hyper_code(self) -> int:
+        """The manager's ``hyper_code``: a 24-bit CRC of :meth:`_hyperparameters` (exact in float32)."""
+        return zlib.crc32(repr(self._hyperparameters()).encode()) & 0xFFFFFF
+
     def _read_step_state(self) -> tuple[bool, float, list[float]]:
         """The step's one host read ([Note: one host read]): ``(overflow, clip factor owed to host
         gradients, has-gradient flags)``."""
@@ -679,18 +695,28 @@ class ElixirOptimizer(torch.optim.Optimizer):
         coef = self._host_clip_coef if self._host_clip_coef is not None else torch.ones((), device=device)
         self.manager.wait_flags()  # the flags' all-reduce, issued at the end of backward ([Note: late reduce waits])
         packed = torch.cat([found.reshape(1).float(), coef.reshape(1).float(),
-                            self.manager.reduce_order_mismatch.float(), self.manager.has_grad_flags.float(),
-                            self.manager.ahead_veto.float()])
+                            self.manager.reduce_order_mismatch.float(), self.manager.hyper_mismatch.float(),
+                            self.manager.has_grad_flags.float(), self.manager.ahead_veto.float()])
         values = strict.host_read(packed).tolist()
+        hyper_mismatch = values.pop(3)
         num_flags = self.manager.has_grad_flags.numel()
         if self.manager.ahead_veto.numel():  # [Note: agreed gathers ahead] in chunk/manager.py
             self.manager.agree_gathers_ahead(values[3 + num_flags:])
-        if values[2] > 0:  # [Note: reduce order check] in chunk/manager.py: nothing is updated
+        if values[2] > 0 or hyper_mismatch > 0:  # [Note: reduce order check] in chunk/manager.py: nothing is updated
             self.settle_host_steps()  # the host lane's speculative updates of this backward are undone
             if self._lane is not None:
                 self._lane.end_step()
             self._unscaled = False
             self._found_inf = self._host_clip_coef = None
+            if values[2] <= 0:  # [Note: hyperparameter check] in chunk/manager.py
+                raise RuntimeError(
+                    "the ranks hold different optimizer hyperparameters (this rank's, per param group: "
+                    f"{self._hyperparameters()}): a value set from rank-local data, such as "
+                    "ReduceLROnPlateau.step(loss) with each rank's own loss, or an lr set on some ranks only. Under "
+                    "DDP the ranks' models would drift apart silently. This step was not applied (parameters and "
+                    "optimizer state are unchanged). Set the same values on every rank (average the metric over the "
+                    "ranks first: accelerator.reduce(loss, 'mean') or torch.distributed.all_reduce), then call "
+                    "zero_grad() and go on")
             raise RuntimeError(
                 "the ranks reduced their gradient chunks in different orders in a backward since the last step: "
                 "the forward ran different modules, or the same modules in another order, on different ranks "
