@@ -361,6 +361,17 @@ def evaluate_perplexity(model, eval_dataset, collate, batch_size: int, device) -
     return math.exp(total_nll / max(total_tokens, 1))
 
 
+def settings_source(source_file: os.PathLike | str | None, overrides: dict[str, Any]) -> str:
+    """Where the logged ``ElixirConfig`` came from: ``source_file`` (an accelerate config) or the
+    defaults and ``ELIXIR_*`` variables, plus the recipe flags in ``overrides`` (field -> value, as
+    ``elixir_config_overrides`` returns) that replaced fields of it; e.g. ``"defaults/env, recipe flags
+    --device_memory_budget_bytes"``."""
+    base = str(source_file) if source_file is not None else "defaults/env"
+    if not overrides:
+        return base
+    return base + ", recipe flags " + " ".join(f"--{name}" for name in overrides)
+
+
 def elixir_config_overrides(elixir_args: ElixirArguments) -> dict[str, Any]:
     values: dict[str, Any] = {}
     if elixir_args.device_memory_budget_bytes is not None:
@@ -451,7 +462,7 @@ def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixi
     if plugin is not None:
         model, optimizer, loader, scheduler = plugin.prepare(accelerator, model, optimizer, loader, scheduler)
         if accelerator.is_main_process:
-            logger.info("hf_elixir: %s (settings from %s)", plugin.config, plugin.source_file or "defaults/env")
+            logger.info("hf_elixir: %s (settings from %s)", plugin.config, settings_source(plugin.source_file, overrides))
     else:
         model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     if on_prepared is not None:

@@ -310,3 +310,18 @@ def test_default_models_build_and_compute_a_loss_without_transformers_warnings(t
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-3000:]
     assert "loss_type" not in proc.stderr and "within the vocabulary" not in proc.stderr, proc.stderr
+
+
+def test_settings_line_names_the_recipe_flags(monkeypatch):
+    """The recipe's settings line named "defaults/env" as the source even when --device_memory_budget_bytes
+    and --budget_covers_activations had replaced those fields (README's 5 MB budget run logged
+    device_memory_budget_bytes=5000000 "(settings from defaults/env)"); it now names the flags too."""
+    monkeypatch.syspath_prepend(str(REPO / "recipes"))
+    from _recipe_common import ElixirArguments, elixir_config_overrides, settings_source
+
+    args = ElixirArguments(device_memory_budget_bytes=5_000_000, budget_covers_activations=False)
+    overrides = elixir_config_overrides(args)
+    assert settings_source(None, overrides) == (
+        "defaults/env, recipe flags --device_memory_budget_bytes --budget_covers_activations")
+    assert settings_source(None, elixir_config_overrides(ElixirArguments())) == "defaults/env"
+    assert settings_source("recipes/gpt2/elixir.yaml", {}) == "recipes/gpt2/elixir.yaml"
