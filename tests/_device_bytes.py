@@ -5,7 +5,7 @@ storage on the compute device that is reachable from the manager and the optimiz
 
 Parameters are skipped (views into the chunks' buffers, reached through the chunks, or stale placeholders).
 Per-parameter bookkeeping the pool does not charge is reported apart: the has-gradient flags (4 bytes a
-parameter), their groups' indices (8 bytes a parameter) and their all-reduce's buffers, the reduce order check's one value, the stale placeholders' few values, and 0-dim tensors (the optimizer's ``step`` counters, host
+parameter), their groups' indices (8 bytes a parameter) and their all-reduce's buffers, the reduce order and hyperparameter checks' one value each, the stale placeholders' few values, and 0-dim tensors (the optimizer's ``step`` counters, host
 memory on CUDA for PyTorch's non-fused optimizers)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ _SKIP = (types.ModuleType, type, torch.nn.Module, torch.nn.Parameter, torch.dtyp
          float)
 # attribute and closure-variable names (the flags' all-reduce in flight holds ``flags`` and ``parts``)
 BOOKKEEPING_NAMES = frozenset({"has_grad_flags", "flag_groups", "flags", "parts", "stale_values",
-                               "reduce_order_mismatch"})
+                               "reduce_order_mismatch", "hyper_mismatch"})
 
 
 def held_device_bytes(*roots, device: torch.device = torch.device("cpu")) -> tuple[int, int]:

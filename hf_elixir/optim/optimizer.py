@@ -106,6 +106,15 @@ def _uploads_cast(chunk: Chunk) -> bool:
     return _uploads(chunk) and chunk.dtype != torch.float32
 
 
+def _scalar(value):
+    """A param group's value as :meth:`ElixirOptimizer._hyperparameters` compares it: numbers, flags, strings and
+    tuples of them as they are, anything else (a tensor) ``None``. Module level: a recursive closure would be a
+    reference cycle, cyclic garbage at every backward."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_scalar(v) for v in value)
+    return value if value is None or isinstance(value, (bool, int, float, str)) else None
+
+
 class ElixirOptimizer(torch.optim.Optimizer):
     """Wraps the user's optimizer; steps the shards of every chunk where their optimizer state lives.
 
@@ -677,11 +686,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         """Per param group, its scalar hyperparameters (numbers, flags, strings, tuples of them), as the ranks
         compare them ([Note: hyperparameter check] in ``chunk/manager.py``); a tensor value (a tensor lr) is
         left out (``None``): reading it could be a device sync."""
-        def scalar(value):
-            if isinstance(value, (tuple, list)):
-                return tuple(scalar(v) for v in value)
-            return value if value is None or isinstance(value, (bool, int, float, str)) else None
-        return [{k: scalar(v) for k, v in sorted(group.items()) if k != "params"} for group in self.param_groups]
+        return [{k: _scalar(v) for k, v in sorted(group.items()) if k != "params"} for group in self.param_groups]
 
     def _hyper_code(self) -> int:
         """The manager's ``hyper_code``: a 24-bit CRC of :meth:`_hyperparameters` (exact in float32)."""
