@@ -129,7 +129,7 @@ def section_env(ctx: Context) -> None:
 def section_kernels(ctx: Context) -> None:
     from triton_kernels import HAS_TRITON
 
-    from benchmarks.kernels import check_kernels
+    from benchmarks.kernel_bench import check_kernels
 
     if not HAS_TRITON:
         ctx.record(skipped="triton is not installed: the kernels cannot be compiled or interpreted here")
@@ -153,9 +153,9 @@ def section_kernels(ctx: Context) -> None:
 
 def section_adamw_bw(ctx: Context) -> None:
     if ctx.dry_run:
-        ctx.record(skipped="needs CUDA (bandwidth of the card); kernels.py --smoke covers the code path on CPU")
+        ctx.record(skipped="needs CUDA (bandwidth of the card); kernel_bench.py --smoke covers the code path on CPU")
         return
-    from benchmarks.kernels import MIB, adamw_bandwidth
+    from benchmarks.kernel_bench import MIB, adamw_bandwidth
 
     ctx.record(**adamw_bandwidth(64 * MIB // 4))
 

@@ -1,7 +1,7 @@
 """Benchmark triton_kernels on a GPU: achieved GB/s vs measured copy bandwidth and vs PyTorch.
 
 Usage:
-    python benchmarks/kernels.py [--shard-mib 64] [--sweep]
+    python benchmarks/kernel_bench.py [--shard-mib 64] [--sweep]
 
 For each kernel it times one call with ``triton.testing.do_bench`` (median, L2 flushed between runs),
 counts the bytes the op must move at minimum (each input read once, each output written once) and
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         print("smoke run finished (CPU timings are meaningless)")
         return 0
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py: no CUDA device on this machine; nothing to measure (kernels are "
+        print("benchmarks/kernel_bench.py: no CUDA device on this machine; nothing to measure (kernels are "
               "tested on CPU under TRITON_INTERPRET=1 by tests/test_kernels*.py).")
         return 0
     numel = args.shard_mib * MIB // 4
