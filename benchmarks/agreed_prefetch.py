@@ -1,5 +1,5 @@
 """Forward all-gathers issued ahead under a budget that covers activations, side by side with the same run
-keeping them in their hooks ([Note: agreed gathers ahead] in ``hf_elixir/chunk/manager.py``).
+keeping them in their hooks ([Note: agreed gathers ahead] in ``hf_elixir/chunk/_agreed_gathers.py``).
 
 Two gloo ranks train the same sharded GPT-2 twice in one process each: prepared with ``prefetch_depth=2``
 ("ahead") and with ``prefetch_depth=0`` ("hooks"), a device budget that covers activations (the default on a

@@ -93,7 +93,7 @@ def _heap() -> dict:
 class _HostPeak:
     """The peak of RSS less the simulated device's model data held at that moment (what a GPU rank's host
     pays: on a GPU those bytes are device memory). Model data = the device pool's charges (the gradient
-    buffers kept for reuse included, [Note: buffer reuse] in ``hf_elixir/chunk/manager.py``); constant
+    buffers kept for reuse included, [Note: buffer reuse] in ``hf_elixir/chunk/_grad_buffers.py``); constant
     between two pool charges or releases. So at every charge and
     release the kernel's high-water mark since the previous one (``VmHWM``, then reset through
     ``/proc/self/clear_refs``) less the model data held in between is a candidate. Activations and

@@ -470,7 +470,8 @@ def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params
             and manager.gather_prefetch_mode() == "agreed":
         reasons.append("forward all-gathers are issued ahead from the third step on, those every rank had room "
                        "for in the step before (agreed at each optimizer step: the budget covers activations, "
-                       "whose bytes can differ between ranks; [Note: agreed gathers ahead] in chunk/manager.py)")
+                       "whose bytes can differ between ranks; [Note: agreed gathers ahead] in "
+                       "chunk/_agreed_gathers.py)")
     elif manager.prefetch_depth and offloaded and optimizer is None and manager.pool.charges_activations \
             and all(c.keep_host_copy for c in chunks if c.world_size > 1 and not c.resident):
         reasons.append("the first forward's all-gathers wait in their hooks (the budget covers activations, whose "
@@ -482,7 +483,7 @@ def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params
                "copies that would let the ranks agree on gathers ahead do not fit host_memory_budget_bytes; "
                "ElixirConfig(budget_covers_activations=False) with a budget for model data lets them run ahead")
         reasons.append("all-gathers wait in their hooks, none issued ahead ([Note: gather prefetch] in "
-                       "chunk/manager.py): " + why)
+                       "chunk/_prefetch.py): " + why)
     return _Layout(config, plan, manager, params, placements, chunk_size, world_size,
                    ([placement_reason] if placement_reason else []) + reasons,
                    _activation_policy(model, plan, config))
@@ -511,7 +512,7 @@ def _apply_layout(model, optimizer, names, layout: _Layout, stream: StreamedInit
     state = ElixirState(manager=manager, handles=handles, config=config, plan=plan)
     if optimizer is not None:
         state.optimizer = ElixirOptimizer(optimizer, manager, config, refresh_cast=plan.refresh_cast)
-    else:  # no optimizer step: each forward is a step ([Note: forward steps] in chunk/manager.py)
+    else:  # no optimizer step: each forward is a step ([Note: forward steps] in chunk/_steps.py)
         manager.forward_steps = True
     install_state_dict_hooks(model, manager, on_loaded=(
         state.optimizer.sync_masters_from_params if state.optimizer is not None else (lambda: None)))

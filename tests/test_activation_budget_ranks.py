@@ -7,7 +7,7 @@ re-unshard within the step is a local onload ([Note: rank-local refill] in hf_el
 
 With the copies, a step's all-gathers are the first unshards in forward order on every rank, and the forward
 ones are issued ahead from the third step on, the ones every rank had room for in the step before (agreed at
-the optimizer step: [Note: agreed gathers ahead] in hf_elixir/chunk/manager.py)."""
+the optimizer step: [Note: agreed gathers ahead] in hf_elixir/chunk/_agreed_gathers.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Forward all-gathers issued ahead under a pool that charges activations ([Note: overlap] in
-``hf_elixir/search/_cost.py``; [Note: gather prefetch] in ``hf_elixir/chunk/manager.py``).
+``hf_elixir/search/_cost.py``; [Note: gather prefetch] in ``hf_elixir/chunk/_prefetch.py``).
 
 At several ranks a whole-device budget (``activations_on_device``) makes the runtime keep a rank-local host copy
 of every offloadable chunk (``host_copies_forced``). In training the ranks then agree at each optimizer step on

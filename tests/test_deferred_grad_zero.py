@@ -1,4 +1,4 @@
-"""[Note: deferred gradient zeroing] (hf_elixir/chunk/chunk.py): ``zero_grad`` does not write the gradient shards
+"""[Note: deferred gradient zeroing] (hf_elixir/chunk/_chunk_grads.py): ``zero_grad`` does not write the gradient shards
 that backward accumulates into directly (all resident, optimizer state on the device); backward writes each
 parameter's first gradient instead of adding it to zeros, and what it leaves unwritten (a parameter without a
 gradient, padding) is zeroed before anything reads the shard. Checked by the ops on the shards (no whole-shard
@@ -164,7 +164,7 @@ def _waits_in_backward(rank: int, world_size: int, in_place: bool):
 
 
 def test_in_place_all_reduces_do_not_stop_backward_at_two_ranks():
-    """[Note: in-place reduces] in manager.py: buckets all-reduced in place hold no buffer, so backward does not
+    """[Note: in-place reduces] in chunk/_reduce.py: buckets all-reduced in place hold no buffer, so backward does not
     wait for them inside the in-flight window; nor, with every chunk resident, for host-optimizer buckets."""
     ref = tiny_model("gpt2")
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)

@@ -3,7 +3,7 @@ log, a forward that raised) frees its graph and activations when its output goes
 activation accounting's pack hook once returned each saved tensor itself: a saved output then held its own
 ``grad_fn``, a cycle the garbage collector cannot see, so the graph and its activations stayed alive and charged
 to the budget for good, until a later training step raised ``DeviceBudgetExceededError`` on that rank alone
-([Note: pack without a cycle] in hf_elixir/chunk/manager.py)."""
+([Note: pack without a cycle] in hf_elixir/chunk/_activations.py)."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ class _InPlaceOnSaved(torch.nn.Module):
 def test_a_saved_activation_modified_in_place_raises_as_in_pytorch():
     """The accounting's pack hook replaces autograd's own version check of saved tensors (it does not run for
     tensors packed by hooks): before, backward silently used the modified values ([Note: pack without a
-    cycle] in hf_elixir/chunk/manager.py)."""
+    cycle] in hf_elixir/chunk/_activations.py)."""
     import pytest
 
     x = torch.randn(4, 8)

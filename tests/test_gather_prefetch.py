@@ -1,4 +1,4 @@
-"""All-gather prefetch (issue 14 item 1, [Note: gather prefetch] in ``hf_elixir/chunk/manager.py``): at two gloo
+"""All-gather prefetch (issue 14 item 1, [Note: gather prefetch] in ``hf_elixir/chunk/_prefetch.py``): at two gloo
 ranks with sharded chunks under a device budget, forward issues the all-gathers of the next chunks of the
 previous step's order ahead of their use (async work handles off CUDA), the hooks wait for them, and training
 matches plain PyTorch.
@@ -115,7 +115,7 @@ def test_gathers_issued_ahead_replace_blocking_ones_with_parity_at_two_ranks():
             assert on["step_num_prefetched_gathers"] > 0, on
             assert on["step_num_blocking_gathers"] < off["step_num_blocking_gathers"], (extra, on, off)
             # the same gathers, only issued ahead: the prefetch's evictions cost no extra all-gather
-            # ([Note: Belady-consistent gather ahead] in manager.py)
+            # ([Note: Belady-consistent gather ahead] in chunk/_prefetch.py)
             assert (on["step_num_prefetched_gathers"] + on["step_num_blocking_gathers"]
                     == off["step_num_blocking_gathers"]), (extra, on, off)
             assert on["step_allgather_bytes"] == off["step_allgather_bytes"], (extra, on, off)

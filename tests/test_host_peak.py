@@ -1,5 +1,5 @@
 """What a 1-rank step holds at its peak (issue 13: growth at world size 1): no stale gathered copy of a chunk
-carried through the end of backward and the step ([Note: dead chunks] in hf_elixir/chunk/manager.py), checked
+carried through the end of backward and the step ([Note: dead chunks] in hf_elixir/chunk/_eviction.py), checked
 on the chunks' buffer storage really held, and against plain PyTorch."""
 
 from __future__ import annotations

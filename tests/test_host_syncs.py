@@ -170,7 +170,7 @@ def test_one_host_sync_per_step_on_two_ranks(precision):
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_one_host_sync_per_step_with_the_optimizer_on_the_host_one_rank(single_rank_group, precision):
     """Offloaded optimizer: gradient shards reach the host by non-blocking copies ([Note: gradient
-    offload] in hf_elixir/chunk/manager.py), the host step runs on the host lane."""
+    offload] in hf_elixir/chunk/_grad_shards.py), the host step runs on the host lane."""
     _check(_worker(0, 1, precision, True))
 
 
@@ -181,9 +181,9 @@ def test_one_host_sync_per_step_with_the_optimizer_on_the_host_two_ranks(placeme
 
 
 def test_a_gradient_spill_is_no_host_sync(single_rank_group):
-    """[Note: gradient spill] in hf_elixir/chunk/manager.py: tiny OPT in bf16 at its floor spills a partial gradient
-    buffer to the host in every backward and restores it; both copies are non-blocking (the blocking ones counted
-    a device->host and a host->device sync per spill). Counted here with blocking host->device copies too."""
+    """[Note: gradient spill] in hf_elixir/chunk/_grad_buffers.py: tiny OPT in bf16 at its floor spills a partial
+    gradient buffer to the host in every backward and restores it; both copies are non-blocking (the blocking ones
+    counted a device->host and a host->device sync per spill). Counted here with blocking host->device copies too."""
     model = tiny_model("opt")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     config = hf_elixir.ElixirConfig(precision="bf16", chunk_size_numel=4096, budget_covers_activations=False)

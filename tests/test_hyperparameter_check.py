@@ -1,5 +1,5 @@
 """Ranks stepping with different optimizer hyperparameters raise at the step instead of drifting apart
-([Note: hyperparameter check] in hf_elixir/chunk/manager.py): a ReduceLROnPlateau stepped with each rank's own
+([Note: hyperparameter check] in hf_elixir/chunk/_rank_checks.py): a ReduceLROnPlateau stepped with each rank's own
 loss gave replicated copies 5.8e-2 apart from PyTorch after a few steps, without an error."""
 
 from __future__ import annotations

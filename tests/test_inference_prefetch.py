@@ -1,4 +1,4 @@
-"""Forward steps ([Note: forward steps] in ``hf_elixir/chunk/manager.py``): a model prepared without an optimizer
+"""Forward steps ([Note: forward steps] in ``hf_elixir/chunk/_steps.py``): a model prepared without an optimizer
 rotates its access trace at the end of each top-level forward, so the second and later forwards evict by Belady
 over the forward before and issue all-gathers ahead of their use (two gloo ranks, sharded chunks, a model-data
 budget), with the plain model's outputs; a forward whose module order differs from the previous one is still

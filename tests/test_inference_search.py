@@ -320,7 +320,7 @@ def test_inference_at_two_ranks_sharded_exact_traffic_and_replicated_where_it_fi
     """Two gloo ranks. Sharded: the steady forward's onloads, H2D and all-gather bytes and its model-data peak
     are what the plan's prediction says (a resident chunk's shard is a slice of its full buffer,
     ``Chunk.shard_in_full``, in both). The same with prefetch depth 2 and no host copies at four budgets: the
-    second and later forwards issue all-gathers ahead ([Note: forward steps] in ``hf_elixir/chunk/manager.py``),
+    second and later forwards issue all-gathers ahead ([Note: forward steps] in ``hf_elixir/chunk/_steps.py``),
     as many as the cost model prices as ahead, with the counts and peak predicted.
     ``search="auto"`` where a replicated copy fits (no gradients or optimizer states needed) replicates: no
     onload, no all-gather, the plain model's logits."""
@@ -333,7 +333,7 @@ def test_inference_at_two_ranks_sharded_exact_traffic_and_replicated_where_it_fi
         assert plan.resident_chunks and peak == counts[2][3] <= budget, (rank, peak, counts, plan.resident_chunks)
         ahead = 0
         for fraction, (plan, (onloads, h2d, gathered, peak, priced_ahead), budget, counts) in out["prefetch"].items():
-            # with gathers issued ahead by the previous forward's order ([Note: forward steps] in manager.py): the
+            # with gathers issued ahead by the previous forward's order ([Note: forward steps] in chunk/_steps.py): the
             # second and third forwards onload, all-gather and peak exactly as predicted; the first issues none
             assert plan.prefetch_depth == 2 and plan.host_copy_chunks == [] and gathered > 0, (rank, fraction)
             assert [c[:4] for c in counts[1:]] == [(onloads, h2d, gathered, peak)] * 2, (rank, fraction, counts)

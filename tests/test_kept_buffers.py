@@ -1,4 +1,4 @@
-"""[Note: buffer reuse] in ``hf_elixir/chunk/manager.py``: off CUDA the gradient buffers and reduce-scatter
+"""[Note: buffer reuse] in ``hf_elixir/chunk/_grad_buffers.py``: off CUDA the gradient buffers and reduce-scatter
 outputs of one backward are kept for the next, and a kept buffer is device memory, so it stays charged to the
 pool while kept and is dropped first when a chunk, a gradient buffer or an activation needs its room. What is
 checked here is what was really allocated (the device storages the manager and the optimizer hold,

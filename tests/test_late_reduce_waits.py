@@ -1,4 +1,4 @@
-"""[Note: late reduce waits] in ``hf_elixir/chunk/manager.py``: off CUDA the last gradient collectives of a
+"""[Note: late reduce waits] in ``hf_elixir/chunk/_reduce.py``: off CUDA the last gradient collectives of a
 backward stay in flight after it and are finished by whatever reads gradients next (the optimizer step, which
 first steps the chunks already reduced; clipping; ``zero_grad``; the next backward). Parity with plain PyTorch
 at 2 gloo ranks, sharded and replicated, with clipping, gradient accumulation and a ``zero_grad`` that

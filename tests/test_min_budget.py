@@ -40,7 +40,7 @@ CASES = {
     "tensor_parallel": (_gpt2_tp_model, "gpt2", dict(tensor_parallel_size=2)),
     "expert_parallel": (_switch_model, "switch", dict(expert_parallel_size=2)),
     # OPT registers its decoder's final_layer_norm between the position embedding and layer 0: the chunk holding
-    # both keeps its gradient buffer through backward ([Note: gradient spill] in hf_elixir/chunk/manager.py)
+    # both keeps its gradient buffer through backward ([Note: gradient spill] in hf_elixir/chunk/_grad_buffers.py)
     "opt_bf16": (lambda: tiny_model("opt"), "opt", dict(precision="bf16", chunk_size_numel=4096,
                                                         default_placement="sharded")),
 }

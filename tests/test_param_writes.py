@@ -1,5 +1,5 @@
 """In-place writes to current parameters between steps reach the shards and fp32 masters ([Note: parameter
-writes] in hf_elixir/chunk/chunk.py): a manual weight decay (``with torch.no_grad(): p.mul_(0.99)`` or
+writes] in hf_elixir/chunk/_chunk_params.py): a manual weight decay (``with torch.no_grad(): p.mul_(0.99)`` or
 ``p.data.mul_(0.99)`` between backward and step, as hand-written loops do) and a zeroed embedding row used to
 be lost silently wherever the
 compute copy is not the master (two ranks with replicated chunks and host optimizer states: 4% parameter

@@ -1,5 +1,5 @@
 """Ranks whose forwards differ reduce their chunks in different orders ([Note: reduce order check] in
-hf_elixir/chunk/manager.py): equal-size chunks then pair with the wrong chunk in their collectives, which gloo and
+hf_elixir/chunk/_rank_checks.py): equal-size chunks then pair with the wrong chunk in their collectives, which gloo and
 NCCL accept. The step must raise before it updates anything, and training must go on after ``zero_grad``.
 """
 

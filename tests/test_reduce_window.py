@@ -1,4 +1,4 @@
-"""[Note: reduce window] and [Note: late reduce waits] in ``hf_elixir/chunk/manager.py`` at 2 gloo ranks:
+"""[Note: reduce window] and [Note: late reduce waits] in ``hf_elixir/chunk/_reduce.py`` at 2 gloo ranks:
 when every chunk stays on the device, no gradient collective is waited inside backward (all of them and the
 has-gradient flags' all-reduce are still in flight when it ends), the collective order is the same on both
 ranks and the result matches plain PyTorch; a plan with evictable chunks keeps the window of 2; the flags'

@@ -67,7 +67,7 @@ def test_replicated_chunks_are_ddp_buckets_at_two_ranks():
 
 def _whole_shard_passes(rank: int, world_size: int, offload: bool = False):
     """The element-wise ops over a whole replicated gradient shard during backward (none expected: the
-    gradients are divided as they land, [Note: pre-divided all-reduce] in chunk.py), and the reduced
+    gradients are divided as they land, [Note: pre-divided all-reduce] in chunk/_chunk_grads.py), and the reduced
     gradient against the mean of both ranks' gradients."""
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -76,7 +76,7 @@ def test_searched_plan_runs_in_budget_and_memory_is_predicted_exactly(kind, frac
 def _frozen_inputs_model(kind):
     """A tiny model whose embeddings are frozen, so the first layer norm's call has no input that requires grad
     (its backward access is released once its weight has its gradient), and whose frozen bias that unit leaves
-    in COMPUTE until backward ends ([Note: dead chunks] in hf_elixir/chunk/manager.py)."""
+    in COMPUTE until backward ends ([Note: dead chunks] in hf_elixir/chunk/_eviction.py)."""
     model = tiny_model(kind)
     first_norm = "transformer.h.0.ln_1" if kind == "gpt2" else "model.decoder.layers.0.self_attn_layer_norm"
     for name, param in model.named_parameters():

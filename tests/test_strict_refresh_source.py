@@ -1,5 +1,5 @@
 """A refresh's host source is not written between its issue and its wait ([Note: strict refresh source] in
-hf_elixir/chunk/chunk.py). On CUDA the upload is a non-blocking copy queued at the issue, so such a write races
+hf_elixir/chunk/_chunk_refresh.py). On CUDA the upload is a non-blocking copy queued at the issue, so such a write races
 it (the old values, or a torn mix, reach the device); the simulated device copies at the wait and would upload
 the new values, hiding the race. So the wait compares the source's data_ptr and version counter with the issue's
 and raises. Checked: a direct write, a rebound storage, the writers of masters bump the counter (also the fused

@@ -14,35 +14,10 @@ write-back (no device->host traffic), except after ``load_state_dict`` wrote int
 Between uses, a parameter without a current copy is a placeholder that raises on any read or write
 ([Note: stale placeholder] in params.py).
 
-[Note: deferred gradient zeroing] (issue 14: all-resident overhead.) A chunk whose gradients are accumulated
-straight into the optimizer's gradient shard (:meth:`Chunk.direct_grad_shard`: whole on this rank, optimizer
-state on the device) is not zero-filled by ``zero_grad``: the shard is marked ``grad_zero_pending`` and the
-first gradient of each parameter is *written* into it (``copy_``, or ``mul`` by ``1/world_size`` when
-replicated) instead of added to zeros, as ``AccumulateGrad`` steals the first gradient instead of adding it
-to a zero ``p.grad``. Before anything reads the shard as a whole, :meth:`Chunk.settle_grad_zero` zeroes what
-backward did not write (parameters without a gradient, padding): at the chunk's reduce (before its
-all-reduce) and in :meth:`ChunkManager.settle_grad_zeros`, which ``drain_reduces`` and the optimizer step call
-(every reader of gradient shards calls ``drain_reduces`` first, [Note: late reduce waits] in manager.py). A
-step's pass over the gradients shrinks from zero + add (write, then read + write) to one write per element.
-
-[Note: parameter writes] A managed parameter with a current copy is a plain view into ``full``, so user code
-may write it in place between steps (``with torch.no_grad(): p.mul_(0.99)``, ``p[pad_id].zero_()``,
-``p.copy_(ema)``), as it would a plain PyTorch parameter. ``full`` is only a compute copy: the shard and the
-optimizer's fp32 master are the truth ([Note: shard authority]), so such a write used to be lost silently
-wherever they are separate buffers (resharding frees ``full``; the step overwrites it from the master): two
-ranks with replicated chunks and host optimizer states trained as if the write never happened (4% parameter
-difference after 4 steps of a manual weight decay), while one rank without a budget, where ``full`` is the
-master, applied it. Every write through the parameter bumps its version counter (``param._version``; set
-``.data`` keeps it), so :meth:`Chunk.take_param_writes` finds the written parameters by comparing it with
-``ParamSlot.seen_version`` and copies this rank's slice of ``full`` into the shard (and into a rank-local host
-copy); the manager's ``on_param_writes`` (the optimizer) then merges the shard into the master element by
-element: elements whose compute value differs from the master's cast value take it, the others keep their fp32
-master value (so bf16 masters are not rounded by a write elsewhere in the chunk). It runs at every reshard, at
-the start of each backward (before the host lane steps the masters and uploads them into the compute copies,
-[Note: early refresh] in ``hf_elixir/optim/optimizer.py``), at the start of ``step()`` and on entering
-``full_parameters``: every way ``full`` is freed or overwritten while current. A managed parameter's
-``.data`` shares its version counter (``_ManagedMixin.data`` in params.py), so ``p.data.mul_()`` is seen too. Every
-rank takes its own writes (no collective); deterministic writes on every rank, as under DDP, stay identical.
+A chunk's verbs live by concept: its storage, sharding and collectives for the parameters (unshard, reshard) are
+here; its gradients in ``_chunk_grads.py`` ([Note: deferred gradient zeroing]); the refresh of its device shard
+from the optimizer in ``_chunk_refresh.py`` ([Note: strict refresh source]); its parameters' views, placeholders
+and in-place writes in ``_chunk_params.py`` ([Note: parameter writes]).
 """
 
 from __future__ import annotations
@@ -53,11 +28,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hf_elixir._compat import all_gather_single, reduce_scatter_single
+from hf_elixir._compat import all_gather_single
 from hf_elixir.chunk import strict
-from hf_elixir.chunk.params import hide as hide_param
+from hf_elixir.chunk._chunk_grads import ChunkGradMixin
+from hf_elixir.chunk._chunk_params import ChunkParamsMixin
+from hf_elixir.chunk._chunk_refresh import ChunkRefreshMixin, _PendingRefresh
 from hf_elixir.chunk.params import mark_managed
-from hf_elixir.chunk.params import show as show_param
 from hf_elixir.chunk.states import TensorState, check_transition
 
 __all__ = ["ParamSlot", "Chunk", "REFRESH_STAGING_NUMEL", "refresh_staging_numel"]
@@ -86,7 +62,8 @@ class ParamSlot:
     index_in_chunk: int = -1
     state: TensorState = TensorState.FREE
     aliases: list[str] = field(default_factory=list)
-    seen_version: int = 0  # ``param._version`` when its writes were last taken ([Note: parameter writes])
+    # ``param._version`` when its writes were last taken ([Note: parameter writes] in _chunk_params.py)
+    seen_version: int = 0
 
     def set_state(self, new: TensorState) -> None:
         check_transition(self.state, new, f"for parameter {self.name!r}")
@@ -106,39 +83,6 @@ def _alloc_storage(tensor: torch.Tensor) -> None:
         storage.resize_(nbytes)
 
 
-@dataclass(eq=False)
-class _PendingRefresh:
-    """An upload of the optimizer's new values into the device shard issued by
-    :meth:`Chunk.issue_refresh` and not yet waited ([Note: overlapped refresh]).
-
-    Attributes:
-        source: the host buffer it reads (pinned staging in the compute dtype, or the fp32 master),
-            ``[shard_numel]``; not written again before the wait (checked there, ``stamp``).
-        staging: with a cast on the device, the fp32 device buffer the master goes through block by block
-            (``[<= REFRESH_STAGING_NUMEL]``); ``None``: ``source`` is in the compute dtype.
-        event: CUDA event recorded after the copy on the side stream; ``None`` on the simulated device,
-            where the copy itself is done by the wait.
-        stamp: ``source``'s :func:`_write_stamp` at the issue; the wait raises if it changed ([Note: strict
-            refresh source]).
-    """
-
-    source: torch.Tensor
-    event: object
-    staging: torch.Tensor | None = None
-    stamp: tuple[int, int] = (0, -1)
-    # issued during backward from a speculative host step that ``step()`` has not validated yet ([Note: early
-    # refresh] in ``hf_elixir/optim/optimizer.py``): a wait before the validation goes through the manager's
-    # ``early_refresh_fence`` first
-    speculative: bool = False
-
-
-def _write_stamp(tensor: torch.Tensor) -> tuple[int, int]:
-    """``(data_ptr, version counter)`` of ``tensor``: both stay equal while nothing writes it in place (the
-    counter is shared with its views and bumped by every in-place op autograd sees) or rebinds its storage
-    ([Note: strict refresh source]). An inference tensor has no counter: ``-1`` (its writes are not seen)."""
-    return tensor.data_ptr(), (-1 if tensor.is_inference() else tensor._version)
-
-
 #: elements of the fp32 device staging buffer a refresh cast on the device goes through, block by block ([Note:
 #: refresh cast] in ``hf_elixir/optim/optimizer.py``): 32 Mi elements, 128 MiB (a smaller shard needs less)
 REFRESH_STAGING_NUMEL = 1 << 25
@@ -154,7 +98,7 @@ def refresh_staging_numel(shard_numels: list[int]) -> int:
 @dataclass(eq=False)
 class _PendingGather:
     """An all-gather into ``Chunk.full`` issued with ``async_op=True`` and not yet waited
-    ([Note: gather prefetch] in ``manager.py``).
+    ([Note: gather prefetch] in ``_prefetch.py``).
 
     Attributes:
         work: the collective's work handle.
@@ -184,7 +128,7 @@ class ChunkBytes:
         return self.shard_numel * self.element_size
 
 
-class Chunk(ChunkBytes):
+class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
     """A contiguous 1-D buffer of ``chunk_numel`` elements of ``dtype`` holding ``slots``.
 
     The chunk is sharded over ``group`` (``world_size`` ranks): this rank owns elements
@@ -228,7 +172,7 @@ class Chunk(ChunkBytes):
         self.params_written = False  # the shard holds parameter writes the master has not taken yet
         # gradients
         self.grad_full: torch.Tensor | None = None
-        # [Note: gradient spill] in manager.py: a partial gradient buffer moved to the host (None: not spilled)
+        # [Note: gradient spill] in _grad_buffers.py: a partial gradient buffer moved to the host (None: not spilled)
         self.grad_spill: torch.Tensor | None = None
         self._grad_spill_host: torch.Tensor | None = None  # its host buffer, kept for the next spill
         self._grad_spill_event = None  # CUDA: recorded after the last copy into or out of that host buffer
@@ -397,135 +341,6 @@ class Chunk(ChunkBytes):
             if slot.state is TensorState.FREE:
                 slot.set_state(TensorState.HOLD)
 
-    def hide_stale_params(self) -> None:
-        """Point the parameters of a chunk without a current unsharded copy (freed, or older than the shard)
-        at stale placeholders that raise on any data access ([Note: stale placeholder] in params.py);
-        ``shape``, ``dtype``, ``device`` and ``numel()`` stay right. Placeholder ``i`` is element ``i`` of
-        :attr:`stale_values` expanded to slot ``i``'s shape (no memory). Called whenever the chunk is
-        resharded, and at the optimizer step, the end of ``prepare`` and when
-        ``full_parameters(writeback=False)`` exits; the next unshard (:meth:`show_params`) points them
-        back at ``full`` before any use, so autograd's saved copies see the data again."""
-        if self.hidden or not (self.needs_fill() or self.pending_refresh is not None):
-            return
-        if self.stale_values is None:
-            self.stale_values = torch.full((len(self.slots),), float("nan"), dtype=self.dtype,
-                                           device=self.compute_device)
-        for i, slot in enumerate(self.slots):
-            hide_param(slot.param, self.stale_values[i].expand(slot.shape))
-        self.hidden = True
-
-    def show_params(self) -> None:
-        """Undo :meth:`hide_stale_params`: parameters are views into ``full`` again."""
-        if not self.hidden:
-            return
-        for slot in self.slots:
-            show_param(slot.param, self.full[slot.offset:slot.offset + slot.numel].view(slot.shape))
-        self.hidden = False
-
-    def issue_refresh(self, source: torch.Tensor, side_stream=None, staging: torch.Tensor | None = None,
-                      speculative: bool = False) -> None:
-        """Upload ``source`` (this rank's new shard values, a host buffer of ``shard_numel`` elements) into the
-        device shard without making the compute wait ([Note: overlapped refresh] in
-        ``hf_elixir/optim/optimizer.py``): on CUDA a non-blocking copy on ``side_stream`` and an event; on the
-        simulated device the copy is left to :meth:`wait_refresh`, so a read that skips the wait sees the old
-        values, and the parameters are stale placeholders until then (a read raises, [Note: stale placeholder]).
-        With ``staging`` (an fp32 device buffer; ``source`` the fp32 master, the compute dtype narrower) the
-        upload goes through it block by block and is cast on the device ([Note: refresh cast]).
-        ``speculative``: issued during backward from an unvalidated host step ([Note: early refresh]).
-        Counted in ``h2d_bytes`` (the source's bytes) and ``num_refreshes_ahead``."""
-        assert strict.is_host(source) or source.device.type == "cpu", f"chunk {self.chunk_id}: refresh from device"
-        assert source.numel() == self.shard_numel, f"chunk {self.chunk_id}"
-        assert source.dtype == (torch.float32 if staging is not None else self.dtype), f"chunk {self.chunk_id}"
-        assert staging is None or (staging.dtype == torch.float32 and not strict.is_host(staging)), \
-            f"chunk {self.chunk_id}: the refresh cast's staging is an fp32 device buffer"
-        self.wait_refresh()  # an earlier refresh never waited for (two steps without a forward)
-        event = None
-        if side_stream is not None:
-            side_stream.wait_stream(torch.cuda.current_stream())  # after the compute's last read of the shard
-            with torch.cuda.stream(side_stream), torch.no_grad(), strict.host_copies():
-                self._copy_refresh(source, staging, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(side_stream)
-        self.pending_refresh = _PendingRefresh(source, event, staging, _write_stamp(source), speculative)
-        counters = self.manager.counters
-        counters.h2d_bytes += source.numel() * source.element_size()
-        counters.num_refreshes_ahead += 1
-        self.hide_stale_params()
-
-    def _copy_refresh(self, source: torch.Tensor, staging: torch.Tensor | None, non_blocking: bool) -> None:
-        """The refresh's copies (inside ``strict.host_copies``): one copy into the device shard, or, with
-        ``staging``, per block of ``staging.numel()`` elements an fp32 upload into it and a cast out of it on the
-        device. On CUDA all on one stream, so a block's upload waits for the cast that read the buffer before."""
-        target = self._refresh_target()
-        if staging is None:
-            target.copy_(source, non_blocking=non_blocking)
-            return
-        block = staging.numel()
-        for lo in range(0, source.numel(), block):
-            hi = min(lo + block, source.numel())
-            staging[:hi - lo].copy_(source[lo:hi], non_blocking=non_blocking)
-            target[lo:hi].copy_(staging[:hi - lo])  # fp32 -> compute dtype on the device (round to nearest even)
-
-    def _refresh_target(self) -> torch.Tensor:
-        return self.full if self.full_alias else self.shard
-
-    def wait_refresh(self, stream=None) -> None:
-        """Make the refresh :meth:`issue_refresh` issued visible: on CUDA ``stream`` (default: the current one)
-        waits for its event (no host sync); on the simulated device the copy is done here. The parameters of a
-        current chunk point at ``full`` again. A refresh issued from a speculative host step that ``step()`` has
-        not validated yet ([Note: early refresh] in ``hf_elixir/optim/optimizer.py``) is a misprediction when
-        anything waits for it first: the manager's ``early_refresh_fence`` undoes that step and uploads the
-        values from before it, which this then waits for.
-
-        Raises:
-            RuntimeError: the refresh's source was written in place (or its storage rebound) since
-                :meth:`issue_refresh`: a race with the upload on CUDA ([Note: strict refresh source]); the
-                refresh is dropped (the shard keeps its old values).
-        """
-        early = self.pending_refresh
-        if early is not None and early.speculative:
-            early.speculative = False
-            self.manager.early_refresh_fence(self)  # may issue a new refresh in its place
-        pending, self.pending_refresh = self.pending_refresh, None
-        if pending is None:
-            return
-        self._check_refresh_source(pending)
-        if pending.event is not None:
-            (stream or torch.cuda.current_stream()).wait_event(pending.event)
-        else:
-            with torch.no_grad(), strict.host_copies():
-                self._copy_refresh(pending.source, pending.staging, non_blocking=False)
-        if not self.needs_fill():
-            self.show_params()
-
-    def _check_refresh_source(self, pending: _PendingRefresh) -> None:
-        """[Note: strict refresh source] On CUDA :meth:`issue_refresh` queues a non-blocking host->device copy on
-        the copy stream: the DMA reads ``source`` some time between the issue and the event, so a host write to
-        ``source`` before the host knows the copy finished (its event synchronised) uploads the old values, or a
-        torn mix of old and new. The simulated device copies at the wait, so it would upload the new values and
-        hide that race. Both paths therefore stamp the source at the issue (``data_ptr`` and the version counter,
-        :func:`_write_stamp`) and compare at the wait: a changed stamp raises. Every writer of a master or a
-        staging buffer bumps the counter: ``copy_`` and the ``_foreach_*`` ops of the inverse rollback do it
-        themselves; ``torch._fused_adam(w)_`` does not (PyTorch 2.13, direct or via ``torch.optim.AdamW(
-        fused=True)``), so the same-pass step (``hf_elixir/optim/_same_pass.py``) and the inner optimizer's step
-        (``ElixirOptimizer._run_inner``) bump it with ``torch.autograd.graph.increment_version`` after the
-        kernel. A write through ``.data`` is not seen (new counter): the masters are not written that way. The
-        sanctioned order is the one of ``ElixirOptimizer._release_staging`` (synchronise the event, wait, then
-        write) or the start of backward's drain (the host lane writes only after it). Cost: two integer reads per
-        issue and per wait."""
-        stamp = _write_stamp(pending.source)
-        if stamp == pending.stamp:
-            return
-        what = ("rebound to other storage" if stamp[0] != pending.stamp[0] else
-                f"written in place (version counter {pending.stamp[1]} -> {stamp[1]})")
-        raise RuntimeError(
-            f"chunk {self.chunk_id}: the host buffer its refresh uploads (the {tuple(pending.source.shape)} "
-            f"{'fp32 master' if pending.source.dtype == torch.float32 else 'staging buffer'}) "
-            f"was {what} between issue_refresh and wait_refresh. On CUDA the upload is a non-blocking copy queued at "
-            "issue_refresh, so it would have read the values of the issue time (or a torn mix), not the new ones. "
-            "Wait for the refresh before writing its source (ElixirOptimizer._release_staging: synchronise its "
-            "event, then Chunk.wait_refresh)")
-
     def wait_ready(self) -> bool:
         """Wait for the refresh of the device shard (:meth:`wait_refresh`) and for a prefetched all-gather
         issued with ``async_op`` (then release its staging buffer and point the parameters at ``full``);
@@ -625,250 +440,3 @@ class Chunk(ChunkBytes):
         self.version += 1
         self.full_version = self.version
         self.stamp_params()  # what load_state_dict / full_parameters wrote through the parameters is in
-
-    def stamp_params(self) -> None:
-        """Record every parameter's version counter as taken ([Note: parameter writes])."""
-        for slot in self.slots:
-            slot.seen_version = slot.param._version
-
-    def take_param_writes(self) -> bool:
-        """Carry in-place writes made through the parameters since they were last taken from ``full`` into
-        the shard ([Note: parameter writes]); a rank-local host copy of ``full`` is updated too.
-
-        Returns:
-            whether there were writes on a current copy (the master still has to take them:
-            ``params_written`` is set until the optimizer merged them).
-        """
-        written = False
-        for slot in self.slots:
-            if slot.param._version != slot.seen_version:
-                slot.seen_version = slot.param._version
-                written = True
-        if not written or not self.unsharded or self.needs_fill() or self.hidden:
-            return False  # a stale parameter raises on any write: nothing reached a freed or old copy
-        if self.manager.host_fence is not None:  # the host optimizer may be stepping this shard in place
-            self.manager.host_fence(self)
-        with torch.no_grad(), strict.host_copies():
-            if not self.full_alias and not self.shard_in_full:
-                self.shard.copy_(self.full[self.shard_begin:self.shard_begin + self.shard_numel])
-                if not self.shard_on_device:
-                    self.manager.counters.d2h_bytes += self.shard_bytes
-            if self.host_full is not None and self.host_full_version == self.version:
-                self.host_full.copy_(self.full)
-                self.manager.counters.d2h_bytes += self.full_bytes
-        self.params_written = True
-        return True
-
-    # -- gradients -----------------------------------------------------------------------------
-    def direct_grad_shard(self) -> torch.Tensor | None:
-        """The optimizer's gradient shard when gradients can be accumulated straight into it: the chunk is
-        whole on this rank (one rank, or "replicated" while the shard holds no all-reduced gradient yet,
-        then all-reduced in place as DDP's ``gradient_as_bucket_view``), optimizer state on the device,
-        same dtype. Saves the gradient buffer's allocation, zero-fill and the copy into the shard (what
-        plain PyTorch's ``AccumulateGrad`` saves by stealing the gradient)."""
-        if self.world_size != 1 or not self.optim_on_device:
-            return None
-        if self.replicate_group is not None and not self.grad_shard_clean:
-            return None  # holds an earlier micro-batch's averaged gradient (all-reducing it again is exact only
-            # for power-of-two world sizes): later micro-batches use a separate buffer
-        shard = self.manager.grad_shards.get(self.chunk_id)
-        if shard is None or shard.dtype != self.grad_dtype or shard.numel() != self.chunk_numel:
-            return None
-        return shard
-
-    def defer_grad_zero(self) -> bool:
-        """``zero_grad`` on a chunk whose gradients are accumulated straight into the optimizer's shard
-        (:meth:`direct_grad_shard`): mark the shard zero without writing it ([Note: deferred gradient
-        zeroing]). Returns False (nothing deferred: the caller zeroes the shard) for any other chunk."""
-        if self.direct_grad_shard() is None:
-            return False
-        self.grad_zero_pending = True
-        self._grad_written.clear()
-        return True
-
-    def settle_grad_zero(self) -> None:
-        """Zero the parts of a deferred-zero gradient shard that backward has not written (unused parameters,
-        padding): afterwards the whole shard holds this step's gradients ([Note: deferred gradient zeroing])."""
-        if not self.grad_zero_pending:
-            return
-        shard = self.manager.grad_shards[self.chunk_id]
-        begin = 0
-        with torch.no_grad():
-            for slot in sorted((s for s in self.slots if s.index_in_chunk in self._grad_written),
-                               key=lambda s: s.offset):
-                if slot.offset > begin:
-                    shard[begin:slot.offset].zero_()
-                begin = max(begin, slot.offset + slot.numel)
-            if begin < shard.numel():
-                shard[begin:].zero_()
-        self.grad_zero_pending = False
-        self._grad_written.clear()
-
-    def spill_grad(self) -> None:
-        """Move the partial gradient buffer to the host and free its device bytes ([Note: gradient spill] in
-        ``manager.py``); :meth:`_restore_grad` brings it back before the next gradient or the reduce. No host
-        sync: a non-blocking copy into the host buffer (pinned on CUDA) queued on the current stream."""
-        assert self.grad_full is not None and self.grad_spill is None, f"chunk {self.chunk_id}: nothing to spill"
-        host = self._grad_spill_host
-        if host is None:
-            host = self._grad_spill_host = self.manager.host_empty(self.chunk_numel, self.grad_dtype)
-        grad_full = self.grad_full
-        self._spill_copy(host, grad_full)
-        if grad_full.is_cuda:  # freed below while the copy may still read it: no reuse before it ran on this
-            grad_full.record_stream(torch.cuda.current_stream())  # stream (a no-op on the allocation stream)
-        self.manager.counters.d2h_bytes += self.grad_full_bytes
-        self.manager.recycle_buffer(grad_full)
-        self.grad_full, self.grad_spill = None, host
-
-    def _restore_grad(self) -> None:
-        """Bring a spilled gradient buffer back to the device (charged again, making room as any buffer does);
-        a non-blocking copy on the current stream, after the spill's."""
-        host = self.grad_spill
-        self.grad_spill = None
-        self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype,
-                                                  f"gradient buffer of chunk {self.chunk_id} (spilled)", zero=False)
-        self._spill_copy(self.grad_full, host)
-        self.manager.counters.h2d_bytes += self.grad_full_bytes
-
-    def _spill_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """One copy of a gradient spill or restore ([Note: gradient spill] in ``manager.py``), non-blocking on
-        the current stream; on CUDA after the previous copy into or out of the host buffer (an event: the spill
-        may have run on the reduce stream, its restore on the compute stream), and an event recorded after it."""
-        cuda = dst.is_cuda or src.is_cuda
-        if cuda and self._grad_spill_event is not None:
-            torch.cuda.current_stream().wait_event(self._grad_spill_event)
-        with torch.no_grad(), strict.host_copies():
-            dst.copy_(src, non_blocking=True)
-        if cuda:
-            self._grad_spill_event = torch.cuda.Event()
-            self._grad_spill_event.record()
-
-    def accumulate_grad(self, slot: ParamSlot, grad: torch.Tensor) -> None:
-        """Add ``grad`` (shape ``slot.shape``) into the chunk's gradient buffer."""
-        if self.grad_spill is not None:
-            self._restore_grad()
-        if self.grad_full is None:
-            direct = self.direct_grad_shard()
-            if direct is not None:
-                scale = 1.0 if self.replicate_group is None else 1.0 / dist.get_world_size(self.replicate_group)
-                with torch.no_grad():  # [Note: pre-divided all-reduce] when replicated
-                    target = direct[slot.offset:slot.offset + slot.numel]
-                    if self.grad_zero_pending and slot.index_in_chunk not in self._grad_written:
-                        # the first gradient into a deferred-zero shard: written, not added to zeros
-                        self._grad_written.add(slot.index_in_chunk)
-                        if scale == 1.0:
-                            target.copy_(grad.reshape(-1))
-                        else:
-                            torch.mul(grad.reshape(-1), scale, out=target)
-                    elif scale == 1.0:
-                        target.add_(grad.reshape(-1))
-                    else:
-                        target.add_(grad.reshape(-1), alpha=scale)
-                return
-            self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype,
-                                                      f"gradient buffer of chunk {self.chunk_id}")
-        with torch.no_grad():
-            target = self.grad_full[slot.offset:slot.offset + slot.numel]
-            if self.replicate_group is None:
-                target.add_(grad.reshape(-1))
-            else:  # [Note: pre-divided all-reduce], in the buffer as in the shard
-                target.add_(grad.reshape(-1), alpha=1.0 / dist.get_world_size(self.replicate_group))
-
-    def _mark_reduced(self) -> None:
-        """This backward's gradients of the chunk are handed to the reduce: slots leave READY_FOR_REDUCE."""
-        self.reduced_this_backward = True
-        for slot in self.slots:
-            if slot.state is TensorState.READY_FOR_REDUCE:
-                slot.set_state(TensorState.HOLD_AFTER_BWD if (self.unsharded or self.full_alias) else TensorState.FREE)
-
-    def reduce_scatter_grad(self, grad_shard: torch.Tensor, async_op: bool = False):
-        """Reduce-scatter (mean over ranks) the gradient buffer and add the result into ``grad_shard``.
-
-        Args:
-            grad_shard: fp32 tensor ``[shard_numel]`` where the optimizer state lives (host or device).
-            async_op: issue the collective asynchronously and return a callable that waits for it,
-                accumulates into ``grad_shard`` and frees the buffers (the manager calls it later, so the
-                communication overlaps the rest of backward, as DDP's bucketed all-reduce does).
-
-        Returns:
-            ``None`` when done, or the finishing callable (``async_op=True``).
-
-        Every rank calls this for every trainable chunk exactly once per backward, in the manager's
-        fixed order, even when it received no gradient for the chunk (zeros), so ranks never hang.
-        """
-        counters = self.manager.counters
-        self.settle_grad_zero()  # the collective and the accumulation below read the whole shard
-        if self.grad_spill is not None:
-            self._restore_grad()
-        direct = self.direct_grad_shard() if self.grad_full is None else None
-        if direct is not None:  # gradients are already in the optimizer's shard
-            self._mark_reduced()
-            if self.replicate_group is None:
-                return None
-            self.grad_shard_clean = False  # later gradients of this step go to a buffer
-            group = self.replicate_group
-            work = dist.all_reduce(direct, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-            counters.reduce_scatter_bytes += self.grad_full_bytes
-
-            # [Note: pre-divided all-reduce] the gradients were divided by the group's size as they were added
-            # into the shard, or into the gradient buffer when there is one (host optimizer, later micro-batches;
-            # DDP divides its buckets before the all-reduce too), so the sum is the mean: no pass over the whole
-            # chunk after the collective
-            if async_op:
-                return work.wait
-            return None
-        if self.grad_full is None:  # no gradient on this rank (idle experts, unused branch)
-            if self.world_size == 1 and self.replicate_group is None:
-                self._mark_reduced()  # no collective to join: adding zeros changes nothing
-                return None
-            self.grad_full = self.manager.grad_buffer(self.chunk_numel, self.grad_dtype,
-                                                      f"gradient buffer of chunk {self.chunk_id}")
-        # [Note: reduce overlap] on CUDA, with the optimizer state on the device, the reduce-scatter and
-        # the accumulation into the shard gradient run on the manager's reduce stream, overlapping the
-        # rest of backward; record_stream keeps the caching allocator from reusing the buffers early and
-        # the end-of-backward callback joins the stream. Host optimizer state needs the result on the
-        # host, so that case stays on the current stream. Off CUDA the collective is issued with
-        # ``async_op`` and finished later by the manager.
-        stream = self.manager.reduce_stream if self.optim_on_device else None
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())
-        stream_ctx = (lambda: torch.cuda.stream(stream)) if stream is not None else contextlib.nullcontext
-        grad_full, work, divisor, shard_grad_bytes = self.grad_full, None, 1, 0
-        with torch.no_grad(), stream_ctx():
-            if self.world_size > 1:
-                shard_grad_bytes = self.grad_full_bytes // self.world_size
-                out = self.manager.grad_buffer(self.shard_numel, self.grad_dtype,
-                                               f"reduce-scatter output of chunk {self.chunk_id}", zero=False, keep=self)
-                work = reduce_scatter_single(out, grad_full, op=dist.ReduceOp.SUM, group=self.group,
-                                             async_op=async_op)
-                counters.reduce_scatter_bytes += self.grad_full_bytes
-                divisor = self.world_size
-            else:
-                out = grad_full
-                if self.replicate_group is not None:  # pre-divided: no pass after the all-reduce
-                    work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=async_op)
-                    counters.reduce_scatter_bytes += self.grad_full_bytes
-        self.grad_full = None  # a gradient arriving later starts a new buffer
-        self._mark_reduced()
-
-        def finish() -> None:
-            if work is not None and async_op:
-                work.wait()
-            with torch.no_grad(), stream_ctx():
-                if divisor > 1:
-                    out.div_(divisor)
-                if self.optim_on_device:
-                    grad_shard.add_(out.to(grad_shard.dtype))
-                else:  # offload: a non-blocking device->host copy, added on the host ([Note: gradient offload])
-                    self.manager.offload_grad(self, out, grad_shard)
-                if stream is not None:
-                    grad_full.record_stream(stream)
-                    out.record_stream(stream)
-            if shard_grad_bytes:
-                self.manager.recycle_buffer(out)
-            self.manager.recycle_buffer(grad_full)
-
-        if async_op and work is not None:
-            return finish
-        finish()
-        return None

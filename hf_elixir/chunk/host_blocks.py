@@ -159,7 +159,7 @@ class HostBlockAllocator:
         block.zero_from = max(block.zero_from, offset + nbytes)
         # not a view of ``block.data`` (whose version counter every slice would share: a write to any buffer
         # would look like a write to all of them) but a tensor of its own over the block's storage, with its own
-        # version counter ([Note: strict refresh source] in chunk.py); ``offset`` is a multiple of ALIGN_BYTES
+        # version counter ([Note: strict refresh source] in _chunk_refresh.py); ``offset`` is a multiple of ALIGN_BYTES
         tensor = torch.empty(0, dtype=dtype).set_(block.data.untyped_storage(), offset // element, (numel,))
         self._where[tensor.data_ptr()] = (block, offset, nbytes)
         return tensor, fresh

@@ -8,7 +8,7 @@ on CPU-only CI exactly as they would on a GPU.
 [Note: activations in the budget] The activations autograd saves during forward are measured (the
 bytes of every distinct storage packed by ``torch.autograd.graph.saved_tensors_hooks`` that is not a
 chunk, released when the storage dies: after backward, or with the graph of a forward that had none, [Note:
-pack without a cycle] in ``chunk/manager.py``) and reported (``activation_bytes``,
+pack without a cycle] in ``chunk/_activations.py``) and reported (``activation_bytes``,
 ``activation_peak_bytes``, ``device_total_peak_bytes`` = the peak of model data plus activations plus
 temporaries). The budget is the whole device a user grants (DESIGN.md: "The budget is the whole card"):
 an explicit ``device_memory_budget_bytes`` (with ``ElixirConfig.budget_covers_activations=True``, the
@@ -126,11 +126,11 @@ class MemoryCounters:
     num_onloads: int = 0
     num_prefetches: int = 0
     # all-gathers issued ahead of use by the prefetch, and issued inside an access for the chunk it needs
-    # (the compute waits for the whole collective): [Note: gather prefetch] in manager.py
+    # (the compute waits for the whole collective): [Note: gather prefetch] in _prefetch.py
     num_prefetched_gathers: int = 0
     num_blocking_gathers: int = 0
     # evictions of a chunk used sooner, forced by an all-gather issued ahead that every rank had agreed on
-    # ([Note: agreed gathers ahead] in manager.py): this rank's batch left less room than the one it voted with
+    # ([Note: agreed gathers ahead] in _agreed_gathers.py): this rank's batch left less room than the one it voted with
     num_agreed_gather_evictions: int = 0
     # uploads of the optimizer's new values into device shards issued without making the compute wait, each
     # waited for at its chunk's first use ([Note: overlapped refresh] in hf_elixir/optim/optimizer.py)

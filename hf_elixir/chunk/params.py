@@ -165,8 +165,8 @@ class _ManagedMixin:
         """``param.data`` as in PyTorch (same storage, no autograd history), except that it shares the
         parameter's version counter, as ``param.detach()`` does: a write through it (``p.data.mul_(0.99)``, a hand
         written weight decay) bumps ``param._version``, so the chunk sees it and carries it into the shard and
-        the fp32 master ([Note: parameter writes] in chunk.py); with a fresh counter it was lost silently wherever
-        the chunk is not the master. The one difference a user can see: writing a parameter through ``.data``
+        the fp32 master ([Note: parameter writes] in _chunk_params.py); with a fresh counter it was lost silently
+        wherever the chunk is not the master. The one difference a user can see: writing a parameter through ``.data``
         between a forward that saved it and its backward now raises autograd's in-place error instead of
         computing gradients from the new values. A stale parameter raises as before."""
         if isinstance(self, _StaleMixin):

@@ -2,7 +2,7 @@
 speculative host optimizer step (SuperOffload, arXiv 2509.21271, section 4: speculation-then-validation).
 
 [Note: host lane] Chunks whose optimizer state lives on the host receive their reduced gradient shard by
-a non-blocking device->host copy ([Note: gradient offload] in ``hf_elixir/chunk/manager.py``). The host
+a non-blocking device->host copy ([Note: gradient offload] in ``hf_elixir/chunk/_grad_shards.py``). The host
 lane takes each one over on ONE worker thread (``concurrent.futures``; PyTorch's CPU ops release the
 GIL, so it runs beside the backward the main thread drives): it waits for the copy's event (CUDA),
 adds the staging buffer into the gradient shard (gradient accumulation), and, on the backward that

@@ -137,7 +137,7 @@ def _kernel_call(items: list[tuple[ViewTensors, int, int]]) -> None:
            amsgrad=amsgrad, lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
            eps=group["eps"], maximize=bool(group["maximize"]))
     # the kernel does not bump the version counter of what it writes: the master's (shared with these slices)
-    # is what a pending upload's check reads ([Note: strict refresh source] in hf_elixir/chunk/chunk.py)
+    # is what a pending upload's check reads ([Note: strict refresh source] in hf_elixir/chunk/_chunk_refresh.py)
     torch.autograd.graph.increment_version(params)
 
 

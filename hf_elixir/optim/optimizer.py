@@ -192,11 +192,11 @@ class ElixirOptimizer(torch.optim.Optimizer):
         if any(c.trainable and not c.optim_on_device for c in manager.chunks):
             self._lane = HostLane(self, speculate=speculates(config.overlap_host_optimizer, manager.compute_device),
                                   state_numel_factor=optimizer_state_numel_factor(optimizer))
-            manager.host_steps_in_backward = self._lane.speculate  # [Note: reduce window] in chunk/manager.py
-        manager.on_param_writes = self.merge_param_writes  # [Note: parameter writes] in chunk/chunk.py
+            manager.host_steps_in_backward = self._lane.speculate  # [Note: reduce window] in chunk/_reduce.py
+        manager.on_param_writes = self.merge_param_writes  # [Note: parameter writes] in chunk/_chunk_params.py
         manager.before_backward = self._settle_clip  # [Note: owed clip factor]
         manager.on_zero_grad = self._forget_clip
-        manager.hyper_code = self._hyper_code  # [Note: hyperparameter check] in chunk/manager.py
+        manager.hyper_code = self._hyper_code  # [Note: hyperparameter check] in chunk/_rank_checks.py
 
     def add_param_group(self, param_group: dict) -> None:
         """Only used while constructing; afterwards adding parameters is refused.
@@ -637,13 +637,14 @@ class ElixirOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: a closure was given (not supported: forward/backward run outside the step).
             RuntimeError: the ranks reduced their gradients in different orders since the last step (their
-                forwards differed; [Note: reduce order check] in ``hf_elixir/chunk/manager.py``); nothing updated.
+                forwards differed; [Note: reduce order check] in ``hf_elixir/chunk/_rank_checks.py``); nothing updated.
         """
         if closure is not None:
             raise ValueError("ElixirOptimizer.step(closure) is not supported; call forward/backward before step()")
         assert not self.manager.backward_pending, "optimizer.step() called while a backward is still running"
         self._check_groups_unchanged()
-        self.manager.take_param_writes()  # before anything reads the masters ([Note: parameter writes] in chunk.py)
+        # before anything reads the masters ([Note: parameter writes] in chunk/_chunk_params.py)
+        self.manager.take_param_writes()
         self.manager.settle_grad_zeros()  # a step with no backward since zero_grad reads zeros
         if self._lane is not None and self._lane.speculate:
             self.manager.drain_reduces()  # the lane takes every offloaded gradient before it is validated
@@ -684,7 +685,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
 
     def _hyperparameters(self) -> list[dict]:
         """Per param group, its scalar hyperparameters (numbers, flags, strings, tuples of them), as the ranks
-        compare them ([Note: hyperparameter check] in ``chunk/manager.py``); a tensor value (a tensor lr) is
+        compare them ([Note: hyperparameter check] in ``chunk/_rank_checks.py``); a tensor value (a tensor lr) is
         left out (``None``): reading it could be a device sync."""
         return [{k: _scalar(v) for k, v in sorted(group.items()) if k != "params"} for group in self.param_groups]
 
@@ -705,15 +706,16 @@ class ElixirOptimizer(torch.optim.Optimizer):
         values = strict.host_read(packed).tolist()
         hyper_mismatch = values.pop(3)
         num_flags = self.manager.has_grad_flags.numel()
-        if self.manager.ahead_veto.numel():  # [Note: agreed gathers ahead] in chunk/manager.py
+        if self.manager.ahead_veto.numel():  # [Note: agreed gathers ahead] in chunk/_agreed_gathers.py
             self.manager.agree_gathers_ahead(values[3 + num_flags:])
-        if values[2] > 0 or hyper_mismatch > 0:  # [Note: reduce order check] in chunk/manager.py: nothing is updated
+        # [Note: reduce order check] in chunk/_rank_checks.py: nothing is updated
+        if values[2] > 0 or hyper_mismatch > 0:
             self.settle_host_steps()  # the host lane's speculative updates of this backward are undone
             if self._lane is not None:
                 self._lane.end_step()
             self._unscaled = False
             self._found_inf = self._host_clip_coef = None
-            if values[2] <= 0:  # [Note: hyperparameter check] in chunk/manager.py
+            if values[2] <= 0:  # [Note: hyperparameter check] in chunk/_rank_checks.py
                 raise RuntimeError(
                     "the ranks hold different optimizer hyperparameters (this rank's, per param group: "
                     f"{self._hyperparameters()}): a value set from rank-local data, such as "
@@ -735,7 +737,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         """Step every view with a gradient (``flags``) except those of the chunks in ``done`` (stepped
         during backward by the host lane, [Note: host lane]): first the chunks whose gradient collective has
         finished, then, after waiting for the others, the rest ([Note: late reduce waits] in
-        ``hf_elixir/chunk/manager.py``). Each view's update is independent, so the split changes no result."""
+        ``hf_elixir/chunk/_reduce.py``). Each view's update is independent, so the split changes no result."""
         manager = self.manager
         todo = [[t for t in full if flags[self._flag_of(t)] > 0 and self._view_by_tensor[id(t)].chunk.chunk_id
                  not in done] for full in self._full_group_params]
@@ -782,7 +784,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 self._staged.difference_update(self._view_by_tensor[id(t)].chunk.chunk_id for g in rest for t in g)
                 unhooked_step(self.inner)  # no step hooks for the inner optimizer ([Note: step hooks])
                 # a fused kernel (torch._fused_adamw_) leaves the masters' version counter as it was: bump it, so
-                # a pending upload of a master sees the write ([Note: strict refresh source] in chunk.py)
+                # a pending upload of a master sees the write ([Note: strict refresh source] in chunk/_chunk_refresh.py)
                 torch.autograd.graph.increment_version([t for params in rest for t in params])
             for cid, chosen in same_pass.items():
                 self._step_same_pass(cid, chosen)
@@ -891,7 +893,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
         On the simulated device the copy is done at the wait and the parameters are stale placeholders until
         then, so a read that skips the wait raises (as the hardware would return the old values); a write to the
         upload's source (staging buffer or master) between the issue and the wait raises too, where the hardware
-        would upload the values of the issue time ([Note: strict refresh source] in ``hf_elixir/chunk/chunk.py``).
+        would upload the values of the issue time ([Note: strict refresh source] in
+        ``hf_elixir/chunk/_chunk_refresh.py``).
         Source: ZeRO-Offload (arXiv 2101.06840) section 4.2, the fp16 parameter copy overlapped with the next
         step; FSDP2's per-parameter-group events on a side stream.
 

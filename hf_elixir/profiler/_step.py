@@ -85,7 +85,7 @@ class AccessEvent:
         grad_inputs: ``"bwd"`` events: whether the module's forward call had a tensor input that requires
             grad. The runtime then releases the backward access when the input gradients exist; without one,
             once the unit's trainable parameters have their gradients, leaving its frozen parameters in
-            ``COMPUTE`` until the end of backward ([Note: dead chunks] in ``hf_elixir/chunk/manager.py``).
+            ``COMPUTE`` until the end of backward ([Note: dead chunks] in ``hf_elixir/chunk/_eviction.py``).
             ``True`` in profiles saved before it was recorded.
     """
 
@@ -362,7 +362,7 @@ def _access_units(model: nn.Module, index_of_id: dict[int, int]):
 def _has_subtree_units(model: nn.Module) -> bool:
     """Whether some access unit covers a subtree (MoE expert containers, ``nn.MultiheadAttention``; see
     :func:`_access_units`): the chunk manager then keeps every all-gather in the hooks ([Note: gather
-    prefetch] in ``hf_elixir/chunk/manager.py``)."""
+    prefetch] in ``hf_elixir/chunk/_prefetch.py``)."""
     from hf_elixir.runtime.hooks import _SUBTREE_UNITS, _is_routing_container  # noqa: PLC0415
 
     return any(isinstance(m, _SUBTREE_UNITS) or _is_routing_container(m) for m in model.modules()

@@ -155,7 +155,7 @@ def _reset_counters(manager: ChunkManager) -> None:
 def memory_stats(model: torch.nn.Module) -> dict[str, int | float]:
     """Counters of the chunk manager: cumulative since ``prepare`` plus ``step_*`` deltas of the last
     optimizer step (of the last top-level forward for a model prepared without an optimizer: [Note: forward
-    steps] in ``hf_elixir/chunk/manager.py``); bytes are ints. Keys: ``device_used_bytes``, ``device_peak_bytes`` (model data),
+    steps] in ``hf_elixir/chunk/_steps.py``); bytes are ints. Keys: ``device_used_bytes``, ``device_peak_bytes`` (model data),
     ``activation_bytes`` / ``activation_peak_bytes`` (what autograd saved for backward, live / peak),
     ``device_total_peak_bytes`` (model data + activations + temporaries), ``host_bytes``,
     ``h2d_bytes``, ``d2h_bytes``, ``allgather_bytes``, ``reduce_scatter_bytes``, ``num_evictions``,
@@ -163,12 +163,12 @@ def memory_stats(model: torch.nn.Module) -> dict[str, int | float]:
     ``num_blocking_gathers`` (all-gathers issued inside a hook for the chunk it needs),
     ``num_agreed_gather_evictions`` (chunks evicted before their next use to make room for an all-gather every
     rank agreed to issue ahead, under a budget that covers activations: [Note: agreed gathers ahead] in
-    ``hf_elixir/chunk/manager.py``), ``num_refreshes_ahead``
+    ``hf_elixir/chunk/_agreed_gathers.py``), ``num_refreshes_ahead``
     (uploads of updated parameters into device shards waited for at their first use), ``num_unshards``,
     ``num_prefetched_act_onloads`` / ``num_blocking_act_onloads`` (offloaded activations of one block call
     copied back ahead of its backward / when its backward first needs them),
     ``device_budget_bytes`` (-1 = unlimited), ``kept_grad_buffer_bytes`` (gradient buffers kept for the next
-    backward off CUDA, part of ``device_used_bytes``: [Note: buffer reuse] in ``hf_elixir/chunk/manager.py``),
+    backward off CUDA, part of ``device_used_bytes``: [Note: buffer reuse] in ``hf_elixir/chunk/_grad_buffers.py``),
     ``num_chunks``, ``chunk_size_numel``, ``loss_scale`` (float, when an optimizer is attached),
     ``gather_wait_s`` / ``reduce_wait_s`` (float seconds the training thread was blocked in all-gathers and
     in gradient reduce-scatters / all-reduces; ``step_*`` deltas too).

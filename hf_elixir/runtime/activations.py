@@ -56,7 +56,8 @@ import torch
 
 from hf_elixir._logging import info_on_main_rank
 from hf_elixir.chunk import strict
-from hf_elixir.chunk.manager import ChunkManager, _active_saved_tensors_hooks
+from hf_elixir.chunk._activations import _active_saved_tensors_hooks
+from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.plan import ACTIVATION_POLICIES
 
 __all__ = ["ACTIVATION_POLICIES", "apply_activation_policy", "outermost", "resolve_activation_policy",

@@ -307,7 +307,7 @@ def _install_activation_accounting(model: torch.nn.Module, manager: ChunkManager
     """Around the outermost forward with grad enabled, charge what autograd saves for backward
     (:meth:`ChunkManager.saved_tensors_accounting`); around every outermost forward, tell the manager where it
     starts and ends (:meth:`ChunkManager.begin_forward` / :meth:`~ChunkManager.end_forward`, [Note: forward
-    steps] in ``chunk/manager.py``). The post-hook runs also when forward raises."""
+    steps] in ``chunk/_steps.py``). The post-hook runs also when forward raises."""
     depth, active = [0], []
 
     def enter(module, args):

@@ -155,7 +155,7 @@ def full_parameters(model: torch.nn.Module, *, writeback: bool = False):
     state = get_state(model)
     manager = state.manager
     # writes made through current parameters before the context: in the shards and masters, so that
-    # writeback=False discards only what is written inside it ([Note: parameter writes] in chunk/chunk.py)
+    # writeback=False discards only what is written inside it ([Note: parameter writes] in chunk/_chunk_params.py)
     manager.take_param_writes()
     pinned = []
     try:
@@ -205,7 +205,8 @@ def _discard_edits(manager: ChunkManager, optimizer, snapshots: dict[int, torch.
     masters = _masters(optimizer)
     with torch.no_grad(), host_copies():
         for chunk in manager.chunks:
-            chunk.stamp_params()  # the edits are forgotten, not taken later ([Note: parameter writes] in chunk.py)
+            # the edits are forgotten, not taken later ([Note: parameter writes] in chunk/_chunk_params.py)
+            chunk.stamp_params()
             if chunk.shard_in_full:
                 chunk.shard.copy_(snapshots[chunk.chunk_id])
                 chunk.full_version = -1  # the other ranks' slices: gathered again at the next use

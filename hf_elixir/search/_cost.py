@@ -23,14 +23,14 @@ the chunk manager's pool charges (``Chunk.materialize``, ``ElixirOptimizer._buil
   *whatever the budget leaves*, and ``Knobs.cache_blocks`` only reports it;
 * with one rank and no replica group, a cached trained chunk is freed right after its last backward event
   (no later use in the step's order), after that event's gradient buffers are charged: the manager reshards
-  such a chunk when that access is released ([Note: dead chunks] in ``hf_elixir/chunk/manager.py``) instead of
+  such a chunk when that access is released ([Note: dead chunks] in ``hf_elixir/chunk/_eviction.py``) instead of
   holding it until a make-room evicts it;
 * activations are outside the pool; they count toward the device only when ``activations_on_device``;
 * off CUDA the manager issues gradient collectives asynchronously and finishes each one two reduces
   later (or when the pool needs the room, or at the end of backward): its gradient buffer (and
   reduce-scatter output) stays charged until then;
 * off CUDA the buffers a finished reduce frees are kept for the next backward, still charged, and dropped
-  first when the pool needs room ([Note: buffer reuse] in hf_elixir/chunk/manager.py): they never cause an
+  first when the pool needs room ([Note: buffer reuse] in hf_elixir/chunk/_grad_buffers.py): they never cause an
   eviction or a finished reduce, only fill the pool. :func:`_kept_peak` replays them over the step's pool
   events (buffers taken and freed, room made, peaks), from none kept and then from what one step left (the
   steady state), and the model-data peak is the replay's.
@@ -62,14 +62,14 @@ with several ranks an all-gather may, on any device; everything else on CPU is s
   gathered chunk) is prefetched ``prefetch_depth`` events ahead on the manager's copy stream
   (``ChunkManager._prefetch`` -> ``Chunk.unshard(side_stream=...)``), on CUDA only (``hardware.can_overlap``);
 * a **forward all-gather** (world size > 1, ``prefetch_depth > 0``) is issued ``prefetch_depth`` events ahead
-  ([Note: gather prefetch] in ``hf_elixir/chunk/manager.py``), on CUDA and off it (gloo runs async
+  ([Note: gather prefetch] in ``hf_elixir/chunk/_prefetch.py``), on CUDA and off it (gloo runs async
   collectives on its own threads), so it overlaps the compute of the events before its own. Gathers run one
   after another on the group (``t_gather``); the event waits for its own. On CUDA the staging onload rides
   the side stream too; off CUDA it and the fixed cost stay on the compute thread. With
   ``activations_on_device`` (the whole-device budget, whose activation charges are rank-local) the runtime
   issues them ahead in training only, where every offloadable chunk keeps a rank-local host copy (which it
   forces then: :func:`host_copies_forced`): the ranks agree at each optimizer step on which chunks each of
-  them had room for in the previous step ([Note: agreed gathers ahead] in ``hf_elixir/chunk/manager.py``), so
+  them had room for in the previous step ([Note: agreed gathers ahead] in ``hf_elixir/chunk/_agreed_gathers.py``), so
   from the third step on (the steady state priced here) the forward gathers run ahead as with a model-data
   pool, the same gathers and evictions (only the timing changes). Like the model-data case, this does not
   check the runtime's room rule (a rank votes no where the gather would evict a chunk used before it), so at
@@ -80,15 +80,15 @@ with several ranks an all-gather may, on any device; everything else on CPU is s
 * a **backward all-gather** (the re-gather of an evicted chunk without a host copy) is issued ahead the same
   way, with a model-data pool only (under ``activations_on_device`` a backward refill is a local onload of the
   forced host copy), where the runtime finds room for it without evicting a chunk the step still uses ([Note:
-  backward gather prefetch] in ``hf_elixir/chunk/manager.py``): priced as ahead when, at its event, the free
+  backward gather prefetch] in ``hf_elixir/chunk/_prefetch.py``): priced as ahead when, at its event, the free
   pool plus the cached trained chunks with no later use cover it. The runtime decides ``prefetch_depth`` events
   earlier and also reserves the gradient buffers charged in between, so at the tightest budgets it may keep a
   gather in the hook that this prices as ahead. Other backward gathers run inside the pre-backward hook and the compute
   waits for them (and for gathers queued before them);
 * the reduce-scatter (or replicated all-reduce) of a chunk whose optimizer state is on the device runs on the
-  manager's reduce stream, overlapping the rest of backward ([Note: reduce overlap] in ``chunk/chunk.py``);
+  manager's reduce stream, overlapping the rest of backward ([Note: reduce overlap] in ``chunk/_chunk_grads.py``);
   a host-optimizer chunk's reduce stays on the compute stream, its device->host gradient copy runs on the
-  offload stream on CUDA ([Note: gradient offload] in ``chunk/manager.py``; on CPU it is a plain copy on the
+  offload stream on CUDA ([Note: gradient offload] in ``chunk/_grad_shards.py``; on CPU it is a plain copy on the
   compute timeline);
 * with ``overlap_host_optimizer`` (the runtime's default on CUDA; ``None`` resolves as
   :func:`hf_elixir.optim._overlap.speculates` does, [Note: lane off the CPU device]) each host-optimizer chunk
@@ -140,7 +140,7 @@ rollback snapshot to price, and its activations are the forward's transient alon
 prepared without an optimizer differs from a training step in two ways the model follows:
 
 * no optimizer step ends a step: each top-level forward is one ([Note: forward steps] in
-  ``hf_elixir/chunk/manager.py``). The first forward after ``prepare`` has no previous order: the manager evicts the
+  ``hf_elixir/chunk/_steps.py``). The first forward after ``prepare`` has no previous order: the manager evicts the
   least recently used unpinned chunk (``ChunkManager._victim`` without ``prev_trace``) and prefetches nothing. Every
   later forward evicts by Belady over the forward before it (ties, chunks that forward does not use again, to the
   least recently used: ``ChunkManager._belady_key``) and prefetches ``prefetch_depth`` chunks ahead of it, local
@@ -263,7 +263,7 @@ class ChunkedStep:
     # forward all-gathers may be issued ahead (False: the model has subtree units such as MoE experts,
     # [Note: overlap])
     gather_prefetch: bool = True
-    # [Note: dead chunks] in chunk/manager.py: backward events whose release reshards no chunk (recomputed
+    # [Note: dead chunks] in chunk/_eviction.py: backward events whose release reshards no chunk (recomputed
     # forwards, released with their parameters still in COMPUTE), and per backward event of a unit without a
     # grad input the chunks of its frozen parameters, left in COMPUTE (so never resharded) until backward ends
     no_dead_release: frozenset[int] = frozenset()
@@ -626,7 +626,7 @@ def _backward_room(step: ChunkedStep, k: int, depth: int, cached: dict[int, int]
 
 def _kept_peak(log: list[tuple], pool_bytes: int, kept: dict[int, int]) -> tuple[int, dict[int, int]]:
     """Replay ``predict``'s pool events with the gradient buffers kept off CUDA ([Note: buffer reuse] in
-    hf_elixir/chunk/manager.py), starting from ``kept`` (buffer bytes -> how many): a buffer taken reuses a
+    hf_elixir/chunk/_grad_buffers.py), starting from ``kept`` (buffer bytes -> how many): a buffer taken reuses a
     kept one of its size (no room made), a freed one is kept, making room drops kept buffers (largest first)
     before anything else. Returns the peak of the model's bytes plus the kept ones, and what is kept at the end."""
     kept = dict(kept)
@@ -827,7 +827,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
 
     clock = 0
     # the manager reshards a chunk backward uses no more at its last backward access (whole on one rank, no
-    # replica group), not at the next make-room ([Note: dead chunks] in chunk/manager.py)
+    # replica group), not at the next make-room ([Note: dead chunks] in chunk/_eviction.py)
     reshard_dead = ws == 1 and not step.replicated
     computing: set[int] = set()  # chunks with a parameter left in COMPUTE until the end of backward
     for k, group in forward_passes():
@@ -985,7 +985,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 finish_reduce()
         computing.update(step.compute_held.get(k, ()))
         if reshard_dead and step.event_phase[k] == "bwd" and k not in step.no_dead_release:
-            for c in group:  # [Note: dead chunks] in chunk/manager.py
+            for c in group:  # [Note: dead chunks] in chunk/_eviction.py
                 if c in cached and step.trained_numels[c] and next_use[k][c] == _INF and c not in computing:
                     used -= cached.pop(c)
                     evictions += 1

@@ -24,7 +24,7 @@ A forward-only profile (inference, ``hf_elixir.prepare(model, None, ...)``; [Not
 ``_cost.py``) is searched with the knobs that only matter for training fixed: every block keeps its activations
 (a forward under ``torch.no_grad()`` saves none to recompute or offload) and no optimizer state to place (nothing
 is trained). Prefetch depths are searched as for training: the runtime prefetches each forward by the previous
-one's order ([Note: forward steps] in ``hf_elixir/chunk/manager.py``), priced in steady state.
+one's order ([Note: forward steps] in ``hf_elixir/chunk/_steps.py``), priced in steady state.
 
 Every point is priced by :func:`hf_elixir.search._cost.predict`; points whose device bytes exceed
 ``budget * (1 - safety_margin)``, or whose host bytes times the ranks per machine exceed its host memory,
@@ -658,12 +658,12 @@ def _minimum_bytes(profile: StepProfile, world_size: int, precision: str, size: 
 
 def _gather_reasons(profile: StepProfile, best: Candidate, world_size: int, act_on_device: bool) -> list[str]:
     """Where a sharded plan at several ranks issues its all-gathers ([Note: gather prefetch] in
-    ``chunk/manager.py``, priced as in [Note: overlap] in ``_cost.py``): MoE-expert chunks keep every gather in its
+    ``chunk/_prefetch.py``, priced as in [Note: overlap] in ``_cost.py``): MoE-expert chunks keep every gather in its
     hook; so does inference (prepare without an optimizer) under a budget covering activations; training under
     such a budget issues the forward ones ahead from the third step on, as the ranks agree at each optimizer step."""
     if world_size < 2 or best.data_parallel != "sharded":
         return []
-    hooks = "so each gather waits in its hook where the ranks agree ([Note: gather prefetch] in chunk/manager.py)"
+    hooks = "so each gather waits in its hook where the ranks agree ([Note: gather prefetch] in chunk/_prefetch.py)"
     if profile.subtree_units:
         return ["all-gathers are not issued ahead: MoE-expert chunks are used only where experts got tokens and "
                 f"the ranks' pools drift apart, {hooks}"]
@@ -679,8 +679,8 @@ def _gather_reasons(profile: StepProfile, best: Candidate, world_size: int, act_
     return [f"forward all-gathers are issued ahead ({best.knobs.prefetch_depth} events) from the third step on "
             "although the budget covers activations, whose bytes can differ between ranks: agreed by every rank at "
             "each optimizer step (each rank votes, per chunk, whether it had room in the previous step; [Note: "
-            "agreed gathers ahead] in chunk/manager.py); backward refills are local copies of the rank-local host "
-            "copies; MoE-expert models and inference (prepare without an optimizer) keep them in their hooks"]
+            "agreed gathers ahead] in chunk/_agreed_gathers.py); backward refills are local copies of the rank-local "
+            "host copies; MoE-expert models and inference (prepare without an optimizer) keep them in their hooks"]
 
 
 def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: str, budget: int, limit: int,
