@@ -13,6 +13,7 @@ to a zero ``p.grad``. Before anything reads the shard as a whole, :meth:`Chunk.s
 backward did not write (parameters without a gradient, padding): at the chunk's reduce (before its
 all-reduce) and in :meth:`ChunkManager.settle_grad_zeros`, which ``drain_reduces`` and the optimizer step call
 (every reader of gradient shards calls ``drain_reduces`` first, [Note: late reduce waits] in _reduce.py). A
+step's pass over the gradients shrinks from zero + add (write, then read + write) to one write per element.
 """
 
 from __future__ import annotations

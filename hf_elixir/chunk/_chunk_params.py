@@ -3,25 +3,23 @@ parameters as views] in ``chunk.py``), stale placeholders that raise on any acce
 stale placeholder] in ``params.py``), and the in-place writes user code makes through them, carried into the
 shard and the optimizer's masters.
 
-
-[Note: parameter writes] A managed parameter with a current copy is a plain view into ``full``, so user code
-may write it in place between steps (``with torch.no_grad(): p.mul_(0.99)``, ``p[pad_id].zero_()``,
-``p.copy_(ema)``), as it would a plain PyTorch parameter. ``full`` is only a compute copy: the shard and the
-optimizer's fp32 master are the truth ([Note: shard authority] in chunk.py), so such a write used to be lost silently
-wherever they are separate buffers (resharding frees ``full``; the step overwrites it from the master): two
-ranks with replicated chunks and host optimizer states trained as if the write never happened (4% parameter
-difference after 4 steps of a manual weight decay), while one rank without a budget, where ``full`` is the
-master, applied it. Every write through the parameter bumps its version counter (``param._version``; set
-``.data`` keeps it), so :meth:`Chunk.take_param_writes` finds the written parameters by comparing it with
-``ParamSlot.seen_version`` and copies this rank's slice of ``full`` into the shard (and into a rank-local host
-copy); the manager's ``on_param_writes`` (the optimizer) then merges the shard into the master element by
-element: elements whose compute value differs from the master's cast value take it, the others keep their fp32
-master value (so bf16 masters are not rounded by a write elsewhere in the chunk). It runs at every reshard, at
-the start of each backward (before the host lane steps the masters and uploads them into the compute copies,
-[Note: early refresh] in ``hf_elixir/optim/optimizer.py``), at the start of ``step()`` and on entering
-``full_parameters``: every way ``full`` is freed or overwritten while current. A managed parameter's
-``.data`` shares its version counter (``_ManagedMixin.data`` in params.py), so ``p.data.mul_()`` is seen too. Every
-rank takes its own writes (no collective); deterministic writes on every rank, as under DDP, stay identical.
+[Note: parameter writes] A managed parameter with a current copy is a plain view into ``full``, so user code may write
+it in place between steps (``with torch.no_grad(): p.mul_(0.99)``, ``p[pad_id].zero_()``, ``p.copy_(ema)``), as it would
+a plain PyTorch parameter. ``full`` is only a compute copy: the shard and the optimizer's fp32 master are the truth
+([Note: shard authority] in chunk.py), so such a write used to be lost silently wherever they are separate buffers
+(resharding frees ``full``; the step overwrites it from the master): two ranks with replicated chunks and host optimizer
+states trained as if the write never happened (4% parameter difference after 4 steps of a manual weight decay), while
+one rank without a budget, where ``full`` is the master, applied it. Every write through the parameter bumps its version
+counter (``param._version``; set ``.data`` keeps it), so :meth:`Chunk.take_param_writes` finds the written parameters by
+comparing it with ``ParamSlot.seen_version`` and copies this rank's slice of ``full`` into the shard (and into a
+rank-local host copy); the manager's ``on_param_writes`` (the optimizer) then merges the shard into the master element
+by element: elements whose compute value differs from the master's cast value take it, the others keep their fp32 master
+value (so bf16 masters are not rounded by a write elsewhere in the chunk). It runs at every reshard, at the start of
+each backward (before the host lane steps the masters and uploads them into the compute copies, [Note: early refresh] in
+``hf_elixir/optim/optimizer.py``), at the start of ``step()`` and on entering ``full_parameters``: every way ``full`` is
+freed or overwritten while current. A managed parameter's ``.data`` shares its version counter (``_ManagedMixin.data``
+in params.py), so ``p.data.mul_()`` is seen too. Every rank takes its own writes (no collective); deterministic writes
+on every rank, as under DDP, stay identical.
 """
 
 from __future__ import annotations
