@@ -1,8 +1,8 @@
 """Eviction: which unsharded chunk leaves the device when a charge needs room.
 
-Eviction: the chunk whose next use in the access order recorded in the previous step is furthest away
-(Belady/MIN over the warm-up trace, PatrickStar arXiv 2108.05818 section 5); least recently used
-before a trace exists.
+[Note: Belady eviction] The victim is the chunk whose next use in the access order recorded in the previous
+step is furthest away (Belady/MIN over the warm-up trace, PatrickStar arXiv 2108.05818 section 5); least
+recently used before a trace exists.
 
 :meth:`EvictionMixin.make_room` frees, in this order: gradient buffers kept for reuse ([Note: buffer reuse] in
 ``_grad_buffers.py``), the buffers of in-flight gradient collectives (by finishing them, ``_reduce.py``), chunks
