@@ -5,7 +5,7 @@ The manager is a coordinator; each concept lives in a file of its own with its d
 concepts a file each (``torch/distributed/fsdp/_fully_shard/``):
 
 * ``_steps.py``: the access trace, the step / forward bookkeeping ([Note: forward steps]);
-* ``_eviction.py``: eviction over the previous step's order, ``make_room`` ([Note: Belady eviction], [Note: dead chunks]);
+* ``_eviction.py``: Belady eviction, ``make_room`` ([Note: Belady eviction], [Note: dead chunks]);
 * ``_grad_buffers.py``: gradient buffers, their reuse and spill ([Note: buffer reuse], [Note: gradient spill]);
 * ``_prefetch.py``: all-gathers and onloads issued ahead ([Note: gather prefetch], [Note: backward gather
   prefetch], [Note: Belady-consistent gather ahead]);
