@@ -26,7 +26,7 @@ _PRECISIONS = ("fp32", "bf16", "fp16")
 _PLACEMENTS = ("sharded", "replicated", "column", "row", "expert")
 #: what a transformer block does with the tensors autograd saves (see ``hf_elixir/runtime/activations.py``)
 ACTIVATION_POLICIES = ("keep", "recompute", "offload")
-#: where an uploaded chunk's fp32 master is cast to the compute dtype ([Note: refresh cast] in optim/optimizer.py)
+#: where an uploaded chunk's fp32 master is cast to the compute dtype ([Note: refresh cast] in optim/_refresh.py)
 REFRESH_CASTS = ("host", "device")
 _INT = "give a whole number"
 #: (field, accepted types, fix) checked by ``ElixirPlan.__post_init__``
@@ -94,7 +94,7 @@ class ElixirPlan:
             ``activation_checkpointing``. (ProTrain, arXiv 2406.08334: block-wise activation management.)
         placements: module FQN -> placement name (``"sharded"``, ``"column"``, ...).
         refresh_cast: where the refresh of a chunk whose fp32 master is on the host and whose compute copy is on
-            the device casts fp32 to the compute dtype ([Note: refresh cast] in ``hf_elixir/optim/optimizer.py``):
+            the device casts fp32 to the compute dtype ([Note: refresh cast] in ``hf_elixir/optim/_refresh.py``):
             ``"host"`` (into a pinned host staging buffer, uploading ``b`` bytes per element) or ``"device"``
             (uploading the fp32 master, 4 bytes per element, through a device staging buffer of at most
             ``REFRESH_STAGING_NUMEL`` fp32 elements charged to the device budget, and casting on the device: no

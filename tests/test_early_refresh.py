@@ -1,4 +1,4 @@
-"""Uploads of host-stepped chunks issued during backward ([Note: early refresh] in hf_elixir/optim/optimizer.py):
+"""Uploads of host-stepped chunks issued during backward ([Note: early refresh] in hf_elixir/optim/_refresh.py):
 they happen while backward runs, a validated step keeps them, a clipped one is redone and uploaded again, and a
 forward that comes before ``step()`` (the host lane mispredicted the step) sees the values from before the
 speculative update. Parity with plain PyTorch, AdamW, two param groups, on the simulated device (where a read of

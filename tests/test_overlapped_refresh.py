@@ -1,5 +1,5 @@
 """The refresh of device compute copies from host masters overlaps the next forward ([Note: overlapped refresh]
-in hf_elixir/optim/optimizer.py): one upload per chunk issued without a wait, waited for at the chunk's first
+in hf_elixir/optim/_refresh.py): one upload per chunk issued without a wait, waited for at the chunk's first
 use; on the simulated device the copy happens at the wait and the parameters are stale placeholders until
 then, so a read that skips the wait fails loudly. Parity with plain PyTorch at 1 and 2 gloo ranks."""
 

@@ -1,5 +1,5 @@
 """The clip factor ``clip_grad_norm`` owes host gradients until the step ([Note: owed clip factor] in
-hf_elixir/optim/optimizer.py) is part of their value for a second clip, a later backward and ``zero_grad``.
+hf_elixir/optim/_clip.py) is part of their value for a second clip, a later backward and ``zero_grad``.
 
 With optimizer states on the host, each of these used to train silently differently from plain PyTorch: two
 clips before a step (the second returned the unclipped norm and clipped the host gradients twice: 1.3%

@@ -1,5 +1,5 @@
 """Where the refresh of an uploaded chunk casts its fp32 master to the compute dtype ([Note: refresh cast] in
-hf_elixir/optim/optimizer.py): on the host (a bf16 staging buffer uploaded, 2 bytes per element) or on the device
+hf_elixir/optim/_refresh.py): on the host (a bf16 staging buffer uploaded, 2 bytes per element) or on the device
 (the fp32 master uploaded, 4 bytes per element, through a charged device staging buffer). Both give the same
 parameters (one round-to-nearest-even either side), the byte counters and the device peak are what the cost model
 prices, the plan validates the field, and the search picks the side by cost."""

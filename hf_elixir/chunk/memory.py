@@ -133,7 +133,7 @@ class MemoryCounters:
     # ([Note: agreed gathers ahead] in _agreed_gathers.py): this rank's batch left less room than the one it voted with
     num_agreed_gather_evictions: int = 0
     # uploads of the optimizer's new values into device shards issued without making the compute wait, each
-    # waited for at its chunk's first use ([Note: overlapped refresh] in hf_elixir/optim/optimizer.py)
+    # waited for at its chunk's first use ([Note: overlapped refresh] in hf_elixir/optim/_refresh.py)
     num_refreshes_ahead: int = 0
     num_unshards: int = 0
     # batches of offloaded activations (one block call's saved tensors) copied back ahead of their block's

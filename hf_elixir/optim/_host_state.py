@@ -2,7 +2,7 @@
 
 [Note: host optimizer state] ``torch.optim`` creates a parameter's state lazily, in its first step
 (``torch.zeros_like`` per state per parameter; Adagrad in its constructor). For the shard views of a
-host optimizer chunk ([Note: shard views] in ``optimizer.py``) those are many small CPU tensors from
+host optimizer chunk ([Note: shard views] in ``_shard_views.py``) those are many small CPU tensors from
 glibc's heap, made in the first step between the freed ranges of that step's activations: on
 ``benchmarks/host_memory.py``'s GPT-2 (1 rank) 177 MiB of Adam moments, below the mmap threshold
 ([Note: host heap] in ``hf_elixir/chunk/_host_heap.py``), which split the heap so that ~100 MiB of freed

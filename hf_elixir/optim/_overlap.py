@@ -16,7 +16,7 @@ precedes ``step()``, steps the chunk at once:
   L2 norm, then runs the inner optimizer on the chunk's views, as if no clipping and no overflow
   happened, with this rank's has-gradient flags as known so far and the param groups' current
   hyperparameters; a chunk whose shard is on the device then has its master cast into the staging buffer
-  its upload reads ([Note: overlapped refresh] in ``optimizer.py``), in the same pass as the update for
+  its upload reads ([Note: overlapped refresh] in ``_refresh.py``), in the same pass as the update for
   Adam/AdamW ([Note: same-pass host step] in ``_same_pass.py``).
 * **validate.** ``step()`` joins the lane and reads the global overflow flag, clip factor and merged
   has-gradient flags in its one host read. A speculative update stands when nothing overflowed, the
@@ -180,7 +180,7 @@ class HostLane:
         # chunks rolled back by the inverse Adam/AdamW update: no snapshot held ([Note: inverse rollback])
         hyper = _hyper_of(optimizer.param_groups)
         self.inverse_chunks = {cid for cid in self.host_chunks if self._invertible(cid, hyper)}
-        # [Note: early refresh] in optimizer.py: chunks the worker stepped speculatively whose refresh is an
+        # [Note: early refresh] in _refresh.py: chunks the worker stepped speculatively whose refresh is an
         # upload (appended by the worker), those waiting for backward to be done with them, those issued
         self.ready: collections.deque[int] = collections.deque()
         self._waiting: list[int] = []

@@ -1,7 +1,7 @@
 """The host Adam/AdamW step that writes the compute-dtype copy in the same pass over memory.
 
 [Note: same-pass host step] A host optimizer chunk whose compute copy is uploaded from a staging buffer
-([Note: overlapped refresh] in ``optimizer.py``) used to be stepped by the inner ``torch.optim`` optimizer over
+([Note: overlapped refresh] in ``_refresh.py``) used to be stepped by the inner ``torch.optim`` optimizer over
 its shard views, then cast as a whole (``staging.copy_(master)``): a second pass over the fp32 master, which
 by then has left the caches (a shard is tens of MiB). Adam/AdamW stepped by PyTorch's fused CPU kernel
 (``fused=True``, what ``ElixirOptimizer`` picks when the user left the implementation to PyTorch, [Note: fused

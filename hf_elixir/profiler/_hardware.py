@@ -179,7 +179,7 @@ def _measure(device: torch.device, process_group: Any, size_bytes: int, repeats:
         param = torch.nn.Parameter(torch.zeros(adam_numel, device=on))
         param.grad = torch.ones_like(param)
         # what ElixirOptimizer runs on shards when the user left the implementation to PyTorch:
-        # PyTorch's fused AdamW (see [Note: fused shard update] in hf_elixir/optim/optimizer.py)
+        # PyTorch's fused AdamW (see [Note: fused shard update] in hf_elixir/optim/_inner.py)
         try:
             opt = torch.optim.AdamW([param], lr=1e-3, fused=True)
         except (RuntimeError, ValueError):  # no fused kernel for this device type

@@ -216,7 +216,7 @@ def _chunk_moves(step: ChunkedStep, knobs: Knobs, cache: dict) -> list[Knobs]:
 
 def _knob_moves(step: ChunkedStep, knobs: Knobs, depths: tuple[int, ...]) -> list[Knobs]:
     """Prefetch depth one up / one down within ``depths``; host copies on / off with several ranks; the refresh
-    cast on the other side where there is something to cast ([Note: refresh cast] in ``optim/optimizer.py``)."""
+    cast on the other side where there is something to cast ([Note: refresh cast] in ``optim/_refresh.py``)."""
     out = []
     if not step.replicated and depths:
         for depth in (knobs.prefetch_depth + 1, knobs.prefetch_depth - 1):
