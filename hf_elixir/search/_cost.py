@@ -130,12 +130,13 @@ from dataclasses import dataclass, field, replace
 from hf_elixir.profiler import HardwareProfile
 from hf_elixir.search._activation_cost import DTYPE_BYTES, activation_bytes, profile_blocks, resolve_policy
 from hf_elixir.search._chunked_step import _INF, ChunkedStep, Knobs, build_chunked_step
-from hf_elixir.search._memory_cost import (_backward_room, _kept_peak, fixed_memory, host_copies_forced,
-                                           optim_bytes_per_numel, refresh_staging_bytes)
-from hf_elixir.search._rates import (SAME_PASS_CAST_FRACTION, _device_cast_s, _early_refresh, _host_cast_s,
-                                     _host_copy_rate, _local_copy_rate, _refresh_times, _uploaded_chunks,
-                                     casts_on_device, refresh_upload_bytes_per_numel)
-from hf_elixir.search._rates import event_seconds as _event_seconds
+from hf_elixir.search._memory_cost import _backward_room, _kept_peak, fixed_memory, host_copies_forced
+from hf_elixir.search._rates import (_device_cast_s, _early_refresh, _host_cast_s, _host_copy_rate, _local_copy_rate,
+                                     _refresh_times, _uploaded_chunks, casts_on_device, refresh_upload_bytes_per_numel)
+# importable from here, as before the cost model was split: the search, the CLI, tests and benchmarks use them
+from hf_elixir.search._memory_cost import optim_bytes_per_numel, refresh_staging_bytes  # noqa: F401
+from hf_elixir.search._rates import SAME_PASS_CAST_FRACTION  # noqa: F401
+from hf_elixir.search._rates import event_seconds as _event_seconds  # noqa: F401
 
 __all__ = ["ChunkedStep", "Knobs", "Prediction", "activation_bytes", "build_chunked_step", "predict", "profile_blocks",
            "resolve_policy"]
