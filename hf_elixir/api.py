@@ -1,36 +1,29 @@
 """``hf_elixir.prepare``: pack a model's parameters into chunks, place them, install hooks, wrap the
-optimizer. Also ``min_device_budget_bytes`` (``search/_floor.py``), and (from ``hf_elixir.runtime``)
-``memory_stats``.
+optimizer. Also ``min_device_budget_bytes`` (``search/_floor.py``) and ``memory_stats`` (``runtime/_state.py``).
 
 A façade: each phase lives in its layer, and ``prepare`` calls them in order:
 
-1. checks: arguments and streamed init (``runtime/_checks.py``), parameters another prepared model manages
-   (``runtime/_state.py``), the optimizer (``optim/_check.py``), the precision on the compute device
-   (``profiler/_device.py`` picks it);
+1. checks: arguments, streamed init, the precision (``runtime/_checks.py``), parameters another prepared
+   model manages (``runtime/_state.py``), the optimizer (``optim/_check.py``);
 2. the budget: this rank's, then the smallest over the ranks (``placement/_agree.py``, [Note: ranks agree]);
-3. the plan: loaded, or searched for ``search="auto"`` (``search/_resolve.py``), rank 0's, and the bytes
-   placement keeps for activations (``placement/_layout.py``, [Note: activations in the budget] in
-   ``chunk/memory.py``);
+3. the plan, loaded or searched (``search/_resolve.py``), rank 0's; the bytes placement keeps for
+   activations (``placement/_layout.py``, [Note: activations in the budget] in ``chunk/memory.py``);
 4. ``default_placement="auto"`` resolved (``placement/_device_placement.py``);
-5. parameters in the plan's order (``chunk/_build.py``), the chunk size (``search/_chunk_size.py``), rank 0's
-   default placement and chunk size; chunks built, still empty (``chunk/_build.py``), the plan checked
-   against them (``placement/_plan_check.py``);
-6. each chunk placed in the budget less the activations' bytes (``placement/_device_placement.py``; a
-   budget below the floor names it: ``search/_floor.py``), rank 0's placement (``placement/_agree.py``),
-   the prefetch reasons (``placement/_layout.py``), the activation policy (``runtime/activations.py``);
+5. parameters in the plan's order, the chunk size (``search/_chunk_size.py``), rank 0's; chunks built, still
+   empty (``chunk/_build.py``), the plan checked against them (``placement/_plan_check.py``);
+6. each chunk placed (``placement/_device_placement.py``, from ``search/_floor.py``, which names the floor when
+   it does not fit), rank 0's placement (``placement/_agree.py``), the activation policy (``runtime/activations.py``);
 
 and only then, with everything checked, it changes the model (undone on any failure, see
 [Note: all-or-nothing prepare] in ``runtime/_rollback.py``):
 
 7. hooks and guards installed (``runtime/hooks.py``, ``runtime/guards.py``);
-8. parameters copied into their chunks, or streamed from ``checkpoint`` (``chunk/_build.py``,
-   ``chunk/_stream_load.py``);
-9. the plan recorded (``placement/_layout.py``), optimizer wrapped (``optim/``), state-dict hooks, the
-   activation policy or checkpointing (``runtime/``), state attached (``runtime/_state.py``).
+8. parameters copied into their chunks, or streamed from ``checkpoint`` (``chunk/_build.py``, ``_stream_load.py``);
+9. the plan recorded (``placement/_layout.py``), optimizer wrapped (``optim/``), state-dict hooks, activation
+   policy or checkpointing (``runtime/``), state attached (``runtime/_state.py``).
 
-``prepare`` extends the given model in place and returns the same object (as FSDP2's
-``fully_shard`` does), so ``model.config``, ``generate()``, ``state_dict()`` and ``save_pretrained``
-keep working.
+``prepare`` extends the given model in place and returns the same object (as FSDP2's ``fully_shard`` does),
+so ``model.config``, ``generate()``, ``state_dict()`` and ``save_pretrained`` keep working.
 """
 
 from __future__ import annotations
@@ -53,7 +46,7 @@ from hf_elixir.optim.optimizer import ElixirOptimizer
 from hf_elixir.parallel import get_parallel_state, placements_for_plan
 from hf_elixir.parallel._groups import chunk_group_of, default_group, job_group_of
 from hf_elixir.placement._agree import agree_budget, agree_object, agree_placements
-from hf_elixir.placement._device_placement import place_chunks, resolve_default_placement
+from hf_elixir.placement._device_placement import resolve_default_placement
 from hf_elixir.placement._layout import Layout, activation_reserve_bytes, prefetch_reasons, recorded_plan
 from hf_elixir.placement._plan_check import check_plan, check_plan_placements
 from hf_elixir.profiler import _device
@@ -65,10 +58,10 @@ from hf_elixir.runtime._state import (ElixirState, attach_state, check_unclaimed
                                       memory_stats, reset_memory_stats)
 from hf_elixir.runtime.activations import install_activation_policy, model_activation_policy
 from hf_elixir.runtime.guards import install_guards
-from hf_elixir.runtime.hooks import install_hooks, mark_subtree_chunks, unit_chunks
+from hf_elixir.runtime.hooks import install_hooks
 from hf_elixir.runtime.state_dict import install_state_dict_hooks
 from hf_elixir.search._chunk_size import chunk_size_for
-from hf_elixir.search._floor import min_device_budget_bytes, raise_if_replicating_needs_less
+from hf_elixir.search._floor import min_device_budget_bytes, place_within_budget
 from hf_elixir.search._resolve import resolve_plan
 
 __all__ = ["prepare", "memory_stats", "reset_memory_stats", "get_state", "min_device_budget_bytes", "ElixirState"]
@@ -108,7 +101,6 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             device are read or rebuilt by the model's ``_init_weights``. The result equals
             ``from_pretrained(folder)`` + ``prepare`` bit for bit. Not with tensor/expert-parallel models
             or ``search="auto"`` yet. See [Note: streamed init] in ``hf_elixir/chunk/_stream_load.py``.
-
 
     Returns:
         ``(model, optimizer)``: the same model object, and an
@@ -184,14 +176,8 @@ def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params
         check_plan(plan, model, sum(numels), world_size, config.precision, len(chunks),
                    config.device_memory_budget_bytes, config.reduce_dtype)
         check_plan_placements(plan, placements)
-    try:  # 6
-        mark_subtree_chunks(model, manager)  # MoE-expert chunks need rank-local host copies (placement reads it)
-        reasons = place_chunks(chunks, unit_chunks(model, manager.chunk_of), plan, config, optimizer, world_size,
-                               activation_bytes)
-    except ValueError as err:
-        if plan is None and auto_config is not config and config.default_placement == "sharded":
-            raise_if_replicating_needs_less(model, optimizer, auto_config, world_size, err, activation_bytes)
-        raise
+    reasons = place_within_budget(model, manager, plan, config, auto_config, optimizer, world_size,  # 6
+                                  activation_bytes)
     if get_parallel_state(model) is None:  # a mesh's ranks hold different chunks: placed from agreed inputs
         agree_placements(chunks, agree_group, device)
     return Layout(config, plan, manager, params, placements, chunk_size, world_size,

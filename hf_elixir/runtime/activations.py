@@ -62,7 +62,8 @@ from hf_elixir.config import ElixirConfig
 from hf_elixir.plan import ACTIVATION_POLICIES, ElixirPlan
 
 __all__ = ["ACTIVATION_POLICIES", "apply_activation_policy", "enable_activation_checkpointing", "hf_checkpointing_off",
-           "install_activation_policy", "model_activation_policy", "outermost", "resolve_activation_policy", "transformer_blocks"]
+           "install_activation_policy", "model_activation_policy", "outermost", "resolve_activation_policy",
+           "transformer_blocks"]
 
 logger = logging.getLogger(__name__)
 

@@ -16,11 +16,12 @@ from hf_elixir.chunk.manager import budget_error
 from hf_elixir.config import ElixirConfig
 from hf_elixir.parallel import get_parallel_state, placements_for_plan
 from hf_elixir.parallel._groups import planned_chunk_groups
-from hf_elixir.placement._device_placement import device_floor_bytes, replicated_bytes
-from hf_elixir.runtime.hooks import unit_chunks
+from hf_elixir.placement._device_placement import device_floor_bytes, place_chunks, replicated_bytes
+from hf_elixir.plan import ElixirPlan
+from hf_elixir.runtime.hooks import mark_subtree_chunks, unit_chunks
 from hf_elixir.search._chunk_size import chunk_size_for
 
-__all__ = ["min_device_budget_bytes", "raise_if_replicating_needs_less"]
+__all__ = ["min_device_budget_bytes", "place_within_budget", "raise_if_replicating_needs_less"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,3 +122,23 @@ def _placed_floor_bytes(model, optimizer, config: ElixirConfig, world_size: int)
     group_of, size_of = planned_chunk_groups(model, world_size)
     specs, chunk_of = chunk_specs(params, names, placements, group_of, size_of, chunk_size, esize, gsize)
     return device_floor_bytes(specs, unit_chunks(model, chunk_of), config, optimizer)
+
+
+def place_within_budget(model: torch.nn.Module, manager, plan: ElixirPlan | None, config: ElixirConfig,
+                        auto_config: ElixirConfig, optimizer, world_size: int, activation_bytes: int) -> list[str]:
+    """Place ``manager``'s chunks (``placement/_device_placement.py: place_chunks``) in the budget less
+    ``activation_bytes``, and return the reasons. ``auto_config`` is the config before ``default_placement="auto"``
+    was resolved: when that chose sharded and even the sharded floor does not fit, the error names the smaller
+    budget that replicates, if there is one (:func:`raise_if_replicating_needs_less`).
+
+    Raises:
+        ValueError: the budget is below the floor (naming the bytes needed), or a plan's placement does not fit.
+    """
+    try:
+        mark_subtree_chunks(model, manager)  # MoE-expert chunks need rank-local host copies (placement reads it)
+        return place_chunks(manager.chunks, unit_chunks(model, manager.chunk_of), plan, config, optimizer,
+                            world_size, activation_bytes)
+    except ValueError as err:
+        if plan is None and auto_config is not config and config.default_placement == "sharded":
+            raise_if_replicating_needs_less(model, optimizer, auto_config, world_size, err, activation_bytes)
+        raise
