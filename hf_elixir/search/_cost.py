@@ -221,7 +221,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     # wait for it, as in ChunkManager._reduce / make_room
     async_reduce = hardware.device_kind != "cuda" and (ws > 1 or step.replicated)
     pending: list[tuple[int, int, int]] = []  # (bytes charged, gradient buffer, reduce output) of unfinished reduces
-    # off CUDA finished buffers are kept ([Note: memory accounting]): the pool events _kept_peak replays
+    # off CUDA finished buffers are kept ([Note: memory accounting] in ``_memory_cost.py``): the pool events
+    # _kept_peak replays
     buffers_kept = hardware.device_kind != "cuda"
     pool_log: list[tuple] = []
     # ChunkManager.reduce_window: no limit but the budget when every chunk stays on the device ([Note: reduce window])
