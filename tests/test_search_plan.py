@@ -10,7 +10,7 @@ from hf_elixir.chunk import pack_chunks
 from hf_elixir.plan import ElixirPlan
 from hf_elixir.profiler import HardwareProfile, profile_step
 from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
-from hf_elixir.search import _plan_search, _refine, brute_force_grid, build_chunked_step, predict, search, search_plan
+from hf_elixir.search import _grid, _refine, brute_force_grid, build_chunked_step, predict, search, search_plan
 from tests._models import fixed_times
 
 GIB = 2**30
@@ -46,12 +46,12 @@ MAX_SIMULATIONS = 4000
 def test_search_on_mid_size_configs_is_fast(name, monkeypatch):
     profile = _meta_profile(name, 4, 512)
     simulations = []
-    real = _plan_search.predict
+    real = _grid.predict
 
     def counting(*args, **kwargs):
         simulations.append(1)
         return real(*args, **kwargs)
-    monkeypatch.setattr(_plan_search, "predict", counting)
+    monkeypatch.setattr(_grid, "predict", counting)  # the grid's pricings (_grid.py)
     monkeypatch.setattr(_refine, "predict", counting)  # the local refinement's pricings count too
     result = search(profile, _gpu(16 * GIB, 128 * GIB), precision="bf16")
     assert result.evaluated <= len(simulations) <= MAX_SIMULATIONS, (result.evaluated, len(simulations))

@@ -18,9 +18,14 @@ import torch.distributed as dist
 from hf_elixir.chunk.chunk import Chunk, ChunkBytes, ParamSlot
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.chunk.packing import ChunkLayout, pack_chunks
+from hf_elixir.config import ElixirConfig
+from hf_elixir.plan import ElixirPlan
 
 __all__ = ["ChunkSpec", "GroupOf", "build_chunks", "chunk_specs", "comm_buckets", "materialize_chunks",
-           "module_of"]
+           "module_of", "new_manager", "ordered_params", "unique_params", "COMPUTE_DTYPES", "element_bytes"]
+
+#: ``ElixirConfig.precision`` -> the dtype chunks compute in
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 #: ``group_of(parameter name) -> (process group or None, gradient-norm replicas)``
 GroupOf = Callable[[str], tuple[object, int]]
@@ -188,3 +193,45 @@ def chunk_specs(params, names, placements: dict[str, str], group_of: GroupOf, gr
             for m in members:
                 chunk_of[bucket[m]] = spec
     return specs, chunk_of
+
+
+def unique_params(model: torch.nn.Module) -> dict[torch.nn.Parameter, list[str]]:
+    """Each parameter of ``model`` once (shared ones once), with every name it has, in model order."""
+    names: dict[torch.nn.Parameter, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(param, []).append(name)
+    return names
+
+
+def ordered_params(plan: ElixirPlan | None, params: list, names: dict) -> list:
+    """``params`` in the plan's packing order (the rest after it, in model order)."""
+    if plan is None or not plan.param_order:
+        return params
+    by_name = {names[p][0]: p for p in params}
+    unknown = [n for n in plan.param_order if n not in by_name]
+    if unknown:
+        raise ValueError(f"ElixirConfig.plan.param_order names parameters this model lacks: {unknown[:5]}; "
+                         "re-run the search for this model")
+    ordered = [by_name[n] for n in plan.param_order]
+    seen = set(ordered)
+    return ordered + [p for p in params if p not in seen]
+
+
+def element_bytes(precision: str) -> int:
+    """Bytes per element of the compute dtype of ``ElixirConfig.precision``."""
+    return torch.empty((), dtype=COMPUTE_DTYPES[precision]).element_size()
+
+
+def new_manager(config: ElixirConfig, plan: ElixirPlan | None, device: torch.device, job_group,
+                charges_activations: bool, activation_reserve_bytes: int) -> ChunkManager:
+    """The chunk manager ``prepare`` builds chunks into: the agreed budget on ``device``, the reduce dtype, the
+    plan's prefetch depth (else the config's), the group of every rank of the job (``job_group``), and whether
+    (and how many bytes of) the budget is kept for activations ([Note: activations in the budget] in
+    ``memory.py``)."""
+    manager = ChunkManager(compute_device=device, budget_bytes=config.device_memory_budget_bytes,
+                           reduce_dtype=torch.float32 if config.reduce_dtype == "fp32" else None,
+                           prefetch_depth=plan.prefetch_depth if plan else config.prefetch_depth)
+    manager.job_group = job_group
+    manager.pool.charges_activations = charges_activations
+    manager.pool.activation_reserve_bytes = activation_reserve_bytes  # what placement keeps (its errors say so)
+    return manager

@@ -10,7 +10,17 @@ from torch import nn
 
 from hf_elixir.parallel._state import get_parallel_state
 
-__all__ = ["chunk_group_of", "group_size", "job_group_of", "planned_chunk_groups"]
+__all__ = ["chunk_group_of", "default_group", "group_size", "job_group_of", "planned_chunk_groups"]
+
+
+def default_group(config) -> Any:
+    """The data-parallel group ``prepare`` shards over: ``ElixirConfig.process_group``, else the world when
+    ``torch.distributed`` runs more than one rank, else ``None`` (one rank)."""
+    if config.process_group is not None:
+        return config.process_group
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
 
 
 def job_group_of(model: nn.Module, default_group: Any) -> Any:

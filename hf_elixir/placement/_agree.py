@@ -18,12 +18,19 @@ Source: ``torch.distributed.all_reduce`` (``ReduceOp.MIN``) and ``broadcast_obje
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree_min", "agree_object", "agreement_group_size"]
+from hf_elixir.chunk.memory import default_host_budget_bytes, resolve_budget_bytes
+from hf_elixir.config import ElixirConfig
+
+__all__ = ["agree_budget", "agree_min", "agree_object", "agree_placements", "agreement_group_size"]
+
+logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _NONE = torch.iinfo(torch.int64).max  # ``None`` (no limit) is larger than every figure
@@ -77,3 +84,34 @@ def agree_object(obj: _T, group: Any, device: torch.device | None = None) -> _T:
     dist.broadcast_object_list(box, src=src, group=group,
                                device=None if device is None else _reduce_device(group, device))
     return box[0]
+
+
+def agree_budget(config: ElixirConfig, group, device: torch.device) -> tuple[ElixirConfig, bool]:
+    """The config with this rank's budget (``resolve_budget_bytes``: on CUDA the free memory less the
+    reserve), then the smallest ``device_memory_budget_bytes`` over ``group`` ([Note: ranks agree]): a rank
+    given (or measuring) less memory than its peers makes every rank place for that figure. Also returns
+    whether the budget covers activations ([Note: activations in the budget] in ``chunk/memory.py``)."""
+    budget, charges_activations = resolve_budget_bytes(config.device_memory_budget_bytes, device, None,
+                                                       config.budget_covers_activations)
+    config = dataclasses.replace(config, device_memory_budget_bytes=budget)
+    budget = agree_min(config.device_memory_budget_bytes, group, device)
+    if budget != config.device_memory_budget_bytes:
+        logger.info("hf_elixir: device_memory_budget_bytes %s on this rank; %s, the smallest over the ranks, "
+                    "is used", config.device_memory_budget_bytes, budget)
+        config = dataclasses.replace(config, device_memory_budget_bytes=budget)
+    if agreement_group_size(group) > 1:  # the host budget picks rank-local host copies (no re-all-gather)
+        host = agree_min(config.host_memory_budget_bytes or default_host_budget_bytes(), group, device)
+        config = dataclasses.replace(config, host_memory_budget_bytes=host)
+    return config, charges_activations
+
+
+def agree_placements(chunks, group, device: torch.device) -> None:
+    """Every rank takes rank 0's per-chunk placement (resident, shard and optimizer states on the device,
+    rank-local host copy)."""
+    flags = agree_object([(c.resident, c.shard_on_device, c.optim_on_device, c.keep_host_copy) for c in chunks],
+                         group, device)
+    assert len(flags) == len(chunks), (f"rank {dist.get_rank()}: {len(chunks)} chunks, rank 0 placed "
+                                       f"{len(flags)}")
+    for chunk, (resident, shard_on_device, optim_on_device, keep_host_copy) in zip(chunks, flags):
+        chunk.resident, chunk.shard_on_device, chunk.optim_on_device = resident, shard_on_device, optim_on_device
+        chunk.keep_host_copy = keep_host_copy

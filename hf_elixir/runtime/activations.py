@@ -34,7 +34,7 @@ OPT's ``model.decoder.layers.<i>``, Switch's ``encoder.block.<i>``), the same bl
   their bytes leave the device at pack time. Tensors the hook does not offload go to the enclosing context
   (the accounting), which charges them as before.
 
-[Note: activation onload ahead] (issue 14 item 3; the prefetch of FSDP2's and ProTrain's swapping.) When the
+[Note: activation onload ahead] (the prefetch of FSDP2's and ProTrain's swapping.) When the
 backward of an offloaded block call first unpacks a tensor, the copies of the call made just before it in
 forward (the next backward in line, by :class:`_CallOrder`) start at once: on CUDA on the activation stream,
 after it waited for the compute stream, with an event recorded after them that the first unpack of that call
@@ -48,6 +48,7 @@ otherwise the call comes back at its first unpack as before. The decision touche
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import weakref
@@ -58,9 +59,11 @@ from hf_elixir._logging import info_on_main_rank
 from hf_elixir.chunk import strict
 from hf_elixir.chunk._activations import _active_saved_tensors_hooks
 from hf_elixir.chunk.manager import ChunkManager
-from hf_elixir.plan import ACTIVATION_POLICIES
+from hf_elixir.config import ElixirConfig
+from hf_elixir.plan import ACTIVATION_POLICIES, ElixirPlan
 
-__all__ = ["ACTIVATION_POLICIES", "apply_activation_policy", "outermost", "resolve_activation_policy",
+__all__ = ["ACTIVATION_POLICIES", "apply_activation_policy", "enable_activation_checkpointing", "hf_checkpointing_off",
+           "install_activation_policy", "model_activation_policy", "outermost", "resolve_activation_policy",
            "transformer_blocks"]
 
 logger = logging.getLogger(__name__)
@@ -382,3 +385,66 @@ def apply_activation_policy(model: torch.nn.Module, policy: dict[str, str], mana
         info_on_main_rank(logger, "hf_elixir: activation policy over %d blocks: %s", len(policy),
                           ", ".join(f"{k} {v}" for k, v in counts.items() if v))
     return handles
+
+
+def model_activation_policy(model, plan: ElixirPlan | None, config: ElixirConfig) -> dict[str, str]:
+    """Each transformer block's activation policy: the config's over the plan's.
+
+    Raises:
+        ValueError: a plan entry or a config glob names no block of ``model``.
+    """
+    blocks = transformer_blocks(model)
+    modules = dict(model.named_modules())
+    own = frozenset(b for b in blocks if getattr(modules[b], "gradient_checkpointing", False) is True)
+    if plan is None:
+        return resolve_activation_policy(blocks, {}, False, config.activation_policy, own)
+    return resolve_activation_policy(blocks, plan.activation_policy, plan.activation_checkpointing,
+                                     config.activation_policy, own)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """The plan's memory peak assumes activation checkpointing: turn it on (Hugging Face models)."""
+    enable = (getattr(model, "activation_checkpointing_enable", None)
+              or getattr(model, "gradient_checkpointing_enable", None))
+    if enable is None:
+        logger.warning("ElixirConfig.plan assumes activation checkpointing, but %s has no "
+                       "gradient_checkpointing_enable(); its activations may not fit the plan's peak",
+                       type(model).__name__)
+        return
+    enable()
+    info_on_main_rank(logger, "hf_elixir: activation checkpointing enabled, as the plan assumes")
+
+
+@contextlib.contextmanager
+def hf_checkpointing_off(model: torch.nn.Module):
+    """Turn the Hugging Face gradient-checkpointing switches (``module.gradient_checkpointing``, set by
+    ``model.gradient_checkpointing_enable()``, which ``Trainer(gradient_checkpointing=True)`` calls before
+    ``prepare``) off for the block, back on after it.
+
+    The search profiles every block as kept and prices recompute and offload per block from that profile
+    (:mod:`hf_elixir.search._activation_cost`), and ``prepare`` then installs the plan's policy, turning the user's
+    switch off on the blocks it keeps (:func:`apply_activation_policy`). A profile
+    taken with the switches on measured only the checkpoints' inputs, so "keep" looked nearly free: a tiny GPT-2
+    under a 400000-byte budget got "keep" for both blocks priced at 70532 bytes of activations, then ran out of
+    the budget in its first forward (263552 bytes saved)."""
+    switched = [m for m in model.modules() if getattr(m, "gradient_checkpointing", None) is True]
+    for module in switched:
+        module.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for module in switched:
+            module.gradient_checkpointing = True
+
+
+def install_activation_policy(model: torch.nn.Module, policy: dict[str, str], activation_checkpointing: bool,
+                              manager: ChunkManager, handles: list) -> None:
+    """Run each block's ``policy`` (:func:`apply_activation_policy`; its hooks are removed with ``handles``'
+    first one), or, for a model without repeated blocks whose plan assumes activation checkpointing, turn on
+    the model's own switch (:func:`enable_activation_checkpointing`)."""
+    if policy:
+        removables = apply_activation_policy(model, policy, manager)
+        if handles:  # removed with the other hooks
+            handles[0].removables += removables
+    elif activation_checkpointing:
+        enable_activation_checkpointing(model)

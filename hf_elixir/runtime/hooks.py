@@ -26,7 +26,7 @@ from hf_elixir.chunk.chunk import Chunk, ParamSlot
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.chunk.states import TensorState
 
-__all__ = ["ModuleHandle", "install_hooks"]
+__all__ = ["ModuleHandle", "install_hooks", "unit_chunks"]
 
 #: module types that read their children's parameters functionally (the children's forward never
 #: runs): their unit covers the whole subtree.
@@ -327,3 +327,12 @@ def _install_activation_accounting(model: torch.nn.Module, manager: ChunkManager
 
     return [model.register_forward_pre_hook(enter, prepend=True),
             model.register_forward_hook(leave, always_call=True)]
+
+
+def unit_chunks(model: torch.nn.Module, chunk_of: dict) -> list[list]:
+    """Per unit ``install_hooks`` will hook, the chunks (or chunk specs) its parameters live in, by id."""
+    units = []
+    for _, _, params, _ in _units(model, set(chunk_of)):
+        by_id = {chunk_of[p].chunk_id: chunk_of[p] for p in params}
+        units.append([by_id[c] for c in sorted(by_id)])
+    return units

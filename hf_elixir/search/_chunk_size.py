@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from hf_elixir.chunk import ChunkLayout, pack_chunks, round_up
+from hf_elixir.chunk.packing import replicated_chunk_size
 from hf_elixir.search._belady import belady_schedule
 
-__all__ = ["ChunkSizeCandidate", "ChunkSizeResult", "chunk_groups", "search_chunk_size"]
+__all__ = ["ChunkSizeCandidate", "ChunkSizeResult", "chunk_groups", "chunk_size_for", "default_chunk_size",
+           "search_chunk_size"]
 
 
 @dataclass(frozen=True)
@@ -187,3 +189,12 @@ def default_chunk_size(numels: Sequence[int], budget_bytes: int | None, world_si
     result = search_chunk_size(numels, world_size=world_size, element_bytes=element_bytes, upper_bound_numel=upper)
     least = min(c.waste_fraction for c in result.candidates)
     return min(c.chunk_size_numel for c in result.candidates if c.waste_fraction <= least + 0.05)
+
+
+def chunk_size_for(config, plan, numels: list[int], placements: dict[str, str],
+                   world_size: int, element_bytes: int, budget_bytes: int | None) -> int:
+    """The config's chunk size, else the plan's, else the replicated one, else the default."""
+    chunk_size = config.chunk_size_numel or (plan.chunk_size_numel if plan and plan.chunk_size_numel else None)
+    if not chunk_size and world_size > 1 and placements and all(v == "replicated" for v in placements.values()):
+        chunk_size = replicated_chunk_size(numels, element_bytes)
+    return chunk_size or default_chunk_size(numels, budget_bytes, world_size, element_bytes)

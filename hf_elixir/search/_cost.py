@@ -1,49 +1,10 @@
-"""Cost model: predicted step time and device/host memory of one configuration, by replaying the
-profiled access order through the same rules the chunk manager (``hf_elixir/chunk``) follows.
+"""Cost model: predicted step time and device/host memory of one configuration (:func:`predict`), by
+replaying the profiled access order through the same rules the chunk manager (``hf_elixir/chunk``) follows.
 
-[Note: memory accounting] Per rank; ``b`` = compute-dtype bytes, ``n_c`` = chunk ``c``'s numel,
-``s_c = n_c / world_size`` its shard numel, ``k`` = optimizer states per element (Adam: 2). This is what
-the chunk manager's pool charges (``Chunk.materialize``, ``ElixirOptimizer._build_shard_state``):
-
-* ``world_size == 1``: a chunk in ``resident_chunks`` or ``device_shard_chunks`` keeps its full buffer,
-  which *is* its shard (``Chunk.full_alias``): ``n_c * b``, never evicted. Other chunks' shards live on
-  the host and are copied into a freshly charged full buffer (``n_c * b``) when used;
-* ``world_size > 1``: a resident chunk holds its full buffer, ``n_c * b``, with its shard a view into it
-  (``Chunk.shard_in_full``: the all-gather runs in place); a device-shard chunk ``s_c * b``; every other
-  chunk is gathered into a charged full buffer when used (plus an ``s_c * b`` onload staging buffer while
-  its host shard is gathered);
-* optimizer state of a trained chunk on the device (``device_optim_chunks``): fp32 gradient shard
-  ``4 s_c`` + ``4 k s_c`` states + an fp32 master ``4 s_c`` unless the precision is fp32 and the shard
-  is on the device too (then the shard is the master);
-* gradient buffers: one fp32 full chunk (``4 n_c``) from the chunk's first gradient until its
-  reduce-scatter, which runs in the manager's fixed order (descending first forward use), each as soon
-  as it and all before it are complete;
-* unsharded non-resident chunks stay on the device until the pool needs room; the manager then evicts
-  the unpinned one whose next use is farthest (Belady over the previous step's order). So the cache is
-  *whatever the budget leaves*, and ``Knobs.cache_blocks`` only reports it;
-* with one rank and no replica group, a cached trained chunk is freed right after its last backward event
-  (no later use in the step's order), after that event's gradient buffers are charged: the manager reshards
-  such a chunk when that access is released ([Note: dead chunks] in ``hf_elixir/chunk/_eviction.py``) instead of
-  holding it until a make-room evicts it;
-* activations are outside the pool; they count toward the device only when ``activations_on_device``;
-* off CUDA the manager issues gradient collectives asynchronously and finishes each one two reduces
-  later (or when the pool needs the room, or at the end of backward): its gradient buffer (and
-  reduce-scatter output) stays charged until then;
-* off CUDA the buffers a finished reduce frees are kept for the next backward, still charged, and dropped
-  first when the pool needs room ([Note: buffer reuse] in hf_elixir/chunk/_grad_buffers.py): they never cause an
-  eviction or a finished reduce, only fill the pool. :func:`_kept_peak` replays them over the step's pool
-  events (buffers taken and freed, room made, peaks), from none kept and then from what one step left (the
-  steady state), and the model-data peak is the replay's.
-
-[Note: replicated data parallelism] (Elixir section 5: partition parameters only when memory requires
-it.) A replicated step (``ChunkedStep.replicate_world_size > 1``, :func:`build_chunked_step` with
-``replicated=True``) packs chunks for world size 1: every rank holds every chunk whole and resident
-(``n_c * b`` each, as ``Chunk.full_alias``), never all-gathers, and all-reduces each chunk's full
-gradient buffer (``4 n_c`` bytes at ``HardwareProfile.allreduce_rate``) in the same fixed order the
-sharded reduce-scatters use. Its optimizer state covers the whole chunk on every rank: on the device
-``4 n_c (1 + k)`` (no master in fp32), on the host ``4 n_c (2 + k)`` per rank (gradient, states,
-master), i.e. ``world_size`` times the host memory of a sharded plan; host-optimizer chunks pay the D2H
-of their full reduced gradient and the H2D of their full updated parameters every step.
+Its parts: the step at one chunk size and the knobs priced on it (``_chunked_step.py``, [Note: replicated
+data parallelism]), the bytes a configuration holds (``_memory_cost.py``, [Note: memory accounting]), the
+compute and copy rates and the refresh of compute copies (``_rates.py``), and the activations per block
+(``_activation_cost.py``, [Note: activation policy]). This module keeps the replay and its notes.
 
 [Note: time model] The compute of each profiled event (rescaled from the traced to the untraced
 step time), plus, all measured by :func:`~hf_elixir.profiler.probe_hardware`: hf_elixir's hook cost per
@@ -62,14 +23,14 @@ with several ranks an all-gather may, on any device; everything else on CPU is s
   gathered chunk) is prefetched ``prefetch_depth`` events ahead on the manager's copy stream
   (``ChunkManager._prefetch`` -> ``Chunk.unshard(side_stream=...)``), on CUDA only (``hardware.can_overlap``);
 * a **forward all-gather** (world size > 1, ``prefetch_depth > 0``) is issued ``prefetch_depth`` events ahead
-  ([Note: gather prefetch] in ``hf_elixir/chunk/_prefetch.py``), on CUDA and off it (gloo runs async
+  ([Note: gather prefetch] in ``hf_elixir/chunk/manager.py``), on CUDA and off it (gloo runs async
   collectives on its own threads), so it overlaps the compute of the events before its own. Gathers run one
   after another on the group (``t_gather``); the event waits for its own. On CUDA the staging onload rides
   the side stream too; off CUDA it and the fixed cost stay on the compute thread. With
   ``activations_on_device`` (the whole-device budget, whose activation charges are rank-local) the runtime
   issues them ahead in training only, where every offloadable chunk keeps a rank-local host copy (which it
   forces then: :func:`host_copies_forced`): the ranks agree at each optimizer step on which chunks each of
-  them had room for in the previous step ([Note: agreed gathers ahead] in ``hf_elixir/chunk/_agreed_gathers.py``), so
+  them had room for in the previous step ([Note: agreed gathers ahead] in ``hf_elixir/chunk/manager.py``), so
   from the third step on (the steady state priced here) the forward gathers run ahead as with a model-data
   pool, the same gathers and evictions (only the timing changes). Like the model-data case, this does not
   check the runtime's room rule (a rank votes no where the gather would evict a chunk used before it), so at
@@ -80,15 +41,15 @@ with several ranks an all-gather may, on any device; everything else on CPU is s
 * a **backward all-gather** (the re-gather of an evicted chunk without a host copy) is issued ahead the same
   way, with a model-data pool only (under ``activations_on_device`` a backward refill is a local onload of the
   forced host copy), where the runtime finds room for it without evicting a chunk the step still uses ([Note:
-  backward gather prefetch] in ``hf_elixir/chunk/_prefetch.py``): priced as ahead when, at its event, the free
+  backward gather prefetch] in ``hf_elixir/chunk/manager.py``): priced as ahead when, at its event, the free
   pool plus the cached trained chunks with no later use cover it. The runtime decides ``prefetch_depth`` events
   earlier and also reserves the gradient buffers charged in between, so at the tightest budgets it may keep a
   gather in the hook that this prices as ahead. Other backward gathers run inside the pre-backward hook and the compute
   waits for them (and for gathers queued before them);
 * the reduce-scatter (or replicated all-reduce) of a chunk whose optimizer state is on the device runs on the
-  manager's reduce stream, overlapping the rest of backward ([Note: reduce overlap] in ``chunk/_chunk_grads.py``);
+  manager's reduce stream, overlapping the rest of backward ([Note: reduce overlap] in ``chunk/chunk.py``);
   a host-optimizer chunk's reduce stays on the compute stream, its device->host gradient copy runs on the
-  offload stream on CUDA ([Note: gradient offload] in ``chunk/_grad_shards.py``; on CPU it is a plain copy on the
+  offload stream on CUDA ([Note: gradient offload] in ``chunk/manager.py``; on CPU it is a plain copy on the
   compute timeline);
 * with ``overlap_host_optimizer`` (the runtime's default on CUDA; ``None`` resolves as
   :func:`hf_elixir.optim._overlap.speculates` does, [Note: lane off the CPU device]) each host-optimizer chunk
@@ -140,7 +101,7 @@ rollback snapshot to price, and its activations are the forward's transient alon
 prepared without an optimizer differs from a training step in two ways the model follows:
 
 * no optimizer step ends a step: each top-level forward is one ([Note: forward steps] in
-  ``hf_elixir/chunk/_steps.py``). The first forward after ``prepare`` has no previous order: the manager evicts the
+  ``hf_elixir/chunk/manager.py``). The first forward after ``prepare`` has no previous order: the manager evicts the
   least recently used unpinned chunk (``ChunkManager._victim`` without ``prev_trace``) and prefetches nothing. Every
   later forward evicts by Belady over the forward before it (ties, chunks that forward does not use again, to the
   least recently used: ``ChunkManager._belady_key``) and prefetches ``prefetch_depth`` chunks ahead of it, local
@@ -164,45 +125,27 @@ prepared without an optimizer differs from a training step in two ways the model
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field, replace
 
-from hf_elixir.chunk import pack_chunks
-from hf_elixir.chunk.chunk import refresh_staging_numel
-from hf_elixir.profiler import HardwareProfile, StepProfile
-from hf_elixir.search._activation_cost import (DTYPE_BYTES, activation_bytes, checkpointed_events, offload_events,
-                                               profile_blocks, resolve_policy)
+from hf_elixir.profiler import HardwareProfile
+from hf_elixir.search._activation_cost import DTYPE_BYTES, activation_bytes, profile_blocks, resolve_policy
+from hf_elixir.search._chunked_step import _INF, ChunkedStep, Knobs, build_chunked_step
+from hf_elixir.search._memory_cost import _backward_room, _kept_peak, fixed_memory, host_copies_forced
+from hf_elixir.search._rates import (_device_cast_s, _early_refresh, _host_cast_s, _host_copy_rate, _local_copy_rate,
+                                     _refresh_times, _uploaded_chunks, casts_on_device, refresh_upload_bytes_per_numel)
+# importable from here, as before the cost model was split: the search, the CLI, tests and benchmarks use them
+from hf_elixir.search._memory_cost import optim_bytes_per_numel, refresh_staging_bytes  # noqa: F401
+from hf_elixir.search._rates import SAME_PASS_CAST_FRACTION  # noqa: F401
+from hf_elixir.search._rates import event_seconds as _event_seconds  # noqa: F401
 
 __all__ = ["ChunkedStep", "Knobs", "Prediction", "activation_bytes", "build_chunked_step", "predict", "profile_blocks",
            "resolve_policy"]
 
 
-_INF = float("inf")
 _MAX_PENDING_REDUCES = 2  # ChunkManager.max_pending_reduces
 #: forward-only steps: at most this many replays of the forward to reach the steady cache ([Note: forward-only
 #: pricing]); least-recently-used eviction over one fixed order settles after one or two
 FORWARD_PASSES = 4
-
-
-@dataclass(frozen=True)
-class Knobs:
-    """One point of the search space (chunk ids are positions in the packing).
-
-    ``cache_blocks`` is derived, not chosen: the budget left after the fixed parts is the cache (see
-    [Note: memory accounting]); :func:`predict` uses it only when no pool size is given.
-    """
-
-    resident: frozenset[int] = frozenset()
-    device_shard: frozenset[int] = frozenset()
-    device_optim: frozenset[int] = frozenset()
-    cache_blocks: int = 0
-    prefetch_depth: int = 0
-    # ws > 1: keep a rank-local host copy of each evicted gathered chunk (host RAM for the all-gather a
-    # re-unshard in the same step would cost; [Note: rank-local refill] in hf_elixir/chunk/chunk.py)
-    host_copies: bool = False
-    # where uploaded chunks' masters are cast to the compute dtype: "host" or "device" ([Note: refresh cast] in
-    # optim/optimizer.py; ElixirPlan.refresh_cast)
-    refresh_cast: str = "host"
 
 
 @dataclass
@@ -232,430 +175,6 @@ class Prediction:
     gathers_ahead: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass
-class ChunkedStep:
-    """The profiled step seen at one chunk size (everything the cost model needs, precomputed)."""
-
-    chunk_size_numel: int
-    world_size: int
-    precision: str
-    chunk_numels: list[int]
-    trained_numels: list[int]
-    groups: list[tuple[int, ...]]  # per event, chunk ids accessed at once (may be empty)
-    event_compute_s: list[float]
-    event_phase: list[str]
-    grad_arrive: dict[int, int]  # trained chunk -> event after which its gradient buffer exists
-    grad_reduce: dict[int, int]  # trained chunk -> event after which it is reduce-scattered
-    grad_peak_bytes: int
-    accesses: list[int]  # per chunk, how many events use it
-    views: list[int]  # per chunk, trainable parameter pieces in rank 0's shard (optimizer tensors)
-    activation_bytes: int
-    activation_checkpointing: bool
-    optim_states: int = 2
-    # the host lane's rollbacks restore snapshots (AMSGrad, optimizers other than Adam/AdamW); False: Adam/AdamW,
-    # rolled back by the inverse update, no snapshot ([Note: inverse rollback] in optim/_inverse_adam.py)
-    snapshot_rollback: bool = False
-    grad_elem_bytes: int = 4
-    replicate_world_size: int = 1  # > 1: chunks whole on that many ranks, gradients all-reduced
-    activation_policy: dict[str, str] = field(default_factory=dict)  # block -> keep / recompute / offload
-    offload_after: dict[int, int] = field(default_factory=dict)  # event -> activation bytes copied to the host
-    offload_before: dict[int, int] = field(default_factory=dict)  # event -> activation bytes copied back
-    # forward all-gathers may be issued ahead (False: the model has subtree units such as MoE experts,
-    # [Note: overlap])
-    gather_prefetch: bool = True
-    # [Note: dead chunks] in chunk/_eviction.py: backward events whose release reshards no chunk (recomputed
-    # forwards, released with their parameters still in COMPUTE), and per backward event of a unit without a
-    # grad input the chunks of its frozen parameters, left in COMPUTE (so never resharded) until backward ends
-    no_dead_release: frozenset[int] = frozenset()
-    compute_held: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    # an inference step: forward events only, nothing trained ([Note: forward-only pricing])
-    forward_only: bool = False
-
-    @property
-    def replicated(self) -> bool:
-        """Replicated data parallelism (see [Note: replicated data parallelism])."""
-        return self.replicate_world_size > 1
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self.chunk_numels)
-
-    @property
-    def grad_peak_chunks(self) -> int:
-        return -(-self.grad_peak_bytes // max(1, self.chunk_size_numel * self.grad_elem_bytes))
-
-    def full_bytes(self, c: int) -> int:
-        return self.chunk_numels[c] * DTYPE_BYTES[self.precision]
-
-    def shard_numel(self, c: int) -> int:
-        return self.chunk_numels[c] // self.world_size
-
-    # what :func:`predict` derives from the events alone, computed once per step (the search prices thousands of
-    # knobs on one step; a ChunkedStep is not changed after it is built: ``dataclasses.replace`` makes a new one)
-    @functools.cached_property
-    def next_places(self) -> tuple[list[dict[int, float]], list[dict[int, tuple[float, int]]],
-                                   dict[int, tuple[float, int]]]:
-        """Per event, each of its chunks' next event (``inf``: none), Belady's victim choice as the manager's; the
-        same with the chunk's place in that event, the manager's trace position (a unit's chunks are accessed by
-        id, ``ModuleHandle.chunks``); and where the step first uses each chunk (the next use as a step starts)."""
-        next_use: list[dict[int, float]] = [dict() for _ in self.groups]
-        next_place: list[dict[int, tuple[float, int]]] = [dict() for _ in self.groups]
-        upcoming: dict[int, tuple[float, int]] = {}
-        for k in range(len(self.groups) - 1, -1, -1):
-            for c in self.groups[k]:
-                next_place[k][c] = upcoming.get(c, (_INF, 0))
-                next_use[k][c] = next_place[k][c][0]
-            for i, c in enumerate(sorted(self.groups[k])):
-                upcoming[c] = (k, i)
-        return next_use, next_place, dict(upcoming)
-
-    @functools.cached_property
-    def last_access(self) -> dict[int, int]:
-        """Chunk -> the last event that accesses it."""
-        return {c: k for k, group in enumerate(self.groups) for c in group}
-
-    @functools.cached_property
-    def first_access(self) -> dict[int, int]:
-        """Chunk -> the first event that accesses it (the forward's first use order)."""
-        first: dict[int, int] = {}
-        for k, group in enumerate(self.groups):
-            for c in group:
-                first.setdefault(c, k)
-        return first
-
-    @functools.cached_property
-    def reduce_at(self) -> dict[int, list[int]]:
-        """Event -> the chunks reduced after it (``grad_reduce`` inverted)."""
-        out: dict[int, list[int]] = {}
-        for c, k in self.grad_reduce.items():
-            out.setdefault(k, []).append(c)
-        return out
-
-    @functools.cached_property
-    def arrive_at(self) -> dict[int, list[int]]:
-        """Event -> the chunks whose gradient buffer exists after it (``grad_arrive`` inverted)."""
-        out: dict[int, list[int]] = {}
-        for c, k in self.grad_arrive.items():
-            out.setdefault(k, []).append(c)
-        return out
-
-    def working_set_bytes(self, held: frozenset[int] = frozenset()) -> int:
-        """Device bytes the step needs beyond the fixed parts: the largest event's unsharded non-held
-        chunks (plus the previous event's, which backward may still pin), the gradient-buffer peak and,
-        with several ranks, an onload staging shard."""
-        per_event = [sum(self.full_bytes(c) for c in g if c not in held) for g in self.groups] or [0]
-        pairs = [a + b for a, b in zip(per_event, per_event[1:])] or per_event
-        staging = max((self.shard_numel(c) * DTYPE_BYTES[self.precision] for c in range(self.num_chunks)),
-                      default=0) if self.world_size > 1 else 0
-        return max(pairs) + self.grad_peak_bytes + staging
-
-
-def _event_seconds(profile: StepProfile, events: list, hardware: HardwareProfile, precision: str) -> list[float]:
-    """Per-event compute seconds: measured (rescaled per phase to the untraced step time) when the
-    profile ran on this kind of device, else counted FLOPs at the device's matmul rate
-    (:meth:`HardwareProfile.flops_rate` for ``precision``).
-
-    Raises:
-        ValueError: the profile ran on another device than ``hardware`` describes and counted no FLOPs
-            (``profile_step(..., count_flops=True)`` fixes it), so its compute cannot be priced there.
-    """
-    measured = all(e.compute_s is not None for e in events) and profile.device == hardware.device_kind
-    if not measured:
-        if events and not any(e.flops for e in events):
-            raise ValueError(
-                f"StepProfile(device={profile.device!r}) counted no FLOPs, so its compute cannot be priced on "
-                f"HardwareProfile(device_kind={hardware.device_kind!r}); profile with "
-                "profile_step(model, batch, count_flops=True) (or on device='meta')")
-        rate = hardware.flops_rate(precision) or 1e12
-        return [e.flops / rate for e in events]
-    scale = {"fwd": 1.0, "bwd": 1.0}
-    if profile.plain_forward_s and profile.forward_s:
-        scale["fwd"] = profile.plain_forward_s / profile.forward_s
-    if profile.plain_backward_s and profile.backward_s:
-        scale["bwd"] = profile.plain_backward_s / profile.backward_s
-    traced = {ph: sum(e.compute_s for e in profile.events if e.phase == ph) for ph in scale}
-    wall = {"fwd": profile.forward_s, "bwd": profile.backward_s}
-    # events sum to the traced wall time; rescale so that they sum to the plain one
-    factor = {ph: (scale[ph] * (wall[ph] or 0.0) / traced[ph]) if traced[ph] else 1.0 for ph in scale}
-    return [e.compute_s * factor.get(e.phase, 1.0) for e in events]
-
-
-def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_size: int, precision: str,
-                       hardware: HardwareProfile, activation_checkpointing: bool = False,
-                       optim_states: int = 2, grad_elem_bytes: int = 4, replicated: bool = False,
-                       activation_policy: dict[str, str] | None = None, snapshot_rollback: bool = False) -> ChunkedStep:
-    """Pack the profile's parameters at ``chunk_size_numel`` and precompute the chunk trace, the
-    gradient-buffer lifetimes (reduce order as in ``ChunkManager.start_backward``) and the optimizer's
-    parameter views.
-
-    Args:
-        world_size: data-parallel ranks.
-        replicated: replicated data parallelism over ``world_size`` ranks (chunks packed for world size 1,
-            gradients all-reduced; see [Note: replicated data parallelism]) instead of sharded chunks.
-        activation_policy: block -> ``"keep" | "recompute" | "offload"`` ([Note: activation policy]); blocks
-            it does not name keep. ``None``: ``activation_checkpointing`` for every block.
-    """
-    replicate_world_size = world_size if replicated else 1
-    if replicated:
-        world_size = 1
-    layout = pack_chunks(profile.param_numels, chunk_size_numel, world_size, bucket_packing=replicated)
-    chunk_of = {m: c for c, members in enumerate(layout.members) for m in members}
-    policy = resolve_policy(profile, activation_policy if activation_policy is not None else activation_checkpointing)
-    recompute = {b for b, kind in policy.items() if kind == "recompute"}
-    events = checkpointed_events(profile, recompute) if recompute else list(profile.events)
-    groups: list[tuple[int, ...]] = []
-    for e in events:
-        ids: list[int] = []
-        for i in e.params:
-            if chunk_of[i] not in ids:
-                ids.append(chunk_of[i])
-        groups.append(tuple(ids))
-    num_chunks = layout.num_chunks
-    original = {id(e) for e in profile.events}
-    no_dead_release = frozenset(k for k, e in enumerate(events) if e.phase == "bwd" and id(e) not in original)
-    compute_held = {k: held for k, e in enumerate(events) if e.phase == "bwd" and not e.grad_inputs
-                    and (held := tuple(sorted({chunk_of[i] for i in e.params if not profile.param_requires_grad[i]})))}
-    trained = [sum(profile.param_numels[i] for i in members if profile.param_requires_grad[i])
-               for members in layout.members]
-    last = len(events) - 1
-    # gradient arrival per parameter: the profiled hook position, or the last backward use when
-    # checkpointing moved the events
-    arrive_p: dict[int, int] = {}
-    if not recompute:
-        for i, k in enumerate(profile.grad_ready_event):
-            if profile.param_requires_grad[i]:
-                arrive_p[i] = k if k >= 0 else -1
-    else:
-        for k, e in enumerate(events):
-            if e.phase == "bwd":
-                for i in e.params:
-                    if profile.param_requires_grad[i]:
-                        arrive_p[i] = k
-    grad_arrive: dict[int, int] = {}
-    ready: dict[int, float] = {}
-    for c, members in enumerate(layout.members):
-        ks = [arrive_p.get(i, -1) for i in members if profile.param_requires_grad[i]]
-        if not ks:
-            continue
-        got = [k for k in ks if k >= 0]
-        grad_arrive[c] = min(got) if got else last
-        ready[c] = max(got) if got else _INF  # a chunk with no gradient blocks the order until the end
-    first_fwd: dict[int, int] = {}
-    for k, (e, g) in enumerate(zip(events, groups)):
-        if e.phase == "fwd":
-            for c in g:
-                first_fwd.setdefault(c, k)
-    order = sorted(grad_arrive, key=lambda c: (-first_fwd.get(c, -1), -c))
-    grad_reduce: dict[int, int] = {}
-    prefix = -1.0
-    for c in order:
-        prefix = max(prefix, ready[c])
-        grad_reduce[c] = last if prefix == _INF else int(prefix)
-    gbytes = {c: layout.chunk_numels[c] * grad_elem_bytes for c in grad_arrive}
-    peak = 0
-    for k in range(len(events)):
-        peak = max(peak, sum(gbytes[c] for c in grad_arrive if grad_arrive[c] <= k <= grad_reduce[c]))
-    accesses = [0] * num_chunks
-    for g in groups:
-        for c in g:
-            accesses[c] += 1
-    views = []
-    for c, (members, offsets) in enumerate(zip(layout.members, layout.offsets)):
-        shard = layout.chunk_numels[c] // world_size
-        views.append(sum(1 for i, off in zip(members, offsets)
-                         if profile.param_requires_grad[i] and off < shard and profile.param_numels[i] > 0))
-    return ChunkedStep(
-        chunk_size_numel=chunk_size_numel, world_size=world_size, precision=precision,
-        chunk_numels=list(layout.chunk_numels), trained_numels=trained, groups=groups,
-        event_compute_s=_event_seconds(profile, events, hardware, precision), event_phase=[e.phase for e in events],
-        grad_arrive=grad_arrive, grad_reduce=grad_reduce, grad_peak_bytes=peak, accesses=accesses,
-        views=views, activation_bytes=activation_bytes(profile, precision, policy),
-        activation_checkpointing=len(recompute) == len(policy) if policy else activation_checkpointing,
-        optim_states=optim_states, snapshot_rollback=snapshot_rollback,
-        grad_elem_bytes=grad_elem_bytes, replicate_world_size=replicate_world_size, activation_policy=policy,
-        **dict(zip(("offload_after", "offload_before"), offload_events(profile, events, policy, precision))),
-        gather_prefetch=not profile.subtree_units, no_dead_release=no_dead_release, compute_held=compute_held,
-        forward_only=profile.forward_only,
-    )
-
-
-def optim_bytes_per_numel(precision: str, master: bool = False, optim_states: int = 2) -> int:
-    """Device bytes per shard element of one chunk's optimizer state: fp32 gradient shard + ``optim_states``
-    fp32 states (+ fp32 master when ``master`` or the precision is not fp32)."""
-    return 4 + 4 * optim_states + (4 if (master or precision != "fp32") else 0)
-
-
-def _host_copy_rate(hardware: HardwareProfile) -> float:
-    """Bytes/s of a copy within host memory (the host lane's snapshots): the probe's copy rate. Off CUDA that
-    is a memcpy between two host buffers; on CUDA the pinned host<->device rate stands in for it (the probe
-    does not time a host memcpy there; PCIe 4/5 and one thread's memcpy are of the same order)."""
-    return hardware.h2d_bytes_per_s or 1e10
-
-
-def _local_copy_rate(hardware: HardwareProfile) -> float:
-    """Bytes/s of a copy within the device (gradient into its buffer, a cast refreshing a compute copy).
-    Off CUDA the "device" is host memory: the measured copy rate. On CUDA the copy is bound by HBM, which
-    the fused AdamW rate measures: 28 bytes of traffic per element (see ``profiler/_gpu_presets.py``), a
-    copy 2 bytes of traffic per byte copied."""
-    if hardware.device_kind == "cuda" and hardware.device_adam_numel_per_s:
-        return hardware.device_adam_numel_per_s * 28 / 2
-    return hardware.h2d_bytes_per_s or 1e10
-
-
-def _uploaded_chunks(step: ChunkedStep, knobs: Knobs) -> list[int]:
-    """Trained chunks whose refresh is an upload: shard on the device, optimizer state (master) on the host."""
-    held = knobs.resident | knobs.device_shard
-    return [c for c in range(step.num_chunks) if step.trained_numels[c] and c in held and c not in knobs.device_optim]
-
-
-def host_copies_forced(step: ChunkedStep, activations_on_device: bool) -> bool:
-    """Whether the runtime keeps a rank-local host copy of every offloadable chunk whatever the plan says
-    (``hf_elixir.placement.choose_host_copies``): several ranks, sharded, and either a pool that charges
-    activations (``activations_on_device``: each rank's batch decides what its activations evict, so a chunk
-    evicted on one rank only must refill locally) or MoE experts (``ChunkedStep.gather_prefetch`` off). The
-    cost model then prices the copies (their host bytes, the copy at eviction, local refills instead of
-    re-gathers) for every point, as the runtime runs it."""
-    return step.world_size > 1 and not step.replicated and (activations_on_device or not step.gather_prefetch)
-
-
-def casts_on_device(step: ChunkedStep, knobs: Knobs) -> bool:
-    """The uploads are cast on the device ([Note: refresh cast] in ``optim/optimizer.py``): ``refresh_cast`` is
-    ``"device"`` and the compute dtype is narrower than the fp32 master."""
-    return knobs.refresh_cast == "device" and step.precision != "fp32"
-
-
-def refresh_upload_bytes_per_numel(step: ChunkedStep, knobs: Knobs) -> int:
-    """PCIe bytes per element of an upload refreshing a compute copy: the fp32 master's 4 when cast on the
-    device, else the compute dtype's (cast on the host, or fp32 with nothing to cast)."""
-    return 4 if casts_on_device(step, knobs) else DTYPE_BYTES[step.precision]
-
-
-def refresh_staging_bytes(step: ChunkedStep, knobs: Knobs) -> int:
-    """Device bytes of the fp32 staging buffer the uploads cast on the device share (``ElixirOptimizer`` charges
-    them for the whole run: :func:`hf_elixir.chunk.chunk.refresh_staging_numel`); 0 with the cast on the host."""
-    if not casts_on_device(step, knobs):
-        return 0
-    return 4 * refresh_staging_numel([step.shard_numel(c) for c in _uploaded_chunks(step, knobs)])
-
-
-def _device_cast_s(numel: int, step: ChunkedStep, hardware: HardwareProfile) -> float:
-    """Seconds of the device cast of ``numel`` uploaded fp32 elements out of the staging buffer into the compute
-    copy: ``4 + b`` bytes of memory traffic per element at twice the local copy rate (:func:`_local_copy_rate`
-    counts 2 bytes of traffic per byte copied)."""
-    return numel * (4 + DTYPE_BYTES[step.precision]) / (2 * _local_copy_rate(hardware))
-
-
-#: [Note: same-pass host step] (``optim/_same_pass.py``): the runtime steps an AdamW host chunk with a staging buffer
-#: block by block and casts each block into the staging buffer while it is in cache. What the cast then adds, as a
-#: fraction of the AdamW step of the same elements, measured on this project's CPU (AMD EPYC, 32 MiB L3, 1 thread,
-#: a 50.4 M element chunk shaped like an OPT-1.3B layer, blocks of 1 Mi elements, min of 9 interleaved rounds, load
-#: average 6.3-7.3 on 2 cores, 2026-12-01 05:43 UTC): ``PYTHONPATH=$PWD flock /tmp/bench.lock python
-#: benchmarks/host_adam.py --rounds 9 --stat min --blocks 524288,1048576,2097152,4194304 --diagnose``: step 33.3 ms,
-#: same pass 40.6 ms (0.22). The same run measured the separate cast (step, then ``staging.copy_(master)`` over the
-#: whole chunk, the path before) at 0.39 of the step, more than the 6 / 28 = 0.21 the traffic ratio had priced it at.
-SAME_PASS_CAST_FRACTION = 0.22
-
-
-def _host_cast_s(numel: int, hardware: HardwareProfile) -> float:
-    """Seconds of the host cast fp32 master -> compute-dtype staging buffer of ``numel`` elements: done in the same
-    pass as the host AdamW update ([Note: same-pass host step] in ``optim/_same_pass.py``), so priced as the measured
-    :data:`SAME_PASS_CAST_FRACTION` of that update's time at the host AdamW rate."""
-    return numel / (hardware.host_adam_numel_per_s or 1e9) * SAME_PASS_CAST_FRACTION
-
-
-def _early_refresh(step: ChunkedStep, hardware: HardwareProfile) -> bool:
-    """Whether the host lane's uploads go out during backward ([Note: early refresh] in ``optim/optimizer.py``):
-    beside a CUDA compute stream, and not under fp16 loss scaling."""
-    return hardware.can_overlap and step.precision != "fp16"
-
-
-def _refresh_times(step: ChunkedStep, upload_s: dict[int, float]) -> dict[int, float]:
-    """When each upload is done, seconds from the start of the step: issued back to back on the copy stream when
-    the previous step ends, in the order the forward first uses the chunks (``ChunkManager.next_use_order``)."""
-    first = step.first_access
-    done, t = {}, 0.0
-    for c in sorted(upload_s, key=lambda c: (first.get(c, len(step.groups)), c)):
-        t += upload_s[c]
-        done[c] = t
-    return done
-
-
-def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, int]]:
-    """(fixed device bytes, host bytes, breakdown) per rank; see [Note: memory accounting]."""
-    b = DTYPE_BYTES[step.precision]
-    ws = step.world_size
-    held = knobs.resident | knobs.device_shard
-    if ws == 1:
-        resident = sum(step.full_bytes(c) for c in held)
-        shards = 0
-    else:  # a resident chunk's shard is a view into its full buffer (Chunk.shard_in_full)
-        resident = sum(step.full_bytes(c) for c in knobs.resident)
-        shards = sum(step.shard_numel(c) * b for c in knobs.device_shard - knobs.resident)
-    optim = host_optim = 0
-    for c in range(step.num_chunks):
-        if not step.trained_numels[c]:
-            continue
-        if c in knobs.device_optim:
-            optim += step.shard_numel(c) * optim_bytes_per_numel(step.precision, c not in held, step.optim_states)
-        else:
-            host_optim += step.shard_numel(c) * optim_bytes_per_numel(step.precision, c in held, step.optim_states)
-            if c in held and step.precision != "fp32" and not casts_on_device(step, knobs):
-                host_optim += step.shard_numel(c) * b  # the upload's host staging buffer ([Note: overlapped refresh])
-    host_params = sum(step.shard_numel(c) * b for c in range(step.num_chunks) if c not in held)
-    if ws > 1 and knobs.host_copies:  # rank-local refill copies of evicted unsharded chunks
-        host_params += sum(step.full_bytes(c) for c in range(step.num_chunks) if c not in knobs.resident)
-    staging = refresh_staging_bytes(step, knobs)  # [Note: refresh cast]
-    breakdown = {"resident_chunks": resident, "device_shards": shards, "device_optimizer": optim,
-                 "refresh_staging": staging}
-    return resident + shards + optim + staging, host_params + host_optim, breakdown
-
-
-def _backward_room(step: ChunkedStep, k: int, depth: int, cached: dict[int, int], last_seen: dict[int, float],
-                   free: int) -> bool:
-    """Whether the backward all-gather of event ``k`` goes ahead ([Note: overlap]): ``free`` pool bytes (after
-    it) plus the cached trained chunks with no later use, other than those the events since the runtime's
-    decision (``depth`` events earlier, when they were pinned or in its window) access, are not negative; and
-    that decision was made in backward too."""
-    if step.event_phase[k - depth] != "bwd":
-        return False
-    window = {c for j in range(k - depth, k + 1) for c in step.groups[j]}
-    dead = sum(n for c, n in cached.items() if c not in window and last_seen.get(c, _INF) == _INF
-               and step.trained_numels[c])
-    return free + dead >= 0
-
-
-def _kept_peak(log: list[tuple], pool_bytes: int, kept: dict[int, int]) -> tuple[int, dict[int, int]]:
-    """Replay ``predict``'s pool events with the gradient buffers kept off CUDA ([Note: buffer reuse] in
-    hf_elixir/chunk/_grad_buffers.py), starting from ``kept`` (buffer bytes -> how many): a buffer taken reuses a
-    kept one of its size (no room made), a freed one is kept, making room drops kept buffers (largest first)
-    before anything else. Returns the peak of the model's bytes plus the kept ones, and what is kept at the end."""
-    kept = dict(kept)
-    held = sum(size * count for size, count in kept.items())
-    peak = 0
-    reused = False
-    for event in log:
-        if event[0] == "take":
-            reused = kept.get(event[1], 0) > 0
-            if reused:
-                kept[event[1]] -= 1
-                held -= event[1]
-        elif event[0] == "free":
-            kept[event[1]] = kept.get(event[1], 0) + 1
-            held += event[1]
-        elif event[0] == "room":
-            if reused:  # the manager made no room for a reused buffer
-                continue
-            _, nbytes, used = event
-            for size in sorted(kept, reverse=True):
-                while kept[size] and used + held + nbytes > pool_bytes:
-                    kept[size] -= 1
-                    held -= size
-        else:
-            peak = max(peak, event[1] + held)
-            reused = False
-    return peak, kept
-
-
 def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_bytes: int | None = None,
             activations_on_device: bool = False, timeline: bool = False,
             overlap_host_optimizer: bool | None = None, host_budget_bytes: int | None = None,
@@ -670,7 +189,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     ``_refresh_prev`` (internal): when each upload of the previous step is done, seconds from this step's start
     (the second pass of [Note: early refresh pricing]).
 
-    See [Note: time model] and [Note: memory accounting] in this module's docstring.
+    See [Note: time model] in this module's docstring and [Note: memory accounting] in ``_memory_cost.py``.
     """
     ws = step.world_size
     b = DTYPE_BYTES[step.precision]
@@ -702,7 +221,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     # wait for it, as in ChunkManager._reduce / make_room
     async_reduce = hardware.device_kind != "cuda" and (ws > 1 or step.replicated)
     pending: list[tuple[int, int, int]] = []  # (bytes charged, gradient buffer, reduce output) of unfinished reduces
-    # off CUDA finished buffers are kept ([Note: memory accounting]): the pool events _kept_peak replays
+    # off CUDA finished buffers are kept ([Note: memory accounting] in ``_memory_cost.py``): the pool events
+    # _kept_peak replays
     buffers_kept = hardware.device_kind != "cuda"
     pool_log: list[tuple] = []
     # ChunkManager.reduce_window: no limit but the budget when every chunk stays on the device ([Note: reduce window])
@@ -827,7 +347,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
 
     clock = 0
     # the manager reshards a chunk backward uses no more at its last backward access (whole on one rank, no
-    # replica group), not at the next make-room ([Note: dead chunks] in chunk/_eviction.py)
+    # replica group), not at the next make-room ([Note: dead chunks] in chunk/manager.py)
     reshard_dead = ws == 1 and not step.replicated
     computing: set[int] = set()  # chunks with a parameter left in COMPUTE until the end of backward
     for k, group in forward_passes():
@@ -985,7 +505,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 finish_reduce()
         computing.update(step.compute_held.get(k, ()))
         if reshard_dead and step.event_phase[k] == "bwd" and k not in step.no_dead_release:
-            for c in group:  # [Note: dead chunks] in chunk/_eviction.py
+            for c in group:  # [Note: dead chunks] in chunk/manager.py
                 if c in cached and step.trained_numels[c] and next_use[k][c] == _INF and c not in computing:
                     used -= cached.pop(c)
                     evictions += 1

@@ -1,7 +1,7 @@
 """Local refinement of searched plans: deterministic hill climbing over single moves, priced by the cost model.
 
 [Note: local refinement] The main search (``_plan_search.py``) walks a coarse grid: prefixes of the
-chunks ranked by use for the resident set, a greedy fill (:func:`~hf_elixir.search._plan_search._fill`, seconds
+chunks ranked by use for the resident set, a greedy fill (:func:`~hf_elixir.search._grid._fill`, seconds
 saved per byte as estimated *before* pricing) for device shards and device optimizer states, and "the first
 ``k`` blocks" for the activation policy. Its estimate of what a byte buys ignores overlap, so it can spend the
 spare bytes on the wrong set: on OPT-30B over 2 x H200 it put 7 chunks' optimizer states on the device where

@@ -1,0 +1,266 @@
+"""The profiled step seen at one chunk size (:class:`ChunkedStep`, built by :func:`build_chunked_step`) and
+the point of the search space priced on it (:class:`Knobs`): what the cost model (``_cost.py``) replays.
+
+[Note: replicated data parallelism] (Elixir section 5: partition parameters only when memory requires
+it.) A replicated step (``ChunkedStep.replicate_world_size > 1``, :func:`build_chunked_step` with
+``replicated=True``) packs chunks for world size 1: every rank holds every chunk whole and resident
+(``n_c * b`` each, as ``Chunk.full_alias``), never all-gathers, and all-reduces each chunk's full
+gradient buffer (``4 n_c`` bytes at ``HardwareProfile.allreduce_rate``) in the same fixed order the
+sharded reduce-scatters use. Its optimizer state covers the whole chunk on every rank: on the device
+``4 n_c (1 + k)`` (no master in fp32), on the host ``4 n_c (2 + k)`` per rank (gradient, states,
+master), i.e. ``world_size`` times the host memory of a sharded plan; host-optimizer chunks pay the D2H
+of their full reduced gradient and the H2D of their full updated parameters every step.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from hf_elixir.chunk import pack_chunks
+from hf_elixir.profiler import HardwareProfile, StepProfile
+from hf_elixir.search._activation_cost import (DTYPE_BYTES, activation_bytes, checkpointed_events, offload_events,
+                                               resolve_policy)
+from hf_elixir.search._rates import event_seconds
+
+__all__ = ["ChunkedStep", "Knobs", "build_chunked_step"]
+
+_INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """One point of the search space (chunk ids are positions in the packing).
+
+    ``cache_blocks`` is derived, not chosen: the budget left after the fixed parts is the cache (see
+    [Note: memory accounting] in ``_memory_cost.py``); :func:`predict` uses it only when no pool size is given.
+    """
+
+    resident: frozenset[int] = frozenset()
+    device_shard: frozenset[int] = frozenset()
+    device_optim: frozenset[int] = frozenset()
+    cache_blocks: int = 0
+    prefetch_depth: int = 0
+    # ws > 1: keep a rank-local host copy of each evicted gathered chunk (host RAM for the all-gather a
+    # re-unshard in the same step would cost; [Note: rank-local refill] in hf_elixir/chunk/chunk.py)
+    host_copies: bool = False
+    # where uploaded chunks' masters are cast to the compute dtype: "host" or "device" ([Note: refresh cast] in
+    # optim/optimizer.py; ElixirPlan.refresh_cast)
+    refresh_cast: str = "host"
+
+
+@dataclass
+class ChunkedStep:
+    """The profiled step seen at one chunk size (everything the cost model needs, precomputed)."""
+
+    chunk_size_numel: int
+    world_size: int
+    precision: str
+    chunk_numels: list[int]
+    trained_numels: list[int]
+    groups: list[tuple[int, ...]]  # per event, chunk ids accessed at once (may be empty)
+    event_compute_s: list[float]
+    event_phase: list[str]
+    grad_arrive: dict[int, int]  # trained chunk -> event after which its gradient buffer exists
+    grad_reduce: dict[int, int]  # trained chunk -> event after which it is reduce-scattered
+    grad_peak_bytes: int
+    accesses: list[int]  # per chunk, how many events use it
+    views: list[int]  # per chunk, trainable parameter pieces in rank 0's shard (optimizer tensors)
+    activation_bytes: int
+    activation_checkpointing: bool
+    optim_states: int = 2
+    # the host lane's rollbacks restore snapshots (AMSGrad, optimizers other than Adam/AdamW); False: Adam/AdamW,
+    # rolled back by the inverse update, no snapshot ([Note: inverse rollback] in optim/_inverse_adam.py)
+    snapshot_rollback: bool = False
+    grad_elem_bytes: int = 4
+    replicate_world_size: int = 1  # > 1: chunks whole on that many ranks, gradients all-reduced
+    activation_policy: dict[str, str] = field(default_factory=dict)  # block -> keep / recompute / offload
+    offload_after: dict[int, int] = field(default_factory=dict)  # event -> activation bytes copied to the host
+    offload_before: dict[int, int] = field(default_factory=dict)  # event -> activation bytes copied back
+    # forward all-gathers may be issued ahead (False: the model has subtree units such as MoE experts,
+    # [Note: overlap])
+    gather_prefetch: bool = True
+    # [Note: dead chunks] in chunk/manager.py: backward events whose release reshards no chunk (recomputed
+    # forwards, released with their parameters still in COMPUTE), and per backward event of a unit without a
+    # grad input the chunks of its frozen parameters, left in COMPUTE (so never resharded) until backward ends
+    no_dead_release: frozenset[int] = frozenset()
+    compute_held: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # an inference step: forward events only, nothing trained ([Note: forward-only pricing])
+    forward_only: bool = False
+
+    @property
+    def replicated(self) -> bool:
+        """Replicated data parallelism (see [Note: replicated data parallelism])."""
+        return self.replicate_world_size > 1
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunk_numels)
+
+    @property
+    def grad_peak_chunks(self) -> int:
+        return -(-self.grad_peak_bytes // max(1, self.chunk_size_numel * self.grad_elem_bytes))
+
+    def full_bytes(self, c: int) -> int:
+        return self.chunk_numels[c] * DTYPE_BYTES[self.precision]
+
+    def shard_numel(self, c: int) -> int:
+        return self.chunk_numels[c] // self.world_size
+
+    # what :func:`predict` derives from the events alone, computed once per step (the search prices thousands of
+    # knobs on one step; a ChunkedStep is not changed after it is built: ``dataclasses.replace`` makes a new one)
+    @functools.cached_property
+    def next_places(self) -> tuple[list[dict[int, float]], list[dict[int, tuple[float, int]]],
+                                   dict[int, tuple[float, int]]]:
+        """Per event, each of its chunks' next event (``inf``: none), Belady's victim choice as the manager's; the
+        same with the chunk's place in that event, the manager's trace position (a unit's chunks are accessed by
+        id, ``ModuleHandle.chunks``); and where the step first uses each chunk (the next use as a step starts)."""
+        next_use: list[dict[int, float]] = [dict() for _ in self.groups]
+        next_place: list[dict[int, tuple[float, int]]] = [dict() for _ in self.groups]
+        upcoming: dict[int, tuple[float, int]] = {}
+        for k in range(len(self.groups) - 1, -1, -1):
+            for c in self.groups[k]:
+                next_place[k][c] = upcoming.get(c, (_INF, 0))
+                next_use[k][c] = next_place[k][c][0]
+            for i, c in enumerate(sorted(self.groups[k])):
+                upcoming[c] = (k, i)
+        return next_use, next_place, dict(upcoming)
+
+    @functools.cached_property
+    def last_access(self) -> dict[int, int]:
+        """Chunk -> the last event that accesses it."""
+        return {c: k for k, group in enumerate(self.groups) for c in group}
+
+    @functools.cached_property
+    def first_access(self) -> dict[int, int]:
+        """Chunk -> the first event that accesses it (the forward's first use order)."""
+        first: dict[int, int] = {}
+        for k, group in enumerate(self.groups):
+            for c in group:
+                first.setdefault(c, k)
+        return first
+
+    @functools.cached_property
+    def reduce_at(self) -> dict[int, list[int]]:
+        """Event -> the chunks reduced after it (``grad_reduce`` inverted)."""
+        out: dict[int, list[int]] = {}
+        for c, k in self.grad_reduce.items():
+            out.setdefault(k, []).append(c)
+        return out
+
+    @functools.cached_property
+    def arrive_at(self) -> dict[int, list[int]]:
+        """Event -> the chunks whose gradient buffer exists after it (``grad_arrive`` inverted)."""
+        out: dict[int, list[int]] = {}
+        for c, k in self.grad_arrive.items():
+            out.setdefault(k, []).append(c)
+        return out
+
+    def working_set_bytes(self, held: frozenset[int] = frozenset()) -> int:
+        """Device bytes the step needs beyond the fixed parts: the largest event's unsharded non-held
+        chunks (plus the previous event's, which backward may still pin), the gradient-buffer peak and,
+        with several ranks, an onload staging shard."""
+        per_event = [sum(self.full_bytes(c) for c in g if c not in held) for g in self.groups] or [0]
+        pairs = [a + b for a, b in zip(per_event, per_event[1:])] or per_event
+        staging = max((self.shard_numel(c) * DTYPE_BYTES[self.precision] for c in range(self.num_chunks)),
+                      default=0) if self.world_size > 1 else 0
+        return max(pairs) + self.grad_peak_bytes + staging
+
+
+def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_size: int, precision: str,
+                       hardware: HardwareProfile, activation_checkpointing: bool = False,
+                       optim_states: int = 2, grad_elem_bytes: int = 4, replicated: bool = False,
+                       activation_policy: dict[str, str] | None = None, snapshot_rollback: bool = False) -> ChunkedStep:
+    """Pack the profile's parameters at ``chunk_size_numel`` and precompute the chunk trace, the
+    gradient-buffer lifetimes (reduce order as in ``ChunkManager.start_backward``) and the optimizer's
+    parameter views.
+
+    Args:
+        world_size: data-parallel ranks.
+        replicated: replicated data parallelism over ``world_size`` ranks (chunks packed for world size 1,
+            gradients all-reduced; see [Note: replicated data parallelism]) instead of sharded chunks.
+        activation_policy: block -> ``"keep" | "recompute" | "offload"`` ([Note: activation policy]); blocks
+            it does not name keep. ``None``: ``activation_checkpointing`` for every block.
+    """
+    replicate_world_size = world_size if replicated else 1
+    if replicated:
+        world_size = 1
+    layout = pack_chunks(profile.param_numels, chunk_size_numel, world_size, bucket_packing=replicated)
+    chunk_of = {m: c for c, members in enumerate(layout.members) for m in members}
+    policy = resolve_policy(profile, activation_policy if activation_policy is not None else activation_checkpointing)
+    recompute = {b for b, kind in policy.items() if kind == "recompute"}
+    events = checkpointed_events(profile, recompute) if recompute else list(profile.events)
+    groups: list[tuple[int, ...]] = []
+    for e in events:
+        ids: list[int] = []
+        for i in e.params:
+            if chunk_of[i] not in ids:
+                ids.append(chunk_of[i])
+        groups.append(tuple(ids))
+    num_chunks = layout.num_chunks
+    original = {id(e) for e in profile.events}
+    no_dead_release = frozenset(k for k, e in enumerate(events) if e.phase == "bwd" and id(e) not in original)
+    compute_held = {k: held for k, e in enumerate(events) if e.phase == "bwd" and not e.grad_inputs
+                    and (held := tuple(sorted({chunk_of[i] for i in e.params if not profile.param_requires_grad[i]})))}
+    trained = [sum(profile.param_numels[i] for i in members if profile.param_requires_grad[i])
+               for members in layout.members]
+    last = len(events) - 1
+    # gradient arrival per parameter: the profiled hook position, or the last backward use when
+    # checkpointing moved the events
+    arrive_p: dict[int, int] = {}
+    if not recompute:
+        for i, k in enumerate(profile.grad_ready_event):
+            if profile.param_requires_grad[i]:
+                arrive_p[i] = k if k >= 0 else -1
+    else:
+        for k, e in enumerate(events):
+            if e.phase == "bwd":
+                for i in e.params:
+                    if profile.param_requires_grad[i]:
+                        arrive_p[i] = k
+    grad_arrive: dict[int, int] = {}
+    ready: dict[int, float] = {}
+    for c, members in enumerate(layout.members):
+        ks = [arrive_p.get(i, -1) for i in members if profile.param_requires_grad[i]]
+        if not ks:
+            continue
+        got = [k for k in ks if k >= 0]
+        grad_arrive[c] = min(got) if got else last
+        ready[c] = max(got) if got else _INF  # a chunk with no gradient blocks the order until the end
+    first_fwd: dict[int, int] = {}
+    for k, (e, g) in enumerate(zip(events, groups)):
+        if e.phase == "fwd":
+            for c in g:
+                first_fwd.setdefault(c, k)
+    order = sorted(grad_arrive, key=lambda c: (-first_fwd.get(c, -1), -c))
+    grad_reduce: dict[int, int] = {}
+    prefix = -1.0
+    for c in order:
+        prefix = max(prefix, ready[c])
+        grad_reduce[c] = last if prefix == _INF else int(prefix)
+    gbytes = {c: layout.chunk_numels[c] * grad_elem_bytes for c in grad_arrive}
+    peak = 0
+    for k in range(len(events)):
+        peak = max(peak, sum(gbytes[c] for c in grad_arrive if grad_arrive[c] <= k <= grad_reduce[c]))
+    accesses = [0] * num_chunks
+    for g in groups:
+        for c in g:
+            accesses[c] += 1
+    views = []
+    for c, (members, offsets) in enumerate(zip(layout.members, layout.offsets)):
+        shard = layout.chunk_numels[c] // world_size
+        views.append(sum(1 for i, off in zip(members, offsets)
+                         if profile.param_requires_grad[i] and off < shard and profile.param_numels[i] > 0))
+    return ChunkedStep(
+        chunk_size_numel=chunk_size_numel, world_size=world_size, precision=precision,
+        chunk_numels=list(layout.chunk_numels), trained_numels=trained, groups=groups,
+        event_compute_s=event_seconds(profile, events, hardware, precision), event_phase=[e.phase for e in events],
+        grad_arrive=grad_arrive, grad_reduce=grad_reduce, grad_peak_bytes=peak, accesses=accesses,
+        views=views, activation_bytes=activation_bytes(profile, precision, policy),
+        activation_checkpointing=len(recompute) == len(policy) if policy else activation_checkpointing,
+        optim_states=optim_states, snapshot_rollback=snapshot_rollback,
+        grad_elem_bytes=grad_elem_bytes, replicate_world_size=replicate_world_size, activation_policy=policy,
+        **dict(zip(("offload_after", "offload_before"), offload_events(profile, events, policy, precision))),
+        gather_prefetch=not profile.subtree_units, no_dead_release=no_dead_release, compute_held=compute_held,
+        forward_only=profile.forward_only,
+    )

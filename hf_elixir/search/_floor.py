@@ -1,0 +1,144 @@
+"""The budget floor: the smallest ``device_memory_budget_bytes`` ``hf_elixir.prepare`` accepts for a model,
+computed without preparing it (the same packing, placements, units and floor as ``prepare``:
+``placement/_device_placement.py: device_floor_bytes``), and the error ``prepare`` raises when
+``default_placement="auto"`` sharded a model that a budget which replicates it would have fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from hf_elixir.chunk._build import chunk_specs, element_bytes, unique_params
+from hf_elixir.chunk.manager import budget_error
+from hf_elixir.config import ElixirConfig
+from hf_elixir.parallel import get_parallel_state, placements_for_plan
+from hf_elixir.parallel._groups import planned_chunk_groups
+from hf_elixir.placement._device_placement import device_floor_bytes, place_chunks, replicated_bytes
+from hf_elixir.plan import ElixirPlan
+from hf_elixir.runtime.hooks import mark_subtree_chunks, unit_chunks
+from hf_elixir.search._chunk_size import chunk_size_for
+
+__all__ = ["min_device_budget_bytes", "place_within_budget", "raise_if_replicating_needs_less"]
+
+logger = logging.getLogger(__name__)
+
+
+def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                            config: ElixirConfig | None = None, world_size: int = 1, *,
+                            activation_bytes: int = 0) -> int:
+    """Smallest ``device_memory_budget_bytes`` that ``prepare`` accepts for this model, computed without
+    preparing it (no data moves): the same chunk packing, placements, units and budget floor
+    (``placement/_device_placement.py: device_floor_bytes``) as :func:`prepare`, plus the room kept for
+    activations.
+
+    Args:
+        model: the model ``prepare`` will get (after :func:`hf_elixir.parallel.parallelize`, if used).
+        optimizer: the optimizer ``prepare`` will get, or ``None`` for inference (no gradient buffers:
+            a smaller floor). Its kind sizes the optimizer states kept on the device with
+            ``ElixirConfig(offload_optimizer=False)``; otherwise they go to the host and do not count.
+        config: the ``ElixirConfig`` ``prepare`` will get. ``default_placement="auto"`` resolves as
+            ``prepare`` resolves it (replicated where the whole model with its gradients and optimizer
+            states fits the budget, else sharded); ``"replicated"`` modules count whole on every rank
+            (world size > 1).
+        world_size: ranks of the default process group ``prepare`` will see. A parallelized model
+            uses its mesh's group sizes instead.
+        activation_bytes: bytes per rank the step's activations and autograd temporaries need on the
+            device, added to the floor when the budget covers them (``ElixirConfig.
+            budget_covers_activations``, the default; [Note: activations in the budget] in
+            ``hf_elixir/chunk/memory.py``). Take it from a searched plan's ``activation_peak_bytes``, a
+            profiled step (``hf_elixir.profiler.profile_step(model, batch).activation_peak_bytes``), or
+            ``memory_stats(model)["activation_peak_bytes"]`` of a step run at a roomy budget plus the
+            largest parameter's gradient bytes (the temporary autograd holds before it lands in its chunk). ``prepare`` keeps the same bytes out of the placement when its plan
+            carries them as ``ElixirPlan(activation_peak_bytes=...)``, so this floor is then exact too.
+            ``0`` (the default): the model-data floor, which a step can only run at when its activations
+            fit in what placement leaves spare.
+
+    Returns:
+        bytes per rank (int).
+
+    Raises:
+        ValueError: as ``prepare`` for bad placements or tensor/expert-parallel sizes; a negative
+            ``activation_bytes``.
+        TypeError: ``activation_bytes`` is not an int.
+    """
+    config = config or ElixirConfig()
+    if isinstance(activation_bytes, bool) or not isinstance(activation_bytes, int):
+        raise TypeError(f"min_device_budget_bytes(activation_bytes={activation_bytes!r}) must be an int of bytes")
+    if activation_bytes < 0:
+        raise ValueError(f"min_device_budget_bytes(activation_bytes={activation_bytes}) must be >= 0")
+    if activation_bytes and not config.budget_covers_activations:
+        logger.warning("min_device_budget_bytes: activation_bytes=%d ignored: ElixirConfig.budget_covers_activations="
+                       "False makes the budget bound model data only", activation_bytes)
+        activation_bytes = 0
+    return _model_data_floor_bytes(model, optimizer, config, world_size) + activation_bytes
+
+
+def _model_data_floor_bytes(model, optimizer, config: ElixirConfig, world_size: int) -> int:
+    """:func:`min_device_budget_bytes` without the activations' room (``prepare`` places model data, and
+    ``default_placement="auto"`` compares a replicated copy, in the budget less that room)."""
+    pstate = get_parallel_state(model)
+    if pstate is not None:
+        world_size = pstate.mesh.world_size
+    if config.default_placement != "auto":
+        return _placed_floor_bytes(model, optimizer, config, world_size)
+    # "auto" as prepare resolves it: replicated from the budget a replicated copy fits, else sharded
+    sharded = _placed_floor_bytes(model, optimizer, dataclasses.replace(config, default_placement="sharded"),
+                                  world_size)
+    if world_size == 1 or pstate is not None:
+        return sharded
+    numels = [p.numel() for p in unique_params(model) if p.is_floating_point()]
+    replicate_from = replicated_bytes(numels, config, optimizer, element_bytes(config.precision))
+    if sharded < replicate_from:
+        return sharded
+    replicated = dataclasses.replace(config, default_placement="replicated")
+    return max(replicate_from, _placed_floor_bytes(model, optimizer, replicated, world_size))
+
+
+def raise_if_replicating_needs_less(model, optimizer, config: ElixirConfig, world_size: int,
+                                     err: ValueError, activation_bytes: int = 0) -> None:
+    """``default_placement="auto"`` chose sharded because a replicated copy did not fit, and the sharded
+    floor does not fit either: when a budget that replicates is the smaller minimum, name that one."""
+    need = min_device_budget_bytes(model, optimizer, config, world_size, activation_bytes=activation_bytes)
+    if f"needs {need} bytes" not in str(err):
+        raise budget_error(need, config.device_memory_budget_bytes,
+                           "a replicated copy of the model (default_placement='auto' replicates where the whole model"
+                           + (", its gradients and optimizer states" if optimizer is not None else "")
+                           + " fits; less than the sharded working set)") from err
+
+
+def _placed_floor_bytes(model, optimizer, config: ElixirConfig, world_size: int) -> int:
+    """:func:`min_device_budget_bytes` for a concrete ``default_placement``."""
+    placements = placements_for_plan(model, config)
+    names = unique_params(model)
+    params = [p for p in names if p.is_floating_point()]
+    numels = [p.numel() for p in params]
+    esize = element_bytes(config.precision)
+    gsize = 4 if config.reduce_dtype == "fp32" else esize
+    # prepare will get a budget (this one): its default chunk size is the budgeted one, whatever the config says
+    chunk_size = chunk_size_for(config, None, numels, placements, world_size, esize, 1)
+    group_of, size_of = planned_chunk_groups(model, world_size)
+    specs, chunk_of = chunk_specs(params, names, placements, group_of, size_of, chunk_size, esize, gsize)
+    return device_floor_bytes(specs, unit_chunks(model, chunk_of), config, optimizer)
+
+
+def place_within_budget(model: torch.nn.Module, manager, plan: ElixirPlan | None, config: ElixirConfig,
+                        auto_config: ElixirConfig, optimizer, world_size: int, activation_bytes: int) -> list[str]:
+    """Place ``manager``'s chunks (``placement/_device_placement.py: place_chunks``) in the budget less
+    ``activation_bytes``, and return the reasons. ``auto_config`` is the config before ``default_placement="auto"``
+    was resolved: when that chose sharded and even the sharded floor does not fit, the error names the smaller
+    budget that replicates, if there is one (:func:`raise_if_replicating_needs_less`).
+
+    Raises:
+        ValueError: the budget is below the floor (naming the bytes needed), or a plan's placement does not fit.
+    """
+    try:
+        mark_subtree_chunks(model, manager)  # MoE-expert chunks need rank-local host copies (placement reads it)
+        return place_chunks(manager.chunks, unit_chunks(model, manager.chunk_of), plan, config, optimizer,
+                            world_size, activation_bytes)
+    except ValueError as err:
+        if plan is None and auto_config is not config and config.default_placement == "sharded":
+            raise_if_replicating_needs_less(model, optimizer, auto_config, world_size, err, activation_bytes)
+        raise
