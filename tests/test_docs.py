@@ -26,8 +26,9 @@ The convention (also in docs/contributing.md):
   ``skip="REASON"``             not run (only for what needs a GPU or the hub); pytest reports the reason.
 
 Running one case alone (``-k``) first runs the page's earlier blocks it may depend on. The module also checks
-that no page carries an unknown or misplaced marker, that every relative link of README.md and docs/ points to
-an existing file, and that README's test command is the one ``.ci/run`` runs.
+that no page carries an unknown or misplaced marker, that every relative link of README.md, docs/ and
+benchmarks/RESULTS.md points to an existing file, and that README's test command is the one ``.ci/run`` runs.
+(benchmarks/RESULTS.md's commands are run by tests/test_benchmarks.py and tests/test_benchmarks_gpu.py.)
 """
 
 from __future__ import annotations
@@ -269,7 +270,7 @@ def test_command_text_drops_and_appends() -> None:
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\((?P<target>[^)\s]+)\)|!\[[^\]]*\]\((?P<image>[^)\s]+)\)")
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+@pytest.mark.parametrize("page", [*PAGES, ROOT / "benchmarks" / "RESULTS.md"], ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_relative_links_point_to_existing_files(page: Path) -> None:
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # links inside code are not links
     broken = []
