@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shlex
 import subprocess
 import sys
@@ -149,9 +150,10 @@ def command_text(block: Block) -> str:
     if "drop" in block.marker:
         kept = []
         for line in lines:
+            indent = line[:len(line) - len(line.lstrip())]
             parts = [p for p in re.split(r"\s*&&\s*", line.strip()) if not p.startswith(block.marker["drop"])]
-            if parts or not line.strip():
-                kept.append(" && ".join(parts) if line.strip() else line)
+            if not line.strip() or parts:
+                kept.append(indent + " && ".join(parts) if line.strip() else line)
         lines = kept
     if "args" in block.marker:
         last = max(i for i, ln in enumerate(lines) if ln.strip() and not ln.lstrip().startswith("#"))
@@ -184,7 +186,14 @@ def run_block(block: Block, procs: int, scratch: Path) -> subprocess.CompletedPr
         script.write_text(command_text(block))
         cmd = ["bash", "-euo", "pipefail", script.name]
     timeout_s = int(block.marker.get("timeout", DEFAULT_TIMEOUT_S))
-    return subprocess.run(cmd, cwd=scratch, env=_env(), capture_output=True, text=True, timeout=timeout_s)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run(cmd, cwd=scratch, env=_env(), capture_output=True, text=True, timeout=timeout_s)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    # CPU seconds of the block's processes: on quiet cores a one-process block's wall time is about this, so it is
+    # what to keep small (the doc test's budget, docs/contributing.md); `pytest -s` shows it
+    print(f"doc-test {block.case_id(procs)}: {cpu_s:.1f} CPU s")
+    return proc
 
 
 class _PageState:
