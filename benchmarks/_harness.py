@@ -332,6 +332,8 @@ def _measure(rank: int, spec: RunSpec) -> dict[str, Any]:
         torch.cuda.set_device(rank)
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 params, TF32 matmuls: same for every peer
         torch.backends.cudnn.allow_tf32 = True
+    if spec.options.get("fail"):
+        raise RuntimeError(f"--fail-peers {spec.peer}: failing on purpose (checks the benchmark's exit status)")
     peer = PEERS[spec.peer]
     peer.init_distributed(spec)
     baseline_rss = psutil.Process().memory_info().rss

@@ -2,8 +2,8 @@
 
 Usage (from the repository root; ``benchmarks/gpu.sh`` wraps it with the right environment)::
 
-    PYTHONPATH=$PWD python benchmarks/gpu.py --out "$OUT"      # on a machine with one CUDA GPU
-    PYTHONPATH=$PWD python benchmarks/gpu.py --dry-run          # anywhere: the CPU part of every section
+    python benchmarks/gpu.py --out "$OUT"      # on a machine with one CUDA GPU
+    python benchmarks/gpu.py --dry-run          # anywhere: the CPU part of every section
 
 Sections, each in its own subprocess with its own time cap (a crash, an OOM or a hang in one loses only
 that one), in this order:

@@ -381,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--systems: unknown {unknown} (choose from {SYSTEMS}); --world-sizes must be >= 1")
     start = time.perf_counter()
     results: dict = {}
+    failed: list[str] = []
     with tempfile.TemporaryDirectory() as work:
         folder = Path(work) / "gpt2"
         num_params = _write_checkpoint(folder, MODEL)
@@ -399,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
                 errors = [r["error"] for r in records if "error" in r]
                 if errors:
                     print(f"{system} ws{ws}: FAILED\n{errors[0]}", flush=True)
+                    failed.append(f"{system} ws{ws}: {errors[0]}")
                     continue
                 results[(system, ws)] = records
                 peak = [r["peak_growth_bytes"] / MIB for r in records]
@@ -421,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntook {time.perf_counter() - start:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({f"{s}_ws{w}": rs for (s, w), rs in results.items()}, indent=1))
+    if failed:  # a row that failed must not read as a result: exit 1 with the first error
+        print(f"host_memory.py: {len(failed)} row(s) FAILED; first: {failed[0]}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

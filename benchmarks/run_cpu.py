@@ -2,18 +2,21 @@
 
 Run from the repository root (about 10-15 minutes on 2 cores)::
 
-    PYTHONPATH=$PWD python benchmarks/run_cpu.py
+    python benchmarks/run_cpu.py --out-dir bench_out
 
-``--quick`` uses a microscopic model and 1 step per peer (what ``tests/test_benchmarks.py`` runs).
+``--quick`` uses a microscopic model and 1 step per peer (what ``tests/test_benchmarks.py`` runs, as above).
 ``--model gpt2-124m`` / ``--model opt-350m`` run the real Hugging Face shapes (GPT-2 small: 12 layers,
 d 768, 12 heads, vocab 50257, 1024 positions; OPT-350m: 24 layers, d 1024, 16 heads, ffn 4096, 512-wide
 embeddings projected to 1024, post-LN, vocab 50272, 2048 positions; configs built offline) at 2 ranks,
 batch 2 x 256 per rank, for DDP, FSDP2 with and without CPUOffload, DeepSpeed ZeRO-3 offload and
 hf_elixir all-resident / 50% budget searched / minimum budget (hours on 2 busy cores: run it on a quiet
 machine). ``--model tiny`` (the default) is the 5M-parameter GPT-2 of the full suite.
-Writes ``RESULTS.md`` (markdown tables, headline ratios against the project's targets), ``results.png``
-and ``results.json`` into ``--out-dir`` (default: ``benchmarks/``). Every peer runs in its own spawned
-process group (see ``benchmarks/_harness.py``); the per-rank logs go to ``--work-dir``.
+Writes ``report.md`` (markdown tables, headline ratios against the project's targets), ``results.png``
+and ``results.json`` (the raw records) into ``--out-dir`` (default: ``benchmarks/out/``, not tracked); it never
+rewrites ``benchmarks/RESULTS.md``, the curated results page, whose tables are copied from a report by hand.
+Every peer runs in its own spawned process group (see ``benchmarks/_harness.py``); the per-rank logs go to
+``--work-dir``. Exit status: 0 when every row ran, 1 when a row failed (the first error is printed).
+``--fail-peers`` makes the named peers raise in every rank, to check that exit status.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class SuiteConfig:
     shared_process: bool = False  # quick mode: one process group per world size for all peers
     profile: bool = True  # one extra untimed, profiled step for plain / hf_elixir at 1 rank
     run_moe: bool = True  # benchmarks/moe.py: Switch-Transformers vs a dense model of equal size
+    fail_peers: tuple[str, ...] = ()  # made to raise in every rank (--fail-peers: checks the exit status)
     rounds: int = 2  # the peers behind the headline ratios run this many times, interleaved ([Note: interleaved rounds])
 
     @classmethod
@@ -126,6 +130,8 @@ def run_suite(cfg: SuiteConfig, work_dir: Path) -> dict[str, Any]:
                 skipped[name] = reason
                 continue
             options = _elixir_options(name, cfg)
+            if name in cfg.fail_peers:
+                options["fail"] = True
             if cfg.profile and world_size == 1 and name in ("plain", "elixir_resident", "elixir_budget", "elixir_search"):
                 options["cpu_profile"] = True
             specs.append(RunSpec(peer=name, world_size=world_size, model=cfg.model, warmup_steps=cfg.warmup_steps,
@@ -488,7 +494,7 @@ def _verdict(what: str, ratio: float, target: float, lower_is_better: bool, alt:
 
 def write_report(out_dir: Path, cfg: SuiteConfig, suite: dict[str, Any], command: str, elapsed_s: float,
                  notes: list[str] | None = None) -> Path:
-    """Write RESULTS.md, results.png and results.json into ``out_dir``; return the RESULTS.md path."""
+    """Write report.md, results.png and results.json into ``out_dir``; return the report.md path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     runs: list[RunResult] = suite["runs"]
     t_rows, facts = traffic_rows(runs)
@@ -550,7 +556,7 @@ def write_report(out_dir: Path, cfg: SuiteConfig, suite: dict[str, Any], command
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     lines += [f"![results]({chart.name})", ""]
-    path = out_dir / "RESULTS.md"
+    path = out_dir / "report.md"
     path.write_text("\n".join(lines))
     dump = {"runs": [result_to_dict(r) for r in runs], "skipped": skipped, "largest": largest,
             "command": command}
@@ -640,7 +646,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="microscopic model, 1 step per peer (for tests)")
     parser.add_argument("--model", default="tiny", choices=tuple(PRESETS),
                         help="model preset (ignored with --quick); gpt2-124m / opt-350m: the issue-14 rows at 2 ranks")
-    parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parent), help="where RESULTS.md goes")
+    parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "out"),
+                        help="where report.md, results.json and results.png go (default: benchmarks/out/)")
     parser.add_argument("--work-dir", default=None, help="per-rank logs and records (default: a temp dir)")
     parser.add_argument("--peers", default=None, help="comma-separated PEERS keys (default: the preset's)")
     parser.add_argument("--world-sizes", default=None, help="comma-separated (default: the preset's)")
@@ -650,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="times the headline peers run, interleaved (default: the preset's; 1 = once)")
     parser.add_argument("--no-largest", action="store_true", help="skip the largest-model search")
     parser.add_argument("--largest-max-layers", type=int, default=None)
+    parser.add_argument("--fail-peers", default=None,
+                        help="comma-separated PEERS keys made to raise in every rank (checks the exit status)")
     args = parser.parse_args(argv)
     cfg = SuiteConfig.quick() if args.quick else SuiteConfig.preset(args.model)
     if args.peers is not None:
@@ -657,6 +666,11 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"--peers: unknown {unknown}; choose from {list(PEERS)}")
         cfg.peers = tuple(args.peers.split(","))
+    if args.fail_peers is not None:
+        unknown = [p for p in args.fail_peers.split(",") if p not in PEERS]
+        if unknown:
+            parser.error(f"--fail-peers: unknown {unknown}; choose from {list(PEERS)}")
+        cfg.fail_peers = tuple(args.fail_peers.split(","))
     if args.world_sizes is not None:
         cfg.world_sizes = tuple(int(w) for w in args.world_sizes.split(","))
     cfg.steps = args.steps if args.steps is not None else cfg.steps
@@ -672,10 +686,20 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"logs in {work_dir}")
     start = time.perf_counter()
     suite = run_suite(cfg, work_dir)
-    command = "PYTHONPATH=$PWD python benchmarks/run_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/run_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
     path = write_report(Path(args.out_dir), cfg, suite, command.strip(), time.perf_counter() - start)
     _log(f"wrote {path}")
-    return 0
+    return _exit_status(suite["runs"])
+
+
+def _exit_status(runs: list[RunResult]) -> int:
+    """0 when every row ran; else 1, with the number of failed rows and the first error on stderr."""
+    failed = [r for r in runs if not r.ok]
+    if not failed:
+        return 0
+    print(f"run_cpu.py: {len(failed)} of {len(runs)} rows FAILED; first ({failed[0].spec.key()}):\n"
+          f"{failed[0].error}", file=sys.stderr, flush=True)
+    return 1
 
 
 if __name__ == "__main__":

@@ -1,15 +1,20 @@
-"""End-to-end smoke test of the benchmark harness (benchmarks/run_cpu.py --quick).
+"""End-to-end smoke test of the benchmark harness: ``python benchmarks/run_cpu.py --quick``, run as
+benchmarks/RESULTS.md gives it (a script from the repository root, not ``python -m``).
 
 One training step of every peer that can run here (microscopic GPT-2), at 1 and 2 ranks, the
 largest-model search on a tiny budget, and the report. Checks the report's structure and that every
-peer that ran trained the same model on the same data (identical first loss on rank 0).
+peer that ran trained the same model on the same data (identical first loss on rank 0); and that a run
+whose rows all fail exits non-zero with the first error.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,9 +48,29 @@ def _expected_peers() -> set[tuple[str, int]]:
     return expected
 
 
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_PAGE = ROOT / "benchmarks" / "RESULTS.md"
+
+
+def _documented(command: str) -> list[str]:
+    """``command`` as benchmarks/RESULTS.md gives it (checked), as an argv run from the repository root."""
+    assert command in RESULTS_PAGE.read_text(), f"benchmarks/RESULTS.md no longer documents `{command}`"
+    argv = command.split()
+    assert argv[0] == "python"
+    return [sys.executable, *argv[1:]]
+
+
+def _run(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop("PYTHONPATH", None)  # as a user runs it: the script finds the checkout by itself
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
 def test_quick_suite_end_to_end(tmp_path: Path) -> None:
-    assert run_cpu.main(["--quick", "--out-dir", str(tmp_path), "--work-dir", str(tmp_path / "work")]) == 0
-    text = (tmp_path / "RESULTS.md").read_text()
+    proc = _run(_documented("python benchmarks/run_cpu.py --quick") + ["--out-dir", str(tmp_path), "--work-dir",
+                                                                       str(tmp_path / "work")], timeout_s=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = (tmp_path / "report.md").read_text()
     assert (tmp_path / "results.png").stat().st_size > 1000
 
     main = _table(text, "peer")
@@ -81,6 +106,16 @@ def test_quick_suite_end_to_end(tmp_path: Path) -> None:
     dump = json.loads((tmp_path / "results.json").read_text())
     assert len(dump["runs"]) == len(rows)
     assert re.search(r"torch 2\.\d+", text)
+
+
+def test_a_run_whose_rows_all_fail_exits_non_zero_with_the_first_error(tmp_path: Path) -> None:
+    argv = _documented("python benchmarks/run_cpu.py --quick") + [
+        "--no-largest", "--world-sizes", "1", "--peers", "plain,elixir_resident", "--fail-peers",
+        "plain,elixir_resident", "--out-dir", str(tmp_path), "--work-dir", str(tmp_path / "work")]
+    proc = _run(argv, timeout_s=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 of 2 rows FAILED" in proc.stderr and "failing on purpose" in proc.stderr, proc.stderr[-3000:]
+    assert "FAILED" in (tmp_path / "report.md").read_text()
 
 
 def test_all_offload_bytes_by_construction() -> None:

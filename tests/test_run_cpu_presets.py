@@ -37,7 +37,7 @@ def _row(report: str, label: str) -> dict[str, str]:
 def test_two_rank_rows_report_collective_bytes_and_blocked_time(tmp_path: Path):
     assert run_cpu.main(["--quick", "--world-sizes", "2", "--peers", "ddp,elixir_search", "--no-largest",
                          "--out-dir", str(tmp_path), "--work-dir", str(tmp_path / "work")]) == 0
-    report = (tmp_path / "RESULTS.md").read_text()
+    report = (tmp_path / "report.md").read_text()
     row = _row(report, run_cpu.PEERS["elixir_search"].label)
     blocked = row["blocked in gathers/reduces per step (s)"]
     total, parts = blocked.split(" ", 1)
@@ -77,8 +77,8 @@ def test_headline_peers_run_in_interleaved_rounds_with_per_round_ratios(tmp_path
 
 def test_rounds_flag_overrides_the_preset(monkeypatch, tmp_path: Path):
     seen = {}
-    monkeypatch.setattr(run_cpu, "run_suite", lambda cfg, work_dir: seen.setdefault("cfg", cfg) and None)
-    monkeypatch.setattr(run_cpu, "write_report", lambda *a, **k: tmp_path / "RESULTS.md")
+    monkeypatch.setattr(run_cpu, "run_suite", lambda cfg, work_dir: {"runs": [], "cfg": seen.setdefault("cfg", cfg)})
+    monkeypatch.setattr(run_cpu, "write_report", lambda *a, **k: tmp_path / "report.md")
     assert run_cpu.main(["--model", "gpt2-124m", "--rounds", "5", "--out-dir", str(tmp_path)]) == 0
     assert seen["cfg"].rounds == 5
     with pytest.raises(SystemExit):
