@@ -494,7 +494,8 @@ def _apply_layout(model, optimizer, names, layout: _Layout, stream: StreamedInit
     manager, config, chunks = layout.manager, layout.config, layout.manager.chunks
     handles = install_hooks(model, manager)
     install_guards(model, manager)
-    materialize_chunks(manager, stream.fill_for if stream is not None else None)
+    fp32_masters = {} if optimizer is not None else None  # [Note: fp32 masters at prepare] in chunk/_build.py
+    materialize_chunks(manager, stream.fill_for if stream is not None else None, fp32_masters)
     plan = layout.plan or ElixirPlan(
         model_type=getattr(getattr(model, "config", None), "model_type", ""),
         num_params=sum(p.numel() for p in layout.params), world_size=layout.world_size, precision=config.precision,
@@ -510,7 +511,8 @@ def _apply_layout(model, optimizer, names, layout: _Layout, stream: StreamedInit
         plan = dataclasses.replace(plan, activation_policy=dict(layout.activation_policy))
     state = ElixirState(manager=manager, handles=handles, config=config, plan=plan)
     if optimizer is not None:
-        state.optimizer = ElixirOptimizer(optimizer, manager, config, refresh_cast=plan.refresh_cast)
+        state.optimizer = ElixirOptimizer(optimizer, manager, config, refresh_cast=plan.refresh_cast,
+                                          fp32_masters=fp32_masters)
     else:  # no optimizer step: each forward is a step ([Note: forward steps] in chunk/manager.py)
         manager.forward_steps = True
     install_state_dict_hooks(model, manager, on_loaded=(

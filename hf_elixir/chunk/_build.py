@@ -18,6 +18,7 @@ import torch.distributed as dist
 from hf_elixir.chunk.chunk import Chunk, ChunkBytes, ParamSlot
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.chunk.packing import ChunkLayout, pack_chunks
+from hf_elixir.chunk.strict import to_host
 
 __all__ = ["ChunkSpec", "GroupOf", "build_chunks", "chunk_specs", "comm_buckets", "materialize_chunks",
            "module_of"]
@@ -121,17 +122,45 @@ def _materialize_bytes(chunk: Chunk) -> int:
     return chunk.full_bytes + (chunk.shard_bytes if chunk.shard_on_device and not inside else 0)
 
 
-def materialize_chunks(manager: ChunkManager, fill_of=None) -> None:
+def _fp32_shard(chunk: Chunk) -> torch.Tensor | None:
+    """[Note: fp32 masters at prepare] This rank's part of ``chunk`` in fp32, read from its parameters before
+    :meth:`Chunk.materialize` casts them to the compute dtype: a host copy of ``[shard_numel]`` elements (the
+    whole chunk where it is not sharded), rank 0's values (the broadcast ``materialize`` does). ``None`` where
+    the cast loses nothing (an fp32 chunk, or parameters already in the compute dtype) or nothing trains. The
+    optimizer starts its fp32 masters from it, as PyTorch AMP steps the fp32 parameters it was given: a model
+    saved with fp32 masters ([Note: fp32 exports] in runtime/_exports.py) and prepared again continues from the
+    same masters, not from their bf16 rounding. Costs one fp32 chunk on the device while it is read."""
+    if not chunk.trainable or chunk.dtype == torch.float32 or \
+            not any(s.param.dtype == torch.float32 for s in chunk.slots):
+        return None
+    full = torch.zeros(chunk.chunk_numel, dtype=torch.float32, device=chunk.compute_device)
+    with torch.no_grad():
+        for slot in chunk.slots:
+            full[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+    group = chunk.group if chunk.world_size > 1 else chunk.replicate_group
+    if group is not None:
+        dist.broadcast(full, src=dist.get_global_rank(group, 0), group=group)
+    return to_host(full[chunk.shard_begin:chunk.shard_begin + chunk.shard_numel])
+
+
+def materialize_chunks(manager: ChunkManager, fill_of=None, fp32_masters: dict | None = None) -> None:
     """Copy every parameter into its chunk (placed as the chunks' flags say), reshard the chunks that
     are not resident, and hide the resharded parameters' stale values.
 
     Args:
         fill_of: streamed init: ``fill_of(chunk)`` gives the chunk's ``fill`` callable (see
             :meth:`~hf_elixir.chunk.chunk.Chunk.materialize`); ``None`` copies the parameters' data.
+        fp32_masters: a dict to fill with ``{chunk id: this rank's fp32 part}`` of the chunks whose cast to the
+            compute dtype rounds their parameters ([Note: fp32 masters at prepare]); ``None``: not kept (no
+            optimizer, so no masters).
     """
     host_shards = [(c.shard_numel, c.dtype) for c in manager.chunks if not c.shard_on_device]
     manager.host.reserve_for(host_shards)  # one host block for every host shard ([Note: host blocks])
     for chunk in manager.chunks:
+        if fp32_masters is not None and fill_of is None:
+            fp32 = _fp32_shard(chunk)
+            if fp32 is not None:
+                fp32_masters[chunk.chunk_id] = fp32
         manager.make_room(_materialize_bytes(chunk), f"materialising chunk {chunk.chunk_id}")
         chunk.materialize(fill_of(chunk) if fill_of is not None else None)
         if not chunk.resident and not chunk.full_alias:
