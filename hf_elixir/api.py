@@ -50,6 +50,7 @@ from hf_elixir.optim._check import check_optimizer
 from hf_elixir.optim.optimizer import ElixirOptimizer
 from hf_elixir.parallel import get_parallel_state, placements_for_plan
 from hf_elixir.parallel._groups import chunk_group_of, job_group_of, planned_chunk_groups
+from hf_elixir.parallel._launch import check_launch_world_size
 from hf_elixir.placement._agree import agree_min, agree_object, agreement_group_size
 from hf_elixir.placement._device_placement import (default_host_budget_bytes, device_floor_bytes, place_chunks,
                                                    replicated_bytes, resolve_default_placement)
@@ -353,6 +354,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         TypeError: an unsupported optimizer.
     """
     config = config or ElixirConfig()
+    check_launch_world_size()  # [Note: silent single-process runs] in parallel/_launch.py
     _check_arguments(model, optimizer, config)
     _check_streamed_init(model, config, checkpoint)
     if checkpoint is not None:
