@@ -1,10 +1,12 @@
 """Model ``state_dict`` / ``load_state_dict`` with full (consolidated) tensors under chunk sharding.
 
 ``model.state_dict()`` returns full parameter tensors (collective under torch.distributed: every rank
-calls it, chunks are unsharded one module at a time, in module order, which is the same on every rank);
+calls it, chunks are unsharded one module at a time, in module order, which is the same on every rank), under
+bf16/fp16 the optimizer's fp32 masters unless ``ElixirConfig.export_dtype="compute"`` ([Note: fp32 exports] in
+_exports.py);
 ``model.load_state_dict(sd)`` unshards each module's chunks before PyTorch copies into the parameters,
 marks them dirty, and writes every dirty chunk back into its shard at the end (then refreshes the fp32
-masters), so ``save_pretrained`` / ``from_pretrained``-style round trips work on a prepared model.
+masters, from the fp32 values given where there are: [Note: fp32 loads] in _exports.py), so ``save_pretrained`` / ``from_pretrained``-style round trips work on a prepared model.
 """
 
 from __future__ import annotations
