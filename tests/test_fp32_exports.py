@@ -164,8 +164,8 @@ def test_accelerate_get_state_dict_unwrap_save_and_trainer_save_model_write_fp32
     args = transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), max_steps=2, bf16=True,
                                           use_cpu=True, per_device_train_batch_size=2, report_to=[],
                                           save_strategy="no", logging_steps=1, learning_rate=5e-3)
-    trainer = transformers.Trainer(model=tiny_model("gpt2"), args=args, train_dataset=data,
-                                   callbacks=[hf_elixir.ElixirCallback(config=hf_elixir.ElixirConfig(**LAYOUTS["sharded"]))])
+    callback = hf_elixir.ElixirCallback(config=hf_elixir.ElixirConfig(**LAYOUTS["sharded"]))
+    trainer = transformers.Trainer(model=tiny_model("gpt2"), args=args, train_dataset=data, callbacks=[callback])
     trainer.train()
     trainer.save_model(str(tmp_path / "trainer"))
     elixir_opt = trainer.optimizer.optimizer

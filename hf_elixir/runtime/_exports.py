@@ -169,7 +169,8 @@ def load_fp32_masters(manager, optimizer, loaded: dict) -> None:
     for param, value in loaded.items():
         chunk = manager.chunk_of[param]
         master = optimizer.masters.get(chunk.chunk_id)
-        if master is None or master.dtype != torch.float32 or master is (chunk.full if chunk.full_alias else chunk.shard):
+        compute = chunk.full if chunk.full_alias else chunk.shard
+        if master is None or master.dtype != torch.float32 or master is compute:
             continue  # frozen, or the compute copy is the master (fp32): the load wrote it already
         slot = manager.slot_of[param]
         begin = chunk.shard_begin if master.numel() == chunk.shard_numel else 0
