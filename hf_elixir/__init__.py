@@ -17,6 +17,7 @@ from typing import Any as _Any
 from hf_elixir.api import get_state, memory_stats, min_device_budget_bytes, prepare, reset_memory_stats
 from hf_elixir.chunk.memory import DeviceBudgetExceededError
 from hf_elixir.config import ElixirConfig, LossScalePolicy
+from hf_elixir.optim.gradients import full_gradients, get_full_grad
 from hf_elixir.optim.optimizer import SUPPORTED_OPTIMIZERS, ElixirOptimizer
 from hf_elixir.checkpoint import load_checkpoint, save_checkpoint
 from hf_elixir.plan import ElixirPlan
@@ -27,7 +28,9 @@ from hf_elixir.search import search_plan
 __all__ = [
     "ElixirCallback",
     "ElixirPlugin",
+    "full_gradients",
     "full_parameters",
+    "get_full_grad",
     "load_checkpoint",
     "save_checkpoint",
     "DeviceBudgetExceededError",

@@ -50,6 +50,7 @@ from hf_elixir.placement._device_placement import resolve_default_placement
 from hf_elixir.placement._layout import Layout, activation_reserve_bytes, prefetch_reasons, recorded_plan
 from hf_elixir.placement._plan_check import check_plan, check_plan_placements
 from hf_elixir.profiler import _device
+from hf_elixir.parallel._launch import check_launch_world_size
 from hf_elixir.profiler._hardware import register_prepare
 from hf_elixir.runtime._checks import check_arguments, check_streamed_init
 from hf_elixir.runtime._checks import check_precision_supported as _check_precision_supported
@@ -117,6 +118,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         TypeError: an unsupported optimizer.
     """
     config = config or ElixirConfig()
+    check_launch_world_size()  # [Note: silent single-process runs] in parallel/_launch.py
     check_arguments(model, optimizer, config)  # 1
     check_streamed_init(model, config, checkpoint, is_parallel=get_parallel_state(model) is not None)
     if checkpoint is not None:
@@ -191,11 +193,13 @@ def _apply_layout(model, optimizer, names, layout: Layout, stream: StreamedInit 
     manager, config = layout.manager, layout.config
     handles = install_hooks(model, manager)  # 7
     install_guards(model, manager)
-    materialize_chunks(manager, stream.fill_for if stream is not None else None)  # 8
+    fp32_masters = {} if optimizer is not None else None  # [Note: fp32 masters at prepare] in chunk/_build.py
+    materialize_chunks(manager, stream.fill_for if stream is not None else None, fp32_masters)  # 8
     plan = recorded_plan(model, names, layout)  # 9
     state = ElixirState(manager=manager, handles=handles, config=config, plan=plan)
     if optimizer is not None:
-        state.optimizer = ElixirOptimizer(optimizer, manager, config, refresh_cast=plan.refresh_cast)
+        state.optimizer = ElixirOptimizer(optimizer, manager, config, refresh_cast=plan.refresh_cast,
+                                          fp32_masters=fp32_masters)
     else:  # no optimizer step: each forward is a step ([Note: forward steps] in chunk/manager.py)
         manager.forward_steps = True
     install_state_dict_hooks(model, manager, on_loaded=(

@@ -15,9 +15,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["ElixirConfig", "LossScalePolicy", "PRECISIONS"]
+__all__ = ["ElixirConfig", "EXPORT_DTYPES", "LossScalePolicy", "PRECISIONS"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+EXPORT_DTYPES = ("fp32", "compute")
 _SEARCH_MODES = ("off", "auto")
 _PLACEMENT_NAMES = ("sharded", "replicated", "column", "row", "expert")
 _DEFAULT_PLACEMENTS = ("auto", "sharded", "replicated")
@@ -124,6 +125,14 @@ class ElixirConfig:
         precision (`str`, defaults to `"fp32"`):
             Compute precision: `"fp32"`, `"bf16"` or `"fp16"`. Low precisions keep fp32 master
             weights in the optimizer state; `"fp16"` adds dynamic loss scaling (`loss_scale`).
+        export_dtype (`str`, defaults to `"fp32"`):
+            What `model.state_dict()`, `save_pretrained`, the Trainer's `save_model` and
+            `accelerator.get_state_dict` write under `precision="bf16"`/`"fp16"`: `"fp32"` writes the
+            optimizer's fp32 master weights (every other managed parameter, e.g. a frozen one, upcast exactly),
+            as PyTorch AMP, the Trainer's `bf16=True` and FSDP2's mixed precision do; `"compute"` writes the
+            compute copy (`bf16`/`fp16`, half the bytes, master values rounded). A model prepared without an
+            optimizer has no masters and writes its compute dtype either way. `config.json`'s `dtype` names
+            what was written (docs/exports-and-gradients.md).
         device_memory_budget_bytes (`int` or `str`, *optional*):
             Bytes (or a size such as `"40GiB"`, `"512MB"`) of device memory hf_elixir may use on each rank:
             model data (parameter shards, gathered chunks, gradient buffers, device optimizer states) and,
@@ -216,6 +225,7 @@ class ElixirConfig:
     """
 
     precision: str = "fp32"
+    export_dtype: str = "fp32"
     device_memory_budget_bytes: int | None = None
     budget_covers_activations: bool = True
     host_memory_budget_bytes: int | None = None
@@ -240,6 +250,11 @@ class ElixirConfig:
                 f"ElixirConfig.precision={self.precision!r} is not supported; use one of {PRECISIONS}."
                 f"{_closest(str(self.precision).lower().replace('float', 'fp'), list(PRECISIONS))}"
             )
+        if not isinstance(self.export_dtype, str) or self.export_dtype not in EXPORT_DTYPES:
+            raise ValueError(
+                f"ElixirConfig.export_dtype={self.export_dtype!r} is not supported; use 'fp32' (the optimizer's fp32 "
+                "master weights, the default) or 'compute' (the compute dtype the precision field sets)."
+                f"{_closest(str(self.export_dtype).lower(), list(EXPORT_DTYPES))}")
         if isinstance(self.device_memory_budget_bytes, str):  # "40GiB" (YAML, env, CLI-style)
             try:
                 object.__setattr__(self, "device_memory_budget_bytes", parse_bytes(self.device_memory_budget_bytes))

@@ -22,6 +22,8 @@ CONFIG_CASES = [
     # (field, bad value, exception, message fragment)
     ("precision", "fp8", ValueError, "precision='fp8' is not supported; use one of"),
     ("precision", 16, ValueError, "precision=16"),
+    ("export_dtype", "bf16", ValueError, "export_dtype='bf16' is not supported; use 'fp32'"),
+    ("export_dtype", "FP32", ValueError, "export_dtype='FP32' is not supported.*Did you mean 'fp32'"),
     ("device_memory_budget_bytes", 1.5e9, TypeError, "device_memory_budget_bytes=1500000000.0 has type float"),
     ("device_memory_budget_bytes", True, TypeError, "device_memory_budget_bytes=True is a bool"),
     ("device_memory_budget_bytes", 0, ValueError, "device_memory_budget_bytes=0 must be > 0"),

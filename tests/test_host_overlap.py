@@ -50,9 +50,11 @@ def _elixir(rank: int, world_size: int, accum: int, overlap: bool | None, placem
             inf_param: str | None = None, **config):
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(two_groups(model), lr=5e-3, amsgrad=amsgrad)
+    # export_dtype="compute": state_dict is the compute copy, which a skipped step leaves bitwise unchanged; the
+    # masters (rolled back to ~1 ulp by the inverse update) are compared by masters_drift
     model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(
         chunk_size_numel=CHUNK, offload_optimizer=True, overlap_host_optimizer=overlap,
-        default_placement=placement, precision=precision, **config))
+        default_placement=placement, precision=precision, export_dtype="compute", **config))
     sched = _schedule(opt)
     in_backward = []
     if opt._lane is not None:

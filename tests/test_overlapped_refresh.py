@@ -68,8 +68,8 @@ def test_parity_with_plain_pytorch_host_optimizer(world_size, precision):
 
 def test_refresh_is_waited_at_first_use_and_state_dict_drains_it():
     """Right after ``step()`` the uploads are pending: the device copy still holds the old values (the copy is
-    in flight), the parameters are stale placeholders; ``state_dict`` waits and returns the new values (the
-    masters cast to bf16); a forward waits chunk by chunk."""
+    in flight), the parameters are stale placeholders; ``state_dict`` waits (the compute copy is then the
+    masters cast to bf16) and returns the new values (the fp32 masters); a forward waits chunk by chunk."""
     model, opt = _prepare("bf16")
     uploaded = _uploaded(model)
     model(**batch("gpt2", 0, ROWS)).loss.backward()
@@ -85,8 +85,9 @@ def test_refresh_is_waited_at_first_use_and_state_dict_drains_it():
     for chunk in uploaded:
         expected = opt.masters[chunk.chunk_id].to(torch.bfloat16)
         assert torch.equal(chunk.full, expected) and not torch.equal(chunk.full, before[chunk.chunk_id])
+        master = opt.masters[chunk.chunk_id]  # what state_dict writes by default ([Note: fp32 exports])
         for slot in chunk.slots:
-            assert torch.equal(state[slot.name], expected[slot.offset:slot.offset + slot.numel].view(slot.shape))
+            assert torch.equal(state[slot.name], master[slot.offset:slot.offset + slot.numel].view(slot.shape))
     opt.zero_grad()
     model(**batch("gpt2", 1, ROWS)).loss.backward()
     opt.step()

@@ -20,6 +20,7 @@ from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.chunk.packing import ChunkLayout, pack_chunks
 from hf_elixir.config import ElixirConfig
 from hf_elixir.plan import ElixirPlan
+from hf_elixir.chunk.strict import host_copies, register_host, to_host
 
 __all__ = ["ChunkSpec", "GroupOf", "build_chunks", "chunk_specs", "comm_buckets", "materialize_chunks",
            "module_of", "new_manager", "ordered_params", "unique_params", "COMPUTE_DTYPES", "element_bytes"]
@@ -126,19 +127,70 @@ def _materialize_bytes(chunk: Chunk) -> int:
     return chunk.full_bytes + (chunk.shard_bytes if chunk.shard_on_device and not inside else 0)
 
 
-def materialize_chunks(manager: ChunkManager, fill_of=None) -> None:
+def _fp32_shard(chunk: Chunk, fill=None) -> torch.Tensor | None:
+    """[Note: fp32 masters at prepare] This rank's part of ``chunk`` in fp32, read from its parameters before
+    :meth:`Chunk.materialize` casts them to the compute dtype: a host copy of ``[shard_numel]`` elements (the
+    whole chunk where it is not sharded), rank 0's values (the broadcast ``materialize`` does). ``None`` where
+    the cast loses nothing (an fp32 chunk, or parameters already in the compute dtype) or nothing trains. The
+    optimizer starts its fp32 masters from it, as PyTorch AMP steps the fp32 parameters it was given: a model
+    saved with fp32 masters ([Note: fp32 exports] in runtime/_exports.py) and prepared again continues from the
+    same masters, not from their bf16 rounding. Costs one fp32 chunk on the device while it is read. Streamed
+    init (``fill``, [Note: streamed init] in _stream_load.py): this rank's elements read from the checkpoint once
+    more, in fp32 (the file's values where it holds fp32), no collective."""
+    if not chunk.trainable or chunk.dtype == torch.float32 or \
+            not any(s.param.dtype == torch.float32 for s in chunk.slots):
+        return None
+    if fill is not None:
+        shard = torch.zeros(chunk.shard_numel, dtype=torch.float32)
+        fill(chunk.shard_begin, chunk.shard_begin + chunk.shard_numel, shard)
+        return register_host(shard)
+    full = torch.zeros(chunk.chunk_numel, dtype=torch.float32, device=chunk.compute_device)
+    with torch.no_grad():
+        for slot in chunk.slots:
+            full[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+    group = chunk.group if chunk.world_size > 1 else chunk.replicate_group
+    if group is not None:
+        dist.broadcast(full, src=dist.get_global_rank(group, 0), group=group)
+    return to_host(full[chunk.shard_begin:chunk.shard_begin + chunk.shard_numel])
+
+
+def _fill_from(chunk: Chunk, fp32: torch.Tensor, fill):
+    """``fill`` that serves this rank's range of ``chunk`` from ``fp32`` (cast as ``Tensor.copy_`` casts, as
+    ``fill`` itself would) and any other range from ``fill``."""
+    own = (chunk.shard_begin, chunk.shard_begin + chunk.shard_numel)
+
+    def fill_own(begin: int, end: int, out: torch.Tensor) -> None:
+        if (begin, end) != own:
+            fill(begin, end, out)
+            return
+        with host_copies():
+            out.copy_(fp32)
+
+    return fill_own
+
+
+def materialize_chunks(manager: ChunkManager, fill_of=None, fp32_masters: dict | None = None) -> None:
     """Copy every parameter into its chunk (placed as the chunks' flags say), reshard the chunks that
     are not resident, and hide the resharded parameters' stale values.
 
     Args:
         fill_of: streamed init: ``fill_of(chunk)`` gives the chunk's ``fill`` callable (see
             :meth:`~hf_elixir.chunk.chunk.Chunk.materialize`); ``None`` copies the parameters' data.
+        fp32_masters: a dict to fill with ``{chunk id: this rank's fp32 part}`` of the chunks whose cast to the
+            compute dtype rounds their parameters ([Note: fp32 masters at prepare]); ``None``: not kept (no
+            optimizer, so no masters).
     """
     host_shards = [(c.shard_numel, c.dtype) for c in manager.chunks if not c.shard_on_device]
     manager.host.reserve_for(host_shards)  # one host block for every host shard ([Note: host blocks])
     for chunk in manager.chunks:
+        fill = fill_of(chunk) if fill_of is not None else None
+        fp32 = _fp32_shard(chunk, fill) if fp32_masters is not None else None
+        if fp32 is not None:
+            fp32_masters[chunk.chunk_id] = fp32
+            if fill is not None:  # the compute copy from the fp32 values read: the file is read once
+                fill = _fill_from(chunk, fp32, fill)
         manager.make_room(_materialize_bytes(chunk), f"materialising chunk {chunk.chunk_id}")
-        chunk.materialize(fill_of(chunk) if fill_of is not None else None)
+        chunk.materialize(fill)
         if not chunk.resident and not chunk.full_alias:
             chunk.reshard()
     manager.hide_stale()  # resharded parameters raise on any read until their first use

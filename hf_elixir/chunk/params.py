@@ -30,7 +30,10 @@ class makes the usual ways of touching gradients either work or raise :class:`Un
 ``p.grad = None`` (and ``del p.grad``) clears that parameter's chunk gradient, as in PyTorch (the
 manager's ``clear_param_grad``); assigning a tensor raises; ``torch.nn.utils.clip_grad_norm_`` /
 ``clip_grad_value_`` reading ``p.grad`` while the chunks hold gradients not yet stepped or cleared raises
-(other readers, such as the Trainer's DTensor check, get ``None`` as before); and a global optimizer
+and so does a read of a trainable parameter's ``p.grad`` by user code (a file outside installed libraries and
+hf_elixir: a ``p.grad`` norm or logging loop) in that window, naming ``hf_elixir.full_gradients`` /
+``get_full_grad`` (optim/gradients.py), which give the gradient; library readers (the Trainer's DTensor check,
+``Module.zero_grad``, accelerate's test scripts) get ``None`` as before; and a global optimizer
 step pre-hook refuses any optimizer other than hf_elixir's that holds managed parameters (it would
 update nothing). ``model.zero_grad()`` is routed by runtime/guards.py.
 """
@@ -38,6 +41,7 @@ update nothing). ``model.zero_grad()`` is routed by runtime/guards.py.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 
 import torch
@@ -122,6 +126,17 @@ _MANAGED: dict[type, type] = {}
 _STALE: dict[type, type] = {}
 
 
+_LIBRARY_DIRS = ("site-packages", "dist-packages")
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # hf_elixir/
+
+
+def _read_by_user_code() -> bool:
+    """Is the code reading ``p.grad`` (two frames up) a user's own, not an installed library's or hf_elixir's?"""
+    path = sys._getframe(2).f_code.co_filename
+    return not (any(part in path for part in _LIBRARY_DIRS) or path.startswith(_PACKAGE_DIR)
+                or path.startswith("<frozen"))
+
+
 def _read_by_clipping() -> bool:
     """Is the code reading ``p.grad`` (two frames up) PyTorch's gradient clipping?"""
     frame = sys._getframe(2)
@@ -142,6 +157,14 @@ class _ManagedMixin:
                     f"torch.nn.utils clipping reads p.grad of {self._hf_elixir_name!r}, which is None under "
                     f"hf_elixir: {GRAD_FIX} To clip, call optimizer.clip_grad_norm(max_norm) on the optimizer "
                     "hf_elixir.prepare returned (or accelerator.clip_grad_norm_ with ElixirPlugin / ElixirCallback)")
+            if owner is not None and owner.grads_pending and self.requires_grad and _read_by_user_code():
+                # [Note: gradients in chunks] a user's p.grad loop (norms, logging) would see no gradient: say where
+                raise UnconsumedGradientError(
+                    f"p.grad of {self._hf_elixir_name!r} is None under hf_elixir although backward computed its "
+                    f"gradient: {GRAD_FIX} To read gradients between backward and optimizer.step(), use `with "
+                    "hf_elixir.full_gradients(model) as grads:` (grads[name]: the full fp32 gradient) or "
+                    "hf_elixir.get_full_grad(param, model) on every rank; the norm is what optimizer.clip_grad_norm "
+                    "(accelerator.clip_grad_norm_) returns")
         return value
 
     @grad.setter

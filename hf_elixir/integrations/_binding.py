@@ -54,6 +54,7 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 
 from hf_elixir._logging import info_on_main_rank, is_main_rank
+from hf_elixir.parallel._launch import check_launch_world_size
 from hf_elixir.runtime._state import is_prepared
 
 __all__ = ["ElixirAcceleratedOptimizer", "binding_of", "config_summary", "elixir_prepare",
@@ -484,6 +485,7 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
         raise TypeError("ElixirPlugin.prepare got a DDP-wrapped model; pass the plain model, not accelerator.prepare's result")
     if isinstance(optimizer, AcceleratedOptimizer):
         optimizer = optimizer.optimizer
+    check_launch_world_size(accelerator.num_processes, "ElixirPlugin.prepare / ElixirCallback")
     binding = binding_of(accelerator)
     info_on_main_rank(logger, "%s", config_summary(config, source))
     _warn_compile_not_applied(accelerator)

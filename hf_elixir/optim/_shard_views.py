@@ -78,16 +78,17 @@ class ShardStateMixin:
             grad_shard = manager.host_zeros(chunk.shard_numel, torch.float32)
         manager.grad_shards[chunk.chunk_id] = grad_shard
         shard_view = chunk.shard if not chunk.full_alias else chunk.full
+        source = self._fp32_init.pop(chunk.chunk_id, shard_view)  # fp32 values from before the cast
         if chunk.dtype == torch.float32 and chunk.optim_on_device == chunk.shard_on_device:
             master = shard_view  # fp32 compute copy is the master (no duplicate)
         else:
             if chunk.optim_on_device:
                 manager.pool.charge(nbytes, f"fp32 master shard of chunk {chunk.chunk_id}")
-                master = strict.register_device(shard_view.detach().to(location, torch.float32).clone())
+                master = strict.register_device(strict.to_device(source.detach().float(), location).clone())
             else:
                 master = manager.host_empty(chunk.shard_numel, torch.float32)
                 with strict.host_copies():
-                    master.copy_(shard_view)
+                    master.copy_(source)
                 if chunk.shard_on_device:
                     manager.counters.d2h_bytes += chunk.shard_bytes
         self.masters[chunk.chunk_id] = master

@@ -73,7 +73,7 @@ class ElixirOptimizer(ShardStateMixin, InnerStepMixin, RefreshMixin, ClipMixin, 
     _force_fused = False
 
     def __init__(self, optimizer: torch.optim.Optimizer, manager: ChunkManager, config: ElixirConfig,
-                 refresh_cast: str = "host") -> None:
+                 refresh_cast: str = "host", fp32_masters: dict | None = None) -> None:
         if refresh_cast not in REFRESH_CASTS:
             raise ValueError(f"ElixirPlan.refresh_cast={refresh_cast!r} must be one of {REFRESH_CASTS}")
         self.refresh_cast = refresh_cast
@@ -111,6 +111,7 @@ class ElixirOptimizer(ShardStateMixin, InnerStepMixin, RefreshMixin, ClipMixin, 
         self.param_groups = optimizer.param_groups  # shared dicts: schedulers on either object work
         self._groups_frozen = True
         self.masters: dict[int, torch.Tensor] = {}
+        self._fp32_init = fp32_masters or {}  # [Note: fp32 masters at prepare] in chunk/_build.py
         self.views: list = []  # _ShardView, [Note: shard views]
         self._full_group_params_user = [list(g["params"]) for g in self.param_groups]
         self._build_shard_state()

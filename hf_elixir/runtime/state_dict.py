@@ -1,10 +1,12 @@
 """Model ``state_dict`` / ``load_state_dict`` with full (consolidated) tensors under chunk sharding.
 
 ``model.state_dict()`` returns full parameter tensors (collective under torch.distributed: every rank
-calls it, chunks are unsharded one module at a time, in module order, which is the same on every rank);
+calls it, chunks are unsharded one module at a time, in module order, which is the same on every rank), under
+bf16/fp16 the optimizer's fp32 masters unless ``ElixirConfig.export_dtype="compute"`` ([Note: fp32 exports] in
+_exports.py);
 ``model.load_state_dict(sd)`` unshards each module's chunks before PyTorch copies into the parameters,
 marks them dirty, and writes every dirty chunk back into its shard at the end (then refreshes the fp32
-masters), so ``save_pretrained`` / ``from_pretrained``-style round trips work on a prepared model.
+masters, from the fp32 values given where there are: [Note: fp32 loads] in _exports.py), so ``save_pretrained`` / ``from_pretrained``-style round trips work on a prepared model.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.chunk.strict import host_copies, to_host
+from hf_elixir.runtime._exports import MasterExport, install_config_dtype, load_fp32_masters
 from hf_elixir.runtime._state import get_state
 
 __all__ = ["full_parameters", "install_state_dict_hooks"]
@@ -44,11 +47,16 @@ def _ensure_all_full(manager: ChunkManager, chunks) -> None:
 def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_loaded) -> list:
     """Register save/load hooks on every module that owns managed parameters.
 
+    Saves write the fp32 masters or the compute copy as ``ElixirConfig.export_dtype`` says ([Note: fp32
+    exports] in _exports.py); loads keep the fp32 values they are given as the masters ([Note: fp32 loads]).
+
     Args:
         on_loaded: called with no arguments after a ``load_state_dict`` wrote parameters (the
             optimizer refreshes its fp32 masters there).
     """
-    removables = []
+    export = MasterExport(model, manager)
+    removables = [model.register_state_dict_pre_hook(lambda *args: export.begin())]
+    loaded: dict[torch.nn.Parameter, torch.Tensor] = {}  # fp32 values a load_state_dict gives ([Note: fp32 loads])
 
     for module in model.modules():
         own = {name: p for name, p in module._parameters.items() if p is not None and p in manager.slot_of}
@@ -66,10 +74,13 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
                 if key not in destination:
                     continue
                 _ensure_full(manager, manager.chunk_of[param])
-                destination[key] = to_host(param.detach())  # host memory, as on CUDA
+                destination[key] = export.value(param)  # host memory, as on CUDA
 
         def load_pre_hook(state_dict, prefix, local_metadata, strict, missing, unexpected, errors, _own=own):
             chunks = {manager.chunk_of[p] for name, p in _own.items() if prefix + name in state_dict}
+            loaded.update({p: state_dict[prefix + name] for name, p in _own.items() if prefix + name in state_dict
+                           and torch.is_tensor(state_dict[prefix + name])
+                           and state_dict[prefix + name].dtype == torch.float32})
             _ensure_all_full(manager, sorted(chunks, key=lambda c: c.chunk_id))  # Module copies into them next
             for chunk in chunks:
                 chunk.dirty = True
@@ -93,6 +104,10 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
                     destination[key] = destination[keys[0]]
 
         removables.append(model._register_state_dict_hook(share_tied_hook))
+    removables.append(model._register_state_dict_hook(lambda *args: export.end()))  # after every module's
+    config_dtype = install_config_dtype(model, export)
+    if config_dtype is not None:
+        removables.append(config_dtype)
 
     # PyTorch copies the (host) state-dict tensors into the unsharded chunks between the root's
     # load pre-hook and its post-hook: a manager copy path ([Note: strict device])
@@ -114,6 +129,10 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
                 else:
                     chunk.dirty = False
         on_loaded()
+        state = get_state(model)
+        if loaded and state.optimizer is not None:
+            load_fp32_masters(manager, state.optimizer, loaded)
+        loaded.clear()
 
     removables.append(model.register_load_state_dict_post_hook(load_post_hook))
     return removables

@@ -1,0 +1,154 @@
+"""Reading full gradients of a prepared model between ``backward`` and ``step``.
+
+[Note: readable gradients] Under hf_elixir ``p.grad`` stays ``None``: backward adds each gradient into its chunk's
+buffer and reduce-scatters it, so each rank holds the fp32 gradient shard of every chunk (``manager.grad_shards``;
+on the host where the optimizer state is offloaded). :func:`full_gradients` and :func:`get_full_grad` give the
+full gradient of a parameter as plain PyTorch's ``p.grad`` would hold it after ``loss.backward()`` of the same
+(global, data-parallel mean) loss:
+
+* all-gathered over the chunk's group (a collective: every rank calls, in the same order, as for
+  ``full_parameters``), host shards going through the device as NCCL needs;
+* in fp32, shaped like the parameter, a new host tensor (a copy: writing it changes nothing);
+* fp16: divided by the loss scale, unless the optimizer has unscaled it already (``clip_grad_norm``, or the host
+  lane during backward);
+* after ``clip_grad_norm``: clipped. The factor a clip owes to gradients on the host until the step pays it
+  ([Note: owed clip factor] in optimizer.py) is applied here, so every gradient reads as clipped.
+
+Parameters that got no gradient in this step (an MoE expert no token reached; PyTorch leaves ``p.grad`` None) are
+left out of the mapping, and ``get_full_grad`` returns ``None`` for them. Tensor/expert-parallel models
+(:func:`hf_elixir.parallel.parallelize`): the gradient of this rank's local parameter, in the parallelized model's
+names and shapes (this rank's tensor-parallel shard, this rank's experts), consolidated over the data-parallel
+ranks only. Same role as DeepSpeed's ``safe_get_full_grad``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from hf_elixir._compat import all_gather_single
+from hf_elixir.chunk.strict import host_read, register_host, to_device, to_host
+from hf_elixir.runtime._state import get_state
+
+__all__ = ["full_gradients", "get_full_grad"]
+
+
+def _optimizer_of(model: torch.nn.Module):
+    state = get_state(model)
+    if state.optimizer is None:
+        raise ValueError("hf_elixir.full_gradients: this model was prepared without an optimizer "
+                         "(hf_elixir.prepare(model, None)), so it keeps no gradients; prepare it with the optimizer "
+                         "that trains it")
+    return state.manager, state.optimizer
+
+
+def _settle(manager, optimizer) -> torch.Tensor:
+    """Every gradient of this backward in its shard; returns the has-gradient flags (one host read)."""
+    manager.drain_reduces()
+    lane = getattr(optimizer, "_lane", None)
+    if lane is not None:
+        lane.join()  # the host lane's intake of offloaded gradients
+    return host_read(manager.has_grad_flags) if manager.has_grad_flags.numel() else torch.zeros(0)
+
+
+def _factors(optimizer, chunk_id: int, grad: torch.Tensor) -> float:
+    """What multiplies ``grad`` to read as PyTorch's gradient: 1 / loss scale where not unscaled yet (fp16), the
+    clip factor the step still owes to host gradients ([Note: owed clip factor] in optimizer.py)."""
+    factor = 1.0
+    lane = getattr(optimizer, "_lane", None)
+    if optimizer.scaler.enabled and not optimizer._unscaled \
+            and not (lane is not None and chunk_id in lane.speculations):
+        factor /= optimizer.scaler.scale
+    owed = optimizer._host_clip_coef
+    if owed is not None and optimizer._is_host(grad):
+        factor *= float(host_read(owed.reshape(1).float())[0])
+    return factor
+
+
+def _full_chunk_grad(manager, optimizer, chunk) -> torch.Tensor:
+    """The whole chunk's gradient (fp32 ``[chunk_numel]``, a host copy); a collective over ``chunk.group``."""
+    grad = manager.grad_shards[chunk.chunk_id]
+    if chunk.world_size == 1:
+        full = to_host(grad)
+    else:
+        full = torch.empty(chunk.chunk_numel, dtype=torch.float32, device=manager.compute_device)
+        all_gather_single(full, to_device(grad, manager.compute_device), group=chunk.group)
+        full = to_host(full)
+    factor = _factors(optimizer, chunk.chunk_id, grad)
+    if factor != 1.0:
+        full.mul_(factor)
+    return full
+
+
+def _slot_grad(full: torch.Tensor, slot) -> torch.Tensor:
+    return register_host(full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone())
+
+
+@contextlib.contextmanager
+def full_gradients(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """Full fp32 gradients of every trainable parameter, between ``backward`` and ``optimizer.step()``.
+
+    ``with hf_elixir.full_gradients(model) as grads:`` gives ``{name: gradient}`` for every parameter of
+    ``model.named_parameters()`` that hf_elixir manages and that got a gradient since the last ``zero_grad``:
+    ``gradient`` is a new fp32 host tensor shaped like the parameter, equal to what plain PyTorch's ``p.grad``
+    holds after the same ``backward`` (loss scale removed, clipping applied; [Note: readable gradients]).
+    Collective under torch.distributed (every rank enters, in the same order); gathers one chunk at a time.
+
+    Args:
+        model: a model prepared by :func:`hf_elixir.prepare` with an optimizer.
+
+    Yields:
+        ``dict[str, torch.Tensor]``: parameter name -> full gradient (fp32, the parameter's shape, CPU).
+
+    Raises:
+        ValueError: the model was not prepared, or was prepared without an optimizer.
+    """
+    manager, optimizer = _optimizer_of(model)
+    flags = _settle(manager, optimizer)
+    names = {}
+    for name, param in model.named_parameters():
+        slot = manager.slot_of.get(param)
+        if slot is not None and slot.trainable and float(flags[slot.flag_index]) > 0:
+            names.setdefault(param, name)
+    grads: dict[str, torch.Tensor] = {}
+    for chunk in manager.chunks:  # chunk order: the same on every rank of each chunk's group
+        if not chunk.trainable:
+            continue
+        wanted = [slot for slot in chunk.slots if slot.param in names]
+        if not wanted:
+            continue
+        full = _full_chunk_grad(manager, optimizer, chunk)
+        for slot in wanted:
+            grads[names[slot.param]] = _slot_grad(full, slot)
+    yield {name: grads[name] for name in names.values() if name in grads}  # named_parameters order
+
+
+def get_full_grad(param: torch.nn.Parameter, model: torch.nn.Module) -> torch.Tensor | None:
+    """The full fp32 gradient of one parameter of a prepared model, between ``backward`` and ``step``.
+
+    As :func:`full_gradients` for one parameter (DeepSpeed's ``safe_get_full_grad(param)``). Collective over the
+    ranks the parameter's chunk is sharded over (every rank calls it for the same parameter); it all-gathers the
+    whole chunk, so for many parameters one :func:`full_gradients` costs less.
+
+    Args:
+        param: a parameter of ``model``.
+        model: the prepared model that holds it.
+
+    Returns:
+        fp32 host tensor shaped like ``param``; ``None`` when it got no gradient since the last ``zero_grad``
+        (as PyTorch's ``p.grad``), or is frozen.
+
+    Raises:
+        ValueError: ``model`` was not prepared with an optimizer, or ``param`` is not one hf_elixir manages in it.
+    """
+    manager, optimizer = _optimizer_of(model)
+    slot = manager.slot_of.get(param)
+    if slot is None:
+        raise ValueError(f"hf_elixir.get_full_grad: the parameter of shape {tuple(param.shape)} is not managed by "
+                         "this prepared model; pass a parameter of model.parameters()")
+    flags = _settle(manager, optimizer)
+    if not slot.trainable or float(flags[slot.flag_index]) <= 0:
+        return None
+    return _slot_grad(_full_chunk_grad(manager, optimizer, manager.chunk_of[param]), slot)
