@@ -58,6 +58,7 @@ from hf_elixir.plan import ElixirPlan
 from hf_elixir.profiler._hardware import register_prepare
 from hf_elixir.runtime._rollback import ModelSnapshot
 from hf_elixir.runtime.activations import apply_activation_policy, resolve_activation_policy, transformer_blocks
+from hf_elixir.runtime.compile import apply_compile, compiled_units, mark_compiled_blocks
 from hf_elixir.runtime._state import (ElixirState, attach_state, check_unclaimed, claim_parameters, get_state,
                                       is_prepared, memory_stats, reset_memory_stats)
 from hf_elixir.runtime.guards import install_guards
@@ -364,6 +365,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         check_optimizer(optimizer, {p: names[p] for p in params})
     snapshot = ModelSnapshot(model)  # the profiled step of search="auto" runs the model too
     try:
+        mark_compiled_blocks(model, config.compile)  # compiled blocks are hook units ([Note: compiled blocks])
         layout = _lay_out(model, optimizer, config, sample_batch, names, params)
         stream = (StreamedInit(model, checkpoint, {p: names[p] for p in params}, layout.manager.compute_device)
                   if checkpoint else None)
@@ -515,6 +517,7 @@ def _apply_layout(model, optimizer, names, layout: _Layout, stream: StreamedInit
         manager.forward_steps = True
     install_state_dict_hooks(model, manager, on_loaded=(
         state.optimizer.sync_masters_from_params if state.optimizer is not None else (lambda: None)))
+    state.compiled = apply_compile(model, config.compile, handles)  # before the activation policy wraps forwards
     if layout.activation_policy:
         removables = apply_activation_policy(model, layout.activation_policy, manager)
         if handles:  # removed with the other hooks
@@ -627,6 +630,7 @@ def _placed_floor_bytes(model, optimizer, config: ElixirConfig, world_size: int)
     chunk_size = _chunk_size(config, None, numels, placements, world_size, esize, 1)
     group_of, size_of = planned_chunk_groups(model, world_size)
     specs, chunk_of = chunk_specs(params, names, placements, group_of, size_of, chunk_size, esize, gsize)
-    return device_floor_bytes(specs, _unit_chunks(model, chunk_of), config, optimizer)
+    with compiled_units(model, config.compile):  # a compiled block is one unit ([Note: compiled blocks])
+        return device_floor_bytes(specs, _unit_chunks(model, chunk_of), config, optimizer)
 
 register_prepare(prepare, memory_stats, min_device_budget_bytes)
