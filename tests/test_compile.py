@@ -133,9 +133,3 @@ def test_moe_blocks_stay_eager_with_a_warning_naming_why(caplog):
     assert warned and all("routes tokens to some experts only" in w for w in warned), warned
     stats = hf_elixir.memory_stats(model)
     assert 0 < stats["num_compiled_blocks"] < len(hf_elixir.runtime.activations.transformer_blocks(model))
-
-
-@pytest.mark.parametrize("value,error", [(3, TypeError), ({"backend": "eager", "bogus": 1}, ValueError)])
-def test_a_bad_compile_setting_names_the_field(value, error):
-    with pytest.raises(error, match="ElixirConfig.compile"):
-        ElixirConfig(compile=value)
