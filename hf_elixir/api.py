@@ -55,6 +55,7 @@ from hf_elixir.profiler._hardware import register_prepare
 from hf_elixir.runtime._checks import check_arguments, check_streamed_init
 from hf_elixir.runtime._checks import check_precision_supported as _check_precision_supported
 from hf_elixir.runtime._rollback import ModelSnapshot
+from hf_elixir.runtime.compile import apply_compile, mark_compiled_blocks
 from hf_elixir.runtime._state import (ElixirState, attach_state, check_unclaimed, claim_parameters, get_state,
                                       memory_stats, reset_memory_stats)
 from hf_elixir.runtime.activations import install_activation_policy, model_activation_policy
@@ -130,6 +131,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         check_optimizer(optimizer, {p: names[p] for p in params})
     snapshot = ModelSnapshot(model)  # the profiled step of search="auto" runs the model too
     try:
+        mark_compiled_blocks(model, config.compile)  # compiled blocks are hook units ([Note: compiled blocks])
         layout = _lay_out(model, optimizer, config, sample_batch, names, params)
         stream = (StreamedInit(model, checkpoint, {p: names[p] for p in params}, layout.manager.compute_device)
                   if checkpoint else None)
@@ -204,6 +206,7 @@ def _apply_layout(model, optimizer, names, layout: Layout, stream: StreamedInit 
         manager.forward_steps = True
     install_state_dict_hooks(model, manager, on_loaded=(
         state.optimizer.sync_masters_from_params if state.optimizer is not None else (lambda: None)))
+    state.compiled = apply_compile(model, config.compile, handles)  # before the activation policy wraps forwards
     install_activation_policy(model, layout.activation_policy, plan.activation_checkpointing, manager, handles)
     attach_state(model, state)
     claim_parameters(layout.params, model)

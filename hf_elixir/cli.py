@@ -10,6 +10,9 @@ under ``torch.no_grad()`` is profiled and priced, with no backward, gradient buf
 ``hf-elixir profile --output step.png`` runs a real step of a small model on this machine, searches a plan
 for the given budget and draws the predicted device-memory curve with chunk onloads, and the measured
 vs predicted step time.
+
+``hf-elixir launch [accelerate launch args] train.py [script args]`` runs an unchanged Accelerate or
+``Trainer`` script under hf_elixir (``hf_elixir/integrations/launch.py``; docs/launch.md).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def _human_s(seconds: float | None) -> str:
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-elixir", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("launch", add_help=False, help="run an unchanged Accelerate/Trainer script under hf_elixir: "
+                   "hf-elixir launch [accelerate launch args] train.py [script args]")
     plan = sub.add_parser("plan", help="search a plan offline for a model config (meta device)")
     plan.add_argument("--model", required=True, help="built-in name (gpt2-xl, facebook/opt-30b, "
                       "switch-base-8, ...), a local model directory or a config.json")
@@ -459,6 +464,15 @@ def _check_positions(config, seq_len: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hf-elixir`` console script; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # accelerate's arguments pass through untouched: hf_elixir/integrations/launch.py
+        from hf_elixir.integrations.launch import launch_main  # noqa: PLC0415
+
+        try:
+            return launch_main(argv[1:])
+        except (ValueError, TypeError, FileNotFoundError) as exc:
+            print(f"hf-elixir launch: error: {exc}", file=sys.stderr)
+            return 2
     parser = _build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)

@@ -24,6 +24,21 @@ _PLACEMENT_NAMES = ("sharded", "replicated", "column", "row", "expert")
 _DEFAULT_PLACEMENTS = ("auto", "sharded", "replicated")
 
 
+_COMPILE_KEYS = ("backend", "mode", "fullgraph", "dynamic", "options")
+
+
+def _check_compile(setting: Any) -> None:
+    """``ElixirConfig.compile``: False/None, True, a ``torch.compile`` backend name or a dict of its arguments."""
+    if setting is None or isinstance(setting, (bool, str)):
+        return
+    if not isinstance(setting, Mapping):
+        raise TypeError(f"ElixirConfig.compile={setting!r} must be False, True, a torch.compile backend name "
+                        "('inductor', 'aot_eager', 'eager') or a dict of torch.compile arguments")
+    unknown = sorted(set(setting) - set(_COMPILE_KEYS))
+    if unknown:
+        raise ValueError(f"ElixirConfig.compile has unknown torch.compile arguments {unknown}; use {_COMPILE_KEYS}")
+
+
 def _check_type(name: str, value: Any, types: tuple[type, ...], fix: str) -> None:
     if isinstance(value, bool) and bool not in types:
         raise TypeError(f"ElixirConfig.{name}={value!r} is a bool; {fix}")
@@ -213,6 +228,12 @@ class ElixirConfig:
             raises at `prepare`.
         loss_scale (`LossScalePolicy`): dynamic loss-scale settings (fp16 only).
         process_group: data-parallel `torch.distributed` group; `None` = the default world group.
+        compile (`bool`, `str` or `dict`, defaults to `False`): `torch.compile` each transformer block (the
+            outermost children of the model's `nn.ModuleList`s), with the unshard/reshard hooks outside the
+            compiled code: `True` for `torch.compile`'s defaults (inductor), a backend name (`"aot_eager"`,
+            `"eager"`, `"inductor"`), or a dict of `torch.compile` arguments (`backend`, `mode`, `fullgraph`,
+            `dynamic`, `options`). `TrainingArguments(torch_compile=True)` and accelerate's `dynamo_backend` set
+            it through the integrations. See [Note: compiled blocks] in `hf_elixir/runtime/compile.py`.
 
     Raises:
         TypeError / ValueError: naming the field, the bad value and the fix.
@@ -243,6 +264,7 @@ class ElixirConfig:
     activation_policy: str | Mapping[str, str] | None = None
     loss_scale: LossScalePolicy = field(default_factory=LossScalePolicy)
     process_group: Any = None
+    compile: bool | str | Mapping[str, Any] = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
@@ -325,6 +347,7 @@ class ElixirConfig:
                 f"{_closest(str(self.default_placement), list(_DEFAULT_PLACEMENTS))}"
             )
         self._check_activation_policy()
+        _check_compile(self.compile)
         for name in ("tensor_parallel_size", "expert_parallel_size"):
             value = getattr(self, name)
             _check_type(name, value, (int,), "give a whole number >= 1")

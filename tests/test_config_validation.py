@@ -61,6 +61,8 @@ CONFIG_CASES = [
      "activation_policy\\['transformer.h.\\*'\\]='ofload' is not a policy.*Did you mean 'offload'"),
     ("activation_policy", ["keep"], TypeError, "activation_policy=\\['keep'\\] has type list"),
     ("activation_policy", {0: "keep"}, TypeError, "activation_policy key 0 must be a block-name glob"),
+    ("compile", 3, TypeError, "compile=3 must be False, True, a torch.compile backend name"),
+    ("compile", {"backend": "eager", "bogus": 1}, ValueError, "compile has unknown torch.compile arguments \\['bogus'\\]"),
 ]
 
 

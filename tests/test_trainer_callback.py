@@ -184,35 +184,41 @@ def test_trainer_and_plugin_log_the_same_settings_line(tmp_path, caplog):
     assert plugin_lines == [f"hf_elixir: ElixirConfig from ElixirPlugin(config=...): {settings}"], plugin_lines
 
 
-def test_torch_compile_is_named_as_not_applied_to_an_elixir_model(tmp_path, caplog):
-    """``TrainingArguments(torch_compile=True)`` (accelerate's dynamo plugin) compiles the model in
-    ``Accelerator.prepare_model``, which an Elixir model skips (registered as already prepared), and compiling one
-    fails in dynamo on its stale parameter placeholders. Before, the run went on uncompiled without a word; now a
-    warning says so ([Note: no torch.compile] in ``hf_elixir/integrations/_binding.py``) and training runs."""
-    import logging
-
+def test_torch_compile_compiles_the_elixir_models_blocks_and_matches_the_eager_trainer(tmp_path):
+    """``TrainingArguments(torch_compile=True)`` (accelerate's dynamo plugin) becomes ``ElixirConfig.compile``: each
+    GPT-2 block's forward is compiled, with Elixir's hooks outside ([Note: torch.compile through the
+    integrations] in ``hf_elixir/integrations/_compile.py``). Before, it only warned and ran uncompiled. The
+    losses equal the eager Trainer's (backend ``eager``: dynamo's capture without a code generator)."""
     import torch
     from accelerate.state import AcceleratorState
     from transformers import Trainer, TrainingArguments
 
+    import hf_elixir
     from hf_elixir.integrations import ElixirCallback
     from tests._models import VOCAB, tiny_model
 
-    caplog.set_level(logging.WARNING, logger="hf_elixir")
-    data = [{"input_ids": t, "labels": t} for t in torch.randint(0, VOCAB, (4, 12))]
-    AcceleratorState._reset_state()  # the dynamo plugin is process-wide state, set by the first Accelerator only
-    try:
-        args = TrainingArguments(str(tmp_path), max_steps=1, per_device_train_batch_size=2, use_cpu=True, report_to=[],
-                                 save_strategy="no", disable_tqdm=True, torch_compile=True,
-                                 torch_compile_backend="eager")
-        trainer = Trainer(tiny_model("gpt2"), args, train_dataset=data, callbacks=[ElixirCallback()])
-        trainer.train()
-    finally:
-        AcceleratorState._reset_state()
-    warned = [r.getMessage() for r in caplog.records if "torch.compile" in r.getMessage()]
-    assert len(warned) == 1 and "'eager'" in warned[0] and "uncompiled" in warned[0], warned
-    assert trainer.model_wrapped is trainer.model  # not an OptimizedModule
-    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)
+    torch.manual_seed(0)
+    data = [{"input_ids": t, "labels": t} for t in torch.randint(0, VOCAB, (6, 12))]
+
+    def train(compiled: bool):
+        AcceleratorState._reset_state()  # the dynamo plugin is process-wide state, set by the first Accelerator only
+        try:
+            args = TrainingArguments(str(tmp_path), max_steps=3, per_device_train_batch_size=2, use_cpu=True,
+                                     report_to=[], save_strategy="no", disable_tqdm=True, logging_steps=1,
+                                     torch_compile=compiled, torch_compile_backend="eager" if compiled else None)
+            trainer = Trainer(tiny_model("gpt2"), args, train_dataset=data, callbacks=[ElixirCallback()])
+            trainer.train()
+        finally:
+            AcceleratorState._reset_state()
+        return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    trainer, losses = train(True)
+    stats = hf_elixir.memory_stats(trainer.model)
+    assert stats["num_compiled_blocks"] == 2 and stats["compile_graph_breaks"] == 0, stats
+    assert hf_elixir.get_state(trainer.model).config.compile == {"backend": "eager"}
+    assert trainer.model_wrapped is trainer.model  # not an OptimizedModule: the blocks are compiled inside
+    _, eager_losses = train(False)
+    assert len(losses) == 3 and losses == pytest.approx(eager_losses, rel=1e-5)
 
 
 def test_search_auto_profiles_the_trainers_first_training_batch(tmp_path):

@@ -53,8 +53,9 @@ from typing import Any, Iterable
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
 
-from hf_elixir._logging import info_on_main_rank, is_main_rank
+from hf_elixir._logging import info_on_main_rank
 from hf_elixir.parallel._launch import check_launch_world_size
+from hf_elixir.integrations._compile import compile_from_accelerator
 from hf_elixir.runtime._state import is_prepared
 
 __all__ = ["ElixirAcceleratedOptimizer", "binding_of", "config_summary", "elixir_prepare",
@@ -434,25 +435,6 @@ def config_summary(config, source: str) -> str:
     return f"hf_elixir: ElixirConfig from {source}: {', '.join(changed) or 'all defaults'}"
 
 
-def _warn_compile_not_applied(accelerator) -> None:
-    """Warn (main rank) that the accelerator's ``torch.compile`` setting is not applied to the Elixir model.
-
-    [Note: no torch.compile] ``TrainingArguments(torch_compile=True)`` and ``dynamo_backend`` in an accelerate
-    config reach ``Accelerator.prepare_model``, which compiles the model last; an Elixir model is registered
-    with accelerate as already prepared ([Note: why the accelerator instance is adjusted]), so that step never
-    runs, and the run went on uncompiled without a word. Compiling it would not work either: dynamo traces
-    through Elixir's module hooks and reads parameters between steps, where they are stale placeholders
-    (``torch.compile(model)`` of a prepared model fails with a ``StaleParameterError`` on its first call).
-    """
-    plugin = getattr(accelerator.state, "dynamo_plugin", None)
-    backend = getattr(getattr(plugin, "backend", None), "value", "NO")
-    if backend.upper() != "NO" and is_main_rank():
-        logger.warning("torch.compile (dynamo backend %r from TrainingArguments(torch_compile=True) or the accelerate "
-                       "config's dynamo_backend) is not applied to an hf_elixir model: it runs uncompiled (Elixir's "
-                       "hooks unshard and reshard parameters around each module, which dynamo cannot trace); turn "
-                       "torch_compile / dynamo_backend off to silence this", backend.lower())
-
-
 def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config, checkpoint=None,
                    source: str = "the caller", sample_batch=None):
     """Run :func:`hf_elixir.prepare` and register the result with ``accelerator`` without DDP.
@@ -487,8 +469,8 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
         optimizer = optimizer.optimizer
     check_launch_world_size(accelerator.num_processes, "ElixirPlugin.prepare / ElixirCallback")
     binding = binding_of(accelerator)
+    config = compile_from_accelerator(accelerator, config)  # [Note: torch.compile through the integrations]
     info_on_main_rank(logger, "%s", config_summary(config, source))
-    _warn_compile_not_applied(accelerator)
     if optimizer is None:  # a model only evaluated (a reference or teacher model): nothing to step or wrap
         if not is_prepared(model):
             model, _ = hf_elixir.prepare(model, None, config=config, checkpoint=checkpoint, sample_batch=sample_batch)

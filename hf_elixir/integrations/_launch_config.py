@@ -14,8 +14,8 @@ What accelerate does accept is free-form content *inside* its dict-valued sectio
 ``dynamo_config`` it copies each key to the launcher's argument namespace as ``dynamo_<key>`` and
 uses only the keys it knows (``dynamo_backend``, ``dynamo_mode``, ...). So the Elixir settings live
 in ``dynamo_config.elixir`` (:data:`ELIXIR_SECTION`), a place stock accelerate carries without
-complaint and without side effects (``dynamo_backend`` can sit next to it, but an Elixir model is not
-compiled: [Note: no torch.compile] in ``_binding.py``).
+complaint and without side effects (``dynamo_backend`` can sit next to it: an Elixir model is then
+compiled per block, [Note: torch.compile through the integrations] in ``_compile.py``).
 
 A launched process finds the file, in this order:
 

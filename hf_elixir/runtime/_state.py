@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.config import ElixirConfig
 from hf_elixir.plan import ElixirPlan
+from hf_elixir.runtime.compile import compile_stats
 from hf_elixir.runtime.hooks import ModuleHandle
 
 if TYPE_CHECKING:  # the optimizer layer sits above this one
@@ -44,6 +45,7 @@ class ElixirState:
     config: ElixirConfig
     plan: ElixirPlan
     optimizer: ElixirOptimizer | None = None
+    compiled: list = field(default_factory=list)  # runtime/compile.py's compiled block forwards
 
 #: id(parameter) -> (weak reference to it, the prepared model owning it): every parameter a prepared model
 #: packed into its chunks (a parameter two prepared models both packed would be stepped twice)
@@ -183,6 +185,7 @@ def memory_stats(model: torch.nn.Module) -> dict[str, int | float]:
     stats.update(manager.last_step)
     stats["device_budget_bytes"] = -1 if manager.pool.budget_bytes is None else manager.pool.budget_bytes
     stats["kept_grad_buffer_bytes"] = manager.kept_buffer_bytes
+    stats.update(compile_stats(state.compiled))  # num_compiled_blocks, compile_graph_breaks (when compiled)
     stats["num_chunks"] = len(manager.chunks)
     stats["chunk_size_numel"] = max((c.chunk_numel for c in manager.chunks), default=0)
     if state.optimizer is not None:

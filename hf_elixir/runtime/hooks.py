@@ -208,7 +208,9 @@ def _units(model: torch.nn.Module, managed: set[torch.nn.Parameter]):
         if id(module) in covered:
             continue
         subtree = isinstance(module, _SUBTREE_UNITS) or _is_routing_container(module)
-        if subtree:
+        # [Note: compiled units] a block compiled by ElixirConfig.compile (runtime/compile.py) is one dense unit:
+        # its hooks cover every parameter below it, and its submodules get none (they run inside compiled code)
+        if subtree or getattr(module, "_hf_elixir_compiled_unit", False):
             params = [p for p in module.parameters() if p in managed]
             covered.update(id(m) for m in module.modules())
         else:

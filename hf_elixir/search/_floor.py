@@ -18,6 +18,7 @@ from hf_elixir.parallel import get_parallel_state, placements_for_plan
 from hf_elixir.parallel._groups import planned_chunk_groups
 from hf_elixir.placement._device_placement import device_floor_bytes, place_chunks, replicated_bytes
 from hf_elixir.plan import ElixirPlan
+from hf_elixir.runtime.compile import compiled_units
 from hf_elixir.runtime.hooks import mark_subtree_chunks, unit_chunks
 from hf_elixir.search._chunk_size import chunk_size_for
 
@@ -121,7 +122,8 @@ def _placed_floor_bytes(model, optimizer, config: ElixirConfig, world_size: int)
     chunk_size = chunk_size_for(config, None, numels, placements, world_size, esize, 1)
     group_of, size_of = planned_chunk_groups(model, world_size)
     specs, chunk_of = chunk_specs(params, names, placements, group_of, size_of, chunk_size, esize, gsize)
-    return device_floor_bytes(specs, unit_chunks(model, chunk_of), config, optimizer)
+    with compiled_units(model, config.compile):  # a compiled block is one unit ([Note: compiled blocks])
+        return device_floor_bytes(specs, unit_chunks(model, chunk_of), config, optimizer)
 
 
 def place_within_budget(model: torch.nn.Module, manager, plan: ElixirPlan | None, config: ElixirConfig,

@@ -27,6 +27,11 @@ sharding or offload a parameter is not current between steps, so that read raise
 ``StaleParameterError`` by design ("Reading a parameter that is not current must fail loudly",
 DESIGN.md). With the flag the checks' own assertions run unchanged on the full values.
 
+``ELIXIR_SHIM_ROUTE=launch`` leaves ``Accelerator.prepare`` alone: the script runs under
+``hf-elixir launch ... -m tests.upstream.accelerate_shim <name>``, whose own routing
+(``hf_elixir/integrations/_route.py``) puts the models under hf_elixir with the launch YAML's settings; the shim
+then only applies :data:`EXCLUDED` and ``ELIXIR_SHIM_READ_FULL``.
+
 The shim prints ``ELIXIR_SHIM prepared <n>`` at exit: how many model/optimizer pairs went through
 hf_elixir, so a test can tell the routing happened.
 """
@@ -135,13 +140,34 @@ def _patched_prepare(original):
     return prepare
 
 
+def _prepared() -> list[torch.nn.Module]:
+    """The models put under hf_elixir so far: by the shim's own prepare, or by ``hf-elixir launch``'s routing."""
+    if os.environ.get("ELIXIR_SHIM_ROUTE") == "launch":
+        from hf_elixir.integrations._route import routed_models
+
+        return routed_models()
+    return _PREPARED
+
+
+def _closing_views(original):
+    """``Accelerator.prepare`` (routed by ``hf-elixir launch``) that first closes the views ``unwrap_model`` opened."""
+
+    @functools.wraps(original)
+    def prepare(self, *args, device_placement=None):
+        while _FULL_VIEWS:
+            _FULL_VIEWS.pop().__exit__(None, None, None)
+        return original(self, *args, device_placement=device_placement)
+
+    return prepare
+
+
 def _patched_unwrap_model(original):
     import hf_elixir
 
     @functools.wraps(original)
     def unwrap_model(self, model, *args, **kwargs):
         unwrapped = original(self, model, *args, **kwargs)
-        if any(unwrapped is m for m in _PREPARED):
+        if any(unwrapped is m for m in _prepared()):
             view = hf_elixir.full_parameters(unwrapped)  # collective: every rank unwraps in the same order
             view.__enter__()
             _FULL_VIEWS.append(view)
@@ -163,14 +189,17 @@ def run(script: str) -> None:
 
     if script not in EXCLUDED:
         raise ValueError(f"script={script!r} is not one of {sorted(EXCLUDED)}")
-    accelerate.Accelerator.prepare = _patched_prepare(accelerate.Accelerator.prepare)
+    if os.environ.get("ELIXIR_SHIM_ROUTE") != "launch":
+        accelerate.Accelerator.prepare = _patched_prepare(accelerate.Accelerator.prepare)
+    else:
+        accelerate.Accelerator.prepare = _closing_views(accelerate.Accelerator.prepare)
     if os.environ.get("ELIXIR_SHIM_READ_FULL") == "1":
         accelerate.Accelerator.unwrap_model = _patched_unwrap_model(accelerate.Accelerator.unwrap_model)
     module = importlib.import_module(f"accelerate.test_utils.scripts.{script}")
     for name, reason in EXCLUDED[script].items():
         assert callable(getattr(module, name, None)), f"{script}.{name} does not exist upstream any more"
         setattr(module, name, _skipper(name, reason))
-    atexit.register(lambda: print(f"ELIXIR_SHIM prepared {len(_PREPARED)}", flush=True))
+    atexit.register(lambda: print(f"ELIXIR_SHIM prepared {len(_prepared())}", flush=True))
     module.main()
 
 

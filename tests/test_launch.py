@@ -1,0 +1,140 @@
+"""``hf-elixir launch``: unchanged Accelerate and ``Trainer`` scripts train under hf_elixir.
+
+The scripts in ``tests/launch_scripts/`` have nothing of hf_elixir in them (``plugin_loop.py``, the reference,
+writes ``ElixirPlugin().prepare`` in). Each subprocess test launches CPU processes (``ACCELERATE_USE_CPU=1``;
+two processes need ``--multi_gpu --num_processes 2``, DESIGN.md) on a free port and checks that the model is
+never ``DistributedDataParallel`` and, for the plain loop, that the final loss equals the reference's exactly.
+accelerate's own test scripts run from the installed package through ``tests/upstream/accelerate_shim.py`` in
+its launch mode: only the routing of ``hf-elixir launch`` puts their models under hf_elixir, and the shim names
+the upstream checks that are replaced (``EXCLUDED``, each with its reason).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import accelerate
+import pytest
+import torch
+
+from hf_elixir.integrations import _route
+from hf_elixir.integrations.launch import BOOTSTRAP, accelerate_command
+from tests._dist import free_port
+from tests.upstream.accelerate_shim import EXCLUDED
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "launch_scripts"
+YAML = SCRIPTS / "elixir_test.yaml"
+
+
+def _launch(tmp_path: Path, num_processes: int, target: list[str], *, via: str = "hf-elixir",
+            extra_env: dict[str, str] | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELIXIR_")}
+    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="1", HF_HOME=str(tmp_path / "hf_home"), **(extra_env or {}))
+    launcher = [sys.executable, "-m", "hf_elixir.cli", "launch"] if via == "hf-elixir" else \
+        [sys.executable, "-m", "accelerate.commands.launch"]
+    procs = ["--multi_gpu", "--num_processes", "2"] if num_processes > 1 else ["--cpu", "--num_processes", "1"]
+    cmd = [*launcher, "--config_file", str(YAML), "--main_process_port", str(free_port()), *procs, *target]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the command
+def test_the_verb_runs_accelerate_launch_through_the_bootstrap_with_every_argument_kept(tmp_path):
+    command, config_file = accelerate_command(
+        ["--config_file", str(YAML), "--num_processes", "2", "train.py", "--lr", "1e-3", "--config_file", "x"])
+    assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    assert command[3:] == ["--config_file", str(YAML), "--num_processes", "2", "--module", BOOTSTRAP,
+                           "train.py", "--lr", "1e-3", "--config_file", "x"]  # the script's own flags stay its own
+    assert config_file == str(YAML)
+    command, config_file = accelerate_command(["-m", "pkg.train", "--epochs", "1"])
+    assert command[3:] == ["--module", BOOTSTRAP, "-m", "pkg.train", "--epochs", "1"] and config_file is None
+    with pytest.raises(ValueError, match="--no_python"):
+        accelerate_command(["--no_python", "train.sh"])
+
+
+# ------------------------------------------------------------------------------- the router, in this process
+@pytest.fixture
+def routed(monkeypatch):
+    """``Accelerator.prepare`` routed as ``hf-elixir launch`` routes it, undone after the test."""
+    from hf_elixir import ElixirConfig
+
+    monkeypatch.setitem(_route._STATE, "config", ElixirConfig())
+    monkeypatch.setitem(_route._STATE, "source", "test")
+    monkeypatch.setitem(_route._STATE, "routed", [])
+    monkeypatch.setattr(accelerate.Accelerator, "prepare", _route._routed_prepare(accelerate.Accelerator.prepare))
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+    yield accelerate.Accelerator(cpu=True)
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_a_model_prepared_apart_from_its_optimizer_is_refused_with_the_one_line_change(routed):
+    model = torch.nn.Linear(4, 4)
+    model = routed.prepare(model)  # evaluation-style prepare: left to accelerate
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=re.escape("model, optimizer = accelerator.prepare(model, optimizer)")):
+        routed.prepare(optimizer)
+    assert _route.routed_models() == []
+
+
+def test_two_models_in_one_prepare_are_refused(routed):
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="2 models and 2 optimizers"):
+        routed.prepare(a, torch.optim.SGD(a.parameters(), lr=0.1), b, torch.optim.SGD(b.parameters(), lr=0.1))
+
+
+def test_a_model_with_its_optimizer_is_put_under_elixir_and_returned_in_order(routed):
+    import hf_elixir
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2)
+    out_loader, out_opt, out_model = routed.prepare(loader, optimizer, model)
+    assert out_model is model and hf_elixir.get_state(model) is not None
+    assert type(out_opt).__name__ == "ElixirAcceleratedOptimizer"
+    assert isinstance(out_loader, torch.utils.data.DataLoader) and _route.routed_models() == [model]
+
+
+# ----------------------------------------------------------------------------------- launched, unchanged
+def _field(out: str, name: str) -> list[str]:
+    return re.findall(rf"{name} ([\w.+-]+)", out)
+
+
+@pytest.mark.parametrize("model,num_processes", [("gpt2", 1), ("llama", 2)])
+def test_a_plain_loop_trains_under_elixir_and_matches_elixir_plugin(tmp_path, model, num_processes):
+    routed = _launch(tmp_path, num_processes, [str(SCRIPTS / "plain_loop.py"), "--model", model])
+    assert _field(routed, "DDP") == ["False"] * num_processes, routed[-3000:]
+    # routed: accelerate's optimizer wrapper is hf_elixir's (at 1 process a model is never DDP anyway)
+    assert _field(routed, "OPTIMIZER_CLASS") == ["ElixirAcceleratedOptimizer"] * num_processes
+    reference = _launch(tmp_path, num_processes, [str(SCRIPTS / "plugin_loop.py"), "--model", model], via="accelerate")
+    losses = sorted(_field(routed, "FINAL_LOSS"))
+    assert len(losses) == num_processes and losses == sorted(_field(reference, "FINAL_LOSS")), (routed[-2000:],
+                                                                                                reference[-2000:])
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_a_stock_trainer_script_trains_under_elixir(tmp_path, num_processes):
+    out = _launch(tmp_path, num_processes, [str(SCRIPTS / "run_trainer.py"), str(tmp_path / "out")])
+    assert _field(out, "TRAINED_MODEL_CLASS") == ["GPT2LMHeadModel"] * num_processes, out[-3000:]
+    assert "elixir/device_peak_bytes" in out  # ElixirCallback's counters in the Trainer's logs
+
+
+@pytest.mark.parametrize("script", ["test_script", "test_sync"])
+def test_accelerate_upstream_scripts_train_under_the_launch_at_2_processes(tmp_path, script):
+    out = _launch(tmp_path, 2, ["-m", "tests.upstream.accelerate_shim", script],
+                  extra_env={"ELIXIR_SHIM_ROUTE": "launch", "ELIXIR_SHIM_READ_FULL": "1"})
+    prepared = {"test_script": "4", "test_sync": "1"}[script]
+    assert re.findall(r"ELIXIR_SHIM prepared (\d+)", out) == [prepared] * 2, out[-4000:]
+    assert set(re.findall(r"SKIPPED (\w+): ", out)) <= set(EXCLUDED[script])
+    if script == "test_script":
+        assert out.count("Training yielded the same results on one CPU or distributed setup with batch split") == 2
+        assert "**Test reinstantiated state**" in out
+    else:
+        assert "gradient accumulation with optimizer and scheduler" in out
