@@ -68,7 +68,24 @@ def make_model(kind: str, *, router_bias: bool = False):
             dense_act_fn="gelu_new", router_bias=router_bias, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
         )
         return T.SwitchTransformersForConditionalGeneration(cfg)
+    if kind in PLAN_FAMILIES:  # tensor-parallel placements from the config's own base_model_tp_plan
+        config_cls, model_cls, extra = PLAN_FAMILIES[kind]
+        cfg = getattr(T, config_cls)(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     vocab_size=128, max_position_embeddings=64, attention_dropout=0.0, **extra)
+        return getattr(T, model_cls)(cfg)
     raise ValueError(kind)
+
+
+#: kind -> (config class, model class, config fields): tiny configs of today's dense families, built offline;
+#: GQA (2 key/value heads for 4 query heads) on Llama, Qwen3 and Mistral; Qwen3 and Gemma3 add q_norm/k_norm
+#: (``replicated_with_grad_allreduce``); Gemma3 ties lm_head to the (scaled) input embedding
+PLAN_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 2}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"num_key_value_heads": 2, "head_dim": 8}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"num_key_value_heads": 2, "sliding_window": None}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"num_key_value_heads": 2, "head_dim": 8,
+                                                         "tie_word_embeddings": True}),
+}
 
 
 def make_batch(kind: str, step: int, index: int) -> dict:
@@ -163,6 +180,13 @@ def _tight_budget(model, optimizer, cfg, mesh) -> int:
     return int(base * 1.05) + 1024
 
 
+def _half_state_budget(model, mesh) -> int:
+    """A model-data budget of half the 16 B/param state this rank holds (fp32 weight, gradient, two Adam moments
+    of its tensor-parallel shards, ZeRO-sharded over the data-parallel axis): offload is forced."""
+    local_numel = sum(p.numel() for p in model.parameters())
+    return 16 * local_numel // mesh.dp_size // 2
+
+
 def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = False, save_dir: str | None = None,
                elixir: str | None = None, idle: bool = False):
     """One parity case; ``elixir`` = ``None`` (plain parallel layers + :func:`reduce_gradients` + AdamW),
@@ -193,7 +217,8 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     extra: dict = {}
     if elixir is not None:
-        budget = _tight_budget(model, opt, cfg, mesh) if elixir == "tight" else None
+        budget = {"tight": lambda: _tight_budget(model, opt, cfg, mesh),
+                  "half": lambda: _half_state_budget(model, mesh)}.get(elixir, lambda: None)()
         # "tight" is a model-data budget (a little above the model-data floor): activations outside it
         ecfg = hf_elixir.ElixirConfig(tensor_parallel_size=tp, expert_parallel_size=ep, chunk_size_numel=CHUNK_NUMEL,
                                       device_memory_budget_bytes=budget, budget_covers_activations=False)
@@ -354,7 +379,8 @@ def _save_and_reload(kind: str, model, full: dict, save_dir: str) -> dict:
     except ValueError as err:
         partial_refused = "save_pretrained_full" in str(err) and not os.path.exists(save_dir + "-partial")
     cls = {"gpt2": T.GPT2LMHeadModel, "opt": T.OPTForCausalLM,
-           "switch": T.SwitchTransformersForConditionalGeneration}[kind]
+           "switch": T.SwitchTransformersForConditionalGeneration,
+           **{k: getattr(T, v[1]) for k, v in PLAN_FAMILIES.items()}}[kind]
     loaded = cls.from_pretrained(save_dir)
     loaded_sd = loaded.state_dict()
     batch = make_batch(kind, 99, 0)
@@ -398,6 +424,14 @@ CASES = {
     "elixir_switch_ep4_idle_tight": lambda d: train_case("switch", ep=4, elixir="tight", idle=True),
     "elixir_switch_ep2_dp2_idle_tight": lambda d: train_case("switch", ep=2, elixir="tight", idle=True),
 }
+# today's dense families, tensor parallel read from their config's plan: plain, prepared with no budget, and
+# prepared with a model-data budget of half the 16 B/param state (offload forced)
+for _kind in PLAN_FAMILIES:
+    CASES[f"{_kind}_tp2"] = lambda d, k=_kind: train_case(k, tp=2, save_dir=os.path.join(d, f"{k}_tp2"))
+    CASES[f"elixir_{_kind}_tp2"] = lambda d, k=_kind: train_case(k, tp=2, elixir="unbudgeted")
+    CASES[f"elixir_{_kind}_tp2_half"] = lambda d, k=_kind: train_case(k, tp=2, elixir="half",
+                                                                    save_dir=os.path.join(d, f"e_{k}"))
+PLAN_CASES = [c for k in PLAN_FAMILIES for c in (f"{k}_tp2", f"elixir_{k}_tp2", f"elixir_{k}_tp2_half")]
 
 
 def _merge(values: list) -> object:
