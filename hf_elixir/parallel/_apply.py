@@ -85,13 +85,14 @@ def placements_for_plan(model: nn.Module, config: Any) -> dict[str, str]:
     state = get_parallel_state(model)
     tp, ep = config.tensor_parallel_size, config.expert_parallel_size
     if state is None:
+        resolved = resolve_placements_detailed(model, config)  # a bad plan or glob is named first
         if tp > 1 or ep > 1:
             raise ValueError(
                 f"ElixirConfig(tensor_parallel_size={tp}, expert_parallel_size={ep}) needs a model rewritten "
                 "for it: call hf_elixir.parallel.parallelize(model, config) on every rank, then build the "
                 "optimizer on model.parameters(), then hf_elixir.prepare(model, optimizer, config)"
             )
-        return resolve_placements_detailed(model, config).placements
+        return resolved.placements
     if (state.mesh.tp_size, state.mesh.ep_size) != (tp, ep):
         raise ValueError(
             f"the model was parallelized with tensor_parallel_size={state.mesh.tp_size}, expert_parallel_size="

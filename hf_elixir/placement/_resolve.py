@@ -249,8 +249,9 @@ def resolve_placements_detailed(model: nn.Module, config: Any) -> ResolvedPlacem
                                 use_ep=not spec.expert_parallel)
     placements.update({fqn: p for fqn, p in from_plan.items() if fqn in placements})
     _apply_globs(placements, dict(config.placements), "ElixirConfig.placements", must_match=True)
+    if not spec.blocks:  # a spec's blocks check their own head counts
+        check_heads(model, placements, tp_size)
     blocks, standalone = _check_tp(model, modules, placements, spec, tp_size)
-    check_heads(model, {fqn: p for fqn, p in standalone}, tp_size)
     containers = _check_experts(model, modules, placements, spec, ep_size)
     _check_tied(model, placements)
     if tp_size > 1 and not blocks and not standalone:
