@@ -188,7 +188,7 @@ def _half_state_budget(model, mesh) -> int:
 
 
 def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = False, save_dir: str | None = None,
-               elixir: str | None = None, idle: bool = False):
+               elixir: str | None = None, idle: bool = False, precision: str = "fp32"):
     """One parity case; ``elixir`` = ``None`` (plain parallel layers + :func:`reduce_gradients` + AdamW),
     ``"unbudgeted"`` or ``"tight"`` (``hf_elixir.prepare`` on the parallelized model, chunks sharded
     over the data-parallel groups, no device budget or one that forces evictions; steps go through
@@ -221,7 +221,8 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
                   "half": lambda: _half_state_budget(model, mesh)}.get(elixir, lambda: None)()
         # "tight" is a model-data budget (a little above the model-data floor): activations outside it
         ecfg = hf_elixir.ElixirConfig(tensor_parallel_size=tp, expert_parallel_size=ep, chunk_size_numel=CHUNK_NUMEL,
-                                      device_memory_budget_bytes=budget, budget_covers_activations=False)
+                                      device_memory_budget_bytes=budget, budget_covers_activations=False,
+                                      precision=precision)
         model, opt = hf_elixir.prepare(model, opt, ecfg)
         extra["plan_placements"] = dict(hf_elixir.get_state(model).plan.placements)
     loss_rel = 0.0
@@ -431,7 +432,9 @@ for _kind in PLAN_FAMILIES:
     CASES[f"elixir_{_kind}_tp2"] = lambda d, k=_kind: train_case(k, tp=2, elixir="unbudgeted")
     CASES[f"elixir_{_kind}_tp2_half"] = lambda d, k=_kind: train_case(k, tp=2, elixir="half",
                                                                     save_dir=os.path.join(d, f"e_{k}"))
+    CASES[f"elixir_{_kind}_tp2_half_bf16"] = lambda d, k=_kind: train_case(k, tp=2, elixir="half", precision="bf16")
 PLAN_CASES = [c for k in PLAN_FAMILIES for c in (f"{k}_tp2", f"elixir_{k}_tp2", f"elixir_{k}_tp2_half")]
+PLAN_CASES += ["elixir_llama_tp2_half_bf16", "elixir_gemma3_tp2_half_bf16"]
 
 
 def _merge(values: list) -> object:
