@@ -151,10 +151,9 @@ def _check_streamed_init(model, config: ElixirConfig, checkpoint) -> None:
         return
     if not isinstance(checkpoint, (str, os.PathLike)):
         raise TypeError(f"hf_elixir.prepare(checkpoint={checkpoint!r}) must be a path to a Hugging Face folder")
-    if get_parallel_state(model) is not None:
-        raise ValueError("hf_elixir.prepare(checkpoint=...) does not support tensor- or expert-parallel models yet "
-                         "(parallelize needs real weights to split): load the model with from_pretrained, "
-                         "parallelize it, and call prepare without checkpoint=")
+    if (pstate := get_parallel_state(model)) is not None and pstate.expert_containers:
+        raise ValueError("hf_elixir.prepare(checkpoint=...) does not support expert-parallel models yet: load the "
+                         "model with from_pretrained, parallelize it, and call prepare without checkpoint=")
     if config.search == "auto" and config.plan is None:
         raise ValueError("ElixirConfig.search='auto' profiles a real training step, which a model streamed from "
                          "checkpoint= cannot run before prepare: write a plan first (`hf-elixir plan`) and pass "
@@ -334,8 +333,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             rank reads only its own shards' byte ranges and no rank holds the whole model (as DeepSpeed's
             ``zero.Init`` / FSDP2's meta-device init). Tied weights stay tied; buffers left on the meta
             device are read or rebuilt by the model's ``_init_weights``. The result equals
-            ``from_pretrained(folder)`` + ``prepare`` bit for bit. Not with tensor/expert-parallel models
-            or ``search="auto"`` yet. See [Note: streamed init] in ``hf_elixir/chunk/_stream_load.py``.
+            ``from_pretrained(folder)`` + ``prepare`` bit for bit. A model rewritten by ``parallelize`` for
+            tensor parallel (on meta too) reads its ranks' slices of the full tensors. Not with expert-parallel
+            models or ``search="auto"`` yet. See [Note: streamed init] in ``hf_elixir/chunk/_stream_load.py``.
 
 
     Returns:
@@ -365,7 +365,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     snapshot = ModelSnapshot(model)  # the profiled step of search="auto" runs the model too
     try:
         layout = _lay_out(model, optimizer, config, sample_batch, names, params)
-        stream = (StreamedInit(model, checkpoint, {p: names[p] for p in params}, layout.manager.compute_device)
+        stream = (StreamedInit(model, checkpoint, {p: names[p] for p in params}, layout.manager.compute_device,
+                               shards=(pstate.stream_shards() if (pstate := get_parallel_state(model)) else None))
                   if checkpoint else None)
         try:
             prepared = _apply_layout(model, optimizer, names, layout, stream)

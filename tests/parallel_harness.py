@@ -399,6 +399,58 @@ def _save_and_reload(kind: str, model, full: dict, save_dir: str) -> dict:
     }
 
 
+def stream_case(kind: str, out_dir: str) -> dict:
+    """``prepare(model_on_meta, checkpoint=folder)`` under TP=2 on a folder plain transformers wrote (rank 0's
+    ``save_pretrained`` of the seeded model): the meta model is parallelized from its config's plan, each rank
+    reads its slices of the full tensors. Compared bitwise with the saved weights, then one training step
+    against the same model loaded whole (``from_pretrained``) and parallelized."""
+    import hf_elixir
+    from hf_elixir.chunk import _stream_load
+    from hf_elixir.parallel import gather_full_state_dict, parallelize
+
+    ref = make_model(kind)
+    folder = os.path.join(out_dir, f"plain_{kind}")
+    if dist.get_rank() == 0:
+        ref.save_pretrained(folder)
+    dist.barrier()
+    cfg = hf_elixir.ElixirConfig(tensor_parallel_size=2, chunk_size_numel=CHUNK_NUMEL)
+    runs, read = [], []
+    original_close = _stream_load.StreamedInit.close
+    for streamed in (True, False):
+        if streamed:
+            with torch.device("meta"):
+                model = type(ref)(ref.config)
+        else:
+            model = type(ref).from_pretrained(folder)
+        was_meta = all(p.is_meta for p in model.parameters())
+        parallelize(model, cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        _stream_load.StreamedInit.close = lambda self: (read.append(self.reader.bytes_read), original_close(self))[1]
+        try:
+            model, opt = hf_elixir.prepare(model, opt, cfg, checkpoint=folder if streamed else None)
+        finally:
+            _stream_load.StreamedInit.close = original_close
+        loaded = gather_full_state_dict(model, rank0_only=False)
+        loss = model(**make_batch(kind, 0, 0)).loss
+        opt.backward(loss)
+        opt.step()
+        runs.append((was_meta, loaded, loss.item(), gather_full_state_dict(model, rank0_only=False)))
+    ref_sd = ref.state_dict()
+    (meta, streamed_sd, streamed_loss, streamed_after), (_, _, loaded_loss, loaded_after) = runs
+    folder_bytes = sum(t.numel() * t.element_size() for t in ref_sd.values())
+    return {
+        "was_meta": meta,
+        "stream_bitwise": all(torch.equal(streamed_sd[k], ref_sd[k]) for k in ref_sd),
+        "same_keys": list(streamed_sd) == list(ref_sd),
+        "step_bitwise": streamed_loss == loaded_loss and all(torch.equal(streamed_after[k], loaded_after[k])
+                                                             for k in loaded_after),
+        "read_fraction": max(read) / folder_bytes,  # this rank's bytes read / the model's bytes
+        "step_loss_rel": abs(streamed_loss - loaded_loss) / abs(loaded_loss),
+        "step_param_rel": max(rel(streamed_after[k], loaded_after[k]) for k in loaded_after),
+        "step_worst": max((rel(streamed_after[k], loaded_after[k]), k) for k in loaded_after),
+    }
+
+
 CASES = {
     "gpt2_tp2": lambda d: train_case("gpt2", tp=2, save_dir=os.path.join(d, "gpt2_tp2")),
     "opt_tp2": lambda d: train_case("opt", tp=2, save_dir=os.path.join(d, "opt_tp2")),
@@ -435,6 +487,9 @@ for _kind in PLAN_FAMILIES:
     CASES[f"elixir_{_kind}_tp2_half_bf16"] = lambda d, k=_kind: train_case(k, tp=2, elixir="half", precision="bf16")
 PLAN_CASES = [c for k in PLAN_FAMILIES for c in (f"{k}_tp2", f"elixir_{k}_tp2", f"elixir_{k}_tp2_half")]
 PLAN_CASES += ["elixir_llama_tp2_half_bf16", "elixir_gemma3_tp2_half_bf16"]
+for _kind in ("llama", "gemma3"):
+    CASES[f"stream_{_kind}_tp2"] = lambda d, k=_kind: stream_case(k, d)
+    PLAN_CASES.append(f"stream_{_kind}_tp2")
 
 
 def _merge(values: list) -> object:

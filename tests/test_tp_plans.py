@@ -215,3 +215,17 @@ def test_prepared_tp2_bf16_tracks_fp32_pytorch(plans, case):
     assert m["loss_rel"] < 2e-2, m["loss_rel_per_step"]
     assert m["param_rel"] < 5e-2 and m["params_moved"] > 1e-3, m["worst"]
     assert m["clipped_steps"] == 5 and m["norm_rel"] < 2e-2, m
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_streamed_load_under_tp_reads_only_this_ranks_slices(plans, kind):
+    """``prepare(model_on_meta, checkpoint=folder)`` under TP=2, the folder written by plain transformers: the meta
+    model is parallelized from its plan, each rank reads its slices of the full tensors (about half the bytes:
+    norms are whole on both ranks), the weights are those of the folder bit for bit, and a training step equals the
+    same step on the model loaded whole with from_pretrained (Gemma3: tied embedding, q_norm/k_norm gradients
+    summed over the tp group after the meta parameters were swapped for loaded ones)."""
+    m = plans[f"stream_{kind}_tp2"]
+    assert "error" not in m, m["error"]
+    assert m["was_meta"] and m["same_keys"] and m["stream_bitwise"], m
+    assert m["step_bitwise"], m["step_worst"]
+    assert m["read_fraction"] < 0.6, m

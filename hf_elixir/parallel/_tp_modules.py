@@ -16,8 +16,17 @@ What each placement runs (weights as plain tensors, so chunks can hold them; see
   rank's vocabulary rows, a pre-hook maps the ids into them (others to row 0), a hook zeroes the rows of
   ids another rank owns and all-reduces (Megatron's vocabulary-parallel embedding).
 - ``embedding_column``: the weight's hidden columns split; a hook all-gathers the lookups.
-- ``grad_allreduce``: nothing split; a hook on each parameter sums its gradient over the tp group as it is
-  computed (before it reaches ``.grad`` or a chunk), so every tp rank holds the gradient of all heads.
+- ``grad_allreduce``: nothing split; each parameter's gradient is summed over the tp group as it is computed
+  (before it reaches ``.grad`` or a chunk), so every tp rank holds the gradient of all heads.
+
+[Note: gradient sum in forward] ``grad_allreduce`` runs the module's forward on its parameters passed through
+an identity whose backward sums the gradient over the tp group (as transformers' ``_use_local_dtensor_params``
+swaps a module's parameters for its forward), not through a tensor hook on the parameter: streamed init
+(``prepare(..., checkpoint=folder)`` on a meta model) swaps each meta parameter's implementation for a
+placeholder's (``torch.utils.swap_tensors``), and a hook leaves with the old implementation. With hooks,
+Qwen3/Gemma3's q_norm/k_norm gradients stayed partial after a streamed load (``stream_gemma3_tp2`` caught it).
+The swap sits inside ``forward`` (after every forward pre-hook, so ``prepare``'s unshard hooks still find
+the parameters themselves) and is undone after it.
 
 [Note: tied tensor-parallel weights] Gemma3 ties ``lm_head.weight`` to ``embed_tokens.weight``; the plan splits
 both by vocabulary rows (``colwise_gather_output`` / ``embedding_rowwise``), so they stay one parameter: the
@@ -90,15 +99,36 @@ def _split_embedding(module: nn.Embedding, placement: str, group: Any, rank: int
     return {"weight": TPShardLayout(0)}
 
 
-def _sum_grads_over(module: nn.Module, group: Any) -> None:
-    def summed(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=group)
-        return grad
+class _SumGradOverGroup(torch.autograd.Function):
+    """Forward: identity. Backward: the gradient summed over ``group`` (transformers' ``_AllReduceBackward``)."""
 
-    for param in module.parameters(recurse=False):
-        if param.requires_grad:
-            param.register_hook(summed)
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _sum_grads_over(module: nn.Module, group: Any) -> None:
+    """See ``grad_allreduce`` in the module docstring and [Note: gradient sum in forward]."""
+    original_forward = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        params = dict(module._parameters)
+        for name, param in params.items():
+            if param is not None and param.requires_grad and torch.is_grad_enabled():
+                module._parameters[name] = _SumGradOverGroup.apply(param, group)
+        try:
+            return original_forward(*args, **kwargs)
+        finally:
+            module._parameters.update(params)
+
+    module.forward = forward
 
 
 def _rewrite(module: nn.Module, placement: str, group: Any, rank: int, size: int) -> tuple[nn.Module, dict]:
