@@ -153,6 +153,18 @@ def test_llama_recipe_trains_tensor_parallel_from_the_config_plan_under_accelera
     assert r["eval_ppl_after"] < r["eval_ppl_before"]
 
 
+def test_llama_recipe_trains_tensor_parallel_through_the_trainer_callback(tmp_path, monkeypatch):
+    """The Trainer path (ElixirCallback) of the same: torchrun, ELIXIR_TENSOR_PARALLEL_SIZE=2, nothing else."""
+    monkeypatch.setenv("ELIXIR_TENSOR_PARALLEL_SIZE", "2")
+    launcher = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()))
+    r = _run_recipe(tmp_path, "finetune_clm.py", "--model_type", "llama", "--trainer", "--max_steps", "4",
+                    launcher=launcher)
+    out = r["stdout"] + r["stderr"]
+    assert r["num_processes"] == 2 and "ElixirCallback(config=...): tensor_parallel_size=2" in out, out[-3000:]
+    assert "from the config's base_model_tp_plan: 20 column, 1 column_gather, 1 embedding_row, 8 row" in out
+    assert r["eval_ppl_after"] < r["eval_ppl_before"]
+
+
 def test_switch_trainer_logs_the_true_mean_loss_at_2_processes(tmp_path):
     """Switch's forward takes **kwargs but its loss is a per-batch mean: the Trainer multiplied it by the
     number of processes (it assumed the loss used the global token count). The first logged loss of the
