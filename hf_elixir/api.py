@@ -101,8 +101,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             rank reads only its own shards' byte ranges and no rank holds the whole model (as DeepSpeed's
             ``zero.Init`` / FSDP2's meta-device init). Tied weights stay tied; buffers left on the meta
             device are read or rebuilt by the model's ``_init_weights``. The result equals
-            ``from_pretrained(folder)`` + ``prepare`` bit for bit. Not with tensor/expert-parallel models
-            or ``search="auto"`` yet. See [Note: streamed init] in ``hf_elixir/chunk/_stream_load.py``.
+            ``from_pretrained(folder)`` + ``prepare`` bit for bit. A model rewritten by ``parallelize`` (on meta
+            too) reads its ranks' slices: tensor-parallel slices of the full tensors, expert-parallel experts.
+            Not with tensor and expert parallel together or ``search="auto"`` yet. See [Note: streamed init] in ``hf_elixir/chunk/_stream_load.py``.
 
     Returns:
         ``(model, optimizer)``: the same model object, and an
@@ -121,7 +122,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     config = config or ElixirConfig()
     check_launch_world_size()  # [Note: silent single-process runs] in parallel/_launch.py
     check_arguments(model, optimizer, config)  # 1
-    check_streamed_init(model, config, checkpoint, is_parallel=get_parallel_state(model) is not None)
+    pstate = get_parallel_state(model)
+    check_streamed_init(model, config, checkpoint,
+                        is_parallel=pstate is not None and pstate.mesh.tp_size > 1 and bool(pstate.expert_containers))
     if checkpoint is not None:
         retie(model, optimizer)  # what from_pretrained does after loading (kept if prepare fails)
     names = unique_params(model)
@@ -133,7 +136,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     try:
         mark_compiled_blocks(model, config.compile)  # compiled blocks are hook units ([Note: compiled blocks])
         layout = _lay_out(model, optimizer, config, sample_batch, names, params)
-        stream = (StreamedInit(model, checkpoint, {p: names[p] for p in params}, layout.manager.compute_device)
+        stream = (StreamedInit(model, checkpoint, {p: names[p] for p in params}, layout.manager.compute_device,
+                               shards=pstate.stream_shards() if pstate is not None else None)
                   if checkpoint else None)
         try:
             prepared = _apply_layout(model, optimizer, names, layout, stream)

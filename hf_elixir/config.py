@@ -20,7 +20,6 @@ __all__ = ["ElixirConfig", "EXPORT_DTYPES", "LossScalePolicy", "PRECISIONS"]
 PRECISIONS = ("fp32", "bf16", "fp16")
 EXPORT_DTYPES = ("fp32", "compute")
 _SEARCH_MODES = ("off", "auto")
-_PLACEMENT_NAMES = ("sharded", "replicated", "column", "row", "expert")
 _DEFAULT_PLACEMENTS = ("auto", "sharded", "replicated")
 
 
@@ -206,7 +205,10 @@ class ElixirConfig:
             `"auto"` profiles one step and searches for the fastest plan inside `prepare`: a training step,
             or with `prepare(model, None, ...)` (inference) one forward under `torch.no_grad()`.
         placements (`dict[str, str]`, *optional*):
-            Module-name glob -> placement (`"sharded"`, `"replicated"`, `"column"`, `"row"`, `"expert"`).
+            Module-name glob -> placement (`"sharded"`, `"replicated"`, `"column"`, `"row"`, `"column_gather"`,
+            `"row_split"`, `"embedding_row"`, `"embedding_column"`, `"grad_allreduce"`, `"expert"`; see
+            `hf_elixir.placement.PLACEMENTS`). Tensor-parallel ones apply with `tensor_parallel_size > 1` and
+            override the model config's own plan (`config.base_model_tp_plan`) or registered spec.
         default_placement (`str`, defaults to `"auto"`):
             Placement of the modules no `placements` glob (and no tensor/expert-parallel spec) covers:
             `"sharded"` (ZeRO-3: parameters, gradients and optimizer states sharded over the
@@ -333,6 +335,8 @@ class ElixirConfig:
             raise TypeError(
                 f"ElixirConfig.placements={self.placements!r} must be a dict of module-name glob -> placement"
             )
+        from hf_elixir.plan import PLACEMENT_NAMES as _PLACEMENT_NAMES  # noqa: PLC0415 (as ACTIVATION_POLICIES)
+
         for pattern, placement in self.placements.items():
             if not isinstance(pattern, str):
                 raise TypeError(f"ElixirConfig.placements key {pattern!r} must be a module-name glob (str)")

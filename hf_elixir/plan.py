@@ -17,13 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ACTIVATION_POLICIES", "REFRESH_CASTS", "ElixirPlan", "policy_summary"]
+__all__ = ["ACTIVATION_POLICIES", "PLACEMENT_NAMES", "REFRESH_CASTS", "ElixirPlan", "policy_summary"]
 
 #: 2: ``activation_peak_bytes`` (version-1 files load unchanged: the field defaults to ``None``); 3: ``reduce_dtype``
 #: (older files load as ``"fp32"``, the only dtype searched then)
 PLAN_FORMAT_VERSION = 3
 _PRECISIONS = ("fp32", "bf16", "fp16")
-_PLACEMENTS = ("sharded", "replicated", "column", "row", "expert")
+#: every placement a module can take (``hf_elixir.placement.PLACEMENTS`` documents each)
+PLACEMENT_NAMES = ("sharded", "replicated", "column", "row", "column_gather", "row_split", "embedding_row",
+                   "embedding_column", "grad_allreduce", "expert")
+_PLACEMENTS = PLACEMENT_NAMES
 #: what a transformer block does with the tensors autograd saves (see ``hf_elixir/runtime/activations.py``)
 ACTIVATION_POLICIES = ("keep", "recompute", "offload")
 #: where an uploaded chunk's fp32 master is cast to the compute dtype ([Note: refresh cast] in optim/_refresh.py)

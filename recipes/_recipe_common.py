@@ -60,7 +60,15 @@ SWITCH_SIZES: dict[str, dict[str, int]] = {
     "base-16": dict(d_model=768, d_ff=2048, d_kv=64, num_heads=12, num_layers=12, num_decoder_layers=12,
                     num_experts=16, num_sparse_encoder_layers=6, num_sparse_decoder_layers=6),
 }
-SIZES = {"gpt2": GPT2_SIZES, "opt": OPT_SIZES, "switch_transformers": SWITCH_SIZES}
+#: Llama-style (GQA: half as many key/value heads as query heads); tensor parallel comes from LlamaConfig's own
+#: base_model_tp_plan, so recipes/llama/elixir.yaml only sets tensor_parallel_size
+LLAMA_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(num_hidden_layers=4, hidden_size=128, intermediate_size=344, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "small": dict(num_hidden_layers=6, hidden_size=256, intermediate_size=688, num_attention_heads=8,
+                  num_key_value_heads=4),
+}
+SIZES = {"gpt2": GPT2_SIZES, "opt": OPT_SIZES, "llama": LLAMA_SIZES, "switch_transformers": SWITCH_SIZES}
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -68,7 +76,7 @@ SIZES = {"gpt2": GPT2_SIZES, "opt": OPT_SIZES, "switch_transformers": SWITCH_SIZ
 class ModelArguments:
     """Which model and tokenizer to train."""
 
-    model_type: str = field(default="gpt2", metadata={"help": "gpt2 | opt (finetune_clm.py); switch_transformers is implied by finetune_switch.py"})
+    model_type: str = field(default="gpt2", metadata={"help": "gpt2 | opt | llama (finetune_clm.py); switch_transformers is implied by finetune_switch.py"})
     model_size: str = field(default="tiny", metadata={"help": "named size built from config: tiny | small | 125m | 350m | ... (per model type: GPT2_SIZES / OPT_SIZES / SWITCH_SIZES in recipes/_recipe_common.py)"})
     model_name_or_path: str | None = field(default=None, metadata={"help": "hub name or local folder of a pretrained model (replaces --model_size)"})
     tokenizer_name: str | None = field(default=None, metadata={"help": "hub name or folder of a tokenizer (default: the model's, or a BPE trained on the data)"})
@@ -266,6 +274,7 @@ def build_model(model_args: ModelArguments, tokenizer, max_positions: int, on_me
         AutoModelForCausalLM,
         AutoModelForSeq2SeqLM,
         GPT2Config,
+        LlamaConfig,
         OPTConfig,
         SwitchTransformersConfig,
     )
@@ -285,6 +294,8 @@ def build_model(model_args: ModelArguments, tokenizer, max_positions: int, on_me
         config = GPT2Config(vocab_size=len(tokenizer), n_positions=max(max_positions, 128), **size, **ids)
     elif model_args.model_type == "opt":
         config = OPTConfig(vocab_size=len(tokenizer), max_position_embeddings=max(max_positions, 128), **size, **ids)
+    elif model_args.model_type == "llama":
+        config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=max(max_positions, 128), **size, **ids)
     else:
         config = SwitchTransformersConfig(
             vocab_size=len(tokenizer), decoder_start_token_id=tokenizer.pad_token_id,
@@ -425,9 +436,18 @@ def parallelize_for(model, config) -> None:
     ``ELIXIR_*``) with :func:`hf_elixir.parallel.parallelize`, before its optimizer is built; nothing for 1 / 1.
     Without it a config asking for expert parallelism stopped at ``prepare`` ("needs a model rewritten for it")."""
     if config.tensor_parallel_size > 1 or config.expert_parallel_size > 1:
+        from collections import Counter
+
         from hf_elixir.parallel import parallelize
 
-        parallelize(model, config)
+        state = parallelize(model, config)
+        chosen = Counter(p for p in state.placements.values() if p != "sharded")
+        source = ("the config's base_model_tp_plan" if getattr(model.config, "base_model_tp_plan", None)
+                  else "the registered placement spec")
+        if torch.distributed.get_rank() == 0:
+            logger.info("parallelized (tensor_parallel_size=%d, expert_parallel_size=%d) from %s: %s",
+                        config.tensor_parallel_size, config.expert_parallel_size, source,
+                        ", ".join(f"{n} {p}" for p, n in sorted(chosen.items())))
 
 
 def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixir_args, train_args,

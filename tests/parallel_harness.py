@@ -68,7 +68,24 @@ def make_model(kind: str, *, router_bias: bool = False):
             dense_act_fn="gelu_new", router_bias=router_bias, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
         )
         return T.SwitchTransformersForConditionalGeneration(cfg)
+    if kind in PLAN_FAMILIES:  # tensor-parallel placements from the config's own base_model_tp_plan
+        config_cls, model_cls, extra = PLAN_FAMILIES[kind]
+        cfg = getattr(T, config_cls)(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     vocab_size=128, max_position_embeddings=64, attention_dropout=0.0, **extra)
+        return getattr(T, model_cls)(cfg)
     raise ValueError(kind)
+
+
+#: kind -> (config class, model class, config fields): tiny configs of today's dense families, built offline;
+#: GQA (2 key/value heads for 4 query heads) on Llama, Qwen3 and Mistral; Qwen3 and Gemma3 add q_norm/k_norm
+#: (``replicated_with_grad_allreduce``); Gemma3 ties lm_head to the (scaled) input embedding
+PLAN_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 2}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"num_key_value_heads": 2, "head_dim": 8}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"num_key_value_heads": 2, "sliding_window": None}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"num_key_value_heads": 2, "head_dim": 8,
+                                                         "tie_word_embeddings": True}),
+}
 
 
 def make_batch(kind: str, step: int, index: int) -> dict:
@@ -163,8 +180,15 @@ def _tight_budget(model, optimizer, cfg, mesh) -> int:
     return int(base * 1.05) + 1024
 
 
+def _half_state_budget(model, mesh) -> int:
+    """A model-data budget of half the 16 B/param state this rank holds (fp32 weight, gradient, two Adam moments
+    of its tensor-parallel shards, ZeRO-sharded over the data-parallel axis): offload is forced."""
+    local_numel = sum(p.numel() for p in model.parameters())
+    return 16 * local_numel // mesh.dp_size // 2
+
+
 def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = False, save_dir: str | None = None,
-               elixir: str | None = None, idle: bool = False):
+               elixir: str | None = None, idle: bool = False, precision: str = "fp32"):
     """One parity case; ``elixir`` = ``None`` (plain parallel layers + :func:`reduce_gradients` + AdamW),
     ``"unbudgeted"`` or ``"tight"`` (``hf_elixir.prepare`` on the parallelized model, chunks sharded
     over the data-parallel groups, no device budget or one that forces evictions; steps go through
@@ -193,10 +217,12 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     extra: dict = {}
     if elixir is not None:
-        budget = _tight_budget(model, opt, cfg, mesh) if elixir == "tight" else None
+        budget = {"tight": lambda: _tight_budget(model, opt, cfg, mesh),
+                  "half": lambda: _half_state_budget(model, mesh)}.get(elixir, lambda: None)()
         # "tight" is a model-data budget (a little above the model-data floor): activations outside it
         ecfg = hf_elixir.ElixirConfig(tensor_parallel_size=tp, expert_parallel_size=ep, chunk_size_numel=CHUNK_NUMEL,
-                                      device_memory_budget_bytes=budget, budget_covers_activations=False)
+                                      device_memory_budget_bytes=budget, budget_covers_activations=False,
+                                      precision=precision)
         model, opt = hf_elixir.prepare(model, opt, ecfg)
         extra["plan_placements"] = dict(hf_elixir.get_state(model).plan.placements)
     loss_rel = 0.0
@@ -354,7 +380,8 @@ def _save_and_reload(kind: str, model, full: dict, save_dir: str) -> dict:
     except ValueError as err:
         partial_refused = "save_pretrained_full" in str(err) and not os.path.exists(save_dir + "-partial")
     cls = {"gpt2": T.GPT2LMHeadModel, "opt": T.OPTForCausalLM,
-           "switch": T.SwitchTransformersForConditionalGeneration}[kind]
+           "switch": T.SwitchTransformersForConditionalGeneration,
+           **{k: getattr(T, v[1]) for k, v in PLAN_FAMILIES.items()}}[kind]
     loaded = cls.from_pretrained(save_dir)
     loaded_sd = loaded.state_dict()
     batch = make_batch(kind, 99, 0)
@@ -369,6 +396,58 @@ def _save_and_reload(kind: str, model, full: dict, save_dir: str) -> dict:
         "partial_refused": partial_refused,
         "loaded_keys_match": set(loaded_sd) == set(full),
         "logits_rel": rel(out_loaded, out_parallel),
+    }
+
+
+def stream_case(kind: str, out_dir: str) -> dict:
+    """``prepare(model_on_meta, checkpoint=folder)`` under TP=2 on a folder plain transformers wrote (rank 0's
+    ``save_pretrained`` of the seeded model): the meta model is parallelized from its config's plan, each rank
+    reads its slices of the full tensors. Compared bitwise with the saved weights, then one training step
+    against the same model loaded whole (``from_pretrained``) and parallelized."""
+    import hf_elixir
+    from hf_elixir.chunk import _stream_load
+    from hf_elixir.parallel import gather_full_state_dict, parallelize
+
+    ref = make_model(kind)
+    folder = os.path.join(out_dir, f"plain_{kind}")
+    if dist.get_rank() == 0:
+        ref.save_pretrained(folder)
+    dist.barrier()
+    cfg = hf_elixir.ElixirConfig(tensor_parallel_size=2, chunk_size_numel=CHUNK_NUMEL)
+    runs, read = [], []
+    original_close = _stream_load.StreamedInit.close
+    for streamed in (True, False):
+        if streamed:
+            with torch.device("meta"):
+                model = type(ref)(ref.config)
+        else:
+            model = type(ref).from_pretrained(folder)
+        was_meta = all(p.is_meta for p in model.parameters())
+        parallelize(model, cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        _stream_load.StreamedInit.close = lambda self: (read.append(self.reader.bytes_read), original_close(self))[1]
+        try:
+            model, opt = hf_elixir.prepare(model, opt, cfg, checkpoint=folder if streamed else None)
+        finally:
+            _stream_load.StreamedInit.close = original_close
+        loaded = gather_full_state_dict(model, rank0_only=False)
+        loss = model(**make_batch(kind, 0, 0)).loss
+        opt.backward(loss)
+        opt.step()
+        runs.append((was_meta, loaded, loss.item(), gather_full_state_dict(model, rank0_only=False)))
+    ref_sd = ref.state_dict()
+    (meta, streamed_sd, streamed_loss, streamed_after), (_, _, loaded_loss, loaded_after) = runs
+    folder_bytes = sum(t.numel() * t.element_size() for t in ref_sd.values())
+    return {
+        "was_meta": meta,
+        "stream_bitwise": all(torch.equal(streamed_sd[k], ref_sd[k]) for k in ref_sd),
+        "same_keys": list(streamed_sd) == list(ref_sd),
+        "step_bitwise": streamed_loss == loaded_loss and all(torch.equal(streamed_after[k], loaded_after[k])
+                                                             for k in loaded_after),
+        "read_fraction": max(read) / folder_bytes,  # this rank's bytes read / the model's bytes
+        "step_loss_rel": abs(streamed_loss - loaded_loss) / abs(loaded_loss),
+        "step_param_rel": max(rel(streamed_after[k], loaded_after[k]) for k in loaded_after),
+        "step_worst": max((rel(streamed_after[k], loaded_after[k]), k) for k in loaded_after),
     }
 
 
@@ -398,6 +477,19 @@ CASES = {
     "elixir_switch_ep4_idle_tight": lambda d: train_case("switch", ep=4, elixir="tight", idle=True),
     "elixir_switch_ep2_dp2_idle_tight": lambda d: train_case("switch", ep=2, elixir="tight", idle=True),
 }
+# today's dense families, tensor parallel read from their config's plan: plain, prepared with no budget, and
+# prepared with a model-data budget of half the 16 B/param state (offload forced)
+for _kind in PLAN_FAMILIES:
+    CASES[f"{_kind}_tp2"] = lambda d, k=_kind: train_case(k, tp=2, save_dir=os.path.join(d, f"{k}_tp2"))
+    CASES[f"elixir_{_kind}_tp2"] = lambda d, k=_kind: train_case(k, tp=2, elixir="unbudgeted")
+    CASES[f"elixir_{_kind}_tp2_half"] = lambda d, k=_kind: train_case(k, tp=2, elixir="half",
+                                                                    save_dir=os.path.join(d, f"e_{k}"))
+    CASES[f"elixir_{_kind}_tp2_half_bf16"] = lambda d, k=_kind: train_case(k, tp=2, elixir="half", precision="bf16")
+PLAN_CASES = [c for k in PLAN_FAMILIES for c in (f"{k}_tp2", f"elixir_{k}_tp2", f"elixir_{k}_tp2_half")]
+PLAN_CASES += ["elixir_llama_tp2_half_bf16", "elixir_gemma3_tp2_half_bf16"]
+for _kind in ("llama", "gemma3"):
+    CASES[f"stream_{_kind}_tp2"] = lambda d, k=_kind: stream_case(k, d)
+    PLAN_CASES.append(f"stream_{_kind}_tp2")
 
 
 def _merge(values: list) -> object:

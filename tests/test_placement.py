@@ -71,7 +71,7 @@ def test_generic_fallback_is_all_sharded():
                                      vocab_size=128, max_position_embeddings=32))
     assert get_model_spec("bert").model_type == "*"
     assert set(resolve_placements(model, cfg()).values()) == {"sharded"}
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 but no module"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 but model_type 'bert' has no tensor-parallel plan"):
         resolve_placements(model, cfg(tensor_parallel_size=2))
 
 
@@ -94,7 +94,7 @@ def test_user_can_turn_tp_on_by_glob():
     (gpt2, cfg(tensor_parallel_size=2, placements={"*.attn.c_proj": "sharded"}), "must be placed together"),
     (gpt2, cfg(placements={"*.atn.c_attn": "column"}), "matches no module"),
     (gpt2, cfg(placements={"lm_head": "replicated"}), "share a tied parameter"),
-    (switch, cfg(placements={"*.SelfAttention.q": "column"}), "not part of a tensor-parallel block"),
+    (switch, cfg(placements={"*.SelfAttention.q": "embedding_row"}), "cannot take placement 'embedding_row'"),
     (switch, cfg(expert_parallel_size=2, placements={"*.experts.expert_0": "sharded"}), "must share the placement"),
     (gpt2, cfg(tensor_parallel_size=2, expert_parallel_size=2), "both > 1"),
     (opt, cfg(expert_parallel_size=2), "has no experts placed"),

@@ -21,6 +21,14 @@ then re-point at views (tied weights are re-tied first: :func:`retie`); buffers 
 device are read from the files when persistent and saved, and otherwise rebuilt by the model's own
 ``_init_weights`` (a Hugging Face model recomputes rotary ``inv_freq`` there), as ``from_pretrained`` does for keys missing from a checkpoint.
 
+[Note: streamed tensor-parallel shards] A model rewritten for tensor parallel before ``prepare`` (on the meta
+device: ``parallelize`` splits meta tensors, no data) holds this rank's slice of some parameters, while the
+folder holds the full tensors transformers wrote. ``prepare`` passes each split parameter's
+:class:`TensorShard` (the dim, the fused parts, this rank's index and the tp size); the reader maps a
+flat range of the local slice back to the file: a split along dim 0 is a contiguous range of the full
+tensor (one per fused part), and a split along a later dim keeps dim 0, so the rows covering the range
+are read and this rank's columns cut out of them. A rank reads its own rows, never the whole tensor.
+
 Source: the safetensors format (a little-endian u64 header size, a JSON header with dtype, shape and
 data offsets per tensor, then the raw bytes) and its ``safe_open``/``get_slice`` API; Hugging Face's
 sharded layout (``model.safetensors.index.json`` with a ``weight_map`` from tensor name to file).
@@ -35,10 +43,36 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CheckpointReader", "SlotSource", "StreamedInit", "meta_parameter_names", "read_chunk_range", "retie"]
+__all__ = ["CheckpointReader", "SlotSource", "StreamedInit", "TensorShard", "meta_parameter_names", "read_chunk_range",
+           "retie"]
 
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """A parameter that holds one tensor-parallel rank's slice of the tensor in the folder.
+
+    Attributes:
+        dim: the split dim. parts: the full tensor is ``parts`` equal pieces along ``dim``, each split over
+            the ranks (GPT-2's fused q|k|v: 3). rank / size: this rank's index in the tp group and its size.
+    """
+
+    dim: int
+    parts: int
+    rank: int
+    size: int
+
+    def full_shape(self, local: torch.Size) -> torch.Size:
+        shape = list(local)
+        shape[self.dim] *= self.size
+        return torch.Size(shape)
+
+    def cut(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``full`` (a whole tensor, or whole rows of it for ``dim >= 1``)."""
+        pieces = full.chunk(self.parts, dim=self.dim)
+        return torch.cat([p.chunk(self.size, dim=self.dim)[self.rank] for p in pieces], dim=self.dim)
 
 
 @dataclass(frozen=True)
@@ -53,6 +87,7 @@ class SlotSource:
     key: str
     offset: int
     numel: int
+    shard: TensorShard | None = None
 
 
 class CheckpointReader:
@@ -134,6 +169,12 @@ class CheckpointReader:
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor.clone()
 
+    def read_block(self, key: str, row_begin: int, row_end: int, col_begin: int, col_end: int) -> torch.Tensor:
+        """Rows ``[row_begin, row_end)`` x columns ``[col_begin, col_end)`` of the 2-D tensor ``key`` (file dtype)."""
+        block = self._handle(key).get_slice(key)[row_begin:row_end, col_begin:col_end]
+        self.bytes_read += block.numel() * block.element_size()
+        return block
+
     def read_flat(self, key: str, begin: int, end: int) -> torch.Tensor:
         """Elements ``[begin, end)`` of tensor ``key`` flattened in row-major order.
 
@@ -160,6 +201,31 @@ class CheckpointReader:
         return rows[begin - first:end - first]
 
 
+def _read_shard_flat(reader: CheckpointReader, key: str, begin: int, end: int, shard: TensorShard) -> torch.Tensor:
+    """Elements ``[begin, end)`` of this rank's slice of tensor ``key``, flattened (see [Note: streamed
+    tensor-parallel shards])."""
+    full_shape = reader.shape(key)
+    local = list(full_shape)
+    local[shard.dim] //= shard.size
+    if shard.dim == 0:  # each fused part's slice is one contiguous range of the full tensor
+        block = math.prod(local) // shard.parts
+        out = []
+        for part in range(begin // block, -(-end // block)):
+            lo, hi = max(begin, part * block), min(end, (part + 1) * block)
+            first = (part * shard.size + shard.rank) * block
+            out.append(reader.read_flat(key, first + lo - part * block, first + hi - part * block))
+        return torch.cat(out) if len(out) > 1 else out[0]
+    row_numel = math.prod(local[1:])  # dim 0 is not split: local row i is full row i
+    first, last = begin // row_numel, -(-end // row_numel)
+    if shard.parts == 1 and len(full_shape) == 2:  # a row-parallel weight: only this rank's columns are read
+        width = local[1]
+        mine = reader.read_block(key, first, last, shard.rank * width, (shard.rank + 1) * width).reshape(-1)
+    else:
+        rows = reader.read_flat(key, first * math.prod(full_shape[1:]), last * math.prod(full_shape[1:]))
+        mine = shard.cut(rows.reshape(last - first, *full_shape[1:])).reshape(-1)
+    return mine[begin - first * row_numel:end - first * row_numel]
+
+
 def read_chunk_range(reader: CheckpointReader, sources: list[SlotSource], begin: int, end: int,
                      out: torch.Tensor) -> None:
     """Fill ``out`` (1-D, ``end - begin`` elements, any dtype/device) with chunk elements ``[begin, end)``.
@@ -174,7 +240,10 @@ def read_chunk_range(reader: CheckpointReader, sources: list[SlotSource], begin:
         lo, hi = max(begin, src.offset), min(end, src.offset + src.numel)
         if lo >= hi:
             continue
-        values = reader.read_flat(src.key, lo - src.offset, hi - src.offset)
+        if src.shard is None:
+            values = reader.read_flat(src.key, lo - src.offset, hi - src.offset)
+        else:
+            values = _read_shard_flat(reader, src.key, lo - src.offset, hi - src.offset, src.shard)
         out[lo - begin:hi - begin].copy_(values)
 
 
@@ -229,6 +298,8 @@ class StreamedInit:
         folder: the checkpoint folder (see :class:`CheckpointReader`).
         names: every managed parameter -> its names (canonical first, then aliases).
         device: where rebuilt or loaded buffers go (the compute device).
+        shards: parameter name -> :class:`TensorShard` for parameters holding a tensor-parallel slice of the
+            folder's tensor (see [Note: streamed tensor-parallel shards]); any of a parameter's names.
 
     Raises:
         FileNotFoundError: as :class:`CheckpointReader`.
@@ -236,10 +307,16 @@ class StreamedInit:
             a buffer on the meta device can be neither loaded nor rebuilt.
     """
 
-    def __init__(self, model: torch.nn.Module, folder: str | Path, names: dict, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, folder: str | Path, names: dict, device: torch.device,
+                 shards: dict[str, TensorShard] | None = None) -> None:
         self.reader = CheckpointReader(folder)
         self.prefix = getattr(model, "base_model_prefix", "") or ""
         self.keys: dict[torch.nn.Parameter, str] = {}
+        self.shards: dict[torch.nn.Parameter, TensorShard] = {}
+        for param, fqns in names.items():
+            shard = next((shards[n] for n in fqns if n in shards), None) if shards else None
+            if shard is not None:
+                self.shards[param] = shard
         try:
             self._resolve(model, names)
             self._materialize_buffers(model, device)
@@ -260,7 +337,8 @@ class StreamedInit:
                 missing.append(fqns[0])
                 continue
             shape = self.reader.shape(key)
-            if shape != param.shape:
+            shard = self.shards.get(param)
+            if (shard.full_shape(param.shape) if shard else param.shape) != shape:
                 mismatched.append(f"{fqns[0]} {tuple(param.shape)} vs {key!r} {tuple(shape)}")
             self.keys[param] = key
         folder = str(self.reader.folder)
@@ -301,7 +379,8 @@ class StreamedInit:
 
     def fill_for(self, chunk):
         """``fill(begin, end, out)`` for ``chunk``: its elements ``[begin, end)`` read from the folder."""
-        sources = [SlotSource(self.keys[slot.param], slot.offset, slot.numel) for slot in chunk.slots]
+        sources = [SlotSource(self.keys[slot.param], slot.offset, slot.numel, self.shards.get(slot.param))
+                   for slot in chunk.slots]
 
         def fill(begin: int, end: int, out: torch.Tensor) -> None:
             read_chunk_range(self.reader, sources, begin, end, out)

@@ -18,6 +18,7 @@ from hf_elixir.parallel._gather import install_save_guard
 from hf_elixir.parallel._mesh import ElixirMesh, build_mesh
 from hf_elixir.parallel._state import _STATE_ATTR, ParallelState, get_parallel_state
 from hf_elixir.parallel._tensor_parallel import parallelize_block
+from hf_elixir.parallel._tp_modules import parallelize_modules
 from hf_elixir.placement import resolve_placements_detailed
 
 __all__ = ["param_process_groups", "parallelize", "placements_for_plan", "reduce_gradients"]
@@ -27,7 +28,9 @@ def parallelize(model: nn.Module, config: Any, mesh: ElixirMesh | None = None) -
     """Rewrite ``model`` in place for ``config``'s tensor/expert-parallel sizes.
 
     Args:
-        model: a Hugging Face model (GPT-2, OPT, Switch-Transformers have specs; others: sharded only).
+        model: a Hugging Face model: tensor-parallel placements from its config's own plan
+            (``base_model_tp_plan``: Llama, Qwen3, Mistral, Gemma3, ...), a registered spec (GPT-2, OPT,
+            Switch-Transformers), or ``config.placements`` globs.
         config: an :class:`hf_elixir.ElixirConfig`.
         mesh: reuse a mesh; default builds one with :func:`build_mesh`.
 
@@ -54,6 +57,7 @@ def parallelize(model: nn.Module, config: Any, mesh: ElixirMesh | None = None) -
     for parent_fqn, block in resolved.tp_blocks:
         layouts = parallelize_block(named[parent_fqn], block, mesh.tp_group, mesh.tp_rank, mesh.tp_size)
         state.tp_layouts.update({f"{parent_fqn}.{k}": v for k, v in layouts.items()})
+    state.tp_layouts.update(parallelize_modules(model, resolved.tp_modules, mesh.tp_group, mesh.tp_rank, mesh.tp_size))
     for fqn in resolved.expert_containers:
         parent_fqn, _, child = fqn.rpartition(".")
         container = named[fqn]
@@ -81,13 +85,14 @@ def placements_for_plan(model: nn.Module, config: Any) -> dict[str, str]:
     state = get_parallel_state(model)
     tp, ep = config.tensor_parallel_size, config.expert_parallel_size
     if state is None:
+        resolved = resolve_placements_detailed(model, config)  # a bad plan or glob is named first
         if tp > 1 or ep > 1:
             raise ValueError(
                 f"ElixirConfig(tensor_parallel_size={tp}, expert_parallel_size={ep}) needs a model rewritten "
                 "for it: call hf_elixir.parallel.parallelize(model, config) on every rank, then build the "
                 "optimizer on model.parameters(), then hf_elixir.prepare(model, optimizer, config)"
             )
-        return resolve_placements_detailed(model, config).placements
+        return resolved.placements
     if (state.mesh.tp_size, state.mesh.ep_size) != (tp, ep):
         raise ValueError(
             f"the model was parallelized with tensor_parallel_size={state.mesh.tp_size}, expert_parallel_size="

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all", "copy_to_group", "reduce_from_group"]
+__all__ = ["all_to_all", "copy_to_group", "gather_last_dim", "reduce_from_group", "split_last_dim"]
 
 
 class _CopyToGroup(torch.autograd.Function):
@@ -47,6 +47,41 @@ class _ReduceFromGroup(torch.autograd.Function):
         return grad, None
 
 
+def _all_gather_last_dim(x: torch.Tensor, group: Any) -> torch.Tensor:
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """Forward: all-gather the last dim over ``group`` (rank order). Backward: this rank's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, dim=-1)[rank].contiguous(), None
+
+
+class _SplitLastDim(torch.autograd.Function):
+    """Forward: this rank's slice of the last dim (the input is whole on every rank). Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(size, dim=-1)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return _all_gather_last_dim(grad, ctx.group), None
+
+
 class _AllToAll(torch.autograd.Function):
     """Rows of ``x`` (``N_in x H``) go to ranks by ``in_splits``; returns ``sum(out_splits) x H``.
 
@@ -75,6 +110,16 @@ def copy_to_group(x: torch.Tensor, group: Any) -> torch.Tensor:
 def reduce_from_group(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Sum over ``group`` whose backward is the identity (output of a row-parallel layer)."""
     return _ReduceFromGroup.apply(x, group)
+
+
+def gather_last_dim(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """All-gather the last dim over ``group`` (a split output made whole); backward keeps this rank's slice."""
+    return _GatherLastDim.apply(x, group)
+
+
+def split_last_dim(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's slice of the last dim of a tensor whole on every rank; backward all-gathers the gradient."""
+    return _SplitLastDim.apply(x, group)
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:

@@ -36,6 +36,14 @@ class ParallelState:
     def is_expert_param(self, name: str) -> bool:
         return any(name.startswith(c + ".") for c in self.expert_containers)
 
+    def stream_shards(self) -> dict:
+        """Parameter name -> ``TensorShard``: what streamed init reads for each tp-split parameter (see
+        [Note: streamed tensor-parallel shards] in ``hf_elixir/chunk/_stream_load.py``)."""
+        from hf_elixir.chunk._stream_load import TensorShard  # noqa: PLC0415 (a lower layer, used only here)
+
+        mesh = self.mesh
+        return {name: TensorShard(lay.dim, lay.parts, mesh.tp_rank, mesh.tp_size) for name, lay in self.tp_layouts.items()}
+
 
 def get_parallel_state(model: nn.Module) -> ParallelState | None:
     """The :class:`ParallelState` of a model rewritten by :func:`~hf_elixir.parallel.parallelize`, else ``None``."""

@@ -1,10 +1,16 @@
 """Resolve every module's placement from the registry spec and the user's glob overrides.
 
 Order of precedence (later wins): ``ElixirConfig.default_placement`` everywhere (``"auto"`` resolves to
-``"sharded"`` here; ``hf_elixir.prepare`` decides it) -> the model spec's tensor-parallel globs
-(only when ``tensor_parallel_size > 1``) and expert-parallel globs (only when
-``expert_parallel_size > 1``) -> ``ElixirConfig.placements`` in insertion order. A glob matches a
-module's FQN or any module below it (``"*.mlp"`` covers ``h.0.mlp.c_fc``).
+``"sharded"`` here; ``hf_elixir.prepare`` decides it) -> the model's tensor-parallel placements (only when
+``tensor_parallel_size > 1``) and expert-parallel placements (only when ``expert_parallel_size > 1``): a
+registered spec's globs where it gives that axis any, else the model config's own plan
+(``base_model_tp_plan`` / ``base_model_ep_plan``, read by ``_hf_plans.py``) -> ``ElixirConfig.placements``
+in insertion order. A glob matches a module's FQN or any module below it (``"*.mlp"`` covers
+``h.0.mlp.c_fc``).
+
+Tensor-parallel modules that a spec's block does not claim (every module placed from a config's plan, and
+the user's globs on any model) are rewritten one by one ("standalone"); a block's attributes (GPT-2's head
+count) shrink only for the spec's blocks.
 """
 
 from __future__ import annotations
@@ -16,12 +22,15 @@ from typing import Any
 
 from torch import nn
 
+from hf_elixir.placement._hf_plans import check_heads, plan_placements, read_plans
 from hf_elixir.placement._registry import get_model_spec
 from hf_elixir.placement._spec import PLACEMENTS, ModelPlacementSpec, TensorParallelBlock
 
 __all__ = ["ResolvedPlacements", "resolve_placements", "resolve_placements_detailed"]
 
-_TP_PLACEMENTS = ("column", "row")
+_BLOCK_PLACEMENTS = ("column", "row")
+#: every placement that splits or hooks a module over the tensor-parallel axis
+TP_PLACEMENTS = ("column", "row", "column_gather", "row_split", "embedding_row", "embedding_column", "grad_allreduce")
 
 
 @dataclass
@@ -31,12 +40,14 @@ class ResolvedPlacements:
     Attributes:
         placements: module FQN -> placement, for every module that owns parameters directly.
         tp_blocks: (parent FQN, block) for every tensor-parallel block whose children are column/row.
+        tp_modules: (FQN, placement) of every other tensor-parallel module (rewritten on its own).
         expert_containers: FQNs of expert containers placed ``"expert"``.
         spec: the model spec used.
     """
 
     placements: dict[str, str]
     tp_blocks: list[tuple[str, TensorParallelBlock]] = field(default_factory=list)
+    tp_modules: list[tuple[str, str]] = field(default_factory=list)
     expert_containers: list[str] = field(default_factory=list)
     spec: ModelPlacementSpec | None = None
 
@@ -72,7 +83,8 @@ def _apply_globs(placements: dict[str, str], globs: dict[str, str], source: str,
 
 
 def _check_tp(model: nn.Module, modules: dict[str, nn.Module], placements: dict[str, str],
-              spec: ModelPlacementSpec, tp_size: int) -> list[tuple[str, TensorParallelBlock]]:
+              spec: ModelPlacementSpec, tp_size: int) -> tuple[list[tuple[str, TensorParallelBlock]],
+                                                                list[tuple[str, str]]]:
     named = dict(model.named_modules())
     claimed: dict[str, str] = {}  # child fqn -> required role
     blocks: list[tuple[str, TensorParallelBlock]] = []
@@ -85,7 +97,7 @@ def _check_tp(model: nn.Module, modules: dict[str, nn.Module], placements: dict[
             if not all(c in modules for c in children):
                 continue
             roles = {c: placements[c] for c in children}
-            if not any(r in _TP_PLACEMENTS for r in roles.values()):
+            if not any(r in _BLOCK_PLACEMENTS for r in roles.values()):
                 continue
             if roles != children:
                 raise ValueError(
@@ -97,23 +109,39 @@ def _check_tp(model: nn.Module, modules: dict[str, nn.Module], placements: dict[
             _check_divisible(parent_fqn, parent, block, modules, children, tp_size)
             claimed.update(children)
             blocks.append((parent_fqn, block))
-    for fqn, placement in placements.items():
-        if placement not in _TP_PLACEMENTS:
-            continue
-        module = modules[fqn]
+    standalone = [(fqn, placement) for fqn, placement in placements.items()
+                  if placement in TP_PLACEMENTS and fqn not in claimed]
+    for fqn, placement in standalone:
+        _check_standalone(fqn, modules[fqn], placement, tp_size)
+    return blocks, standalone
+
+
+def _check_standalone(fqn: str, module: nn.Module, placement: str, tp_size: int) -> None:
+    """A tensor-parallel module outside a spec block: the module type takes the placement, the split dim divides."""
+    if placement.startswith("embedding_"):
+        if not isinstance(module, nn.Embedding):
+            raise ValueError(f"module {fqn!r} ({type(module).__name__}) cannot take placement {placement!r}: only "
+                             "nn.Embedding splits by vocabulary or hidden dim; use 'sharded' or 'replicated'")
+        name, size = (("num_embeddings", module.num_embeddings) if placement == "embedding_row"
+                      else ("embedding_dim", module.embedding_dim))
+    elif placement == "grad_allreduce":
+        return
+    else:
         if not _is_matmul_module(module):
             raise ValueError(
                 f"module {fqn!r} ({type(module).__name__}) cannot take placement {placement!r}: only "
                 "nn.Linear and transformers Conv1D split by features; use 'sharded' or 'replicated'"
             )
-        if fqn not in claimed:
-            known = [b.parent for b in spec.blocks] or "none"
-            raise ValueError(
-                f"module {fqn!r} cannot take placement {placement!r}: it is not part of a tensor-parallel "
-                f"block of the {spec.model_type!r} spec (block parents: {known}); use 'sharded' or "
-                "'replicated', or register a spec with hf_elixir.placement.register_model_spec"
-            )
-    return blocks
+        conv = type(module).__name__ == "Conv1D"
+        out_features, in_features = (module.weight.shape[1], module.weight.shape[0]) if conv else module.weight.shape
+        name, size = (("output features", out_features) if placement.startswith("column")
+                      else ("input features", in_features))
+    if size % tp_size:
+        raise ValueError(
+            f"module {fqn!r}: its {size} {name} are not divisible by tensor_parallel_size={tp_size} (placement "
+            f"{placement!r} splits them evenly); pick a tensor_parallel_size that divides {size}, or place the "
+            "module 'sharded' in ElixirConfig.placements"
+        )
 
 
 def _check_divisible(parent_fqn: str, parent: nn.Module, block: TensorParallelBlock,
@@ -172,14 +200,26 @@ def _check_experts(model: nn.Module, modules: dict[str, nn.Module], placements: 
     return placed
 
 
+def _tied_layout(module: nn.Module, placement: str) -> object:
+    """What a placement does to a module's weight: the dim it splits over tp, or the placement itself.
+    An embedding split by vocabulary and its tied ``lm_head`` split by output features hold the same rows."""
+    if placement not in TP_PLACEMENTS or placement == "grad_allreduce":
+        return placement
+    conv = type(module).__name__ == "Conv1D"
+    if placement.startswith("embedding_"):
+        return ("tp", 0 if placement == "embedding_row" else 1)
+    return ("tp", (0 if placement.startswith("column") else 1) ^ int(conv))
+
+
 def _check_tied(model: nn.Module, placements: dict[str, str]) -> None:
-    owner: dict[int, tuple[str, str]] = {}
+    owner: dict[int, tuple[str, str, object]] = {}
     for fqn, mod in model.named_modules(remove_duplicate=False):
         if fqn not in placements:
             continue
+        layout = _tied_layout(mod, placements[fqn])
         for p in mod.parameters(recurse=False):
-            first = owner.setdefault(id(p), (fqn, placements[fqn]))
-            if first[1] != placements[fqn]:
+            first = owner.setdefault(id(p), (fqn, placements[fqn], layout))
+            if first[2] != layout:
                 raise ValueError(
                     f"modules {first[0]!r} ({first[1]!r}) and {fqn!r} ({placements[fqn]!r}) share a tied "
                     "parameter and must have the same placement; override both in ElixirConfig.placements"
@@ -205,21 +245,32 @@ def resolve_placements_detailed(model: nn.Module, config: Any) -> ResolvedPlacem
         _apply_globs(placements, spec.tensor_parallel, f"placement spec {spec.model_type!r}", must_match=False)
     if ep_size > 1:
         _apply_globs(placements, spec.expert_parallel, f"placement spec {spec.model_type!r}", must_match=False)
+    from_plan = plan_placements(model, tp_size, ep_size, use_tp=not spec.tensor_parallel,
+                                use_ep=not spec.expert_parallel)
+    placements.update({fqn: p for fqn, p in from_plan.items() if fqn in placements})
     _apply_globs(placements, dict(config.placements), "ElixirConfig.placements", must_match=True)
-    blocks = _check_tp(model, modules, placements, spec, tp_size)
+    if not spec.blocks:  # a spec's blocks check their own head counts
+        check_heads(model, placements, tp_size)
+    blocks, standalone = _check_tp(model, modules, placements, spec, tp_size)
     containers = _check_experts(model, modules, placements, spec, ep_size)
     _check_tied(model, placements)
-    if tp_size > 1 and not blocks:
+    if tp_size > 1 and not blocks and not standalone:
         raise ValueError(
-            f"ElixirConfig.tensor_parallel_size={tp_size} but no module of model_type {model_type!r} is placed "
-            "'column'/'row'; set tensor_parallel_size=1 or give placements for a registered block"
+            f"ElixirConfig.tensor_parallel_size={tp_size} but model_type {model_type!r} has no tensor-parallel "
+            "plan (its config declares no base_model_tp_plan and no registered spec gives one) and no "
+            "ElixirConfig.placements glob places a module 'column'/'row'; set tensor_parallel_size=1, give "
+            "placements such as {'*.q_proj': 'column', ..., '*.o_proj': 'row'}, or register a spec with "
+            "hf_elixir.placement.register_model_spec"
         )
     if ep_size > 1 and not containers:
+        dense = not spec.expert_parallel and not read_plans(model)[1]
         raise ValueError(
             f"ElixirConfig.expert_parallel_size={ep_size} but model_type {model_type!r} has no experts placed "
-            "'expert'; set expert_parallel_size=1"
+            "'expert'" + (" (a dense model: its config declares no base_model_ep_plan and no registered spec "
+                          "names experts)" if dense else "") + "; set expert_parallel_size=1"
         )
-    return ResolvedPlacements(placements=placements, tp_blocks=blocks, expert_containers=containers, spec=spec)
+    return ResolvedPlacements(placements=placements, tp_blocks=blocks, tp_modules=standalone,
+                              expert_containers=containers, spec=spec)
 
 
 def resolve_placements(model: nn.Module, config: Any) -> dict[str, str]:

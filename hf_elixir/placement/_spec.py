@@ -13,16 +13,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hf_elixir.plan import PLACEMENT_NAMES
+
 __all__ = ["PLACEMENTS", "ModelPlacementSpec", "TensorParallelBlock"]
 
 #: Every placement name a module can take.
 #:
 #: - ``"sharded"``: parameters live in ZeRO-3 chunks sharded over the data-parallel axis (default).
 #: - ``"replicated"``: a full copy on every rank; gradients all-reduced over the data-parallel axis.
-#: - ``"column"``: output features split over the tensor-parallel axis (per head for attention).
-#: - ``"row"``: input features split over the tensor-parallel axis; outputs all-reduced.
+#: - ``"column"``: output features split over the tensor-parallel axis (per head for attention); the
+#:   output stays split (transformers' ``colwise``).
+#: - ``"row"``: input features split over the tensor-parallel axis (the input arrives split); outputs
+#:   all-reduced (``rowwise``).
+#: - ``"column_gather"``: ``"column"``, then the output all-gathered to full features
+#:   (``colwise_gather_output``, e.g. ``lm_head``).
+#: - ``"row_split"``: the input arrives whole and each rank takes its slice, then ``"row"``
+#:   (``rowwise_split_input``).
+#: - ``"embedding_row"``: an embedding's vocabulary split; each rank looks up its ids, the partial
+#:   lookups are all-reduced (``embedding_rowwise``).
+#: - ``"embedding_column"``: an embedding's hidden dim split; lookups all-gathered (``embedding_colwise``).
+#: - ``"grad_allreduce"``: parameters whole on every tensor-parallel rank, in a module that sees only this
+#:   rank's heads (Qwen3's ``q_norm``): gradients summed over the tensor-parallel group
+#:   (``replicated_with_grad_allreduce``).
 #: - ``"expert"``: the experts of an MoE layer spread over the expert-parallel axis.
-PLACEMENTS = ("sharded", "replicated", "column", "row", "expert")
+#:
+#: All but ``"replicated"`` are also ZeRO-sharded over the data-parallel axis. See
+#: ``hf_elixir/placement/_hf_plans.py`` for how a model config's plan maps onto them.
+PLACEMENTS = PLACEMENT_NAMES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,10 +72,11 @@ class ModelPlacementSpec:
 
     Attributes:
         model_type: the ``config.model_type`` this spec is for (``"*"`` for the generic fallback).
-        tensor_parallel: module glob -> ``"column"``/``"row"``; used only when
-            ``ElixirConfig.tensor_parallel_size > 1``.
+        tensor_parallel: module glob -> a tensor-parallel placement (``"column"``/``"row"``, ...); used only
+            when ``ElixirConfig.tensor_parallel_size > 1``. A spec with any of them replaces the model config's
+            own ``base_model_tp_plan`` for its ``model_type``.
         expert_parallel: module glob -> ``"expert"``; used only when
-            ``ElixirConfig.expert_parallel_size > 1``.
+            ``ElixirConfig.expert_parallel_size > 1``; replaces the config's ``base_model_ep_plan`` when given.
         blocks: the tensor-parallel blocks the globs above form.
         expert_containers: class names of MoE expert containers (a ``ModuleDict`` of
             ``expert_{i}`` called as ``experts(hidden_TH, one_hot_T1E, weights_T1)``).

@@ -42,7 +42,8 @@ def check_streamed_init(model, config: ElixirConfig, checkpoint, *, is_parallel:
     """Refuse what streamed init does not support, and a meta model without ``checkpoint=``.
 
     Args:
-        is_parallel: the model was rewritten by ``hf_elixir.parallel.parallelize`` (tensor/expert parallel).
+        is_parallel: the model was rewritten by ``hf_elixir.parallel.parallelize`` with tensor and expert
+            parallel together (each streams alone; the two together are not supported yet).
 
     Raises:
         ValueError: meta parameters without ``checkpoint``; ``checkpoint`` with a parallelized model or with
@@ -60,9 +61,9 @@ def check_streamed_init(model, config: ElixirConfig, checkpoint, *, is_parallel:
     if not isinstance(checkpoint, (str, os.PathLike)):
         raise TypeError(f"hf_elixir.prepare(checkpoint={checkpoint!r}) must be a path to a Hugging Face folder")
     if is_parallel:
-        raise ValueError("hf_elixir.prepare(checkpoint=...) does not support tensor- or expert-parallel models yet "
-                         "(parallelize needs real weights to split): load the model with from_pretrained, "
-                         "parallelize it, and call prepare without checkpoint=")
+        raise ValueError("hf_elixir.prepare(checkpoint=...) does not support tensor and expert parallel together "
+                         "yet (each streams alone): load the model with from_pretrained, parallelize it, and call "
+                         "prepare without checkpoint=")
     if config.search == "auto" and config.plan is None:
         raise ValueError("ElixirConfig.search='auto' profiles a real training step, which a model streamed from "
                          "checkpoint= cannot run before prepare: write a plan first (`hf-elixir plan`) and pass "

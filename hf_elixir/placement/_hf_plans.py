@@ -1,0 +1,178 @@
+"""Placements read from the model's own parallel plans (``config.base_model_tp_plan`` / ``base_model_ep_plan``).
+
+Every transformers 5 model whose config declares a tensor-parallel plan gets tensor-parallel placements with no
+registry entry: this module reads the plan transformers itself resolved for the model (``model.tp_plan`` /
+``model.ep_plan``: the class's ``_tp_plan`` such as ``lm_head``, the config's base-model plan under the base
+model's prefix, and the vocabulary-parallel input embedding transformers adds) and matches it against the
+module names with transformers' own matcher (``_get_parameter_plan``: layer numbers become ``*``).
+
+[Note: plan styles] A plan names a *style* per module; transformers applies it with DTensor parameters and
+forward hooks (``transformers/distributed/tensor_parallel.py``). hf_elixir's chunks hold plain tensors (a
+parameter is a view into its chunk's buffer, [Note: parameters as views] in ``hf_elixir/chunk/chunk.py``), so the
+DTensor styles cannot run on them; each supported style maps to a placement that ``hf_elixir.parallel`` applies
+with plain tensors and the same collectives:
+
+==================================  ====================  ==========================================================
+transformers style                  placement             what runs
+==================================  ====================  ==========================================================
+``colwise``                         ``column``            weight/bias split on output features; output stays split
+``rowwise``                         ``row``               weight split on input features; output all-reduced
+``colwise_gather_output``/``_rep``  ``column_gather``     ``column``, then the output all-gathered (full features)
+``rowwise_split_input``/``_rep``    ``row_split``         input sliced locally (it arrives whole), then ``row``
+``embedding_rowwise``               ``embedding_row``     vocabulary split; partial lookups all-reduced
+``embedding_colwise``               ``embedding_column``  hidden dim split; lookups all-gathered
+``replicated_with_grad_allreduce``  ``grad_allreduce``    parameters whole on every tp rank; gradient summed over tp
+``replicate``                       (default)             nothing split: the data-parallel default placement
+EP ``ep_dispatch_experts``          ``expert``            the experts module spread over the expert-parallel axis
+EP ``grouped_gemm``                 (its module's)        parameters of the ``ep_dispatch_experts`` module
+==================================  ====================  ==========================================================
+
+Any other style (``packed_colwise``, ``mla_kv_a_proj``, ``local_params``, ``unit_colwise``, ``sequence_parallel``,
+...) is refused by :func:`plan_placements` naming the module, the style and the fix, never replicated or split
+in some other way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["EP_STYLE_TO_PLACEMENT", "TP_STYLE_TO_PLACEMENT", "check_heads", "plan_placements", "read_plans"]
+
+#: transformers TP style -> hf_elixir placement (``None``: not split, keep the default placement)
+TP_STYLE_TO_PLACEMENT: dict[str, str | None] = {
+    "colwise": "column",
+    "rowwise": "row",
+    "colwise_gather_output": "column_gather",
+    "colwise_rep": "column_gather",
+    "rowwise_split_input": "row_split",
+    "rowwise_rep": "row_split",
+    "embedding_rowwise": "embedding_row",
+    "embedding_colwise": "embedding_column",
+    "replicated_with_grad_allreduce": "grad_allreduce",
+    "replicate": None,
+}
+#: transformers EP style -> hf_elixir placement (``None``: a parameter of the experts module, placed with it)
+EP_STYLE_TO_PLACEMENT: dict[str, str | None] = {"ep_dispatch_experts": "expert", "grouped_gemm": None}
+
+#: projections whose output holds attention heads (transformers' ``get_kv_heads_per_rank`` names the key ones)
+_QUERY_PROJECTIONS = ("q_proj", "q_b_proj", "query", "qkv_proj", "query_key_value", "c_attn")
+_KEY_VALUE_PROJECTIONS = ("k_proj", "v_proj", "key", "value", "qkv_proj", "query_key_value", "kv_b_proj")
+
+
+def read_plans(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
+    """The tensor- and expert-parallel plans transformers resolved for ``model``: ``(tp_plan, ep_plan)``.
+
+    Source: ``transformers.distributed.DistributedMixin.init_parallel_plans`` (run by ``post_init``), read
+    through its ``tp_plan`` / ``ep_plan`` properties. Keys are module or parameter names with ``*`` for layer
+    numbers, from the root of ``model``. Empty for a model without plans (or not a ``PreTrainedModel``).
+    """
+    tp_plan = getattr(model, "tp_plan", None)
+    ep_plan = getattr(model, "ep_plan", None)
+    return dict(tp_plan) if isinstance(tp_plan, dict) else {}, dict(ep_plan) if isinstance(ep_plan, dict) else {}
+
+
+def _style_of(name: str, plan: dict[str, str], is_weight: bool) -> str | None:
+    from transformers.distributed.parallel_utils import _get_parameter_plan  # noqa: PLC0415 (heavy import)
+
+    return _get_parameter_plan(parameter_name=name, plan=plan, is_weight=is_weight)
+
+
+def _refuse(kind: str, fqn: str, style: str, size: int, why: str = "") -> ValueError:
+    axis = "tensor" if kind == "tp" else "expert"
+    supported = sorted(k for k in (TP_STYLE_TO_PLACEMENT if kind == "tp" else EP_STYLE_TO_PLACEMENT))
+    return ValueError(
+        f"model.{kind}_plan places {fqn!r} with the {kind.upper()} style {style!r}, which hf_elixir does not "
+        f"support yet{why} (supported: {supported}); set ElixirConfig.{axis}_parallel_size=1 (now {size}), or "
+        "give the whole model's placements with hf_elixir.placement.register_model_spec (a registered spec "
+        "replaces the config's plan)"
+    )
+
+
+def _module_styles(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, nn.Module, str, bool]]:
+    """``(fqn, module, style, is_param_entry)`` for every module the plan names, directly or by a parameter."""
+    found = []
+    for fqn, module in model.named_modules():
+        if not fqn:
+            continue
+        style = _style_of(fqn, plan, is_weight=False)
+        if style is not None:
+            found.append((fqn, module, style, False))
+        for pname, _ in module.named_parameters(recurse=False):
+            pstyle = _style_of(f"{fqn}.{pname}", plan, is_weight=False)  # an entry naming the parameter itself
+            if pstyle is not None:
+                found.append((fqn, module, pstyle, True))
+    return found
+
+
+def plan_placements(model: nn.Module, tp_size: int, ep_size: int, *, use_tp: bool = True,
+                    use_ep: bool = True) -> dict[str, str]:
+    """Module FQN -> placement from the model's own plans, for the axis sizes asked for.
+
+    Args:
+        model: a transformers model (its ``tp_plan`` / ``ep_plan``; see :func:`read_plans`).
+        tp_size / ep_size: ``ElixirConfig.tensor_parallel_size`` / ``expert_parallel_size``; a plan is read only
+            when its axis is > 1.
+        use_tp / use_ep: ``False`` when a registered spec gives that axis' placements instead.
+
+    Returns:
+        ``{module_fqn: placement}`` for the modules the plans split (see [Note: plan styles]); modules left out
+        keep the default placement.
+
+    Raises:
+        ValueError: the plan uses a style hf_elixir does not support, or a supported style on a module it cannot
+            take (naming the module, the style and the fix).
+    """
+    tp_plan, ep_plan = read_plans(model)
+    out: dict[str, str] = {}
+    if tp_size > 1 and use_tp and tp_plan:
+        for fqn, module, style, is_param in _module_styles(model, tp_plan):
+            if style not in TP_STYLE_TO_PLACEMENT or is_param:
+                why = "" if style not in TP_STYLE_TO_PLACEMENT else " on a single parameter"
+                raise _refuse("tp", fqn, style, tp_size, why)
+            placement = TP_STYLE_TO_PLACEMENT[style]
+            if placement is None:
+                continue
+            if not any(True for _ in module.parameters(recurse=False)):
+                raise _refuse("tp", fqn, style, tp_size, f" on a {type(module).__name__} that owns no parameters")
+            out[fqn] = placement
+    if ep_size > 1 and use_ep and ep_plan:
+        for fqn, module, style, is_param in _module_styles(model, ep_plan):
+            if style not in EP_STYLE_TO_PLACEMENT:
+                raise _refuse("ep", fqn, style, ep_size)
+            if EP_STYLE_TO_PLACEMENT[style] is not None and not is_param:
+                out[fqn] = "expert"
+    return out
+
+
+def check_heads(model: nn.Module, placements: dict[str, str], tp_size: int) -> None:
+    """Refuse attention heads a tensor-parallel size cannot split whole (query and key/value heads, GQA).
+
+    A column-split query or key/value projection gives each rank ``heads / tp_size`` whole heads (the attention
+    forward reshapes to ``(-1, head_dim)``), so both head counts of the text config must be divisible by
+    ``tp_size``. Source: transformers' ``get_kv_heads_per_rank`` (the same rule for its cache).
+
+    Raises:
+        ValueError: a head count not divisible by ``tp_size``, naming both numbers.
+    """
+    if tp_size <= 1:
+        return
+    config = getattr(model, "config", None)
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if callable(get_text) else config
+    split = [fqn for fqn, p in placements.items() if p in ("column", "column_gather")]
+    leaf = {fqn.rsplit(".", 1)[-1] for fqn in split}
+    checks = (("num_attention_heads", _QUERY_PROJECTIONS), ("num_key_value_heads", _KEY_VALUE_PROJECTIONS))
+    for attr, names in checks:
+        heads: Any = getattr(text, attr, None)
+        if not isinstance(heads, int) or not leaf.intersection(names):
+            continue
+        if heads % tp_size:
+            example = next(f for f in split if f.rsplit(".", 1)[-1] in names)
+            other = "num_key_value_heads" if attr == "num_attention_heads" else "num_attention_heads"
+            raise ValueError(
+                f"ElixirConfig.tensor_parallel_size={tp_size} does not divide config.{attr}={heads} "
+                f"({other}={getattr(text, other, None)}): the tensor-parallel placement of {example!r} gives every "
+                f"rank whole heads; pick a tensor_parallel_size that divides {heads}"
+            )
