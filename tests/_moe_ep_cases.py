@@ -1,0 +1,144 @@
+"""Rank-side cases of ``tests/test_moe_expert_parallel.py``: today's fused-expert MoE families under
+``expert_parallel_size=2`` and ``hf_elixir.prepare``, against plain PyTorch training the unmodified model.
+
+Every case trains a tiny model (``tests/_moe_models.py``) for ``STEPS`` steps on every rank twice: once
+placed by the glob ``ElixirConfig(placements={"*.mlp.experts": "expert"}, expert_parallel_size=2)``,
+rewritten by ``hf_elixir.parallel.parallelize`` and prepared (chunks sharded over the data-parallel
+groups; no budget, or a model-data budget of half the 16 B/param state), each rank on its own batch,
+through ``optimizer.backward / clip_grad_norm / step``; once as the single-process reference (the
+unmodified model, loss = mean of every rank's batch loss, router auxiliary loss included, plain
+``torch.optim.AdamW`` with weight decay on matrices only, ``clip_grad_norm_`` at the same norm).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+
+from tests._moe_models import make_moe_model
+
+STEPS = 5
+LR = 3e-3
+WEIGHT_DECAY = 0.1
+MAX_NORM = 0.5  # below every step's gradient norm: clipping is exercised
+CHUNK_NUMEL = 4096  # one expert-parallel slice of a tiny fused gate_up_proj
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _adamw(model) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices (and fused 3-D experts) only."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=LR)
+
+
+def _batch(step: int, index: int) -> dict:
+    g = torch.Generator().manual_seed(1000 * step + index)
+    ids = torch.randint(2, 128, (2, 12), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _silence_experts(model, experts: tuple[int, ...]) -> None:
+    """gpt-oss routers have a bias: -1e4 on ``experts`` so no token ever picks them (their ep rank gets no
+    row; plain PyTorch gives their fused slices a zero gradient, and AdamW decays them)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.router.bias"):
+                p[list(experts)] = -1e4
+
+
+def ep_case(family: str, *, budget: str, idle: bool = False, save_dir: str | None = None) -> dict:
+    """One parity case; ``budget`` = ``"none"`` or ``"half"`` (half of 16 B/param of the full model)."""
+    import hf_elixir
+    from hf_elixir.parallel import build_mesh, gather_full_state_dict, parallelize
+
+    model = make_moe_model(family)
+    if idle:
+        _silence_experts(model, (2, 3))
+    ref = copy.deepcopy(model)
+    init = {k: v.clone() for k, v in ref.state_dict().items()}
+    numel = sum(p.numel() for p in model.parameters())
+    budget_bytes = None if budget == "none" else 16 * numel // 2
+    cfg = hf_elixir.ElixirConfig(placements={"*.mlp.experts": "expert"}, expert_parallel_size=2,
+                                 chunk_size_numel=CHUNK_NUMEL, device_memory_budget_bytes=budget_bytes,
+                                 budget_covers_activations=False)
+    mesh = build_mesh(cfg)
+    state = parallelize(model, cfg, mesh)
+    local_expert_shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if ".mlp.experts." in n}
+    opt, opt_ref = _adamw(model), _adamw(ref)
+    model, opt = hf_elixir.prepare(model, opt, cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loss_rel, norm_rel = 0.0, 0.0
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = model(**_batch(step, rank)).loss
+        opt.backward(loss)
+        norm = opt.clip_grad_norm(MAX_NORM)
+        opt.step()
+        opt_ref.zero_grad()
+        ref_losses = [ref(**_batch(step, b)).loss for b in range(world)]
+        torch.stack(ref_losses).mean().backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        opt_ref.step()
+        loss_rel = max(loss_rel, abs(loss.item() - ref_losses[rank].item()) / abs(ref_losses[rank].item()))
+        norm_rel = max(norm_rel, abs(float(norm) - float(ref_norm)) / float(ref_norm))
+    full = gather_full_state_dict(model, rank0_only=False)
+    ref_sd = ref.state_dict()
+    stats = hf_elixir.memory_stats(model)
+    metrics = {
+        "loss_rel": loss_rel,
+        "norm_rel": norm_rel,
+        "param_rel": rel(torch.cat([full[k].flatten() for k in ref_sd]), torch.cat([ref_sd[k].flatten() for k in ref_sd])),
+        "param_rel_worst_tensor": max(rel(full[k], ref_sd[k]) for k in ref_sd if ref_sd[k].norm() > 0),
+        "same_keys": list(full) == list(ref_sd),
+        "params_moved": min(rel(ref_sd[k], init[k]) for k in ref_sd if ".mlp.experts." in k and ref_sd[k].dim() >= 2),
+        "local_expert_shapes": local_expert_shapes,
+        "expert_containers": dict(state.expert_containers),
+        "num_evictions": stats["num_evictions"],
+        "budget_bytes": budget_bytes,
+    }
+    if idle:  # PyTorch decays the never-routed slices (zero gradient, weight decay); they moved by exactly that
+        decay = (1 - LR * WEIGHT_DECAY) ** STEPS
+        idle_keys = [k for k in ref_sd if k.endswith("experts.gate_up_proj") or k.endswith("experts.down_proj")]
+        metrics["idle_decay_rel"] = max(rel(full[k][2:], init[k][2:] * decay) for k in idle_keys)
+        metrics["idle_moved"] = min(rel(full[k][2:], init[k][2:]) for k in idle_keys)
+    if save_dir is not None:
+        metrics.update(_save_and_reload(family, model, full, save_dir))
+    return metrics
+
+
+def _save_and_reload(family: str, model, full: dict, save_dir: str) -> dict:
+    """``save_pretrained`` of the ep model (collective) -> plain ``from_pretrained``: the layout on disk is
+    what plain transformers writes (per-expert tensors where its conversion mapping un-fuses them)."""
+    import transformers as T
+    from safetensors import safe_open
+
+    model.save_pretrained(save_dir)
+    plain_dir = save_dir + "-plain"
+    if dist.get_rank() == 0:
+        make_moe_model(family).save_pretrained(plain_dir)
+    dist.barrier()
+    keys = []
+    for d in (save_dir, plain_dir):
+        with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
+            keys.append(sorted(f.keys()))
+    loaded = T.AutoModelForCausalLM.from_pretrained(save_dir, attn_implementation="eager")
+    loaded_sd = loaded.state_dict()
+    return {
+        "disk_keys_as_plain": keys[0] == keys[1],
+        "loaded_bitwise": all(torch.equal(loaded_sd[k], full[k]) for k in full),
+        "loaded_keys_match": set(loaded_sd) == set(full),
+    }
+
+
+def run_cases(rank: int, world_size: int, cases: list[tuple[str, dict]]) -> dict:
+    """``run_distributed`` target: every case in order; ``{name: metrics}``."""
+    torch.use_deterministic_algorithms(False)
+    return {name: ep_case(**kwargs) for name, kwargs in cases}
