@@ -13,6 +13,7 @@ unmodified model, loss = mean of every rank's batch loss, router auxiliary loss 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import torch
@@ -46,16 +47,17 @@ def _batch(step: int, index: int) -> dict:
 
 
 def _silence_experts(model, experts: tuple[int, ...]) -> None:
-    """gpt-oss routers have a bias: -1e4 on ``experts`` so no token ever picks them (their ep rank gets no
+    """gpt-oss routers have a bias: -30 on ``experts`` so no token ever picks them (their ep rank gets no
     row; plain PyTorch gives their fused slices a zero gradient, and AdamW decays them)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("mlp.router.bias"):
-                p[list(experts)] = -1e4
+                p[list(experts)] = -30.0
 
 
-def ep_case(family: str, *, budget: str, idle: bool = False, save_dir: str | None = None) -> dict:
-    """One parity case; ``budget`` = ``"none"`` or ``"half"`` (half of 16 B/param of the full model)."""
+def ep_case(family: str, *, budget: str, idle: bool = False, save_dir: str | None = None, ep: int = 2) -> dict:
+    """One parity case; ``budget`` = ``"none"``, ``"half"`` (half of 16 B/param of the full model) or
+    ``"tight"`` (5% above ``hf_elixir.min_device_budget_bytes``, which forces evictions)."""
     import hf_elixir
     from hf_elixir.parallel import build_mesh, gather_full_state_dict, parallelize
 
@@ -66,13 +68,17 @@ def ep_case(family: str, *, budget: str, idle: bool = False, save_dir: str | Non
     init = {k: v.clone() for k, v in ref.state_dict().items()}
     numel = sum(p.numel() for p in model.parameters())
     budget_bytes = None if budget == "none" else 16 * numel // 2
-    cfg = hf_elixir.ElixirConfig(placements={"*.mlp.experts": "expert"}, expert_parallel_size=2,
+    placements = {"*.mlp.experts": "expert"} if ep > 1 else {}
+    cfg = hf_elixir.ElixirConfig(placements=placements, expert_parallel_size=ep,
                                  chunk_size_numel=CHUNK_NUMEL, device_memory_budget_bytes=budget_bytes,
                                  budget_covers_activations=False)
     mesh = build_mesh(cfg)
-    state = parallelize(model, cfg, mesh)
+    state = parallelize(model, cfg, mesh) if ep > 1 else None  # ep=1: the plain ZeRO path, for comparison
     local_expert_shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if ".mlp.experts." in n}
     opt, opt_ref = _adamw(model), _adamw(ref)
+    if budget == "tight":  # 5% above the smallest budget prepare accepts: chunks get evicted
+        budget_bytes = int(hf_elixir.min_device_budget_bytes(model, opt, cfg, world_size=mesh.dp_size) * 1.05) + 1024
+        cfg = dataclasses.replace(cfg, device_memory_budget_bytes=budget_bytes)
     model, opt = hf_elixir.prepare(model, opt, cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     loss_rel, norm_rel = 0.0, 0.0
@@ -89,7 +95,7 @@ def ep_case(family: str, *, budget: str, idle: bool = False, save_dir: str | Non
         opt_ref.step()
         loss_rel = max(loss_rel, abs(loss.item() - ref_losses[rank].item()) / abs(ref_losses[rank].item()))
         norm_rel = max(norm_rel, abs(float(norm) - float(ref_norm)) / float(ref_norm))
-    full = gather_full_state_dict(model, rank0_only=False)
+    full = gather_full_state_dict(model, rank0_only=False) if ep > 1 else model.state_dict()
     ref_sd = ref.state_dict()
     stats = hf_elixir.memory_stats(model)
     metrics = {
@@ -97,10 +103,11 @@ def ep_case(family: str, *, budget: str, idle: bool = False, save_dir: str | Non
         "norm_rel": norm_rel,
         "param_rel": rel(torch.cat([full[k].flatten() for k in ref_sd]), torch.cat([ref_sd[k].flatten() for k in ref_sd])),
         "param_rel_worst_tensor": max(rel(full[k], ref_sd[k]) for k in ref_sd if ref_sd[k].norm() > 0),
+        "worst_tensor": max((rel(full[k], ref_sd[k]), k) for k in ref_sd if ref_sd[k].norm() > 0)[1],
         "same_keys": list(full) == list(ref_sd),
         "params_moved": min(rel(ref_sd[k], init[k]) for k in ref_sd if ".mlp.experts." in k and ref_sd[k].dim() >= 2),
         "local_expert_shapes": local_expert_shapes,
-        "expert_containers": dict(state.expert_containers),
+        "expert_containers": dict(state.expert_containers) if ep > 1 else {},
         "num_evictions": stats["num_evictions"],
         "budget_bytes": budget_bytes,
     }
