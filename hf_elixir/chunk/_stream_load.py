@@ -9,7 +9,9 @@ the reader asks ``safetensors`` for the rows that cover the flat range
 touched pages are read) and cuts the flat range out of them. So a rank reads its shard's bytes plus at
 most one row on each side of each cut, never a whole parameter it does not own.
 
-Names: a parameter is looked up under its canonical name, then its aliases (tied weights: the same
+Names: a parameter the folder stores in another layout (today's MoE experts, written per expert) is built
+by transformers' own weight converters one expert at a time ([Note: converted tensors] in
+``_converted_load.py``). Otherwise a parameter is looked up under its canonical name, then its aliases (tied weights: the same
 ``nn.Parameter`` under two names, e.g. GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``; a
 file written by ``save_pretrained`` keeps only one), then each of those with the model's
 ``base_model_prefix`` added or removed (a base-model checkpoint loaded into a head model, or back).
@@ -34,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from hf_elixir.chunk._converted_load import check_converted, converted_sources
 
 __all__ = ["CheckpointReader", "SlotSource", "StreamedInit", "meta_parameter_names", "read_chunk_range", "retie"]
 
@@ -94,6 +98,10 @@ class CheckpointReader:
                 "(safe_serialization is the default)")
         self._handles: dict[Path, object] = {}
         self.bytes_read = 0
+        #: target name -> ConvertedSource: tensors built by transformers' converters ([Note: converted tensors])
+        self.converted: dict = {}
+        #: target name -> the key it is stored under (a transformers ``WeightRenaming``)
+        self.renamed: dict[str, str] = {}
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -106,6 +114,7 @@ class CheckpointReader:
         self._handles.clear()
 
     def keys(self) -> set[str]:
+        """The tensor names in the folder's files (not the converted targets)."""
         return set(self._file_of)
 
     def _handle(self, key: str):
@@ -123,13 +132,18 @@ class CheckpointReader:
         if prefix:
             dotted = prefix + "."
             candidates += [n[len(dotted):] if n.startswith(dotted) else dotted + n for n in names]
-        return next((n for n in candidates if n in self._file_of), None)
+        found = next((n for n in candidates if n in self._file_of or n in self.converted or n in self.renamed), None)
+        return self.renamed.get(found, found)
 
     def shape(self, key: str) -> torch.Size:
+        if key in self.converted:
+            return self.converted[key].shape
         return torch.Size(self._handle(key).get_slice(key).get_shape())
 
     def read(self, key: str) -> torch.Tensor:
         """The whole tensor ``key`` (a copy in its file dtype; for buffers and small tensors)."""
+        if key in self.converted:
+            return self.read_flat(key, 0, math.prod(self.shape(key))).reshape(self.shape(key)).clone()
         tensor = self._handle(key).get_tensor(key)
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor.clone()
@@ -143,6 +157,8 @@ class CheckpointReader:
             a 1-D tensor of ``end - begin`` elements in the file's dtype, viewing the memory-mapped
             file (copy it where it must outlive the reader).
         """
+        if key in self.converted:  # built expert by expert ([Note: converted tensors])
+            return self.converted[key].read_flat(self._read_whole, begin, end)
         view = self._handle(key).get_slice(key)
         shape = view.get_shape()
         numel = math.prod(shape)
@@ -158,6 +174,26 @@ class CheckpointReader:
             first *= row_numel
         self.bytes_read += rows.numel() * rows.element_size()
         return rows[begin - first:end - first]
+
+
+    def _read_whole(self, key: str) -> torch.Tensor:
+        """File tensor ``key`` (a view of the memory-mapped file), counted in :attr:`bytes_read`."""
+        tensor = self._handle(key).get_tensor(key)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def add_converted(self, model: torch.nn.Module, wanted: dict[str, torch.Size]) -> None:
+        """Register the parameters of ``wanted`` (name -> shape) that ``model``'s transformers conversion
+        mapping builds from this folder's tensors, or finds under another name (see ``_converted_load.py``).
+
+        Raises:
+            ValueError: as :func:`~hf_elixir.chunk._converted_load.check_converted`.
+        """
+        converted, renamed = converted_sources(model, self.keys(), wanted)
+        for target, source in converted.items():
+            check_converted(source, lambda key: torch.empty(self.shape(key), device="meta"))  # shapes: no read
+            self.converted[target] = source
+        self.renamed.update(renamed)
 
 
 def read_chunk_range(reader: CheckpointReader, sources: list[SlotSource], begin: int, end: int,
@@ -253,6 +289,10 @@ class StreamedInit:
 
     def _resolve(self, model: torch.nn.Module, names: dict) -> None:
         tied = _tied_sources(model)
+        absent = {fqns[0]: param.shape for param, fqns in names.items()
+                  if self.reader.resolve(list(fqns), self.prefix) is None}
+        if absent:  # stored in another layout (e.g. per-expert): transformers' own converters build them
+            self.reader.add_converted(model, absent)
         missing, mismatched = [], []
         for param, fqns in names.items():
             key = self.reader.resolve(list(fqns) + [tied[n] for n in fqns if n in tied], self.prefix)
