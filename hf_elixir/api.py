@@ -151,8 +151,8 @@ def _check_streamed_init(model, config: ElixirConfig, checkpoint) -> None:
         return
     if not isinstance(checkpoint, (str, os.PathLike)):
         raise TypeError(f"hf_elixir.prepare(checkpoint={checkpoint!r}) must be a path to a Hugging Face folder")
-    if get_parallel_state(model) is not None:
-        raise ValueError("hf_elixir.prepare(checkpoint=...) does not support tensor- or expert-parallel models yet "
+    if (pstate := get_parallel_state(model)) is not None and pstate.mesh.tp_size > 1:  # expert parallel streams
+        raise ValueError("hf_elixir.prepare(checkpoint=...) does not support tensor-parallel models yet "
                          "(parallelize needs real weights to split): load the model with from_pretrained, "
                          "parallelize it, and call prepare without checkpoint=")
     if config.search == "auto" and config.plan is None:

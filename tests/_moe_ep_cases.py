@@ -145,7 +145,64 @@ def _save_and_reload(family: str, model, full: dict, save_dir: str) -> dict:
     }
 
 
+def stream_case(family: str, *, folder: str) -> dict:
+    """``prepare(model_on_meta, checkpoint=folder)`` under ep=2 on a folder plain ``save_pretrained`` wrote
+    (per-expert tensors, fused by transformers' converters; each rank builds its own experts only), against
+    the same model loaded by ``from_pretrained``, parallelized and prepared; two training steps each."""
+    import transformers as T
+
+    import hf_elixir
+    from hf_elixir.chunk import _stream_load
+    from hf_elixir.parallel import gather_full_state_dict, parallelize
+
+    if dist.get_rank() == 0:
+        make_moe_model(family).save_pretrained(folder)
+    dist.barrier()
+    T.logging.set_verbosity_error()
+    readers = []
+    original = _stream_load.CheckpointReader.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        readers.append(self)
+
+    runs = []
+    for streamed in (False, True):
+        cfg = hf_elixir.ElixirConfig(placements={"*.mlp.experts": "expert"}, expert_parallel_size=2,
+                                     chunk_size_numel=CHUNK_NUMEL)
+        if streamed:
+            with torch.device("meta"):
+                model = T.AutoModelForCausalLM.from_config(T.AutoConfig.from_pretrained(folder))
+        else:
+            model = T.AutoModelForCausalLM.from_pretrained(folder).train()  # from_config's mode
+        parallelize(model, cfg)
+        opt = _adamw(model)
+        _stream_load.CheckpointReader.__init__ = recording
+        try:
+            model, opt = hf_elixir.prepare(model, opt, cfg, checkpoint=folder if streamed else None)
+        finally:
+            _stream_load.CheckpointReader.__init__ = original
+        losses = []
+        for step in range(2):
+            loss = model(**_batch(step, dist.get_rank())).loss
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, gather_full_state_dict(model, rank0_only=False)))
+    (plain_losses, plain_sd), (streamed_losses, streamed_sd) = runs
+    expert_bytes = sum(v.numel() * v.element_size() for k, v in plain_sd.items() if ".mlp.experts." in k)
+    return {
+        "same_losses": plain_losses == streamed_losses,
+        "bitwise": plain_sd.keys() == streamed_sd.keys() and all(torch.equal(plain_sd[k], streamed_sd[k]) for k in plain_sd),
+        "read_bytes": sum(r.bytes_read for r in readers),
+        "model_bytes": sum(v.numel() * v.element_size() for v in plain_sd.values()),
+        "expert_bytes": expert_bytes,
+    }
+
+
 def run_cases(rank: int, world_size: int, cases: list[tuple[str, dict]]) -> dict:
-    """``run_distributed`` target: every case in order; ``{name: metrics}``."""
+    """``run_distributed`` target: every case in order; ``{name: metrics}`` (a case with ``folder`` is a
+    :func:`stream_case`, others :func:`ep_case`)."""
     torch.use_deterministic_algorithms(False)
-    return {name: ep_case(**kwargs) for name, kwargs in cases}
+    return {name: stream_case(**kwargs) if "folder" in kwargs else ep_case(**kwargs) for name, kwargs in cases}

@@ -24,6 +24,7 @@ CASES = [(f"{family}_{budget}", {"family": family, "budget": budget}) for family
          for budget in ("none", "half")]
 CASES += [("mixtral_tight", {"family": "mixtral", "budget": "tight"}),
           ("gpt_oss_idle_tight", {"family": "gpt_oss", "budget": "tight", "idle": True})]
+STREAM_CASES = [("stream_mixtral", "mixtral"), ("stream_qwen3_moe", "qwen3_moe")]
 _RESULTS: dict = {}
 
 
@@ -33,8 +34,9 @@ def _results(tmp_path_factory) -> dict:
         save_root = str(tmp_path_factory.mktemp("moe_ep"))
         cases = [(name, {**kw, "save_dir": f"{save_root}/{name}"} if name in ("mixtral_none", "gpt_oss_none") else kw)
                  for name, kw in CASES]
+        cases += [(name, {"family": family, "folder": f"{save_root}/{name}"}) for name, family in STREAM_CASES]
         per_rank = run_distributed(run_cases, 2, cases, timeout_s=600)
-        _RESULTS.update({name: [r[name] for r in per_rank] for name, _ in CASES})
+        _RESULTS.update({name: [r[name] for r in per_rank] for name, _ in cases})
     return _RESULTS
 
 
@@ -97,3 +99,13 @@ def test_ep_on_dense_model_raises():
         resolve_placements(dense, hf_elixir.ElixirConfig(expert_parallel_size=2))
     with pytest.raises(ValueError, match=r"matches no module"):
         resolve_placements(dense, hf_elixir.ElixirConfig(placements={"*.mlp.experts": "expert"}, expert_parallel_size=2))
+
+
+@pytest.mark.parametrize("name", [name for name, _ in STREAM_CASES])
+def test_streamed_load_under_ep_matches_from_pretrained(name, tmp_path_factory):
+    """``prepare(model_on_meta, checkpoint=folder)`` after ``parallelize`` at ep=2 on a plain ``save_pretrained``
+    folder (experts per expert on disk): the same training as from ``from_pretrained``, bit for bit; each rank
+    reads its own experts (half of them) and its shards of the rest, never the whole model."""
+    for m in _results(tmp_path_factory)[name]:
+        assert m["same_losses"] and m["bitwise"], m
+        assert 0 < m["read_bytes"] <= m["model_bytes"] - m["expert_bytes"] / 2 + 1, m

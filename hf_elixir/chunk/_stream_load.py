@@ -39,7 +39,7 @@ import torch
 
 from hf_elixir.chunk._converted_load import check_converted, converted_sources
 
-__all__ = ["CheckpointReader", "SlotSource", "StreamedInit", "meta_parameter_names", "read_chunk_range", "retie"]
+__all__ = ["EXPERT_ROWS_ATTR", "CheckpointReader", "SlotSource", "StreamedInit", "meta_parameter_names", "read_chunk_range", "retie"]
 
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
@@ -52,11 +52,13 @@ class SlotSource:
     Attributes:
         key: the tensor's name in the folder's files.
         offset / numel: element range ``[offset, offset + numel)`` inside the chunk.
+        base: the parameter's first element inside the file's tensor (``0`` unless it holds a slice of it).
     """
 
     key: str
     offset: int
     numel: int
+    base: int = 0  # first element of the tensor this parameter holds (an expert-parallel slice: its first expert)
 
 
 class CheckpointReader:
@@ -210,7 +212,7 @@ def read_chunk_range(reader: CheckpointReader, sources: list[SlotSource], begin:
         lo, hi = max(begin, src.offset), min(end, src.offset + src.numel)
         if lo >= hi:
             continue
-        values = reader.read_flat(src.key, lo - src.offset, hi - src.offset)
+        values = reader.read_flat(src.key, src.base + lo - src.offset, src.base + hi - src.offset)
         out[lo - begin:hi - begin].copy_(values)
 
 
@@ -250,6 +252,22 @@ def retie(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> No
         group["params"] = params
 
 
+#: set by expert parallel on a parameter holding rows ``[first, first + len)`` of a fused expert tensor:
+#: ``(first, number of rows of the full tensor)``
+EXPERT_ROWS_ATTR = "_hf_elixir_expert_rows"
+
+
+def _expert_rows(param: torch.nn.Parameter) -> tuple[int, torch.Size]:
+    """``(first row, full shape)`` of the tensor ``param`` is read from: an expert-parallel slice of a fused
+    expert tensor (``hf_elixir.parallel._fused_experts.shard_fused_experts``) reads its rows of
+    the full tensor; any other parameter, all of it."""
+    rows = getattr(param, EXPERT_ROWS_ATTR, None)
+    if rows is None:
+        return 0, param.shape
+    first, full = rows
+    return first, torch.Size((full, *param.shape[1:]))
+
+
 def _tied_sources(model: torch.nn.Module) -> dict[str, str]:
     """Hugging Face ``_tied_weights_keys`` as ``{tied name: source name}`` (transformers 5 form; older
     list forms give nothing, the shared ``nn.Parameter`` already names both)."""
@@ -269,17 +287,24 @@ class StreamedInit:
     Raises:
         FileNotFoundError: as :class:`CheckpointReader`.
         ValueError: a parameter has no tensor in the folder, or one of another shape (names them);
-            a buffer on the meta device can be neither loaded nor rebuilt.
+            a buffer on the meta device can be neither loaded nor rebuilt; a meta parameter has gradient
+            hooks (e.g. Switch-Transformers experts under expert parallel).
     """
 
     def __init__(self, model: torch.nn.Module, folder: str | Path, names: dict, device: torch.device) -> None:
         self.reader = CheckpointReader(folder)
         self.prefix = getattr(model, "base_model_prefix", "") or ""
         self.keys: dict[torch.nn.Parameter, str] = {}
+        self.bases: dict[torch.nn.Parameter, int] = {}
         try:
             self._resolve(model, names)
             self._materialize_buffers(model, device)
             for param in names:
+                if param.is_meta and param._backward_hooks:
+                    raise ValueError(
+                        f"parameter {names[param][0]!r} is on the meta device with gradient hooks "
+                        "(Tensor.register_hook), which streamed loading would drop (torch.utils.swap_tensors): "
+                        "load the model with from_pretrained and call prepare without checkpoint=")
                 if param.is_meta:
                     placeholder = torch.zeros(1, dtype=param.dtype).expand(param.shape)
                     torch.utils.swap_tensors(param, torch.nn.Parameter(placeholder, requires_grad=param.requires_grad))
@@ -289,7 +314,7 @@ class StreamedInit:
 
     def _resolve(self, model: torch.nn.Module, names: dict) -> None:
         tied = _tied_sources(model)
-        absent = {fqns[0]: param.shape for param, fqns in names.items()
+        absent = {fqns[0]: _expert_rows(param)[1] for param, fqns in names.items()
                   if self.reader.resolve(list(fqns), self.prefix) is None}
         if absent:  # stored in another layout (e.g. per-expert): transformers' own converters build them
             self.reader.add_converted(model, absent)
@@ -300,9 +325,11 @@ class StreamedInit:
                 missing.append(fqns[0])
                 continue
             shape = self.reader.shape(key)
-            if shape != param.shape:
-                mismatched.append(f"{fqns[0]} {tuple(param.shape)} vs {key!r} {tuple(shape)}")
+            first, full_shape = _expert_rows(param)
+            if shape != full_shape:
+                mismatched.append(f"{fqns[0]} {tuple(full_shape)} vs {key!r} {tuple(shape)}")
             self.keys[param] = key
+            self.bases[param] = first * math.prod(full_shape[1:])
         folder = str(self.reader.folder)
         if missing:
             raise ValueError(f"checkpoint={folder!r} has no tensor for parameters {missing[:5]}"
@@ -341,7 +368,8 @@ class StreamedInit:
 
     def fill_for(self, chunk):
         """``fill(begin, end, out)`` for ``chunk``: its elements ``[begin, end)`` read from the folder."""
-        sources = [SlotSource(self.keys[slot.param], slot.offset, slot.numel) for slot in chunk.slots]
+        sources = [SlotSource(self.keys[slot.param], slot.offset, slot.numel, self.bases[slot.param])
+                   for slot in chunk.slots]
 
         def fill(begin: int, end: int, out: torch.Tensor) -> None:
             read_chunk_range(self.reader, sources, begin, end, out)

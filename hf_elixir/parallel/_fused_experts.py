@@ -30,7 +30,12 @@ whose local experts received no row still runs its forward, on one all-zero row 
 input and routed to local expert 0, and drops the output: its slices get an exact zero gradient, as in
 plain PyTorch, and the backward of both all-to-alls stays in the graph on every rank.
 
-The expert gradients are divided by ``ep`` as in [Note: expert gradient scale] (``_expert_parallel.py``).
+[Note: expert gradient scale in the graph] The expert gradients are divided by ``ep`` as in [Note: expert
+gradient scale] (``_expert_parallel.py``), but inside the graph rather than by a hook on the parameters (a
+hook does not survive ``torch.utils.swap_tensors``, which streamed init uses on meta parameters): the
+gradient reaching the experts' output is divided by ``ep`` (so the parameters' gradients are) and the one
+leaving their input multiplied back by ``ep`` (so the tokens' gradients are unchanged). For a power-of-two
+``ep`` both are exact in floating point.
 
 Source: transformers ``distributed/expert_parallel.py`` (``MoEParamShard`` slices dim 0 and sets
 ``num_experts``; ``AllToAllEP`` runs the local experts through the module's own forward on local ids);
@@ -45,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_elixir.chunk._stream_load import EXPERT_ROWS_ATTR
 from hf_elixir.parallel._collectives import all_to_all
 
 __all__ = ["FusedExpertDispatch", "shard_fused_experts"]
@@ -98,15 +104,30 @@ class FusedExpertDispatch:
             return self.experts_forward(probe, ids, probe.new_ones((1, 1)))[:0]
         local_ids = torch.arange(self.num_local_experts, device=x_recv.device).repeat(self.ep_size)
         local_ids = local_ids.repeat_interleave(recv_counts.flatten().to(x_recv.device), output_size=num_rows)
-        return self.experts_forward(x_recv, local_ids.unsqueeze(-1), x_recv.new_ones((num_rows, 1)))
+        x_in = _ScaleGrad.apply(x_recv, float(self.ep_size))  # see [Note: expert gradient scale in the graph]
+        y = self.experts_forward(x_in, local_ids.unsqueeze(-1), x_recv.new_ones((num_rows, 1)))
+        return _ScaleGrad.apply(y, 1.0 / self.ep_size)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return grad * ctx.scale, None
 
 
 def shard_fused_experts(experts: nn.Module, group: Any, rank: int, size: int) -> int:
     """Keep this ep rank's experts of a fused experts module and make it dispatch tokens by all-to-all.
 
     In place: every fused parameter ``(E, ...)`` becomes a new ``nn.Parameter`` holding rows
-    ``[rank * E / size, (rank + 1) * E / size)`` (a copy, so the full tensor can be freed), with a hook
-    dividing its gradient by ``size``; ``experts.num_experts`` becomes ``E / size``; ``experts.forward``
+    ``[rank * E / size, (rank + 1) * E / size)`` (a copy, so the full tensor can be freed; its gradient is
+    divided by ``size`` in the graph); ``experts.num_experts`` becomes ``E / size``; ``experts.forward``
     becomes a :class:`FusedExpertDispatch`.
 
     Args:
@@ -122,9 +143,8 @@ def shard_fused_experts(experts: nn.Module, group: Any, rank: int, size: int) ->
     first = rank * num_local
     for name, param in list(experts.named_parameters(recurse=False)):
         local = nn.Parameter(param.detach()[first:first + num_local].clone(), requires_grad=param.requires_grad)
+        setattr(local, EXPERT_ROWS_ATTR, (first, num_experts))  # streamed init reads these rows of the full tensor
         setattr(experts, name, local)
-        if size > 1 and local.requires_grad:  # see [Note: expert gradient scale] in _expert_parallel.py
-            local.register_hook(lambda g, inv=1.0 / size: g * inv)
     experts.num_experts = num_local
     experts.forward = FusedExpertDispatch(experts, num_experts, group, rank, size)
     return num_experts
