@@ -201,8 +201,46 @@ def stream_case(family: str, *, folder: str) -> dict:
     }
 
 
+def kernels_case(family: str) -> dict:
+    """One forward and backward of the ep=2 model twice, same weights and batch: the token permutation through
+    the PyTorch references, then through the Triton kernels (``FusedExpertDispatch.force_triton``; the
+    interpreter on CPU, ``TRITON_INTERPRET=1``), counting the kernels' launches."""
+    import hf_elixir
+    import triton_kernels.moe_permutation as moe
+    from hf_elixir.parallel import build_mesh, parallelize
+    from hf_elixir.parallel._fused_experts import FusedExpertDispatch
+
+    model = make_moe_model(family)
+    cfg = hf_elixir.ElixirConfig(placements={"*.mlp.experts": "expert"}, expert_parallel_size=2)
+    parallelize(model, cfg, build_mesh(cfg))
+    launches = {"n": 0}
+    original = moe._gather_rows_kernel
+
+    class _Counting:
+        def __getitem__(self, grid):
+            launches["n"] += 1
+            return original[grid]
+
+    runs = []
+    for force in (False, True):
+        FusedExpertDispatch.force_triton = force
+        moe._gather_rows_kernel = _Counting() if force else original
+        try:
+            model.zero_grad(set_to_none=True)
+            out = model(**_batch(0, dist.get_rank()))
+            out.loss.backward()
+        finally:
+            FusedExpertDispatch.force_triton = False
+            moe._gather_rows_kernel = original
+        runs.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (logits_ref, grads_ref), (logits_k, grads_k) = runs
+    return {"logits_rel": rel(logits_k, logits_ref), "grad_rel": max(rel(grads_k[n], grads_ref[n]) for n in grads_ref),
+            "launches": launches["n"]}
+
+
 def run_cases(rank: int, world_size: int, cases: list[tuple[str, dict]]) -> dict:
-    """``run_distributed`` target: every case in order; ``{name: metrics}`` (a case with ``folder`` is a
-    :func:`stream_case`, others :func:`ep_case`)."""
+    """``run_distributed`` target: every case in order; ``{name: metrics}`` (``kind``: ``"train"``, the
+    default, is :func:`ep_case`; ``"stream"`` :func:`stream_case`; ``"kernels"`` :func:`kernels_case`)."""
     torch.use_deterministic_algorithms(False)
-    return {name: stream_case(**kwargs) if "folder" in kwargs else ep_case(**kwargs) for name, kwargs in cases}
+    run = {"stream": stream_case, "kernels": kernels_case, "train": ep_case}
+    return {name: run[kwargs.pop("kind", "train")](**kwargs) for name, kwargs in cases}

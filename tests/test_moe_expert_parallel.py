@@ -34,7 +34,9 @@ def _results(tmp_path_factory) -> dict:
         save_root = str(tmp_path_factory.mktemp("moe_ep"))
         cases = [(name, {**kw, "save_dir": f"{save_root}/{name}"} if name in ("mixtral_none", "gpt_oss_none") else kw)
                  for name, kw in CASES]
-        cases += [(name, {"family": family, "folder": f"{save_root}/{name}"}) for name, family in STREAM_CASES]
+        cases += [(name, {"kind": "stream", "family": family, "folder": f"{save_root}/{name}"})
+                  for name, family in STREAM_CASES]
+        cases += [("kernels_qwen3_moe", {"kind": "kernels", "family": "qwen3_moe"})]
         per_rank = run_distributed(run_cases, 2, cases, timeout_s=600)
         _RESULTS.update({name: [r[name] for r in per_rank] for name, _ in cases})
     return _RESULTS
@@ -109,3 +111,10 @@ def test_streamed_load_under_ep_matches_from_pretrained(name, tmp_path_factory):
     for m in _results(tmp_path_factory)[name]:
         assert m["same_losses"] and m["bitwise"], m
         assert 0 < m["read_bytes"] <= m["model_bytes"] - m["expert_bytes"] / 2 + 1, m
+
+
+def test_triton_permute_kernels_match_the_pytorch_reference(tmp_path_factory):
+    """The fused-expert dispatch through the package's Triton permute kernels (the interpreter on CPU) gives
+    the logits and gradients of its PyTorch reference path."""
+    for m in _results(tmp_path_factory)["kernels_qwen3_moe"]:
+        assert m["launches"] > 0 and m["logits_rel"] < 1e-6 and m["grad_rel"] < 1e-5, m
