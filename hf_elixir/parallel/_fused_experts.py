@@ -91,8 +91,8 @@ class FusedExpertDispatch:
         x_recv = all_to_all(x_send, recv_splits, send_splits, self.group)
         y_recv = self._run_local(x_recv, recv_counts)
         y_back = all_to_all(y_recv, send_splits, recv_splits, self.group)
-        out = moe_unpermute(y_back, row_map_TK, top_k_weights.to(y_back.dtype), num_tokens,
-                            force_triton=self.force_triton)
+        # the routing weights keep their dtype (fp32 from most routers): the combine accumulates in fp32
+        out = moe_unpermute(y_back, row_map_TK, top_k_weights, num_tokens, force_triton=self.force_triton)
         return out.to(hidden_states.dtype)
 
     def _run_local(self, x_recv: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,8 @@ __all__ = ["PLACEMENTS", "ModelPlacementSpec", "TensorParallelBlock"]
 #: - ``"replicated"``: a full copy on every rank; gradients all-reduced over the data-parallel axis.
 #: - ``"column"``: output features split over the tensor-parallel axis (per head for attention).
 #: - ``"row"``: input features split over the tensor-parallel axis; outputs all-reduced.
-#: - ``"expert"``: the experts of an MoE layer spread over the expert-parallel axis.
+#: - ``"expert"``: the experts of an MoE layer spread over the expert-parallel axis (a fused 3-D experts
+#:   module such as ``MixtralExperts`` as a whole, or the experts of a registered container).
 PLACEMENTS = ("sharded", "replicated", "column", "row", "expert")
 
 
