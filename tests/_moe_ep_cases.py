@@ -55,9 +55,11 @@ def _silence_experts(model, experts: tuple[int, ...]) -> None:
                 p[list(experts)] = -30.0
 
 
-def ep_case(family: str, *, budget: str, idle: bool = False, save_dir: str | None = None, ep: int = 2) -> dict:
+def ep_case(family: str, *, budget: str, idle: bool = False, save_dir: str | None = None, ep: int = 2,
+            precision: str = "fp32") -> dict:
     """One parity case; ``budget`` = ``"none"``, ``"half"`` (half of 16 B/param of the full model) or
-    ``"tight"`` (5% above ``hf_elixir.min_device_budget_bytes``, which forces evictions)."""
+    ``"tight"`` (5% above ``hf_elixir.min_device_budget_bytes``, which forces evictions). ``precision="bf16"``:
+    bf16 compute with fp32 master weights against the fp32 reference."""
     import hf_elixir
     from hf_elixir.parallel import build_mesh, gather_full_state_dict, parallelize
 
@@ -71,7 +73,7 @@ def ep_case(family: str, *, budget: str, idle: bool = False, save_dir: str | Non
     placements = {"*.mlp.experts": "expert"} if ep > 1 else {}
     cfg = hf_elixir.ElixirConfig(placements=placements, expert_parallel_size=ep,
                                  chunk_size_numel=CHUNK_NUMEL, device_memory_budget_bytes=budget_bytes,
-                                 budget_covers_activations=False)
+                                 budget_covers_activations=False, precision=precision)
     mesh = build_mesh(cfg)
     state = parallelize(model, cfg, mesh) if ep > 1 else None  # ep=1: the plain ZeRO path, for comparison
     local_expert_shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if ".mlp.experts." in n}
@@ -93,7 +95,7 @@ def ep_case(family: str, *, budget: str, idle: bool = False, save_dir: str | Non
         torch.stack(ref_losses).mean().backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
         opt_ref.step()
-        loss_rel = max(loss_rel, abs(loss.item() - ref_losses[rank].item()) / abs(ref_losses[rank].item()))
+        loss_rel = max(loss_rel, abs(loss.float().item() - ref_losses[rank].item()) / abs(ref_losses[rank].item()))
         norm_rel = max(norm_rel, abs(float(norm) - float(ref_norm)) / float(ref_norm))
     full = gather_full_state_dict(model, rank0_only=False) if ep > 1 else model.state_dict()
     ref_sd = ref.state_dict()

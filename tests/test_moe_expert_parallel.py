@@ -25,6 +25,8 @@ CASES = [(f"{family}_{budget}", {"family": family, "budget": budget}) for family
 CASES += [("mixtral_tight", {"family": "mixtral", "budget": "tight"}),
           ("gpt_oss_idle_tight", {"family": "gpt_oss", "budget": "tight", "idle": True})]
 STREAM_CASES = [("stream_mixtral", "mixtral"), ("stream_qwen3_moe", "qwen3_moe")]
+BF16_CASES = [(f"{family}_bf16", {"family": family, "budget": "half", "precision": "bf16"})
+              for family in ("mixtral", "deepseek_v3")]
 _RESULTS: dict = {}
 
 
@@ -36,7 +38,7 @@ def _results(tmp_path_factory) -> dict:
                  for name, kw in CASES]
         cases += [(name, {"kind": "stream", "family": family, "folder": f"{save_root}/{name}"})
                   for name, family in STREAM_CASES]
-        cases += [("kernels_qwen3_moe", {"kind": "kernels", "family": "qwen3_moe"})]
+        cases += [("kernels_qwen3_moe", {"kind": "kernels", "family": "qwen3_moe"})] + BF16_CASES
         per_rank = run_distributed(run_cases, 2, cases, timeout_s=600)
         _RESULTS.update({name: [r[name] for r in per_rank] for name, _ in cases})
     return _RESULTS
@@ -118,3 +120,12 @@ def test_triton_permute_kernels_match_the_pytorch_reference(tmp_path_factory):
     the logits and gradients of its PyTorch reference path."""
     for m in _results(tmp_path_factory)["kernels_qwen3_moe"]:
         assert m["launches"] > 0 and m["logits_rel"] < 1e-6 and m["grad_rel"] < 1e-5, m
+
+
+@pytest.mark.parametrize("name", [name for name, _ in BF16_CASES])
+def test_bf16_ep2_tracks_fp32_reference(name, tmp_path_factory):
+    """bf16 compute with fp32 master weights under ep=2 stays within the package's documented bf16 tolerance
+    (2% of the fp32 loss, as ``tests/test_core_features.py``); DeepSeek-V3's router runs in fp32 on bf16
+    hidden states, so the combine takes fp32 routing weights."""
+    for m in _results(tmp_path_factory)[name]:
+        assert m["loss_rel"] < 2e-2 and m["same_keys"] and m["params_moved"] > 1e-3, m
