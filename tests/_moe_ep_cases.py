@@ -56,7 +56,7 @@ def _silence_experts(model, experts: tuple[int, ...]) -> None:
 
 
 def ep_case(family: str, *, budget: str, idle: bool = False, save_dir: str | None = None, ep: int = 2,
-            precision: str = "fp32") -> dict:
+            precision: str = "fp32", checkpointing: bool = False) -> dict:
     """One parity case; ``budget`` = ``"none"``, ``"half"`` (half of 16 B/param of the full model) or
     ``"tight"`` (5% above ``hf_elixir.min_device_budget_bytes``, which forces evictions). ``precision="bf16"``:
     bf16 compute with fp32 master weights against the fp32 reference."""
@@ -64,6 +64,8 @@ def ep_case(family: str, *, budget: str, idle: bool = False, save_dir: str | Non
     from hf_elixir.parallel import build_mesh, gather_full_state_dict, parallelize
 
     model = make_moe_model(family)
+    if checkpointing:  # HF activation checkpointing: the dispatch (and its all-to-alls) re-runs in backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if idle:
         _silence_experts(model, (2, 3))
     ref = copy.deepcopy(model)
@@ -72,7 +74,7 @@ def ep_case(family: str, *, budget: str, idle: bool = False, save_dir: str | Non
     budget_bytes = None if budget == "none" else 16 * numel // 2
     placements = {"*.mlp.experts": "expert"} if ep > 1 else {}
     cfg = hf_elixir.ElixirConfig(placements=placements, expert_parallel_size=ep,
-                                 chunk_size_numel=CHUNK_NUMEL, device_memory_budget_bytes=budget_bytes,
+                                 chunk_size_numel=CHUNK_NUMEL * (2 // ep), device_memory_budget_bytes=budget_bytes,
                                  budget_covers_activations=False, precision=precision)
     mesh = build_mesh(cfg)
     state = parallelize(model, cfg, mesh) if ep > 1 else None  # ep=1: the plain ZeRO path, for comparison

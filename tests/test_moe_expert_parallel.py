@@ -3,8 +3,9 @@
 Parity with plain PyTorch at 2 ranks under ``expert_parallel_size=2`` (placed by the glob
 ``{"*.mlp.experts": "expert"}``), through ``hf_elixir.prepare`` with no budget and with a model-data budget
 of half the 16 B/param state, AdamW with weight decay on matrices only, clipping, 5 steps, fp32; plus a
-budget that forces evictions, an ep rank whose experts never get a token, and ``save_pretrained`` ->
-plain ``from_pretrained``. See ``tests/_moe_ep_cases.py`` for what each case runs.
+budget that forces evictions, an ep rank whose experts never get a token, HF activation checkpointing (the
+dispatch re-runs in backward), bf16, the Triton permute kernels, ``save_pretrained`` -> plain
+``from_pretrained``, and streamed load under ep. See ``tests/_moe_ep_cases.py`` for what each case runs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ TOL = 2e-5
 CASES = [(f"{family}_{budget}", {"family": family, "budget": budget}) for family in MOE_FAMILIES
          for budget in ("none", "half")]
 CASES += [("mixtral_tight", {"family": "mixtral", "budget": "tight"}),
-          ("gpt_oss_idle_tight", {"family": "gpt_oss", "budget": "tight", "idle": True})]
+          ("gpt_oss_idle_tight", {"family": "gpt_oss", "budget": "tight", "idle": True}),
+          ("qwen3_moe_checkpointing_half", {"family": "qwen3_moe", "budget": "half", "checkpointing": True})]
 STREAM_CASES = [("stream_mixtral", "mixtral"), ("stream_qwen3_moe", "qwen3_moe")]
 BF16_CASES = [(f"{family}_bf16", {"family": family, "budget": "half", "precision": "bf16"})
               for family in ("mixtral", "deepseek_v3")]
@@ -56,12 +58,12 @@ def test_fused_experts_ep2_match_plain_pytorch(name, tmp_path_factory):
         assert set(m["expert_containers"].values()) == {4}, m
         for fqn, shape in m["local_expert_shapes"].items():  # each rank holds 2 of the 4 experts, biases included
             assert shape[0] == 2, (fqn, shape)
-    family = name.split("_none")[0].split("_half")[0].split("_tight")[0].split("_idle")[0]
+    family = dict(CASES)[name]["family"]
     expected_layers = 1 if family == "deepseek_v3" else 2  # DeepSeek-V3's first layer is dense
     assert len(ranks[0]["expert_containers"]) == expected_layers
-    if name.endswith("_half"):
+    if dict(CASES)[name]["budget"] == "half":
         assert ranks[0]["budget_bytes"] == 8 * sum(p.numel() for p in make_moe_model(family).parameters())
-    if name.endswith("_tight"):
+    if dict(CASES)[name]["budget"] == "tight":
         assert min(m["num_evictions"] for m in ranks) > 0
 
 
