@@ -9,7 +9,9 @@ the reader asks ``safetensors`` for the rows that cover the flat range
 touched pages are read) and cuts the flat range out of them. So a rank reads its shard's bytes plus at
 most one row on each side of each cut, never a whole parameter it does not own.
 
-Names: a parameter is looked up under its canonical name, then its aliases (tied weights: the same
+Names: a parameter the folder stores in another layout (today's MoE experts, written per expert) is built
+by transformers' own weight converters one expert at a time ([Note: converted tensors] in
+``_converted_load.py``). Otherwise a parameter is looked up under its canonical name, then its aliases (tied weights: the same
 ``nn.Parameter`` under two names, e.g. GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``; a
 file written by ``save_pretrained`` keeps only one), then each of those with the model's
 ``base_model_prefix`` added or removed (a base-model checkpoint loaded into a head model, or back).
@@ -43,8 +45,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CheckpointReader", "SlotSource", "StreamedInit", "TensorShard", "meta_parameter_names", "read_chunk_range",
-           "retie"]
+from hf_elixir.chunk._converted_load import check_converted, converted_sources
+
+__all__ = ["EXPERT_ROWS_ATTR", "CheckpointReader", "SlotSource", "StreamedInit", "TensorShard",
+           "meta_parameter_names", "read_chunk_range", "retie"]
 
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
@@ -82,12 +86,14 @@ class SlotSource:
     Attributes:
         key: the tensor's name in the folder's files.
         offset / numel: element range ``[offset, offset + numel)`` inside the chunk.
+        base: the parameter's first element inside the file's tensor (``0`` unless it holds a slice of it).
     """
 
     key: str
     offset: int
     numel: int
     shard: TensorShard | None = None
+    base: int = 0  # first element of the tensor this parameter holds (an expert-parallel slice: its first expert)
 
 
 class CheckpointReader:
@@ -129,6 +135,10 @@ class CheckpointReader:
                 "(safe_serialization is the default)")
         self._handles: dict[Path, object] = {}
         self.bytes_read = 0
+        #: target name -> ConvertedSource: tensors built by transformers' converters ([Note: converted tensors])
+        self.converted: dict = {}
+        #: target name -> the key it is stored under (a transformers ``WeightRenaming``)
+        self.renamed: dict[str, str] = {}
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -141,6 +151,7 @@ class CheckpointReader:
         self._handles.clear()
 
     def keys(self) -> set[str]:
+        """The tensor names in the folder's files (not the converted targets)."""
         return set(self._file_of)
 
     def _handle(self, key: str):
@@ -158,13 +169,18 @@ class CheckpointReader:
         if prefix:
             dotted = prefix + "."
             candidates += [n[len(dotted):] if n.startswith(dotted) else dotted + n for n in names]
-        return next((n for n in candidates if n in self._file_of), None)
+        found = next((n for n in candidates if n in self._file_of or n in self.converted or n in self.renamed), None)
+        return self.renamed.get(found, found)
 
     def shape(self, key: str) -> torch.Size:
+        if key in self.converted:
+            return self.converted[key].shape
         return torch.Size(self._handle(key).get_slice(key).get_shape())
 
     def read(self, key: str) -> torch.Tensor:
         """The whole tensor ``key`` (a copy in its file dtype; for buffers and small tensors)."""
+        if key in self.converted:
+            return self.read_flat(key, 0, math.prod(self.shape(key))).reshape(self.shape(key)).clone()
         tensor = self._handle(key).get_tensor(key)
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor.clone()
@@ -184,6 +200,8 @@ class CheckpointReader:
             a 1-D tensor of ``end - begin`` elements in the file's dtype, viewing the memory-mapped
             file (copy it where it must outlive the reader).
         """
+        if key in self.converted:  # built expert by expert ([Note: converted tensors])
+            return self.converted[key].read_flat(self._read_whole, begin, end)
         view = self._handle(key).get_slice(key)
         shape = view.get_shape()
         numel = math.prod(shape)
@@ -199,6 +217,26 @@ class CheckpointReader:
             first *= row_numel
         self.bytes_read += rows.numel() * rows.element_size()
         return rows[begin - first:end - first]
+
+
+    def _read_whole(self, key: str) -> torch.Tensor:
+        """File tensor ``key`` (a view of the memory-mapped file), counted in :attr:`bytes_read`."""
+        tensor = self._handle(key).get_tensor(key)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def add_converted(self, model: torch.nn.Module, wanted: dict[str, torch.Size]) -> None:
+        """Register the parameters of ``wanted`` (name -> shape) that ``model``'s transformers conversion
+        mapping builds from this folder's tensors, or finds under another name (see ``_converted_load.py``).
+
+        Raises:
+            ValueError: as :func:`~hf_elixir.chunk._converted_load.check_converted`.
+        """
+        converted, renamed = converted_sources(model, self.keys(), wanted)
+        for target, source in converted.items():
+            check_converted(source, lambda key: torch.empty(self.shape(key), device="meta"))  # shapes: no read
+            self.converted[target] = source
+        self.renamed.update(renamed)
 
 
 def _read_shard_flat(reader: CheckpointReader, key: str, begin: int, end: int, shard: TensorShard) -> torch.Tensor:
@@ -241,7 +279,7 @@ def read_chunk_range(reader: CheckpointReader, sources: list[SlotSource], begin:
         if lo >= hi:
             continue
         if src.shard is None:
-            values = reader.read_flat(src.key, lo - src.offset, hi - src.offset)
+            values = reader.read_flat(src.key, src.base + lo - src.offset, src.base + hi - src.offset)
         else:
             values = _read_shard_flat(reader, src.key, lo - src.offset, hi - src.offset, src.shard)
         out[lo - begin:hi - begin].copy_(values)
@@ -283,6 +321,22 @@ def retie(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> No
         group["params"] = params
 
 
+#: set by expert parallel on a parameter holding rows ``[first, first + len)`` of a fused expert tensor:
+#: ``(first, number of rows of the full tensor)``
+EXPERT_ROWS_ATTR = "_hf_elixir_expert_rows"
+
+
+def _expert_rows(param: torch.nn.Parameter) -> tuple[int, torch.Size]:
+    """``(first row, full shape)`` of the tensor ``param`` is read from: an expert-parallel slice of a fused
+    expert tensor (``hf_elixir.parallel._fused_experts.shard_fused_experts``) reads its rows of
+    the full tensor; any other parameter, all of it."""
+    rows = getattr(param, EXPERT_ROWS_ATTR, None)
+    if rows is None:
+        return 0, param.shape
+    first, full = rows
+    return first, torch.Size((full, *param.shape[1:]))
+
+
 def _tied_sources(model: torch.nn.Module) -> dict[str, str]:
     """Hugging Face ``_tied_weights_keys`` as ``{tied name: source name}`` (transformers 5 form; older
     list forms give nothing, the shared ``nn.Parameter`` already names both)."""
@@ -304,7 +358,8 @@ class StreamedInit:
     Raises:
         FileNotFoundError: as :class:`CheckpointReader`.
         ValueError: a parameter has no tensor in the folder, or one of another shape (names them);
-            a buffer on the meta device can be neither loaded nor rebuilt.
+            a buffer on the meta device can be neither loaded nor rebuilt; a meta parameter has gradient
+            hooks (e.g. Switch-Transformers experts under expert parallel).
     """
 
     def __init__(self, model: torch.nn.Module, folder: str | Path, names: dict, device: torch.device,
@@ -317,10 +372,16 @@ class StreamedInit:
             shard = next((shards[n] for n in fqns if n in shards), None) if shards else None
             if shard is not None:
                 self.shards[param] = shard
+        self.bases: dict[torch.nn.Parameter, int] = {}
         try:
             self._resolve(model, names)
             self._materialize_buffers(model, device)
             for param in names:
+                if param.is_meta and param._backward_hooks:
+                    raise ValueError(
+                        f"parameter {names[param][0]!r} is on the meta device with gradient hooks "
+                        "(Tensor.register_hook), which streamed loading would drop (torch.utils.swap_tensors): "
+                        "load the model with from_pretrained and call prepare without checkpoint=")
                 if param.is_meta:
                     placeholder = torch.zeros(1, dtype=param.dtype).expand(param.shape)
                     torch.utils.swap_tensors(param, torch.nn.Parameter(placeholder, requires_grad=param.requires_grad))
@@ -330,6 +391,10 @@ class StreamedInit:
 
     def _resolve(self, model: torch.nn.Module, names: dict) -> None:
         tied = _tied_sources(model)
+        absent = {fqns[0]: _expert_rows(param)[1] for param, fqns in names.items()
+                  if self.reader.resolve(list(fqns), self.prefix) is None}
+        if absent:  # stored in another layout (e.g. per-expert): transformers' own converters build them
+            self.reader.add_converted(model, absent)
         missing, mismatched = [], []
         for param, fqns in names.items():
             key = self.reader.resolve(list(fqns) + [tied[n] for n in fqns if n in tied], self.prefix)
@@ -338,9 +403,13 @@ class StreamedInit:
                 continue
             shape = self.reader.shape(key)
             shard = self.shards.get(param)
-            if (shard.full_shape(param.shape) if shard else param.shape) != shape:
-                mismatched.append(f"{fqns[0]} {tuple(param.shape)} vs {key!r} {tuple(shape)}")
+            first, full_shape = _expert_rows(param)
+            if shard is not None:
+                full_shape = shard.full_shape(param.shape)
+            if shape != full_shape:
+                mismatched.append(f"{fqns[0]} {tuple(full_shape)} vs {key!r} {tuple(shape)}")
             self.keys[param] = key
+            self.bases[param] = first * math.prod(full_shape[1:])
         folder = str(self.reader.folder)
         if missing:
             raise ValueError(f"checkpoint={folder!r} has no tensor for parameters {missing[:5]}"
@@ -379,7 +448,8 @@ class StreamedInit:
 
     def fill_for(self, chunk):
         """``fill(begin, end, out)`` for ``chunk``: its elements ``[begin, end)`` read from the folder."""
-        sources = [SlotSource(self.keys[slot.param], slot.offset, slot.numel, self.shards.get(slot.param))
+        sources = [SlotSource(self.keys[slot.param], slot.offset, slot.numel, self.shards.get(slot.param),
+                              self.bases[slot.param])
                    for slot in chunk.slots]
 
         def fill(begin: int, end: int, out: torch.Tensor) -> None:

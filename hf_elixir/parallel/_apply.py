@@ -14,12 +14,14 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_elixir.parallel._expert_parallel import ExpertParallelExperts
+from hf_elixir.parallel._fused_experts import shard_fused_experts
 from hf_elixir.parallel._gather import install_save_guard
 from hf_elixir.parallel._mesh import ElixirMesh, build_mesh
 from hf_elixir.parallel._state import _STATE_ATTR, ParallelState, get_parallel_state
 from hf_elixir.parallel._tensor_parallel import parallelize_block
 from hf_elixir.parallel._tp_modules import parallelize_modules
 from hf_elixir.placement import resolve_placements_detailed
+from hf_elixir.placement._experts import is_fused_experts
 
 __all__ = ["param_process_groups", "parallelize", "placements_for_plan", "reduce_gradients"]
 
@@ -30,7 +32,8 @@ def parallelize(model: nn.Module, config: Any, mesh: ElixirMesh | None = None) -
     Args:
         model: a Hugging Face model: tensor-parallel placements from its config's own plan
             (``base_model_tp_plan``: Llama, Qwen3, Mistral, Gemma3, ...), a registered spec (GPT-2, OPT,
-            Switch-Transformers), or ``config.placements`` globs.
+            Switch-Transformers), or ``config.placements`` globs. Fused 3-D experts of any
+            family take ``"expert"`` (from the config's ``base_model_ep_plan`` or ``ElixirConfig.placements``).
         config: an :class:`hf_elixir.ElixirConfig`.
         mesh: reuse a mesh; default builds one with :func:`build_mesh`.
 
@@ -61,6 +64,9 @@ def parallelize(model: nn.Module, config: Any, mesh: ElixirMesh | None = None) -
     for fqn in resolved.expert_containers:
         parent_fqn, _, child = fqn.rpartition(".")
         container = named[fqn]
+        if is_fused_experts(container):  # sliced in place: names and class unchanged
+            state.expert_containers[fqn] = shard_fused_experts(container, mesh.ep_group, mesh.ep_rank, mesh.ep_size)
+            continue
         state.expert_containers[fqn] = container.num_experts
         new = ExpertParallelExperts(container, mesh.ep_group, mesh.ep_rank, mesh.ep_size)
         setattr(named[parent_fqn] if parent_fqn else model, child, new)

@@ -12,6 +12,7 @@ from torch import nn
 from hf_elixir.chunk.strict import register_host, to_device, to_host
 from hf_elixir.parallel._state import get_parallel_state
 from hf_elixir.parallel._tensor_parallel import merge_shards
+from hf_elixir.placement._experts import is_fused_experts
 
 __all__ = ["gather_full_state_dict", "install_save_guard", "save_pretrained_full"]
 
@@ -43,7 +44,7 @@ def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict
     its ``model.state_dict()``, which consolidates the ZeRO chunks over their data-parallel groups into
     this rank's full local tensors). Tp shards are all-gathered over the tp group and merged (GPT-2's
     ``c_attn`` re-fused per head: ``q|k|v`` with every rank's heads in order); experts are
-    all-gathered over the ep group. Replicated tensors are taken from this rank (they are equal on
+    all-gathered over the ep group (fused 3-D expert slices concatenated on dim 0, in ep rank order). Replicated tensors are taken from this rank (they are equal on
     every rank after a synchronised step). Keys and order are those of the model before
     :func:`hf_elixir.parallel.parallelize`.
 
@@ -64,7 +65,12 @@ def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict
     mesh = state.mesh
     local = model.state_dict()
     full: dict[str, torch.Tensor] = {}
+    named = dict(model.named_modules())
     for container, num_experts in state.expert_containers.items():
+        if is_fused_experts(named[container]):  # this rank's slices of the stacked tensors: concatenate
+            for key in sorted(k for k in local if k.startswith(container + ".")):
+                full[key] = register_host(torch.cat(_all_gather(local[key], mesh.ep_group, mesh.ep_size)).cpu())
+            continue
         num_local = num_experts // mesh.ep_size
         first = mesh.ep_rank * num_local
         for j in range(num_local):

@@ -23,6 +23,7 @@ from typing import Any
 from torch import nn
 
 from hf_elixir.placement._hf_plans import check_heads, plan_placements, read_plans
+from hf_elixir.placement._experts import fused_expert_count
 from hf_elixir.placement._registry import get_model_spec
 from hf_elixir.placement._spec import PLACEMENTS, ModelPlacementSpec, TensorParallelBlock
 
@@ -169,12 +170,13 @@ def _check_divisible(parent_fqn: str, parent: nn.Module, block: TensorParallelBl
 def _check_experts(model: nn.Module, modules: dict[str, nn.Module], placements: dict[str, str],
                    spec: ModelPlacementSpec, ep_size: int) -> list[str]:
     containers = [
-        (fqn, mod) for fqn, mod in model.named_modules() if type(mod).__name__ in spec.expert_containers
+        (fqn, mod) for fqn, mod in model.named_modules()
+        if type(mod).__name__ in spec.expert_containers or fused_expert_count(mod) is not None
     ]
     placed: list[str] = []
     covered: set[str] = set()
     for fqn, container in containers:
-        members = [m for m in placements if m.startswith(fqn + ".")]
+        members = [m for m in placements if m == fqn or m.startswith(fqn + ".")]
         covered.update(members)
         kinds = {placements[m] for m in members}
         if "expert" not in kinds:
@@ -184,10 +186,11 @@ def _check_experts(model: nn.Module, modules: dict[str, nn.Module], placements: 
                 f"all experts of {fqn!r} must share the placement 'expert' (got {sorted(kinds)}); "
                 "place the whole container, e.g. ElixirConfig.placements={'*.mlp.experts': 'expert'}"
             )
-        num_experts = getattr(container, spec.num_experts_attr)
+        attr = "num_experts" if fused_expert_count(container) is not None else spec.num_experts_attr
+        num_experts = getattr(container, attr)
         if num_experts % ep_size:
             raise ValueError(
-                f"{fqn}.{spec.num_experts_attr}={num_experts} experts are not divisible by "
+                f"{fqn}.{attr}={num_experts} experts are not divisible by "
                 f"expert_parallel_size={ep_size}; pick an expert_parallel_size that divides {num_experts}"
             )
         placed.append(fqn)
@@ -195,7 +198,8 @@ def _check_experts(model: nn.Module, modules: dict[str, nn.Module], placements: 
         if placement == "expert" and fqn not in covered:
             raise ValueError(
                 f"module {fqn!r} ({type(modules[fqn]).__name__}) cannot take placement 'expert': only the "
-                f"experts of an MoE container ({list(spec.expert_containers) or 'none for ' + repr(spec.model_type)}) can"
+                f"experts of an MoE container (a fused experts module such as MixtralExperts, or "
+                f"{list(spec.expert_containers) or 'none for ' + repr(spec.model_type)}) can"
             )
     return placed
 
@@ -267,7 +271,9 @@ def resolve_placements_detailed(model: nn.Module, config: Any) -> ResolvedPlacem
         raise ValueError(
             f"ElixirConfig.expert_parallel_size={ep_size} but model_type {model_type!r} has no experts placed "
             "'expert'" + (" (a dense model: its config declares no base_model_ep_plan and no registered spec "
-                          "names experts)" if dense else "") + "; set expert_parallel_size=1"
+                          "names experts); set expert_parallel_size=1" if dense else
+                          "; place its experts modules, e.g. ElixirConfig(placements={'*.mlp.experts': 'expert'}), "
+                          "or set expert_parallel_size=1")
         )
     return ResolvedPlacements(placements=placements, tp_blocks=blocks, tp_modules=standalone,
                               expert_containers=containers, spec=spec)

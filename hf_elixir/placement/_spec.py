@@ -35,7 +35,8 @@ __all__ = ["PLACEMENTS", "ModelPlacementSpec", "TensorParallelBlock"]
 #: - ``"grad_allreduce"``: parameters whole on every tensor-parallel rank, in a module that sees only this
 #:   rank's heads (Qwen3's ``q_norm``): gradients summed over the tensor-parallel group
 #:   (``replicated_with_grad_allreduce``).
-#: - ``"expert"``: the experts of an MoE layer spread over the expert-parallel axis.
+#: - ``"expert"``: the experts of an MoE layer spread over the expert-parallel axis (a fused 3-D experts
+#:   module such as ``MixtralExperts`` as a whole, or the experts of a registered container).
 #:
 #: All but ``"replicated"`` are also ZeRO-sharded over the data-parallel axis. See
 #: ``hf_elixir/placement/_hf_plans.py`` for how a model config's plan maps onto them.
