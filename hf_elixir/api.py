@@ -206,7 +206,7 @@ def _apply_layout(model, optimizer, names, layout: Layout, stream: StreamedInit 
     if optimizer is not None:
         state.optimizer = ElixirOptimizer(optimizer, manager, config, refresh_cast=plan.refresh_cast,
                                           fp32_masters=fp32_masters)
-    else:  # no optimizer step: each forward is a step ([Note: forward steps] in chunk/manager.py)
+    else:  # no optimizer step: each forward is a step ([Note: forward steps] in chunk/_steps.py)
         manager.forward_steps = True
     install_state_dict_hooks(model, manager, on_loaded=(
         state.optimizer.sync_masters_from_params if state.optimizer is not None else (lambda: None)))

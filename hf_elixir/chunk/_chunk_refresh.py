@@ -1,5 +1,5 @@
 """A chunk's refresh: the optimizer's new values of this rank's shard, uploaded from a host buffer into the device
-shard without making the compute wait ([Note: overlapped refresh] in ``hf_elixir/optim/optimizer.py``), cast on
+shard without making the compute wait ([Note: overlapped refresh] in ``hf_elixir/optim/_refresh.py``), cast on
 the device when the compute dtype is narrower ([Note: refresh cast] there), and waited for before anything reads
 the shard. :data:`~hf_elixir.chunk.chunk.REFRESH_STAGING_NUMEL` sizes the cast's staging buffer.
 
@@ -106,7 +106,7 @@ class ChunkRefreshMixin:
         """Make the refresh :meth:`issue_refresh` issued visible: on CUDA ``stream`` (default: the current one)
         waits for its event (no host sync); on the simulated device the copy is done here. The parameters of a
         current chunk point at ``full`` again. A refresh issued from a speculative host step that ``step()`` has
-        not validated yet ([Note: early refresh] in ``hf_elixir/optim/optimizer.py``) is a misprediction when
+        not validated yet ([Note: early refresh] in ``hf_elixir/optim/_refresh.py``) is a misprediction when
         anything waits for it first: the manager's ``early_refresh_fence`` undoes that step and uploads the
         values from before it, which this then waits for.
 

@@ -131,7 +131,7 @@ class ReduceMixin:
         self.drain_gathers()
         self.drain_refreshes()
         # writes made before the forward, in the masters before the host lane steps them and uploads its result
-        # into the compute copies ([Note: early refresh] in optim/optimizer.py, [Note: parameter writes] in
+        # into the compute copies ([Note: early refresh] in optim/_refresh.py, [Note: parameter writes] in
         # _chunk_params.py)
         self.take_param_writes()
         if len(self.trace) < _MAX_TRACE:

@@ -106,7 +106,7 @@ class StepTraceMixin:
     def used_no_more(self, chunk: Chunk) -> bool:
         """In backward: ``chunk`` has no later access in the previous step's order (the step's last backward)
         and no parameter left in COMPUTE, so nothing reads its compute copy again before the next forward
-        ([Note: early refresh] in ``hf_elixir/optim/optimizer.py``). ``False`` without a previous step, and
+        ([Note: early refresh] in ``hf_elixir/optim/_refresh.py``). ``False`` without a previous step, and
         once this step has made more accesses than the previous one (its order says nothing about them), and
         while a slot holds a gradient not yet reduced (``READY_FOR_REDUCE``: the chunk is reduced again, and the
         host lane takes that gradient too, e.g. a parameter of a block that reentrant activation checkpointing ran

@@ -24,7 +24,7 @@ state of their own and are a component (:class:`~hf_elixir.chunk._rank_checks.Ra
 One chunk's own verbs (unshard, reshard, gradient accumulation and reduce, refresh) are in ``chunk.py`` and its
 ``_chunk_*.py`` files.
 
-Refreshes of device shards from host masters ([Note: overlapped refresh] in ``hf_elixir/optim/optimizer.py``)
+Refreshes of device shards from host masters ([Note: overlapped refresh] in ``hf_elixir/optim/_refresh.py``)
 are uploads on the copy stream issued by the optimizer step; :meth:`access` waits for each chunk's own
 (:meth:`Chunk.wait_ready`), :meth:`start_backward` drains the rest (:meth:`drain_refreshes`).
 """
@@ -94,10 +94,10 @@ class ChunkManager(StepTraceMixin, EvictionMixin, GradBufferMixin, GatherPrefetc
         # optimizer's masters ([Note: parameter writes] in _chunk_params.py)
         self.on_param_writes = None
         # ``before_backward()`` runs as a backward starts, ``on_zero_grad()`` when every gradient
-        # is zeroed ([Note: owed clip factor] in optim/optimizer.py)
+        # is zeroed ([Note: owed clip factor] in optim/_clip.py)
         self.before_backward = None
         self.on_zero_grad = None
-        # [Note: early refresh] in optim/optimizer.py: ``on_grad_progress()`` runs after each gradient lands (the
+        # [Note: early refresh] in optim/_refresh.py: ``on_grad_progress()`` runs after each gradient lands (the
         # host lane issues the uploads of chunks it has stepped); ``early_refresh_fence(chunk)`` runs before a
         # wait for a refresh issued from an unvalidated speculative step
         self.on_grad_progress = None

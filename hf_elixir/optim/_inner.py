@@ -124,7 +124,7 @@ class InnerStepMixin:
                 self._staged.difference_update(self._view_by_tensor[id(t)].chunk.chunk_id for g in rest for t in g)
                 unhooked_step(self.inner)  # no step hooks for the inner optimizer ([Note: step hooks])
                 # a fused kernel (torch._fused_adamw_) leaves the masters' version counter as it was: bump it, so
-                # a pending upload of a master sees the write ([Note: strict refresh source] in chunk.py)
+                # a pending upload of a master sees the write ([Note: strict refresh source] in chunk/_chunk_refresh.py)
                 torch.autograd.graph.increment_version([t for params in rest for t in params])
             for cid, chosen in same_pass.items():
                 self._step_same_pass(cid, chosen)

@@ -3,7 +3,7 @@
 Outside the step, the compute copies can be written: ``model.load_state_dict``, an in-place write to a
 parameter (``p.data.copy_``, ``torch.nn.init``), a tied weight set by the user. The masters must then follow, or
 the next step would update the old values and its refresh would overwrite the write. The manager notices such
-writes ([Note: parameter writes] in ``hf_elixir/chunk/chunk.py``) and calls :meth:`ParamWritesMixin.merge_param_writes`
+writes ([Note: parameter writes] in ``hf_elixir/chunk/_chunk_params.py``) and calls :meth:`ParamWritesMixin.merge_param_writes`
 before anything reads the masters; :meth:`ParamWritesMixin.sync_masters_from_params` takes every compute copy
 whole.
 """

@@ -21,7 +21,7 @@ host halves the bytes on the bus: ``copy_`` from an fp32 host tensor into a bf16
 On the simulated device the copy is done at the wait and the parameters are stale placeholders until
 then, so a read that skips the wait raises (as the hardware would return the old values); a write to the
 upload's source (staging buffer or master) between the issue and the wait raises too, where the hardware
-would upload the values of the issue time ([Note: strict refresh source] in ``hf_elixir/chunk/chunk.py``).
+would upload the values of the issue time ([Note: strict refresh source] in ``hf_elixir/chunk/_chunk_refresh.py``).
 Source: ZeRO-Offload (arXiv 2101.06840) section 4.2, the fp16 parameter copy overlapped with the next
 step; FSDP2's per-parameter-group events on a side stream.
 

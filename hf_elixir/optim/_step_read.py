@@ -8,7 +8,7 @@ is updated on the host from that read (``torch.amp.GradScaler`` reads its ``foun
 same way, once per step).
 
 The same read carries the manager's cross-rank checks, so they cost no extra sync: the ranks' gradient reduce
-orders ([Note: reduce order check] in ``hf_elixir/chunk/manager.py``), their hyperparameters ([Note:
+orders ([Note: reduce order check] in ``hf_elixir/chunk/_rank_checks.py``), their hyperparameters ([Note:
 hyperparameter check] there: :meth:`StepReadMixin._hyper_code` is what each rank contributes) and the vetoes of
 gathers ahead ([Note: agreed gathers ahead] there). A failed check raises before anything is updated.
 """
@@ -39,7 +39,7 @@ class StepReadMixin:
 
     def _hyperparameters(self) -> list[dict]:
         """Per param group, its scalar hyperparameters (numbers, flags, strings, tuples of them), as the ranks
-        compare them ([Note: hyperparameter check] in ``chunk/manager.py``); a tensor value (a tensor lr) is
+        compare them ([Note: hyperparameter check] in ``chunk/_rank_checks.py``); a tensor value (a tensor lr) is
         left out (``None``): reading it could be a device sync."""
         return [{k: _scalar(v) for k, v in sorted(group.items()) if k != "params"} for group in self.param_groups]
 
@@ -60,15 +60,15 @@ class StepReadMixin:
         values = strict.host_read(packed).tolist()
         hyper_mismatch = values.pop(3)
         num_flags = self.manager.has_grad_flags.numel()
-        if self.manager.ahead_veto.numel():  # [Note: agreed gathers ahead] in chunk/manager.py
+        if self.manager.ahead_veto.numel():  # [Note: agreed gathers ahead] in chunk/_agreed_gathers.py
             self.manager.agree_gathers_ahead(values[3 + num_flags:])
-        if values[2] > 0 or hyper_mismatch > 0:  # [Note: reduce order check] in chunk/manager.py: nothing is updated
+        if values[2] > 0 or hyper_mismatch > 0:  # [Note: reduce order check] in chunk/_rank_checks.py: nothing is updated
             self.settle_host_steps()  # the host lane's speculative updates of this backward are undone
             if self._lane is not None:
                 self._lane.end_step()
             self._unscaled = False
             self._found_inf = self._host_clip_coef = None
-            if values[2] <= 0:  # [Note: hyperparameter check] in chunk/manager.py
+            if values[2] <= 0:  # [Note: hyperparameter check] in chunk/_rank_checks.py
                 raise RuntimeError(
                     "the ranks hold different optimizer hyperparameters (this rank's, per param group: "
                     f"{self._hyperparameters()}): a value set from rank-local data, such as "

@@ -12,7 +12,7 @@ full gradient of a parameter as plain PyTorch's ``p.grad`` would hold it after `
 * fp16: divided by the loss scale, unless the optimizer has unscaled it already (``clip_grad_norm``, or the host
   lane during backward);
 * after ``clip_grad_norm``: clipped. The factor a clip owes to gradients on the host until the step pays it
-  ([Note: owed clip factor] in optimizer.py) is applied here, so every gradient reads as clipped.
+  ([Note: owed clip factor] in _clip.py) is applied here, so every gradient reads as clipped.
 
 Parameters that got no gradient in this step (an MoE expert no token reached; PyTorch leaves ``p.grad`` None) are
 left out of the mapping, and ``get_full_grad`` returns ``None`` for them. Tensor/expert-parallel models
@@ -55,7 +55,7 @@ def _settle(manager, optimizer) -> torch.Tensor:
 
 def _factors(optimizer, chunk_id: int, grad: torch.Tensor) -> float:
     """What multiplies ``grad`` to read as PyTorch's gradient: 1 / loss scale where not unscaled yet (fp16), the
-    clip factor the step still owes to host gradients ([Note: owed clip factor] in optimizer.py)."""
+    clip factor the step still owes to host gradients ([Note: owed clip factor] in _clip.py)."""
     factor = 1.0
     lane = getattr(optimizer, "_lane", None)
     if optimizer.scaler.enabled and not optimizer._unscaled \

@@ -128,11 +128,11 @@ class ElixirOptimizer(ShardStateMixin, InnerStepMixin, RefreshMixin, ClipMixin, 
         if any(c.trainable and not c.optim_on_device for c in manager.chunks):
             self._lane = HostLane(self, speculate=speculates(config.overlap_host_optimizer, manager.compute_device),
                                   state_numel_factor=optimizer_state_numel_factor(optimizer))
-            manager.host_steps_in_backward = self._lane.speculate  # [Note: reduce window] in chunk/manager.py
-        manager.on_param_writes = self.merge_param_writes  # [Note: parameter writes] in chunk/chunk.py
+            manager.host_steps_in_backward = self._lane.speculate  # [Note: reduce window] in chunk/_reduce.py
+        manager.on_param_writes = self.merge_param_writes  # [Note: parameter writes] in chunk/_chunk_params.py
         manager.before_backward = self._settle_clip  # [Note: owed clip factor] in _clip.py
         manager.on_zero_grad = self._forget_clip
-        manager.hyper_code = self._hyper_code  # [Note: hyperparameter check] in chunk/manager.py
+        manager.hyper_code = self._hyper_code  # [Note: hyperparameter check] in chunk/_rank_checks.py
 
     def add_param_group(self, param_group: dict) -> None:
         """Only used while constructing; afterwards adding parameters is refused.
@@ -202,13 +202,13 @@ class ElixirOptimizer(ShardStateMixin, InnerStepMixin, RefreshMixin, ClipMixin, 
         Raises:
             ValueError: a closure was given (not supported: forward/backward run outside the step).
             RuntimeError: the ranks reduced their gradients in different orders since the last step (their
-                forwards differed; [Note: reduce order check] in ``hf_elixir/chunk/manager.py``); nothing updated.
+                forwards differed; [Note: reduce order check] in ``hf_elixir/chunk/_rank_checks.py``); nothing updated.
         """
         if closure is not None:
             raise ValueError("ElixirOptimizer.step(closure) is not supported; call forward/backward before step()")
         assert not self.manager.backward_pending, "optimizer.step() called while a backward is still running"
         self._check_groups_unchanged()
-        self.manager.take_param_writes()  # before anything reads the masters ([Note: parameter writes] in chunk.py)
+        self.manager.take_param_writes()  # before anything reads the masters ([Note: parameter writes] in chunk/_chunk_params.py)
         self.manager.settle_grad_zeros()  # a step with no backward since zero_grad reads zeros
         if self._lane is not None and self._lane.speculate:
             self.manager.drain_reduces()  # the lane takes every offloaded gradient before it is validated

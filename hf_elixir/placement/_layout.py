@@ -54,7 +54,7 @@ def prefetch_reasons(manager: ChunkManager, optimizer) -> list[str]:
             and manager.gather_prefetch_mode() == "agreed":
         reasons.append("forward all-gathers are issued ahead from the third step on, those every rank had room "
                        "for in the step before (agreed at each optimizer step: the budget covers activations, "
-                       "whose bytes can differ between ranks; [Note: agreed gathers ahead] in chunk/manager.py)")
+                       "whose bytes can differ between ranks; [Note: agreed gathers ahead] in chunk/_agreed_gathers.py)")
     elif manager.prefetch_depth and offloaded and optimizer is None and manager.pool.charges_activations \
             and all(c.keep_host_copy for c in chunks if c.world_size > 1 and not c.resident):
         reasons.append("the first forward's all-gathers wait in their hooks (the budget covers activations, whose "

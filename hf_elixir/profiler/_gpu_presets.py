@@ -20,7 +20,7 @@ link's per-direction rate, bandwidth-bound element-wise kernels about 80% of HBM
 ``ACHIEVED_FRACTION`` factors below apply these once, here; the flags ``--device-tflops``,
 ``--h2d-gbps`` and ``--device-adam-gelems`` of ``hf-elixir plan`` replace them with a measured value.
 
-Issue 14 (predicting step times for peers) reads the same table: keep every preset here.
+The peers' step-time predictions (`benchmarks/_peers_predicted.py`) read the same table: keep every preset here.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class ChunkedStep:
     # forward all-gathers may be issued ahead (False: the model has subtree units such as MoE experts,
     # [Note: overlap])
     gather_prefetch: bool = True
-    # [Note: dead chunks] in chunk/manager.py: backward events whose release reshards no chunk (recomputed
+    # [Note: dead chunks] in chunk/_eviction.py: backward events whose release reshards no chunk (recomputed
     # forwards, released with their parameters still in COMPUTE), and per backward event of a unit without a
     # grad input the chunks of its frozen parameters, left in COMPUTE (so never resharded) until backward ends
     no_dead_release: frozenset[int] = frozenset()

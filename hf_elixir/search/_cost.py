@@ -23,14 +23,14 @@ with several ranks an all-gather may, on any device; everything else on CPU is s
   gathered chunk) is prefetched ``prefetch_depth`` events ahead on the manager's copy stream
   (``ChunkManager._prefetch`` -> ``Chunk.unshard(side_stream=...)``), on CUDA only (``hardware.can_overlap``);
 * a **forward all-gather** (world size > 1, ``prefetch_depth > 0``) is issued ``prefetch_depth`` events ahead
-  ([Note: gather prefetch] in ``hf_elixir/chunk/manager.py``), on CUDA and off it (gloo runs async
+  ([Note: gather prefetch] in ``hf_elixir/chunk/_prefetch.py``), on CUDA and off it (gloo runs async
   collectives on its own threads), so it overlaps the compute of the events before its own. Gathers run one
   after another on the group (``t_gather``); the event waits for its own. On CUDA the staging onload rides
   the side stream too; off CUDA it and the fixed cost stay on the compute thread. With
   ``activations_on_device`` (the whole-device budget, whose activation charges are rank-local) the runtime
   issues them ahead in training only, where every offloadable chunk keeps a rank-local host copy (which it
   forces then: :func:`host_copies_forced`): the ranks agree at each optimizer step on which chunks each of
-  them had room for in the previous step ([Note: agreed gathers ahead] in ``hf_elixir/chunk/manager.py``), so
+  them had room for in the previous step ([Note: agreed gathers ahead] in ``hf_elixir/chunk/_agreed_gathers.py``), so
   from the third step on (the steady state priced here) the forward gathers run ahead as with a model-data
   pool, the same gathers and evictions (only the timing changes). Like the model-data case, this does not
   check the runtime's room rule (a rank votes no where the gather would evict a chunk used before it), so at
@@ -47,9 +47,9 @@ with several ranks an all-gather may, on any device; everything else on CPU is s
   gather in the hook that this prices as ahead. Other backward gathers run inside the pre-backward hook and the compute
   waits for them (and for gathers queued before them);
 * the reduce-scatter (or replicated all-reduce) of a chunk whose optimizer state is on the device runs on the
-  manager's reduce stream, overlapping the rest of backward ([Note: reduce overlap] in ``chunk/chunk.py``);
+  manager's reduce stream, overlapping the rest of backward ([Note: reduce overlap] in ``chunk/_chunk_grads.py``);
   a host-optimizer chunk's reduce stays on the compute stream, its device->host gradient copy runs on the
-  offload stream on CUDA ([Note: gradient offload] in ``chunk/manager.py``; on CPU it is a plain copy on the
+  offload stream on CUDA ([Note: gradient offload] in ``chunk/_grad_shards.py``; on CPU it is a plain copy on the
   compute timeline);
 * with ``overlap_host_optimizer`` (the runtime's default on CUDA; ``None`` resolves as
   :func:`hf_elixir.optim._overlap.speculates` does, [Note: lane off the CPU device]) each host-optimizer chunk
@@ -69,7 +69,7 @@ with several ranks an all-gather may, on any device; everything else on CPU is s
   host shards (``ElixirOptimizer._inner_step``);
 * the device shards (``_fused_step``) follow the host part: ``host + device``, never ``max(host, device)``;
 * the refresh of a compute copy whose shard is on the device and whose master is on the host is an upload
-  ([Note: overlapped refresh] in ``optim/optimizer.py``): the master is cast on the host into a staging buffer
+  ([Note: overlapped refresh] in ``optim/_refresh.py``): the master is cast on the host into a staging buffer
   of the compute dtype (in the same pass as the chunk's AdamW update, :func:`_host_cast_s`, on the lane's timeline
   with the chunk's step when the lane stepped it, else in the step), and ``shard_numel * b`` bytes go over PCIe. On
   CUDA the uploads run back to back on the copy stream from the start of the step (the previous step ended
@@ -78,7 +78,7 @@ with several ranks an all-gather may, on any device; everything else on CPU is s
   them. The step is priced in steady state: every step refreshes what the next forward waits for. Off CUDA
   the copy is done at the chunk's first access on the compute thread: priced in the serial step as before.
   (With several ranks a resident chunk's all-gather after the refresh stays priced in the step, as before.)
-  With ``Knobs.refresh_cast="device"`` ([Note: refresh cast] in ``optim/optimizer.py``, bf16/fp16 only) no host
+  With ``Knobs.refresh_cast="device"`` ([Note: refresh cast] in ``optim/_refresh.py``, bf16/fp16 only) no host
   cast is priced and no host staging buffer counted; the upload moves ``4 * shard_numel`` bytes and casts on the
   device on the same copy stream (:func:`_device_cast_s`), and the fixed device bytes gain the one fp32 staging
   buffer the runtime charges (:func:`refresh_staging_bytes`).
@@ -265,7 +265,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     if _refresh_prev is not None:
         refresh_done = _refresh_prev
     # [Note: early refresh pricing] the host lane's uploads go out during backward (on CUDA, not under fp16 loss
-    # scaling: [Note: early refresh] in optim/optimizer.py): a chunk the lane stepped is uploaded on the copy
+    # scaling: [Note: early refresh] in optim/_refresh.py): a chunk the lane stepped is uploaded on the copy
     # stream at the first backward event after the lane finished it and after the chunk's last access
     early_refresh = _early_refresh(step, hardware)
     last_access = step.last_access
@@ -347,7 +347,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
 
     clock = 0
     # the manager reshards a chunk backward uses no more at its last backward access (whole on one rank, no
-    # replica group), not at the next make-room ([Note: dead chunks] in chunk/manager.py)
+    # replica group), not at the next make-room ([Note: dead chunks] in chunk/_eviction.py)
     reshard_dead = ws == 1 and not step.replicated
     computing: set[int] = set()  # chunks with a parameter left in COMPUTE until the end of backward
     for k, group in forward_passes():
@@ -505,7 +505,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 finish_reduce()
         computing.update(step.compute_held.get(k, ()))
         if reshard_dead and step.event_phase[k] == "bwd" and k not in step.no_dead_release:
-            for c in group:  # [Note: dead chunks] in chunk/manager.py
+            for c in group:  # [Note: dead chunks] in chunk/_eviction.py
                 if c in cached and step.trained_numels[c] and next_use[k][c] == _INF and c not in computing:
                     used -= cached.pop(c)
                     evictions += 1

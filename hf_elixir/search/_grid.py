@@ -121,7 +121,7 @@ _FILL_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 def _cast_variants(step: ChunkedStep, knobs: Knobs) -> tuple[Knobs, ...]:
     """``knobs`` with the refresh cast on the host and, where there is something to cast (bf16/fp16, some chunk
-    uploaded from a host master), on the device ([Note: refresh cast] in ``optim/optimizer.py``)."""
+    uploaded from a host master), on the device ([Note: refresh cast] in ``optim/_refresh.py``)."""
     if step.precision == "fp32" or not _uploaded_chunks(step, knobs):
         return (knobs,)
     return knobs, replace(knobs, refresh_cast="device")

@@ -24,14 +24,14 @@ the chunk manager's pool charges (``Chunk.materialize``, ``ElixirOptimizer._buil
   *whatever the budget leaves*, and ``Knobs.cache_blocks`` only reports it;
 * with one rank and no replica group, a cached trained chunk is freed right after its last backward event
   (no later use in the step's order), after that event's gradient buffers are charged: the manager reshards
-  such a chunk when that access is released ([Note: dead chunks] in ``hf_elixir/chunk/manager.py``) instead of
+  such a chunk when that access is released ([Note: dead chunks] in ``hf_elixir/chunk/_eviction.py``) instead of
   holding it until a make-room evicts it;
 * activations are outside the pool; they count toward the device only when ``activations_on_device``;
 * off CUDA the manager issues gradient collectives asynchronously and finishes each one two reduces
   later (or when the pool needs the room, or at the end of backward): its gradient buffer (and
   reduce-scatter output) stays charged until then;
 * off CUDA the buffers a finished reduce frees are kept for the next backward, still charged, and dropped
-  first when the pool needs room ([Note: buffer reuse] in hf_elixir/chunk/manager.py): they never cause an
+  first when the pool needs room ([Note: buffer reuse] in hf_elixir/chunk/_grad_buffers.py): they never cause an
   eviction or a finished reduce, only fill the pool. :func:`_kept_peak` replays them over the step's pool
   events (buffers taken and freed, room made, peaks), from none kept and then from what one step left (the
   steady state), and the model-data peak is the replay's.

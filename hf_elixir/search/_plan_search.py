@@ -24,7 +24,7 @@ A forward-only profile (inference, ``hf_elixir.prepare(model, None, ...)``; [Not
 ``_cost.py``) is searched with the knobs that only matter for training fixed: every block keeps its activations
 (a forward under ``torch.no_grad()`` saves none to recompute or offload) and no optimizer state to place (nothing
 is trained). Prefetch depths are searched as for training: the runtime prefetches each forward by the previous
-one's order ([Note: forward steps] in ``hf_elixir/chunk/manager.py``), priced in steady state.
+one's order ([Note: forward steps] in ``hf_elixir/chunk/_steps.py``), priced in steady state.
 
 The grid, the fill and the candidates' order live in ``_grid.py``, the plan and its reasons in
 ``_report.py``. Every point is priced by :func:`hf_elixir.search._cost.predict`; points whose device bytes exceed

@@ -70,7 +70,7 @@ def _uploaded_chunks(step: ChunkedStep, knobs: Knobs) -> list[int]:
 
 
 def casts_on_device(step: ChunkedStep, knobs: Knobs) -> bool:
-    """The uploads are cast on the device ([Note: refresh cast] in ``optim/optimizer.py``): ``refresh_cast`` is
+    """The uploads are cast on the device ([Note: refresh cast] in ``optim/_refresh.py``): ``refresh_cast`` is
     ``"device"`` and the compute dtype is narrower than the fp32 master."""
     return knobs.refresh_cast == "device" and step.precision != "fp32"
 
@@ -107,7 +107,7 @@ def _host_cast_s(numel: int, hardware: HardwareProfile) -> float:
 
 
 def _early_refresh(step: ChunkedStep, hardware: HardwareProfile) -> bool:
-    """Whether the host lane's uploads go out during backward ([Note: early refresh] in ``optim/optimizer.py``):
+    """Whether the host lane's uploads go out during backward ([Note: early refresh] in ``optim/_refresh.py``):
     beside a CUDA compute stream, and not under fp16 loss scaling."""
     return hardware.can_overlap and step.precision != "fp16"
 

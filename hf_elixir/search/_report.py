@@ -64,7 +64,7 @@ def _gather_reasons(profile: StepProfile, best: Candidate, world_size: int, act_
     such a budget issues the forward ones ahead from the third step on, as the ranks agree at each optimizer step."""
     if world_size < 2 or best.data_parallel != "sharded":
         return []
-    hooks = "so each gather waits in its hook where the ranks agree ([Note: gather prefetch] in chunk/manager.py)"
+    hooks = "so each gather waits in its hook where the ranks agree ([Note: gather prefetch] in chunk/_prefetch.py)"
     if profile.subtree_units:
         return ["all-gathers are not issued ahead: MoE-expert chunks are used only where experts got tokens and "
                 f"the ranks' pools drift apart, {hooks}"]
