@@ -187,12 +187,21 @@ def _half_state_budget(model, mesh) -> int:
     return 16 * local_numel // mesh.dp_size // 2
 
 
+def _param_groups(model, matrix_decay: bool) -> list[dict]:
+    params = list(model.parameters())
+    if not matrix_decay:
+        return [{"params": params, "weight_decay": WEIGHT_DECAY}]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
 def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = False, save_dir: str | None = None,
-               elixir: str | None = None, idle: bool = False, precision: str = "fp32"):
+               elixir: str | None = None, idle: bool = False, precision: str = "fp32", matrix_decay: bool = False):
     """One parity case; ``elixir`` = ``None`` (plain parallel layers + :func:`reduce_gradients` + AdamW),
     ``"unbudgeted"`` or ``"tight"`` (``hf_elixir.prepare`` on the parallelized model, chunks sharded
     over the data-parallel groups, no device budget or one that forces evictions; steps go through
-    ``optimizer.backward / clip_grad_norm / step / zero_grad`` and both runs clip at ``MAX_NORM``)."""
+    ``optimizer.backward / clip_grad_norm / step / zero_grad`` and both runs clip at ``MAX_NORM``).
+    ``matrix_decay``: weight decay on matrices only (1-D norms and biases in a group without it)."""
     import hf_elixir
     from hf_elixir.parallel import build_mesh, gather_full_state_dict, parallelize, reduce_gradients
 
@@ -213,8 +222,7 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
     none_grad_layers = []
     has_grad_mismatch = 0
 
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    opt, opt_ref = (torch.optim.AdamW(_param_groups(m, matrix_decay), lr=LR) for m in (model, ref))
     extra: dict = {}
     if elixir is not None:
         budget = {"tight": lambda: _tight_budget(model, opt, cfg, mesh),
