@@ -87,3 +87,33 @@ def test_composition_under_offload_matches_plain_pytorch(ranks, case):
         assert m["loss_rel"] < TOL and m["norm_rel"] < TOL and m["param_rel"] < TOL, m
         assert m["same_keys"] and m["params_moved"] > 1e-3, m
         assert m["num_evictions"] > 0, "the budget must force offload"
+
+
+@pytest.mark.parametrize("local_world_size, warned", [("2", False), ("4", False), ("3", True)])
+def test_model_parallel_groups_that_would_span_nodes_are_reported(monkeypatch, caplog, local_world_size, warned):
+    """tp=2 on nodes of 3 ranks: the groups {2, 3} straddle nodes 0 and 1; said, with the fix."""
+    from hf_elixir.parallel._mesh import _warn_if_mp_groups_cross_nodes
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
+    with caplog.at_level("WARNING", logger="hf_elixir.parallel._mesh"):
+        _warn_if_mp_groups_cross_nodes("tp", 2)
+    assert ("tensor_parallel_size=2 does not divide the 3 ranks on this node" in caplog.text) == warned
+
+
+@pytest.mark.parametrize("visible, initialized, expected", [(1, False, [0]), (2, False, []), (1, True, [])])
+def test_one_visible_gpu_is_made_current_before_the_mesh(monkeypatch, visible, initialized, expected):
+    """LOCAL_RANK=1 with CUDA_VISIBLE_DEVICES giving the process one GPU: cuda:0 becomes current before
+    ``init_device_mesh`` (which would pick cuda:1, an invalid ordinal); with two visible devices, or a device
+    the process already set, the mesh's own choice (``cuda:LOCAL_RANK``) or the user's stands."""
+    import torch
+
+    from hf_elixir.parallel._mesh import _set_device_before_mesh
+
+    calls: list[int] = []
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    _set_device_before_mesh()
+    assert calls == expected

@@ -19,13 +19,18 @@ Which group each parameter's gradient is averaged (and, under ZeRO, sharded) ove
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["ElixirMesh", "build_mesh"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -101,6 +106,9 @@ def build_mesh(config: Any, *, device_type: str | None = None) -> ElixirMesh:
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     dp_size = world_size // mp_size
+    _warn_if_mp_groups_cross_nodes(mp_axis, mp_size)
+    if device_type == "cuda":
+        _set_device_before_mesh()
     mesh = init_device_mesh(device_type, (dp_size, mp_size), mesh_dim_names=("dp", mp_axis))
     dp_axis_group = mesh.get_group("dp")
     mp_group = mesh.get_group(mp_axis)
@@ -115,3 +123,31 @@ def build_mesh(config: Any, *, device_type: str | None = None) -> ElixirMesh:
         ep_group=mp_group if mp_axis == "ep" else None,
         expert_dp_group=dp_axis_group,
     )
+
+
+# [Note: mesh across nodes]
+# Launchers (torchrun, accelerate launch, SLURM) number ranks node by node: node n holds ranks
+# n * LOCAL_WORLD_SIZE ... (n + 1) * LOCAL_WORLD_SIZE - 1. The row-major (dp, mp) layout makes each
+# model-parallel group a block of mp_size consecutive ranks, so the groups stay inside a node (their
+# collectives run every layer) and the dp groups cross nodes (once a step), as long as mp_size divides
+# LOCAL_WORLD_SIZE. Otherwise the mesh is still correct but the per-layer collectives cross the network:
+# said once, with the fix. On CUDA, ``init_device_mesh`` sets the device of a process that has none to
+# ``cuda:LOCAL_RANK``; a process given one GPU by ``CUDA_VISIBLE_DEVICES`` (LOCAL_RANK 1 sees only
+# ``cuda:0``) would fail there with an invalid device ordinal, so build_mesh makes cuda:0 current first,
+# the device ``hf_elixir.prepare`` computes on in that set-up (see [Note: device selection]).
+
+
+def _warn_if_mp_groups_cross_nodes(mp_axis: str, mp_size: int) -> None:
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    if mp_size <= 1 or raw is None or not raw.isdigit() or int(raw) % mp_size == 0:
+        return
+    logger.warning(
+        "%s_parallel_size=%d does not divide the %s ranks on this node (LOCAL_WORLD_SIZE): some %s groups span "
+        "two nodes and their collectives (every layer) cross the network; use a %s_parallel_size that divides %s",
+        "tensor" if mp_axis == "tp" else "expert", mp_size, raw, mp_axis, "tensor" if mp_axis == "tp" else "expert",
+        raw)
+
+
+def _set_device_before_mesh() -> None:
+    if torch.cuda.is_available() and not torch.cuda.is_initialized() and torch.cuda.device_count() == 1:
+        torch.cuda.set_device(0)
