@@ -1,11 +1,12 @@
 """Rank-side script of ``tests/test_multinode.py``: started by two ``torchrun`` agents (2 nodes x 2 processes,
 gloo, CPU) exactly as a user launches a job that outgrew one machine.
 
-Every rank checks what is per node (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and the host budget) and which
-ranks the mesh groups hold, then trains the compositions (TP=2 x DP=2 on a tiny Llama, EP=2 x DP=2 on a
-tiny Mixtral) under a device budget that forces offload (the tests' tight budget: 5% above the smallest
-one ``prepare`` accepts; half the 16 B/param state leaves nothing to evict at dp=2) against plain PyTorch on the concatenated
-data-parallel batches, and writes ``{out_dir}/rank{RANK}.json``.
+Every rank checks what is per node (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and the host budget), then trains
+the compositions (TP=2 x DP=2 on a tiny Llama, EP=2 x DP=2 on a tiny Mixtral) under a device budget that
+forces offload against plain PyTorch on the concatenated data-parallel batches, records which ranks the
+groups of the mesh it trained on hold, and writes ``{out_dir}/rank{RANK}.json``. The budget is the tests'
+tight one (5% above the smallest ``prepare`` accepts): at dp=2, half the 16 B/param state is below the
+tiny Llama's working set and leaves the tiny Mixtral's chunks all resident.
 
 Usage: ``torchrun --nnodes 2 --nproc_per_node 2 --node_rank N ... compose_worker.py OUT_DIR CASE [CASE ...]``
 with CASE in ``llama_tp2_dp2`` / ``mixtral_ep2_dp2``.
@@ -53,32 +54,49 @@ def _per_node() -> dict:
     }
 
 
-def _groups(tp: int, ep: int) -> dict:
-    """The ranks of each group this rank belongs to in the dp x tp or dp x ep mesh, and the groups its
-    chunks are sharded over (what ``prepare`` uses)."""
-    import hf_elixir
-    from hf_elixir.parallel import build_mesh
-
-    mesh = build_mesh(hf_elixir.ElixirConfig(tensor_parallel_size=tp, expert_parallel_size=ep))
+def _groups(mesh) -> dict:
+    """The ranks of each group this rank belongs to in the mesh the prepared model trains on."""
     ranks = dist.get_process_group_ranks
     return {
-        "mp_group": sorted(ranks(mesh.tp_group if tp > 1 else mesh.ep_group)),
+        "mp_group": sorted(ranks(mesh.tp_group if mesh.mp_axis == "tp" else mesh.ep_group)),
         "dp_axis_group": sorted(ranks(mesh.expert_dp_group)),
-        "dp_group": sorted(ranks(mesh.dp_group)),
+        "dp_group": sorted(ranks(mesh.dp_group)),  # the group non-expert chunks are sharded over
     }
 
 
+def _recording_prepare(seen: dict):
+    """``hf_elixir.prepare`` that also records the host budget the ranks agreed on and the chunks that keep a
+    rank-local host copy (refilled from this rank's host memory, never by an all-gather)."""
+    import hf_elixir
+    from hf_elixir.parallel._state import get_parallel_state
+
+    prepare = hf_elixir.prepare
+
+    def recording(*args, **kwargs):
+        model, opt = prepare(*args, **kwargs)
+        state = hf_elixir.get_state(model)
+        seen["host_budget_used_bytes"] = state.config.host_memory_budget_bytes
+        seen["host_copy_chunks"] = sum(bool(c.keep_host_copy) for c in state.manager.chunks)
+        seen.update(_groups(get_parallel_state(model).mesh))
+        return model, opt
+
+    return mock.patch.object(hf_elixir, "prepare", recording)
+
+
 def _case(name: str) -> dict:
+    seen: dict = {}
     if name == "llama_tp2_dp2":
         from parallel_harness import train_case
 
-        metrics = train_case("llama", tp=2, elixir="tight", matrix_decay=True)
-        return {**metrics, **_groups(2, 1)}
+        with _recording_prepare(seen):
+            metrics = train_case("llama", tp=2, elixir="tight", matrix_decay=True)
+        return {**metrics, **seen}
     if name == "mixtral_ep2_dp2":
         from tests._moe_ep_cases import ep_case
 
-        metrics = ep_case("mixtral", budget="tight")
-        return {**metrics, **_groups(1, 2)}
+        with _recording_prepare(seen):
+            metrics = ep_case("mixtral", budget="tight")
+        return {**metrics, **seen}
     raise ValueError(f"unknown case {name!r}")
 
 
