@@ -7,6 +7,8 @@ Prints ``MODEL_CLASS <name>`` after prepare, ``DDP <bool>``, ``OPTIMIZER_CLASS <
 
 from __future__ import annotations
 
+import os
+
 import argparse
 
 import torch
@@ -48,8 +50,8 @@ def main(prepare=None, argv=None) -> None:
     else:
         model, optimizer, loader, scheduler = prepare(accelerator, model, optimizer, loader, scheduler)
     accelerator.print(f"MODEL_CLASS {type(model).__name__}")
-    print(f"DDP {isinstance(model, torch.nn.parallel.DistributedDataParallel)}", flush=True)
-    print(f"OPTIMIZER_CLASS {type(optimizer).__name__}", flush=True)
+    os.write(1, (f"DDP {isinstance(model, torch.nn.parallel.DistributedDataParallel)}" + "\n").encode())  # one write: ranks share the pipe
+    os.write(1, (f"OPTIMIZER_CLASS {type(optimizer).__name__}" + "\n").encode())  # one write: ranks share the pipe
     model.train()
     loss = None
     for step, batch in enumerate(loader):
@@ -61,7 +63,7 @@ def main(prepare=None, argv=None) -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
-    print(f"FINAL_LOSS {loss.item()!r}", flush=True)
+    os.write(1, (f"FINAL_LOSS {loss.item()!r}" + "\n").encode())  # one write: ranks share the pipe
     accelerator.end_training()
 
 

@@ -6,6 +6,7 @@ Prints ``TRAINED_MODEL_CLASS <name>`` (the model the Trainer trained, as the acc
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -16,8 +17,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 class Report(TrainerCallback):
     def on_train_end(self, args, state, control, model=None, **kwargs):
         wrapped = self.trainer.model_wrapped
-        print(f"TRAINED_MODEL_CLASS {type(wrapped).__name__}", flush=True)
-        print(f"FINAL_LOSS {state.log_history[-2]['loss']!r}", flush=True)
+        os.write(1, (f"TRAINED_MODEL_CLASS {type(wrapped).__name__}" + "\n").encode())  # one write: ranks share the pipe
+        os.write(1, (f"FINAL_LOSS {state.log_history[-2]['loss']!r}" + "\n").encode())  # one write: ranks share the pipe
 
 
 def main() -> None:
