@@ -276,3 +276,26 @@ def test_plan_host_adam_flag_sets_the_target_host_rate(tmp_path, capsys):
     capsys.readouterr()
     assert times["4.5"][0] == times["4.5"][1]
     assert times["0.5"][0] > times["4.5"][0]
+
+
+def _alternative_rows(text: str) -> list[str]:
+    lines = text.split("next-best alternatives", 1)[1].splitlines()
+    return [ln for ln in lines if ln.startswith("│") and ("sharded" in ln or "replicated" in ln)]
+
+
+def test_plan_table_agrees_with_its_activation_policy_and_shows_distinct_rows(capsys):
+    # a batch whose activations only fit recomputed: the per-block policy decides, not the uniform flag
+    assert main(["plan", "--model", "gpt2", "--gpu-memory", "10GiB", "--batch-size", "16", "--seq-len", "1024",
+                 "--precision", "bf16"]) == 0
+    text = capsys.readouterr().out
+    assert "recompute 12/12" in text
+    ckpt_row = next(ln for ln in text.splitlines() if "activation_checkpointing" in ln)
+    assert "False" not in ckpt_row and "activation policy" in ckpt_row
+    rows = _alternative_rows(text)
+    assert rows and len(rows) == len(set(rows)), rows
+
+
+def test_plan_host_memory_error_names_the_cli_flag(capsys):
+    assert main(["plan", "--model", "gpt2", "--gpu-memory", "2GiB", "--host-memory", "1MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "no configuration fits host memory" in err and "--host-memory" in err and "host_memory_bytes=" not in err
