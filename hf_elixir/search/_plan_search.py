@@ -270,15 +270,16 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         for room in (limit >> k for k in range(6)):
             tried_sizes.update(_chunk_sizes(profile, world_size, b, max(1, room), chunk_size_numel, num_chunk_sizes,
                                             False)[0])
+        largest = max(profile.param_numels, default=1)  # replicated buckets may be smaller: they pack otherwise
         need = min(_minimum_bytes(profile, world_size, precision, size, activations_on_device, hardware, policies,
-                                  grad_elem_bytes) for size in tried_sizes)
+                                  grad_elem_bytes) for size in tried_sizes if size >= largest)
         # and the candidates the search would try at about that need (GPT-2 8x1024 told from 100 MB: 7% less)
         for _ in range(2):
             for room in (need >> k for k in range(3)):
                 tried_sizes.update(_chunk_sizes(profile, world_size, b, max(1, room), chunk_size_numel,
                                                 num_chunk_sizes, False)[0])
             need = min(_minimum_bytes(profile, world_size, precision, size, activations_on_device, hardware, policies,
-                                      grad_elem_bytes) for size in tried_sizes)
+                                      grad_elem_bytes) for size in tried_sizes if size >= largest)
         need_budget = math.ceil(need / (1.0 - safety_margin))
         raise ValueError(
             f"no configuration fits device_memory_budget_bytes={budget} (with safety_margin={safety_margin}: "
