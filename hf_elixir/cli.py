@@ -136,7 +136,7 @@ def _search(args: argparse.Namespace, profile, hardware, budget: int, **extra):
                   reduce_dtype=None if args.reduce_dtype == "compute" else "fp32", device_memory_budget_bytes=budget, safety_margin=args.safety_margin,
                   activations_on_device=args.activations_on_device,
                   activation_checkpointing={"auto": None, "on": True, "off": False}[args.activation_checkpointing],
-                  **extra)
+                  host_memory_name="--host-memory (bytes per machine, e.g. 2TiB)", **extra)
 
 
 def _target_hardware(args: argparse.Namespace):
@@ -236,6 +236,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     for key in ("chunk_size_numel", "resident_chunks", "device_shard_chunks", "device_optim_chunks",
                 "host_copy_chunks", "prefetch_depth", "activation_checkpointing", "refresh_cast"):
         value = getattr(plan, key)
+        if key == "activation_checkpointing" and plan.activation_policy:
+            value = "per block (activation policy below)"  # the uniform flag does not apply
         if isinstance(value, list):
             value = f"{len(value)} chunks {value[:12]}{'...' if len(value) > 12 else ''}"
         chosen.add_row(key, str(value))
@@ -250,11 +252,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 "step time", "device peak"):
         alts.add_column(col)
     others = [c for c in result.best_by_mode.values() if c is not best and c not in result.alternatives]
+    shown = set()
     for cand in [best] + result.alternatives + others:
         k = cand.knobs
-        alts.add_row(cand.data_parallel, str(cand.chunk_size_numel), str(len(k.resident)), str(k.cache_blocks), str(len(k.device_optim)),
-                     str(k.prefetch_depth), policy_summary(cand.activation_policy), _human_s(cand.prediction.step_s),
-                     _gib(cand.prediction.device_peak_bytes))
+        row = (cand.data_parallel, str(cand.chunk_size_numel), str(len(k.resident)), str(k.cache_blocks),
+               str(len(k.device_optim)), str(k.prefetch_depth), policy_summary(cand.activation_policy),
+               _human_s(cand.prediction.step_s), _gib(cand.prediction.device_peak_bytes))
+        if row not in shown:  # candidates that differ only in what the table does not show read as one
+            shown.add(row)
+            alts.add_row(*row)
     console.print(alts)
     if plan.activation_policy:
         console.print(_policy_table(plan.activation_policy))

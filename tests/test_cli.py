@@ -276,3 +276,43 @@ def test_plan_host_adam_flag_sets_the_target_host_rate(tmp_path, capsys):
     capsys.readouterr()
     assert times["4.5"][0] == times["4.5"][1]
     assert times["0.5"][0] > times["4.5"][0]
+
+
+def _alternative_rows(text: str) -> list[str]:
+    lines = text.split("next-best alternatives", 1)[1].splitlines()
+    return [ln for ln in lines if ln.startswith("│") and ("sharded" in ln or "replicated" in ln)]
+
+
+def test_plan_table_agrees_with_its_activation_policy_and_shows_distinct_rows(capsys):
+    # a batch whose activations only fit recomputed: the per-block policy decides, not the uniform flag
+    assert main(["plan", "--model", "gpt2", "--gpu-memory", "10GiB", "--batch-size", "16", "--seq-len", "1024",
+                 "--precision", "bf16"]) == 0
+    text = capsys.readouterr().out
+    assert "recompute 12/12" in text
+    ckpt_row = next(ln for ln in text.splitlines() if "activation_checkpointing" in ln)
+    assert "False" not in ckpt_row and "activation policy" in ckpt_row
+    rows = _alternative_rows(text)
+    assert rows and len(rows) == len(set(rows)), rows
+
+
+def test_plan_host_memory_error_names_the_cli_flag(capsys):
+    assert main(["plan", "--model", "gpt2", "--gpu-memory", "2GiB", "--host-memory", "1MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "no configuration fits host memory" in err and "--host-memory" in err and "host_memory_bytes=" not in err
+
+
+@pytest.mark.parametrize(("name", "billions"), [
+    ("Llama-3.1-8B", 8.03), ("Qwen3-30B-A3B", 30.53), ("mixtral-8x7b", 46.70), ("deepseek-ai/DeepSeek-V3", 671.03),
+    ("gpt-oss-20b", 20.91)])
+def test_builtin_configs_of_todays_models_build_on_meta_at_their_published_size(name, billions):
+    from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
+
+    model, _ = meta_model_and_batch(load_config(name), batch_size=1, seq_len=8)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_plan_command_runs_for_a_builtin_llama_3_1_8b(capsys):
+    assert main(["plan", "--model", "llama-3.1-8b", "--num-gpus", "8", "--gpu", "h100", "--host-memory", "2TiB"]) == 0
+    text = capsys.readouterr().out
+    assert "8.03 B parameters" in text and "chosen plan" in text

@@ -84,3 +84,27 @@ def test_profile_rejects_unknown_device():
     model, batch = _tiny_gpt2()
     with pytest.raises(ValueError, match="device='tpu'"):
         profile_step(model, batch, device="tpu")
+
+
+def test_meta_profile_counts_the_routed_flops_of_fused_experts():
+    # top-2 of 8 experts of width I cost per token what one dense MLP of width 2I costs ([Note: meta expert FLOPs]);
+    # on meta no expert is hit, so without the routing arithmetic the experts count nothing
+    import torch
+    from transformers import AutoConfig
+
+    from hf_elixir.profiler import profile_step
+    from hf_elixir.profiler._model_zoo import meta_model_and_batch
+
+    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                  max_position_embeddings=64, tie_word_embeddings=False)
+    moe = AutoConfig.for_model("mixtral", intermediate_size=96, num_local_experts=8, num_experts_per_tok=2, **common)
+    dense = AutoConfig.for_model("llama", intermediate_size=192, **common)
+    flops = []
+    for cfg in (moe, dense):
+        model, batch = meta_model_and_batch(cfg, batch_size=2, seq_len=16, dtype=torch.bfloat16)
+        profile = profile_step(model, batch, device="meta")
+        assert not profile.static
+        flops.append((profile.forward_flops, profile.backward_flops))
+    router = 2 * 2 * 16 * 64 * 8 * 2  # two layers of a [tokens, H] x [H, E] gate
+    assert flops[0][0] == pytest.approx(flops[1][0] + router, rel=1e-6)
+    assert flops[0][1] == pytest.approx(2 * flops[0][0], rel=1e-6)

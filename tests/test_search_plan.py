@@ -233,7 +233,7 @@ def test_replicated_candidates_respect_host_memory_per_machine():
     assert capped.best.data_parallel == "sharded"
     assert search(profile, hw, world_size=2, precision="fp32", device_memory_budget_bytes=budget,
                   host_memory_bytes=limit, ranks_per_host=1).best.data_parallel == "replicated"
-    with pytest.raises(ValueError, match="host memory"):
+    with pytest.raises(ValueError, match="host memory.*raise host_memory_bytes="):
         search(profile, hw, world_size=2, precision="fp32", device_memory_budget_bytes=budget, host_memory_bytes=1)
 
 
@@ -302,3 +302,17 @@ def test_too_small_budget_names_about_the_smallest_budget_the_search_accepts():
     assert search(profile, hardware, device_memory_budget_bytes=int(stated * 1.02), activations_on_device=True).plan
     with pytest.raises(ValueError, match="no configuration fits"):
         search(profile, hardware, device_memory_budget_bytes=int(stated * 0.9), activations_on_device=True)
+
+
+def test_no_fit_message_when_a_parameter_outgrows_the_replicated_bucket():
+    # a 16.4M-element embedding (bf16: larger than DDP's 25 MiB bucket): the smallest-need estimate must price
+    # only chunk sizes that hold it, not the replicated bucket, and report the need instead of a packing error
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("llama", hidden_size=512, num_hidden_layers=1, num_attention_heads=4,
+                               intermediate_size=1024, vocab_size=32000, tie_word_embeddings=True)
+    model, batch = meta_model_and_batch(cfg, batch_size=1, seq_len=16, dtype=torch.bfloat16)
+    profile = profile_step(model, batch, device="meta")
+    assert max(profile.param_numels) * 2 > 25 * 2**20
+    with pytest.raises(ValueError, match="no configuration fits device_memory_budget_bytes=.*smallest needs about"):
+        search(profile, _gpu(2**20, 64 * GIB), world_size=2, precision="bf16")

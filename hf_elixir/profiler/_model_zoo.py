@@ -1,7 +1,9 @@
 """Offline model configs and meta-device construction for planning (nothing big is materialised).
 
 Built-in sizes follow the published model cards' configurations (GPT-2: Radford et al. 2019; OPT: Zhang
-et al. 2022, table 1; Switch Transformers base-N: Fedus et al. 2021, T5-base backbone). Any other model
+et al. 2022, table 1; Switch Transformers base-N: Fedus et al. 2021, T5-base backbone; today's models from the ``config.json`` their
+publishers ship on the hub: meta-llama/Llama-3.1-8B, Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1,
+deepseek-ai/DeepSeek-V3, openai/gpt-oss-20b). Any other model
 is read from a local directory or a ``config.json`` file.
 """
 
@@ -22,6 +24,35 @@ _OPT = {  # layers, hidden, heads, ffn
     "30b": (48, 7168, 56, 28672), "66b": (64, 9216, 72, 36864),
 }
 _SWITCH = (8, 16, 32, 64, 128)
+# today's models: the published configs' dimensions (hidden, layers, heads, kv heads, intermediate, experts,
+# top-k, vocab); names with and without the hub organisation
+_TODAY: dict[tuple[str, str], dict[str, Any]] = {
+    ("meta-llama", "Llama-3.1-8B"): {
+        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": False},
+    ("Qwen", "Qwen3-30B-A3B"): {
+        "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False},
+    ("mistralai", "Mixtral-8x7B-v0.1"): {
+        "model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "vocab_size": 32000, "max_position_embeddings": 32768, "rope_theta": 1e6, "tie_word_embeddings": False},
+    ("deepseek-ai", "DeepSeek-V3"): {
+        "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+        "n_group": 8, "topk_group": 4, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280, "max_position_embeddings": 163840,
+        "tie_word_embeddings": False},
+    ("openai", "gpt-oss-20b"): {
+        "model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880, "num_local_experts": 32,
+        "num_experts_per_tok": 4, "vocab_size": 201088, "max_position_embeddings": 131072, "sliding_window": 128,
+        "tie_word_embeddings": False},
+}
 
 
 def _builtin() -> dict[str, dict[str, Any]]:
@@ -45,6 +76,9 @@ def _builtin() -> dict[str, dict[str, Any]]:
                "decoder_start_token_id": 0}
         out[f"switch-base-{experts}"] = cfg
         out[f"google/switch-base-{experts}"] = cfg
+    for (org, name), cfg in _TODAY.items():
+        out[name] = out[name.lower()] = out[f"{org}/{name}"] = cfg
+    out["mixtral-8x7b"] = _TODAY[("mistralai", "Mixtral-8x7B-v0.1")]
     # special token ids inside the 128-token vocabulary (GPT2Config's defaults, 50256, are not: a warning)
     out["tiny-gpt2"] = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 128,
                         "n_positions": 64, "bos_token_id": 0, "eos_token_id": 0}
@@ -103,7 +137,9 @@ def meta_model_and_batch(config, *, batch_size: int, seq_len: int, dtype: torch.
         config.decoder_start_token_id = 0
     cls = _model_class(config)
     if device == "meta":
-        with init_empty_weights():
+        # the default device too: fused expert tensors (``nn.Parameter(torch.empty(E, 2I, H))``, 30 GB a layer for
+        # DeepSeek-V3) would otherwise be allocated on the host before init_empty_weights moves them to meta
+        with init_empty_weights(), torch.device("meta"):
             model = cls.from_config(config, dtype=dtype)
     else:
         model = cls.from_config(config, dtype=dtype)

@@ -46,6 +46,8 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from hf_elixir.profiler._expert_flops import add_meta_expert_flops
+
 __all__ = ["AccessEvent", "NoLossError", "StepProfile", "canonical_parameters", "profile_step", "static_profile"]
 
 logger = logging.getLogger(__name__)
@@ -604,7 +606,7 @@ def _profile_once(model: nn.Module, sample_batch: Any, device: str, loss_fn: Cal
     act_dtype = 4
     if (tracer.saved_total or forward_only) and tracer.params:  # forward only: the outputs' dtype
         act_dtype = tracer.params[0].element_size() if tracer.params[0].is_floating_point() else 4
-    return StepProfile(
+    profile = StepProfile(
         param_modules=_param_module_names(model),
         subtree_units=_has_subtree_units(model),
         model_type=str(getattr(getattr(model, "config", None), "model_type", "") or ""),
@@ -625,6 +627,10 @@ def _profile_once(model: nn.Module, sample_batch: Any, device: str, loss_fn: Cal
         device=device,
         forward_only=forward_only,
     )
+    if count_flops and device == "meta":  # [Note: meta expert FLOPs] in _expert_flops.py
+        tensors = _tensors_in(sample_batch, [])
+        add_meta_expert_flops(model, profile, tensors[0].numel() if tensors else 1)
+    return profile
 
 
 def static_profile(model: nn.Module, sample_batch: Any = None, *, tokens: int | None = None,

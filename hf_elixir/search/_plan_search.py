@@ -159,8 +159,11 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
            replicated_placements: dict[str, str] | None = None, ranks_per_host: int | None = None,
            overlap_host_optimizer: bool | None = None, snapshot_rollback: bool = False,
            refine_starts: int = 6, refine_max_priced: int | None = None,
-           reduce_dtype: str | None = "fp32") -> SearchResult:
+           reduce_dtype: str | None = "fp32", host_memory_name: str = "host_memory_bytes=") -> SearchResult:
     """Profile (if given a model) and search; see :func:`search_plan` for the arguments.
+
+    ``host_memory_name`` is how the caller's user sets the host memory (the CLI's ``--host-memory``,
+    ``ElixirConfig.host_memory_budget_bytes``); the error when nothing fits the host names it.
 
     Returns:
         :class:`SearchResult` with the plan and the runners-up.
@@ -259,7 +262,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
             raise ValueError(
                 f"no configuration fits host memory {host_limit} bytes with {per_host} rank(s) per host (and "
                 f"device_memory_budget_bytes={budget}); {over_host} fitting the device need more host memory. "
-                "Use more machines, a larger budget, or pass host_memory_bytes= if the host is larger")
+                f"Use more machines, a larger budget, or raise {host_memory_name} if the host is larger")
         # the least over every chunk size the search priced (the first candidate for the whole limit alone overstated
         # it: a tiny GPT-2 was told 676356 bytes where a budget of 512500 fitted, with a smaller chunk), and as a
         # budget: the margin comes off whatever is given
@@ -267,15 +270,16 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         for room in (limit >> k for k in range(6)):
             tried_sizes.update(_chunk_sizes(profile, world_size, b, max(1, room), chunk_size_numel, num_chunk_sizes,
                                             False)[0])
+        largest = max(profile.param_numels, default=1)  # replicated buckets may be smaller: they pack otherwise
         need = min(_minimum_bytes(profile, world_size, precision, size, activations_on_device, hardware, policies,
-                                  grad_elem_bytes) for size in tried_sizes)
+                                  grad_elem_bytes) for size in tried_sizes if size >= largest)
         # and the candidates the search would try at about that need (GPT-2 8x1024 told from 100 MB: 7% less)
         for _ in range(2):
             for room in (need >> k for k in range(3)):
                 tried_sizes.update(_chunk_sizes(profile, world_size, b, max(1, room), chunk_size_numel,
                                                 num_chunk_sizes, False)[0])
             need = min(_minimum_bytes(profile, world_size, precision, size, activations_on_device, hardware, policies,
-                                      grad_elem_bytes) for size in tried_sizes)
+                                      grad_elem_bytes) for size in tried_sizes if size >= largest)
         need_budget = math.ceil(need / (1.0 - safety_margin))
         raise ValueError(
             f"no configuration fits device_memory_budget_bytes={budget} (with safety_margin={safety_margin}: "
@@ -442,6 +446,7 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
                     activations_on_device=covers, activation_policy=fixed_policy,
                     data_parallel=data_parallel, replicated_placements=replicated_placements,
                     host_memory_bytes=host_budget * per_host if host_budget else None, ranks_per_host=per_host,
+                    host_memory_name="ElixirConfig.host_memory_budget_bytes (per rank)",
                     overlap_host_optimizer=getattr(config, "overlap_host_optimizer", None),
                     reduce_dtype=getattr(config, "reduce_dtype", "fp32"), **optimizer_cost_terms(optimizer, config))
     plan = result.plan
