@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_elixir.parallel._collectives import gather_last_dim, reduce_from_group, split_last_dim
+from hf_elixir.parallel._collectives import copy_to_group, gather_last_dim, reduce_from_group, split_last_dim
 from hf_elixir.parallel._tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPShardLayout, _split
 
 __all__ = ["ColumnGatherLinear", "RowSplitLinear", "parallelize_modules"]
@@ -99,21 +99,6 @@ def _split_embedding(module: nn.Embedding, placement: str, group: Any, rank: int
     return {"weight": TPShardLayout(0)}
 
 
-class _SumGradOverGroup(torch.autograd.Function):
-    """Forward: identity. Backward: the gradient summed over ``group`` (transformers' ``_AllReduceBackward``)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def _sum_grads_over(module: nn.Module, group: Any) -> None:
     """See ``grad_allreduce`` in the module docstring and [Note: gradient sum in forward]."""
     original_forward = module.forward
@@ -122,7 +107,7 @@ def _sum_grads_over(module: nn.Module, group: Any) -> None:
         params = dict(module._parameters)
         for name, param in params.items():
             if param is not None and param.requires_grad and torch.is_grad_enabled():
-                module._parameters[name] = _SumGradOverGroup.apply(param, group)
+                module._parameters[name] = copy_to_group(param, group)  # identity; backward sums over group
         try:
             return original_forward(*args, **kwargs)
         finally:
