@@ -21,6 +21,7 @@ the reference clips with ``torch.nn.utils.clip_grad_norm_`` at the same norm, so
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -378,10 +379,34 @@ def kernels_case() -> dict:
     }
 
 
+@contextlib.contextmanager
+def _slow_config_writes(delay_s: float = 0.3):
+    """Every ``PretrainedConfig.save_pretrained`` on this rank sleeps ``delay_s`` seconds first."""
+    import transformers as T
+
+    original = T.PretrainedConfig.save_pretrained
+
+    def slow(self, *args, **kwargs):
+        time.sleep(delay_s)
+        return original(self, *args, **kwargs)
+
+    T.PretrainedConfig.save_pretrained = slow
+    try:
+        yield
+    finally:
+        T.PretrainedConfig.save_pretrained = original
+
+
 def _save_and_reload(kind: str, model, full: dict, save_dir: str) -> dict:
     import transformers as T
 
-    model.save_pretrained(save_dir)  # the plain HF call gathers the unmodified model's folder (collective)
+    # the plain HF call gathers the unmodified model's folder (collective); rank 0 writes config.json slowly, so a
+    # rank that returns before the folder is final (reads it while rank 0 still writes) is seen below
+    with _slow_config_writes() if dist.get_rank() == 0 else contextlib.nullcontext():
+        model.save_pretrained(save_dir)
+    config_mtime = os.stat(os.path.join(save_dir, "config.json")).st_mtime_ns
+    dist.barrier()
+    folder_final = os.stat(os.path.join(save_dir, "config.json")).st_mtime_ns == config_mtime
     try:  # this rank's parts as state_dict= (what a Trainer would pass): refused, nothing written
         model.save_pretrained(save_dir + "-partial", state_dict=model.state_dict())
         partial_refused = False
@@ -400,6 +425,7 @@ def _save_and_reload(kind: str, model, full: dict, save_dir: str) -> dict:
     dist.barrier()
     return {
         "loaded_class": type(loaded).__name__,
+        "folder_final": folder_final,  # nothing rewrote config.json after save_pretrained returned on this rank
         "loaded_bitwise": all(torch.equal(loaded_sd[k], full[k]) for k in full),
         "partial_refused": partial_refused,
         "loaded_keys_match": set(loaded_sd) == set(full),
@@ -515,11 +541,16 @@ def _worker(rank: int, world_size: int, port: int, cases: list[str], out_dir: st
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     results = {}
+    log = Path(out_dir, f"rank{rank}.log")  # what run_cases prints if the ranks hang
     for case in cases:
+        with log.open("a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} start {case}\n")
         try:
             metrics = CASES[case](out_dir)
         except Exception:  # report, keep going: the other ranks raise too or time out
             metrics = {"error": f"rank {rank}: {traceback.format_exc()}"}
+            with log.open("a") as f:
+                f.write(metrics["error"])
         gathered: list = [None] * world_size
         dist.all_gather_object(gathered, metrics)
         keys = {k for m in gathered for k in m}
@@ -534,10 +565,16 @@ def _worker(rank: int, world_size: int, port: int, cases: list[str], out_dir: st
     dist.destroy_process_group()
 
 
+def _tail(path: Path, lines: int = 40) -> list[str]:
+    return path.read_text().splitlines()[-lines:] if path.exists() else ["(no log)"]
+
+
 def run_cases(world_size: int, cases: list[str], out_dir: str, timeout_s: float = 240.0) -> dict:
     """Spawn ``world_size`` gloo ranks running ``cases``; kill them after ``timeout_s`` (a hang).
 
-    Returns ``{case: metrics}``; raises ``TimeoutError`` on a hang.
+    Returns ``{case: metrics}``; raises ``TimeoutError`` on a hang, with the case each rank was in and the
+    errors it met (a rank that raised while the others wait in a collective is the usual cause). Keep
+    ``timeout_s`` under pytest's own ``timeout`` (pyproject) so that this message is what a hang prints.
     """
     ctx = mp.start_processes(_worker, args=(world_size, free_port(), cases, out_dir), nprocs=world_size,
                              join=False, start_method="spawn")
@@ -547,7 +584,10 @@ def run_cases(world_size: int, cases: list[str], out_dir: str, timeout_s: float 
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
-            raise TimeoutError(f"{world_size} ranks running {cases} did not finish in {timeout_s:.0f} s (hang?)")
+            logs = "".join(f"\n--- rank {r} ---\n" + "\n".join(_tail(Path(out_dir, f"rank{r}.log")))
+                           for r in range(world_size))
+            raise TimeoutError(f"{world_size} ranks running {cases} did not finish in {timeout_s:.0f} s (hang?)"
+                               + logs)
     return json.loads(Path(out_dir, "results.json").read_text())
 
 

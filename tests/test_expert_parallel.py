@@ -68,7 +68,7 @@ def test_ep_save_loads_into_unmodified_class(ep_on_2):
     m = ep_on_2["switch_ep2"]
     assert "error" not in m, m["error"]
     assert m["loaded_class"] == "SwitchTransformersForConditionalGeneration"
-    assert m["loaded_keys_match"] and m["loaded_bitwise"] and m["partial_refused"], m
+    assert m["loaded_keys_match"] and m["loaded_bitwise"] and m["partial_refused"] and m["folder_final"], m
     assert m["logits_rel"] < TOL, m
 
 
@@ -131,7 +131,7 @@ def test_prepared_ep_save_loads_into_unmodified_class(ep_on_2):
     m = ep_on_2["elixir_switch_ep2"]
     assert "error" not in m, m["error"]
     assert m["loaded_class"] == "SwitchTransformersForConditionalGeneration"
-    assert m["loaded_keys_match"] and m["loaded_bitwise"] and m["partial_refused"], m
+    assert m["loaded_keys_match"] and m["loaded_bitwise"] and m["partial_refused"] and m["folder_final"], m
     assert m["logits_rel"] < TOL, m
 
 

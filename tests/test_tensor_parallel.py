@@ -57,7 +57,7 @@ def test_tp_save_loads_into_unmodified_class(tp2, case):
     m = tp2[case]
     assert "error" not in m, m["error"]
     assert m["loaded_class"] in ("GPT2LMHeadModel", "OPTForCausalLM")
-    assert m["loaded_keys_match"] and m["loaded_bitwise"] and m["partial_refused"], m
+    assert m["loaded_keys_match"] and m["loaded_bitwise"] and m["partial_refused"] and m["folder_final"], m
     assert m["logits_rel"] < TOL, m
 
 
@@ -92,5 +92,5 @@ def test_prepared_tp_save_loads_into_unmodified_class(tp2, case):
     m = tp2[case]
     assert "error" not in m, m["error"]
     assert m["loaded_class"] in ("GPT2LMHeadModel", "OPTForCausalLM")
-    assert m["loaded_keys_match"] and m["loaded_bitwise"] and m["partial_refused"], m
+    assert m["loaded_keys_match"] and m["loaded_bitwise"] and m["partial_refused"] and m["folder_final"], m
     assert m["logits_rel"] < TOL, m

@@ -141,4 +141,5 @@ def install_save_guard(model: nn.Module) -> None:
                 "hf_elixir.parallel.save_pretrained_full(model, dir)")
         return original(save_directory, *args, state_dict=state_dict, **kwargs)
 
+    save_pretrained.collective = True  # without state_dict: every rank calls it (read by install_config_dtype)
     model.save_pretrained = save_pretrained

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 from hf_elixir._compat import all_gather_single
 from hf_elixir.chunk.strict import host_copies, register_host, to_device, to_host
@@ -144,6 +145,8 @@ def install_config_dtype(model: torch.nn.Module, export: MasterExport):
     if not callable(original) or getattr(model, "config", None) is None:
         return None
 
+    collective = getattr(original, "collective", False)  # the parallel save guard: ends in a barrier
+
     def save_pretrained(save_directory, *args, state_dict=None, is_main_process=True, **kwargs):
         result = original(save_directory, *args, state_dict=state_dict, is_main_process=is_main_process, **kwargs)
         written = _written_dtype(state_dict) or export.dtype()
@@ -151,6 +154,10 @@ def install_config_dtype(model: torch.nn.Module, export: MasterExport):
         if on_this_rank and os.path.isfile(os.path.join(save_directory, "config.json")):
             model.config.dtype = str(written).split(".")[1]
             model.config.save_pretrained(save_directory)
+        if collective and state_dict is None and dist.is_available() and dist.is_initialized():
+            # [Note: fp32 exports] the guard's barrier came before this rewrite of config.json: without a second
+            # one, another rank may read the folder (from_pretrained) while rank 0 is still writing it
+            dist.barrier()
         return result
 
     save_pretrained.__doc__ = getattr(original, "__doc__", None)
