@@ -32,17 +32,17 @@ YAML = SCRIPTS / "elixir_test.yaml"
 
 
 def _launch(tmp_path: Path, num_processes: int, target: list[str], *, via: str = "hf-elixir",
-            extra_env: dict[str, str] | None = None) -> str:
+            extra_env: dict[str, str] | None = None, config: Path = YAML, check: bool = True) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELIXIR_")}
     env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="1", HF_HOME=str(tmp_path / "hf_home"), **(extra_env or {}))
     launcher = [sys.executable, "-m", "hf_elixir.cli", "launch"] if via == "hf-elixir" else \
         [sys.executable, "-m", "accelerate.commands.launch"]
     procs = ["--multi_gpu", "--num_processes", "2"] if num_processes > 1 else ["--cpu", "--num_processes", "1"]
-    cmd = [*launcher, "--config_file", str(YAML), "--main_process_port", str(free_port()), *procs, *target]
+    cmd = [*launcher, "--config_file", str(config), "--main_process_port", str(free_port()), *procs, *target]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
+    assert (proc.returncode == 0) == check, out[-6000:]
     return out
 
 
@@ -109,26 +109,30 @@ def _field(out: str, name: str) -> list[str]:
 
 @pytest.mark.parametrize("model,num_processes", [("gpt2", 1), ("llama", 2)])
 def test_a_plain_loop_trains_under_elixir_and_matches_elixir_plugin(tmp_path, model, num_processes):
-    routed = _launch(tmp_path, num_processes, [str(SCRIPTS / "plain_loop.py"), "--model", model])
-    assert _field(routed, "DDP") == ["False"] * num_processes, routed[-3000:]
-    # routed: accelerate's optimizer wrapper is hf_elixir's (at 1 process a model is never DDP anyway)
-    assert _field(routed, "OPTIMIZER_CLASS") == ["ElixirAcceleratedOptimizer"] * num_processes
+    """Both launches (``hf-elixir launch`` and plain ``accelerate launch`` through the start hook) route the loop,
+    and its final loss equals ``ElixirPlugin().prepare`` of the same loop exactly."""
     reference = _launch(tmp_path, num_processes, [str(SCRIPTS / "plugin_loop.py"), "--model", model], via="accelerate")
-    losses = sorted(_field(routed, "FINAL_LOSS"))
-    assert len(losses) == num_processes and losses == sorted(_field(reference, "FINAL_LOSS")), (routed[-2000:],
-                                                                                                reference[-2000:])
+    for via in ("hf-elixir", "accelerate"):
+        routed = _launch(tmp_path, num_processes, [str(SCRIPTS / "plain_loop.py"), "--model", model], via=via)
+        assert _field(routed, "DDP") == ["False"] * num_processes, (via, routed[-3000:])
+        # routed: accelerate's optimizer wrapper is hf_elixir's (at 1 process a model is never DDP anyway)
+        assert _field(routed, "OPTIMIZER_CLASS") == ["ElixirAcceleratedOptimizer"] * num_processes, via
+        losses = sorted(_field(routed, "FINAL_LOSS"))
+        assert len(losses) == num_processes and losses == sorted(_field(reference, "FINAL_LOSS")), (
+            via, routed[-2000:], reference[-2000:])
 
 
-@pytest.mark.parametrize("num_processes", [1, 2])
-def test_a_stock_trainer_script_trains_under_elixir(tmp_path, num_processes):
-    out = _launch(tmp_path, num_processes, [str(SCRIPTS / "run_trainer.py"), str(tmp_path / "out")])
+@pytest.mark.parametrize("via,num_processes", [("hf-elixir", 2), ("accelerate", 1), ("accelerate", 2)])
+def test_a_stock_trainer_script_trains_under_elixir(tmp_path, via, num_processes):
+    out = _launch(tmp_path, num_processes, [str(SCRIPTS / "run_trainer.py"), str(tmp_path / "out")], via=via)
     assert _field(out, "TRAINED_MODEL_CLASS") == ["GPT2LMHeadModel"] * num_processes, out[-3000:]
     assert "elixir/device_peak_bytes" in out  # ElixirCallback's counters in the Trainer's logs
 
 
-@pytest.mark.parametrize("script", ["test_script", "test_sync"])
-def test_accelerate_upstream_scripts_train_under_the_launch_at_2_processes(tmp_path, script):
-    out = _launch(tmp_path, 2, ["-m", "tests.upstream.accelerate_shim", script],
+@pytest.mark.parametrize("script,via", [("test_script", "hf-elixir"), ("test_sync", "hf-elixir"),
+                                        ("test_sync", "accelerate")])
+def test_accelerate_upstream_scripts_train_under_the_launch_at_2_processes(tmp_path, script, via):
+    out = _launch(tmp_path, 2, ["-m", "tests.upstream.accelerate_shim", script], via=via,
                   extra_env={"ELIXIR_SHIM_ROUTE": "launch", "ELIXIR_SHIM_READ_FULL": "1"})
     prepared = {"test_script": "4", "test_sync": "1"}[script]
     assert re.findall(r"ELIXIR_SHIM prepared (\d+)", out) == [prepared] * 2, out[-4000:]
@@ -138,3 +142,45 @@ def test_accelerate_upstream_scripts_train_under_the_launch_at_2_processes(tmp_p
         assert "**Test reinstantiated state**" in out
     else:
         assert "gradient accumulation with optimizer and scheduler" in out
+
+
+# ------------------------------------------------------------------------ the start hook of plain accelerate launch
+def _yaml_without_elixir(tmp_path: Path) -> Path:
+    import yaml
+
+    data = yaml.safe_load(YAML.read_text())
+    del data["dynamo_config"]["elixir"]
+    path = tmp_path / "ddp.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_plain_accelerate_launch_without_an_elixir_section_or_with_the_hook_off_stays_ddp(tmp_path):
+    """The hook routes only a launch whose config asks for Elixir: a DDP config trains as DDP, untouched, and
+    ``HF_ELIXIR_AUTOROUTE=0`` turns routing off for an Elixir config too."""
+    for config, env in ((_yaml_without_elixir(tmp_path), {}), (YAML, {"HF_ELIXIR_AUTOROUTE": "0"})):
+        out = _launch(tmp_path, 2, [str(SCRIPTS / "plain_loop.py"), "--model", "gpt2"], via="accelerate",
+                      config=config, extra_env=env)
+        assert _field(out, "DDP") == ["True", "True"], (env, out[-3000:])
+        assert _field(out, "OPTIMIZER_CLASS") == ["AcceleratedOptimizer"] * 2, out[-3000:]
+
+
+def test_plain_accelerate_launch_with_an_invalid_elixir_field_fails_at_prepare_naming_it(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(YAML.read_text().replace("default_placement: sharded", "default_placement: sharded\n    prefetch_depthh: 2"))
+    out = _launch(tmp_path, 1, [str(SCRIPTS / "plain_loop.py"), "--model", "gpt2"], via="accelerate", config=bad,
+                  check=False)
+    assert "prefetch_depthh" in out and "FINAL_LOSS" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("env,armed", [({}, False), ({"ACCELERATE_DYNAMO_BACKEND": "NO"}, True),
+                                       ({"ACCELERATE_DYNAMO_BACKEND": "NO", "HF_ELIXIR_AUTOROUTE": "0"}, False)])
+def test_the_hook_on_import_torch_arms_only_in_launched_processes_and_imports_nothing(env, armed):
+    """``import torch`` runs the ``torch.backends`` entry point in every process: outside ``accelerate launch``
+    it does nothing, and inside it only adds an import watcher (hf_elixir itself is not imported)."""
+    code = ("import sys, torch, hf_elixir_autoroute as h; "
+            "print(any(isinstance(f, h._RouteWhenImported) for f in sys.meta_path), 'hf_elixir' in sys.modules)")
+    clean = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_DYNAMO_BACKEND", "HF_ELIXIR_AUTOROUTE")}
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == [str(armed), "False"]

@@ -37,7 +37,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["ELIXIR_SECTION", "find_launch_config_file", "read_elixir_section", "read_launch_config"]
+__all__ = ["ELIXIR_SECTION", "find_launch_config_file", "has_elixir_section", "read_elixir_section", "read_launch_config"]
 
 #: (top-level accelerate key, sub-key) under which elixir.yaml keeps the ElixirConfig fields.
 ELIXIR_SECTION: tuple[str, str] = ("dynamo_config", "elixir")
@@ -128,6 +128,13 @@ def read_launch_config(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(data, Mapping):
         raise ValueError(f"{path}: an accelerate config file must be a mapping, got {type(data).__name__}")
     return dict(data)
+
+
+def has_elixir_section(path: str | os.PathLike) -> bool:
+    """Whether the accelerate config file has a ``dynamo_config.elixir`` key (even an empty one: the defaults)."""
+    outer, inner = ELIXIR_SECTION
+    section = read_launch_config(path).get(outer)
+    return isinstance(section, Mapping) and inner in section
 
 
 def read_elixir_section(path: str | os.PathLike) -> dict[str, Any]:

@@ -5,7 +5,8 @@
 accelerate 1.16 has no engine entry point (``DistributedType`` is a closed enum), so a script that calls
 ``model, optimizer = accelerator.prepare(model, optimizer)`` can only reach hf_elixir if something in its
 process changes what that call does. :func:`install` does it at the class level, once per process, before
-the script runs (``hf-elixir launch`` runs the script through :mod:`hf_elixir.integrations.launch`):
+the script runs (``hf-elixir launch`` runs the script through :mod:`hf_elixir.integrations.launch`; plain
+``accelerate launch`` installs it through the start hook, [Note: the start hook] in ``hf_elixir_autoroute.py``):
 
 * ``Accelerator.prepare`` with exactly one model and one optimizer that accelerate has not prepared yet (in
   any order, with data loaders and schedulers around them) goes to ``ElixirPlugin(config).prepare``, and the
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["install", "installed_config", "routed_models"]
+__all__ = ["install", "install_for_accelerate_launch", "installed_config", "routed_models"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +52,14 @@ def routed_models() -> list[torch.nn.Module]:
     return list(_STATE["routed"])
 
 
-def install(config_file: str | None = None) -> None:
+def install(config_file: str | None = None, source: str | None = None) -> None:
     """Route ``Accelerator.prepare`` and ``Trainer`` to hf_elixir in this process ([Note: routing an unchanged
     script]); idempotent.
 
     Args:
         config_file: the accelerate/Elixir YAML whose ``dynamo_config.elixir`` section is read (``None``: found as
             ``ElixirPlugin`` finds it, :mod:`hf_elixir.integrations._launch_config`).
+        source: how the settings line names where they came from (default: the file, "hf-elixir launch").
 
     Raises:
         ValueError / TypeError: an invalid ``ElixirConfig`` field in the YAML or an ``ELIXIR_*`` variable.
@@ -67,7 +69,7 @@ def install(config_file: str | None = None) -> None:
     config, path = resolve_elixir_config(config_file)
     first = _STATE["config"] is None
     _STATE["config"] = config
-    _STATE["source"] = f"{path} (hf-elixir launch)" if path is not None else "hf-elixir launch (defaults)"
+    _STATE["source"] = source or (f"{path} (hf-elixir launch)" if path is not None else "hf-elixir launch (defaults)")
     if not first:
         return
     import accelerate
@@ -78,6 +80,29 @@ def install(config_file: str | None = None) -> None:
     except ImportError:  # accelerate scripts need not have transformers
         return
     transformers.Trainer.__init__ = _trainer_init_with_callback(transformers.Trainer.__init__)
+
+
+def install_for_accelerate_launch() -> bool:
+    """Called by the start hook (``hf_elixir_autoroute``, [Note: the start hook]) at the first
+    ``accelerator.prepare`` or ``Trainer(...)`` of a process ``accelerate launch`` started: install the router if
+    the launch's config file (found as ``ElixirPlugin`` finds it) has a ``dynamo_config.elixir`` section.
+
+    Returns:
+        Whether the router is installed now.
+
+    Raises:
+        ValueError / TypeError: the section holds an invalid ``ElixirConfig`` field (raised inside the script's
+            first ``accelerator.prepare`` / ``Trainer(...)``, so the run never trains as DDP instead).
+    """
+    from hf_elixir.integrations._launch_config import find_launch_config_file, has_elixir_section
+
+    if _STATE["config"] is not None:  # hf-elixir launch installed it already
+        return True
+    path = find_launch_config_file()
+    if path is None or not has_elixir_section(path):
+        return False
+    install(str(path), source=f"{path} (accelerate launch)")
+    return True
 
 
 def _split(args: tuple) -> tuple[list[int], list[int]]:

@@ -10,16 +10,10 @@ hf_elixir ([Note: routing an unchanged script] in :mod:`hf_elixir.integrations._
 settings are the ``dynamo_config.elixir`` section of ``--config_file`` (plus ``ELIXIR_<FIELD>`` overrides);
 the launcher checks them before any process starts and passes the file on as ``ELIXIR_CONFIG_FILE``.
 
-[Note: why a launcher verb and not a start hook]
-
-accelerate 1.16 offers no engine entry point, so the routing must be installed inside each launched process
-before the script's ``accelerator.prepare``. The two start hooks Python and torch offer both run in *every*
-process of the environment: a ``.pth`` file at interpreter start, and the ``torch.backends`` entry-point
-group that ``import torch`` loads (a failure there makes ``import torch`` itself fail, for every program in
-the environment, and an entry point only exists after ``pip install`` has rewritten the package metadata,
-which an editable checkout does not redo when the code changes). A verb is explicit, costs nothing to
-processes it did not start, and carries the same accelerate arguments and YAML. It also works where a start
-hook would not: ``torchrun ... -m hf_elixir.integrations.launch train.py`` with ``ELIXIR_CONFIG_FILE`` set.
+The same routing reaches plain ``accelerate launch`` through the start hook ([Note: the start hook] in
+``hf_elixir_autoroute.py``). The verb adds what a hook cannot: the settings are checked once, before any process
+starts, and it works where no ``accelerate launch`` parent exists: ``torchrun ... -m hf_elixir.integrations.launch
+train.py`` with ``ELIXIR_CONFIG_FILE`` set.
 """
 
 from __future__ import annotations
