@@ -8,11 +8,9 @@ Plan: the per-block policy round-trips, old plans with the bool load. Config: a 
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import hf_elixir
 from hf_elixir.chunk import strict

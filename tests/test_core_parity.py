@@ -8,7 +8,6 @@ rank's batch (same per-rank shapes, mean loss). 10 steps, two param groups, a LR
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

@@ -14,7 +14,7 @@ import torch
 
 import hf_elixir
 from tests._dist import run_distributed
-from tests._models import batch, rank_batch, rel_l2, tiny_model
+from tests._models import batch, rel_l2, tiny_model
 
 CHUNK = 8192
 ROWS_PER_RANK = 2

@@ -16,7 +16,6 @@ import dataclasses
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 
 import hf_elixir
 from tests._dist import run_distributed

@@ -8,7 +8,6 @@ what the device pool really charged (``memory_stats``), never against the formul
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 

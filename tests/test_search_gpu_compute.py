@@ -6,7 +6,6 @@ import copy
 from dataclasses import replace
 
 import pytest
-import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from hf_elixir.profiler import HardwareProfile, profile_step

@@ -10,7 +10,7 @@ import transformers
 import hf_elixir
 from hf_elixir.chunk import _stream_load
 from tests._dist import run_distributed
-from tests._models import batch, rank_batch, tiny_model
+from tests._models import rank_batch, tiny_model
 
 
 def _llama(seed: int = 0):

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from itertools import chain
 from typing import Any
 
 import torch

@@ -16,7 +16,7 @@ import contextlib
 import torch
 
 from hf_elixir.chunk.manager import ChunkManager
-from hf_elixir.chunk.strict import host_copies, to_host
+from hf_elixir.chunk.strict import host_copies
 from hf_elixir.runtime._exports import MasterExport, install_config_dtype, load_fp32_masters
 from hf_elixir.runtime._state import get_state
 
