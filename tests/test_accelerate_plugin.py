@@ -139,6 +139,10 @@ def _env() -> dict[str, str]:
     env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", ACCELERATE_USE_CPU="1")
     env.pop("ELIXIR_CONFIG_FILE", None)
+    # The script's second half is the stock reference (`accelerator.prepare` must stay DDP), so the
+    # start hook that routes an unchanged script under an Elixir launch is off here; tests/test_launch.py
+    # covers the routed case.
+    env["HF_ELIXIR_AUTOROUTE"] = "0"
     return env
 
 
