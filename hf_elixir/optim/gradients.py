@@ -15,10 +15,22 @@ full gradient of a parameter as plain PyTorch's ``p.grad`` would hold it after `
   ([Note: owed clip factor] in _clip.py) is applied here, so every gradient reads as clipped.
 
 Parameters that got no gradient in this step (an MoE expert no token reached; PyTorch leaves ``p.grad`` None) are
-left out of the mapping, and ``get_full_grad`` returns ``None`` for them. Tensor/expert-parallel models
-(:func:`hf_elixir.parallel.parallelize`): the gradient of this rank's local parameter, in the parallelized model's
-names and shapes (this rank's tensor-parallel shard, this rank's experts), consolidated over the data-parallel
-ranks only. Same role as DeepSpeed's ``safe_get_full_grad``.
+left out of the mapping, and ``get_full_grad`` returns ``None`` for them. Same role as DeepSpeed's
+``safe_get_full_grad``.
+
+Tensor/expert-parallel models (:func:`hf_elixir.parallel.parallelize`): the unmodified model's names and full
+shapes, as ``dict(unmodified.named_parameters())`` holds them. After the data-parallel gather above, this rank's
+gradients go through ``assemble_full`` (``hf_elixir/parallel/_gather.py``, the same reassembly as
+``gather_full_state_dict``; prepare leaves it in ``ElixirState.assemble_full``, as this layer sits below
+``parallel``): tensor-parallel shards all-gathered over the tp group and merged, fused 3-D expert slices
+concatenated over the ep group in ep-rank order, Switch-style ``expert_{i}`` gradients gathered from their owners.
+The shard gradients are already those of the full loss (Megatron's identity / all-reduce pair), experts carry
+every ep rank's tokens (pre-divided by ``ep``: [Note: expert gradient scale] in ``parallel/_expert_parallel.py``),
+and a ``grad_allreduce`` parameter's gradient is already summed over tp, so replicated parameters are taken from
+this rank as they are. One all-gather of has-gradient flags over the tp/ep group comes first, so every rank issues
+the same all-gathers (a parameter without a gradient on one rank takes part as zeros) and a Switch expert no rank's
+token reached is left out, as PyTorch leaves it. ``local=True``: this rank's view instead (its shards, its
+experts, in the parallelized model's names), consolidated over the data-parallel ranks only.
 """
 
 from __future__ import annotations
