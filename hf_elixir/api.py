@@ -44,6 +44,7 @@ from hf_elixir.config import ElixirConfig
 from hf_elixir.optim._check import check_optimizer
 from hf_elixir.optim.optimizer import ElixirOptimizer
 from hf_elixir.parallel import get_parallel_state, placements_for_plan
+from hf_elixir.parallel._gather import assemble_full
 from hf_elixir.parallel._groups import chunk_group_of, default_group, job_group_of
 from hf_elixir.placement._agree import agree_budget, agree_object, agree_placements
 from hf_elixir.placement._device_placement import resolve_default_placement
@@ -202,7 +203,8 @@ def _apply_layout(model, optimizer, names, layout: Layout, stream: StreamedInit 
     fp32_masters = {} if optimizer is not None else None  # [Note: fp32 masters at prepare] in chunk/_build.py
     materialize_chunks(manager, stream.fill_for if stream is not None else None, fp32_masters)  # 8
     plan = recorded_plan(model, names, layout)  # 9
-    state = ElixirState(manager=manager, handles=handles, config=config, plan=plan)
+    state = ElixirState(manager=manager, handles=handles, config=config, plan=plan,
+                        assemble_full=assemble_full if get_parallel_state(model) is not None else None)
     if optimizer is not None:
         state.optimizer = ElixirOptimizer(optimizer, manager, config, refresh_cast=plan.refresh_cast,
                                           fp32_masters=fp32_masters)

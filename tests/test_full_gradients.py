@@ -115,3 +115,110 @@ def test_full_gradients_needs_an_optimizer():
     with pytest.raises(ValueError, match="prepared without an optimizer"):
         with hf_elixir.full_gradients(model):
             pass
+
+
+# -- tensor / expert parallel: the unmodified model's names and full shapes ------------------------------------
+PARALLEL_TOL = 1e-5  # fp32, relative L2 over every gradient, and per tensor
+
+
+def _switch_12_experts():
+    """Switch-style per-expert modules, 12 experts over ep=2: rank 1 holds expert_6 .. expert_11, so the
+    renumbering must order expert_10 after expert_9; with 16 tokens per rank some experts get none."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    return T.SwitchTransformersForConditionalGeneration(T.SwitchTransformersConfig(
+        vocab_size=128, d_model=32, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=4, num_experts=12,
+        expert_capacity=3, num_sparse_encoder_layers=2, num_sparse_decoder_layers=2, router_jitter_noise=0.0,
+        dropout_rate=0.0, router_z_loss_coef=0.01, router_aux_loss_coef=0.1, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1))
+
+
+def _parallel_case(model, cfg, batches: list[dict], rank: int, pick: str, half_budget: bool = False) -> dict:
+    """parallelize + prepare ``model``, one backward on this rank's batch (``batches[rank]``, or the one batch
+    every tp rank shares); its gradients against plain PyTorch's p.grad of the mean loss over ``batches`` on the
+    unmodified model. ``pick``: a substring naming the parameter read by ``get_full_grad``.
+    ``half_budget``: a model-data budget of half this rank's 16 B/param state (chunks and gradients offloaded)."""
+    import dataclasses
+
+    from hf_elixir.parallel import parallelize
+
+    ref = copy.deepcopy(model)
+    parallelize(model, cfg)
+    if half_budget:
+        cfg = dataclasses.replace(cfg, device_memory_budget_bytes=8 * sum(p.numel() for p in model.parameters()),
+                                  budget_covers_activations=False)
+    local_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    model, opt = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg)
+    opt.backward(model(**batches[rank % len(batches)]).loss)
+    with hf_elixir.full_gradients(model) as grads:
+        pass
+    with hf_elixir.full_gradients(model, local=True) as local:
+        pass
+    pick = pick.format(expert=6 * rank + 4)  # Switch: this rank's expert_4 / expert_10
+    name, param = next((n, p) for n, p in model.named_parameters() if pick in n)
+    one = hf_elixir.get_full_grad(param, model)
+    one_local = hf_elixir.get_full_grad(param, model, local=True)
+    torch.stack([ref(**b).loss for b in batches]).mean().backward()
+    shapes = {n: tuple(p.shape) for n, p in ref.named_parameters()}
+    expected = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    same_names = list(grads) == list(expected)
+    return {
+        "same_names": same_names,
+        "num_without_grad": len(shapes) - len(expected),  # PyTorch left p.grad None (Switch: unrouted experts)
+        "shapes": all(tuple(g.shape) == shapes[n] and g.dtype == torch.float32 for n, g in grads.items()),
+        "rel": _rel(grads, expected) if same_names else float("inf"),
+        "worst": max((_rel({n: grads[n]}, {n: g}), n) for n, g in expected.items() if g.norm() > 0)
+        if same_names else (float("inf"), ""),
+        "one": (name, one is None, expected.get(name) is None,
+                0.0 if one is None or name not in expected else _rel({"w": one}, {"w": expected[name]})),
+        "one_local_shape": None if one_local is None else tuple(one_local.shape),
+        "picked_local_shape": local_shapes[name],
+        "local_shapes": all(tuple(g.shape) == local_shapes[n] for n, g in local.items()),
+        "local_names": list(local) == [n for n in local_shapes if n in local] and len(local) > 0,
+        "num_sharded": sum(local_shapes[n] != shapes.get(n) for n in local),  # local shapes that are not full
+    }
+
+
+def _parallel_worker(rank, world_size):
+    from parallel_harness import make_batch, make_model
+    from tests._moe_ep_cases import _batch
+    from tests._moe_models import make_moe_model
+
+    torch.manual_seed(0)
+    return {
+        "llama_tp2": _parallel_case(
+            make_model("llama"), hf_elixir.ElixirConfig(tensor_parallel_size=2, chunk_size_numel=4096),
+            [make_batch("llama", 0, 0)], rank, "layers.0.self_attn.q_proj.weight", half_budget=True),
+        "qwen3_tp2": _parallel_case(  # q_norm / k_norm: replicated, gradient summed over tp (grad_allreduce)
+            make_model("qwen3"), hf_elixir.ElixirConfig(tensor_parallel_size=2, chunk_size_numel=4096),
+            [make_batch("qwen3", 0, 0)], rank, "layers.1.self_attn.q_norm.weight"),
+        "mixtral_ep2": _parallel_case(
+            make_moe_model("mixtral"), hf_elixir.ElixirConfig(placements={"*.mlp.experts": "expert"},
+                                                              expert_parallel_size=2, chunk_size_numel=4096),
+            [_batch(0, r) for r in range(world_size)], rank, "layers.1.mlp.experts.down_proj"),
+        "switch_ep2": _parallel_case(
+            _switch_12_experts(), hf_elixir.ElixirConfig(expert_parallel_size=2, chunk_size_numel=4096),
+            [make_batch("switch", 0, r) for r in range(world_size)], rank, "decoder.block.1.layer.2.mlp.experts.expert_{expert}.wi"),
+    }
+
+
+def test_full_gradients_of_tp_and_ep_models_are_the_unmodified_models():
+    """TP=2 (Llama, Qwen3) and EP=2 (Mixtral's fused experts, Switch's expert_{i} modules) on 2 gloo ranks: after
+    one backward, full_gradients holds plain PyTorch's p.grad of the unmodified model, its names, order and full
+    shapes; local=True this rank's parameters; get_full_grad one full gradient (the local one with local=True)."""
+    results = run_distributed(_parallel_worker, 2, timeout_s=240)
+    for rank, per_case in enumerate(results):
+        for case, m in per_case.items():
+            where = f"rank {rank} {case}: {m}"
+            assert m["same_names"] and m["shapes"], where
+            assert m["rel"] < PARALLEL_TOL and m["worst"][0] < PARALLEL_TOL, where
+            name, none, expected_none, one_rel = m["one"]
+            assert none == expected_none and one_rel < PARALLEL_TOL, where
+            assert m["local_shapes"] and m["local_names"], where
+            if not none:
+                assert m["one_local_shape"] == m["picked_local_shape"], where
+            if case.endswith("tp2") or case == "mixtral_ep2":
+                assert m["num_sharded"] > 0, where  # the local view really is the shards
+        assert per_case["switch_ep2"]["num_without_grad"] > 0  # some experts got no token: left out, as in PyTorch
+        assert per_case["qwen3_tp2"]["one"][0].endswith("q_norm.weight")

@@ -15,10 +15,22 @@ full gradient of a parameter as plain PyTorch's ``p.grad`` would hold it after `
   ([Note: owed clip factor] in _clip.py) is applied here, so every gradient reads as clipped.
 
 Parameters that got no gradient in this step (an MoE expert no token reached; PyTorch leaves ``p.grad`` None) are
-left out of the mapping, and ``get_full_grad`` returns ``None`` for them. Tensor/expert-parallel models
-(:func:`hf_elixir.parallel.parallelize`): the gradient of this rank's local parameter, in the parallelized model's
-names and shapes (this rank's tensor-parallel shard, this rank's experts), consolidated over the data-parallel
-ranks only. Same role as DeepSpeed's ``safe_get_full_grad``.
+left out of the mapping, and ``get_full_grad`` returns ``None`` for them. Same role as DeepSpeed's
+``safe_get_full_grad``.
+
+Tensor/expert-parallel models (:func:`hf_elixir.parallel.parallelize`): the unmodified model's names and full
+shapes, as ``dict(unmodified.named_parameters())`` holds them. After the data-parallel gather above, this rank's
+gradients go through ``assemble_full`` (``hf_elixir/parallel/_gather.py``, the same reassembly as
+``gather_full_state_dict``; prepare leaves it in ``ElixirState.assemble_full``, as this layer sits below
+``parallel``): tensor-parallel shards all-gathered over the tp group and merged, fused 3-D expert slices
+concatenated over the ep group in ep-rank order, Switch-style ``expert_{i}`` gradients gathered from their owners.
+The shard gradients are already those of the full loss (Megatron's identity / all-reduce pair), experts carry
+every ep rank's tokens (pre-divided by ``ep``: [Note: expert gradient scale] in ``parallel/_expert_parallel.py``),
+and a ``grad_allreduce`` parameter's gradient is already summed over tp, so replicated parameters are taken from
+this rank as they are. One all-gather of has-gradient flags over the tp/ep group comes first, so every rank issues
+the same all-gathers (a parameter without a gradient on one rank takes part as zeros) and a Switch expert no rank's
+token reached is left out, as PyTorch leaves it. ``local=True``: this rank's view instead (its shards, its
+experts, in the parallelized model's names), consolidated over the data-parallel ranks only.
 """
 
 from __future__ import annotations
@@ -86,59 +98,91 @@ def _slot_grad(full: torch.Tensor, slot) -> torch.Tensor:
     return register_host(full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone())
 
 
+def _named_trainable(model: torch.nn.Module, manager) -> dict[torch.nn.Parameter, str]:
+    """Every trainable parameter hf_elixir manages -> its name, in ``model.named_parameters()`` order."""
+    names: dict[torch.nn.Parameter, str] = {}
+    for name, param in model.named_parameters():
+        slot = manager.slot_of.get(param)
+        if slot is not None and slot.trainable:
+            names.setdefault(param, name)
+    return names
+
+
+def _local_grads(manager, optimizer, names: dict, flags: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{name: gradient}`` of this rank's parameters in ``names`` that got one; gathers one chunk at a time
+    (chunk order: the same on every rank of each chunk's group, as the flags are)."""
+    grads: dict[str, torch.Tensor] = {}
+    for chunk in manager.chunks:
+        wanted = [slot for slot in chunk.slots if slot.param in names and float(flags[slot.flag_index]) > 0]
+        if not chunk.trainable or not wanted:
+            continue
+        full = _full_chunk_grad(manager, optimizer, chunk)
+        for slot in wanted:
+            grads[names[slot.param]] = _slot_grad(full, slot)
+    return grads
+
+
+def _assembled(model, assemble, names: dict, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The unmodified model's full gradients from this rank's (see [Note: readable gradients]); a collective over
+    the tensor/expert-parallel group. A parameter without a gradient on this rank takes part as zeros."""
+    local = {name: grads[name] if name in grads else register_host(torch.zeros(param.shape, dtype=torch.float32))
+             for param, name in names.items()}
+    return assemble(local, model, present={name: name in grads for name in local})
+
+
 @contextlib.contextmanager
-def full_gradients(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+def full_gradients(model: torch.nn.Module, *, local: bool = False) -> Iterator[dict[str, torch.Tensor]]:
     """Full fp32 gradients of every trainable parameter, between ``backward`` and ``optimizer.step()``.
 
-    ``with hf_elixir.full_gradients(model) as grads:`` gives ``{name: gradient}`` for every parameter of
-    ``model.named_parameters()`` that hf_elixir manages and that got a gradient since the last ``zero_grad``:
-    ``gradient`` is a new fp32 host tensor shaped like the parameter, equal to what plain PyTorch's ``p.grad``
-    holds after the same ``backward`` (loss scale removed, clipping applied; [Note: readable gradients]).
-    Collective under torch.distributed (every rank enters, in the same order); gathers one chunk at a time.
+    ``with hf_elixir.full_gradients(model) as grads:`` gives ``{name: gradient}`` for every parameter that
+    hf_elixir manages and that got a gradient since the last ``zero_grad``: ``gradient`` is a new fp32 host tensor,
+    equal to what plain PyTorch's ``p.grad`` holds after the same ``backward`` (loss scale removed, clipping
+    applied; [Note: readable gradients]). For a tensor/expert-parallel model (:func:`hf_elixir.parallel.parallelize`)
+    names and shapes are those of the unmodified model, as ``dict(unmodified.named_parameters())`` (shards merged,
+    experts of every rank). Collective under torch.distributed (every rank enters, in the same order).
 
     Args:
         model: a model prepared by :func:`hf_elixir.prepare` with an optimizer.
+        local: tensor/expert-parallel models only: this rank's view instead, in the parallelized model's names and
+            shapes (its tensor-parallel shards, its experts), consolidated over the data-parallel ranks only; no
+            collective over the tp/ep group. Other models: no effect.
 
     Yields:
-        ``dict[str, torch.Tensor]``: parameter name -> full gradient (fp32, the parameter's shape, CPU).
+        ``dict[str, torch.Tensor]``: parameter name -> full gradient (fp32, CPU), in ``named_parameters()`` order
+        (of the unmodified model under tensor/expert parallel, unless ``local``).
 
     Raises:
         ValueError: the model was not prepared, or was prepared without an optimizer.
     """
     manager, optimizer = _optimizer_of(model)
     flags = _settle(manager, optimizer)
-    names = {}
-    for name, param in model.named_parameters():
-        slot = manager.slot_of.get(param)
-        if slot is not None and slot.trainable and float(flags[slot.flag_index]) > 0:
-            names.setdefault(param, name)
-    grads: dict[str, torch.Tensor] = {}
-    for chunk in manager.chunks:  # chunk order: the same on every rank of each chunk's group
-        if not chunk.trainable:
-            continue
-        wanted = [slot for slot in chunk.slots if slot.param in names]
-        if not wanted:
-            continue
-        full = _full_chunk_grad(manager, optimizer, chunk)
-        for slot in wanted:
-            grads[names[slot.param]] = _slot_grad(full, slot)
-    yield {name: grads[name] for name in names.values() if name in grads}  # named_parameters order
+    names = _named_trainable(model, manager)
+    grads = _local_grads(manager, optimizer, names, flags)
+    assemble = get_state(model).assemble_full
+    if assemble is not None and not local:
+        yield _assembled(model, assemble, names, grads)
+    else:
+        yield {name: grads[name] for name in names.values() if name in grads}  # named_parameters order
 
 
-def get_full_grad(param: torch.nn.Parameter, model: torch.nn.Module) -> torch.Tensor | None:
+def get_full_grad(param: torch.nn.Parameter, model: torch.nn.Module, *, local: bool = False) -> torch.Tensor | None:
     """The full fp32 gradient of one parameter of a prepared model, between ``backward`` and ``step``.
 
     As :func:`full_gradients` for one parameter (DeepSpeed's ``safe_get_full_grad(param)``). Collective over the
-    ranks the parameter's chunk is sharded over (every rank calls it for the same parameter); it all-gathers the
-    whole chunk, so for many parameters one :func:`full_gradients` costs less.
+    ranks the parameter's chunk is sharded over, and for a tensor/expert-parallel model over its tp or ep group
+    (every rank calls it for the same parameter: under Switch-style expert parallel, its own rank's expert at the
+    same position). It all-gathers the whole chunk, so for many parameters one :func:`full_gradients` costs less.
 
     Args:
         param: a parameter of ``model``.
         model: the prepared model that holds it.
+        local: tensor/expert-parallel models only: the gradient of this rank's local parameter (its shard, its
+            experts), no collective over the tp/ep group.
 
     Returns:
-        fp32 host tensor shaped like ``param``; ``None`` when it got no gradient since the last ``zero_grad``
-        (as PyTorch's ``p.grad``), or is frozen.
+        fp32 host tensor shaped like the parameter of the unmodified model (under tensor/expert parallel: the
+        whole tensor, every rank's shards or experts merged; a Switch expert is whole already); ``None`` when it
+        got no gradient since the last ``zero_grad`` (as PyTorch's ``p.grad``), or is frozen.
 
     Raises:
         ValueError: ``model`` was not prepared with an optimizer, or ``param`` is not one hf_elixir manages in it.
@@ -149,6 +193,13 @@ def get_full_grad(param: torch.nn.Parameter, model: torch.nn.Module) -> torch.Te
         raise ValueError(f"hf_elixir.get_full_grad: the parameter of shape {tuple(param.shape)} is not managed by "
                          "this prepared model; pass a parameter of model.parameters()")
     flags = _settle(manager, optimizer)
-    if not slot.trainable or float(flags[slot.flag_index]) <= 0:
+    if not slot.trainable:  # the same on every rank: none takes part in a collective
         return None
-    return _slot_grad(_full_chunk_grad(manager, optimizer, manager.chunk_of[param]), slot)
+    grad = None
+    if float(flags[slot.flag_index]) > 0:
+        grad = _slot_grad(_full_chunk_grad(manager, optimizer, manager.chunk_of[param]), slot)
+    assemble = get_state(model).assemble_full
+    if assemble is None or local:
+        return grad
+    name = next(n for n, p in model.named_parameters() if p is param)
+    return _assembled(model, assemble, {param: name}, {} if grad is None else {name: grad}).get(name)

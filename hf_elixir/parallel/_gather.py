@@ -1,8 +1,10 @@
-"""Reassemble a tensor/expert-parallel model's full state dict and save it as a standard HF folder."""
+"""Reassemble a tensor/expert-parallel model's full tensors (weights: the full state dict and a standard HF folder;
+gradients: ``hf_elixir.full_gradients`` through :func:`assemble_full`)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,11 +12,11 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_elixir.chunk.strict import register_host, to_device, to_host
-from hf_elixir.parallel._state import get_parallel_state
+from hf_elixir.parallel._state import ParallelState, get_parallel_state
 from hf_elixir.parallel._tensor_parallel import merge_shards
 from hf_elixir.placement._experts import is_fused_experts
 
-__all__ = ["gather_full_state_dict", "install_save_guard", "save_pretrained_full"]
+__all__ = ["assemble_full", "gather_full_state_dict", "install_save_guard", "save_pretrained_full"]
 
 
 def _collective_device(group: Any) -> torch.device:
@@ -36,17 +38,127 @@ def _all_gather(t: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:
     return [to_host(part) for part in out]
 
 
+@dataclass(frozen=True)
+class _MpGather:
+    """One tensor of this rank all-gathered over the model-parallel (tp or ep) group.
+
+    Attributes:
+        key: its name in this rank's (parallelized) model.
+        kind: ``"tp"`` (shards merged by the tensor's :class:`TPShardLayout`), ``"fused"`` (3-D expert
+            slices concatenated on dim 0 in ep-rank order) or ``"experts"`` (Switch-style ``expert_{i}``
+            modules: each ep rank's part is a whole tensor of its own expert).
+        names: the unmodified model's name of each ep rank's part (``"experts"``), else ``(key,)``.
+    """
+
+    key: str
+    kind: str
+    names: tuple[str, ...]
+
+
+def _mp_gathers(local: dict[str, torch.Tensor], state: ParallelState, named: dict[str, nn.Module]) -> list[_MpGather]:
+    """The all-gathers :func:`assemble_full` issues, in an order that is the same on every rank of the group.
+
+    Switch-style experts pair by local index ``j`` (this rank's ``expert_{ep_rank * L + j}``), never by sorting
+    the names as strings (``expert_10`` before ``expert_9`` would pair different experts on different ranks)."""
+    mesh = state.mesh
+    gathers: list[_MpGather] = []
+    for container, num_experts in state.expert_containers.items():
+        if is_fused_experts(named[container]):  # this rank's slices of the stacked tensors
+            gathers += [_MpGather(k, "fused", (k,)) for k in sorted(k for k in local if k.startswith(container + "."))]
+            continue
+        num_local = num_experts // mesh.ep_size
+        for j in range(num_local):
+            prefix = f"{container}.expert_{mesh.ep_rank * num_local + j}."
+            for suffix in sorted(k[len(prefix):] for k in local if k.startswith(prefix)):
+                names = tuple(f"{container}.expert_{r * num_local + j}.{suffix}" for r in range(mesh.ep_size))
+                gathers.append(_MpGather(prefix + suffix, "experts", names))
+    gathers += [_MpGather(k, "tp", (k,)) for k in state.full_shapes if k in state.tp_layouts and k in local]
+    return gathers
+
+
+def _presence(gathers: list[_MpGather], present: dict[str, bool] | None, group: Any, size: int) -> list[list[bool]]:
+    """For each gather, which ranks of ``group`` hold a value (one all-gather of ``len(gathers)`` flags)."""
+    if present is None:
+        return [[True] * size for _ in gathers]
+    mine = torch.tensor([float(present[g.key]) for g in gathers], dtype=torch.float32)
+    if size == 1 or not gathers:
+        return [[bool(v)] for v in mine.tolist()]
+    parts = _all_gather(register_host(mine), group, size)
+    return [list(ranks) for ranks in zip(*(part.bool().tolist() for part in parts))]
+
+
+@torch.no_grad()
+def assemble_full(local: dict[str, torch.Tensor], model: nn.Module, *,
+                  present: dict[str, bool] | None = None) -> dict[str, torch.Tensor]:
+    """This rank's tensors of a parallelized model -> the unmodified model's full tensors (collective).
+
+    The one reassembly behind :func:`gather_full_state_dict` (weights) and ``hf_elixir.full_gradients``
+    (gradients). Tensor-parallel shards are all-gathered over the tp group and merged (:func:`merge_shards`);
+    fused 3-D expert slices are all-gathered over the ep group and concatenated on dim 0 in ep-rank order;
+    Switch-style ``expert_{i}`` tensors are all-gathered over the ep group and renamed to each owner's global
+    expert index; everything else (replicated over the model-parallel group, including ``grad_allreduce``
+    parameters whose gradient is already summed over tp) is taken from this rank. Every rank of the
+    model-parallel group calls it with the same keys (a Switch expert under its own rank's index), in the
+    same order; all-gathers run on the device under NCCL (:func:`_all_gather`).
+
+    Args:
+        local: name in the parallelized model -> this rank's tensor (host, any dtype; shapes as in the
+            parallelized model).
+        model: the model :func:`hf_elixir.parallel.parallelize` rewrote.
+        present: name -> whether this rank's value exists (a gradient: ``False`` where PyTorch's ``p.grad``
+            would be ``None``; ``local`` then holds zeros of the local shape and dtype for it). A merged tensor
+            is kept when some rank of its group has it (the others' parts count as zeros), a Switch expert's
+            tensor when its owner has it, a replicated one when this rank has it. ``None``: all present, and no
+            flags are exchanged.
+
+    Returns:
+        ``{name in the unmodified model: full tensor (CPU)}``, in the unmodified model's ``state_dict`` order.
+
+    Raises:
+        ValueError: the model was not rewritten by ``parallelize``.
+    """
+    state = get_parallel_state(model)
+    if state is None:
+        raise ValueError("assemble_full needs a model rewritten by hf_elixir.parallel.parallelize")
+    mesh = state.mesh
+    group, size = (mesh.ep_group, mesh.ep_size) if mesh.mp_axis == "ep" else (mesh.tp_group, mesh.tp_size)
+    gathers = _mp_gathers(local, state, dict(model.named_modules()))
+    full: dict[str, torch.Tensor] = {}
+    for gather, has in zip(gathers, _presence(gathers, present, group, size)):
+        if not any(has):  # no rank of the group has it: every rank skips this all-gather
+            continue
+        parts = _all_gather(local[gather.key], group, size)
+        if gather.kind == "experts":
+            full.update({name: part for name, part, on in zip(gather.names, parts, has) if on})
+        elif gather.kind == "fused":
+            full[gather.key] = register_host(torch.cat(parts))
+        else:
+            full[gather.key] = register_host(merge_shards(parts, state.tp_layouts[gather.key]))  # on the host
+    gathered = {g.key for g in gathers}
+    for key, tensor in local.items():
+        if key not in gathered and (present is None or present[key]):
+            full[key] = tensor.detach().cpu()
+    ordered = {}
+    for key, shape in state.full_shapes.items():
+        if key in full:
+            assert tuple(full[key].shape) == shape, \
+                f"rank {dist.get_rank()}: {key} assembled {tuple(full[key].shape)} != {shape}"
+            ordered[key] = full[key]
+    assert len(ordered) == len(full), f"rank {dist.get_rank()}: not in the unmodified model: {set(full) - set(ordered)}"
+    return ordered
+
+
 @torch.no_grad()
 def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The state dict of the unmodified model class, reassembled from tp shards and ep experts.
 
     Collective: call on every rank. Works on a model also prepared by ``hf_elixir.prepare`` (built on
     its ``model.state_dict()``, which consolidates the ZeRO chunks over their data-parallel groups into
-    this rank's full local tensors). Tp shards are all-gathered over the tp group and merged (GPT-2's
-    ``c_attn`` re-fused per head: ``q|k|v`` with every rank's heads in order); experts are
-    all-gathered over the ep group (fused 3-D expert slices concatenated on dim 0, in ep rank order). Replicated tensors are taken from this rank (they are equal on
-    every rank after a synchronised step). Keys and order are those of the model before
-    :func:`hf_elixir.parallel.parallelize`.
+    this rank's full local tensors), through :func:`assemble_full`: tp shards all-gathered over the tp group
+    and merged (GPT-2's ``c_attn`` re-fused per head: ``q|k|v`` with every rank's heads in order), experts
+    all-gathered over the ep group (fused 3-D expert slices concatenated on dim 0, in ep rank order).
+    Replicated tensors are taken from this rank (they are equal on every rank after a synchronised step).
+    Keys and order are those of the model before :func:`hf_elixir.parallel.parallelize`.
 
     Args:
         model: a model rewritten by ``parallelize``.
@@ -62,38 +174,12 @@ def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict
     if state is None:
         raise ValueError("gather_full_state_dict needs a model rewritten by hf_elixir.parallel.parallelize; "
                          "use model.state_dict() for others")
-    mesh = state.mesh
-    local = model.state_dict()
-    full: dict[str, torch.Tensor] = {}
-    named = dict(model.named_modules())
-    for container, num_experts in state.expert_containers.items():
-        if is_fused_experts(named[container]):  # this rank's slices of the stacked tensors: concatenate
-            for key in sorted(k for k in local if k.startswith(container + ".")):
-                full[key] = register_host(torch.cat(_all_gather(local[key], mesh.ep_group, mesh.ep_size)).cpu())
-            continue
-        num_local = num_experts // mesh.ep_size
-        first = mesh.ep_rank * num_local
-        for j in range(num_local):
-            prefix = f"{container}.expert_{first + j}."
-            for key in sorted(k for k in local if k.startswith(prefix)):
-                suffix = key[len(prefix):]
-                for r, t in enumerate(_all_gather(local[key], mesh.ep_group, mesh.ep_size)):
-                    full[f"{container}.expert_{r * num_local + j}.{suffix}"] = t.cpu()
-    for key in state.full_shapes:
-        if key in full:
-            continue
-        if key in state.tp_layouts:
-            parts = _all_gather(local[key], mesh.tp_group, mesh.tp_size)
-            full[key] = register_host(merge_shards(parts, state.tp_layouts[key]).cpu())  # merged on the host
-        else:
-            full[key] = local[key].detach().cpu()
-    ordered = {}
-    for key, shape in state.full_shapes.items():
-        assert tuple(full[key].shape) == shape, f"rank {dist.get_rank()}: {key} gathered {tuple(full[key].shape)} != {shape}"
-        ordered[key] = full[key]
+    full = assemble_full(model.state_dict(), model)
+    missing = [k for k in state.full_shapes if k not in full]
+    assert not missing, f"rank {dist.get_rank()}: not gathered: {missing[:3]}"
     if rank0_only and dist.get_rank() != 0:
         return {}
-    return ordered
+    return full
 
 
 def save_pretrained_full(model: nn.Module, save_directory: str | os.PathLike, **kwargs: Any) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,10 @@ class ElixirState:
     plan: ElixirPlan
     optimizer: ElixirOptimizer | None = None
     compiled: list = field(default_factory=list)  # runtime/compile.py's compiled block forwards
+    #: a model ``hf_elixir.parallel.parallelize`` rewrote: ``assemble_full(local, model, present=...)`` of
+    #: ``hf_elixir/parallel/_gather.py``, which turns this rank's tensors into the unmodified model's full ones; the
+    #: gradient readers (a lower layer) reach it here. ``None`` for other models.
+    assemble_full: Callable | None = None
 
 #: id(parameter) -> (weak reference to it, the prepared model owning it): every parameter a prepared model
 #: packed into its chunks (a parameter two prepared models both packed would be stepped twice)
