@@ -142,7 +142,7 @@ def _search(args: argparse.Namespace, profile, hardware, budget: int, **extra):
     optim_states, snapshot_rollback = OPTIMIZER_TERMS[args.optimizer]
     run = search
     if hasattr(args, "gpus_per_node"):  # plan
-        ep = args.expert_parallel_size
+        ep = args.expert_parallel_size or (1 if args.tensor_parallel_size > 1 else None)  # not both (ElixirConfig)
         extra.update(expert_parallel_sizes=(ep,) if ep else None, ranks_per_host=args.gpus_per_node)
         run = search_expert_parallel  # search's arguments, and the expert-parallel degrees
     return run(profile, hardware, world_size=args.num_gpus, precision=args.precision,

@@ -193,3 +193,32 @@ def test_forced_host_copies_dropped_where_they_do_not_fit():
     result = search(profile, hw, world_size=2, precision="bf16", device_memory_budget_bytes=2**30,
                     host_memory_bytes=host, ranks_per_host=2, data_parallel="sharded", **_FAST)
     assert result.best.prediction.host_bytes * 2 <= host
+
+
+def test_plan_command_tries_expert_parallel_and_shows_its_degree(tmp_path, capsys, monkeypatch):
+    """``hf-elixir plan`` on an MoE config tries expert parallel 1 and the largest degree, shows the winner's
+    degree (and each alternative's), records its placements, and ``--expert-parallel-size 1`` keeps ZeRO alone."""
+    import json
+
+    from hf_elixir.cli import main
+    from hf_elixir.plan import ElixirPlan
+    from tests._models import fixed_cpu_hardware
+
+    monkeypatch.setenv("HF_ELIXIR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr("hf_elixir.profiler.probe_hardware", lambda *a, **k: fixed_cpu_hardware())
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "model_type": "mixtral", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "bos_token_id": 0, "eos_token_id": 1, "max_position_embeddings": 256}))
+    argv = ["plan", "--model", str(config), "--gpu", "h100", "--num-gpus", "2", "--gpu-memory", "8MiB",
+            "--host-memory", "1GiB", "--batch-size", "2", "--seq-len", "64", "--output"]
+    assert main(argv + [str(tmp_path / "auto.json")]) == 0
+    text = capsys.readouterr().out
+    plan = ElixirPlan.load(tmp_path / "auto.json")
+    ep = 2 if plan.placements["model.layers.0.mlp.experts"] == "expert" else 1
+    assert f"│ expert parallel          │ {ep} (all-to-all" in text and "┃ EP ┃" in text
+    assert any(r.startswith(f"expert parallel {ep} wins") for r in plan.reasons), plan.reasons
+    assert main(argv + [str(tmp_path / "zero.json"), "--expert-parallel-size", "1"]) == 0
+    assert "expert parallel 1 wins" not in capsys.readouterr().out.replace("\n", " ")  # one degree, no contest
+    assert ElixirPlan.load(tmp_path / "zero.json").placements["model.layers.0.mlp.experts"] == "sharded"

@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["add_meta_expert_flops", "moe_layers"]
+__all__ = ["add_meta_expert_flops", "moe_layers", "record_moe_layers"]
 
 _TOP_K_FIELDS = ("num_experts_per_tok", "experts_per_token", "moe_topk", "top_k")
 
@@ -121,3 +121,11 @@ def moe_layers(model: nn.Module, tokens: int) -> dict[str, dict[str, int]]:
         out[name] = {"num_experts": experts, "top_k": min(top_k, experts), "hidden_size": hidden,
                      "tokens": int(tokens), "fused": int(fused)}
     return out
+
+
+def record_moe_layers(model: nn.Module, profile: Any, tokens: int, meta_flops: bool) -> None:
+    """Fill ``profile.moe_layers`` (:func:`moe_layers`) and, with ``meta_flops`` (FLOPs counted on meta), add the
+    routed experts' FLOPs (:func:`add_meta_expert_flops`)."""
+    profile.moe_layers = moe_layers(model, tokens)
+    if meta_flops:
+        add_meta_expert_flops(model, profile, tokens)

@@ -31,7 +31,8 @@ from typing import Mapping
 
 from hf_elixir.profiler._hardware import HardwareProfile
 
-__all__ = ["ACHIEVED_FRACTION", "DEFAULT_PRESET", "GPU_PRESETS", "INTERNODE_BYTES_PER_S", "GpuPreset", "preset_hardware"]
+__all__ = ["ACHIEVED_FRACTION", "DEFAULT_PRESET", "GPU_PRESETS", "INTERNODE_BYTES_PER_S", "GpuPreset",
+           "preset_hardware"]
 
 _GB = 10**9
 _GIB = 2**30

@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from hf_elixir.profiler._expert_flops import add_meta_expert_flops, moe_layers
+from hf_elixir.profiler._expert_flops import moe_layers, record_moe_layers
 
 __all__ = ["AccessEvent", "NoLossError", "StepProfile", "canonical_parameters", "profile_step", "static_profile"]
 
@@ -629,11 +629,8 @@ def _profile_once(model: nn.Module, sample_batch: Any, device: str, loss_fn: Cal
         device=device,
         forward_only=forward_only,
     )
-    tensors = _tensors_in(sample_batch, [])
-    tokens = tensors[0].numel() if tensors else 1
-    profile.moe_layers = moe_layers(model, tokens)  # [Note: MoE layers in a profile] in _expert_flops.py
-    if count_flops and device == "meta":  # [Note: meta expert FLOPs] in _expert_flops.py
-        add_meta_expert_flops(model, profile, tokens)
+    tensors = _tensors_in(sample_batch, [])  # [Note: MoE layers in a profile] and [Note: meta expert FLOPs]
+    record_moe_layers(model, profile, tensors[0].numel() if tensors else 1, meta_flops=count_flops and device == "meta")
     return profile
 
 

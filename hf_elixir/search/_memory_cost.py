@@ -46,7 +46,8 @@ from hf_elixir.search._activation_cost import DTYPE_BYTES
 from hf_elixir.search._chunked_step import _INF, ChunkedStep, Knobs
 from hf_elixir.search._rates import _uploaded_chunks, casts_on_device
 
-__all__ = ["fixed_memory", "host_copies_forced", "optim_bytes_per_numel", "refresh_staging_bytes", "resolve_host_copies"]
+__all__ = ["fixed_memory", "host_copies_forced", "optim_bytes_per_numel", "refresh_staging_bytes",
+           "resolve_host_copies"]
 
 
 def optim_bytes_per_numel(precision: str, master: bool = False, optim_states: int = 2) -> int:

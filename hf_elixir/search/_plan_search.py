@@ -221,6 +221,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                          "refinement)")
     found: list[Candidate] = []
     evaluated = over_host = 0
+    least_host = math.inf  # the least host bytes per rank of a candidate the host limit dropped
     size_reasons: dict[str, Callable[[int], str]] = {}
     steps: dict[tuple, StepBudget] = {}  # (mode, chunk size, policy key) -> step, for the local refinement
     tried_sizes: set[int] = set()  # every chunk size priced, for the smallest need when none fits
@@ -264,6 +265,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                 if host_limit is not None:  # host memory is per machine: every local rank holds its part
                     kept = [c for c in more if c.prediction.host_bytes * per_host <= host_limit]
                     over_host += len(more) - len(kept)
+                    least_host = min([least_host] + [c.prediction.host_bytes for c in more if c not in kept])
                     more = kept
                 found += more
                 evaluated += count
@@ -273,8 +275,9 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         if over_host:
             raise ValueError(
                 f"no configuration fits host memory {host_limit} bytes with {per_host} rank(s) per host (and "
-                f"device_memory_budget_bytes={budget}); {over_host} fitting the device need more host memory. "
-                f"Use more machines, a larger budget, or raise {host_memory_name} if the host is larger")
+                f"device_memory_budget_bytes={budget}); {over_host} fitting the device need more host memory, the "
+                f"least {int(least_host)} bytes per rank ({int(least_host) * per_host} per host). Use more machines, "
+                f"a larger budget, or raise {host_memory_name} if the host is larger")
         # the least over every chunk size the search priced (the first candidate for the whole limit alone overstated
         # it: a tiny GPT-2 was told 676356 bytes where a budget of 512500 fitted, with a smaller chunk), and as a
         # budget: the margin comes off whatever is given
