@@ -39,7 +39,7 @@ from hf_elixir.profiler import HardwareProfile, StepProfile
 from hf_elixir.search._activation_cost import DTYPE_BYTES
 
 __all__ = ["alltoall_bytes_per_layer", "alltoall_seconds", "expert_parallel_degrees", "expert_parallel_profile",
-           "group_rate"]
+           "group_rate", "rank_param_order"]
 
 
 def alltoall_bytes_per_layer(tokens: int, top_k: int, hidden_size: int, element_bytes: int,
@@ -125,6 +125,16 @@ def expert_parallel_profile(profile: StepProfile, expert_parallel_size: int) -> 
         grad_ready_event=[profile.grad_ready_event[i] for i in keep],
         events=[replace(e, params=[new[i] for i in e.params if i in new]) for e in profile.events])
     return view, frozenset(new[i] for i in experts if i in new)
+
+
+def rank_param_order(rank_profile: StepProfile) -> list[str]:
+    """``ElixirPlan.param_order`` of an expert-parallel plan (``rank_profile`` from :func:`expert_parallel_profile`):
+    the rank's parameters in packing order, without the experts of per-expert containers, whose names differ from
+    rank to rank (``prepare`` packs the parameters a plan does not name after it, in model order: the expert
+    bucket keeps its order). A fused expert tensor has the same name on every rank."""
+    experts = _expert_params(rank_profile)
+    return [name for i, name in enumerate(rank_profile.param_names)
+            if i not in experts or rank_profile.moe_layers[experts[i]]["fused"]]
 
 
 def alltoall_seconds(profile: StepProfile, events: list, expert_parallel_size: int, precision: str,

@@ -54,7 +54,7 @@ from hf_elixir.runtime.activations import resolve_activation_policy
 from hf_elixir.search._activation_cost import activation_bytes, moved_kind, policy_grid
 from hf_elixir.search._chunk_size import search_chunk_size
 from hf_elixir.search._cost import DTYPE_BYTES, build_chunked_step, profile_blocks
-from hf_elixir.search._expert_parallel import expert_parallel_degrees, expert_parallel_profile
+from hf_elixir.search._expert_parallel import expert_parallel_degrees, expert_parallel_profile, rank_param_order
 from hf_elixir.search._cost import predict  # noqa: F401 (importable from here, as before the grid moved out)
 from hf_elixir.search._grid import (Candidate, SearchResult, _grad_elem_bytes, _memory_not_binding, _policy_key,
                                     _ranking, _refined, _search_one, _search_replicated, brute_force_grid)
@@ -343,6 +343,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                     size_reasons[best.data_parallel](best.chunk_size_numel), evaluated,
                     host_limit, activations_on_device, per_host, reduce_dtype)
     plan.reasons[2:2] = _data_parallel_reasons(modes, best, best_by_mode, world_size)
+    if ep > 1:  # what prepare sees on each rank after parallelize ([Note: expert parallel pricing])
+        plan.num_params, plan.param_order = rank_profile.num_params, rank_param_order(rank_profile)
     if best.data_parallel == "replicated":
         modules = replicated_placements if replicated_placements is not None else (
             _default_replicated_placements(model_or_profile, profile))
