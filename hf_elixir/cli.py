@@ -77,8 +77,16 @@ def _build_parser() -> argparse.ArgumentParser:
                       "says little about a GPU server's host when planning from another machine)")
     plan.add_argument("--tensor-parallel-size", type=int, default=1,
                       help="tensor-parallel ranks within --num-gpus (placements column/row)")
-    plan.add_argument("--expert-parallel-size", type=int, default=1,
-                      help="expert-parallel ranks within --num-gpus (MoE experts placed 'expert')")
+    plan.add_argument("--expert-parallel-size", type=int, default=None,
+                      help="expert-parallel ranks within --num-gpus (MoE experts placed 'expert'); default: the "
+                      "search tries 1 and the largest that divides --num-gpus and the expert count, and keeps the "
+                      "faster plan")
+    plan.add_argument("--gpus-per-node", type=int, default=8,
+                      help="GPUs per machine (default 8): --host-memory is shared by that many ranks, and an "
+                      "expert-parallel group larger than it sends its all-to-alls over the network")
+    plan.add_argument("--internode-gbps", type=float, default=None,
+                      help="GB/s per direction one GPU sends to other machines (default: the --gpu preset's 400 "
+                      "Gb/s InfiniBand port per GPU, 40 GB/s achieved)")
     plan.add_argument("--output", default=None, help="write the plan (.yaml/.yml or .json)")
     prof = sub.add_parser("profile", help="run one real step of a small model and draw the memory timeline")
     prof.add_argument("--model", default="tiny-gpt2", help="built-in name or local config (small!)")
@@ -127,11 +135,17 @@ def _add_step_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _search(args: argparse.Namespace, profile, hardware, budget: int, **extra):
-    """The search both commands run, from the shared flags (:func:`_add_step_flags`)."""
-    from hf_elixir.search import search
+    """The search both commands run, from the shared flags (:func:`_add_step_flags`); ``plan`` tries the
+    expert-parallel degrees of ``--expert-parallel-size`` (``search_expert_parallel``), ``profile`` none."""
+    from hf_elixir.search import search, search_expert_parallel
 
     optim_states, snapshot_rollback = OPTIMIZER_TERMS[args.optimizer]
-    return search(profile, hardware, world_size=args.num_gpus, precision=args.precision,
+    run = search
+    if hasattr(args, "gpus_per_node"):  # plan
+        ep = args.expert_parallel_size or (1 if args.tensor_parallel_size > 1 else None)  # not both (ElixirConfig)
+        extra.update(expert_parallel_sizes=(ep,) if ep else None, ranks_per_host=args.gpus_per_node)
+        run = search_expert_parallel  # search's arguments, and the expert-parallel degrees
+    return run(profile, hardware, world_size=args.num_gpus, precision=args.precision,
                   optim_states=optim_states, snapshot_rollback=snapshot_rollback,
                   reduce_dtype=None if args.reduce_dtype == "compute" else "fp32", device_memory_budget_bytes=budget, safety_margin=args.safety_margin,
                   activations_on_device=args.activations_on_device,
@@ -177,6 +191,8 @@ def _target_hardware(args: argparse.Namespace):
         notes.append(f"device {args.device_tflops} TFLOP/s given")
     if args.device_adam_gelems is not None:
         changes["device_adam_numel_per_s"] = args.device_adam_gelems * 1e9
+    if getattr(args, "internode_gbps", None) is not None:
+        changes["inter_node_bytes_per_s"] = args.internode_gbps * 1e9
     if args.host_adam_gelems is not None:
         changes["host_adam_numel_per_s"] = args.host_adam_gelems * 1e9
         notes[0] = (f"host AdamW {args.host_adam_gelems} G elements/s given; other host-side rates measured on "
@@ -201,16 +217,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     model, batch = meta_model_and_batch(config, batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype)
     profile = profile_step(model, batch, device="meta", forward_only=args.optimizer == "none")
     hardware, notes = _target_hardware(args)
-    placements = _placements(model, args)
+    placements = _placements(model, args, args.expert_parallel_size or 1)
     # replicated data parallelism (whole chunks, gradient all-reduce) is searched for plain data parallel
-    model_parallel = args.tensor_parallel_size > 1 or args.expert_parallel_size > 1
+    model_parallel = args.tensor_parallel_size > 1 or (args.expert_parallel_size or 1) > 1
     result = _search(args, profile, hardware, hardware.device_total_bytes, host_memory_bytes=hardware.host_total_bytes,
                      data_parallel="sharded" if model_parallel else "auto",
                      replicated_placements={fqn: "replicated" for fqn in placements})
     plan, best = result.plan, result.best
     plan.reasons.extend(notes)
     if best.data_parallel == "sharded":
-        plan.placements = placements
+        plan.placements = (placements if best.expert_parallel_size == (args.expert_parallel_size or 1)
+                           else _placements(model, args, best.expert_parallel_size))
     if profile.static:
         plan.reasons.append("the model could not run on meta; a static trace (module order) was used")
 
@@ -223,8 +240,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         table.add_row(f"model data: {key}", _gib(data[key]))
     table.add_row("activations (as profiled, no checkpointing)",
                   _gib(profile.activation_peak_bytes * {"fp32": 4}.get(args.precision, 2) // profile.activation_dtype_bytes))
-    for key, value in best.prediction.breakdown.items():
-        table.add_row(f"plan device: {key}", _gib(value))
+    for key, value in best.prediction.peak_breakdown.items():  # at the peak: the rows sum to it
+        if value:
+            table.add_row(f"plan device at peak: {key}", _gib(value))
     table.add_row("plan device peak", _gib(best.prediction.device_peak_bytes))
     table.add_row("plan host", _gib(best.prediction.host_bytes))
     console.print(table)
@@ -233,6 +251,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     chosen.add_column("field")
     chosen.add_column("value")
     chosen.add_row("data parallel", best.data_parallel)
+    if profile.moe_layers:
+        chosen.add_row("expert parallel", f"{best.expert_parallel_size} (all-to-all "
+                       f"{_gib(best.prediction.alltoall_bytes)} a step per rank)")
     for key in ("chunk_size_numel", "resident_chunks", "device_shard_chunks", "device_optim_chunks",
                 "host_copy_chunks", "prefetch_depth", "activation_checkpointing", "refresh_cast"):
         value = getattr(plan, key)
@@ -248,16 +269,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     console.print(chosen)
 
     alts = Table(title="next-best alternatives")
-    for col in ("data parallel", "chunk", "resident", "cache blocks", "device optim", "prefetch", "activations",
-                "step time", "device peak"):
+    for col in ("data parallel", "EP", "chunk", "resident", "cache blocks", "device optim", "prefetch", "activations",
+                "step time", "device peak", "host"):
         alts.add_column(col)
     others = [c for c in result.best_by_mode.values() if c is not best and c not in result.alternatives]
     shown = set()
     for cand in [best] + result.alternatives + others:
         k = cand.knobs
-        row = (cand.data_parallel, str(cand.chunk_size_numel), str(len(k.resident)), str(k.cache_blocks),
-               str(len(k.device_optim)), str(k.prefetch_depth), policy_summary(cand.activation_policy),
-               _human_s(cand.prediction.step_s), _gib(cand.prediction.device_peak_bytes))
+        row = (cand.data_parallel, str(cand.expert_parallel_size), str(cand.chunk_size_numel), str(len(k.resident)),
+               str(k.cache_blocks), str(len(k.device_optim)), str(k.prefetch_depth),
+               policy_summary(cand.activation_policy), _human_s(cand.prediction.step_s),
+               _gib(cand.prediction.device_peak_bytes), _gib(cand.prediction.host_bytes))
         if row not in shown:  # candidates that differ only in what the table does not show read as one
             shown.add(row)
             alts.add_row(*row)
@@ -274,17 +296,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _placements(model, args: argparse.Namespace) -> dict[str, str]:
-    """Every parameter-owning module's placement (``hf_elixir.placement.resolve_placements``)."""
+def _placements(model, args: argparse.Namespace, expert_parallel_size: int) -> dict[str, str]:
+    """Every parameter-owning module's placement (``hf_elixir.placement.resolve_placements``) at that
+    expert-parallel degree."""
     from hf_elixir.config import ElixirConfig
     from hf_elixir.placement import resolve_placements
 
-    for name in ("tensor_parallel_size", "expert_parallel_size"):
-        size = getattr(args, name)
+    for name, size in (("tensor_parallel_size", args.tensor_parallel_size),
+                       ("expert_parallel_size", expert_parallel_size)):
         if size < 1 or args.num_gpus % size:
             raise ValueError(f"--{name.replace('_', '-')}={size} must be >= 1 and divide --num-gpus={args.num_gpus}")
-    config = ElixirConfig(tensor_parallel_size=args.tensor_parallel_size,
-                          expert_parallel_size=args.expert_parallel_size)
+    config = ElixirConfig(tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=expert_parallel_size)
     return resolve_placements(model, config)
 
 
@@ -450,10 +472,11 @@ def _check_args(args: argparse.Namespace) -> None:
     import math
     import os
 
-    for flag in ("batch_size", "seq_len", "num_gpus"):
+    for flag in ("batch_size", "seq_len", "num_gpus", "gpus_per_node"):
         if getattr(args, flag, 1) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
-    for flag in ("h2d_gbps", "device_tflops", "device_adam_gelems", "host_adam_gelems", "budget_fraction"):
+    for flag in ("h2d_gbps", "device_tflops", "device_adam_gelems", "host_adam_gelems", "budget_fraction",
+                 "internode_gbps"):
         value = getattr(args, flag, None)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"--{flag.replace('_', '-')} {value} must be a positive number")

@@ -16,7 +16,7 @@ for CPU rates. A preset gives the cost model the target's rates from its data sh
 [Note: peak vs achieved]
 Spec sheets give peaks. What a training step reaches is lower: large bf16 GEMMs reach about 70% of
 the dense tensor peak, pinned host<->device copies and NCCL ring collectives about 80% of the
-link's per-direction rate, bandwidth-bound element-wise kernels about 80% of HBM peak. The
+link's per-direction rate (the network's too), bandwidth-bound element-wise kernels about 80% of HBM peak. The
 ``ACHIEVED_FRACTION`` factors below apply these once, here; the flags ``--device-tflops``,
 ``--h2d-gbps`` and ``--device-adam-gelems`` of ``hf-elixir plan`` replace them with a measured value.
 
@@ -31,7 +31,8 @@ from typing import Mapping
 
 from hf_elixir.profiler._hardware import HardwareProfile
 
-__all__ = ["ACHIEVED_FRACTION", "DEFAULT_PRESET", "GPU_PRESETS", "GpuPreset", "preset_hardware"]
+__all__ = ["ACHIEVED_FRACTION", "DEFAULT_PRESET", "GPU_PRESETS", "INTERNODE_BYTES_PER_S", "GpuPreset",
+           "preset_hardware"]
 
 _GB = 10**9
 _GIB = 2**30
@@ -104,6 +105,11 @@ GPU_PRESETS: Mapping[str, GpuPreset] = MappingProxyType({p.name: p for p in (
               pcie_bytes_per_s=32 * _GB, nvlink_bytes_per_s=None, source="NVIDIA Ada Lovelace architecture whitepaper"),
 )})
 
+#: bytes/s per direction one GPU sends to other nodes: one 400 Gb/s InfiniBand NDR port per GPU (ConnectX-7, as in
+#: NVIDIA's DGX H100 / H200 user guide: eight single-port OSFP 400 Gb/s for the eight GPUs), the same for every
+#: preset; ``hf-elixir plan --internode-gbps`` replaces it
+INTERNODE_BYTES_PER_S = 50 * _GB
+
 #: the preset ``hf-elixir plan`` uses when this machine has no GPU and ``--gpu`` is not given
 DEFAULT_PRESET = "a100-80gb"
 
@@ -140,10 +146,11 @@ def preset_hardware(name: str, base: HardwareProfile, *, world_size: int = 1) ->
         device_adam_numel_per_s=preset.hbm_bytes_per_s * frac["hbm"] / _ADAM_BYTES_PER_NUMEL,
         world_size=world_size,
     )
+    link = (preset.nvlink_bytes_per_s or preset.pcie_bytes_per_s) * frac["nvlink" if preset.nvlink_bytes_per_s else "pcie"]
+    values.update(intra_node_bytes_per_s=link, inter_node_bytes_per_s=INTERNODE_BYTES_PER_S * frac["nvlink"])
     if world_size > 1:
         # ring collectives: all-gather / reduce-scatter move (W-1)/W of the full tensor over each link,
         # all-reduce twice that (one reduce-scatter then one all-gather)
-        link = (preset.nvlink_bytes_per_s or preset.pcie_bytes_per_s) * frac["nvlink" if preset.nvlink_bytes_per_s else "pcie"]
         ring = link * world_size / (world_size - 1)
         values.update(allgather_bytes_per_s=ring, reduce_scatter_bytes_per_s=ring, allreduce_bytes_per_s=ring / 2)
     return replace(base, **values)

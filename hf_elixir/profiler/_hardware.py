@@ -70,6 +70,11 @@ class HardwareProfile:
             updated (the inner optimizer's per-tensor overhead).
         world_size: size of the group the collectives were timed on (1 without a group).
         can_overlap: copies run concurrently with compute (CUDA streams); ``False`` on CPU.
+        intra_node_bytes_per_s / inter_node_bytes_per_s: bytes per second one rank sends to the others of its
+            node (NVLink, or PCIe without it) / of other nodes (its network card), per direction; ``None``: not
+            known (a GPU preset sets both; :meth:`link_rate` then derives them). They price the all-to-all of
+            expert parallelism (``hf_elixir/search/_expert_parallel.py``) and collectives of groups other than
+            the one timed.
     """
 
     hostname: str = ""
@@ -93,6 +98,8 @@ class HardwareProfile:
     optim_tensor_s: float = 0.0
     world_size: int = 1
     can_overlap: bool = False
+    intra_node_bytes_per_s: float | None = None
+    inter_node_bytes_per_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,6 +113,20 @@ class HardwareProfile:
         if self.reduce_scatter_bytes_per_s and self.allgather_bytes_per_s:
             return 1.0 / (1.0 / self.reduce_scatter_bytes_per_s + 1.0 / self.allgather_bytes_per_s)
         return None
+
+    def link_rate(self, across_nodes: bool) -> float:
+        """Bytes per second one rank sends per direction to ranks of its node (``across_nodes=False``) or of
+        other nodes: ``intra_node_bytes_per_s`` / ``inter_node_bytes_per_s`` where set; else within a node the
+        per-link rate of the timed ring all-gather (``allgather_bytes_per_s * (W - 1) / W``: a ring moves
+        ``(W - 1) / W`` of the gathered bytes over each link), or the host<->device rate without one; across nodes
+        the lower of that and the host<->device rate (a network card sits behind the host's PCIe)."""
+        intra = self.intra_node_bytes_per_s
+        if not intra and self.allgather_bytes_per_s and self.world_size > 1:
+            intra = self.allgather_bytes_per_s * (self.world_size - 1) / self.world_size
+        intra = intra or self.h2d_bytes_per_s or 1e10
+        if not across_nodes:
+            return intra
+        return self.inter_node_bytes_per_s or min(intra, self.h2d_bytes_per_s or intra)
 
     def flops_rate(self, precision: str) -> float:
         """Matmul FLOPs per second for a step in ``precision`` (``"fp32" | "bf16" | "fp16"``): the fp32 rate

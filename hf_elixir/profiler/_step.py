@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from hf_elixir.profiler._expert_flops import add_meta_expert_flops
+from hf_elixir.profiler._expert_flops import moe_layers, record_moe_layers
 
 __all__ = ["AccessEvent", "NoLossError", "StepProfile", "canonical_parameters", "profile_step", "static_profile"]
 
@@ -133,6 +133,7 @@ class StepProfile:
             ``nn.MultiheadAttention``), whose all-gathers the chunk manager never issues ahead.
         forward_only: an inference step ([Note: forward-only step]): forward events only, nothing trained,
             nothing saved for backward.
+        moe_layers: each MoE layer's expert container ([Note: MoE layers in a profile] in ``_expert_flops.py``).
     """
 
     model_type: str = ""
@@ -157,6 +158,7 @@ class StepProfile:
     param_modules: list[str] = field(default_factory=list)
     subtree_units: bool = False
     forward_only: bool = False
+    moe_layers: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def num_params(self) -> int:
@@ -627,9 +629,8 @@ def _profile_once(model: nn.Module, sample_batch: Any, device: str, loss_fn: Cal
         device=device,
         forward_only=forward_only,
     )
-    if count_flops and device == "meta":  # [Note: meta expert FLOPs] in _expert_flops.py
-        tensors = _tensors_in(sample_batch, [])
-        add_meta_expert_flops(model, profile, tensors[0].numel() if tensors else 1)
+    tensors = _tensors_in(sample_batch, [])  # [Note: MoE layers in a profile] and [Note: meta expert FLOPs]
+    record_moe_layers(model, profile, tensors[0].numel() if tensors else 1, meta_flops=count_flops and device == "meta")
     return profile
 
 
@@ -697,4 +698,5 @@ def static_profile(model: nn.Module, sample_batch: Any = None, *, tokens: int | 
         device="meta",
         static=True,
         forward_only=forward_only,
+        moe_layers=moe_layers(model, tokens),
     )

@@ -18,9 +18,11 @@ import functools
 from dataclasses import dataclass, field
 
 from hf_elixir.chunk import pack_chunks
+from hf_elixir.chunk.packing import ChunkLayout
 from hf_elixir.profiler import HardwareProfile, StepProfile
 from hf_elixir.search._activation_cost import (DTYPE_BYTES, activation_bytes, checkpointed_events, offload_events,
                                                resolve_policy)
+from hf_elixir.search._expert_parallel import alltoall_seconds, expert_parallel_profile, group_rate
 from hf_elixir.search._rates import event_seconds
 
 __all__ = ["ChunkedStep", "Knobs", "build_chunked_step"]
@@ -87,6 +89,13 @@ class ChunkedStep:
     compute_held: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # an inference step: forward events only, nothing trained ([Note: forward-only pricing])
     forward_only: bool = False
+    # [Note: expert parallel pricing] in _expert_parallel.py: the ranks each chunk is sharded over (empty: all
+    # ``world_size``), the all-to-all bytes a rank sends per step, and the collective rate of groups other than
+    # ``world_size`` ranks (group size -> gathered bytes per second)
+    expert_parallel_size: int = 1
+    chunk_world_sizes: list[int] = field(default_factory=list)
+    alltoall_bytes: int = 0
+    collective_rates: dict[int, float] = field(default_factory=dict)
 
     @property
     def replicated(self) -> bool:
@@ -104,8 +113,17 @@ class ChunkedStep:
     def full_bytes(self, c: int) -> int:
         return self.chunk_numels[c] * DTYPE_BYTES[self.precision]
 
+    def group_size(self, c: int) -> int:
+        """Ranks chunk ``c`` is sharded over (``world_size``, or the expert-data-parallel group's size)."""
+        return self.chunk_world_sizes[c] if self.chunk_world_sizes else self.world_size
+
     def shard_numel(self, c: int) -> int:
-        return self.chunk_numels[c] // self.world_size
+        return self.chunk_numels[c] // self.group_size(c)
+
+    def never_filled(self, knobs: Knobs) -> frozenset[int]:
+        """Chunks the step never fills: the resident ones, and device shards of chunks whole on their rank (one
+        rank, or an expert chunk at ``ep = world_size``: the shard is the chunk, ``Chunk.full_alias``)."""
+        return knobs.resident | frozenset(c for c in knobs.device_shard if self.group_size(c) == 1)
 
     # what :func:`predict` derives from the events alone, computed once per step (the search prices thousands of
     # knobs on one step; a ChunkedStep is not changed after it is built: ``dataclasses.replace`` makes a new one)
@@ -162,15 +180,16 @@ class ChunkedStep:
         with several ranks, an onload staging shard."""
         per_event = [sum(self.full_bytes(c) for c in g if c not in held) for g in self.groups] or [0]
         pairs = [a + b for a, b in zip(per_event, per_event[1:])] or per_event
-        staging = max((self.shard_numel(c) * DTYPE_BYTES[self.precision] for c in range(self.num_chunks)),
-                      default=0) if self.world_size > 1 else 0
+        staging = max((self.shard_numel(c) * DTYPE_BYTES[self.precision] for c in range(self.num_chunks)
+                       if self.group_size(c) > 1), default=0)
         return max(pairs) + self.grad_peak_bytes + staging
 
 
 def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_size: int, precision: str,
                        hardware: HardwareProfile, activation_checkpointing: bool = False,
                        optim_states: int = 2, grad_elem_bytes: int = 4, replicated: bool = False,
-                       activation_policy: dict[str, str] | None = None, snapshot_rollback: bool = False) -> ChunkedStep:
+                       activation_policy: dict[str, str] | None = None, snapshot_rollback: bool = False,
+                       expert_parallel_size: int = 1, gpus_per_node: int = 8) -> ChunkedStep:
     """Pack the profile's parameters at ``chunk_size_numel`` and precompute the chunk trace, the
     gradient-buffer lifetimes (reduce order as in ``ChunkManager.start_backward``) and the optimizer's
     parameter views.
@@ -181,11 +200,24 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
             gradients all-reduced; see [Note: replicated data parallelism]) instead of sharded chunks.
         activation_policy: block -> ``"keep" | "recompute" | "offload"`` ([Note: activation policy]); blocks
             it does not name keep. ``None``: ``activation_checkpointing`` for every block.
+        expert_parallel_size: the step of one rank of that expert-parallel degree ([Note: expert parallel
+            pricing] in ``_expert_parallel.py``: its experts, chunks sharded per group, all-to-alls priced);
+            ``gpus_per_node``: ranks per machine (an expert-parallel group beyond it talks over the network).
+
+    Raises:
+        ValueError: ``expert_parallel_size`` does not divide ``world_size`` or an expert count, or is > 1 with
+            ``replicated`` or a dense profile.
     """
+    ep = expert_parallel_size
+    if ep > 1 and (replicated or world_size % ep):
+        raise ValueError(f"expert_parallel_size={ep} must divide world_size={world_size} and needs sharded data "
+                         f"parallelism (replicated={replicated})")
+    profile, experts = expert_parallel_profile(profile, ep)
     replicate_world_size = world_size if replicated else 1
     if replicated:
         world_size = 1
-    layout = pack_chunks(profile.param_numels, chunk_size_numel, world_size, bucket_packing=replicated)
+    layout, chunk_world_sizes = _pack(profile, chunk_size_numel, world_size, replicated, experts if ep > 1 else None,
+                                      world_size // ep)
     chunk_of = {m: c for c, members in enumerate(layout.members) for m in members}
     policy = resolve_policy(profile, activation_policy if activation_policy is not None else activation_checkpointing)
     recompute = {b for b, kind in policy.items() if kind == "recompute"}
@@ -248,13 +280,18 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
             accesses[c] += 1
     views = []
     for c, (members, offsets) in enumerate(zip(layout.members, layout.offsets)):
-        shard = layout.chunk_numels[c] // world_size
+        shard = layout.chunk_numels[c] // (chunk_world_sizes[c] if chunk_world_sizes else world_size)
         views.append(sum(1 for i, off in zip(members, offsets)
                          if profile.param_requires_grad[i] and off < shard and profile.param_numels[i] > 0))
+    compute_s = event_seconds(profile, events, hardware, precision)
+    a2a_s, a2a_bytes = alltoall_seconds(profile, events, ep, precision, hardware, gpus_per_node)
+    rates = {}
+    if ep > 1 and world_size // ep > 1:  # the expert-data group: ranks r, r + ep, ... (parallel/_mesh.py)
+        rates[world_size // ep] = group_rate(hardware, world_size // ep, across_nodes=world_size > gpus_per_node)
     return ChunkedStep(
         chunk_size_numel=chunk_size_numel, world_size=world_size, precision=precision,
         chunk_numels=list(layout.chunk_numels), trained_numels=trained, groups=groups,
-        event_compute_s=event_seconds(profile, events, hardware, precision), event_phase=[e.phase for e in events],
+        event_compute_s=[t + a for t, a in zip(compute_s, a2a_s)], event_phase=[e.phase for e in events],
         grad_arrive=grad_arrive, grad_reduce=grad_reduce, grad_peak_bytes=peak, accesses=accesses,
         views=views, activation_bytes=activation_bytes(profile, precision, policy),
         activation_checkpointing=len(recompute) == len(policy) if policy else activation_checkpointing,
@@ -262,5 +299,33 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
         grad_elem_bytes=grad_elem_bytes, replicate_world_size=replicate_world_size, activation_policy=policy,
         **dict(zip(("offload_after", "offload_before"), offload_events(profile, events, policy, precision))),
         gather_prefetch=not profile.subtree_units, no_dead_release=no_dead_release, compute_held=compute_held,
-        forward_only=profile.forward_only,
+        forward_only=profile.forward_only, expert_parallel_size=ep, chunk_world_sizes=chunk_world_sizes,
+        alltoall_bytes=a2a_bytes, collective_rates=rates,
     )
+
+
+def _pack(profile: StepProfile, chunk_size_numel: int, world_size: int, replicated: bool,
+          experts: frozenset[int] | None, expert_world_size: int) -> tuple[ChunkLayout, list[int]]:
+    """The chunk layout (member indices into ``profile.param_numels``) and, under expert parallelism (``experts``:
+    the expert parameters), each chunk's group size: as ``hf_elixir.chunk._build.build_chunks``, the parameters
+    split into buckets by group (order kept; the bucket of the first parameter first), each packed for its group
+    ([Note: expert parallel pricing] in ``_expert_parallel.py``). Without experts: one bucket, no group sizes."""
+    if experts is None:
+        return pack_chunks(profile.param_numels, chunk_size_numel, world_size, bucket_packing=replicated), []
+    buckets: dict[bool, list[int]] = {}
+    for i in range(len(profile.param_numels)):
+        buckets.setdefault(i in experts, []).append(i)
+    members: list[list[int]] = []
+    offsets: list[list[int]] = []
+    numels: list[int] = []
+    used: list[int] = []
+    sizes: list[int] = []
+    for is_expert, indices in buckets.items():
+        ws = expert_world_size if is_expert else world_size
+        part = pack_chunks([profile.param_numels[i] for i in indices], chunk_size_numel, ws)
+        members += [[indices[m] for m in chunk] for chunk in part.members]
+        offsets += part.offsets
+        numels += part.chunk_numels
+        used += part.used_numels
+        sizes += [ws] * part.num_chunks
+    return ChunkLayout(members=members, offsets=offsets, chunk_numels=numels, used_numels=used), sizes

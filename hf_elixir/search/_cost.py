@@ -125,16 +125,17 @@ prepared without an optimizer differs from a training step in two ways the model
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from hf_elixir.profiler import HardwareProfile
 from hf_elixir.search._activation_cost import DTYPE_BYTES, activation_bytes, profile_blocks, resolve_policy
 from hf_elixir.search._chunked_step import _INF, ChunkedStep, Knobs, build_chunked_step
-from hf_elixir.search._memory_cost import _backward_room, _kept_peak, fixed_memory, host_copies_forced
+from hf_elixir.search._memory_cost import _backward_room, _kept_peak, fixed_memory, resolve_host_copies
 from hf_elixir.search._rates import (_device_cast_s, _early_refresh, _host_cast_s, _host_copy_rate, _local_copy_rate,
                                      _refresh_times, _uploaded_chunks, casts_on_device, refresh_upload_bytes_per_numel)
 # importable from here, as before the cost model was split: the search, the CLI, tests and benchmarks use them
-from hf_elixir.search._memory_cost import optim_bytes_per_numel, refresh_staging_bytes  # noqa: F401
+from hf_elixir.search._memory_cost import host_copies_forced, optim_bytes_per_numel  # noqa: F401
+from hf_elixir.search._memory_cost import refresh_staging_bytes  # noqa: F401
 from hf_elixir.search._rates import SAME_PASS_CAST_FRACTION  # noqa: F401
 from hf_elixir.search._rates import event_seconds as _event_seconds  # noqa: F401
 
@@ -173,6 +174,11 @@ class Prediction:
     cache_blocks: int = 0
     # all-gathers priced as issued ahead of their event, in forward and in backward ([Note: overlap])
     gathers_ahead: dict[str, int] = field(default_factory=dict)
+    # the device bytes at the peak by kind (resident chunks, device shards, device optimizer states, refresh staging,
+    # cached chunks, gradient buffers and reduce outputs, onload staging, gradient buffers kept for reuse off CUDA,
+    # activations): they sum to ``device_peak_bytes``; ``breakdown`` gives each kind's own peak instead
+    peak_breakdown: dict[str, int] = field(default_factory=dict)
+    alltoall_bytes: int = 0  # sent by each rank in the step's MoE all-to-alls ([Note: expert parallel pricing])
 
 
 def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_bytes: int | None = None,
@@ -196,9 +202,9 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     if overlap_host_optimizer is None:  # as hf_elixir.optim._overlap.speculates resolves it
         overlap_host_optimizer = hardware.device_kind == "cuda"
     held = knobs.resident | knobs.device_shard
-    on_device = knobs.resident if ws > 1 else held  # chunks that never need a fill
-    if not knobs.host_copies and host_copies_forced(step, activations_on_device):
-        knobs = replace(knobs, host_copies=True)  # what the runtime keeps whatever the plan says
+    on_device = step.never_filled(knobs)  # chunks that never need a fill
+    # the copies the runtime keeps whatever the plan says, where they fit the host ([Note: memory accounting])
+    knobs = resolve_host_copies(step, knobs, activations_on_device, host_budget_bytes)
     fixed, host_bytes, breakdown = fixed_memory(step, knobs)
     # the host lane's rollback snapshots (master + states, + the fp16 gradient) while they fit the host
     # (none for Adam/AdamW: rolled back by the inverse update, [Note: inverse rollback] in optim/_inverse_adam.py)
@@ -217,6 +223,10 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     rs_rate = hardware.reduce_scatter_bytes_per_s or d2h_rate
     local_rate = _local_copy_rate(hardware)
     ar_rate = hardware.allreduce_rate() or 1.0 / (1.0 / rs_rate + 1.0 / ag_rate)
+    # an expert chunk's group (the expert-data-parallel ranks) has its own rate ([Note: expert parallel pricing])
+    group_rates = step.collective_rates
+    gather_rate = {c: group_rates.get(step.group_size(c), ag_rate) for c in range(step.num_chunks)}
+    reduce_rate = {c: group_rates.get(step.group_size(c), rs_rate) for c in range(step.num_chunks)}
     # off CUDA a gradient collective finishes (frees its buffers) when the pool is short or backward's readers
     # wait for it, as in ChunkManager._reduce / make_room
     async_reduce = hardware.device_kind != "cuda" and (ws > 1 or step.replicated)
@@ -244,6 +254,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     reduce_at, arrive_at = step.reduce_at, step.arrive_at
     used = fixed
     peak = fixed
+    peak_parts = (0, 0)  # (cached chunk bytes, onload staging bytes) when the peak was reached
     cached: dict[int, int] = {}  # chunk -> bytes held
     cache_peak = grad_live = grad_peak = 0
     onloads = evictions = 0
@@ -281,6 +292,11 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     gathered: set[int] = set()  # ws > 1: gathered this step (with host copies later refills are local copies)
     gathers_ahead: dict[str, int] = {}
     onload_issue: float | None = None  # when the copy back of the next offloaded block may start
+
+    def raise_peak(value: int, staging: int = 0) -> None:
+        nonlocal peak, peak_parts
+        if value > peak:
+            peak, peak_parts = value, (sum(cached.values()), staging)
 
     def finish_reduce() -> None:
         nonlocal used, grad_live
@@ -323,7 +339,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         """The events to replay: once, or for a forward-only step until a replay starts from the cache the one
         before it started from (at most ``FORWARD_PASSES``), the counters and clocks reset before each replay
         so that the last one is what is priced ([Note: forward-only pricing])."""
-        nonlocal onloads, evictions, h2d_bytes, d2h_bytes, ag_bytes, rs_bytes, peak, cache_peak
+        nonlocal onloads, evictions, h2d_bytes, d2h_bytes, ag_bytes, rs_bytes, peak, cache_peak, peak_parts
         nonlocal t_compute, t_copy, t_reduce, t_act, t_gather, t_offload, t_lane, first_pass, prefetching
         starts_from = None
         for replay in range(FORWARD_PASSES if step.forward_only else 1):
@@ -339,6 +355,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 onloads = evictions = h2d_bytes = d2h_bytes = ag_bytes = rs_bytes = 0
                 t_compute = t_copy = t_reduce = t_act = t_gather = t_offload = t_lane = 0.0
                 peak, cache_peak = used, sum(cached.values())
+                peak_parts = (cache_peak, 0)
                 for log in (starts, points, pool_log):
                     log.clear()
                 chunk_onloads.clear()
@@ -348,7 +365,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     clock = 0
     # the manager reshards a chunk backward uses no more at its last backward access (whole on one rank, no
     # replica group), not at the next make-room ([Note: dead chunks] in chunk/_eviction.py)
-    reshard_dead = ws == 1 and not step.replicated
+    reshard_dead = not step.replicated  # for chunks whole on their rank
     computing: set[int] = set()  # chunks with a parameter left in COMPUTE until the end of backward
     for k, group in forward_passes():
         for c in sorted(group):
@@ -376,7 +393,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 continue
             loaded += 1
             full = step.full_bytes(c)
-            collective = ws > 1 and (c not in gathered or not knobs.host_copies)
+            collective = step.group_size(c) > 1 and (c not in gathered or not knobs.host_copies)
             staging = step.shard_numel(c) * b if collective and c not in knobs.device_shard else 0
             ahead = collective and gather_ahead and prefetching and k >= (
                 1 if step.forward_only else knobs.prefetch_depth) and (
@@ -389,18 +406,18 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 ahead = not set(evicted) & (set(step.groups[k - 1]) - set(group))
             used += full
             cached[c] = full
-            peak = max(peak, used + staging)
+            raise_peak(used + staging, staging)
             pool_log.append(("peak", used + staging))
             onloads += 1
             chunk_onloads[c] = chunk_onloads.get(c, 0) + 1
             copy_s = hardware.onload_fixed_s
-            if ws == 1:
+            if step.group_size(c) == 1:
                 h2d_bytes += full
                 copy_s += full / h2d_rate
             elif collective:
                 gathered.add(c)
                 ag_bytes += full
-                copy_s += full / ag_rate + staging / h2d_rate
+                copy_s += full / gather_rate[c] + staging / h2d_rate
                 h2d_bytes += staging
             else:
                 h2d_bytes += full
@@ -410,7 +427,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 ready = max(ready, t_copy)
             elif ahead:
                 gathers_ahead[step.event_phase[k]] = gathers_ahead.get(step.event_phase[k], 0) + 1
-                gather_s = full / ag_rate  # issued ahead, waited by this event ([Note: overlap])
+                gather_s = full / gather_rate[c]  # issued ahead, waited by this event ([Note: overlap])
                 if not hardware.can_overlap:  # off CUDA the staging onload runs on the compute thread
                     t_compute += copy_s - gather_s
                     copy_s = gather_s
@@ -445,7 +462,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 return None
             used += g
             grad_live += g
-            peak = max(peak, used)
+            raise_peak(used)
             pool_log.append(("peak", used))
             t_compute += step.trained_numels[c] * 4 / local_rate  # gradients copied into the buffer
         grad_peak = max(grad_peak, grad_live)
@@ -454,16 +471,16 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             shard_g = step.shard_numel(c) * 4
             out = 0
             reduce_s = 0.0
-            if ws > 1:  # reduce-scatter into a charged output shard
-                out = g // ws
+            if step.group_size(c) > 1:  # reduce-scatter into a charged output shard
+                out = g // step.group_size(c)
                 pool_log.append(("take", out))
                 if not make_room(out, group, k):
                     return None
                 used += out
-                peak = max(peak, used)
+                raise_peak(used)
                 pool_log.append(("peak", used))
                 rs_bytes += g
-                reduce_s += g / rs_rate
+                reduce_s += g / reduce_rate[c]
             elif step.replicated:  # all-reduce in place
                 rs_bytes += g
                 reduce_s += g / ar_rate
@@ -506,13 +523,15 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         computing.update(step.compute_held.get(k, ()))
         if reshard_dead and step.event_phase[k] == "bwd" and k not in step.no_dead_release:
             for c in group:  # [Note: dead chunks] in chunk/_eviction.py
-                if c in cached and step.trained_numels[c] and next_use[k][c] == _INF and c not in computing:
+                if c in cached and step.trained_numels[c] and next_use[k][c] == _INF and c not in computing \
+                        and step.group_size(c) == 1:
                     used -= cached.pop(c)
                     evictions += 1
         if timeline:
             points.append((t_compute, used, f"{step.event_phase[k]}:{loaded} onloads"))
     while pending:  # the end of backward drains every in-flight reduce
         finish_reduce()
+    replayed_peak = peak
     if buffers_kept:  # [Note: memory accounting]: the kept buffers fill the pool, the steady state's peak
         _, kept = _kept_peak(pool_log, pool_bytes, {})
         peak = max(peak, _kept_peak(pool_log, pool_bytes, kept)[0])
@@ -550,15 +569,22 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     if refresh_done and not device_cast:  # uploads overlap the next forward (priced in its timeline above)
         refresh_bytes -= sum(step.shard_numel(c) * b for c in refresh_done)
     dev_s = dev_numel / (hardware.device_adam_numel_per_s or 1e9)
-    regather = sum(step.full_bytes(c) for c in knobs.resident if step.trained_numels[c]) if ws > 1 else 0
-    ag_bytes += regather
+    regathered = [c for c in knobs.resident if step.trained_numels[c] and step.group_size(c) > 1]
+    ag_bytes += sum(step.full_bytes(c) for c in regathered)
     tail_s = ((refresh_bytes - device_refresh_bytes) / h2d_rate + device_refresh_bytes / local_rate
-              + regather / ag_rate + views * hardware.optim_tensor_s + refresh_tail_s)
+              + sum(step.full_bytes(c) / gather_rate[c] for c in regathered) + views * hardware.optim_tensor_s
+              + refresh_tail_s)
     optim_s = host_s + dev_s + tail_s  # host update, then the device kernels (see [Note: overlap])
     breakdown = dict(breakdown, cache=cache_peak, grad_buffers=grad_peak)
     host_bytes += sum(step.offload_after.values())  # offloaded activations, on the host from forward to backward
     breakdown["activations"] = step.activation_bytes if activations_on_device else 0
     device_peak = peak + breakdown["activations"]
+    cached_at, staging_at = peak_parts  # what the device holds at the peak, by kind (sums to device_peak)
+    at_peak = {key: breakdown[key] for key in ("resident_chunks", "device_shards", "device_optimizer",
+                                                "refresh_staging")}
+    at_peak.update(cache=cached_at, grad_buffers=replayed_peak - fixed - cached_at - staging_at,
+                   onload_staging=staging_at, kept_grad_buffers=peak - replayed_peak,
+                   activations=breakdown["activations"])
     if timeline:
         points.append((fwd_bwd + optim_s, fixed, "end of forward" if step.forward_only else "optimizer step"))
     if early_done and _refresh_prev is None:
@@ -577,7 +603,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         step_s=fwd_bwd + optim_s, forward_backward_s=fwd_bwd, optimizer_s=optim_s, compute_s=compute_s,
         onloads=onloads, h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes, allgather_bytes=ag_bytes,
         reduce_scatter_bytes=rs_bytes, device_model_bytes=peak, device_peak_bytes=device_peak,
-        host_bytes=host_bytes, host_snapshot_bytes=snapshot_bytes, breakdown=breakdown, timeline=points,
+        host_bytes=host_bytes, host_snapshot_bytes=snapshot_bytes, breakdown=breakdown, peak_breakdown=at_peak,
+        alltoall_bytes=step.alltoall_bytes, timeline=points,
         chunk_onloads=chunk_onloads, gathers_ahead=gathers_ahead,
         cache_blocks=max(0, (pool_bytes - fixed - step.grad_peak_bytes) // max(1, chunk_bytes)),
     )

@@ -14,6 +14,7 @@ from hf_elixir.profiler import HardwareProfile, StepProfile
 from hf_elixir.search._cost import (DTYPE_BYTES, ChunkedStep, Knobs, Prediction, _uploaded_chunks,
                                     build_chunked_step, fixed_memory, host_copies_forced, optim_bytes_per_numel,
                                     predict, refresh_staging_bytes)
+from hf_elixir.search._memory_cost import resolve_host_copies
 from hf_elixir.search._refine import RefineContext, floor_bytes, refine
 from hf_elixir.search._refine import _refill as _refill_knobs
 from hf_elixir.search._refine import fits as _fits
@@ -32,10 +33,15 @@ class Candidate:
     data_parallel: str = "sharded"  # "sharded" (ZeRO-3 chunks) or "replicated" (whole chunks, all-reduce)
     num_chunks: int = 0
     activation_policy: dict[str, str] = field(default_factory=dict)  # block -> keep / recompute / offload
+    # MoE experts spread over this many ranks ([Note: expert parallel pricing] in _expert_parallel.py)
+    expert_parallel_size: int = 1
+    # chunks whole on their rank although the step has several (expert chunks at ep = world size): no host copy
+    whole_chunks: frozenset[int] = frozenset()
 
     def summary(self) -> str:
         k = self.knobs
-        return (f"{self.data_parallel} chunk={self.chunk_size_numel} resident={len(k.resident)} "
+        ep = f" ep={self.expert_parallel_size}" if self.expert_parallel_size > 1 else ""
+        return (f"{self.data_parallel}{ep} chunk={self.chunk_size_numel} resident={len(k.resident)} "
                 f"cache_blocks={k.cache_blocks} "
                 f"device_shards={len(k.device_shard)} device_optim={len(k.device_optim)} "
                 f"prefetch={k.prefetch_depth} host_copies={k.host_copies} refresh_cast={k.refresh_cast} "
@@ -54,6 +60,15 @@ class SearchResult:
     search_s: float = 0.0
     profile: StepProfile | None = None
     best_by_mode: dict[str, Candidate] = field(default_factory=dict)  # fastest "sharded" / "replicated"
+    # search_expert_parallel: per expert-parallel degree tried, its fastest candidate, or why none fits
+    best_by_expert_parallel: dict[int, Candidate | str] = field(default_factory=dict)
+
+
+def _whole_chunks(step: ChunkedStep) -> frozenset[int]:
+    """Chunks whole on their rank in a step of several ranks (``Candidate.whole_chunks``)."""
+    if step.world_size == 1:
+        return frozenset()
+    return frozenset(c for c in range(step.num_chunks) if step.group_size(c) == 1)
 
 
 def _spread(lo: int, hi: int, count: int) -> list[int]:
@@ -79,7 +94,7 @@ def _fill(step: ChunkedStep, knobs: Knobs, spare: int, hardware: HardwareProfile
     dev_rate = hardware.device_adam_numel_per_s or 1e9
     items: list[tuple[float, int, str, int]] = []  # (-gain per byte, chunk, kind, bytes)
     for c in order:
-        shard = step.chunk_numels[c] // ws
+        shard = step.shard_numel(c)
         held = c in knobs.resident or c in knobs.device_shard
         if step.trained_numels[c]:
             gain = shard / host_rate - shard / dev_rate + shard * 4 / d2h + shard * b / h2d
@@ -103,7 +118,7 @@ def _fill(step: ChunkedStep, knobs: Knobs, spare: int, hardware: HardwareProfile
         if kind == "shard" and c in shard_set:
             continue
         if kind == "shard+optim" and c in shard_set:
-            cost -= step.chunk_numels[c] // ws * b
+            cost -= step.shard_numel(c) * b
         if "optim" in kind and c in optim_set:
             continue
         if cost <= spare:
@@ -164,8 +179,7 @@ def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, l
         resident = frozenset(order[:num_resident])
         base = Knobs(resident=resident, device_shard=resident if step.world_size == 1 else frozenset())
         fixed, _, _ = fixed_memory(step, base)
-        held = base.resident | base.device_shard if step.world_size == 1 else base.resident
-        floor = fixed + step.working_set_bytes(held)
+        floor = fixed + step.working_set_bytes(step.never_filled(base))
         if floor > limit_bytes:
             break
         for depth in prefetch_depths:
@@ -196,8 +210,8 @@ def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, l
                     # all-gather traffic; the host limit filters the copies out where they do not fit)
                     # (with a pool that charges activations the runtime keeps them anyway: host_copies_forced)
                     priced = (point, replace(point, host_copies=True)) if step.world_size > 1 else (point,)
-                    if host_copies_forced(step, activations_on_device):
-                        priced = (replace(point, host_copies=True),)
+                    if host_copies_forced(step, activations_on_device):  # where they fit the host, else none
+                        priced = (resolve_host_copies(step, point, activations_on_device, host_budget_bytes),)
                     for variant in priced:
                         pred = predict(step, variant, hardware, pool_bytes=pool_bytes,
                                        activations_on_device=activations_on_device,
@@ -208,7 +222,9 @@ def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, l
                             found.append(Candidate(step.chunk_size_numel, step.activation_checkpointing,
                                                    replace(variant, cache_blocks=pred.cache_blocks), pred,
                                                    num_chunks=step.num_chunks,
-                                                   activation_policy=dict(step.activation_policy)))
+                                                   activation_policy=dict(step.activation_policy),
+                                                   expert_parallel_size=step.expert_parallel_size,
+                                                   whole_chunks=_whole_chunks(step)))
     return found, evaluated
 
 
@@ -287,7 +303,8 @@ def _refined(found: list[Candidate], ctx: RefineContext, starts: int, max_priced
         step = ctx.step_for(mode, size, policy).step
         out.append(Candidate(size, step.activation_checkpointing, knobs, pred, mode,
                              num_chunks=step.num_chunks if mode == "sharded" else 0,
-                             activation_policy=dict(step.activation_policy)))
+                             activation_policy=dict(step.activation_policy),
+                             expert_parallel_size=step.expert_parallel_size, whole_chunks=_whole_chunks(step)))
     return out
 
 

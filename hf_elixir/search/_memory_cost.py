@@ -39,12 +39,15 @@ the chunk manager's pool charges (``Chunk.materialize``, ``ElixirOptimizer._buil
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hf_elixir.chunk.chunk import refresh_staging_numel
 from hf_elixir.search._activation_cost import DTYPE_BYTES
 from hf_elixir.search._chunked_step import _INF, ChunkedStep, Knobs
 from hf_elixir.search._rates import _uploaded_chunks, casts_on_device
 
-__all__ = ["fixed_memory", "host_copies_forced", "optim_bytes_per_numel", "refresh_staging_bytes"]
+__all__ = ["fixed_memory", "host_copies_forced", "optim_bytes_per_numel", "refresh_staging_bytes",
+           "resolve_host_copies"]
 
 
 def optim_bytes_per_numel(precision: str, master: bool = False, optim_states: int = 2) -> int:
@@ -59,8 +62,25 @@ def host_copies_forced(step: ChunkedStep, activations_on_device: bool) -> bool:
     activations (``activations_on_device``: each rank's batch decides what its activations evict, so a chunk
     evicted on one rank only must refill locally) or MoE experts (``ChunkedStep.gather_prefetch`` off). The
     cost model then prices the copies (their host bytes, the copy at eviction, local refills instead of
-    re-gathers) for every point, as the runtime runs it."""
+    re-gathers) for every point, as the runtime runs it; see :func:`resolve_host_copies` for where they do not
+    fit the host."""
     return step.world_size > 1 and not step.replicated and (activations_on_device or not step.gather_prefetch)
+
+
+def resolve_host_copies(step: ChunkedStep, knobs: Knobs, activations_on_device: bool,
+                        host_budget_bytes: int | None) -> Knobs:
+    """``knobs`` with the rank-local host copies the runtime keeps (``hf_elixir.placement.choose_host_copies``):
+    forced ones (:func:`host_copies_forced`) where the pool charging activations is the reason only while they
+    fit ``host_budget_bytes`` (this rank's host memory; ``None``: no bound) beside the other host bytes, as the
+    runtime decides; where they do not, it keeps none (and warns that batches must have the same shapes on every
+    rank), and so is the point priced: the cheaper variant, not a point that no host fits. MoE experts in
+    subtree units force them whatever the host holds."""
+    if knobs.host_copies or not host_copies_forced(step, activations_on_device):
+        return knobs
+    copies = replace(knobs, host_copies=True)
+    if host_budget_bytes is None or not step.gather_prefetch:
+        return copies
+    return copies if fixed_memory(step, copies)[1] <= host_budget_bytes else knobs
 
 
 def refresh_staging_bytes(step: ChunkedStep, knobs: Knobs) -> int:
@@ -79,7 +99,8 @@ def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, i
     if ws == 1:
         resident = sum(step.full_bytes(c) for c in held)
         shards = 0
-    else:  # a resident chunk's shard is a view into its full buffer (Chunk.shard_in_full)
+    else:  # a resident chunk's shard is a view into its full buffer (Chunk.shard_in_full); a chunk whole on its
+        # rank (an expert chunk at ep = world size) has its shard as its full buffer
         resident = sum(step.full_bytes(c) for c in knobs.resident)
         shards = sum(step.shard_numel(c) * b for c in knobs.device_shard - knobs.resident)
     optim = host_optim = 0
@@ -93,8 +114,9 @@ def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, i
             if c in held and step.precision != "fp32" and not casts_on_device(step, knobs):
                 host_optim += step.shard_numel(c) * b  # the upload's host staging buffer ([Note: overlapped refresh])
     host_params = sum(step.shard_numel(c) * b for c in range(step.num_chunks) if c not in held)
-    if ws > 1 and knobs.host_copies:  # rank-local refill copies of evicted unsharded chunks
-        host_params += sum(step.full_bytes(c) for c in range(step.num_chunks) if c not in knobs.resident)
+    if ws > 1 and knobs.host_copies:  # rank-local refill copies of evicted unsharded chunks (sharded ones only)
+        host_params += sum(step.full_bytes(c) for c in range(step.num_chunks)
+                           if c not in knobs.resident and step.group_size(c) > 1)
     staging = refresh_staging_bytes(step, knobs)  # [Note: refresh cast]
     breakdown = {"resident_chunks": resident, "device_shards": shards, "device_optimizer": optim,
                  "refresh_staging": staging}

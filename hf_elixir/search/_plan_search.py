@@ -54,6 +54,7 @@ from hf_elixir.runtime.activations import resolve_activation_policy
 from hf_elixir.search._activation_cost import activation_bytes, moved_kind, policy_grid
 from hf_elixir.search._chunk_size import search_chunk_size
 from hf_elixir.search._cost import DTYPE_BYTES, build_chunked_step, profile_blocks
+from hf_elixir.search._expert_parallel import expert_parallel_degrees, expert_parallel_profile, rank_param_order
 from hf_elixir.search._cost import predict  # noqa: F401 (importable from here, as before the grid moved out)
 from hf_elixir.search._grid import (Candidate, SearchResult, _grad_elem_bytes, _memory_not_binding, _policy_key,
                                     _ranking, _refined, _search_one, _search_replicated, brute_force_grid)
@@ -61,7 +62,8 @@ from hf_elixir.search._refine import RefineContext, StepBudget
 from hf_elixir.search._report import (_data_parallel_reasons, _default_replicated_placements, _minimum_bytes,
                                       _policy_or_ckpt, _to_plan)
 
-__all__ = ["Candidate", "SearchResult", "auto_plan", "brute_force_grid", "search", "search_plan"]
+__all__ = ["Candidate", "SearchResult", "auto_plan", "brute_force_grid", "search", "search_expert_parallel",
+           "search_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +161,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
            replicated_placements: dict[str, str] | None = None, ranks_per_host: int | None = None,
            overlap_host_optimizer: bool | None = None, snapshot_rollback: bool = False,
            refine_starts: int = 6, refine_max_priced: int | None = None,
-           reduce_dtype: str | None = "fp32", host_memory_name: str = "host_memory_bytes=") -> SearchResult:
+           reduce_dtype: str | None = "fp32", host_memory_name: str = "host_memory_bytes=",
+           expert_parallel_size: int = 1) -> SearchResult:
     """Profile (if given a model) and search; see :func:`search_plan` for the arguments.
 
     ``host_memory_name`` is how the caller's user sets the host memory (the CLI's ``--host-memory``,
@@ -182,7 +185,10 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         raise TypeError(f"snapshot_rollback={snapshot_rollback!r} must be True (AMSGrad or a non-Adam optimizer: the "
                         "host lane keeps snapshots) or False (Adam/AdamW: rolled back by the inverse update)")
     grad_elem_bytes = _grad_elem_bytes(reduce_dtype, precision)
-    modes = _data_parallel_modes(data_parallel, world_size)
+    ep = expert_parallel_size
+    if ep > 1 and data_parallel == "replicated":
+        raise ValueError(f"expert_parallel_size={ep} needs data_parallel='sharded' (or 'auto'), not 'replicated'")
+    modes = _data_parallel_modes("sharded" if ep > 1 else data_parallel, world_size)
     profile = _resolve_profile(model_or_profile, sample_batch, hardware)
     if activations_on_device is None:
         activations_on_device = hardware.device_kind == "cuda"
@@ -202,6 +208,12 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     policies = policy_grid(profile, activations_on_device, activation_checkpointing, activation_policy)
     host_limit = host_memory_bytes if host_memory_bytes is not None else (hardware.host_total_bytes or None)
     per_host = _ranks_per_host(world_size, ranks_per_host)
+    # [Note: expert parallel pricing] in _expert_parallel.py: each step is one rank's (its experts, its chunk groups,
+    # its all-to-alls, across machines where the expert-parallel group spans more than the ranks of one)
+    steps_for = {"expert_parallel_size": ep, "gpus_per_node": per_host}
+    if ep > 1 and world_size % ep:
+        raise ValueError(f"expert_parallel_size={ep} must divide world_size={world_size}")
+    rank_profile = expert_parallel_profile(profile, ep)[0]  # what one rank packs (chunk-size search)
     if not isinstance(refine_starts, int) or refine_starts < 0:
         raise ValueError(f"refine_starts={refine_starts!r} must be an int >= 0 (0: no local refinement)")
     if refine_max_priced is not None and (not isinstance(refine_max_priced, int) or refine_max_priced < 0):
@@ -209,6 +221,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                          "refinement)")
     found: list[Candidate] = []
     evaluated = over_host = 0
+    least_host = math.inf  # the least host bytes per rank of a candidate the host limit dropped
     size_reasons: dict[str, Callable[[int], str]] = {}
     steps: dict[tuple, StepBudget] = {}  # (mode, chunk size, policy key) -> step, for the local refinement
     tried_sizes: set[int] = set()  # every chunk size priced, for the smallest need when none fits
@@ -220,8 +233,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         for policy in {id(p): p for p in (policies[0], policies[-1])}.values():
             act_bytes = activation_bytes(profile, precision, _policy_or_ckpt(policy, activation_checkpointing))
             room = limit - (act_bytes if activations_on_device else 0)
-            more_sizes, why = _chunk_sizes(profile, world_size, b, max(1, room), chunk_size_numel, num_chunk_sizes,
-                                           replicated)
+            more_sizes, why = _chunk_sizes(rank_profile, world_size, b, max(1, room), chunk_size_numel,
+                                           num_chunk_sizes, replicated)
             size_reasons.setdefault(mode, why)
             sizes += [n for n in more_sizes if n not in sizes]
             tried_sizes.update(more_sizes)
@@ -235,7 +248,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                                           hardware=hardware, optim_states=optim_states, replicated=replicated,
                                           snapshot_rollback=snapshot_rollback, grad_elem_bytes=grad_elem_bytes,
                                           activation_checkpointing=bool(activation_checkpointing),
-                                          activation_policy=policy)
+                                          activation_policy=policy, **steps_for)
                 act = step.activation_bytes if activations_on_device else 0
                 # the pool prepare() gets: the budget when activations are outside it (a model-data budget,
                 # ElixirConfig.budget_covers_activations=False), what the activations leave of the
@@ -252,6 +265,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                 if host_limit is not None:  # host memory is per machine: every local rank holds its part
                     kept = [c for c in more if c.prediction.host_bytes * per_host <= host_limit]
                     over_host += len(more) - len(kept)
+                    least_host = min([least_host] + [c.prediction.host_bytes for c in more if c not in kept])
                     more = kept
                 found += more
                 evaluated += count
@@ -261,25 +275,26 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         if over_host:
             raise ValueError(
                 f"no configuration fits host memory {host_limit} bytes with {per_host} rank(s) per host (and "
-                f"device_memory_budget_bytes={budget}); {over_host} fitting the device need more host memory. "
-                f"Use more machines, a larger budget, or raise {host_memory_name} if the host is larger")
+                f"device_memory_budget_bytes={budget}); {over_host} fitting the device need more host memory, the "
+                f"least {int(least_host)} bytes per rank ({int(least_host) * per_host} per host). Use more machines, "
+                f"a larger budget, or raise {host_memory_name} if the host is larger")
         # the least over every chunk size the search priced (the first candidate for the whole limit alone overstated
         # it: a tiny GPT-2 was told 676356 bytes where a budget of 512500 fitted, with a smaller chunk), and as a
         # budget: the margin comes off whatever is given
         # (smaller rooms pick smaller chunks, whose working set is smaller: the candidates for a few of them count too)
         for room in (limit >> k for k in range(6)):
-            tried_sizes.update(_chunk_sizes(profile, world_size, b, max(1, room), chunk_size_numel, num_chunk_sizes,
-                                            False)[0])
-        largest = max(profile.param_numels, default=1)  # replicated buckets may be smaller: they pack otherwise
+            tried_sizes.update(_chunk_sizes(rank_profile, world_size, b, max(1, room), chunk_size_numel,
+                                            num_chunk_sizes, False)[0])
+        largest = max(rank_profile.param_numels, default=1)  # replicated buckets may be smaller: they pack otherwise
         need = min(_minimum_bytes(profile, world_size, precision, size, activations_on_device, hardware, policies,
-                                  grad_elem_bytes) for size in tried_sizes if size >= largest)
+                                  grad_elem_bytes, **steps_for) for size in tried_sizes if size >= largest)
         # and the candidates the search would try at about that need (GPT-2 8x1024 told from 100 MB: 7% less)
         for _ in range(2):
             for room in (need >> k for k in range(3)):
-                tried_sizes.update(_chunk_sizes(profile, world_size, b, max(1, room), chunk_size_numel,
+                tried_sizes.update(_chunk_sizes(rank_profile, world_size, b, max(1, room), chunk_size_numel,
                                                 num_chunk_sizes, False)[0])
             need = min(_minimum_bytes(profile, world_size, precision, size, activations_on_device, hardware, policies,
-                                      grad_elem_bytes) for size in tried_sizes if size >= largest)
+                                      grad_elem_bytes, **steps_for) for size in tried_sizes if size >= largest)
         need_budget = math.ceil(need / (1.0 - safety_margin))
         raise ValueError(
             f"no configuration fits device_memory_budget_bytes={budget} (with safety_margin={safety_margin}: "
@@ -299,7 +314,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                                           replicated=mode == "replicated", snapshot_rollback=snapshot_rollback,
                                           grad_elem_bytes=grad_elem_bytes,
                                           activation_checkpointing=bool(activation_checkpointing),
-                                          activation_policy=policy)
+                                          activation_policy=policy, **steps_for)
                 act = step.activation_bytes if activations_on_device else 0
                 steps[key] = StepBudget(step, budget if not activations_on_device else limit - act, limit - act)
             return steps[key]
@@ -328,6 +343,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                     size_reasons[best.data_parallel](best.chunk_size_numel), evaluated,
                     host_limit, activations_on_device, per_host, reduce_dtype)
     plan.reasons[2:2] = _data_parallel_reasons(modes, best, best_by_mode, world_size)
+    if ep > 1:  # what prepare sees on each rank after parallelize ([Note: expert parallel pricing])
+        plan.num_params, plan.param_order = rank_profile.num_params, rank_param_order(rank_profile)
     if best.data_parallel == "replicated":
         modules = replicated_placements if replicated_placements is not None else (
             _default_replicated_placements(model_or_profile, profile))
@@ -339,6 +356,74 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
             plan.reasons.append("placements unknown (an old profile): set them before hf_elixir.prepare")
     return SearchResult(plan=plan, best=best, alternatives=alternatives, evaluated=evaluated,
                         search_s=time.perf_counter() - started, profile=profile, best_by_mode=best_by_mode)
+
+
+def search_expert_parallel(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int = 1,
+                           expert_parallel_sizes: Iterable[int] | None = None, sample_batch: Any = None,
+                           **kwargs: Any) -> SearchResult:
+    """:func:`search` at each expert-parallel degree, and the fastest plan that fits any of them ([Note: expert
+    parallel pricing] in ``_expert_parallel.py``).
+
+    Args:
+        model_or_profile, hardware, world_size, sample_batch, **kwargs: as :func:`search` (``expert_parallel_size``
+            excepted).
+        expert_parallel_sizes: the degrees to try; default :func:`expert_parallel_degrees`: 1 and the largest that
+            divides ``world_size`` and every MoE layer's expert count (only 1 for a dense model).
+
+    Returns:
+        the winning degree's :class:`SearchResult`; its ``alternatives`` include the other degrees' best, and
+        ``best_by_expert_parallel`` maps every degree tried to its fastest candidate or to why nothing fitted.
+
+    Raises:
+        ValueError: bad arguments, or no degree fits (each degree's reason).
+    """
+    if "expert_parallel_size" in kwargs:
+        raise TypeError("search_expert_parallel takes expert_parallel_sizes=, not expert_parallel_size=")
+    started = time.perf_counter()
+    profile = _resolve_profile(model_or_profile, sample_batch, hardware)
+    degrees = (tuple(expert_parallel_sizes) if expert_parallel_sizes is not None
+               else expert_parallel_degrees(profile, world_size))
+    if isinstance(model_or_profile, nn.Module) and "replicated_placements" not in kwargs:
+        kwargs["replicated_placements"] = _default_replicated_placements(model_or_profile, profile)
+    results: dict[int, SearchResult] = {}
+    failed: dict[int, str] = {}
+    for ep in degrees:
+        try:
+            results[ep] = search(profile, hardware, world_size=world_size, expert_parallel_size=ep, **kwargs)
+        except ValueError as err:
+            if len(degrees) == 1:
+                raise
+            failed[ep] = str(err)
+    if not results:
+        raise ValueError("no expert-parallel degree fits: " + "; ".join(f"expert_parallel_size={ep}: {why}"
+                                                                       for ep, why in failed.items()))
+    winner = min(results, key=lambda ep: _ranking(profile)(results[ep].best))
+    result = results[winner]
+    others = [r.best for ep, r in results.items() if ep != winner]
+    result.alternatives = sorted(result.alternatives + others, key=_ranking(profile))
+    result.evaluated = sum(r.evaluated for r in results.values())
+    result.search_s = time.perf_counter() - started
+    result.best_by_expert_parallel = {ep: results[ep].best if ep in results else failed[ep] for ep in degrees}
+    if len(degrees) > 1:
+        result.plan.reasons.insert(2, _expert_parallel_reason(winner, result.best_by_expert_parallel))
+    return result
+
+
+def _expert_parallel_reason(winner: int, tried: dict[int, Candidate | str]) -> str:
+    """Why the winning expert-parallel degree won, against each other degree tried."""
+    mine = tried[winner]
+    assert isinstance(mine, Candidate), f"the winning degree {winner} has a candidate"
+    parts = []
+    for ep, other in tried.items():
+        if ep == winner:
+            continue
+        if isinstance(other, Candidate):
+            parts.append(f"{other.prediction.step_s:.4g} s and {other.prediction.host_bytes / 2**30:.3g} GiB of host "
+                         f"memory per rank at expert parallel {ep}")
+        else:
+            parts.append(f"nothing fits at expert parallel {ep} ({other.split(';')[0]})")
+    return (f"expert parallel {winner} wins: predicted {mine.prediction.step_s:.4g} s and "
+            f"{mine.prediction.host_bytes / 2**30:.3g} GiB of host memory per rank, against " + "; ".join(parts))
 
 
 def search_plan(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int = 1, precision: str = "fp32",

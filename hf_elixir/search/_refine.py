@@ -117,8 +117,9 @@ def floor_bytes(step: ChunkedStep, knobs: Knobs, cache: dict | None = None) -> i
 
 
 def _held(step: ChunkedStep, knobs: Knobs) -> frozenset[int]:
-    """Chunks that need no fill (one rank: resident or device shard; several: resident)."""
-    return knobs.resident | knobs.device_shard if step.world_size == 1 else knobs.resident
+    """Chunks that need no fill (one rank: resident or device shard; several: resident, and the device shards of
+    chunks whole on their rank, :meth:`ChunkedStep.never_filled`)."""
+    return step.never_filled(knobs)
 
 
 def _policy_key(policy: dict[str, str] | None) -> tuple | None:

@@ -47,12 +47,14 @@ def _data_parallel_reasons(modes: tuple[str, ...], best: Candidate, best_by_mode
 
 
 def _minimum_bytes(profile: StepProfile, world_size: int, precision: str, size: int, act_on_device: bool,
-                   hardware: HardwareProfile, policies: list | None = None, grad_elem_bytes: int = 4) -> int:
-    """The smallest working set plus activations over ``policies`` (default: the uniform switch off)."""
+                   hardware: HardwareProfile, policies: list | None = None, grad_elem_bytes: int = 4,
+                   **step_kwargs: int) -> int:
+    """The smallest working set plus activations over ``policies`` (default: the uniform switch off);
+    ``step_kwargs``: ``build_chunked_step``'s expert-parallel arguments."""
     need = []
     for policy in policies or [None]:
         step = build_chunked_step(profile, size, world_size=world_size, precision=precision, hardware=hardware,
-                                  activation_policy=policy, grad_elem_bytes=grad_elem_bytes)
+                                  activation_policy=policy, grad_elem_bytes=grad_elem_bytes, **step_kwargs)
         need.append(step.working_set_bytes() + (step.activation_bytes if act_on_device else 0))
     return min(need)
 
@@ -93,7 +95,8 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
         size_reason,
         f"searched {evaluated} configurations; fastest that fits {limit / gib:.3g} GiB "
         f"(budget {budget / gib:.3g} GiB minus safety margin) is {best.summary()}",
-        "device bytes: " + ", ".join(f"{name} {v / gib:.3g} GiB" for name, v in p.breakdown.items() if v),
+        f"device bytes at the peak ({p.device_peak_bytes / gib:.3g} GiB): "
+        + ", ".join(f"{name} {v / gib:.3g} GiB" for name, v in (p.peak_breakdown or p.breakdown).items() if v),
         f"predicted step {p.step_s:.4g} s = forward+backward {p.forward_backward_s:.4g} s "
         f"(compute {p.compute_s:.4g} s, {p.onloads} chunk onloads) + optimizer {p.optimizer_s:.4g} s"
         if not profile.forward_only else
@@ -101,6 +104,15 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
         "chunk onloads in the steady state of repeated forwards); no backward, gradient buffers or optimizer "
         "states, every block keeps its activations (none are saved)",
     ]
+    if best.expert_parallel_size > 1:
+        ep = best.expert_parallel_size
+        where = ("whole on its rank" if ep == world_size else
+                 f"sharded over the {world_size // ep} ranks holding the same ones")
+        reasons.append(f"expert parallel over {ep} ranks: each rank holds 1/{ep} of every MoE layer's experts, "
+                       f"{where}, and sends "
+                       f"{p.alltoall_bytes / 2**30:.3g} GiB a step in the all-to-alls; train it with "
+                       f"ElixirConfig(placements={{'<experts module glob>': 'expert'}}, expert_parallel_size={ep}) "
+                       "and hf_elixir.parallel.parallelize (docs/expert-parallel.md)")
     if not act_on_device:
         reasons.append("activations are not counted in the device budget (the pool bounds model data only)")
     if best.activation_policy and policy_summary(best.activation_policy) != "keep":
@@ -128,7 +140,8 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
         chunk_size_numel=best.chunk_size_numel, param_order=list(profile.param_names),
         resident_chunks=sorted(k.resident), device_shard_chunks=sorted(k.device_shard | k.resident),
         device_optim_chunks=sorted(k.device_optim), prefetch_depth=k.prefetch_depth,
-        host_copy_chunks=sorted(set(range(best.num_chunks)) - set(k.resident)) if k.host_copies else [],
+        host_copy_chunks=(sorted(set(range(best.num_chunks)) - set(k.resident) - best.whole_chunks)
+                          if k.host_copies else []),
         refresh_cast=k.refresh_cast if precision != "fp32" else "host", reduce_dtype=reduce_dtype,
         activation_checkpointing=best.activation_checkpointing, activation_policy=dict(best.activation_policy),
         predicted_step_s=float(p.step_s), predicted_peak_device_bytes=int(p.device_peak_bytes),
