@@ -183,7 +183,8 @@ def place(chunks, plan: ElixirPlan | None, config: ElixirConfig, sizes: Sizes, u
     if budget is None or (everything <= budget and offload_opt is not True):
         for c in chunks:
             c.resident, c.shard_on_device, c.optim_on_device = True, True, offload_opt is not True
-        return [f"everything resident ({everything} bytes fit the budget {budget}"
+        fits = "no device budget is set" if budget is None else f"{everything} bytes fit the budget {budget}"
+        return [f"everything resident ({fits}"
                 + (f" left beside {activation_bytes} bytes of activations)" if activation_bytes else ")")]
     optim_dev = _device_optim_bytes(sizes, config, chunks)
     working = working_set(units_chunks, sizes, chunks)

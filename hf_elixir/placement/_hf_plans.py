@@ -171,8 +171,10 @@ def check_heads(model: nn.Module, placements: dict[str, str], tp_size: int) -> N
         if heads % tp_size:
             example = next(f for f in split if f.rsplit(".", 1)[-1] in names)
             other = "num_key_value_heads" if attr == "num_attention_heads" else "num_attention_heads"
+            counts = [h for h in (getattr(text, a, None) for a, _ in checks) if isinstance(h, int) and h > 0]
+            sizes = [d for d in range(1, min(counts) + 1) if all(h % d == 0 for h in counts)]
             raise ValueError(
                 f"ElixirConfig.tensor_parallel_size={tp_size} does not divide config.{attr}={heads} "
                 f"({other}={getattr(text, other, None)}): the tensor-parallel placement of {example!r} gives every "
-                f"rank whole heads; pick a tensor_parallel_size that divides {heads}"
+                f"rank whole heads; pick a tensor_parallel_size that divides every head count: one of {sizes}"
             )

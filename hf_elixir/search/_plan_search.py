@@ -274,10 +274,12 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     if not found:
         if over_host:
             raise ValueError(
-                f"no configuration fits host memory {host_limit} bytes with {per_host} rank(s) per host (and "
-                f"device_memory_budget_bytes={budget}); {over_host} fitting the device need more host memory, the "
-                f"least {int(least_host)} bytes per rank ({int(least_host) * per_host} per host). Use more machines, "
-                f"a larger budget, or raise {host_memory_name} if the host is larger")
+                f"no configuration fits host memory {host_limit} bytes ({host_limit / 2**30:.1f} GiB"
+                f"{'' if host_memory_bytes is not None else ', measured on this machine'}) with {per_host} rank(s) "
+                f"per host (and device_memory_budget_bytes={budget}); {over_host} fitting the device need more host "
+                f"memory, the least {int(least_host)} bytes per rank ({int(least_host) * per_host / 2**30:.1f} GiB "
+                f"per host). Use more machines, a larger budget, or raise {host_memory_name} if the host is larger"
+                f"{'' if host_memory_bytes is not None else ' (the target host, not this one)'}")
         # the least over every chunk size the search priced (the first candidate for the whole limit alone overstated
         # it: a tiny GPT-2 was told 676356 bytes where a budget of 512500 fitted, with a smaller chunk), and as a
         # budget: the margin comes off whatever is given

@@ -82,7 +82,7 @@ def _gather_reasons(profile: StepProfile, best: Candidate, world_size: int, act_
     return [f"forward all-gathers are issued ahead ({best.knobs.prefetch_depth} events) from the third step on "
             "although the budget covers activations, whose bytes can differ between ranks: agreed by every rank at "
             "each optimizer step (each rank votes, per chunk, whether it had room in the previous step; [Note: "
-            "agreed gathers ahead] in chunk/manager.py); backward refills are local copies of the rank-local host "
+            "agreed gathers ahead] in chunk/_agreed_gathers.py); backward refills are local copies of the rank-local host "
             "copies; MoE-expert models and inference (prepare without an optimizer) keep them in their hooks"]
 
 
