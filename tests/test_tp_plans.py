@@ -141,7 +141,7 @@ def _bert():
      r"'model.layers.0.self_attn.kv_a_proj_with_mqa' with the TP style 'mla_kv_a_proj'.*tensor_parallel_size=1"),
     # heads not divisible: both numbers (GQA: 4 query heads, 2 key/value heads)
     (lambda: make_model("llama"), _cfg(tensor_parallel_size=4),
-     r"tensor_parallel_size=4 does not divide config.num_key_value_heads=2 \(num_attention_heads=4\)"),
+     r"tensor_parallel_size=4 does not divide config.num_key_value_heads=2 \(num_attention_heads=4\).*one of \[1, 2\]"),
     (lambda: make_model("llama"), _cfg(tensor_parallel_size=3),
      r"tensor_parallel_size=3 does not divide config.num_attention_heads=4"),
     # TP on a model with neither a plan nor a spec
