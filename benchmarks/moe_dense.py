@@ -31,7 +31,9 @@ Usage (from the repository root; about 10 minutes on 2 busy cores)::
 The machine is shared, so the full run repeats every run ``--rounds`` times (2), in reversed order in
 even rounds, and pools the timed steps (``benchmarks/run_cpu.py``'s [Note: interleaved rounds]); the
 per-round ratios are printed next to the pooled one. CPU seconds per step (summed over both ranks) are
-far less sensitive to other jobs than wall time: their ratio is printed too. ``--quick`` runs every
+far less sensitive to other jobs than wall time: their ratio is printed too, judged against the same
+targets, and a wall-clock ratio above the FLOP bound (which no implementation can beat) is flagged as
+inflated by other jobs; the 1-minute load average at the end of every run is in the JSON. ``--quick`` runs every
 spec once in one spawned process group (what ``tests/test_benchmarks.py`` runs). Exit status 1 when a
 run failed; targets missed are reported, not an error.
 """
@@ -119,6 +121,16 @@ class _Pooled:
     result: RunResult
     round_medians_s: list[float] = dataclasses.field(default_factory=list)
     round_cpu_s: list[float] = dataclasses.field(default_factory=list)
+    round_loadavg: list[float] = dataclasses.field(default_factory=list)  # 1-minute load average as each run ended
+
+    @classmethod
+    def first(cls, result: RunResult) -> "_Pooled":
+        pooled = cls(result)
+        if result.ok:
+            pooled.round_medians_s.append(result.median_s)
+            pooled.round_cpu_s.append(sum(result.cpu_median_s))
+        pooled.round_loadavg.append(os.getloadavg()[0])
+        return pooled
 
     def add(self, again: RunResult) -> None:
         self.result.step_times_s.extend(again.step_times_s)
@@ -126,6 +138,7 @@ class _Pooled:
             mine.extend(theirs)
         self.round_medians_s.append(again.median_s)
         self.round_cpu_s.append(sum(again.cpu_median_s))
+        self.round_loadavg.append(os.getloadavg()[0])
 
 
 def _specs(shapes: dict[str, ModelSpec], warmup: int, steps: int) -> dict[str, RunSpec]:
@@ -151,8 +164,7 @@ def run(shapes: dict[str, ModelSpec], work_dir: Path, *, warmup: int, steps: int
     if shared_process:
         _log(f"running {len(specs)} runs in one process group of 2 ranks ...")
         results = launch_group(list(specs.values()), work_dir, timeout_s=timeout_s)
-        pooled = {tag: _Pooled(r, [r.median_s] if r.ok else [], [sum(r.cpu_median_s)] if r.ok else [])
-                  for tag, r in zip(specs, results)}
+        pooled = {tag: _Pooled.first(r) for tag, r in zip(specs, results)}
         for tag, p in pooled.items():
             _log_result(tag, p.result)
         return pooled
@@ -166,8 +178,7 @@ def run(shapes: dict[str, ModelSpec], work_dir: Path, *, warmup: int, steps: int
             result = launch(specs[tag], work_dir / f"round{round_index}", timeout_s=timeout_s)
             _log_result(tag, result)
             if tag not in pooled or not result.ok:
-                pooled[tag] = _Pooled(result, [result.median_s] if result.ok else [],
-                                      [sum(result.cpu_median_s)] if result.ok else [])
+                pooled[tag] = _Pooled.first(result)
             else:
                 pooled[tag].add(result)
     return pooled
@@ -188,7 +199,8 @@ def _run_record(p: _Pooled) -> dict[str, Any]:
         return {"ok": False, "error": r.error}
     return {"ok": True, "tokens_per_s": r.tokens_per_s, "median_step_s": r.median_s, "step_times_s": r.step_times_s,
             "cpu_s_per_step": sum(r.cpu_median_s), "cpu_s_per_step_per_rank": r.cpu_median_s,
-            "round_medians_s": p.round_medians_s, "round_cpu_s_per_step": p.round_cpu_s, "losses": r.losses,
+            "round_medians_s": p.round_medians_s, "round_cpu_s_per_step": p.round_cpu_s,
+            "round_loadavg_1min": p.round_loadavg, "losses": r.losses,
             "num_params": r.num_params, "peak_rss_bytes": r.peak_rss_bytes,
             "allgather_bytes_per_step": r.extra.get("allgather_bytes_per_step"),
             "reduce_scatter_bytes_per_step": r.extra.get("reduce_scatter_bytes_per_step")}
@@ -231,17 +243,28 @@ def summarize(shapes: dict[str, ModelSpec], pooled: dict[str, _Pooled]) -> dict[
                 fraction_of_bound=ratio / bound,
                 loss_max_rel_diff_ep_vs_zero=_max_rel_diff(ep.losses, zero.losses),
             )
-            targets = {"fraction_of_bound": {"target": FRACTION_OF_BOUND * bound, "met": ratio >= FRACTION_OF_BOUND * bound}}
-            if bound >= BIG_BOUND:
-                targets["speedup_3x"] = {"target": BIG_SPEEDUP, "met": ratio >= BIG_SPEEDUP}
-            shape["targets"] = targets
+            shape["wall_above_bound"] = ratio > bound  # impossible in compute: the dense run waited for cores longer
+            shape["targets"] = _targets(ratio, bound)
+            shape["targets_cpu"] = _targets(shape["cpu_ep_over_dense"], bound)
         out[name] = shape
     return out
 
 
+def _targets(ratio: float, bound: float) -> dict[str, dict[str, Any]]:
+    """Issue 30's targets for an EP/dense ``ratio`` at a FLOP ``bound``: >= 0.75 x bound; >= 3x when bound >= 4."""
+    out = {"fraction_of_bound": {"target": FRACTION_OF_BOUND * bound, "met": ratio >= FRACTION_OF_BOUND * bound}}
+    if bound >= BIG_BOUND:
+        out["speedup_3x"] = {"target": BIG_SPEEDUP, "met": ratio >= BIG_SPEEDUP}
+    return out
+
+
+def _met(targets: dict[str, dict[str, Any]]) -> str:
+    return "yes" if all(t["met"] for t in targets.values()) else "NO"
+
+
 def _table(summary: dict[str, Any]) -> str:
-    head = ("| shape | FLOP bound dense/MoE | EP=2 tok/s | ZeRO tok/s | dense tok/s | EP/dense (rounds) | "
-            "target | met | EP/dense CPU-s | ZeRO/dense | EP/ZeRO |")
+    head = ("| shape | FLOP bound dense/MoE | EP=2 tok/s | ZeRO tok/s | dense tok/s | EP/dense tok/s (rounds) | "
+            "EP/dense CPU-s | target | met: tok/s, CPU-s | ZeRO/dense tok/s | EP/ZeRO tok/s |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for name, s in summary.items():
         runs = s["runs"]
@@ -249,14 +272,18 @@ def _table(summary: dict[str, Any]) -> str:
             failed = ", ".join(f"{k}: {v['error'].splitlines()[0][:80]}" for k, v in runs.items() if not v["ok"])
             lines.append(f"| {name} | {s['flop_bound']:.2f} | FAILED: {failed} |" + " |" * 8)
             continue
-        targets = s["targets"]
-        wanted = " and ".join(f">= {t['target']:.2f}" for t in targets.values())
-        met = "yes" if all(t["met"] for t in targets.values()) else "NO"
+        wanted = " and ".join(f">= {t['target']:.2f}" for t in s["targets"].values())
         rounds = ", ".join(f"{x:.2f}" for x in s["ep_over_dense_rounds"])
+        flag = " (above the bound!)" if s["wall_above_bound"] else ""
         lines.append(f"| {name} | {s['flop_bound']:.2f} | {runs['ep2']['tokens_per_s']:.0f} | "
                      f"{runs['zero']['tokens_per_s']:.0f} | {runs['dense']['tokens_per_s']:.0f} | "
-                     f"{s['ep_over_dense']:.2f}x ({rounds}) | {wanted} | {met} | {s['cpu_ep_over_dense']:.2f}x | "
-                     f"{s['zero_over_dense']:.2f}x | {s['ep_over_zero']:.2f}x |")
+                     f"{s['ep_over_dense']:.2f}x{flag} ({rounds}) | {s['cpu_ep_over_dense']:.2f}x | {wanted} | "
+                     f"{_met(s['targets'])}, {_met(s['targets_cpu'])} | {s['zero_over_dense']:.2f}x | "
+                     f"{s['ep_over_zero']:.2f}x |")
+    if any(s.get("wall_above_bound") for s in summary.values()):
+        lines.append("\nabove the bound!: no training step does fewer FLOPs than the bound allows, so the dense run's "
+                     "wall time was inflated by other jobs on the machine (it waited for a core longer); trust the "
+                     "CPU-s ratio")
     return "\n".join(lines)
 
 
@@ -297,8 +324,9 @@ def main(argv: list[str] | None = None) -> int:
               "steps": steps, "rounds": rounds, "versions": _versions(),
               "targets": {"fraction_of_bound": FRACTION_OF_BOUND, "big_bound": BIG_BOUND, "big_speedup": BIG_SPEEDUP},
               "shapes": summary, "wall_s": time.perf_counter() - start}
-    targets = [t["met"] for s in summary.values() for t in s.get("targets", {}).values()]
-    record["all_targets_met"] = bool(targets) and all(targets) and all("targets" in s for s in summary.values())
+    for key, field in (("all_targets_met", "targets"), ("all_targets_met_cpu", "targets_cpu")):
+        met = [t["met"] for s in summary.values() for t in s.get(field, {}).values()]
+        record[key] = bool(met) and all(met) and all(field in s for s in summary.values())
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2))
@@ -314,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['loss_max_rel_diff_ep_vs_zero']:.2e}")
     print()
     print(_table(summary))
-    print(f"\nall targets met: {record['all_targets_met']}" + (" (quick shapes: ratios not meaningful)" if args.quick
-                                                              else ""))
+    print(f"\nall targets met: tokens/s {record['all_targets_met']}, CPU-s {record['all_targets_met_cpu']}"
+          + (" (quick shapes: ratios not meaningful)" if args.quick else ""))
     print(f"wrote {out} ({record['wall_s']:.0f} s)")
     failed = [k for k, p in pooled.items() if not p.result.ok]
     if failed:

@@ -185,7 +185,8 @@ def test_moe_dense_quick_end_to_end(tmp_path: Path) -> None:
         assert all(v > 0 for v in tps.values())
         assert shape["ep_over_dense"] == pytest.approx(tps["ep2"] / tps["dense"])
         assert shape["ep_over_zero"] == pytest.approx(tps["ep2"] / tps["zero"])
-        assert shape["cpu_ep_over_dense"] > 0 and "fraction_of_bound" in shape["targets"]
+        assert shape["cpu_ep_over_dense"] > 0 and "fraction_of_bound" in shape["targets"] and shape["targets_cpu"]
+        assert shape["wall_above_bound"] == (shape["ep_over_dense"] > shape["flop_bound"])
         ep_losses, zero_losses = runs["ep2"]["losses"], runs["zero"]["losses"]
         assert len(ep_losses) == len(zero_losses) == record["warmup_steps"] + record["steps"]
         assert ep_losses == pytest.approx(zero_losses, rel=1e-5, abs=0), (name, ep_losses, zero_losses)
