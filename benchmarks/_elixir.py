@@ -15,6 +15,12 @@ Options read from ``RunSpec.options`` (at most one of the first three):
         searched plan is priced with the same setting.
     search (bool): use the plan ``hf_elixir.search.auto_plan`` finds for that budget (else the core's
         heuristic placement).
+    expert_parallel_size (int): ``ElixirConfig.expert_parallel_size`` (1 unless given). Above 1 the model is
+        rewritten by ``hf_elixir.parallel.parallelize`` before its optimizer is built: each rank keeps
+        ``experts / expert_parallel_size`` experts of every MoE layer (placed by the model config's own
+        ``base_model_ep_plan``, or by ``placements``), and the rest is chunked over the data-parallel group.
+        The budget can then only be ``budget_bytes``: the probes and the search price the unparallelized model.
+    placements (dict[str, str]): ``ElixirConfig.placements`` (module-name glob -> placement; none unless given).
     profile_dir (str): on CUDA, profile the last timed step with ``torch.profiler`` and write its Chrome
         trace there; ``stats()`` then reports host->device copies per CUDA stream and how many of them
         overlapped a kernel on another stream (evidence of side-stream prefetch).
@@ -55,6 +61,34 @@ def _optimizer(model, spec) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=spec.lr, **ADAM_KW)
 
 
+def _config(spec, budget_bytes, plan=None, default_placement=None):
+    """The ``hf_elixir.ElixirConfig`` of a run: fp32, ``budget_bytes`` of model data, ``spec.options``' settings."""
+    import hf_elixir
+
+    # budgets here bound model data (the peers' budgets do too): activations outside them
+    return hf_elixir.ElixirConfig(precision="fp32", device_memory_budget_bytes=budget_bytes,
+                                  budget_covers_activations=False,
+                                  chunk_size_numel=spec.options.get("chunk_size_numel"), plan=plan,
+                                  default_placement=default_placement or spec.options.get("default_placement", "auto"),
+                                  overlap_host_optimizer=spec.options.get("overlap_host_optimizer"),
+                                  expert_parallel_size=_expert_parallel_size(spec),
+                                  placements=dict(spec.options.get("placements") or {}))
+
+
+def _expert_parallel_size(spec) -> int:
+    """``options["expert_parallel_size"]`` (1 unless given).
+
+    Raises:
+        ValueError: above 1 together with ``budget_fraction`` / ``min_budget_probes`` / ``search``.
+    """
+    size = int(spec.options.get("expert_parallel_size", 1))
+    clash = [k for k in ("budget_fraction", "min_budget_probes", "search") if spec.options.get(k)]
+    if size > 1 and clash:
+        raise ValueError(f"RunSpec.options expert_parallel_size={size} cannot be combined with {', '.join(clash)} "
+                         "(their probes and the plan search price the model before parallelize); give budget_bytes")
+    return size
+
+
 def _prepare(model, spec, budget_bytes, plan=None, default_placement=None):
     import hf_elixir
 
@@ -63,12 +97,11 @@ def _prepare(model, spec, budget_bytes, plan=None, default_placement=None):
             for name, buf in list(module._buffers.items()):
                 if buf is not None:
                     module._buffers[name] = buf.to(spec.device)
-    # budgets here bound model data (the peers' budgets do too): activations outside them
-    config = hf_elixir.ElixirConfig(precision="fp32", device_memory_budget_bytes=budget_bytes,
-                                    budget_covers_activations=False,
-                                    chunk_size_numel=spec.options.get("chunk_size_numel"), plan=plan,
-                                    default_placement=default_placement or spec.options.get("default_placement", "auto"),
-                                    overlap_host_optimizer=spec.options.get("overlap_host_optimizer"))
+    config = _config(spec, budget_bytes, plan, default_placement)
+    if config.expert_parallel_size > 1:  # experts sliced per rank before the optimizer sees the parameters
+        from hf_elixir.parallel import parallelize
+
+        parallelize(model, config)
     return hf_elixir.prepare(model, _optimizer(model, spec), config=config)
 
 
@@ -181,6 +214,7 @@ def setup_elixir(model, spec, rank):
 
     from benchmarks._runner import Runner
 
+    _expert_parallel_size(spec)  # a bad combination raises here, not as a failed budget probe
     budget_bytes, budget_info = _find_budget(model, spec)
     plan = _searched_plan(model, spec, budget_bytes, budget_info) if spec.options.get("search") else None
     model, optimizer = _prepare(model, spec, budget_bytes, plan)

@@ -4,11 +4,13 @@ Each call to :func:`launch` starts ``world_size`` fresh processes (``torch.multi
 ``spawn`` start method, a free TCP port for the gloo rendezvous), so no peer inherits another's
 allocator state, hooks or threads. Every rank:
 
-1. redirects its stdout/stderr to ``<work_dir>/<peer>_ws<N>_rank<R>.log`` (DeepSpeed is chatty);
+1. redirects its stdout/stderr to ``<work_dir>/<key>_rank<R>.log`` (``RunSpec.key()``: peer, world size and
+   tag; DeepSpeed is chatty);
 2. initialises ``torch.distributed`` with gloo (DeepSpeed peers through
    ``deepspeed.init_distributed(dist_backend="gloo")``);
-3. builds the same GPT-2 (``transformers.GPT2LMHeadModel``, fp32, seed 0) and hands it to the peer's
-   ``setup`` (see ``benchmarks/peers.py``), which returns a ``step(batch) -> loss`` callable;
+3. builds the same model (``ModelSpec.family``: GPT-2 by default, OPT, Mixtral or Mistral; fp32, seed 0)
+   and hands it to the peer's ``setup`` (see ``benchmarks/peers.py``), which returns a
+   ``step(batch) -> loss`` callable;
 4. runs ``warmup_steps`` untimed and ``steps`` timed steps on random token ids (a different stream
    per rank), with a barrier before each timed step so a step's time is the slowest rank's time;
 5. writes a JSON record (step times in seconds, the process CPU seconds of each timed step, peak RSS in
@@ -38,17 +40,32 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ModelSpec", "RunSpec", "RunResult", "launch", "launch_group", "free_port", "gpt2_config", "build_model",
-           "count_params"]
+           "count_params", "FAMILIES"]
+
+#: ``ModelSpec.family`` values
+FAMILIES = ("gpt2", "opt", "mixtral", "mistral")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """A GPT-2 shape (``transformers.GPT2Config`` fields) plus the batch every peer trains on.
+    """A decoder shape plus the batch every peer trains on.
+
+    ``family``: ``"gpt2"`` (``GPT2LMHeadModel``), ``"opt"`` (``OPTForCausalLM``, ffn = 4 x n_embd),
+    ``"mixtral"`` (``MixtralForCausalLM``: every layer's MLP is ``num_experts`` SwiGLU experts of width
+    ``intermediate_size``, ``experts_per_tok`` of them per token, router auxiliary loss in the loss) or
+    ``"mistral"`` (``MistralForCausalLM``: one dense SwiGLU MLP of width ``intermediate_size``). The
+    Mixtral/Mistral fields map onto the configs as ``n_embd`` -> ``hidden_size``, ``n_layer`` ->
+    ``num_hidden_layers``, ``n_head`` -> ``num_attention_heads``, ``n_kv_head`` -> ``num_key_value_heads``,
+    ``n_positions`` -> ``max_position_embeddings``.
 
     ``batch_size`` is per rank; ``seq_len`` <= ``n_positions``.
+
+    Raises:
+        ValueError: an unknown family, ``seq_len > n_positions``, a width not divisible by the heads, or
+            Mixtral/Mistral fields that do not fit the family (each message names the field and value).
     """
 
-    family: str = "gpt2"  # "gpt2" (GPT2LMHeadModel) or "opt" (OPTForCausalLM, ffn = 4 x n_embd)
+    family: str = "gpt2"  # "gpt2", "opt", "mixtral" or "mistral"
     n_layer: int = 6
     n_embd: int = 256
     n_head: int = 4
@@ -58,18 +75,45 @@ class ModelSpec:
     seq_len: int = 128
     word_embed_proj_dim: int = 0  # OPT only: embedding width projected to n_embd (0 = n_embd, no projection)
     layer_norm_before: bool = True  # OPT only: pre-LN (False: OPT-350m's post-LN)
+    n_kv_head: int = 0  # Mixtral/Mistral: key/value heads (0 = n_head, no grouped-query attention)
+    intermediate_size: int = 0  # Mixtral: one expert's MLP width; Mistral: the dense MLP width (required for both)
+    num_experts: int = 0  # Mixtral only: experts per layer (num_local_experts)
+    experts_per_tok: int = 0  # Mixtral only: experts each token is routed to (top-k)
 
     def __post_init__(self) -> None:
-        if self.family not in ("gpt2", "opt"):
-            raise ValueError(f"ModelSpec.family={self.family!r} must be 'gpt2' or 'opt'")
+        if self.family not in FAMILIES:
+            raise ValueError(f"ModelSpec.family={self.family!r} must be one of {', '.join(map(repr, FAMILIES))}")
         if self.seq_len > self.n_positions:
             raise ValueError(f"ModelSpec.seq_len={self.seq_len} exceeds n_positions={self.n_positions}")
         if self.n_embd % self.n_head:
             raise ValueError(f"ModelSpec.n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
+        if self.family in ("mixtral", "mistral"):
+            self._check_mistral_fields()
+        elif self.num_experts or self.experts_per_tok or self.intermediate_size or self.n_kv_head:
+            raise ValueError(f"ModelSpec.family={self.family!r} takes no n_kv_head / intermediate_size / num_experts / "
+                             "experts_per_tok (Mixtral/Mistral fields); leave them 0")
+
+    def _check_mistral_fields(self) -> None:
+        if self.intermediate_size <= 0:
+            raise ValueError(f"ModelSpec.intermediate_size={self.intermediate_size}: family {self.family!r} needs the "
+                             "MLP width (Mixtral: one expert's), e.g. intermediate_size=2 * n_embd")
+        if self.n_kv_head and self.n_head % self.n_kv_head:
+            raise ValueError(f"ModelSpec.n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
+        if self.family == "mistral" and (self.num_experts or self.experts_per_tok):
+            raise ValueError(f"ModelSpec.num_experts={self.num_experts}, experts_per_tok={self.experts_per_tok}: a "
+                             "dense 'mistral' has no experts; use family='mixtral' or leave them 0")
+        if self.family == "mixtral" and not 1 <= self.experts_per_tok <= self.num_experts:
+            raise ValueError(f"ModelSpec.experts_per_tok={self.experts_per_tok} must be in [1, num_experts="
+                             f"{self.num_experts}] for family 'mixtral' (e.g. num_experts=8, experts_per_tok=2)")
 
     def label(self) -> str:
-        return (f"{'GPT-2' if self.family == 'gpt2' else 'OPT'} L={self.n_layer} d={self.n_embd} h={self.n_head} V={self.vocab_size}, "
-                f"batch {self.batch_size}/rank x seq {self.seq_len}")
+        name = {"gpt2": "GPT-2", "opt": "OPT", "mixtral": "Mixtral", "mistral": "Mistral"}[self.family]
+        shape = f"{name} L={self.n_layer} d={self.n_embd} h={self.n_head}"
+        if self.family == "mixtral":
+            shape += f" experts={self.num_experts} top-{self.experts_per_tok} ffn={self.intermediate_size}/expert"
+        elif self.family == "mistral":
+            shape += f" ffn={self.intermediate_size}"
+        return f"{shape} V={self.vocab_size}, batch {self.batch_size}/rank x seq {self.seq_len}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +131,8 @@ class RunSpec:
             built on the CPU and each peer moves it the way that system expects.
         lr: AdamW learning rate (every peer uses AdamW, betas (0.9, 0.999), eps 1e-8, wd 0.0).
         options: peer-specific settings (e.g. ``budget_fraction`` for hf_elixir).
+        tag: tells apart runs of one peer at one world size in the same work folder (``launch_group`` of
+            several models); part of :meth:`key`, so of the record and log file names.
     """
 
     peer: str
@@ -98,9 +144,10 @@ class RunSpec:
     lr: float = 1e-4
     options: dict[str, Any] = field(default_factory=dict)
     device: str = "cpu"  # "cpu" or "cuda" (benchmarks/gpu.py); batches are created on it
+    tag: str = ""
 
     def key(self) -> str:
-        return f"{self.peer}_ws{self.world_size}"
+        return f"{self.peer}_ws{self.world_size}" + (f"_{self.tag}" if self.tag else "")
 
 
 @dataclass(kw_only=True)
@@ -150,6 +197,8 @@ def build_model(spec: ModelSpec):
         from transformers import GPT2LMHeadModel
 
         return GPT2LMHeadModel(gpt2_config(spec))
+    if spec.family in ("mixtral", "mistral"):
+        return _build_mistral_family(spec)
     from transformers import OPTConfig, OPTForCausalLM
 
     config = OPTConfig(hidden_size=spec.n_embd, num_hidden_layers=spec.n_layer, num_attention_heads=spec.n_head,
@@ -161,9 +210,27 @@ def build_model(spec: ModelSpec):
     return OPTForCausalLM(config)
 
 
+def _build_mistral_family(spec: ModelSpec):
+    """``MixtralForCausalLM`` / ``MistralForCausalLM`` from a config built offline (dropout and router jitter off,
+    so every run computes the same; Mixtral's loss includes its router auxiliary loss)."""
+    common = dict(vocab_size=spec.vocab_size, hidden_size=spec.n_embd, intermediate_size=spec.intermediate_size,
+                  num_hidden_layers=spec.n_layer, num_attention_heads=spec.n_head,
+                  num_key_value_heads=spec.n_kv_head or spec.n_head, max_position_embeddings=spec.n_positions,
+                  attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if spec.family == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        return MixtralForCausalLM(MixtralConfig(num_local_experts=spec.num_experts,
+                                                num_experts_per_tok=spec.experts_per_tok, router_jitter_noise=0.0,
+                                                output_router_logits=True, **common))
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(MistralConfig(sliding_window=None, **common))
+
+
 def count_params(spec: ModelSpec) -> int:
     """Parameters of the model for ``spec`` with the tied lm_head counted once: GPT-2 analytically (exact),
-    OPT by building it on the meta device (nothing allocated)."""
+    the other families by building it on the meta device (nothing allocated)."""
     if spec.family != "gpt2":
         import torch
 

@@ -68,7 +68,17 @@ LLAMA_SIZES: dict[str, dict[str, int]] = {
     "small": dict(num_hidden_layers=6, hidden_size=256, intermediate_size=688, num_attention_heads=8,
                   num_key_value_heads=4),
 }
-SIZES = {"gpt2": GPT2_SIZES, "opt": OPT_SIZES, "llama": LLAMA_SIZES, "switch_transformers": SWITCH_SIZES}
+#: Mixtral-style (GQA attention, every MLP a set of SwiGLU experts with top-2 routing, router auxiliary loss in the
+#: training loss); expert parallel comes from MixtralConfig's own base_model_ep_plan, so recipes/mixtral/elixir.yaml
+#: only sets expert_parallel_size
+MIXTRAL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                 num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "small": dict(num_hidden_layers=6, hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                  num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2),
+}
+SIZES = {"gpt2": GPT2_SIZES, "opt": OPT_SIZES, "llama": LLAMA_SIZES, "mixtral": MIXTRAL_SIZES,
+         "switch_transformers": SWITCH_SIZES}
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -76,8 +86,8 @@ SIZES = {"gpt2": GPT2_SIZES, "opt": OPT_SIZES, "llama": LLAMA_SIZES, "switch_tra
 class ModelArguments:
     """Which model and tokenizer to train."""
 
-    model_type: str = field(default="gpt2", metadata={"help": "gpt2 | opt | llama (finetune_clm.py); switch_transformers is implied by finetune_switch.py"})
-    model_size: str = field(default="tiny", metadata={"help": "named size built from config: tiny | small | 125m | 350m | ... (per model type: GPT2_SIZES / OPT_SIZES / SWITCH_SIZES in recipes/_recipe_common.py)"})
+    model_type: str = field(default="gpt2", metadata={"help": "gpt2 | opt | llama | mixtral (finetune_clm.py); switch_transformers is implied by finetune_switch.py"})
+    model_size: str = field(default="tiny", metadata={"help": "named size built from config: tiny | small | 125m | 350m | ... (per model type: GPT2_SIZES / OPT_SIZES / LLAMA_SIZES / MIXTRAL_SIZES / SWITCH_SIZES in recipes/_recipe_common.py)"})
     model_name_or_path: str | None = field(default=None, metadata={"help": "hub name or local folder of a pretrained model (replaces --model_size)"})
     tokenizer_name: str | None = field(default=None, metadata={"help": "hub name or folder of a tokenizer (default: the model's, or a BPE trained on the data)"})
     vocab_size: int = field(default=2048, metadata={"help": "vocabulary of the BPE tokenizer trained when no tokenizer is given"})
@@ -275,6 +285,7 @@ def build_model(model_args: ModelArguments, tokenizer, max_positions: int, on_me
         AutoModelForSeq2SeqLM,
         GPT2Config,
         LlamaConfig,
+        MixtralConfig,
         OPTConfig,
         SwitchTransformersConfig,
     )
@@ -296,6 +307,9 @@ def build_model(model_args: ModelArguments, tokenizer, max_positions: int, on_me
         config = OPTConfig(vocab_size=len(tokenizer), max_position_embeddings=max(max_positions, 128), **size, **ids)
     elif model_args.model_type == "llama":
         config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=max(max_positions, 128), **size, **ids)
+    elif model_args.model_type == "mixtral":
+        config = MixtralConfig(vocab_size=len(tokenizer), max_position_embeddings=max(max_positions, 128),
+                               output_router_logits=True, **size, **ids)
     else:
         config = SwitchTransformersConfig(
             vocab_size=len(tokenizer), decoder_start_token_id=tokenizer.pad_token_id,
@@ -363,7 +377,8 @@ def evaluate_perplexity(model, eval_dataset, collate, batch_size: int, device) -
         batch = collate([eval_dataset[i] for i in range(start, min(start + batch_size, len(eval_dataset)))])
         batch = {k: v.to(device) for k, v in batch.items()}
         seq2seq = model.config.is_encoder_decoder
-        loss = model(**batch, **({"output_router_logits": False} if seq2seq else {})).loss.float()
+        moe = seq2seq or hasattr(model.config, "output_router_logits")  # Switch, Mixtral: router losses stay out
+        loss = model(**batch, **({"output_router_logits": False} if moe else {})).loss.float()
         labels = batch["labels"] if seq2seq else batch["labels"][:, 1:]  # causal LM: the model shifts labels
         n = int((labels != -100).sum())
         total_nll += loss.item() * n
@@ -442,8 +457,15 @@ def parallelize_for(model, config) -> None:
 
         state = parallelize(model, config)
         chosen = Counter(p for p in state.placements.values() if p != "sharded")
-        source = ("the config's base_model_tp_plan" if getattr(model.config, "base_model_tp_plan", None)
-                  else "the registered placement spec")
+        sources = []
+        if config.tensor_parallel_size > 1:
+            sources.append("the config's base_model_tp_plan" if getattr(model.config, "base_model_tp_plan", None)
+                           else "the registered placement spec")
+        if config.expert_parallel_size > 1:
+            sources.append("ElixirConfig.placements" if config.placements
+                           else "the config's base_model_ep_plan" if getattr(model.config, "base_model_ep_plan", None)
+                           else "the registered placement spec")
+        source = " and ".join(dict.fromkeys(sources))
         if torch.distributed.get_rank() == 0:
             logger.info("parallelized (tensor_parallel_size=%d, expert_parallel_size=%d) from %s: %s",
                         config.tensor_parallel_size, config.expert_parallel_size, source,

