@@ -59,11 +59,12 @@ from hf_elixir.search._cost import predict  # noqa: F401 (importable from here, 
 from hf_elixir.search._grid import (Candidate, SearchResult, _grad_elem_bytes, _memory_not_binding, _policy_key,
                                     _ranking, _refined, _search_one, _search_replicated, brute_force_grid)
 from hf_elixir.search._refine import RefineContext, StepBudget
+from hf_elixir.search._tensor_parallel import tensor_parallel_degrees, tensor_parallel_profile
 from hf_elixir.search._report import (_data_parallel_reasons, _default_replicated_placements, _minimum_bytes,
                                       _policy_or_ckpt, _to_plan)
 
 __all__ = ["Candidate", "SearchResult", "auto_plan", "brute_force_grid", "search", "search_expert_parallel",
-           "search_plan"]
+           "search_plan", "search_tensor_parallel"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,22 @@ def _forward_only_settings(activation_checkpointing: bool | None,
         logger.warning("search: %s ignored for a forward-only (inference) step: it saves no activations for "
                        "backward; priced with every block kept", ", ".join(ignored))
     return False, "keep"
+
+
+def _tensor_parallel_placements(model_or_profile: Any, tensor_parallel_size: int) -> dict[str, str]:
+    """Every parameter-owning module's placement at that tensor-parallel degree (``resolve_placements``).
+
+    Raises:
+        ValueError: given a profile, which does not know the model's tensor-parallel spec.
+    """
+    if not isinstance(model_or_profile, nn.Module):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} on a StepProfile needs "
+                         "tensor_parallel_placements= (resolve_placements(model, ElixirConfig(tensor_parallel_size="
+                         f"{tensor_parallel_size})), or ElixirPlan.placements of such a plan)")
+    from hf_elixir.config import ElixirConfig  # noqa: PLC0415
+    from hf_elixir.placement import resolve_placements  # noqa: PLC0415
+
+    return resolve_placements(model_or_profile, ElixirConfig(tensor_parallel_size=tensor_parallel_size))
 
 
 _DATA_PARALLEL = ("auto", "sharded", "replicated")
@@ -162,8 +179,16 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
            overlap_host_optimizer: bool | None = None, snapshot_rollback: bool = False,
            refine_starts: int = 6, refine_max_priced: int | None = None,
            reduce_dtype: str | None = "fp32", host_memory_name: str = "host_memory_bytes=",
-           expert_parallel_size: int = 1) -> SearchResult:
+           expert_parallel_size: int = 1, tensor_parallel_size: int = 1,
+           tensor_parallel_placements: dict[str, str] | None = None, parallelized: bool = False) -> SearchResult:
     """Profile (if given a model) and search; see :func:`search_plan` for the arguments.
+
+    ``expert_parallel_size`` / ``tensor_parallel_size`` price one rank of that degree ([Note: expert parallel
+    pricing] in ``_expert_parallel.py``, [Note: tensor parallel pricing] in ``_tensor_parallel.py``); at most one of
+    them above 1. ``tensor_parallel_placements``: module FQN -> placement at that degree (default, for a model:
+    ``resolve_placements(model, ElixirConfig(tensor_parallel_size=...))``). ``parallelized``: the model (or profile)
+    is already one rank's, rewritten by ``hf_elixir.parallel.parallelize`` at those degrees: nothing is divided
+    again, the chunk groups and collectives are priced.
 
     ``host_memory_name`` is how the caller's user sets the host memory (the CLI's ``--host-memory``,
     ``ElixirConfig.host_memory_budget_bytes``); the error when nothing fits the host names it.
@@ -185,11 +210,21 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         raise TypeError(f"snapshot_rollback={snapshot_rollback!r} must be True (AMSGrad or a non-Adam optimizer: the "
                         "host lane keeps snapshots) or False (Adam/AdamW: rolled back by the inverse update)")
     grad_elem_bytes = _grad_elem_bytes(reduce_dtype, precision)
-    ep = expert_parallel_size
-    if ep > 1 and data_parallel == "replicated":
-        raise ValueError(f"expert_parallel_size={ep} needs data_parallel='sharded' (or 'auto'), not 'replicated'")
-    modes = _data_parallel_modes("sharded" if ep > 1 else data_parallel, world_size)
+    ep, tp = expert_parallel_size, tensor_parallel_size
+    for name, size in (("expert_parallel_size", ep), ("tensor_parallel_size", tp)):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name}={size!r} must be an int >= 1")
+        if size > 1 and data_parallel == "replicated":
+            raise ValueError(f"{name}={size} needs data_parallel='sharded' (or 'auto'), not 'replicated'")
+        if world_size % size:
+            raise ValueError(f"{name}={size} must divide world_size={world_size}")
+    if ep > 1 and tp > 1:
+        raise ValueError(f"expert_parallel_size={ep} and tensor_parallel_size={tp}: one of them must be 1 (as "
+                         "ElixirConfig)")
+    modes = _data_parallel_modes("sharded" if max(ep, tp) > 1 else data_parallel, world_size)
     profile = _resolve_profile(model_or_profile, sample_batch, hardware)
+    if tp > 1 and tensor_parallel_placements is None and not parallelized:
+        tensor_parallel_placements = _tensor_parallel_placements(model_or_profile, tp)
     if activations_on_device is None:
         activations_on_device = hardware.device_kind == "cuda"
     if profile.forward_only:
@@ -210,10 +245,15 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     per_host = _ranks_per_host(world_size, ranks_per_host)
     # [Note: expert parallel pricing] in _expert_parallel.py: each step is one rank's (its experts, its chunk groups,
     # its all-to-alls, across machines where the expert-parallel group spans more than the ranks of one)
-    steps_for = {"expert_parallel_size": ep, "gpus_per_node": per_host}
-    if ep > 1 and world_size % ep:
-        raise ValueError(f"expert_parallel_size={ep} must divide world_size={world_size}")
-    rank_profile = expert_parallel_profile(profile, ep)[0]  # what one rank packs (chunk-size search)
+    # and [Note: tensor parallel pricing] in _tensor_parallel.py (its split weights, every chunk over the ranks of its
+    # data-parallel group, the split layers' collectives)
+    steps_for = {"expert_parallel_size": ep, "gpus_per_node": per_host, "tensor_parallel_size": tp,
+                 "tensor_parallel_placements": tensor_parallel_placements, "parallelized": parallelized}
+    rank_profile = profile  # what one rank packs (chunk-size search)
+    if not parallelized:
+        rank_profile = tensor_parallel_profile(expert_parallel_profile(profile, ep)[0], tp,
+                                               tensor_parallel_placements or {})
+    pack_world_size = world_size // tp  # the chunks' data-parallel group (every chunk's, under tensor parallel)
     if not isinstance(refine_starts, int) or refine_starts < 0:
         raise ValueError(f"refine_starts={refine_starts!r} must be an int >= 0 (0: no local refinement)")
     if refine_max_priced is not None and (not isinstance(refine_max_priced, int) or refine_max_priced < 0):
@@ -231,9 +271,9 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         # chunk sizes for the cache the activations leave (they do not depend on the chunk size): the
         # least and the most activation-saving policy of the grid bound what the cache can be
         for policy in {id(p): p for p in (policies[0], policies[-1])}.values():
-            act_bytes = activation_bytes(profile, precision, _policy_or_ckpt(policy, activation_checkpointing))
+            act_bytes = activation_bytes(rank_profile, precision, _policy_or_ckpt(policy, activation_checkpointing))
             room = limit - (act_bytes if activations_on_device else 0)
-            more_sizes, why = _chunk_sizes(rank_profile, world_size, b, max(1, room), chunk_size_numel,
+            more_sizes, why = _chunk_sizes(rank_profile, pack_world_size, b, max(1, room), chunk_size_numel,
                                            num_chunk_sizes, replicated)
             size_reasons.setdefault(mode, why)
             sizes += [n for n in more_sizes if n not in sizes]
@@ -285,7 +325,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         # budget: the margin comes off whatever is given
         # (smaller rooms pick smaller chunks, whose working set is smaller: the candidates for a few of them count too)
         for room in (limit >> k for k in range(6)):
-            tried_sizes.update(_chunk_sizes(rank_profile, world_size, b, max(1, room), chunk_size_numel,
+            tried_sizes.update(_chunk_sizes(rank_profile, pack_world_size, b, max(1, room), chunk_size_numel,
                                             num_chunk_sizes, False)[0])
         largest = max(rank_profile.param_numels, default=1)  # replicated buckets may be smaller: they pack otherwise
         need = min(_minimum_bytes(profile, world_size, precision, size, activations_on_device, hardware, policies,
@@ -293,7 +333,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         # and the candidates the search would try at about that need (GPT-2 8x1024 told from 100 MB: 7% less)
         for _ in range(2):
             for room in (need >> k for k in range(3)):
-                tried_sizes.update(_chunk_sizes(rank_profile, world_size, b, max(1, room), chunk_size_numel,
+                tried_sizes.update(_chunk_sizes(rank_profile, pack_world_size, b, max(1, room), chunk_size_numel,
                                                 num_chunk_sizes, False)[0])
             need = min(_minimum_bytes(profile, world_size, precision, size, activations_on_device, hardware, policies,
                                       grad_elem_bytes, **steps_for) for size in tried_sizes if size >= largest)
@@ -344,8 +384,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     plan = _to_plan(profile, best, world_size, precision, budget, limit,
                     size_reasons[best.data_parallel](best.chunk_size_numel), evaluated,
                     host_limit, activations_on_device, per_host, reduce_dtype)
-    plan.reasons[2:2] = _data_parallel_reasons(modes, best, best_by_mode, world_size)
-    if ep > 1:  # what prepare sees on each rank after parallelize ([Note: expert parallel pricing])
+    plan.reasons[2:2] = _data_parallel_reasons(modes, best, best_by_mode, world_size, tp)
+    if ep > 1 or tp > 1:  # what prepare sees on each rank after parallelize ([Note: expert parallel pricing])
         plan.num_params, plan.param_order = rank_profile.num_params, rank_param_order(rank_profile)
     if best.data_parallel == "replicated":
         modules = replicated_placements if replicated_placements is not None else (
@@ -411,20 +451,99 @@ def search_expert_parallel(model_or_profile: Any, hardware: HardwareProfile, *, 
     return result
 
 
+def search_tensor_parallel(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int = 1,
+                           tensor_parallel_sizes: Iterable[int] | None = None,
+                           tensor_parallel_placements: Callable[[int], dict[str, str]] | None = None,
+                           sample_batch: Any = None, heads: tuple[int, ...] = (), **kwargs: Any) -> SearchResult:
+    """:func:`search` at each tensor-parallel degree, and the fastest plan that fits any of them ([Note: tensor
+    parallel pricing] in ``_tensor_parallel.py``).
+
+    Args:
+        model_or_profile, hardware, world_size, sample_batch, **kwargs: as :func:`search` (``tensor_parallel_size``
+            and ``expert_parallel_size`` excepted: tensor parallelism is searched with expert parallel 1).
+        tensor_parallel_sizes: the degrees to try; default :func:`tensor_parallel_degrees`: 1, 2, 4, 8 where they
+            divide ``world_size`` and every count of ``heads`` and fit in a node (``ranks_per_host``).
+        tensor_parallel_placements: degree -> module placements at it (default, for a model: ``resolve_placements``
+            at that degree); a degree whose placements raise ``ValueError`` (heads not divisible) is skipped.
+        heads: the attention head counts (query and key/value heads) the degrees must divide.
+
+    Returns:
+        the winning degree's :class:`SearchResult`; ``best_by_tensor_parallel`` maps every degree tried to its
+        fastest candidate or to why nothing fitted.
+
+    Raises:
+        ValueError: bad arguments, or no degree fits (each degree's reason).
+    """
+    for name in ("tensor_parallel_size", "expert_parallel_size"):
+        if name in kwargs:
+            raise TypeError(f"search_tensor_parallel takes tensor_parallel_sizes=, not {name}=")
+    started = time.perf_counter()
+    profile = _resolve_profile(model_or_profile, sample_batch, hardware)
+    degrees = (tuple(tensor_parallel_sizes) if tensor_parallel_sizes is not None else
+               tensor_parallel_degrees(world_size, _ranks_per_host(world_size, kwargs.get("ranks_per_host")), heads))
+    placements_at = tensor_parallel_placements or (lambda tp: _tensor_parallel_placements(model_or_profile, tp))
+    results: dict[int, SearchResult] = {}
+    failed: dict[int, str] = {}
+    for tp in degrees:
+        try:
+            placements = placements_at(tp) if tp > 1 else None
+            results[tp] = search(profile, hardware, world_size=world_size, tensor_parallel_size=tp,
+                                 tensor_parallel_placements=placements, **kwargs)
+        except ValueError as err:
+            if len(degrees) == 1:
+                raise
+            failed[tp] = str(err)
+    if not results:
+        raise ValueError("no tensor-parallel degree fits: " + "; ".join(f"tensor_parallel_size={tp}: {why}"
+                                                                       for tp, why in failed.items()))
+    # the tp ranks of a row read one batch: a degree's step runs tp times fewer tokens over the W ranks, so the
+    # degrees are compared by seconds per token of the whole job (step seconds x tp), then by the device peak
+    winner = min(results, key=lambda tp: _per_token_ranking(results[tp].best))
+    result = results[winner]
+    result.alternatives = sorted(result.alternatives + [r.best for tp, r in results.items() if tp != winner],
+                                 key=_per_token_ranking)
+    result.evaluated = sum(r.evaluated for r in results.values())
+    result.search_s = time.perf_counter() - started
+    result.best_by_tensor_parallel = {tp: results[tp].best if tp in results else failed[tp] for tp in degrees}
+    if len(degrees) > 1:
+        result.plan.reasons.insert(2, _degree_reason("tensor parallel", winner, result.best_by_tensor_parallel))
+    return result
+
+
+def _per_token_ranking(cand: Candidate) -> tuple:
+    """Candidates of different tensor-parallel degrees, best first: step seconds times the degree (the seconds the
+    W ranks take for the tokens tensor parallel 1 runs in one step), then the device peak."""
+    return cand.prediction.step_s * cand.tensor_parallel_size, cand.prediction.device_peak_bytes
+
+
 def _expert_parallel_reason(winner: int, tried: dict[int, Candidate | str]) -> str:
     """Why the winning expert-parallel degree won, against each other degree tried."""
+    return _degree_reason("expert parallel", winner, tried)
+
+
+def _degree_reason(what: str, winner: int, tried: dict[int, Candidate | str]) -> str:
+    """Why the winning ``what`` (``"expert parallel"`` / ``"tensor parallel"``) degree won, against each other
+    degree tried."""
     mine = tried[winner]
     assert isinstance(mine, Candidate), f"the winning degree {winner} has a candidate"
+
+    def seconds(cand: Candidate, degree: int) -> str:  # tensor parallel: per the tokens of a tp = 1 step too
+        text = f"{cand.prediction.step_s:.4g} s"
+        if what == "tensor parallel" and degree > 1:
+            text += (f" ({cand.prediction.step_s * degree:.4g} s for the {degree} micro-batches one step runs at "
+                     "tensor parallel 1)")
+        return text
+
     parts = []
-    for ep, other in tried.items():
-        if ep == winner:
+    for degree, other in tried.items():
+        if degree == winner:
             continue
         if isinstance(other, Candidate):
-            parts.append(f"{other.prediction.step_s:.4g} s and {other.prediction.host_bytes / 2**30:.3g} GiB of host "
-                         f"memory per rank at expert parallel {ep}")
+            parts.append(f"{seconds(other, degree)} and {other.prediction.host_bytes / 2**30:.3g} GiB of host "
+                         f"memory per rank at {what} {degree}")
         else:
-            parts.append(f"nothing fits at expert parallel {ep} ({other.split(';')[0]})")
-    return (f"expert parallel {winner} wins: predicted {mine.prediction.step_s:.4g} s and "
+            parts.append(f"nothing fits at {what} {degree} ({other.split(';')[0]})")
+    return (f"{what} {winner} wins: predicted {seconds(mine, winner)} and "
             f"{mine.prediction.host_bytes / 2**30:.3g} GiB of host memory per rank, against " + "; ".join(parts))
 
 
