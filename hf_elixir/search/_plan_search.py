@@ -638,8 +638,9 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
     if budget is None and hardware.device_kind != "cuda":
         budget = hardware.device_total_bytes
     data_parallel, replicated_placements, note = _auto_data_parallel(model, config, world_size)
+    mesh_world_size, parallel_kwargs = _parallel_search_args(model, config, world_size)
     host_budget = getattr(config, "host_memory_budget_bytes", None)  # per rank; the search limits per machine
-    per_host = _ranks_per_host(world_size, None)
+    per_host = _ranks_per_host(mesh_world_size, None)
     # an explicit budget charges activations on any device (the simulated pool too) unless the config opts
     # out; None: the device decides (the card on CUDA covers them, the unlimited simulated pool does not)
     explicit = config.device_memory_budget_bytes is not None
@@ -647,21 +648,23 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
     user_policy = getattr(config, "activation_policy", None)  # the user's choice is priced, not searched
     fixed_policy = (resolve_activation_policy(profile_blocks(profile), {}, False, user_policy)
                     if user_policy is not None else None)
-    result = search(profile, hardware, world_size=world_size, precision=config.precision,
+    result = search(profile, hardware, world_size=mesh_world_size, precision=config.precision,
                     device_memory_budget_bytes=budget, chunk_size_numel=config.chunk_size_numel,
                     activations_on_device=covers, activation_policy=fixed_policy,
                     data_parallel=data_parallel, replicated_placements=replicated_placements,
                     host_memory_bytes=host_budget * per_host if host_budget else None, ranks_per_host=per_host,
                     host_memory_name="ElixirConfig.host_memory_budget_bytes (per rank)",
                     overlap_host_optimizer=getattr(config, "overlap_host_optimizer", None),
-                    reduce_dtype=getattr(config, "reduce_dtype", "fp32"), **optimizer_cost_terms(optimizer, config))
+                    reduce_dtype=getattr(config, "reduce_dtype", "fp32"), **optimizer_cost_terms(optimizer, config),
+                    **parallel_kwargs)
     plan = result.plan
+    plan.world_size = world_size  # prepare's group (the data-parallel one when given as ElixirConfig.process_group)
     if note:
         plan.reasons.append(note)
-    if result.best.data_parallel == "sharded":
-        from hf_elixir.placement import resolve_placements  # noqa: PLC0415
+    if result.best.data_parallel == "sharded":  # a parallelized model's: those parallelize applied
+        from hf_elixir.parallel import placements_for_plan  # noqa: PLC0415
 
-        plan.placements = resolve_placements(model, config)
+        plan.placements = placements_for_plan(model, config)
     if world_size > 1:
         # each rank profiled its own step: timings differ, and ranks with different plans (one replicated,
         # one sharded) would issue different collectives and hang. Every rank takes rank 0's plan.
@@ -670,6 +673,22 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         plan = box[0]
     return plan
+
+
+def _parallel_search_args(model: nn.Module, config: Any, world_size: int) -> tuple[int, dict[str, Any]]:
+    """``(ranks, search kwargs)`` for :func:`auto_plan`: a model rewritten by ``hf_elixir.parallel.parallelize`` is
+    priced as one rank of its mesh (all its ranks, its tensor- and expert-parallel sizes, the placements it applied;
+    ``parallelized=True``: the profiled step is already that rank's, [Note: tensor parallel pricing] and [Note:
+    expert parallel pricing]); any other model as ``world_size`` data-parallel ranks."""
+    from hf_elixir.parallel import get_parallel_state  # noqa: PLC0415
+
+    state = get_parallel_state(model)
+    if state is None:
+        return world_size, {}
+    mesh = state.mesh
+    return mesh.world_size, dict(
+        expert_parallel_size=mesh.ep_size, tensor_parallel_size=mesh.tp_size, parallelized=True,
+        tensor_parallel_placements=dict(state.placements) if mesh.tp_size > 1 else None)
 
 
 def _auto_data_parallel(model: nn.Module, config: Any, world_size: int) -> tuple[str, dict[str, str] | None, str]:
