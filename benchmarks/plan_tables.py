@@ -42,12 +42,12 @@ from hf_elixir.placement import resolve_placements  # noqa: E402
 from hf_elixir.profiler import HardwareProfile, profile_step  # noqa: E402
 from hf_elixir.profiler._gpu_presets import preset_hardware  # noqa: E402
 from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch  # noqa: E402
-from hf_elixir.search import search, search_expert_parallel, search_tensor_parallel  # noqa: E402
+from hf_elixir.search import search, search_parallel  # noqa: E402
 
 GIB, TIB = 2**30, 2**40
 MODELS = ("llama-3.1-8b", "qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b", "deepseek-v3")
 #: the search's knobs at reduced effort (module docstring); ``--full-effort`` drops them
-SEARCH_EFFORT = dict(num_chunk_sizes=2, grid_points=8, refine_starts=3, refine_max_priced=200)
+SEARCH_EFFORT = dict(num_chunk_sizes=2, grid_points=4, refine_starts=2, refine_max_priced=100)
 #: the bytes at which the search is asked for its smallest need (it names it when nothing fits)
 _TINY_BUDGET = 2**20
 
@@ -87,36 +87,33 @@ def _heads(config) -> tuple[int, ...]:
     return tuple({v for n in names if isinstance(v := getattr(config, n, None), int) and v > 0})
 
 
-def _per_token_s(cand) -> float:
-    """Step seconds times the tensor-parallel degree (the ranks of a tensor-parallel group share one batch)."""
-    return cand.prediction.step_s * cand.tensor_parallel_size
-
-
-def best_plan(model, profile, hw: HardwareProfile, target: Target, common: dict):
-    """The fastest per token of the tensor-parallel degrees and, for a MoE model, the expert-parallel ones (as
-    ``hf-elixir plan --tensor-parallel-size auto``); ``(result, placements at its tensor-parallel degree)``.
+def best_plan(model, profile, hw: HardwareProfile, common: dict):
+    """The fastest per token of the tensor-parallel degrees and, for a MoE model, the expert-parallel ones
+    (:func:`hf_elixir.search.search_parallel`, as ``hf-elixir plan --tensor-parallel-size auto``); ``(result,
+    placements at its tensor-parallel degree)``.
 
     Raises:
-        ValueError: nothing fits at any degree (the first search's reason).
+        ValueError: nothing fits at any degree.
     """
     def placements(tp: int) -> dict[str, str]:
         return resolve_placements(model, ElixirConfig(tensor_parallel_size=tp))
 
-    runs = [lambda: search_tensor_parallel(profile, hw, tensor_parallel_placements=placements, heads=_heads(
-        model.config), data_parallel="sharded", **common)]
-    if profile.moe_layers and target.num_gpus > 1:
-        runs.append(lambda: search_expert_parallel(profile, hw, data_parallel="sharded", **common))
-    results, errors = [], []
-    for run in runs:
-        try:
-            results.append(run())
-        except ValueError as err:
-            errors.append(err)
-    if not results:
-        raise errors[0]
-    result = min(results, key=lambda r: _per_token_s(r.best))
+    result = search_parallel(profile, hw, tensor_parallel_placements=placements, heads=_heads(model.config),
+                             data_parallel="sharded", **common)
     tp = result.best.tensor_parallel_size
     return result, placements(tp) if tp > 1 else None
+
+
+def why_not(err: ValueError) -> str:
+    """What a target lacks, in a table cell: the host memory per node or the device budget the search names."""
+    text = str(err)
+    host = re.search(r"\(([\d.]+) GiB per host\)", text)
+    device = re.search(r"a device_memory_budget_bytes of about (\d+)", text)
+    if "fits host memory" in text and host:
+        return f"needs {host.group(1)} GiB of host memory per node"
+    if device:
+        return f"needs a device budget of about {int(device.group(1)) / GIB:.0f} GiB"
+    return text.split(";")[0][:160]
 
 
 def min_budget_bytes(profile, hw: HardwareProfile, common: dict, tp: int, ep: int, placements) -> int | None:
@@ -135,7 +132,11 @@ def rows_for(name: str, targets: tuple[Target, ...], *, batch: int, seq: int, ho
              effort: dict) -> list[dict]:
     """One record per target of ``name``: the chosen plan, or why nothing fits."""
     started = time.perf_counter()
-    model, sample = meta_model_and_batch(load_config(name), batch_size=batch, seq_len=seq, dtype=torch.bfloat16)
+    config = load_config(name)
+    positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if positions and seq > positions:
+        raise ValueError(f"--seq-len {seq} is longer than {name}'s {positions} positions")
+    model, sample = meta_model_and_batch(config, batch_size=batch, seq_len=seq, dtype=torch.bfloat16)
     profile = profile_step(model, sample, device="meta")
     profiled_s = time.perf_counter() - started
     out = []
@@ -152,11 +153,12 @@ def rows_for(name: str, targets: tuple[Target, ...], *, batch: int, seq: int, ho
                      "host_bytes_per_node": target.host_bytes, "tokens_per_data_parallel_rank": batch * seq,
                      "profile_s": round(profiled_s, 1)}
         try:
-            result, placements = best_plan(model, profile, hw, target, common)
+            result, placements = best_plan(model, profile, hw, common)
         except ValueError as err:
-            row.update(fits=False, why=str(err).split(". ")[0])
+            row.update(fits=False, why=why_not(err), error=str(err))
             row["search_s"] = round(time.perf_counter() - started, 1)
             out.append(row)
+            print(f"  {name} on {target.name}: does not fit ({row['search_s']} s)", file=sys.stderr)
             continue
         best, pred = result.best, result.best.prediction
         tp, ep = best.tensor_parallel_size, best.expert_parallel_size
@@ -174,7 +176,7 @@ def rows_for(name: str, targets: tuple[Target, ...], *, batch: int, seq: int, ho
             min_device_budget_bytes=min_budget_bytes(profile, hw, common, tp, ep, placements))
         row["search_s"] = round(time.perf_counter() - started, 1)
         out.append(row)
-        print(f"  {name} on {target.name}: {row['search_s']} s", file=sys.stderr)
+        print(f"  {name} on {target.name}: searched in {row['search_s']} s", file=sys.stderr)
     return out
 
 
@@ -190,7 +192,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         model = f"{r['model']} ({r['params'] / 1e9:.1f} B)"
         if not r["fits"]:
-            lines.append(f"| {model} | {r['target']} | does not fit: {r['why']} | | | | | | |")
+            lines.append(f"| {model} | {r['target']} | does not fit: {r['why']} | - | - | - | - | - | - |")
             continue
         mesh = f"{r['tensor_parallel']} / {r['expert_parallel']} / {r['data_parallel']}"
         lines.append(f"| {model} | {r['target']} | {mesh} | {r['chunk_size_numel'] / 1e6:.1f} | "
@@ -203,12 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=None, help=f"built-in names (default: {' '.join(MODELS)})")
     parser.add_argument("--batch-size", type=int, default=1, help="micro-batch per data-parallel rank")
-    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--seq-len", type=int, default=None, help="default 2048 (--quick: 256)")
     parser.add_argument("--host-adam-gelems", type=float, default=4.5, help="host AdamW G elements/s per rank")
     parser.add_argument("--full-effort", action="store_true", help="search as hf-elixir plan does (slower)")
     parser.add_argument("--quick", action="store_true", help="one small model on one target (a smoke test)")
     parser.add_argument("--json", default="benchmarks/plan_tables.json")
     args = parser.parse_args(argv)
+    if args.seq_len is None:
+        args.seq_len = 256 if args.quick else 2048
     if min(args.batch_size, args.seq_len) < 1 or not (math.isfinite(args.host_adam_gelems)
                                                        and args.host_adam_gelems > 0):
         parser.error("--batch-size and --seq-len must be >= 1 and --host-adam-gelems a positive number")

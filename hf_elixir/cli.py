@@ -154,7 +154,7 @@ def _search(args: argparse.Namespace, profile, hardware, budget: int, placements
     degrees (``search_tensor_parallel``; ``heads``: the head counts they must divide) and, for a MoE model without
     ``--expert-parallel-size``, the expert-parallel ones too: the fastest per token of the whole job wins.
     ``profile`` tries none."""
-    from hf_elixir.search import search, search_expert_parallel, search_tensor_parallel
+    from hf_elixir.search import search, search_expert_parallel, search_parallel
 
     common = _common_search_args(args, budget)
     if not hasattr(args, "gpus_per_node"):  # profile
@@ -168,25 +168,8 @@ def _search(args: argparse.Namespace, profile, hardware, budget: int, placements
                                       tensor_parallel_size=tp,
                                       tensor_parallel_placements=placements_at(tp) if tp > 1 else None,
                                       **common, **extra)
-    runs = [lambda: search_tensor_parallel(profile, hardware, tensor_parallel_placements=placements_at, heads=heads,
-                                           **common, **extra)]
-    if profile.moe_layers and ep is None:
-        runs.append(lambda: search_expert_parallel(profile, hardware, **common, **extra))
-    results, errors = [], []
-    for run in runs:
-        try:
-            results.append(run())
-        except ValueError as err:
-            errors.append(err)
-    if not results:
-        raise errors[0]
-    return min(results, key=lambda r: _per_token_s(r.best))
-
-
-def _per_token_s(cand) -> float:
-    """Step seconds times the tensor-parallel degree: the ranks of a tensor-parallel group share one micro-batch, so
-    this orders plans of different degrees by seconds per token of the whole job."""
-    return cand.prediction.step_s * cand.tensor_parallel_size
+    return search_parallel(profile, hardware, tensor_parallel_placements=placements_at, heads=heads,
+                           **({"expert_parallel_sizes": (1,)} if ep == 1 else {}), **common, **extra)
 
 
 def _common_search_args(args: argparse.Namespace, budget: int) -> dict:

@@ -64,7 +64,7 @@ from hf_elixir.search._report import (_data_parallel_reasons, _default_replicate
                                       _policy_or_ckpt, _to_plan)
 
 __all__ = ["Candidate", "SearchResult", "auto_plan", "brute_force_grid", "search", "search_expert_parallel",
-           "search_plan", "search_tensor_parallel"]
+           "search_parallel", "search_plan", "search_tensor_parallel"]
 
 logger = logging.getLogger(__name__)
 
@@ -507,6 +507,66 @@ def search_tensor_parallel(model_or_profile: Any, hardware: HardwareProfile, *, 
     result.best_by_tensor_parallel = {tp: results[tp].best if tp in results else failed[tp] for tp in degrees}
     if len(degrees) > 1:
         result.plan.reasons.insert(2, _degree_reason("tensor parallel", winner, result.best_by_tensor_parallel))
+    return result
+
+
+def search_parallel(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int = 1,
+                    tensor_parallel_placements: Callable[[int], dict[str, str]] | None = None,
+                    heads: tuple[int, ...] = (), sample_batch: Any = None, **kwargs: Any) -> SearchResult:
+    """The tensor-parallel degrees (:func:`search_tensor_parallel`) and, for a MoE model, the expert-parallel
+    degrees above 1 (:func:`search_expert_parallel`; degree 1 is tensor parallel 1), and the fastest plan per token
+    of the whole job that fits any of them (what ``hf-elixir plan --tensor-parallel-size auto`` runs).
+
+    Args:
+        as :func:`search_tensor_parallel` (``tensor_parallel_sizes`` may be given; ``expert_parallel_sizes``
+        too, for the MoE side).
+
+    Returns:
+        the winner's :class:`SearchResult`; its reasons say what the other side's best was.
+
+    Raises:
+        ValueError: nothing fits at any degree (the tensor-parallel search's reason first).
+    """
+    profile = _resolve_profile(model_or_profile, sample_batch, hardware)
+    ep_sizes = kwargs.pop("expert_parallel_sizes", None)
+    ep_sizes = tuple(d for d in (ep_sizes if ep_sizes is not None else expert_parallel_degrees(profile, world_size))
+                     if d > 1)
+    results: dict[str, SearchResult] = {}
+    errors: dict[str, ValueError] = {}
+    try:
+        placements_at = tensor_parallel_placements or (lambda tp: _tensor_parallel_placements(model_or_profile, tp))
+        results["tensor"] = search_tensor_parallel(profile, hardware, world_size=world_size, heads=heads,
+                                                   tensor_parallel_placements=placements_at, **kwargs)
+    except ValueError as err:
+        errors["tensor"] = err
+    if ep_sizes:
+        ep_kwargs = {k: v for k, v in kwargs.items() if k != "tensor_parallel_sizes"}
+        try:
+            results["expert"] = search_expert_parallel(profile, hardware, world_size=world_size,
+                                                       expert_parallel_sizes=ep_sizes, **ep_kwargs)
+        except ValueError as err:
+            errors["expert"] = err
+    if not results:
+        raise next(iter(errors.values()))
+    winner = min(results, key=lambda side: _per_token_ranking(results[side].best))
+    result = results[winner]
+    # every degree tried, on both sides (a side that failed: its reason for each of its degrees)
+    result.best_by_tensor_parallel = (results["tensor"].best_by_tensor_parallel if "tensor" in results else
+                                      {1: str(errors.get("tensor", ""))})
+    result.best_by_expert_parallel = (results["expert"].best_by_expert_parallel if "expert" in results else
+                                      {ep: str(errors.get("expert", "")) for ep in ep_sizes})
+    if len(results) == 2:
+        other = results["expert" if winner == "tensor" else "tensor"].best
+        mine = result.best
+        result.plan.reasons.insert(2, (
+            f"tensor parallel {mine.tensor_parallel_size} x expert parallel {mine.expert_parallel_size} wins per "
+            f"token: predicted {mine.prediction.step_s * mine.tensor_parallel_size:.4g} s for the tokens of one "
+            f"tensor-parallel-1 step, against {other.prediction.step_s * other.tensor_parallel_size:.4g} s at tensor "
+            f"parallel {other.tensor_parallel_size} x expert parallel {other.expert_parallel_size}"))
+        result.alternatives = sorted(result.alternatives + [other], key=_per_token_ranking)
+    elif errors:
+        why = str(next(iter(errors.values()))).split(";")[0]
+        result.plan.reasons.insert(2, f"the {next(iter(errors))}-parallel degrees do not fit: {why}")
     return result
 
 
