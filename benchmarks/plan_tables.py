@@ -68,6 +68,7 @@ class Target:
 TARGETS = (
     Target("1 x RTX 4090 24 GiB, 128 GiB host", "rtx4090", 1, 1, 128 * GIB),
     Target("8 x H100-80GB, 1 TiB host", "h100", 8, 8, TIB),
+    Target("8 x A100-40GB, 512 GiB host", "a100-40gb", 8, 8, 512 * GIB, models=("llama-3.1-8b",)),
     Target("64 x H100-80GB (8 nodes), 2 TiB host each", "h100", 64, 8, 2 * TIB, models=("deepseek-v3",)),
 )
 QUICK_MODELS = ("gpt2",)
@@ -165,7 +166,8 @@ def rows_for(name: str, targets: tuple[Target, ...], *, batch: int, seq: int, ho
         dp = target.num_gpus // tp
         row.update(
             fits=True, tensor_parallel=tp, expert_parallel=ep, data_parallel=dp, data_parallel_kind=best.data_parallel,
-            chunk_size_numel=best.chunk_size_numel, num_chunks=best.num_chunks, device_peak_bytes=pred.device_peak_bytes,
+            chunk_size_numel=best.chunk_size_numel, num_chunks=best.num_chunks,
+            device_peak_bytes=pred.device_peak_bytes,
             peak_breakdown=pred.peak_breakdown, host_bytes_per_rank=pred.host_bytes, step_s=pred.step_s,
             tokens_per_s=dp * batch * seq / pred.step_s, tensor_parallel_bytes=pred.tensor_parallel_bytes,
             alltoall_bytes=pred.alltoall_bytes, summary=best.summary(),

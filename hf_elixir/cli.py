@@ -305,7 +305,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     console.print(chosen)
 
     alts = Table(title="next-best alternatives")
-    for col in ("data parallel", "TP", "EP", "chunk", "resident", "cache blocks", "device optim", "prefetch", "activations",
+    for col in ("data parallel", "TP", "EP", "chunk", "resident", "cache blocks", "device optim", "prefetch",
+                "activations",
                 "step time", "device peak", "host"):
         alts.add_column(col)
     others = [c for c in result.best_by_mode.values() if c is not best and c not in result.alternatives]

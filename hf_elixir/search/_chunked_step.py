@@ -328,7 +328,8 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
     return ChunkedStep(
         chunk_size_numel=chunk_size_numel, world_size=world_size, precision=precision,
         chunk_numels=list(layout.chunk_numels), trained_numels=trained, groups=groups,
-        event_compute_s=[t + a + c for t, a, c in zip(compute_s, a2a_s, tp_s)], event_phase=[e.phase for e in events],
+        event_compute_s=[t + a + c for t, a, c in zip(compute_s, a2a_s, tp_s)],
+        event_phase=[e.phase for e in events],
         grad_arrive=grad_arrive, grad_reduce=grad_reduce, grad_peak_bytes=peak, accesses=accesses,
         views=views, activation_bytes=activation_bytes(profile, precision, policy),
         activation_checkpointing=len(recompute) == len(policy) if policy else activation_checkpointing,
