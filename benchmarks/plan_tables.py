@@ -199,7 +199,7 @@ def table(rows: list[dict]) -> str:
         mesh = f"{r['tensor_parallel']} / {r['expert_parallel']} / {r['data_parallel']}"
         lines.append(f"| {model} | {r['target']} | {mesh} | {r['chunk_size_numel'] / 1e6:.1f} | "
                      f"{_gib(r['device_peak_bytes'])} | {_gib(r['host_bytes_per_rank'])} | {r['step_s']:.3g} | "
-                     f"{r['tokens_per_s']:.4g} | {_gib(r['min_device_budget_bytes'])} |")
+                     f"{r['tokens_per_s']:,.0f} | {_gib(r['min_device_budget_bytes'])} |")
     return "\n".join(lines)
 
 
