@@ -173,6 +173,7 @@ def _split_one(module: nn.Module) -> None:
                     else fused.detach()[j:j + 1])  # a view: no copy of the experts
             part = nn.Parameter(rows, requires_grad=fused.requires_grad)
             setattr(part, EXPERT_ROWS_ATTR, (first + j, full_rows))  # streamed init reads these rows
+            setattr(part, PIECE_ATTR, True)  # get_full_grad gives a piece its own rows
             piece.register_parameter(name, part)
         del module._parameters[name]
     for j, piece in enumerate(pieces):
