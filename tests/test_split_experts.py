@@ -76,3 +76,74 @@ def test_split_experts_match_plain_pytorch(family, idle):
             if k.endswith("experts.gate_up_proj") or k.endswith("experts.down_proj"):
                 assert rel(sd[k][2:], init[k][2:] * decay) < 1e-6, k
                 assert rel(sd[k][2:], init[k][2:]) > 1e-4, k
+
+
+def test_split_experts_save_pretrained_and_full_gradients(tmp_path):
+    """``save_pretrained`` of the split model (transformers' own reverse conversion sees the fused names) reloads
+    equal with plain ``from_pretrained``; ``full_gradients`` gives the fused names and shapes, equal to PyTorch's."""
+    import transformers
+
+    model = make_moe_model("mixtral")
+    ref = copy.deepcopy(model)
+    opt = _adamw(model)
+    model, opt = hf_elixir.prepare(model, opt, _config(chunk_size_numel=4096))
+    assert any(".experts.3.gate_up_proj" in n for n, _ in model.named_parameters())
+    batch = _batch(0, 0)
+    opt.zero_grad()
+    opt.backward(model(**batch).loss)
+    ref(**batch).loss.backward()
+    with hf_elixir.full_gradients(model) as grads:
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        assert list(grads) == list(ref_grads)
+        for name, grad in grads.items():
+            assert grad.shape == ref_grads[name].shape and rel(grad, ref_grads[name]) < 1e-5, name
+    piece = model.model.layers[0].mlp.experts.get_submodule("1").down_proj
+    assert rel(hf_elixir.get_full_grad(piece, model), ref.model.layers[0].mlp.experts.down_proj.grad[1:2]) < 1e-5
+    opt.step()
+    sd = model.state_dict()
+    model.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    reloaded_sd = reloaded.state_dict()
+    assert list(reloaded_sd) == list(sd)
+    for key, value in sd.items():
+        assert torch.equal(reloaded_sd[key], value), key
+    # load_state_dict takes the fused names back (split by the load pre-hook) into the chunks
+    model.load_state_dict(ref.state_dict())
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_split_experts_floor_is_one_expert():
+    """The device floor of a tiny Mixtral with split experts: at most the unsplit floor less the E - 1 other experts'
+    parameter bytes of one layer (a unit then holds one expert's chunk, not E)."""
+    model = make_moe_model("mixtral")
+    opt = _adamw(model)
+    fused = hf_elixir.min_device_budget_bytes(model, opt, _config(split_fused_experts=False))  # default chunk size
+    split = hf_elixir.min_device_budget_bytes(model, opt, _config())
+    experts = model.model.layers[0].mlp.experts
+    num_experts = experts.num_experts
+    layer_bytes = 4 * sum(p.numel() for p in experts.parameters())  # fp32 parameters of one layer's experts
+    assert split <= fused - (num_experts - 1) * layer_bytes // num_experts, (split, fused, layer_bytes)
+    assert SPLIT_ATTR not in vars(experts) and experts.gate_up_proj.shape[0] == num_experts  # put back
+
+
+def test_split_experts_undone_when_prepare_fails():
+    """prepare is all or nothing: a budget below the floor raises, and the model has its fused parameters (the
+    same objects) and the optimizer its groups again; a second prepare then works."""
+    model = make_moe_model("qwen3_moe")
+    experts = model.model.layers[1].mlp.experts
+    fused = experts.gate_up_proj
+    opt = _adamw(model)
+    groups = [list(g["params"]) for g in opt.param_groups]
+    names = [n for n, _ in model.named_parameters()]
+    with pytest.raises(ValueError, match="bytes"):
+        hf_elixir.prepare(model, opt, _config(device_memory_budget_bytes=1024))
+    assert experts.gate_up_proj is fused and SPLIT_ATTR not in vars(experts) and "forward" not in vars(experts)
+    assert [n for n, _ in model.named_parameters()] == names
+    assert all(a == b for a, b in zip([list(g["params"]) for g in opt.param_groups], groups))
+    hf_elixir.prepare(model, opt, _config())
+    assert len(opt.param_groups[0]["params"]) > len(groups[0])  # each fused tensor: its 4 pieces
+
+
+def test_split_fused_experts_config_type():
+    with pytest.raises(TypeError, match=r"ElixirConfig.split_fused_experts='yes'.*True"):
+        hf_elixir.ElixirConfig(split_fused_experts="yes")
