@@ -160,7 +160,7 @@ def full_gradients(model: torch.nn.Module, *, local: bool = False) -> Iterator[d
         model: a model prepared by :func:`hf_elixir.prepare` with an optimizer.
         local: tensor/expert-parallel models only: this rank's view instead, in the parallelized model's names and
             shapes (its tensor-parallel shards, its experts), consolidated over the data-parallel ranks only; no
-            collective over the tp/ep group. Split fused experts: the pieces' own names and ``(1, ...)`` shapes.
+            collective over the tp/ep group (split fused experts: this rank's fused slices). Other models: no effect.
 
     Yields:
         ``dict[str, torch.Tensor]``: parameter name -> full gradient (fp32, CPU), in ``named_parameters()`` order
@@ -179,7 +179,7 @@ def full_gradients(model: torch.nn.Module, *, local: bool = False) -> Iterator[d
         return
     grads = {name: grads[name] for name in names.values() if name in grads}  # named_parameters order
     fuse = get_state(model).fuse_experts
-    if fuse is not None and not local:  # split experts: the fused names and shapes
+    if fuse is not None:  # split experts: the fused names and shapes (this rank's slices with local=True)
         grads = _fused_present(model, fuse, names, grads)
     yield grads
 
