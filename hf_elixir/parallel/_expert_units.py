@@ -99,10 +99,20 @@ class SplitExpertsForward:
         from triton_kernels import moe_permute, moe_unpermute  # noqa: PLC0415 (imports triton: lazy)
 
         pieces = _pieces(self.module)
+        if hidden_states.is_meta:  # a profiled step: shapes and calls only
+            return self._meta_forward(pieces, hidden_states, top_k_index, top_k_weights)
         x_sorted, row_map, counts = moe_permute(hidden_states, top_k_index, len(pieces), None,
                                                 force_triton=self.force_triton)
+        outs = self._run_pieces(pieces, x_sorted, counts.tolist())  # the one host read
+        out = moe_unpermute(torch.cat(outs), row_map, top_k_weights, hidden_states.shape[0],
+                            force_triton=self.force_triton)
+        return out.to(hidden_states.dtype)
+
+    @staticmethod
+    def _run_pieces(pieces: list[nn.Module], x_sorted: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+        """Every piece on its rows of ``x_sorted`` ``(N, H)`` (``counts[j]`` rows for piece ``j``, in order)."""
         outs, start = [], 0
-        for piece, num_rows in zip(pieces, counts.tolist()):  # the one host read
+        for piece, num_rows in zip(pieces, counts):
             rows = x_sorted[start:start + num_rows]
             start += num_rows
             if num_rows == 0:  # still called: hooks agree across ranks, the gradient is an exact zero
@@ -112,9 +122,17 @@ class SplitExpertsForward:
             else:
                 ids = torch.zeros((num_rows, 1), dtype=torch.long, device=rows.device)
                 outs.append(piece(rows, ids, rows.new_ones((num_rows, 1))))
-        out = moe_unpermute(torch.cat(outs), row_map, top_k_weights, hidden_states.shape[0],
-                            force_triton=self.force_triton)
-        return out.to(hidden_states.dtype)
+        return outs
+
+    def _meta_forward(self, pieces, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        """On the meta device (no values, no host read): the ``T * k`` rows spread evenly over the experts (the
+        balanced routing the router's auxiliary loss aims for), each piece called on its share."""
+        num_tokens, top_k = top_k_index.shape[0], top_k_index.shape[-1] if top_k_index.dim() > 1 else 1
+        x_rows = hidden_states.repeat_interleave(top_k, dim=0)  # (T * k, H)
+        num_rows, num = x_rows.shape[0], len(pieces)
+        y = torch.cat(self._run_pieces(pieces, x_rows, [num_rows // num + (j < num_rows % num) for j in range(num)]))
+        weights = top_k_weights.reshape(num_tokens, top_k, 1).to(y.dtype)
+        return (y.view(num_tokens, top_k, -1) * weights).sum(dim=1).to(hidden_states.dtype)
 
 
 def _new_piece(module: nn.Module) -> nn.Module:
