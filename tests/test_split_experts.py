@@ -147,3 +147,35 @@ def test_split_experts_undone_when_prepare_fails():
 def test_split_fused_experts_config_type():
     with pytest.raises(TypeError, match=r"ElixirConfig.split_fused_experts='yes'.*True"):
         hf_elixir.ElixirConfig(split_fused_experts="yes")
+
+
+def test_plan_command_plans_the_split_model(tmp_path, monkeypatch):
+    """``hf-elixir plan`` lays out the model ``prepare`` builds: its plan (parameter order of the pieces, placements
+    naming the experts module once) is accepted by ``prepare`` with the default config; ``--no-split-fused-experts``
+    plans the fused tensors, which ``split_fused_experts=False`` accepts."""
+    import json
+
+    from hf_elixir.cli import main
+    from hf_elixir.plan import ElixirPlan
+    from tests._models import fixed_cpu_hardware
+
+    monkeypatch.setenv("HF_ELIXIR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr("hf_elixir.profiler.probe_hardware", lambda *a, **k: fixed_cpu_hardware())
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "model_type": "mixtral", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "bos_token_id": 0, "eos_token_id": 1, "max_position_embeddings": 64}))
+    argv = ["plan", "--model", str(config), "--gpu", "h100", "--num-gpus", "1", "--gpu-memory", "8MiB",
+            "--host-memory", "1GiB", "--batch-size", "1", "--seq-len", "16", "--precision", "fp32", "--output"]
+    for split in (True, False):
+        path = tmp_path / f"plan_{split}.json"
+        assert main(argv + [str(path)] + ([] if split else ["--no-split-fused-experts"])) == 0
+        plan = ElixirPlan.load(path)
+        assert any(".experts.3.gate_up_proj" in n for n in plan.param_order) == split
+        assert plan.placements["model.layers.0.mlp.experts"] == "sharded"
+        model = make_moe_model("mixtral")
+        model, opt = hf_elixir.prepare(model, _adamw(model), hf_elixir.ElixirConfig(plan=plan,
+                                                                                    split_fused_experts=split))
+        opt.backward(model(**_batch(0, 0)).loss)
+        opt.step()
