@@ -179,3 +179,21 @@ def test_plan_command_plans_the_split_model(tmp_path, monkeypatch):
                                                                                     split_fused_experts=split))
         opt.backward(model(**_batch(0, 0)).loss)
         opt.step()
+
+
+def test_split_experts_two_ranks_zero_match_plain_pytorch():
+    """2 gloo ranks, ZeRO alone (chunks sharded over both), split experts, each rank on its own batch, a budget 5%
+    above the floor: parity with plain PyTorch on the mean loss of both batches; gpt-oss with two experts that never
+    get a token (their slices only decay, on both ranks' shards)."""
+    from tests._dist import run_distributed
+    from tests._moe_ep_cases import run_cases
+
+    cases = [("mixtral", {"family": "mixtral", "budget": "tight", "ep": 1}),
+             ("gpt_oss_idle", {"family": "gpt_oss", "budget": "tight", "ep": 1, "idle": True})]
+    for per_rank in run_distributed(run_cases, 2, cases, timeout_s=300):
+        for name, m in per_rank.items():
+            assert m["loss_rel"] < TOL and m["norm_rel"] < TOL and m["param_rel"] < TOL, (name, m)
+            assert m["param_rel_worst_tensor"] < (1e-4 if "idle" in name else TOL), (name, m)  # see test_moe_expert_parallel
+            assert m["same_keys"] and m["split_pieces"] == [4] and m["num_evictions"] > 0, (name, m)
+            if "idle" in name:
+                assert m["idle_decay_rel"] < 1e-6 and m["idle_moved"] > 1e-4, (name, m)
