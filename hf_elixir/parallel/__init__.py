@@ -5,7 +5,8 @@ place from its resolved placements), :func:`reduce_gradients` / :func:`param_pro
 group each gradient is reduced over), :func:`gather_full_state_dict` / :func:`save_pretrained_full`
 (back to a standard Hugging Face checkpoint), and the layers themselves (Switch's
 :class:`ExpertParallelExperts`; :func:`shard_fused_experts` / :class:`FusedExpertDispatch` for the fused 3-D
-experts of Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, gpt-oss).
+experts of Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, gpt-oss; :func:`split_fused_experts` /
+:func:`unsplit_fused_experts`, one hook unit per expert, which ``prepare`` applies by default).
 """
 
 from hf_elixir.parallel._apply import (
@@ -16,6 +17,7 @@ from hf_elixir.parallel._apply import (
 )
 from hf_elixir.parallel._collectives import all_to_all, copy_to_group, reduce_from_group
 from hf_elixir.parallel._expert_parallel import ExpertParallelExperts
+from hf_elixir.parallel._expert_units import SplitExpertsForward, split_fused_experts, unsplit_fused_experts
 from hf_elixir.parallel._fused_experts import FusedExpertDispatch, shard_fused_experts
 from hf_elixir.parallel._gather import gather_full_state_dict, save_pretrained_full
 from hf_elixir.parallel._mesh import ElixirMesh, build_mesh
@@ -29,6 +31,7 @@ __all__ = [
     "FusedExpertDispatch",
     "ParallelState",
     "RowParallelLinear",
+    "SplitExpertsForward",
     "TPShardLayout",
     "all_to_all",
     "build_mesh",
@@ -42,4 +45,6 @@ __all__ = [
     "reduce_gradients",
     "save_pretrained_full",
     "shard_fused_experts",
+    "split_fused_experts",
+    "unsplit_fused_experts",
 ]
