@@ -144,11 +144,6 @@ def test_split_experts_undone_when_prepare_fails():
     assert len(opt.param_groups[0]["params"]) > len(groups[0])  # each fused tensor: its 4 pieces
 
 
-def test_split_fused_experts_config_type():
-    with pytest.raises(TypeError, match=r"ElixirConfig.split_fused_experts='yes'.*True"):
-        hf_elixir.ElixirConfig(split_fused_experts="yes")
-
-
 def test_plan_command_plans_the_split_model(tmp_path, monkeypatch):
     """``hf-elixir plan`` lays out the model ``prepare`` builds: its plan (parameter order of the pieces, placements
     naming the experts module once) is accepted by ``prepare`` with the default config; ``--no-split-fused-experts``
