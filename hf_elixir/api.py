@@ -44,8 +44,8 @@ from hf_elixir.config import ElixirConfig
 from hf_elixir.optim._check import check_optimizer
 from hf_elixir.optim.optimizer import ElixirOptimizer
 from hf_elixir.parallel import get_parallel_state, placements_for_plan
-from hf_elixir.parallel._expert_units import (fuse_tensors, fused_names, split_fused_experts, split_optimizer_params,
-                                              unsplit_fused_experts)
+from hf_elixir.parallel._expert_units import (fuse_tensors, fused_names, release_fused, split_fused_experts,
+                                              split_optimizer_params, unsplit_fused_experts)
 from hf_elixir.parallel._gather import assemble_full
 from hf_elixir.parallel._groups import chunk_group_of, default_group, job_group_of
 from hf_elixir.placement._agree import agree_budget, agree_object, agree_placements
@@ -140,6 +140,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         restore_groups()
         unsplit_fused_experts(split)
         raise
+    release_fused(split)  # the fused tensors' storage can go (the pieces' values are in their chunks)
     _host_heap.after_prepare(get_state(prepared[0]).manager)  # which goes back to the system ([Note: host heap])
     return prepared
 

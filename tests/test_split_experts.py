@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -86,7 +88,10 @@ def test_split_experts_save_pretrained_and_full_gradients(tmp_path):
     model = make_moe_model("mixtral")
     ref = copy.deepcopy(model)
     opt = _adamw(model)
+    fused = weakref.ref(model.model.layers[0].mlp.experts.gate_up_proj)
     model, opt = hf_elixir.prepare(model, opt, _config(chunk_size_numel=4096))
+    gc.collect()
+    assert fused() is None  # the fused tensor (and its storage) is gone: the pieces live in their chunks
     assert any(".experts.3.gate_up_proj" in n for n, _ in model.named_parameters())
     batch = _batch(0, 0)
     opt.zero_grad()

@@ -47,8 +47,8 @@ from torch import nn
 from hf_elixir.chunk._stream_load import EXPERT_ROWS_ATTR
 from hf_elixir.placement._experts import PIECE_ATTR, SPLIT_ATTR, fused_expert_count
 
-__all__ = ["SplitExpertsForward", "fused_names", "is_split", "split_fused_experts", "split_optimizer_params",
-           "temporarily_split", "unsplit_fused_experts"]
+__all__ = ["SplitExpertsForward", "fuse_tensors", "fused_names", "is_split", "release_fused", "split_fused_experts",
+           "split_optimizer_params", "temporarily_split", "unsplit_fused_experts"]
 
 
 @dataclass
@@ -57,7 +57,8 @@ class _SplitRecord:
 
     Attributes:
         names: the fused parameter names, in registration order.
-        params: name -> the original fused ``nn.Parameter`` (``(n, ...)``), given back by the undo.
+        params: name -> the original fused ``nn.Parameter`` (``(n, ...)``), given back by the undo (emptied by
+            :func:`release_fused` once ``prepare`` succeeded).
         num_pieces: ``n``, the children ``"0"`` .. ``"n-1"``.
         forward: the instance ``forward`` before the split (``None`` if the class's).
         handles: the state-dict hook handles.
@@ -240,6 +241,7 @@ def unsplit_fused_experts(modules: list[nn.Module]) -> None:
     is for a ``prepare`` or a floor computation that did not train)."""
     for module in modules:
         record = getattr(module, SPLIT_ATTR)
+        assert len(record.params) == len(record.names), f"the split of {type(module).__name__} was released"
         for handle in record.handles:
             handle.remove()
         for j in range(record.num_pieces):
@@ -253,6 +255,14 @@ def unsplit_fused_experts(modules: list[nn.Module]) -> None:
         else:
             module.forward = record.forward
         delattr(module, SPLIT_ATTR)
+
+
+def release_fused(modules: list[nn.Module]) -> None:
+    """Forget the original fused parameters of the split ``modules`` (after a successful ``prepare``: the pieces'
+    values live in their chunks, and the fused tensors' storage, the experts' whole size, can go). The split can
+    no longer be undone."""
+    for module in modules:
+        getattr(module, SPLIT_ATTR).params = {}
 
 
 def split_optimizer_params(optimizer: torch.optim.Optimizer | None, modules: list[nn.Module]):
