@@ -87,6 +87,11 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     All or nothing: when ``prepare`` raises, the model is as it was (no hooks, the same parameter storage
     and ``requires_grad``, nothing attached), so fixing the cause and calling it again works.
 
+    With ``ElixirConfig.split_fused_experts`` (the default) the fused 3-D experts of MoE models (Mixtral,
+    Qwen3-MoE, OLMoE, DeepSeek-V3, gpt-oss) are first split into one child module per expert, each its own hook
+    unit (``parallel/_expert_units.py``, [Note: split fused experts]); ``optimizer``'s param groups then hold
+    the pieces in place of each fused parameter (undone, with the split, if ``prepare`` raises).
+
     Args:
         model: a ``torch.nn.Module`` (typically a ``transformers.PreTrainedModel``), on CPU or on the
             compute device, identical on every rank (rank 0's values are broadcast anyway).
