@@ -18,6 +18,9 @@ What each placement runs (weights as plain tensors, so chunks can hold them; see
 - ``embedding_column``: the weight's hidden columns split; a hook all-gathers the lookups.
 - ``grad_allreduce``: nothing split; each parameter's gradient is summed over the tp group as it is computed
   (before it reaches ``.grad`` or a chunk), so every tp rank holds the gradient of all heads.
+- ``packed_column``: :class:`PackedColumnLinear`, ``column`` with two packed parts (``gate_r|up_r``).
+- ``mla_kv_a``: nothing split; a hook passes the output's last ``qk_rope_head_dim`` features through an identity
+  whose backward sums the gradient over the tp group (see [Note: packed and MLA styles] in ``_hf_plans.py``).
 
 [Note: gradient sum in forward] ``grad_allreduce`` runs the module's forward on its parameters passed through
 an identity whose backward sums the gradient over the tp group (as transformers' ``_use_local_dtensor_params``
@@ -47,8 +50,9 @@ from torch import nn
 
 from hf_elixir.parallel._collectives import copy_to_group, gather_last_dim, reduce_from_group, split_last_dim
 from hf_elixir.parallel._tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPShardLayout, _split
+from hf_elixir.placement._hf_plans import rope_dim_of
 
-__all__ = ["ColumnGatherLinear", "RowSplitLinear", "parallelize_modules"]
+__all__ = ["ColumnGatherLinear", "PackedColumnLinear", "RowSplitLinear", "parallelize_modules"]
 
 
 class ColumnGatherLinear(ColumnParallelLinear):
@@ -65,8 +69,16 @@ class RowSplitLinear(RowParallelLinear):
         return super().forward(split_last_dim(x, self.group))
 
 
+class PackedColumnLinear(ColumnParallelLinear):
+    """:class:`ColumnParallelLinear` of a linear whose output packs two equal parts (``packed_colwise``): each part
+    is split over the tp group, so this rank holds and computes ``gate_r|up_r`` (``TPShardLayout(dim, parts=2)``)."""
+
+    def __init__(self, module: nn.Module, group: Any, rank: int, size: int) -> None:
+        super().__init__(module, group, rank, size, fused_parts=2)
+
+
 _LINEARS = {"column": ColumnParallelLinear, "column_gather": ColumnGatherLinear,
-            "row": RowParallelLinear, "row_split": RowSplitLinear}
+            "row": RowParallelLinear, "row_split": RowSplitLinear, "packed_column": PackedColumnLinear}
 
 
 def _split_embedding(module: nn.Embedding, placement: str, group: Any, rank: int, size: int) -> dict[str, TPShardLayout]:
@@ -116,13 +128,31 @@ def _sum_grads_over(module: nn.Module, group: Any) -> None:
     module.forward = forward
 
 
-def _rewrite(module: nn.Module, placement: str, group: Any, rank: int, size: int) -> tuple[nn.Module, dict]:
+def _sum_rope_grad_over(module: nn.Module, group: Any, rope_dim: int) -> None:
+    """``mla_kv_a``: the output's last ``rope_dim`` features pass an identity whose backward sums over ``group``."""
+
+    def hook(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        kv_pass, k_rot = out.split([out.shape[-1] - rope_dim, rope_dim], dim=-1)
+        return torch.cat([kv_pass, copy_to_group(k_rot, group)], dim=-1)
+
+    module.register_forward_hook(hook)
+
+
+def _rewrite(module: nn.Module, placement: str, group: Any, rank: int, size: int,
+             model: nn.Module) -> tuple[nn.Module, dict]:
     """The module to install at its FQN (a new one for linears, the same one otherwise) and its layouts."""
     if placement in _LINEARS:
         new = _LINEARS[placement](module, group, rank, size)
         return new, dict(new.layouts)
     if placement.startswith("embedding_"):
         return module, _split_embedding(module, placement, group, rank, size)
+    if placement == "mla_kv_a":
+        rope_dim = rope_dim_of(model)
+        if not isinstance(rope_dim, int):
+            raise ValueError(f"placement 'mla_kv_a' needs config.qk_rope_head_dim (the rotary features of the "
+                             f"output, got {rope_dim!r}); place the module 'sharded' in ElixirConfig.placements")
+        _sum_rope_grad_over(module, group, rope_dim)
+        return module, {}
     assert placement == "grad_allreduce", f"rank {dist.get_rank()}: no tensor-parallel rewrite for {placement!r}"
     _sum_grads_over(module, group)
     return module, {}
@@ -147,7 +177,7 @@ def parallelize_modules(model: nn.Module, items: list[tuple[str, str]], group: A
     for fqn, placement in items:
         module = named[fqn]
         originals = dict(module.named_parameters(recurse=False))
-        new, local = _rewrite(module, placement, group, rank, size)
+        new, local = _rewrite(module, placement, group, rank, size, model)
         for pname, original in originals.items():
             if id(original) in shards:  # tied: take the shard the first owner made
                 setattr(new, pname, shards[id(original)])

@@ -22,14 +22,31 @@ transformers style                  placement             what runs
 ``embedding_rowwise``               ``embedding_row``     vocabulary split; partial lookups all-reduced
 ``embedding_colwise``               ``embedding_column``  hidden dim split; lookups all-gathered
 ``replicated_with_grad_allreduce``  ``grad_allreduce``    parameters whole on every tp rank; gradient summed over tp
+``packed_colwise``                  ``packed_column``     ``column`` per packed part: a rank holds ``gate_r|up_r``
+``mla_kv_a_proj``                   ``mla_kv_a``          weight whole; the rotary part's gradient summed over tp
 ``replicate``                       (default)             nothing split: the data-parallel default placement
 EP ``ep_dispatch_experts``          ``expert``            the experts module spread over the expert-parallel axis
 EP ``grouped_gemm``                 (its module's)        parameters of the ``ep_dispatch_experts`` module
 ==================================  ====================  ==========================================================
 
-Any other style (``packed_colwise``, ``mla_kv_a_proj``, ``local_params``, ``unit_colwise``, ``sequence_parallel``,
-...) is refused by :func:`plan_placements` naming the module, the style and the fix, never replicated or split
-in some other way.
+Any other style (``packed_rowwise``, ``moe_tp_experts``, ``local_params``, ``unit_colwise``, ``sequence_parallel``,
+...), and a supported style named on a single parameter (``packed_colwise`` on a fused 3-D experts tensor), is
+refused by :func:`plan_placements` naming the module, the style and the fix, never replicated or split in some
+other way.
+
+[Note: packed and MLA styles] ``packed_colwise`` (transformers' ``PackedColwiseParallel``) shards a linear weight
+whose output features are two packed equal parts (``gate|up``) with ``_StridedShard(dim=0, split_factor=2)``: rank
+r holds ``gate_r|up_r``, the input is replicated (its gradient all-reduced) and the output stays local, so the
+module's own ``chunk(2, dim=-1)`` yields this rank's gate and up features for a row-parallel consumer. That is
+``column`` with two fused parts (``TPShardLayout(dim, parts=2)``; GPT-2's ``c_attn`` uses three). transformers
+shards a packed *bias* with a plain ``Shard(-1)``, which does not pair with the strided weight rows; here the bias
+is split per part like the weight (the unmodified model's output). ``mla_kv_a_proj`` (``MlaKvAProjParallel``, the
+DeepSeek-V2/V3 MLA families) splits nothing: ``kv_a_proj_with_mqa``'s output is ``[kv_lora_rank |
+qk_rope_head_dim]``; the first part feeds ``kv_a_layernorm`` and the column-split ``kv_b_proj`` (whose input
+gradient is all-reduced), the rotary part goes straight to this rank's heads, so its gradient is partial and is
+summed over the tp group (identity forward, all-reduce backward on that slice of the output). ``packed_rowwise``
+(``_StridedShard`` on the last dim) only appears on a parameter of an experts module under ``moe_tp_experts``
+(Llama4): refused with it.
 """
 
 from __future__ import annotations
@@ -38,7 +55,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["EP_STYLE_TO_PLACEMENT", "TP_STYLE_TO_PLACEMENT", "check_heads", "plan_placements", "read_plans"]
+__all__ = ["EP_STYLE_TO_PLACEMENT", "TP_STYLE_TO_PLACEMENT", "check_heads", "plan_placements", "read_plans",
+           "rope_dim_of"]
 
 #: transformers TP style -> hf_elixir placement (``None``: not split, keep the default placement)
 TP_STYLE_TO_PLACEMENT: dict[str, str | None] = {
@@ -51,6 +69,8 @@ TP_STYLE_TO_PLACEMENT: dict[str, str | None] = {
     "embedding_rowwise": "embedding_row",
     "embedding_colwise": "embedding_column",
     "replicated_with_grad_allreduce": "grad_allreduce",
+    "packed_colwise": "packed_column",
+    "mla_kv_a_proj": "mla_kv_a",
     "replicate": None,
 }
 #: transformers EP style -> hf_elixir placement (``None``: a parameter of the experts module, placed with it)
@@ -136,6 +156,9 @@ def plan_placements(model: nn.Module, tp_size: int, ep_size: int, *, use_tp: boo
                 continue
             if not any(True for _ in module.parameters(recurse=False)):
                 raise _refuse("tp", fqn, style, tp_size, f" on a {type(module).__name__} that owns no parameters")
+            if placement == "mla_kv_a" and not isinstance(rope_dim_of(model), int):
+                raise _refuse("tp", fqn, style, tp_size, " without config.qk_rope_head_dim (the rotary features it "
+                              "splits off the output)")
             out[fqn] = placement
     if ep_size > 1 and use_ep and ep_plan:
         for fqn, module, style, is_param in _module_styles(model, ep_plan):
@@ -144,6 +167,14 @@ def plan_placements(model: nn.Module, tp_size: int, ep_size: int, *, use_tp: boo
             if EP_STYLE_TO_PLACEMENT[style] is not None and not is_param:
                 out[fqn] = "expert"
     return out
+
+
+def rope_dim_of(model: nn.Module) -> Any:
+    """``qk_rope_head_dim`` of ``model``'s text config (the ``mla_kv_a`` placement's rotary features), or ``None``."""
+    config = getattr(model, "config", None)
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if callable(get_text) else config
+    return getattr(text, "qk_rope_head_dim", None)
 
 
 def check_heads(model: nn.Module, placements: dict[str, str], tp_size: int) -> None:

@@ -35,6 +35,11 @@ __all__ = ["PLACEMENTS", "ModelPlacementSpec", "TensorParallelBlock"]
 #: - ``"grad_allreduce"``: parameters whole on every tensor-parallel rank, in a module that sees only this
 #:   rank's heads (Qwen3's ``q_norm``): gradients summed over the tensor-parallel group
 #:   (``replicated_with_grad_allreduce``).
+#: - ``"packed_column"``: ``"column"`` on a linear whose output packs two equal parts (``gate|up``): each part is
+#:   split over the tensor-parallel axis, a rank holds ``gate_r|up_r`` (``packed_colwise``).
+#: - ``"mla_kv_a"``: parameters whole on every tensor-parallel rank (DeepSeek MLA's ``kv_a_proj_with_mqa``); the
+#:   gradient of the output's last ``qk_rope_head_dim`` features (the rotary key every rank's heads share) is
+#:   summed over the tensor-parallel group (``mla_kv_a_proj``).
 #: - ``"expert"``: the experts of an MoE layer spread over the expert-parallel axis (a fused 3-D experts
 #:   module such as ``MixtralExperts`` as a whole, or the experts of a registered container).
 #:
