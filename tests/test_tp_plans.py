@@ -15,7 +15,7 @@ import transformers as T
 
 import hf_elixir
 from hf_elixir.placement import resolve_placements, resolve_placements_detailed
-from parallel_harness import PLAN_CASES, PLAN_FAMILIES, STYLE_FAMILIES, make_model, run_cases
+from parallel_harness import PLAN_CASES, PLAN_FAMILIES, make_model, run_cases
 
 TOL = 2e-5  # fp32, relative: loss every step and the whole parameter vector after 5 steps
 
