@@ -499,7 +499,23 @@ def stream_case(kind: str, out_dir: str) -> dict:
     }
 
 
+def expert_with_tp_case() -> dict:
+    """Mixtral with tensor_parallel_size=2 and its experts placed 'expert' (no expert-parallel axis): refused by
+    parallelize, where the experts' all-to-all used to run on WORLD and fail in the first forward."""
+    import hf_elixir
+    from hf_elixir.parallel import parallelize
+    from tests._moe_models import make_moe_model
+
+    try:
+        parallelize(make_moe_model("mixtral"), hf_elixir.ElixirConfig(tensor_parallel_size=2,
+                                                                     placements={"*.mlp.experts": "expert"}))
+    except ValueError as err:
+        return {"refused": str(err)}
+    return {"refused": ""}
+
+
 CASES = {
+    "expert_with_tp2": lambda d: expert_with_tp_case(),
     "gpt2_tp2": lambda d: train_case("gpt2", tp=2, save_dir=os.path.join(d, "gpt2_tp2")),
     "opt_tp2": lambda d: train_case("opt", tp=2, save_dir=os.path.join(d, "opt_tp2")),
     "gpt2_tp2_dp2": lambda d: train_case("gpt2", tp=2),
@@ -541,6 +557,7 @@ for _kind in STYLE_FAMILIES:
     CASES[f"{_kind}_tp2"] = lambda d, k=_kind: train_case(k, tp=2, save_dir=os.path.join(d, f"{k}_tp2"))
     CASES[f"elixir_{_kind}_tp2_half"] = lambda d, k=_kind: train_case(k, tp=2, elixir="half")
     PLAN_CASES += [f"{_kind}_tp2", f"elixir_{_kind}_tp2_half"]
+PLAN_CASES.append("expert_with_tp2")
 for _kind in ("llama", "gemma3"):
     CASES[f"stream_{_kind}_tp2"] = lambda d, k=_kind: stream_case(k, d)
     PLAN_CASES.append(f"stream_{_kind}_tp2")

@@ -210,6 +210,13 @@ def test_packed_and_mla_placements_from_the_plans():
                                                                             "lm_head": "sharded"}))
 
 
+def test_experts_placed_expert_under_tensor_parallel_are_refused(plans):
+    """The mesh is dp x tp or dp x ep: 'expert' placements with tensor_parallel_size=2 (expert_parallel_size=1) are
+    refused by parallelize, naming the modules and the fix (before: the first forward failed in the all-to-all)."""
+    assert "placed 'expert' but ElixirConfig.expert_parallel_size=1 (tensor_parallel_size=2" in \
+        plans["expert_with_tp2"]["refused"]
+
+
 def test_ep_plan_maps_the_experts_module_to_the_expert_placement():
     from hf_elixir.placement._hf_plans import plan_placements
 
