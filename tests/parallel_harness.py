@@ -82,6 +82,11 @@ def make_model(kind: str, *, router_bias: bool = False):
         cfg.base_model_tp_plan = {**T.Phi3Config.base_model_tp_plan, "layers.*.mlp.gate_up_proj": "packed_colwise",
                                   "layers.*.mlp.down_proj": "rowwise"}
         return T.Phi3ForCausalLM(cfg)
+    if kind == "llama4":  # tensor-parallel experts (moe_tp_experts; packed_rowwise gate_up_proj), a shared expert
+        return T.Llama4ForCausalLM(T.Llama4TextConfig(
+            hidden_size=32, intermediate_size=16, intermediate_size_mlp=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, vocab_size=128, num_local_experts=2, max_position_embeddings=64,
+            attention_dropout=0.0))
     if kind in PLAN_FAMILIES:  # tensor-parallel placements from the config's own base_model_tp_plan
         config_cls, model_cls, extra = PLAN_FAMILIES[kind]
         cfg = getattr(T, config_cls)(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -427,7 +432,7 @@ def _save_and_reload(kind: str, model, full: dict, save_dir: str) -> dict:
         partial_refused = "save_pretrained_full" in str(err) and not os.path.exists(save_dir + "-partial")
     cls = {"gpt2": T.GPT2LMHeadModel, "opt": T.OPTForCausalLM,
            "switch": T.SwitchTransformersForConditionalGeneration, "deepseek_v3": T.DeepseekV3ForCausalLM,
-           "phi3_packed": T.Phi3ForCausalLM,
+           "phi3_packed": T.Phi3ForCausalLM, "llama4": T.Llama4ForCausalLM,
            **{k: getattr(T, v[1]) for k, v in PLAN_FAMILIES.items()}}[kind]
     loaded = cls.from_pretrained(save_dir)
     loaded_sd = loaded.state_dict()
@@ -551,8 +556,9 @@ for _kind in PLAN_FAMILIES:
     CASES[f"elixir_{_kind}_tp2_half_bf16"] = lambda d, k=_kind: train_case(k, tp=2, elixir="half", precision="bf16")
 PLAN_CASES = [c for k in PLAN_FAMILIES for c in (f"{k}_tp2", f"elixir_{k}_tp2", f"elixir_{k}_tp2_half")]
 PLAN_CASES += ["elixir_llama_tp2_half_bf16", "elixir_gemma3_tp2_half_bf16"]
-#: plan styles beyond column/row: DeepSeek-V3's mla_kv_a_proj, Phi-3's gate_up_proj as packed_colwise
-STYLE_FAMILIES = ("deepseek_v3", "phi3_packed")
+#: plan styles beyond column/row: DeepSeek-V3's mla_kv_a_proj, Phi-3's gate_up_proj as packed_colwise, Llama-4's
+#: moe_tp_experts (packed_rowwise gate_up_proj)
+STYLE_FAMILIES = ("deepseek_v3", "phi3_packed", "llama4")
 for _kind in STYLE_FAMILIES:
     CASES[f"{_kind}_tp2"] = lambda d, k=_kind: train_case(k, tp=2, save_dir=os.path.join(d, f"{k}_tp2"))
     CASES[f"elixir_{_kind}_tp2_half"] = lambda d, k=_kind: train_case(k, tp=2, elixir="half")

@@ -232,6 +232,10 @@ def _parallel_worker(rank, world_size, out_dir):
         "phi3_packed_tp2": _parallel_case(  # packed_column: gate_r|up_r
             make_model("phi3_packed"), hf_elixir.ElixirConfig(tensor_parallel_size=2, chunk_size_numel=4096),
             [make_batch("phi3_packed", 0, 0)], rank, "layers.0.mlp.gate_up_proj.weight", load_from="dict"),
+        "llama4_tp2": _parallel_case(  # moe_tp: 3-D experts split on dim 2 (two packed parts) and dim 1
+            make_model("llama4"), hf_elixir.ElixirConfig(tensor_parallel_size=2, chunk_size_numel=4096),
+            [make_batch("llama4", 0, 0)], rank, "layers.1.feed_forward.experts.gate_up_proj",
+            load_from=f"{out_dir}/llama4"),
         "switch_ep2": _parallel_case(
             _switch_12_experts(), hf_elixir.ElixirConfig(expert_parallel_size=2, chunk_size_numel=4096),
             [make_batch("switch", 0, r) for r in range(world_size)], rank, "decoder.block.1.layer.2.mlp.experts.expert_{expert}.wi",
@@ -240,7 +244,7 @@ def _parallel_worker(rank, world_size, out_dir):
 
 
 def test_full_gradients_of_tp_and_ep_models_are_the_unmodified_models(tmp_path):
-    """TP=2 (Llama, Qwen3, DeepSeek-V3's mla_kv_a, Phi-3's packed gate_up_proj) and EP=2 (Mixtral's fused experts,
+    """TP=2 (Llama, Qwen3, DeepSeek-V3's mla_kv_a, Phi-3's packed gate_up_proj, Llama-4's moe_tp experts) and EP=2 (Mixtral's fused experts,
     Switch's expert_{i} modules) on 2 gloo ranks: after one backward, full_gradients holds plain PyTorch's p.grad of
     the unmodified model, its names, order and full shapes; local=True this rank's parameters; get_full_grad one full
     gradient (the local one with local=True). Before it, other full weights are loaded with load_full_state_dict (a
@@ -262,4 +266,4 @@ def test_full_gradients_of_tp_and_ep_models_are_the_unmodified_models(tmp_path):
             assert m["loaded_exact"] in (None, True), where
         assert per_case["switch_ep2"]["num_without_grad"] > 0  # some experts got no token: left out, as in PyTorch
         assert per_case["qwen3_tp2"]["one"][0].endswith("q_norm.weight")
-        assert sum(m["loaded_exact"] is True for m in per_case.values()) == 5
+        assert sum(m["loaded_exact"] is True for m in per_case.values()) == 6

@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from hf_elixir.placement._hf_plans import check_heads, plan_placements, read_plans
+from hf_elixir.placement._hf_plans import check_heads, moe_tp_splits, plan_placements, read_plans
 from hf_elixir.placement._experts import fused_expert_count
 from hf_elixir.placement._registry import get_model_spec
 from hf_elixir.placement._spec import PLACEMENTS, ModelPlacementSpec, TensorParallelBlock
@@ -32,7 +32,7 @@ __all__ = ["ResolvedPlacements", "resolve_placements", "resolve_placements_detai
 _BLOCK_PLACEMENTS = ("column", "row")
 #: every placement that splits or hooks a module over the tensor-parallel axis
 TP_PLACEMENTS = ("column", "row", "column_gather", "row_split", "embedding_row", "embedding_column", "grad_allreduce",
-                 "packed_column", "mla_kv_a")
+                 "packed_column", "mla_kv_a", "moe_tp")
 #: tensor-parallel placements that keep the module's parameters whole (a hook over the tp group only)
 _WHOLE_TP_PLACEMENTS = ("grad_allreduce", "mla_kv_a")
 
@@ -116,7 +116,10 @@ def _check_tp(model: nn.Module, modules: dict[str, nn.Module], placements: dict[
     standalone = [(fqn, placement) for fqn, placement in placements.items()
                   if placement in TP_PLACEMENTS and fqn not in claimed]
     for fqn, placement in standalone:
-        _check_standalone(fqn, modules[fqn], placement, tp_size)
+        if placement == "moe_tp":  # its parameters' own plan entries say how each one splits
+            moe_tp_splits(model, fqn, modules[fqn], tp_size)
+        else:
+            _check_standalone(fqn, modules[fqn], placement, tp_size)
     return blocks, standalone
 
 
@@ -211,7 +214,7 @@ def _check_experts(model: nn.Module, modules: dict[str, nn.Module], placements: 
 def _tied_layout(module: nn.Module, placement: str) -> object:
     """What a placement does to a module's weight: the dim it splits over tp, or the placement itself.
     An embedding split by vocabulary and its tied ``lm_head`` split by output features hold the same rows."""
-    if placement not in TP_PLACEMENTS or placement in _WHOLE_TP_PLACEMENTS:
+    if placement not in TP_PLACEMENTS or placement in _WHOLE_TP_PLACEMENTS or placement == "moe_tp":
         return placement
     conv = type(module).__name__ == "Conv1D"
     if placement.startswith("embedding_"):

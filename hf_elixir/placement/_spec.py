@@ -40,6 +40,9 @@ __all__ = ["PLACEMENTS", "ModelPlacementSpec", "TensorParallelBlock"]
 #: - ``"mla_kv_a"``: parameters whole on every tensor-parallel rank (DeepSeek MLA's ``kv_a_proj_with_mqa``); the
 #:   gradient of the output's last ``qk_rope_head_dim`` features (the rotary key every rank's heads share) is
 #:   summed over the tensor-parallel group (``mla_kv_a_proj``).
+#: - ``"moe_tp"``: every expert of a fused experts module split over the tensor-parallel axis as its parameters'
+#:   plan entries say (Llama-4: ``gate_up_proj`` packed on the last dim, ``down_proj`` on dim 1); the partial
+#:   output all-reduced (``moe_tp_experts``).
 #: - ``"expert"``: the experts of an MoE layer spread over the expert-parallel axis (a fused 3-D experts
 #:   module such as ``MixtralExperts`` as a whole, or the experts of a registered container).
 #:
