@@ -238,16 +238,16 @@ def _parallel_worker(rank, world_size, out_dir):
             load_from=f"{out_dir}/llama4"),
         "switch_ep2": _parallel_case(
             _switch_12_experts(), hf_elixir.ElixirConfig(expert_parallel_size=2, chunk_size_numel=4096),
-            [make_batch("switch", 0, r) for r in range(world_size)], rank, "decoder.block.1.layer.2.mlp.experts.expert_{expert}.wi",
-            load_from="dict"),
+            [make_batch("switch", 0, r) for r in range(world_size)], rank,
+            "decoder.block.1.layer.2.mlp.experts.expert_{expert}.wi", load_from="dict"),
     }
 
 
 def test_full_gradients_of_tp_and_ep_models_are_the_unmodified_models(tmp_path):
-    """TP=2 (Llama, Qwen3, DeepSeek-V3's mla_kv_a, Phi-3's packed gate_up_proj, Llama-4's moe_tp experts) and EP=2 (Mixtral's fused experts,
-    Switch's expert_{i} modules) on 2 gloo ranks: after one backward, full_gradients holds plain PyTorch's p.grad of
-    the unmodified model, its names, order and full shapes; local=True this rank's parameters; get_full_grad one full
-    gradient (the local one with local=True). Before it, other full weights are loaded with load_full_state_dict (a
+    """TP=2 (Llama, Qwen3, DeepSeek-V3's mla_kv_a, Phi-3's packed gate_up_proj, Llama-4's moe_tp experts) and EP=2
+    (Mixtral's fused experts, Switch's expert_{i} modules) on 2 gloo ranks: after one backward, full_gradients holds
+    plain PyTorch's p.grad of the unmodified model, its names, order and full shapes; local=True this rank's
+    parameters; get_full_grad one full gradient (the local one with local=True). Before it, other full weights are loaded with load_full_state_dict (a
     dict, or a plain save_pretrained folder read slice by slice) into the prepared model and into the reference: the
     model gathers exactly them back, and the gradient parity is on them."""
     results = run_distributed(_parallel_worker, 2, str(tmp_path), timeout_s=240)

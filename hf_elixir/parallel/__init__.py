@@ -3,9 +3,9 @@
 Public surface: :func:`build_mesh` / :class:`ElixirMesh`, :func:`parallelize` (rewrites a model in
 place from its resolved placements), :func:`reduce_gradients` / :func:`param_process_groups` (which
 group each gradient is reduced over), :func:`gather_full_state_dict` / :func:`save_pretrained_full`
-(back to a standard Hugging Face checkpoint) and :func:`load_full_state_dict` (from one, e.g. to resume), and the layers themselves (Switch's
-:class:`ExpertParallelExperts`; :func:`shard_fused_experts` / :class:`FusedExpertDispatch` for the fused 3-D
-experts of Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, gpt-oss).
+(back to a standard Hugging Face checkpoint) and :func:`load_full_state_dict` (from one, e.g. to resume),
+and the layers themselves (Switch's :class:`ExpertParallelExperts`; :func:`shard_fused_experts` /
+:class:`FusedExpertDispatch` for the fused 3-D experts of Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, gpt-oss).
 """
 
 from hf_elixir.parallel._apply import (

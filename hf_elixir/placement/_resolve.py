@@ -148,7 +148,8 @@ def _check_standalone(fqn: str, module: nn.Module, placement: str, tp_size: int)
         raise ValueError(
             f"module {fqn!r}: its {size} {name} are not divisible by tensor_parallel_size={tp_size}"
             f"{f' x {parts} packed parts' if parts > 1 else ''} (placement {placement!r} splits them evenly); pick a "
-            f"tensor_parallel_size that divides {size // parts}, or place the module 'sharded' in ElixirConfig.placements"
+            f"tensor_parallel_size that divides {size // parts}, or place the module 'sharded' in "
+            "ElixirConfig.placements"
         )
 
 
