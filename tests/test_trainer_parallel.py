@@ -188,26 +188,34 @@ RESUME_SCRIPT = textwrap.dedent(
                                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                                                 max_position_embeddings=64))
 
-    def run(name, seed, resume=None):
-        args = T.TrainingArguments(os.path.join(out, name), max_steps=4, per_device_train_batch_size=4,
+    def run(name, seed, resume=None, steps=4, save_steps=2, **extra):
+        args = T.TrainingArguments(os.path.join(out, name), max_steps=steps, per_device_train_batch_size=4,
                                    learning_rate=3e-3, weight_decay=0.1, max_grad_norm=0.5, logging_steps=1,
-                                   save_strategy="steps", save_steps=2, report_to=[], use_cpu=True, seed=0,
-                                   data_seed=0, disable_tqdm=True)  # (sets up torch.distributed)
+                                   save_strategy="steps", save_steps=save_steps, report_to=[], use_cpu=True, seed=0,
+                                   data_seed=0, disable_tqdm=True, **extra)  # (sets up torch.distributed)
         model = llama(seed)
         parallelize(model, config)
-        trainer = T.Trainer(model, args, train_dataset=data, callbacks=[ElixirCallback(config)])
+        trainer = T.Trainer(model, args, train_dataset=data, eval_dataset=data[:8],
+                            callbacks=[ElixirCallback(config)])
         trainer.train(resume_from_checkpoint=resume)
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
-        return losses, gather_full_state_dict(trainer.model, rank0_only=False)
+        return losses, gather_full_state_dict(trainer.model, rank0_only=False), trainer.state.best_model_checkpoint
 
-    whole, whole_full = run("whole", seed=0)
+    whole, whole_full, _ = run("whole", seed=0)
     # another seed: every weight the resumed run trains with must come from the checkpoint
-    resumed, resumed_full = run("resumed", seed=7, resume=os.path.join(out, "whole", "checkpoint-2"))
+    resumed, resumed_full, _ = run("resumed", seed=7, resume=os.path.join(out, "whole", "checkpoint-2"))
+    # load_best_model_at_end with the highest eval loss as "best": checkpoint-1, not the final weights
+    _, best_full, best = run("best", seed=0, steps=2, save_steps=1, eval_strategy="steps", eval_steps=1,
+                             load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
     if rank == 0:
         ckpt = os.path.join(out, "whole", "checkpoint-4")
         loaded, info = T.LlamaForCausalLM.from_pretrained(ckpt, output_loading_info=True)
         loaded_sd = loaded.state_dict()
-        json.dump(dict(whole=whole, resumed=resumed,
+        best_sd = T.LlamaForCausalLM.from_pretrained(best).state_dict()
+        final_sd = T.LlamaForCausalLM.from_pretrained(os.path.join(out, "best", "checkpoint-2")).state_dict()
+        json.dump(dict(whole=whole, resumed=resumed, best=os.path.basename(best),
+                       best_loaded=all(torch.equal(best_sd[k], v) for k, v in best_full.items()),
+                       best_differs=any(not torch.equal(final_sd[k], v) for k, v in best_full.items()),
                        weights_rel=max(float((resumed_full[k] - v).norm() / v.norm()) for k, v in whole_full.items()),
                        plain_missing=sorted(set(info["missing_keys"]) | set(info["mismatched_keys"])),
                        plain_equal=all(torch.equal(loaded_sd[k], v) for k, v in whole_full.items()),
@@ -224,7 +232,7 @@ def test_trainer_resumes_a_tensor_parallel_model(tmp_path):
     Trainer (a model of another seed) resumed from checkpoint-2. Each rank loads its column/row slices of the
     checkpoint's full tensors (before: refused with NotImplementedError) and its own optimizer file, so steps 3 and
     4 log the uninterrupted run's losses and end on its weights; the checkpoint still loads with plain
-    from_pretrained and holds the gathered weights."""
+    from_pretrained and holds the gathered weights. load_best_model_at_end loads the best checkpoint the same way."""
     script = tmp_path / "resume_tp.py"
     script.write_text(RESUME_SCRIPT)
     env = dict(os.environ)
@@ -241,3 +249,5 @@ def test_trainer_resumes_a_tensor_parallel_model(tmp_path):
     assert r["weights_rel"] < 2e-5
     assert r["plain_missing"] == [] and r["plain_equal"]
     assert {"model.safetensors", "optimizer.pt", "optimizer_rank1.pt", "scheduler.pt"} <= set(r["ckpt"])
+    # load_best_model_at_end: every rank loads its slices of the best checkpoint (an earlier one than the last)
+    assert r["best"] == "checkpoint-1" and r["best_loaded"] and r["best_differs"]

@@ -160,6 +160,7 @@ class ElixirCallback(TrainerCallback):
             _load_optimizer_and_scheduler_per_rank(type(trainer)._load_optimizer_and_scheduler), trainer)
         trainer._load_from_checkpoint = types.MethodType(
             _load_parallel_checkpoint(type(trainer)._load_from_checkpoint), trainer)
+        trainer._load_best_model = types.MethodType(_load_parallel_best_model(type(trainer)._load_best_model), trainer)
         # Run first so Elixir's counters are in `logs` before the printer/reporters see them.
         handler = trainer.callback_handler
         if self in handler.callbacks:
@@ -342,6 +343,24 @@ def _load_parallel_checkpoint(original_load):
         return None
 
     return _load_from_checkpoint
+
+
+def _load_parallel_best_model(original_load):
+    """Trainer._load_best_model (``load_best_model_at_end=True``) that loads a tensor/expert-parallel model's best
+    checkpoint into this rank's parts (as :func:`_load_parallel_checkpoint`; the model is prepared by then, so the load
+    is collective, and the Trainer calls it on every rank); any other model loads as the Trainer does."""
+
+    def _load_best_model(self) -> None:
+        from hf_elixir.parallel._load import load_full_state_dict  # noqa: PLC0415
+
+        if not _parallelized(self.model):
+            return original_load(self)
+        logger.info("loading this rank's parts of the best model %s (score %s)", self.state.best_model_checkpoint,
+                    self.state.best_metric)
+        self._issue_warnings_after_load(load_full_state_dict(self.model, self.state.best_model_checkpoint))
+        return None
+
+    return _load_best_model
 
 
 def _load_optimizer_and_scheduler_per_rank(original_load):
