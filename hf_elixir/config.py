@@ -206,7 +206,8 @@ class ElixirConfig:
             or with `prepare(model, None, ...)` (inference) one forward under `torch.no_grad()`.
         placements (`dict[str, str]`, *optional*):
             Module-name glob -> placement (`"sharded"`, `"replicated"`, `"column"`, `"row"`, `"column_gather"`,
-            `"row_split"`, `"embedding_row"`, `"embedding_column"`, `"grad_allreduce"`, `"expert"`; see
+            `"row_split"`, `"embedding_row"`, `"embedding_column"`, `"grad_allreduce"`, `"packed_column"`,
+            `"mla_kv_a"`, `"moe_tp"`, `"expert"`; see
             `hf_elixir.placement.PLACEMENTS`). Tensor-parallel ones apply with `tensor_parallel_size > 1` and
             override the model config's own plan (`config.base_model_tp_plan`) or registered spec.
         default_placement (`str`, defaults to `"auto"`):

@@ -38,6 +38,7 @@ the permutation as in ``parallel/_fused_experts.py`` (GShard, arXiv 2006.16668, 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,11 +208,33 @@ def _split_one(module: nn.Module) -> None:
                       module._register_load_state_dict_pre_hook(_split_load_pre_hook, with_module=True)]
 
 
+def _takes_routing(module: nn.Module) -> bool:
+    """Whether ``module``'s class forward takes ``(hidden_states, top_k_index, top_k_weights)`` (three positional
+    arguments after ``self``, as the families above); Llama-4's ``Llama4TextExperts.forward(hidden_states)`` (the
+    routing already applied to its input) does not."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    kinds = [p.kind for p in params]
+    positional = sum(k in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p, k in zip(params, kinds))
+    return positional >= 3 or inspect.Parameter.VAR_POSITIONAL in kinds
+
+
 def _splittable(module: nn.Module) -> bool:
-    """A fused experts module not yet split: a fused container (``fused_expert_count``) holding a 3-D
-    parameter (a router's ``(E, H)`` weight alone also has ``num_experts`` rows)."""
-    return (not is_split(module) and fused_expert_count(module) is not None
-            and any(p.dim() >= 3 for p in module.parameters(recurse=False)))
+    """A fused experts module not yet split: a fused container (``fused_expert_count``) holding a 3-D parameter
+    (a router's ``(E, H)`` weight alone also has ``num_experts`` rows), whose forward takes the routing
+    (:func:`_takes_routing`), and whose ``forward`` no other rewrite replaced (expert parallel's
+    ``FusedExpertDispatch`` excepted: tensor parallel's ``moe_tp`` wraps the experts' forward in its collectives and
+    keeps them fused)."""
+    if is_split(module) or fused_expert_count(module) is None:
+        return False
+    if not any(p.dim() >= 3 for p in module.parameters(recurse=False)):
+        return False
+    own = vars(module).get("forward")
+    if own is not None and not hasattr(own, "experts_forward"):
+        return False
+    return _takes_routing(module)
 
 
 def split_fused_experts(model: nn.Module) -> list[nn.Module]:
@@ -221,7 +244,9 @@ def split_fused_experts(model: nn.Module) -> list[nn.Module]:
     Each fused parameter ``(n, ...)`` becomes ``n`` parameters ``(1, ...)`` (views of its rows, or new meta
     tensors on the meta device), each in child ``str(j)`` of the module, with the same dtype, device and
     ``requires_grad``; the module's ``forward`` becomes :class:`SplitExpertsForward` (under expert parallel:
-    the local-expert call of its ``FusedExpertDispatch``). Modules already split are left alone.
+    the local-expert call of its ``FusedExpertDispatch``). Modules already split, modules whose forward does not
+    take the routing (Llama-4's ``Llama4TextExperts``) and fused experts split over tensor parallel (``moe_tp``)
+    are left alone.
 
     Args:
         model: any ``nn.Module`` (a Hugging Face MoE model, parallelized or not; not yet prepared).
