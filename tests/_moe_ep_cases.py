@@ -114,6 +114,9 @@ def ep_case(family: str, *, budget: str, idle: bool = False, save_dir: str | Non
         "expert_containers": dict(state.expert_containers) if ep > 1 else {},
         "num_evictions": stats["num_evictions"],
         "budget_bytes": budget_bytes,
+        # ElixirConfig.split_fused_experts (default): each layer's local experts, one unit each
+        "split_pieces": sorted({m._hf_elixir_split_experts.num_pieces for m in model.modules()
+                                if hasattr(m, "_hf_elixir_split_experts")}),
     }
     if idle:  # PyTorch decays the never-routed slices (zero gradient, weight decay); they moved by exactly that
         decay = (1 - LR * WEIGHT_DECAY) ** STEPS

@@ -321,7 +321,8 @@ def retie(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> No
         group["params"] = params
 
 
-#: set by expert parallel on a parameter holding rows ``[first, first + len)`` of a fused expert tensor:
+#: set by expert parallel on a parameter holding rows ``[first, first + len)`` of a fused expert tensor, and on
+#: each piece of split fused experts (``hf_elixir/parallel/_expert_units.py``, one row):
 #: ``(first, number of rows of the full tensor)``
 EXPERT_ROWS_ATTR = "_hf_elixir_expert_rows"
 

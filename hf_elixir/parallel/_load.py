@@ -23,6 +23,7 @@ from torch import nn
 
 from hf_elixir.chunk._stream_load import (EXPERT_ROWS_ATTR, CheckpointReader, TensorShard, read_local,
                                           resolve_sources)
+from hf_elixir.parallel._expert_units import fused_names
 from hf_elixir.parallel._state import ParallelState, get_parallel_state
 
 __all__ = ["load_full_state_dict"]
@@ -66,10 +67,18 @@ def _cut(full: torch.Tensor, param: nn.Parameter, shard: TensorShard | None, nam
     return full
 
 
+def _source_names(model: nn.Module, names: dict[nn.Parameter, list[str]]) -> dict[nn.Parameter, list[str]]:
+    """Each parameter's names in the unmodified model: a piece of split fused experts
+    (``hf_elixir/parallel/_expert_units.py``) reads its row of the fused tensor, under the fused name."""
+    fused = fused_names(model)
+    return {p: [fused[n][0] if n in fused else n for n in fqns] for p, fqns in names.items()}
+
+
 def _from_dict(model: nn.Module, full: dict[str, torch.Tensor], names: dict, shards: dict) -> dict[str, torch.Tensor]:
     local: dict[str, torch.Tensor] = {}
+    sources = _source_names(model, names)
     for param, fqns in names.items():
-        name = next((n for n in fqns if n in full), None)
+        name = next((n for n in sources[param] if n in full), None)
         if name is not None:
             part = _cut(full[name], param, shards.get(param), name)
             local.update({n: part for n in fqns})
@@ -81,7 +90,7 @@ def _from_folder(model: nn.Module, folder: str | os.PathLike, names: dict, shard
     prefix = getattr(model, "base_model_prefix", "") or ""
     local: dict[str, torch.Tensor] = {}
     with CheckpointReader(folder) as reader:
-        keys, bases = resolve_sources(reader, model, names, shards)
+        keys, bases = resolve_sources(reader, model, _source_names(model, names), shards)
         for param, fqns in names.items():
             part = read_local(reader, keys[param], param.shape, shards.get(param), bases[param])
             local.update({n: part for n in fqns})

@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 
 from hf_elixir.placement._hf_plans import check_heads, moe_tp_splits, plan_placements, read_plans
-from hf_elixir.placement._experts import fused_expert_count
+from hf_elixir.placement._experts import PIECE_ATTR, SPLIT_ATTR, fused_expert_count
 from hf_elixir.placement._registry import get_model_spec
 from hf_elixir.placement._spec import PLACEMENTS, ModelPlacementSpec, TensorParallelBlock
 
@@ -65,9 +65,13 @@ def _is_matmul_module(module: nn.Module) -> bool:
 
 
 def _param_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Modules that own parameters; fused experts split into one child per expert
+    ([Note: split fused experts] in ``hf_elixir/parallel/_expert_units.py``) count as the one module they were,
+    so a split and an unsplit model have the same placements."""
     return {
         fqn: mod for fqn, mod in model.named_modules()
-        if any(True for _ in mod.parameters(recurse=False))
+        if (any(True for _ in mod.parameters(recurse=False)) and not getattr(mod, PIECE_ATTR, False))
+        or getattr(mod, SPLIT_ATTR, None) is not None
     }
 
 

@@ -15,9 +15,11 @@ from hf_elixir.chunk._build import chunk_specs, element_bytes, unique_params
 from hf_elixir.chunk.manager import budget_error
 from hf_elixir.config import ElixirConfig
 from hf_elixir.parallel import get_parallel_state, placements_for_plan
+from hf_elixir.parallel._expert_units import temporarily_split
 from hf_elixir.parallel._groups import planned_chunk_groups
 from hf_elixir.placement._device_placement import device_floor_bytes, place_chunks, replicated_bytes
 from hf_elixir.plan import ElixirPlan
+from hf_elixir.runtime._state import is_prepared
 from hf_elixir.runtime.compile import compiled_units
 from hf_elixir.runtime.hooks import mark_subtree_chunks, unit_chunks
 from hf_elixir.search._chunk_size import chunk_size_for
@@ -36,7 +38,9 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
     activations.
 
     Args:
-        model: the model ``prepare`` will get (after :func:`hf_elixir.parallel.parallelize`, if used).
+        model: the model ``prepare`` will get (after :func:`hf_elixir.parallel.parallelize`, if used). With
+            ``ElixirConfig.split_fused_experts`` (the default) its fused MoE experts are counted split per expert,
+            as ``prepare`` splits them (the model is split and put back while this runs; nothing is copied).
         optimizer: the optimizer ``prepare`` will get, or ``None`` for inference (no gradient buffers:
             a smaller floor). Its kind sizes the optimizer states kept on the device with
             ``ElixirConfig(offload_optimizer=False)``; otherwise they go to the host and do not count.
@@ -74,7 +78,9 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
         logger.warning("min_device_budget_bytes: activation_bytes=%d ignored: ElixirConfig.budget_covers_activations="
                        "False makes the budget bound model data only", activation_bytes)
         activation_bytes = 0
-    return _model_data_floor_bytes(model, optimizer, config, world_size) + activation_bytes
+    # the model prepare will lay out: fused MoE experts split per expert ([Note: split fused experts])
+    with temporarily_split(model, config.split_fused_experts and not is_prepared(model)):
+        return _model_data_floor_bytes(model, optimizer, config, world_size) + activation_bytes
 
 
 def _model_data_floor_bytes(model, optimizer, config: ElixirConfig, world_size: int) -> int:
