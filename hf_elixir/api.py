@@ -45,13 +45,13 @@ from hf_elixir.optim._check import check_optimizer
 from hf_elixir.optim.optimizer import ElixirOptimizer
 from hf_elixir.parallel import get_parallel_state, placements_for_plan
 from hf_elixir.parallel._expert_units import (fuse_tensors, fused_names, release_fused, split_fused_experts,
-                                              split_optimizer_params, unsplit_fused_experts)
+                                              split_optimizer_params, splittable_names, unsplit_fused_experts)
 from hf_elixir.parallel._gather import assemble_full
 from hf_elixir.parallel._groups import chunk_group_of, default_group, job_group_of
 from hf_elixir.placement._agree import agree_budget, agree_object, agree_placements
 from hf_elixir.placement._device_placement import resolve_default_placement
 from hf_elixir.placement._layout import Layout, activation_reserve_bytes, prefetch_reasons, recorded_plan
-from hf_elixir.placement._plan_check import check_plan, check_plan_placements
+from hf_elixir.placement._plan_check import check_plan, check_plan_placements, load_plan
 from hf_elixir.profiler import _device
 from hf_elixir.parallel._launch import check_launch_world_size
 from hf_elixir.profiler._hardware import register_prepare
@@ -66,7 +66,7 @@ from hf_elixir.runtime.guards import install_guards
 from hf_elixir.runtime.hooks import install_hooks
 from hf_elixir.runtime.state_dict import install_state_dict_hooks
 from hf_elixir.search._chunk_size import chunk_size_for
-from hf_elixir.search._floor import min_device_budget_bytes, place_within_budget
+from hf_elixir.search._floor import min_device_budget_bytes, place_within_budget, split_needed
 from hf_elixir.search._resolve import resolve_plan
 
 __all__ = ["prepare", "memory_stats", "reset_memory_stats", "get_state", "min_device_budget_bytes", "ElixirState"]
@@ -87,7 +87,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     All or nothing: when ``prepare`` raises, the model is as it was (no hooks, the same parameter storage
     and ``requires_grad``, nothing attached), so fixing the cause and calling it again works.
 
-    With ``ElixirConfig.split_fused_experts`` (the default) the fused 3-D experts of MoE models (Mixtral,
+    With ``ElixirConfig.split_fused_experts`` (``"auto"``, the default: where the budget is below the fused floor,
+    or the plan was made split) the fused 3-D experts of MoE models (Mixtral,
     Qwen3-MoE, OLMoE, DeepSeek-V3, gpt-oss) are first split into one child module per expert, each its own hook
     unit (``parallel/_expert_units.py``, [Note: split fused experts]); ``optimizer``'s param groups then hold
     the pieces in place of each fused parameter (undone, with the split, if ``prepare`` raises).
@@ -136,6 +137,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     if checkpoint is not None:
         retie(model, optimizer)  # what from_pretrained does after loading (kept if prepare fails)
     # [Note: split fused experts] in parallel/_expert_units.py: one unit per expert; undone if prepare fails
+    config = dataclasses.replace(config, split_fused_experts=_splits_experts(model, optimizer, config))
     split = split_fused_experts(model) if config.split_fused_experts else []
     restore_groups = lambda: None  # noqa: E731
     try:
@@ -148,6 +150,17 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     release_fused(split)  # the fused tensors' storage can go (the pieces' values are in their chunks)
     _host_heap.after_prepare(get_state(prepared[0]).manager)  # which goes back to the system ([Note: host heap])
     return prepared
+
+
+def _splits_experts(model, optimizer, config: ElixirConfig) -> bool:
+    """Whether ``prepare`` splits the fused MoE experts (``ElixirConfig.split_fused_experts``; ``"auto"`` compares
+    the agreed device budget with the fused model's floor: ``search/_floor.py: split_needed``)."""
+    if isinstance(config.split_fused_experts, bool) or not splittable_names(model):
+        return config.split_fused_experts is True
+    group = default_group(config)
+    agreed, _ = agree_budget(config, job_group_of(model, group), _compute_device())
+    world_size = dist.get_world_size(group) if group is not None else 1
+    return split_needed(model, optimizer, config, agreed.device_memory_budget_bytes, world_size, load_plan(config))
 
 
 def _prepare_split(model, optimizer, config: ElixirConfig, sample_batch, checkpoint, pstate):

@@ -89,7 +89,7 @@ def test_split_experts_save_pretrained_and_full_gradients(tmp_path):
     ref = copy.deepcopy(model)
     opt = _adamw(model)
     fused = weakref.ref(model.model.layers[0].mlp.experts.gate_up_proj)
-    model, opt = hf_elixir.prepare(model, opt, _config(chunk_size_numel=4096))
+    model, opt = hf_elixir.prepare(model, opt, _config(chunk_size_numel=4096, split_fused_experts=True))
     gc.collect()
     assert fused() is None  # the fused tensor (and its storage) is gone: the pieces live in their chunks
     assert any(".experts.3.gate_up_proj" in n for n, _ in model.named_parameters())
@@ -145,14 +145,32 @@ def test_split_experts_undone_when_prepare_fails():
     assert experts.gate_up_proj is fused and SPLIT_ATTR not in vars(experts) and "forward" not in vars(experts)
     assert [n for n, _ in model.named_parameters()] == names
     assert all(a == b for a, b in zip([list(g["params"]) for g in opt.param_groups], groups))
-    hf_elixir.prepare(model, opt, _config())
+    hf_elixir.prepare(model, opt, _config(split_fused_experts=True))
     assert len(opt.param_groups[0]["params"]) > len(groups[0])  # each fused tensor: its 4 pieces
+
+
+@pytest.mark.parametrize("budget", ["none", "between", "fused_floor"])
+def test_split_auto_splits_only_where_the_budget_needs_it(budget):
+    """``split_fused_experts="auto"`` (the default) keeps the fused tensors (one call per layer's experts) without a
+    budget or at a budget the fused layout fits, and splits at one between the split and the fused floors."""
+    model = make_moe_model("mixtral")
+    opt = _adamw(model)
+    fused = hf_elixir.min_device_budget_bytes(model, opt, _config(split_fused_experts=False))
+    split = hf_elixir.min_device_budget_bytes(model, opt, _config())  # "auto": the smallest budget prepare takes
+    assert split < fused
+    given = {"none": None, "between": (split + fused) // 2, "fused_floor": fused}[budget]
+    model, opt = hf_elixir.prepare(model, opt, _config(device_memory_budget_bytes=given))
+    is_split = any(".experts.3.gate_up_proj" in n for n, _ in model.named_parameters())
+    assert is_split == (budget == "between")
+    assert hf_elixir.get_state(model).config.split_fused_experts is (budget == "between")
+    opt.backward(model(**_batch(0, 0)).loss)
+    opt.step()
 
 
 def test_plan_command_plans_the_split_model(tmp_path, monkeypatch):
     """``hf-elixir plan`` lays out the model ``prepare`` builds: its plan (parameter order of the pieces, placements
-    naming the experts module once) is accepted by ``prepare`` with the default config; ``--no-split-fused-experts``
-    plans the fused tensors, which ``split_fused_experts=False`` accepts."""
+    naming the experts module once) is accepted by ``prepare`` with the default config, which splits as the plan was
+    made; ``--no-split-fused-experts`` plans the fused tensors, which ``"auto"`` then keeps."""
     import json
 
     from hf_elixir.cli import main
@@ -175,8 +193,8 @@ def test_plan_command_plans_the_split_model(tmp_path, monkeypatch):
         assert any(".experts.3.gate_up_proj" in n for n in plan.param_order) == split
         assert plan.placements["model.layers.0.mlp.experts"] == "sharded"
         model = make_moe_model("mixtral")
-        model, opt = hf_elixir.prepare(model, _adamw(model), hf_elixir.ElixirConfig(plan=plan,
-                                                                                    split_fused_experts=split))
+        model, opt = hf_elixir.prepare(model, _adamw(model), hf_elixir.ElixirConfig(plan=plan))  # "auto" follows it
+        assert any(".experts.3.gate_up_proj" in n for n, _ in model.named_parameters()) == split
         opt.backward(model(**_batch(0, 0)).loss)
         opt.step()
 

@@ -49,7 +49,7 @@ from hf_elixir.chunk._stream_load import EXPERT_ROWS_ATTR
 from hf_elixir.placement._experts import PIECE_ATTR, SPLIT_ATTR, fused_expert_count
 
 __all__ = ["SplitExpertsForward", "fuse_tensors", "fused_names", "is_split", "release_fused", "split_fused_experts",
-           "split_optimizer_params", "temporarily_split", "unsplit_fused_experts"]
+           "split_optimizer_params", "splittable_names", "temporarily_split", "unsplit_fused_experts"]
 
 
 @dataclass
@@ -235,6 +235,12 @@ def _splittable(module: nn.Module) -> bool:
     if own is not None and not hasattr(own, "experts_forward"):
         return False
     return _takes_routing(module)
+
+
+def splittable_names(model: nn.Module) -> list[str]:
+    """The names of the fused parameters :func:`split_fused_experts` would split now (``named_modules`` order)."""
+    return [f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules() if _splittable(module)
+            for name, _ in module.named_parameters(recurse=False)]
 
 
 def split_fused_experts(model: nn.Module) -> list[nn.Module]:
