@@ -253,8 +253,8 @@ class WarmPython:
         request = {"script": str(script.resolve()), "argv": argv, "stdout": str(out), "stderr": str(err)}
         proc.stdin.write((json.dumps(request) + "\n").encode())
         proc.stdin.flush()
+        pid = int(self._reply(None).split()[1])  # the limit counts from the fork, not the server start-up
         deadline = time.monotonic() + timeout_s
-        pid = int(self._reply(None).split()[1])
         done = self._reply(deadline)
         cmd = ["python", script.name, *argv]
         if done is None:
