@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 import textwrap
@@ -146,21 +147,30 @@ TP_SCRIPT = textwrap.dedent(
 )
 
 
-def test_trainer_feeds_both_tensor_parallel_ranks_the_same_batches(tmp_path):
+def test_trainer_feeds_both_tensor_parallel_ranks_the_same_batches(tmp_path, monkeypatch):
     """GPT-2 tensor_parallel_size=2 on 2 processes (one data-parallel row) through Trainer + ElixirCallback trains
     as the stock Trainer in one process: both tp ranks read the one process's batches ([Note: tensor-parallel
     batches] in hf_elixir/integrations/_binding.py). Before, accelerate gave each rank its own batch and the row's
-    all-reduces mixed them (step 1 loss 4.463 vs 4.466)."""
+    all-reduces mixed them (step 1 loss 4.463 vs 4.466).
+
+    The reference (the same script, stock Trainer, one process) runs in this process: a one-process job is not
+    distributed (what ``torchrun --nproc_per_node 1`` gave it too, at the cost of a launch)."""
     script = tmp_path / "train_tp.py"
     script.write_text(TP_SCRIPT)
     env = dict(os.environ)
     env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", HF_ELIXIR_STRICT_DEVICE="1")
-    for procs, mode in ((1, "ref"), (2, "tp")):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_addr",
-               "127.0.0.1", "--master_port", str(free_port()), str(script), str(tmp_path), mode]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(script), str(tmp_path), "tp"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    import torch.distributed
+
+    assert not torch.distributed.is_initialized()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(sys, "argv", [str(script), str(tmp_path), "ref"])
+    runpy.run_path(str(script), run_name="__main__")
     ref = json.loads((tmp_path / "ref.json").read_text())
     tp = json.loads((tmp_path / "tp.json").read_text())
     assert tp["seen"][0] == tp["seen"][1] == ref["seen"][0]  # the same batches on both tp ranks, in the same order
