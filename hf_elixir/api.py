@@ -44,12 +44,14 @@ from hf_elixir.config import ElixirConfig
 from hf_elixir.optim._check import check_optimizer
 from hf_elixir.optim.optimizer import ElixirOptimizer
 from hf_elixir.parallel import get_parallel_state, placements_for_plan
+from hf_elixir.parallel._expert_units import (fuse_tensors, fused_names, release_fused, split_fused_experts,
+                                              split_optimizer_params, splittable_names, unsplit_fused_experts)
 from hf_elixir.parallel._gather import assemble_full
 from hf_elixir.parallel._groups import chunk_group_of, default_group, job_group_of
 from hf_elixir.placement._agree import agree_budget, agree_object, agree_placements
 from hf_elixir.placement._device_placement import resolve_default_placement
 from hf_elixir.placement._layout import Layout, activation_reserve_bytes, prefetch_reasons, recorded_plan
-from hf_elixir.placement._plan_check import check_plan, check_plan_placements
+from hf_elixir.placement._plan_check import check_plan, check_plan_placements, load_plan
 from hf_elixir.profiler import _device
 from hf_elixir.parallel._launch import check_launch_world_size
 from hf_elixir.profiler._hardware import register_prepare
@@ -64,7 +66,7 @@ from hf_elixir.runtime.guards import install_guards
 from hf_elixir.runtime.hooks import install_hooks
 from hf_elixir.runtime.state_dict import install_state_dict_hooks
 from hf_elixir.search._chunk_size import chunk_size_for
-from hf_elixir.search._floor import min_device_budget_bytes, place_within_budget
+from hf_elixir.search._floor import min_device_budget_bytes, place_within_budget, split_needed
 from hf_elixir.search._resolve import resolve_plan
 
 __all__ = ["prepare", "memory_stats", "reset_memory_stats", "get_state", "min_device_budget_bytes", "ElixirState"]
@@ -84,6 +86,12 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
 
     All or nothing: when ``prepare`` raises, the model is as it was (no hooks, the same parameter storage
     and ``requires_grad``, nothing attached), so fixing the cause and calling it again works.
+
+    With ``ElixirConfig.split_fused_experts`` (``"auto"``, the default: where the budget is below the fused floor,
+    or the plan was made split) the fused 3-D experts of MoE models (Mixtral,
+    Qwen3-MoE, OLMoE, DeepSeek-V3, gpt-oss) are first split into one child module per expert, each its own hook
+    unit (``parallel/_expert_units.py``, [Note: split fused experts]); ``optimizer``'s param groups then hold
+    the pieces in place of each fused parameter (undone, with the split, if ``prepare`` raises).
 
     Args:
         model: a ``torch.nn.Module`` (typically a ``transformers.PreTrainedModel``), on CPU or on the
@@ -128,6 +136,35 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                         is_parallel=pstate is not None and pstate.mesh.tp_size > 1 and bool(pstate.expert_containers))
     if checkpoint is not None:
         retie(model, optimizer)  # what from_pretrained does after loading (kept if prepare fails)
+    # [Note: split fused experts] in parallel/_expert_units.py: one unit per expert; undone if prepare fails
+    config = dataclasses.replace(config, split_fused_experts=_splits_experts(model, optimizer, config))
+    split = split_fused_experts(model) if config.split_fused_experts else []
+    restore_groups = lambda: None  # noqa: E731
+    try:
+        restore_groups = split_optimizer_params(optimizer, split)
+        prepared = _prepare_split(model, optimizer, config, sample_batch, checkpoint, pstate)
+    except BaseException:
+        restore_groups()
+        unsplit_fused_experts(split)
+        raise
+    release_fused(split)  # the fused tensors' storage can go (the pieces' values are in their chunks)
+    _host_heap.after_prepare(get_state(prepared[0]).manager)  # which goes back to the system ([Note: host heap])
+    return prepared
+
+
+def _splits_experts(model, optimizer, config: ElixirConfig) -> bool:
+    """Whether ``prepare`` splits the fused MoE experts (``ElixirConfig.split_fused_experts``; ``"auto"`` compares
+    the agreed device budget with the fused model's floor: ``search/_floor.py: split_needed``)."""
+    if isinstance(config.split_fused_experts, bool) or not splittable_names(model):
+        return config.split_fused_experts is True
+    group = default_group(config)
+    agreed, _ = agree_budget(config, job_group_of(model, group), _compute_device())
+    world_size = dist.get_world_size(group) if group is not None else 1
+    return split_needed(model, optimizer, config, agreed.device_memory_budget_bytes, world_size, load_plan(config))
+
+
+def _prepare_split(model, optimizer, config: ElixirConfig, sample_batch, checkpoint, pstate):
+    """``prepare`` once the fused experts are split (if they are): checks, layout, then the model changes."""
     names = unique_params(model)
     check_unclaimed(model, names)
     params = [p for p in names if p.is_floating_point()]
@@ -137,7 +174,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     try:
         mark_compiled_blocks(model, config.compile)  # compiled blocks are hook units ([Note: compiled blocks])
         layout = _lay_out(model, optimizer, config, sample_batch, names, params)
-        stream = (StreamedInit(model, checkpoint, {p: names[p] for p in params}, layout.manager.compute_device,
+        fused = fused_names(model)  # a split expert's piece reads its rows of the fused checkpoint tensor
+        stream = (StreamedInit(model, checkpoint, {p: [fused[n][0] if n in fused else n for n in names[p]]
+                                                   for p in params}, layout.manager.compute_device,
                                shards=pstate.stream_shards() if pstate is not None else None)
                   if checkpoint else None)
         try:
@@ -149,7 +188,6 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         snapshot.restore()
         raise
     del snapshot  # the last reference to the parameters' original storage
-    _host_heap.after_prepare(get_state(prepared[0]).manager)  # which goes back to the system ([Note: host heap])
     return prepared
 
 
@@ -204,7 +242,8 @@ def _apply_layout(model, optimizer, names, layout: Layout, stream: StreamedInit 
     materialize_chunks(manager, stream.fill_for if stream is not None else None, fp32_masters)  # 8
     plan = recorded_plan(model, names, layout)  # 9
     state = ElixirState(manager=manager, handles=handles, config=config, plan=plan,
-                        assemble_full=assemble_full if get_parallel_state(model) is not None else None)
+                        assemble_full=assemble_full if get_parallel_state(model) is not None else None,
+                        fuse_experts=fuse_tensors if fused_names(model) else None)
     if optimizer is not None:
         state.optimizer = ElixirOptimizer(optimizer, manager, config, refresh_cast=plan.refresh_cast,
                                           fp32_masters=fp32_masters)

@@ -140,6 +140,10 @@ def _add_step_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reduce-dtype", default="fp32", choices=("fp32", "compute"),
                         help="gradient buffers and their reduce: fp32 (default) or the compute precision; use the "
                         "same ElixirConfig(reduce_dtype='fp32' / None)")
+    parser.add_argument("--split-fused-experts", default=True, action=argparse.BooleanOptionalAction,
+                        help="one chunk unit per expert of fused MoE experts (Mixtral, Qwen3-MoE, gpt-oss, ...), as "
+                        "prepare does by default; --no-split-fused-experts plans the fused tensors: use the same "
+                        "ElixirConfig(split_fused_experts=...)")
     on_device = parser.prog.endswith("plan")
     parser.add_argument("--activations-on-device", default=on_device, action=argparse.BooleanOptionalAction,
                         help="count activations in the device budget (a GPU's accounting; default for plan) or "
@@ -238,6 +242,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from hf_elixir.profiler import profile_step
+    from hf_elixir.parallel._expert_units import split_fused_experts
     from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
 
     console = Console(width=None if sys.stdout.isatty() else 140)
@@ -245,6 +250,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     _check_positions(config, args.seq_len)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     model, batch = meta_model_and_batch(config, batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype)
+    if args.split_fused_experts:  # the model prepare lays out ([Note: split fused experts])
+        split_fused_experts(model)
     profile = profile_step(model, batch, device="meta", forward_only=args.optimizer == "none")
     hardware, notes = _target_hardware(args)
     fixed_tp = 1 if args.tensor_parallel_size == "auto" else args.tensor_parallel_size
@@ -399,6 +406,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     import torch
 
     from hf_elixir.profiler import probe_hardware, profile_step
+    from hf_elixir.parallel._expert_units import split_fused_experts
     from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
     from hf_elixir.search import build_chunked_step, predict
 
@@ -406,6 +414,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     config = load_config(args.model)
     _check_positions(config, args.seq_len)
     model, batch = meta_model_and_batch(config, batch_size=args.batch_size, seq_len=args.seq_len, device="cpu")
+    if args.split_fused_experts:  # the model prepare lays out ([Note: split fused experts])
+        split_fused_experts(model)
     # probe_hardware() below describes the GPU where there is one: price the CPU-profiled step by its FLOPs there
     profile = profile_step(model, batch, device="cpu", count_flops=torch.cuda.is_available(),
                            forward_only=args.optimizer == "none")

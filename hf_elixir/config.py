@@ -206,7 +206,8 @@ class ElixirConfig:
             or with `prepare(model, None, ...)` (inference) one forward under `torch.no_grad()`.
         placements (`dict[str, str]`, *optional*):
             Module-name glob -> placement (`"sharded"`, `"replicated"`, `"column"`, `"row"`, `"column_gather"`,
-            `"row_split"`, `"embedding_row"`, `"embedding_column"`, `"grad_allreduce"`, `"expert"`; see
+            `"row_split"`, `"embedding_row"`, `"embedding_column"`, `"grad_allreduce"`, `"packed_column"`,
+            `"mla_kv_a"`, `"moe_tp"`, `"expert"`; see
             `hf_elixir.placement.PLACEMENTS`). Tensor-parallel ones apply with `tensor_parallel_size > 1` and
             override the model config's own plan (`config.base_model_tp_plan`) or registered spec.
         default_placement (`str`, defaults to `"auto"`):
@@ -230,6 +231,18 @@ class ElixirConfig:
             raises at `prepare`.
         loss_scale (`LossScalePolicy`): dynamic loss-scale settings (fp16 only).
         process_group: data-parallel `torch.distributed` group; `None` = the default world group.
+        split_fused_experts (`bool` or `"auto"`, defaults to `"auto"`):
+            Give each expert of a fused 3-D MoE experts module (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, gpt-oss:
+            `gate_up_proj` `(E, 2I, H)`, `down_proj` `(E, H, I)`) its own child module and chunk slots, so only one
+            expert's chunks need to be unsharded at a time and the device floor drops from E experts per unit to
+            one (Mixtral-8x7B bf16, 1 rank: 18.97 GiB -> 2.65 GiB). The numerics, `state_dict()` /
+            `save_pretrained` names and shapes and `full_gradients` names stay the unmodified model's;
+            `named_parameters()` shows `...experts.<j>.gate_up_proj` `(1, 2I, H)`, and an optimizer built on the
+            fused parameters is pointed at the pieces. Each expert then runs as its own call (one hook unit per
+            expert), which costs time per expert, so `"auto"` splits only where it is needed: when the agreed
+            device budget is below the fused model's `min_device_budget_bytes`, or when `plan` was made for the
+            split model; `True` always splits, `False` keeps the fused tensors (each one slot: a chunk of E
+            experts). See [Note: split fused experts] in `hf_elixir/parallel/_expert_units.py`.
         compile (`bool`, `str` or `dict`, defaults to `False`): `torch.compile` each transformer block (the
             outermost children of the model's `nn.ModuleList`s), with the unshard/reshard hooks outside the
             compiled code: `True` for `torch.compile`'s defaults (inductor), a backend name (`"aot_eager"`,
@@ -267,8 +280,13 @@ class ElixirConfig:
     loss_scale: LossScalePolicy = field(default_factory=LossScalePolicy)
     process_group: Any = None
     compile: bool | str | Mapping[str, Any] = False
+    split_fused_experts: bool | str = "auto"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.split_fused_experts, bool) and self.split_fused_experts != "auto":
+            raise TypeError(f"ElixirConfig.split_fused_experts={self.split_fused_experts!r} is not supported; give "
+                            "'auto' (split fused MoE experts per expert only where the device budget needs it, the "
+                            "default), True (always one chunk unit per expert) or False (keep the fused tensors)")
         if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
             raise ValueError(
                 f"ElixirConfig.precision={self.precision!r} is not supported; use one of {PRECISIONS}."

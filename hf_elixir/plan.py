@@ -25,7 +25,7 @@ PLAN_FORMAT_VERSION = 3
 _PRECISIONS = ("fp32", "bf16", "fp16")
 #: every placement a module can take (``hf_elixir.placement.PLACEMENTS`` documents each)
 PLACEMENT_NAMES = ("sharded", "replicated", "column", "row", "column_gather", "row_split", "embedding_row",
-                   "embedding_column", "grad_allreduce", "expert")
+                   "embedding_column", "grad_allreduce", "packed_column", "mla_kv_a", "moe_tp", "expert")
 _PLACEMENTS = PLACEMENT_NAMES
 #: what a transformer block does with the tensors autograd saves (see ``hf_elixir/runtime/activations.py``)
 ACTIVATION_POLICIES = ("keep", "recompute", "offload")

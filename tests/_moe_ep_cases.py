@@ -56,10 +56,11 @@ def _silence_experts(model, experts: tuple[int, ...]) -> None:
 
 
 def ep_case(family: str, *, budget: str, idle: bool = False, save_dir: str | None = None, ep: int = 2,
-            precision: str = "fp32", checkpointing: bool = False) -> dict:
+            precision: str = "fp32", checkpointing: bool = False, split: bool | str = True) -> dict:
     """One parity case; ``budget`` = ``"none"``, ``"half"`` (half of 16 B/param of the full model) or
     ``"tight"`` (5% above ``hf_elixir.min_device_budget_bytes``, which forces evictions). ``precision="bf16"``:
-    bf16 compute with fp32 master weights against the fp32 reference."""
+    bf16 compute with fp32 master weights against the fp32 reference. ``split``: ``ElixirConfig.
+    split_fused_experts`` (``True`` here: these cases check the split layout at every budget)."""
     import hf_elixir
     from hf_elixir.parallel import build_mesh, gather_full_state_dict, parallelize
 
@@ -75,7 +76,7 @@ def ep_case(family: str, *, budget: str, idle: bool = False, save_dir: str | Non
     placements = {"*.mlp.experts": "expert"} if ep > 1 else {}
     cfg = hf_elixir.ElixirConfig(placements=placements, expert_parallel_size=ep,
                                  chunk_size_numel=CHUNK_NUMEL * (2 // ep), device_memory_budget_bytes=budget_bytes,
-                                 budget_covers_activations=False, precision=precision)
+                                 budget_covers_activations=False, precision=precision, split_fused_experts=split)
     mesh = build_mesh(cfg)
     state = parallelize(model, cfg, mesh) if ep > 1 else None  # ep=1: the plain ZeRO path, for comparison
     local_expert_shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if ".mlp.experts." in n}
@@ -114,6 +115,9 @@ def ep_case(family: str, *, budget: str, idle: bool = False, save_dir: str | Non
         "expert_containers": dict(state.expert_containers) if ep > 1 else {},
         "num_evictions": stats["num_evictions"],
         "budget_bytes": budget_bytes,
+        # ElixirConfig.split_fused_experts=True: each layer's local experts, one unit each
+        "split_pieces": sorted({m._hf_elixir_split_experts.num_pieces for m in model.modules()
+                                if hasattr(m, "_hf_elixir_split_experts")}),
     }
     if idle:  # PyTorch decays the never-routed slices (zero gradient, weight decay); they moved by exactly that
         decay = (1 - LR * WEIGHT_DECAY) ** STEPS

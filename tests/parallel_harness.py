@@ -69,6 +69,24 @@ def make_model(kind: str, *, router_bias: bool = False):
             dense_act_fn="gelu_new", router_bias=router_bias, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
         )
         return T.SwitchTransformersForConditionalGeneration(cfg)
+    if kind == "deepseek_v3":  # MLA attention (mla_kv_a_proj), shared experts, one MoE layer (experts ZeRO-sharded)
+        return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+            hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, vocab_size=128, n_routed_experts=4, q_lora_rank=16, kv_lora_rank=16,
+            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=1, n_group=1, topk_group=1,
+            num_experts_per_tok=2, max_position_embeddings=64, attention_dropout=0.0))
+    if kind == "phi3_packed":  # Phi-3's fused gate_up_proj placed packed_colwise (its config's plan gathers it)
+        cfg = T.Phi3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, pad_token_id=0,
+                           bos_token_id=1, eos_token_id=2, attention_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+        cfg.base_model_tp_plan = {**T.Phi3Config.base_model_tp_plan, "layers.*.mlp.gate_up_proj": "packed_colwise",
+                                  "layers.*.mlp.down_proj": "rowwise"}
+        return T.Phi3ForCausalLM(cfg)
+    if kind == "llama4":  # tensor-parallel experts (moe_tp_experts; packed_rowwise gate_up_proj), a shared expert
+        return T.Llama4ForCausalLM(T.Llama4TextConfig(
+            hidden_size=32, intermediate_size=16, intermediate_size_mlp=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, vocab_size=128, num_local_experts=2, max_position_embeddings=64,
+            attention_dropout=0.0))
     if kind in PLAN_FAMILIES:  # tensor-parallel placements from the config's own base_model_tp_plan
         config_cls, model_cls, extra = PLAN_FAMILIES[kind]
         cfg = getattr(T, config_cls)(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -413,7 +431,8 @@ def _save_and_reload(kind: str, model, full: dict, save_dir: str) -> dict:
     except ValueError as err:
         partial_refused = "save_pretrained_full" in str(err) and not os.path.exists(save_dir + "-partial")
     cls = {"gpt2": T.GPT2LMHeadModel, "opt": T.OPTForCausalLM,
-           "switch": T.SwitchTransformersForConditionalGeneration,
+           "switch": T.SwitchTransformersForConditionalGeneration, "deepseek_v3": T.DeepseekV3ForCausalLM,
+           "phi3_packed": T.Phi3ForCausalLM, "llama4": T.Llama4ForCausalLM,
            **{k: getattr(T, v[1]) for k, v in PLAN_FAMILIES.items()}}[kind]
     loaded = cls.from_pretrained(save_dir)
     loaded_sd = loaded.state_dict()
@@ -485,7 +504,23 @@ def stream_case(kind: str, out_dir: str) -> dict:
     }
 
 
+def expert_with_tp_case() -> dict:
+    """Mixtral with tensor_parallel_size=2 and its experts placed 'expert' (no expert-parallel axis): refused by
+    parallelize, where the experts' all-to-all used to run on WORLD and fail in the first forward."""
+    import hf_elixir
+    from hf_elixir.parallel import parallelize
+    from tests._moe_models import make_moe_model
+
+    try:
+        parallelize(make_moe_model("mixtral"), hf_elixir.ElixirConfig(tensor_parallel_size=2,
+                                                                     placements={"*.mlp.experts": "expert"}))
+    except ValueError as err:
+        return {"refused": str(err)}
+    return {"refused": ""}
+
+
 CASES = {
+    "expert_with_tp2": lambda d: expert_with_tp_case(),
     "gpt2_tp2": lambda d: train_case("gpt2", tp=2, save_dir=os.path.join(d, "gpt2_tp2")),
     "opt_tp2": lambda d: train_case("opt", tp=2, save_dir=os.path.join(d, "opt_tp2")),
     "gpt2_tp2_dp2": lambda d: train_case("gpt2", tp=2),
@@ -521,6 +556,14 @@ for _kind in PLAN_FAMILIES:
     CASES[f"elixir_{_kind}_tp2_half_bf16"] = lambda d, k=_kind: train_case(k, tp=2, elixir="half", precision="bf16")
 PLAN_CASES = [c for k in PLAN_FAMILIES for c in (f"{k}_tp2", f"elixir_{k}_tp2", f"elixir_{k}_tp2_half")]
 PLAN_CASES += ["elixir_llama_tp2_half_bf16", "elixir_gemma3_tp2_half_bf16"]
+#: plan styles beyond column/row: DeepSeek-V3's mla_kv_a_proj, Phi-3's gate_up_proj as packed_colwise, Llama-4's
+#: moe_tp_experts (packed_rowwise gate_up_proj)
+STYLE_FAMILIES = ("deepseek_v3", "phi3_packed", "llama4")
+for _kind in STYLE_FAMILIES:
+    CASES[f"{_kind}_tp2"] = lambda d, k=_kind: train_case(k, tp=2, save_dir=os.path.join(d, f"{k}_tp2"))
+    CASES[f"elixir_{_kind}_tp2_half"] = lambda d, k=_kind: train_case(k, tp=2, elixir="half")
+    PLAN_CASES += [f"{_kind}_tp2", f"elixir_{_kind}_tp2_half"]
+PLAN_CASES.append("expert_with_tp2")
 for _kind in ("llama", "gemma3"):
     CASES[f"stream_{_kind}_tp2"] = lambda d, k=_kind: stream_case(k, d)
     PLAN_CASES.append(f"stream_{_kind}_tp2")

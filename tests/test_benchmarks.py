@@ -265,3 +265,21 @@ def test_plan_tables_quick_end_to_end(tmp_path: Path) -> None:
                     tensor_parallel_placements=resolve_placements(model, ElixirConfig(tensor_parallel_size=tp)),
                     **SEARCH_EFFORT)
     assert result.best.prediction.device_peak_bytes <= need * 1.02
+def test_split_experts_quick_end_to_end(tmp_path: Path) -> None:
+    """``benchmarks/split_experts.py --quick`` (issue 30 item 3): Mixtral-8x7B's floor split is below fused (meta, no
+    data), and a microscopic MoE trains the same losses fused and split under each experts implementation."""
+    out = tmp_path / "split_experts.json"
+    argv = _documented("python benchmarks/split_experts.py --quick --out split_out/split_experts.json")
+    proc = _run(argv[:-1] + [str(out)], timeout_s=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    floor = record["floors"]["mixtral-8x7b"]
+    assert 0 < floor["split"] < floor["fused"] / 4, floor  # one expert a unit, not 8
+    for part in record["step_times"].values():
+        assert set(part["runs"]) == {"eager/fused", "eager/split", "grouped_mm/fused", "grouped_mm/split"}
+        assert part["budget_bytes"] > part["fused_floor_bytes"] >= part["split_floor_bytes"]
+        assert part["loss_max_rel_diff"] < 1e-5
+        for impl, ratio in part["split_over_fused"].items():
+            runs = part["runs"]
+            assert ratio == pytest.approx(runs[f"{impl}/split"]["median_step_s"] / runs[f"{impl}/fused"]["median_step_s"])
+    assert "| mixtral-8x7b |" in proc.stdout

@@ -63,6 +63,7 @@ CONFIG_CASES = [
     ("activation_policy", {0: "keep"}, TypeError, "activation_policy key 0 must be a block-name glob"),
     ("compile", 3, TypeError, "compile=3 must be False, True, a torch.compile backend name"),
     ("compile", {"backend": "eager", "bogus": 1}, ValueError, "compile has unknown torch.compile arguments \\['bogus'\\]"),
+    ("split_fused_experts", "yes", TypeError, "split_fused_experts='yes' is not supported; give 'auto'"),
 ]
 
 

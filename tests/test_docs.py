@@ -8,10 +8,17 @@ The convention (also in docs/contributing.md):
   repository root). ``PYTHONPATH`` holds the checkout, the hub is off (``HF_HUB_OFFLINE=1``), there is no GPU
   (``CUDA_VISIBLE_DEVICES=""``) and the simulated device is strict (``HF_ELIXIR_STRICT_DEVICE=1``, from
   conftest), one thread per process.
-- A ```python block is saved as a script and run in a fresh process; a ```bash block runs with
-  ``bash -euo pipefail``, with this interpreter's ``bin/`` first on ``PATH`` (``python``, ``hf-elixir``,
-  ``accelerate``, ``torchrun``). Other fences (```yaml, ```text, ```console) are not run unless they carry
-  ``file=``.
+- A ```python block is saved as a script and run in a fresh process, with a fresh namespace (no block sees
+  another's variables); a ```bash block runs with ``bash -euo pipefail``, with this interpreter's ``bin/`` first
+  on ``PATH`` (``python``, ``hf-elixir``, ``accelerate``, ``torchrun``). Other fences (```yaml, ```text,
+  ```console) are not run unless they carry ``file=``.
+- Start-up is shared, not state: a one-process python block's process is forked from a warm interpreter
+  (tests/_doc_warm_python.py, one per test module) that has already imported what the pages' one-process blocks
+  import at top level (torch, transformers, hf_elixir, ...), with the same environment; the child then does what
+  ``python blockNN.py`` does (cwd and ``sys.path[0]`` the scratch directory, the script as ``__main__``, stdin
+  empty, exit code, atexit). A block that changes ``os.environ`` before its last top-level import, a
+  ``procs=`` block and a bash block start their own interpreter as before; ``HF_ELIXIR_DOC_TEST_FRESH=1`` starts
+  every block's own (to check that the warm start changes nothing).
 - A marker is an HTML comment on the line right before the fence, ``<!-- doc-test: key=value key="a b" -->``:
 
   ``procs=2`` / ``procs=1,2``   the python block runs under ``torchrun --standalone --nproc_per_node=N``
@@ -33,12 +40,17 @@ benchmarks/RESULTS.md points to an existing file, and that README's test command
 
 from __future__ import annotations
 
+import ast
+import json
 import os
 import re
 import resource
+import select
+import signal
 import shlex
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -172,20 +184,117 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_block(block: Block, procs: int, scratch: Path) -> subprocess.CompletedProcess:
+def fresh_interpreter_needed(block: Block) -> bool:
+    """Whether a python block must start its own interpreter: under ``procs=``, or when it changes the
+    environment before its last top-level import (a module may read the environment as it is imported, so it
+    must not come pre-imported), or when ``HF_ELIXIR_DOC_TEST_FRESH=1``."""
+    if block.lang != "python" or "procs" in block.marker or os.environ.get("HF_ELIXIR_DOC_TEST_FRESH") == "1":
+        return True
+    try:
+        body = ast.parse(block.text).body
+    except SyntaxError:
+        return True  # let the fresh interpreter report it as a reader would see it
+    imports = [i for i, node in enumerate(body) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    before = body[:imports[-1]] if imports else []
+    return any(re.search(r"\b(environ|putenv|unsetenv)\b", ast.unparse(node)) for node in before)
+
+
+def warm_imports(blocks: list[Block]) -> list[tuple[str, str | None]]:
+    """``(module, name)`` for each top-level ``from module import name`` (``(module, None)`` for ``import
+    module``) of the blocks that run in the warm interpreter, in first-seen order."""
+    pairs: dict[tuple[str, str | None], None] = {}
+    for block in blocks:
+        if block.lang != "python" or not block.runs or fresh_interpreter_needed(block):
+            continue
+        for node in ast.parse(block.text).body:
+            if isinstance(node, ast.Import):
+                pairs.update({(alias.name, None): None for alias in node.names})
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                pairs.update({(node.module, alias.name): None for alias in node.names if alias.name != "*"})
+    return list(pairs)
+
+
+class WarmPython:
+    """The warm interpreter (tests/_doc_warm_python.py): started on first use, one forked child per block."""
+
+    SERVER = Path(__file__).with_name("_doc_warm_python.py")
+
+    def __init__(self, log: Path, imports: list[tuple[str, str | None]]) -> None:
+        self.log, self.imports, self.proc, self.pending = log, imports, None, b""
+
+    def _start(self) -> subprocess.Popen:
+        if self.proc is None or self.proc.poll() is not None:
+            self.pending = b""
+            with open(self.log, "ab") as log:
+                self.proc = subprocess.Popen([sys.executable, str(self.SERVER), json.dumps(self.imports)], cwd=ROOT,
+                                             env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+        return self.proc
+
+    def _reply(self, deadline: float | None) -> str | None:
+        """The server's next line; None when ``deadline`` (``time.monotonic()``) passes first."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], wait)[0]:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                self.close()
+                raise RuntimeError(f"the warm interpreter exited; its log:\n{self.log.read_text()[-5000:]}")
+            self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
+        return line.decode()
+
+    def run(self, script: Path, argv: list[str], timeout_s: int) -> tuple[subprocess.CompletedProcess, float]:
+        """Runs ``python SCRIPT ARGV`` in a forked child; (the result, the child's CPU seconds). Raises
+        ``subprocess.TimeoutExpired`` (the child killed) after ``timeout_s`` seconds, as ``subprocess.run`` does."""
+        proc = self._start()
+        out, err = script.with_suffix(".stdout"), script.with_suffix(".stderr")
+        request = {"script": str(script.resolve()), "argv": argv, "stdout": str(out), "stderr": str(err)}
+        proc.stdin.write((json.dumps(request) + "\n").encode())
+        proc.stdin.flush()
+        pid = int(self._reply(None).split()[1])  # the limit counts from the fork, not the server start-up
+        deadline = time.monotonic() + timeout_s
+        done = self._reply(deadline)
+        cmd = ["python", script.name, *argv]
+        if done is None:
+            os.kill(pid, signal.SIGKILL)
+            self._reply(None)
+            raise subprocess.TimeoutExpired(cmd, timeout_s, output=out.read_text(), stderr=err.read_text())
+        _, code, cpu_s = done.split()
+        return subprocess.CompletedProcess(cmd, int(code), out.read_text(), err.read_text()), float(cpu_s)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc.stdout.close()
+            self.proc = None
+
+
+def run_block(block: Block, procs: int, scratch: Path, warm: WarmPython | None = None) -> subprocess.CompletedProcess:
+    """Runs the block in ``scratch`` (in a child of ``warm`` when given and the block may use it)."""
     stem = f"block{block.index:02d}"
+    timeout_s = int(block.marker.get("timeout", DEFAULT_TIMEOUT_S))
     if block.lang == "python":
         script = scratch / f"{stem}.py"
         script.write_text(block.text)
+        args = shlex.split(block.marker["args"]) if "args" in block.marker else []
+        if warm is not None and not fresh_interpreter_needed(block):
+            proc, cpu_s = warm.run(script, args, timeout_s)
+            print(f"doc-test {block.case_id(procs)}: {cpu_s:.1f} CPU s (warm start)")
+            return proc
         cmd = ([sys.executable, script.name] if "procs" not in block.marker else
                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", script.name])
-        if "args" in block.marker:
-            cmd += shlex.split(block.marker["args"])
+        cmd += args
     else:
         script = scratch / f"{stem}.sh"
         script.write_text(command_text(block))
         cmd = ["bash", "-euo", "pipefail", script.name]
-    timeout_s = int(block.marker.get("timeout", DEFAULT_TIMEOUT_S))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, cwd=scratch, env=_env(), capture_output=True, text=True, timeout=timeout_s)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -201,6 +310,8 @@ class _PageState:
 
     def __init__(self, factory) -> None:
         self.factory, self.dirs, self.done = factory, {}, set()
+        imports = warm_imports([block for blocks in ALL_BLOCKS.values() for block in blocks])
+        self.warm = WarmPython(factory.mktemp("warm-python") / "server.log", imports)
 
     def scratch(self, page: Path) -> Path:
         if page not in self.dirs:
@@ -221,7 +332,7 @@ class _PageState:
             if earlier.index >= block.index:
                 break
             if earlier.runs and "skip" not in earlier.marker and (earlier.page, earlier.index) not in self.done:
-                _check(earlier, earlier.procs()[0], run_block(earlier, earlier.procs()[0], scratch))
+                _check(earlier, earlier.procs()[0], run_block(earlier, earlier.procs()[0], scratch, self.warm))
                 self.done.add((earlier.page, earlier.index))
 
 
@@ -235,7 +346,9 @@ def _check(block: Block, procs: int, proc: subprocess.CompletedProcess) -> None:
 
 @pytest.fixture(scope="module")
 def pages(tmp_path_factory):
-    return _PageState(tmp_path_factory)
+    state = _PageState(tmp_path_factory)
+    yield state
+    state.warm.close()
 
 
 @pytest.mark.parametrize("block,procs", CASES)
@@ -243,7 +356,7 @@ def test_doc_block_runs(block: Block, procs: int, pages: _PageState) -> None:
     if "skip" in block.marker:
         pytest.skip(f"{block.page.relative_to(ROOT)}:{block.line}: {block.marker['skip']}")
     pages.prepare_for(block)
-    _check(block, procs, run_block(block, procs, pages.scratch(block.page)))
+    _check(block, procs, run_block(block, procs, pages.scratch(block.page), pages.warm))
     pages.done.add((block.page, block.index))
 
 
@@ -274,6 +387,50 @@ def test_command_text_drops_and_appends() -> None:
     block = Block(ROOT / "README.md", 0, 1, "bash", 'pip install -e ".[x]" && python run.py \\\n    --a 1\n',
                   {"drop": "pip install", "args": "--max_steps 2"})
     assert command_text(block) == "python run.py \\\n    --a 1 --max_steps 2\n"
+
+
+def test_warm_interpreter_children_start_fresh(tmp_path: Path) -> None:
+    """Each block forked from the warm interpreter gets a fresh namespace and process state, the script's folder
+    as cwd and ``sys.path[0]``, and the exit code, traceback and timeout a ``python script.py`` run gives."""
+    warm = WarmPython(tmp_path / "server.log", [("json", None), ("os", "path")])
+    scripts = {
+        "a": "import os, sys\nos.environ['DOC_TEST_LEAK'] = '1'\nleaked = 1\nprint(os.getcwd(), sys.path[0], sys.argv)",
+        "b": "import os\nassert 'leaked' not in globals() and 'DOC_TEST_LEAK' not in os.environ\nprint(__name__)",
+        "c": "def f():\n    raise KeyError('from block c')\nf()",
+        "d": "raise SystemExit(3)",
+        "e": "import time\ntime.sleep(60)",
+    }
+    try:
+        done = {}
+        for name, text in scripts.items():
+            folder = tmp_path / name
+            folder.mkdir()
+            (folder / f"{name}.py").write_text(text + "\n")
+            if name == "e":
+                with pytest.raises(subprocess.TimeoutExpired):
+                    warm.run(folder / "e.py", [], timeout_s=1)
+            else:
+                done[name] = warm.run(folder / f"{name}.py", ["--x"], timeout_s=60)[0]
+        after_timeout = warm.run(tmp_path / "b" / "b.py", [], timeout_s=60)[0]
+    finally:
+        warm.close()
+    folder_a = str((tmp_path / "a").resolve())
+    assert done["a"].returncode == 0 and done["a"].stdout == f"{folder_a} {folder_a} ['a.py', '--x']\n", done["a"]
+    assert done["b"].returncode == 0 and done["b"].stdout == "__main__\n", done["b"]
+    assert done["c"].returncode == 1 and "KeyError: 'from block c'" in done["c"].stderr, done["c"]
+    assert 'c.py", line 3, in <module>' in done["c"].stderr and "_doc_warm_python" not in done["c"].stderr, done["c"].stderr
+    assert done["d"].returncode == 3, done["d"]
+    assert after_timeout.returncode == 0, after_timeout
+
+
+def test_blocks_that_set_the_environment_before_importing_start_their_own_interpreter() -> None:
+    page = ROOT / "docs" / "x.md"
+    late = Block(page, 0, 1, "python", "import os\nimport torch\nos.environ['WORLD_SIZE'] = '2'\n")
+    early = Block(page, 1, 1, "python", "import os\nos.environ['HF_ELIXIR_X'] = '1'\nimport hf_elixir\n")
+    launched = Block(page, 2, 1, "python", "import torch\n", {"procs": "2"})
+    assert not fresh_interpreter_needed(late)
+    assert fresh_interpreter_needed(early) and fresh_interpreter_needed(launched)
+    assert warm_imports([late, early, launched]) == [("os", None), ("torch", None)]
 
 
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\((?P<target>[^)\s]+)\)|!\[[^\]]*\]\((?P<image>[^)\s]+)\)")

@@ -134,11 +134,35 @@ def _switch_12_experts():
         pad_token_id=0, eos_token_id=1))
 
 
-def _parallel_case(model, cfg, batches: list[dict], rank: int, pick: str, half_budget: bool = False) -> dict:
+def _load_other_weights(model, ref, folder: str | None) -> bool:
+    """New full weights (the current ones plus seeded noise, the same on every rank) into the prepared parallel
+    ``model`` through ``load_full_state_dict`` (from a folder rank 0 writes with plain ``save_pretrained`` when
+    ``folder`` is given, else from the dict) and into ``ref``; whether ``model`` then gathers exactly them."""
+    import torch.distributed as dist
+
+    from hf_elixir.parallel import gather_full_state_dict, load_full_state_dict
+
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in ref.parameters():  # each tied parameter once: its names keep one value
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+    new = {k: v.clone() for k, v in ref.state_dict().items()}
+    if folder is not None:
+        if dist.get_rank() == 0:
+            ref.save_pretrained(folder)
+        dist.barrier()
+    load_full_state_dict(model, folder if folder is not None else new)
+    loaded = gather_full_state_dict(model, rank0_only=False)
+    return list(loaded) == list(new) and all(torch.equal(loaded[k], new[k]) for k in new)
+
+
+def _parallel_case(model, cfg, batches: list[dict], rank: int, pick: str, half_budget: bool = False,
+                   load_from: str | None = None) -> dict:
     """parallelize + prepare ``model``, one backward on this rank's batch (``batches[rank]``, or the one batch
     every tp rank shares); its gradients against plain PyTorch's p.grad of the mean loss over ``batches`` on the
     unmodified model. ``pick``: a substring naming the parameter read by ``get_full_grad``.
-    ``half_budget``: a model-data budget of half this rank's 16 B/param state (chunks and gradients offloaded)."""
+    ``half_budget``: a model-data budget of half this rank's 16 B/param state (chunks and gradients offloaded).
+    ``load_from``: first load other full weights (``load_full_state_dict``): ``"dict"``, or a folder to write."""
     import dataclasses
 
     from hf_elixir.parallel import parallelize
@@ -150,6 +174,8 @@ def _parallel_case(model, cfg, batches: list[dict], rank: int, pick: str, half_b
                                   budget_covers_activations=False)
     local_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     model, opt = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg)
+    loaded_exact = None if load_from is None else \
+        _load_other_weights(model, ref, None if load_from == "dict" else load_from)
     opt.backward(model(**batches[rank % len(batches)]).loss)
     with hf_elixir.full_gradients(model) as grads:
         pass
@@ -177,10 +203,11 @@ def _parallel_case(model, cfg, batches: list[dict], rank: int, pick: str, half_b
         "local_shapes": all(tuple(g.shape) == local_shapes[n] for n, g in local.items()),
         "local_names": list(local) == [n for n in local_shapes if n in local] and len(local) > 0,
         "num_sharded": sum(local_shapes[n] != shapes.get(n) for n in local),  # local shapes that are not full
+        "loaded_exact": loaded_exact,
     }
 
 
-def _parallel_worker(rank, world_size):
+def _parallel_worker(rank, world_size, out_dir):
     from parallel_harness import make_batch, make_model
     from tests._moe_ep_cases import _batch
     from tests._moe_models import make_moe_model
@@ -189,25 +216,46 @@ def _parallel_worker(rank, world_size):
     return {
         "llama_tp2": _parallel_case(
             make_model("llama"), hf_elixir.ElixirConfig(tensor_parallel_size=2, chunk_size_numel=4096),
-            [make_batch("llama", 0, 0)], rank, "layers.0.self_attn.q_proj.weight", half_budget=True),
+            [make_batch("llama", 0, 0)], rank, "layers.0.self_attn.q_proj.weight", half_budget=True, load_from="dict"),
         "qwen3_tp2": _parallel_case(  # q_norm / k_norm: replicated, gradient summed over tp (grad_allreduce)
             make_model("qwen3"), hf_elixir.ElixirConfig(tensor_parallel_size=2, chunk_size_numel=4096),
             [make_batch("qwen3", 0, 0)], rank, "layers.1.self_attn.q_norm.weight"),
-        "mixtral_ep2": _parallel_case(
+        "mixtral_ep2": _parallel_case(  # the fused slices kept whole (get_full_grad of one)
+            make_moe_model("mixtral"), hf_elixir.ElixirConfig(placements={"*.mlp.experts": "expert"},
+                                                              expert_parallel_size=2, chunk_size_numel=4096,
+                                                              split_fused_experts=False),
+            [_batch(0, r) for r in range(world_size)], rank, "layers.1.mlp.experts.down_proj"),
+        "mixtral_ep2_split": _parallel_case(  # each local expert its own unit: the names are still the fused ones
             make_moe_model("mixtral"), hf_elixir.ElixirConfig(placements={"*.mlp.experts": "expert"},
                                                               expert_parallel_size=2, chunk_size_numel=4096),
-            [_batch(0, r) for r in range(world_size)], rank, "layers.1.mlp.experts.down_proj"),
+            [_batch(0, r) for r in range(world_size)], rank, "layers.1.mlp.gate.weight",
+            load_from=f"{out_dir}/mixtral"),  # written per expert, fused back by transformers' converters
+        "deepseek_v3_tp2": _parallel_case(  # mla_kv_a: the rotary part's gradient summed over tp
+            make_model("deepseek_v3"), hf_elixir.ElixirConfig(tensor_parallel_size=2, chunk_size_numel=4096),
+            [make_batch("deepseek_v3", 0, 0)], rank, "layers.0.self_attn.kv_a_proj_with_mqa.weight",
+            load_from=f"{out_dir}/deepseek_v3"),
+        "phi3_packed_tp2": _parallel_case(  # packed_column: gate_r|up_r
+            make_model("phi3_packed"), hf_elixir.ElixirConfig(tensor_parallel_size=2, chunk_size_numel=4096),
+            [make_batch("phi3_packed", 0, 0)], rank, "layers.0.mlp.gate_up_proj.weight", load_from="dict"),
+        "llama4_tp2": _parallel_case(  # moe_tp: 3-D experts split on dim 2 (two packed parts) and dim 1
+            make_model("llama4"), hf_elixir.ElixirConfig(tensor_parallel_size=2, chunk_size_numel=4096),
+            [make_batch("llama4", 0, 0)], rank, "layers.1.feed_forward.experts.gate_up_proj",
+            load_from=f"{out_dir}/llama4"),
         "switch_ep2": _parallel_case(
             _switch_12_experts(), hf_elixir.ElixirConfig(expert_parallel_size=2, chunk_size_numel=4096),
-            [make_batch("switch", 0, r) for r in range(world_size)], rank, "decoder.block.1.layer.2.mlp.experts.expert_{expert}.wi"),
+            [make_batch("switch", 0, r) for r in range(world_size)], rank,
+            "decoder.block.1.layer.2.mlp.experts.expert_{expert}.wi", load_from="dict"),
     }
 
 
-def test_full_gradients_of_tp_and_ep_models_are_the_unmodified_models():
-    """TP=2 (Llama, Qwen3) and EP=2 (Mixtral's fused experts, Switch's expert_{i} modules) on 2 gloo ranks: after
-    one backward, full_gradients holds plain PyTorch's p.grad of the unmodified model, its names, order and full
-    shapes; local=True this rank's parameters; get_full_grad one full gradient (the local one with local=True)."""
-    results = run_distributed(_parallel_worker, 2, timeout_s=240)
+def test_full_gradients_of_tp_and_ep_models_are_the_unmodified_models(tmp_path):
+    """TP=2 (Llama, Qwen3, DeepSeek-V3's mla_kv_a, Phi-3's packed gate_up_proj, Llama-4's moe_tp experts) and EP=2
+    (Mixtral's fused experts, Switch's expert_{i} modules) on 2 gloo ranks: after one backward, full_gradients holds
+    plain PyTorch's p.grad of the unmodified model, its names, order and full shapes; local=True this rank's
+    parameters; get_full_grad one full gradient (the local one with local=True). Before it, other full weights are loaded with load_full_state_dict (a
+    dict, or a plain save_pretrained folder read slice by slice) into the prepared model and into the reference: the
+    model gathers exactly them back, and the gradient parity is on them."""
+    results = run_distributed(_parallel_worker, 2, str(tmp_path), timeout_s=240)
     for rank, per_case in enumerate(results):
         for case, m in per_case.items():
             where = f"rank {rank} {case}: {m}"
@@ -218,7 +266,9 @@ def test_full_gradients_of_tp_and_ep_models_are_the_unmodified_models():
             assert m["local_shapes"] and m["local_names"], where
             if not none:
                 assert m["one_local_shape"] == m["picked_local_shape"], where
-            if case.endswith("tp2") or case == "mixtral_ep2":
+            if case.endswith("tp2") or case.startswith("mixtral_ep2"):
                 assert m["num_sharded"] > 0, where  # the local view really is the shards
+            assert m["loaded_exact"] in (None, True), where
         assert per_case["switch_ep2"]["num_without_grad"] > 0  # some experts got no token: left out, as in PyTorch
         assert per_case["qwen3_tp2"]["one"][0].endswith("q_norm.weight")
+        assert sum(m["loaded_exact"] is True for m in per_case.values()) == 6

@@ -107,19 +107,32 @@ def _field(out: str, name: str) -> list[str]:
     return re.findall(rf"{name} ([\w.+-]+)", out)
 
 
-@pytest.mark.parametrize("model,num_processes", [("gpt2", 1), ("llama", 2)])
-def test_a_plain_loop_trains_under_elixir_and_matches_elixir_plugin(tmp_path, model, num_processes):
+# Each launch costs 10-20 s of CI; the routed prepare is the same code whichever launch installed it, so the default
+# run checks the loss parity once per model, each through the other launch; the two remaining pairs are slow.
+_HOOK_AT_1 = ("the start hook routing at 1 process: test_a_stock_trainer_script_trains_under_elixir[accelerate-1]; "
+              "the same routed prepare's loss parity at 1 process: [gpt2-1-hf-elixir]")
+_VERB_AT_2 = ("hf-elixir launch routing at 2 processes: test_a_stock_trainer_script_trains_under_elixir[hf-elixir-2] "
+              "and test_accelerate_upstream_scripts_train_under_the_launch_at_2_processes[test_script-hf-elixir]; "
+              "the same routed prepare's loss parity at 2 processes: [llama-2-accelerate]")
+
+
+@pytest.mark.parametrize("model,num_processes,via", [
+    ("gpt2", 1, "hf-elixir"),
+    pytest.param("gpt2", 1, "accelerate", marks=pytest.mark.slow(reason=_HOOK_AT_1)),
+    ("llama", 2, "accelerate"),
+    pytest.param("llama", 2, "hf-elixir", marks=pytest.mark.slow(reason=_VERB_AT_2)),
+], ids=["gpt2-1-hf-elixir", "gpt2-1-accelerate", "llama-2-accelerate", "llama-2-hf-elixir"])
+def test_a_plain_loop_trains_under_elixir_and_matches_elixir_plugin(tmp_path, model, num_processes, via):
     """Both launches (``hf-elixir launch`` and plain ``accelerate launch`` through the start hook) route the loop,
     and its final loss equals ``ElixirPlugin().prepare`` of the same loop exactly."""
     reference = _launch(tmp_path, num_processes, [str(SCRIPTS / "plugin_loop.py"), "--model", model], via="accelerate")
-    for via in ("hf-elixir", "accelerate"):
-        routed = _launch(tmp_path, num_processes, [str(SCRIPTS / "plain_loop.py"), "--model", model], via=via)
-        assert _field(routed, "DDP") == ["False"] * num_processes, (via, routed[-3000:])
-        # routed: accelerate's optimizer wrapper is hf_elixir's (at 1 process a model is never DDP anyway)
-        assert _field(routed, "OPTIMIZER_CLASS") == ["ElixirAcceleratedOptimizer"] * num_processes, via
-        losses = sorted(_field(routed, "FINAL_LOSS"))
-        assert len(losses) == num_processes and losses == sorted(_field(reference, "FINAL_LOSS")), (
-            via, routed[-2000:], reference[-2000:])
+    routed = _launch(tmp_path, num_processes, [str(SCRIPTS / "plain_loop.py"), "--model", model], via=via)
+    assert _field(routed, "DDP") == ["False"] * num_processes, (via, routed[-3000:])
+    # routed: accelerate's optimizer wrapper is hf_elixir's (at 1 process a model is never DDP anyway)
+    assert _field(routed, "OPTIMIZER_CLASS") == ["ElixirAcceleratedOptimizer"] * num_processes, via
+    losses = sorted(_field(routed, "FINAL_LOSS"))
+    assert len(losses) == num_processes and losses == sorted(_field(reference, "FINAL_LOSS")), (
+        via, routed[-2000:], reference[-2000:])
 
 
 @pytest.mark.parametrize("via,num_processes", [("hf-elixir", 2), ("accelerate", 1), ("accelerate", 2)])
@@ -129,8 +142,12 @@ def test_a_stock_trainer_script_trains_under_elixir(tmp_path, via, num_processes
     assert "elixir/device_peak_bytes" in out  # ElixirCallback's counters in the Trainer's logs
 
 
-@pytest.mark.parametrize("script,via", [("test_script", "hf-elixir"), ("test_sync", "hf-elixir"),
-                                        ("test_sync", "accelerate")])
+@pytest.mark.parametrize("script,via", [
+    ("test_script", "hf-elixir"),
+    pytest.param("test_sync", "hf-elixir", marks=pytest.mark.slow(reason=(
+        "test_sync's checks under the routed prepare: [test_sync-accelerate] (the same prepare, installed by the "
+        "start hook); hf-elixir launch's routing at 2 processes: [test_script-hf-elixir]"))),
+    ("test_sync", "accelerate")], ids=["test_script-hf-elixir", "test_sync-hf-elixir", "test_sync-accelerate"])
 def test_accelerate_upstream_scripts_train_under_the_launch_at_2_processes(tmp_path, script, via):
     out = _launch(tmp_path, 2, ["-m", "tests.upstream.accelerate_shim", script], via=via,
                   extra_env={"ELIXIR_SHIM_ROUTE": "launch", "ELIXIR_SHIM_READ_FULL": "1"})
@@ -156,13 +173,19 @@ def _yaml_without_elixir(tmp_path: Path) -> Path:
 
 
 def test_plain_accelerate_launch_without_an_elixir_section_or_with_the_hook_off_stays_ddp(tmp_path):
-    """The hook routes only a launch whose config asks for Elixir: a DDP config trains as DDP, untouched, and
-    ``HF_ELIXIR_AUTOROUTE=0`` turns routing off for an Elixir config too."""
-    for config, env in ((_yaml_without_elixir(tmp_path), {}), (YAML, {"HF_ELIXIR_AUTOROUTE": "0"})):
-        out = _launch(tmp_path, 2, [str(SCRIPTS / "plain_loop.py"), "--model", "gpt2"], via="accelerate",
+    """The hook routes only a launch whose config asks for Elixir: a DDP config trains as DDP, untouched (2
+    processes), and ``HF_ELIXIR_AUTOROUTE=0`` turns routing off for an Elixir config too: accelerate's own optimizer
+    wrapper, not hf_elixir's. That case runs at 1 process, where the hook routes too (test_a_stock_trainer_script_
+    trains_under_elixir[accelerate-1]) and a routed loop shows hf_elixir's wrapper (test_a_plain_loop_trains_under_
+    elixir_and_matches_elixir_plugin[gpt2-1-hf-elixir]): the switch acts in every
+    process before anything is prepared (the hook does not arm, hf_elixir is not imported:
+    test_the_hook_on_import_torch_arms_only_in_launched_processes_and_imports_nothing), so a second process adds
+    nothing but a launch's cost."""
+    for config, env, procs in ((_yaml_without_elixir(tmp_path), {}, 2), (YAML, {"HF_ELIXIR_AUTOROUTE": "0"}, 1)):
+        out = _launch(tmp_path, procs, [str(SCRIPTS / "plain_loop.py"), "--model", "gpt2"], via="accelerate",
                       config=config, extra_env=env)
-        assert _field(out, "DDP") == ["True", "True"], (env, out[-3000:])
-        assert _field(out, "OPTIMIZER_CLASS") == ["AcceleratedOptimizer"] * 2, out[-3000:]
+        assert _field(out, "DDP") == [str(procs > 1)] * procs, (env, out[-3000:])
+        assert _field(out, "OPTIMIZER_CLASS") == ["AcceleratedOptimizer"] * procs, out[-3000:]
 
 
 def test_plain_accelerate_launch_with_an_invalid_elixir_field_fails_at_prepare_naming_it(tmp_path):

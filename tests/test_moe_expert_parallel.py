@@ -56,6 +56,7 @@ def test_fused_experts_ep2_match_plain_pytorch(name, tmp_path_factory):
         # embedding too: Adam scales float noise in its near-zero gradients; the ep run matches that
         assert m["param_rel_worst_tensor"] < (1e-4 if "idle" in name else TOL), m
         assert set(m["expert_containers"].values()) == {4}, m
+        assert m["split_pieces"] == [2], m  # split_fused_experts=True: each rank's 2 experts, a unit each
         for fqn, shape in m["local_expert_shapes"].items():  # each rank holds 2 of the 4 experts, biases included
             assert shape[0] == 2, (fqn, shape)
     family = dict(CASES)[name]["family"]

@@ -220,27 +220,20 @@ def test_switch_recipe_trains_expert_parallel_from_the_config(tmp_path, monkeypa
     assert r["eval_ppl_after"] < r["eval_ppl_before"]
 
 
-def test_recipe_refuses_to_overwrite_another_runs_output_dir(tmp_path):
+def test_recipe_overwrites_with_the_flag_and_streams_a_local_folder_into_a_meta_model(tmp_path):
+    """--overwrite_output_dir writes over another run's files (without it the recipe refuses: the subprocess case
+    of test_recipe_cli_error_is_the_last_line_not_buried_under_usage). That run's folder is then given as
+    --model_name_or_path under hf_elixir (Accelerate path): the model is built on the meta device and
+    ElixirPlugin(checkpoint=folder) streams each process's shards; its held-out perplexity before training is the
+    one the folder's model had when it was saved. (One recipe run serves both checks.)"""
     out = tmp_path / "model"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"another run")
-    cmd = [sys.executable, str(REPO / "recipes" / "finetune_clm.py"), "--output_dir", str(out)]
-    proc = subprocess.run(cmd, env=_recipe_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr  # usage + one line, no trace
-    assert f"--output_dir {out} already holds another run's files (model.safetensors)" in proc.stderr
-    assert "--overwrite_output_dir" in proc.stderr
-    assert (out / "model.safetensors").read_bytes() == b"another run"
-    r = _run_recipe(tmp_path, "finetune_clm.py", "--max_steps", "1", "--overwrite_output_dir")
-    assert r["num_processes"] == 1 and (out / "model.safetensors").read_bytes() != b"another run"
-
-
-def test_recipe_streams_a_local_folder_into_a_meta_model(tmp_path):
-    """--model_name_or_path of a local folder under hf_elixir (Accelerate path): the model is built on
-    the meta device and ElixirPlugin(checkpoint=folder) streams each process's shards; its held-out
-    perplexity before training is the one the folder's model had when it was saved."""
-    first = _run_recipe(tmp_path, "finetune_clm.py", "--model_type", "gpt2", "--max_steps", "2")
+    first = _run_recipe(tmp_path, "finetune_clm.py", "--model_type", "gpt2", "--max_steps", "1",
+                        "--overwrite_output_dir")
+    assert first["num_processes"] == 1 and (out / "model.safetensors").read_bytes() != b"another run"
     folder = tmp_path / "pretrained"
-    (tmp_path / "model").rename(folder)
+    out.rename(folder)
     env = dict(os.environ)
     env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -310,25 +303,44 @@ def test_short_trainer_run_logs_several_steps_with_the_plain_trainer_lr_schedule
     assert {h["step"]: h["learning_rate"] for h in plain} == pytest.approx(lrs, rel=1e-12, abs=0), (plain, lrs)
 
 
-def test_recipe_cli_error_is_the_last_line_not_buried_under_usage(tmp_path):
+def test_recipe_cli_error_is_the_last_line_not_buried_under_usage(tmp_path, monkeypatch, capsys):
     """argparse printed the whole usage (over 100 lines of TrainingArguments) before the one line that
     says what is wrong; now a one-line usage, then the error, last. Exit status stays 2. `--help` works
-    (a bare '%' in a help text made it raise)."""
+    (a bare '%' in a help text made it raise). The recipe refuses to write over another run's files
+    (without --overwrite_output_dir): usage + one line, no traceback, the files untouched.
+
+    One real process (the refusal: the script's own start-up and exit status); the other two errors go through
+    the same parser in this process (``parse_args`` reads ``sys.argv``; argparse exits by ``SystemExit``)."""
     out = tmp_path / "model"
     out.mkdir()
-    (out / "config.json").write_text("{}")
+    (out / "model.safetensors").write_bytes(b"another run")
     script = str(REPO / "recipes" / "finetune_clm.py")
-    for argv, message in [(["--output_dir", str(out)], f"--output_dir {out} already holds another run's files"),
-                          (["--max_steps", "x"], "argument --max_steps/--max-steps: invalid int value: 'x'")]:
-        proc = subprocess.run([sys.executable, script, *argv], env=_recipe_env(), capture_output=True, text=True,
-                              timeout=300, cwd=tmp_path)
-        lines = proc.stderr.strip().splitlines()
-        assert proc.returncode == 2 and len(lines) <= 3, proc.stderr[-3000:]
-        assert lines[-1].startswith("finetune_clm.py: error: ") and message in lines[-1], lines
-        assert "--help" in lines[-2], lines
-    proc = subprocess.run([sys.executable, script, "--help"], env=_recipe_env(), capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0 and "--logging_steps" in proc.stdout and "7.5%" in proc.stdout, proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, script, "--output_dir", str(out)], env=_recipe_env(), capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) <= 3 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    message = f"--output_dir {out} already holds another run's files (model.safetensors)"
+    assert lines[-1].startswith("finetune_clm.py: error: ") and message in lines[-1], lines
+    assert "--overwrite_output_dir" in lines[-1] and "--help" in lines[-2], lines
+    assert (out / "model.safetensors").read_bytes() == b"another run"
+
+    monkeypatch.syspath_prepend(str(REPO / "recipes"))
+    from _recipe_common import parse_args
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["finetune_clm.py", "--max_steps", "x"])
+    with pytest.raises(SystemExit) as exited:
+        parse_args("gpt2")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(lines) <= 3, lines
+    assert lines[-1].startswith("finetune_clm.py: error: ") and \
+        "argument --max_steps/--max-steps: invalid int value: 'x'" in lines[-1], lines
+    assert "--help" in lines[-2], lines
+    monkeypatch.setattr(sys, "argv", ["finetune_clm.py", "--help"])
+    with pytest.raises(SystemExit) as exited:
+        parse_args("gpt2")
+    shown = capsys.readouterr().out
+    assert exited.value.code == 0 and "--logging_steps" in shown and "7.5%" in shown, shown[-3000:]
 
 
 def test_default_models_build_and_compute_a_loss_without_transformers_warnings(tmp_path):

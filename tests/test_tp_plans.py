@@ -122,12 +122,11 @@ def test_one_rank_parallelize_from_the_plan_keeps_outputs(single_rank_group):
     assert all(torch.equal(full[k], v) for k, v in ref.state_dict().items())
 
 
-def _deepseek_v3():
-    return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
-        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=128, n_routed_experts=4, q_lora_rank=16, kv_lora_rank=16,
-        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=1, n_group=1, topk_group=1,
-        num_experts_per_tok=2))
+def _granite_swa():
+    """GraniteSWA: attention sinks under ``local_params`` (not supported)."""
+    return T.GraniteSWAForCausalLM(T.GraniteSWAConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2))
 
 
 def _bert():
@@ -137,8 +136,14 @@ def _bert():
 
 @pytest.mark.parametrize("model_fn, config, match", [
     # an unsupported plan style: the module, the style and the fix
-    (_deepseek_v3, _cfg(tensor_parallel_size=2),
-     r"'model.layers.0.self_attn.kv_a_proj_with_mqa' with the TP style 'mla_kv_a_proj'.*tensor_parallel_size=1"),
+    (_granite_swa, _cfg(tensor_parallel_size=2),
+     r"'model.layers.0.self_attn' with the TP style 'local_params'.*tensor_parallel_size=1"),
+    # moe_tp on experts whose parameters have no plan entry saying how to split them
+    (lambda: T.MixtralForCausalLM(T.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                                  num_local_experts=4)),
+     _cfg(tensor_parallel_size=2, placements={"*.mlp.experts": "moe_tp"}),
+     r"placement 'moe_tp' of 'model.layers.0.mlp.experts' .* 'gate_up_proj' \(3-D\) has no entry in model.tp_plan"),
     # heads not divisible: both numbers (GQA: 4 query heads, 2 key/value heads)
     (lambda: make_model("llama"), _cfg(tensor_parallel_size=4),
      r"tensor_parallel_size=4 does not divide config.num_key_value_heads=2 \(num_attention_heads=4\).*one of \[1, 2\]"),
@@ -170,12 +175,63 @@ def test_unsupported_plan_style_is_refused_at_prepare_not_replicated(single_rank
     """The refusal comes from ``parallelize`` / ``prepare`` too (they resolve the same placements)."""
     from hf_elixir.parallel import parallelize
 
-    model = _deepseek_v3()
-    with pytest.raises(ValueError, match="mla_kv_a_proj"):
+    model = _granite_swa()
+    with pytest.raises(ValueError, match="local_params"):
         parallelize(model, _cfg(tensor_parallel_size=2))
     opt = torch.optim.AdamW(model.parameters())
-    with pytest.raises(ValueError, match="mla_kv_a_proj"):
+    with pytest.raises(ValueError, match="local_params"):
         hf_elixir.prepare(model, opt, _cfg(tensor_parallel_size=2))
+
+
+@pytest.mark.parametrize("kind, placement", [("deepseek_v3", "mla_kv_a"), ("phi3_packed", "packed_column"),
+                                             ("llama4", "moe_tp")])
+def test_mla_and_packed_plan_styles_match_pytorch(plans, kind, placement):
+    """DeepSeek-V3's ``mla_kv_a_proj`` (the rotary key's gradient summed over tp: without it kv_a_proj_with_mqa's
+    weights end 17% off), ``packed_colwise`` on Phi-3's fused gate_up_proj (each rank ``gate_r|up_r``) and Llama-4's
+    ``moe_tp_experts`` (every expert split: ``packed_rowwise`` gate_up_proj, ``colwise`` down_proj), plain and
+    prepared with half the state offloaded: parity with plain PyTorch, and the gathered folder loads with plain
+    from_pretrained (packed weights re-interleaved to ``gate|up``)."""
+    m = plans[f"{kind}_tp2"]
+    _check(m, elixir=False)
+    assert placement in set(m["placements"].values())
+    assert m["loaded_keys_match"] and m["loaded_bitwise"] and m["partial_refused"] and m["logits_rel"] < 1e-5, m
+    m = plans[f"elixir_{kind}_tp2_half"]
+    _check(m, elixir=True)
+    assert m["num_evictions"] > 0
+
+
+def test_packed_and_mla_placements_from_the_plans():
+    from hf_elixir.placement._hf_plans import moe_tp_splits, plan_placements
+
+    p = plan_placements(make_model("deepseek_v3"), 2, 1)
+    attn = "model.layers.1.self_attn"
+    assert [p[f"{attn}.{n}"] for n in ("q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")] == \
+        ["column", "mla_kv_a", "column", "row"]
+    assert f"{attn}.q_a_proj" not in p  # not in the plan: the default placement
+    llama4 = make_model("llama4")
+    p = plan_placements(llama4, 2, 1)
+    experts = "model.layers.0.feed_forward.experts"
+    assert p[experts] == "moe_tp" and p["model.layers.0.feed_forward.shared_expert.down_proj"] == "row"
+    assert moe_tp_splits(llama4, experts, llama4.get_submodule(experts), 2) == {"gate_up_proj": (2, 2),
+                                                                                 "down_proj": (1, 1)}
+    with pytest.raises(ValueError, match=r"gate_up_proj \(packed_rowwise\): dim 2 of size 32 is not divisible by "
+                                         r"tensor_parallel_size=32 x 2 packed parts"):
+        moe_tp_splits(llama4, experts, llama4.get_submodule(experts), 32)
+    p = plan_placements(make_model("phi3_packed"), 2, 1)
+    assert p["model.layers.0.mlp.gate_up_proj"] == "packed_column" and p["model.layers.0.mlp.down_proj"] == "row"
+    phi3 = make_model("phi3_packed")  # 128 packed features: 2 parts of 64, which tp=128 cannot split
+    with pytest.raises(ValueError, match=r"gate_up_proj': its 128 output features are not divisible by "
+                                         r"tensor_parallel_size=128 x 2 packed parts"):
+        resolve_placements(phi3, _cfg(tensor_parallel_size=128, placements={"*.self_attn.*": "sharded",
+                                                                            "*embed_tokens": "sharded",
+                                                                            "lm_head": "sharded"}))
+
+
+def test_experts_placed_expert_under_tensor_parallel_are_refused(plans):
+    """The mesh is dp x tp or dp x ep: 'expert' placements with tensor_parallel_size=2 (expert_parallel_size=1) are
+    refused by parallelize, naming the modules and the fix (before: the first forward failed in the all-to-all)."""
+    assert "placed 'expert' but ElixirConfig.expert_parallel_size=1 (tensor_parallel_size=2" in \
+        plans["expert_with_tp2"]["refused"]
 
 
 def test_ep_plan_maps_the_experts_module_to_the_expert_placement():

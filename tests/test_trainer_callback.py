@@ -1,4 +1,6 @@
-"""ElixirCallback with transformers.Trainer: 1 process and 2 processes (torchrun, gloo on CPU).
+"""ElixirCallback with transformers.Trainer: 1 process (the script runs in the test's own process, as
+``python script.py`` would run it: a one-process job is not distributed, under torchrun or not) and 2 processes
+(torchrun, gloo on CPU).
 
 The launched script runs, in one process group: Trainer + ElixirCallback (gradient accumulation 2,
 max_grad_norm 0.5, linear schedule with warm-up, a checkpoint at step 3), the same Trainer without
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 import textwrap
@@ -93,16 +96,23 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize("num_processes", [1, 2])
-def test_trainer_with_elixir_callback(tmp_path, num_processes):
+def test_trainer_with_elixir_callback(tmp_path, num_processes, monkeypatch):
     script = tmp_path / "train_trainer.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ)
-    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    if num_processes == 1:  # saves a launch (a launcher and a worker starting up: most of this case's cost)
+        import torch.distributed
+
+        assert not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ
+        monkeypatch.setattr(sys, "argv", [str(script), str(tmp_path)])
+        runpy.run_path(str(script), run_name="__main__")
+    else:
+        env = dict(os.environ)
+        env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(tmp_path)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["world"] == num_processes
     assert r["optimizer"] == "ElixirOptimizer"

@@ -37,6 +37,16 @@ def module_of(param_name: str) -> str:
     return param_name.rsplit(".", 1)[0] if "." in param_name else ""
 
 
+def _placement_of(placements: dict[str, str], param_name: str) -> str | None:
+    """The placement of the closest module above ``param_name`` that ``placements`` names: its owner, or for an
+    expert of split fused experts (one child module per expert, ``hf_elixir/parallel/_expert_units.py``) the
+    experts module, which placements name as one."""
+    module = module_of(param_name)
+    while module not in placements and module:
+        module = module_of(module)
+    return placements.get(module)
+
+
 def _group_size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
@@ -57,7 +67,7 @@ def comm_buckets(params, names, placements: dict[str, str], group_of: GroupOf):
     buckets: dict[tuple[int, int, bool], tuple] = {}
     for p in params:
         name = names[p][0]
-        replicated = placements.get(module_of(name)) == "replicated"
+        replicated = _placement_of(placements, name) == "replicated"
         group, replicas = group_of(name)
         key = (id(group), replicas, replicated)
         if key not in buckets:

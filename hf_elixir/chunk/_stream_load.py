@@ -48,7 +48,7 @@ import torch
 from hf_elixir.chunk._converted_load import check_converted, converted_sources
 
 __all__ = ["EXPERT_ROWS_ATTR", "CheckpointReader", "SlotSource", "StreamedInit", "TensorShard",
-           "meta_parameter_names", "read_chunk_range", "retie"]
+           "meta_parameter_names", "read_chunk_range", "read_local", "resolve_sources", "retie"]
 
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
@@ -321,7 +321,8 @@ def retie(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> No
         group["params"] = params
 
 
-#: set by expert parallel on a parameter holding rows ``[first, first + len)`` of a fused expert tensor:
+#: set by expert parallel on a parameter holding rows ``[first, first + len)`` of a fused expert tensor, and on
+#: each piece of split fused experts (``hf_elixir/parallel/_expert_units.py``, one row):
 #: ``(first, number of rows of the full tensor)``
 EXPERT_ROWS_ATTR = "_hf_elixir_expert_rows"
 
@@ -342,6 +343,72 @@ def _tied_sources(model: torch.nn.Module) -> dict[str, str]:
     list forms give nothing, the shared ``nn.Parameter`` already names both)."""
     tied = getattr(model, "_tied_weights_keys", None)
     return dict(tied) if isinstance(tied, dict) else {}
+
+
+def resolve_sources(reader: CheckpointReader, model: torch.nn.Module, names: dict,
+                    shards: dict[torch.nn.Parameter, TensorShard]) -> tuple[dict, dict]:
+    """Find every parameter's tensor in ``reader``'s folder and check its shape, before anything is read.
+
+    Args:
+        reader: the folder.
+        model: the model (its ``base_model_prefix``, ``_tied_weights_keys`` and transformers conversion mapping).
+        names: parameter -> its names (canonical first, then aliases).
+        shards: parameter -> :class:`TensorShard` for parameters holding a tensor-parallel slice of the file's
+            tensor; a parameter with ``EXPERT_ROWS_ATTR`` holds expert rows of it.
+
+    Returns:
+        ``(keys, bases)``: parameter -> the file tensor's name, and parameter -> its first element in that
+        tensor (non-zero for an expert-parallel slice).
+
+    Raises:
+        ValueError: a parameter has no tensor in the folder, or one of another shape (names them).
+    """
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    tied = _tied_sources(model)
+    absent = {fqns[0]: _expert_rows(param)[1] for param, fqns in names.items()
+              if reader.resolve(list(fqns), prefix) is None}
+    if absent:  # stored in another layout (e.g. per-expert): transformers' own converters build them
+        reader.add_converted(model, absent)
+    keys, bases = {}, {}
+    missing, mismatched = [], []
+    for param, fqns in names.items():
+        key = reader.resolve(list(fqns) + [tied[n] for n in fqns if n in tied], prefix)
+        if key is None:
+            missing.append(fqns[0])
+            continue
+        shape = reader.shape(key)
+        shard = shards.get(param)
+        first, full_shape = _expert_rows(param)
+        if shard is not None:
+            full_shape = shard.full_shape(param.shape)
+        if shape != full_shape:
+            mismatched.append(f"{fqns[0]} {tuple(full_shape)} vs {key!r} {tuple(shape)}")
+        keys[param] = key
+        bases[param] = first * math.prod(full_shape[1:])
+    folder = str(reader.folder)
+    if missing:
+        raise ValueError(f"checkpoint={folder!r} has no tensor for parameters {missing[:5]}"
+                         f"{' and more' if len(missing) > 5 else ''}; streamed loading needs every parameter "
+                         "in the folder (from_pretrained would initialise missing ones at random). Use the "
+                         "folder this model's architecture was saved to, or load it with from_pretrained and "
+                         "call prepare without checkpoint=")
+    if mismatched:
+        raise ValueError(f"checkpoint={folder!r} holds tensors of other shapes: {mismatched[:3]}; build the "
+                         "model from the folder's config.json (AutoConfig.from_pretrained(folder))")
+    return keys, bases
+
+
+def read_local(reader: CheckpointReader, key: str, shape: torch.Size, shard: TensorShard | None = None,
+               base: int = 0) -> torch.Tensor:
+    """This rank's part of file tensor ``key`` as a new tensor of ``shape`` in the file's dtype: the whole tensor,
+    its tensor-parallel slice (``shard``, reading only this rank's rows/columns), or the ``numel(shape)`` elements
+    from element ``base`` on (expert-parallel rows)."""
+    numel = math.prod(shape)
+    if shard is None:
+        flat = reader.read_flat(key, base, base + numel)
+    else:
+        flat = _read_shard_flat(reader, key, 0, numel, shard)
+    return flat.reshape(shape).clone()
 
 
 class StreamedInit:
@@ -390,36 +457,7 @@ class StreamedInit:
             raise
 
     def _resolve(self, model: torch.nn.Module, names: dict) -> None:
-        tied = _tied_sources(model)
-        absent = {fqns[0]: _expert_rows(param)[1] for param, fqns in names.items()
-                  if self.reader.resolve(list(fqns), self.prefix) is None}
-        if absent:  # stored in another layout (e.g. per-expert): transformers' own converters build them
-            self.reader.add_converted(model, absent)
-        missing, mismatched = [], []
-        for param, fqns in names.items():
-            key = self.reader.resolve(list(fqns) + [tied[n] for n in fqns if n in tied], self.prefix)
-            if key is None:
-                missing.append(fqns[0])
-                continue
-            shape = self.reader.shape(key)
-            shard = self.shards.get(param)
-            first, full_shape = _expert_rows(param)
-            if shard is not None:
-                full_shape = shard.full_shape(param.shape)
-            if shape != full_shape:
-                mismatched.append(f"{fqns[0]} {tuple(full_shape)} vs {key!r} {tuple(shape)}")
-            self.keys[param] = key
-            self.bases[param] = first * math.prod(full_shape[1:])
-        folder = str(self.reader.folder)
-        if missing:
-            raise ValueError(f"checkpoint={folder!r} has no tensor for parameters {missing[:5]}"
-                             f"{' and more' if len(missing) > 5 else ''}; streamed loading needs every parameter "
-                             "in the folder (from_pretrained would initialise missing ones at random). Use the "
-                             "folder this model's architecture was saved to, or load it with from_pretrained and "
-                             "call prepare without checkpoint=")
-        if mismatched:
-            raise ValueError(f"checkpoint={folder!r} holds tensors of other shapes: {mismatched[:3]}; build the "
-                             "model from the folder's config.json (AutoConfig.from_pretrained(folder))")
+        self.keys, self.bases = resolve_sources(self.reader, model, names, self.shards)
 
     def _materialize_buffers(self, model: torch.nn.Module, device: torch.device) -> None:
         rebuild: list[tuple[torch.nn.Module, str]] = []

@@ -159,7 +159,8 @@ class ElixirCallback(TrainerCallback):
         trainer._load_optimizer_and_scheduler = types.MethodType(
             _load_optimizer_and_scheduler_per_rank(type(trainer)._load_optimizer_and_scheduler), trainer)
         trainer._load_from_checkpoint = types.MethodType(
-            _refuse_tensor_parallel_resume(type(trainer)._load_from_checkpoint), trainer)
+            _load_parallel_checkpoint(type(trainer)._load_from_checkpoint), trainer)
+        trainer._load_best_model = types.MethodType(_load_parallel_best_model(type(trainer)._load_best_model), trainer)
         # Run first so Elixir's counters are in `logs` before the printer/reporters see them.
         handler = trainer.callback_handler
         if self in handler.callbacks:
@@ -314,29 +315,52 @@ def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
 
 
-def _refuse_tensor_parallel_resume(original_load):
-    """Trainer._load_from_checkpoint that refuses a tensor-parallel model by name: the checkpoint holds the
-    unmodified model's full tensors (:func:`_save_gathered`), which do not load into this rank's column/row shards
-    (before: ``load_state_dict``'s size mismatches). Expert-parallel models load: their experts keep full shapes.
+def _load_parallel_checkpoint(original_load):
+    """Trainer._load_from_checkpoint that loads a tensor/expert-parallel model's checkpoint into this rank's parts.
+
+    The checkpoint holds the unmodified model's full tensors (:func:`_save_gathered`), which do not fit this rank's
+    column/row shards or expert slices (before: ``load_state_dict``'s size mismatches, so resuming a
+    tensor-parallel model was refused). For a model rewritten by ``hf_elixir.parallel.parallelize`` every rank
+    reads its own slices of the folder's tensors (:func:`hf_elixir.parallel.load_full_state_dict`, [Note: loading
+    full tensors] in ``hf_elixir/parallel/_load.py``); any other model loads as the Trainer does. The optimizer
+    state follows from each rank's own file ([Note: parallel optimizer files]).
 
     Raises:
-        NotImplementedError: ``model`` was parallelized with ``tensor_parallel_size > 1``.
+        ValueError: the folder lacks a parameter of the model or holds another shape (names them).
+        FileNotFoundError: the folder holds no safetensors weights.
     """
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        from hf_elixir.parallel._apply import get_parallel_state  # noqa: PLC0415
+        from hf_elixir.parallel._load import load_full_state_dict  # noqa: PLC0415
 
-        state = get_parallel_state(model if model is not None else self.model)
-        if state is not None and state.mesh.mp_axis == "tp" and state.mesh.tp_size > 1:
-            raise NotImplementedError(
-                f"resume_from_checkpoint={resume_from_checkpoint!r} with a tensor-parallel model "
-                f"(tensor_parallel_size={state.mesh.tp_size}) is not supported yet: the checkpoint holds the full "
-                "model's tensors and this rank's shards cannot take them; resume expert-parallel or data-parallel "
-                "runs, or load the folder with from_pretrained and parallelize afterwards (optimizer state restarts)")
-        return original_load(self, resume_from_checkpoint, model) if model is not None else \
-            original_load(self, resume_from_checkpoint)
+        target = model if model is not None else self.model
+        if not _parallelized(target):
+            return original_load(self, resume_from_checkpoint, model) if model is not None else \
+                original_load(self, resume_from_checkpoint)
+        logger.info("loading this rank's tensor/expert-parallel parts of %s", resume_from_checkpoint)
+        result = load_full_state_dict(target, resume_from_checkpoint)
+        self._issue_warnings_after_load(result)
+        return None
 
     return _load_from_checkpoint
+
+
+def _load_parallel_best_model(original_load):
+    """Trainer._load_best_model (``load_best_model_at_end=True``) that loads a tensor/expert-parallel model's best
+    checkpoint into this rank's parts (as :func:`_load_parallel_checkpoint`; the model is prepared by then, so the load
+    is collective, and the Trainer calls it on every rank); any other model loads as the Trainer does."""
+
+    def _load_best_model(self) -> None:
+        from hf_elixir.parallel._load import load_full_state_dict  # noqa: PLC0415
+
+        if not _parallelized(self.model):
+            return original_load(self)
+        logger.info("loading this rank's parts of the best model %s (score %s)", self.state.best_model_checkpoint,
+                    self.state.best_metric)
+        self._issue_warnings_after_load(load_full_state_dict(self.model, self.state.best_model_checkpoint))
+        return None
+
+    return _load_best_model
 
 
 def _load_optimizer_and_scheduler_per_rank(original_load):

@@ -122,12 +122,26 @@ def _local_grads(manager, optimizer, names: dict, flags: torch.Tensor) -> dict[s
     return grads
 
 
+def _fused_present(model, fuse, names: dict, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``grads`` with split experts' pieces concatenated into the fused names ([Note: split fused experts] in
+    ``hf_elixir/parallel/_expert_units.py``): a fused gradient exists when any piece got one (the pieces always
+    run together, so all do), the others count as zeros."""
+    local = {name: grads[name] if name in grads else register_host(torch.zeros(param.shape, dtype=torch.float32))
+             for param, name in names.items()}
+    local, present = fuse(model, local, {name: name in grads for name in local})
+    return {name: value for name, value in local.items() if present[name]}
+
+
 def _assembled(model, assemble, names: dict, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The unmodified model's full gradients from this rank's (see [Note: readable gradients]); a collective over
     the tensor/expert-parallel group. A parameter without a gradient on this rank takes part as zeros."""
     local = {name: grads[name] if name in grads else register_host(torch.zeros(param.shape, dtype=torch.float32))
              for param, name in names.items()}
-    return assemble(local, model, present={name: name in grads for name in local})
+    present = {name: name in grads for name in local}
+    fuse = get_state(model).fuse_experts
+    if fuse is not None:  # split experts' pieces -> the fused tensors expert parallel reassembles
+        local, present = fuse(model, local, present)
+    return assemble(local, model, present=present)
 
 
 @contextlib.contextmanager
@@ -139,13 +153,14 @@ def full_gradients(model: torch.nn.Module, *, local: bool = False) -> Iterator[d
     equal to what plain PyTorch's ``p.grad`` holds after the same ``backward`` (loss scale removed, clipping
     applied; [Note: readable gradients]). For a tensor/expert-parallel model (:func:`hf_elixir.parallel.parallelize`)
     names and shapes are those of the unmodified model, as ``dict(unmodified.named_parameters())`` (shards merged,
-    experts of every rank). Collective under torch.distributed (every rank enters, in the same order).
+    experts of every rank); so are those of fused MoE experts split per expert (``ElixirConfig.split_fused_experts``:
+    the pieces concatenated on dim 0). Collective under torch.distributed (every rank enters, in the same order).
 
     Args:
         model: a model prepared by :func:`hf_elixir.prepare` with an optimizer.
         local: tensor/expert-parallel models only: this rank's view instead, in the parallelized model's names and
             shapes (its tensor-parallel shards, its experts), consolidated over the data-parallel ranks only; no
-            collective over the tp/ep group. Other models: no effect.
+            collective over the tp/ep group (split fused experts: this rank's fused slices). Other models: no effect.
 
     Yields:
         ``dict[str, torch.Tensor]``: parameter name -> full gradient (fp32, CPU), in ``named_parameters()`` order
@@ -161,8 +176,12 @@ def full_gradients(model: torch.nn.Module, *, local: bool = False) -> Iterator[d
     assemble = get_state(model).assemble_full
     if assemble is not None and not local:
         yield _assembled(model, assemble, names, grads)
-    else:
-        yield {name: grads[name] for name in names.values() if name in grads}  # named_parameters order
+        return
+    grads = {name: grads[name] for name in names.values() if name in grads}  # named_parameters order
+    fuse = get_state(model).fuse_experts
+    if fuse is not None:  # split experts: the fused names and shapes (this rank's slices with local=True)
+        grads = _fused_present(model, fuse, names, grads)
+    yield grads
 
 
 def get_full_grad(param: torch.nn.Parameter, model: torch.nn.Module, *, local: bool = False) -> torch.Tensor | None:
@@ -181,7 +200,8 @@ def get_full_grad(param: torch.nn.Parameter, model: torch.nn.Module, *, local: b
 
     Returns:
         fp32 host tensor shaped like the parameter of the unmodified model (under tensor/expert parallel: the
-        whole tensor, every rank's shards or experts merged; a Switch expert is whole already); ``None`` when it
+        whole tensor, every rank's shards or experts merged; a Switch expert is whole already; a piece of split
+        fused experts, ``ElixirConfig.split_fused_experts``, is its own ``(1, ...)`` expert); ``None`` when it
         got no gradient since the last ``zero_grad`` (as PyTorch's ``p.grad``), or is frozen.
 
     Raises:
@@ -199,7 +219,8 @@ def get_full_grad(param: torch.nn.Parameter, model: torch.nn.Module, *, local: b
     if float(flags[slot.flag_index]) > 0:
         grad = _slot_grad(_full_chunk_grad(manager, optimizer, manager.chunk_of[param]), slot)
     assemble = get_state(model).assemble_full
-    if assemble is None or local:
+    # a piece of split fused experts (parallel/_expert_units.py): its own (1, ...) rows, this rank's expert
+    if assemble is None or local or getattr(param, "_hf_elixir_expert_piece", False):
         return grad
     name = next(n for n, p in model.named_parameters() if p is param)
     return _assembled(model, assemble, {param: name}, {} if grad is None else {name: grad}).get(name)

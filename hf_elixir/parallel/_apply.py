@@ -42,7 +42,8 @@ def parallelize(model: nn.Module, config: Any, mesh: ElixirMesh | None = None) -
 
     Raises:
         ValueError: see :func:`hf_elixir.placement.resolve_placements` and :func:`build_mesh`;
-            also if the model was already parallelized.
+            also if the model was already parallelized, or modules are placed ``"expert"`` on several ranks
+            without an expert-parallel axis (``expert_parallel_size=1``, e.g. with tensor parallel).
     """
     if get_parallel_state(model) is not None:
         raise ValueError("this model was already parallelized; call parallelize once per model")
@@ -54,6 +55,14 @@ def parallelize(model: nn.Module, config: Any, mesh: ElixirMesh | None = None) -
             f"mesh (tp={mesh.tp_size}, ep={mesh.ep_size}) does not match ElixirConfig "
             f"(tensor_parallel_size={config.tensor_parallel_size}, expert_parallel_size={config.expert_parallel_size})"
         )
+    if resolved.expert_containers and mesh.ep_size == 1 and mesh.world_size > 1:
+        # the experts' all-to-all would run on no expert-parallel group (WORLD): it failed in the first forward
+        # ("Number of tensor splits not equal to group size")
+        raise ValueError(
+            f"modules {resolved.expert_containers[:2]} are placed 'expert' but ElixirConfig.expert_parallel_size=1 "
+            f"(tensor_parallel_size={mesh.tp_size}, {mesh.world_size} ranks): the mesh is dp x tp or dp x ep, so "
+            "experts spread over ranks need expert_parallel_size > 1 and tensor_parallel_size=1; drop the 'expert' "
+            "placements (the experts are then ZeRO-sharded) or set expert_parallel_size")
     state = ParallelState(mesh=mesh, placements=resolved.placements,
                           full_shapes={k: tuple(v.shape) for k, v in model.state_dict().items()})
     named = dict(model.named_modules())

@@ -52,6 +52,7 @@ from torch import nn
 
 from hf_elixir.chunk._stream_load import EXPERT_ROWS_ATTR
 from hf_elixir.parallel._collectives import all_to_all
+from hf_elixir.placement._experts import SPLIT_ATTR
 
 __all__ = ["FusedExpertDispatch", "shard_fused_experts"]
 
@@ -136,7 +137,14 @@ def shard_fused_experts(experts: nn.Module, group: Any, rank: int, size: int) ->
 
     Returns:
         E, the expert count before sharding.
+
+    Raises:
+        ValueError: ``experts`` was already split per expert (``split_fused_experts``).
     """
+    if getattr(experts, SPLIT_ATTR, None) is not None:
+        raise ValueError(f"{type(experts).__name__} was already split per expert (split_fused_experts): call "
+                         "hf_elixir.parallel.parallelize on the unmodified model; prepare splits each rank's experts "
+                         "afterwards (ElixirConfig.split_fused_experts)")
     num_experts = experts.num_experts
     assert num_experts % size == 0, f"{num_experts} experts over ep size {size}"
     num_local = num_experts // size

@@ -18,6 +18,12 @@ What each placement runs (weights as plain tensors, so chunks can hold them; see
 - ``embedding_column``: the weight's hidden columns split; a hook all-gathers the lookups.
 - ``grad_allreduce``: nothing split; each parameter's gradient is summed over the tp group as it is computed
   (before it reaches ``.grad`` or a chunk), so every tp rank holds the gradient of all heads.
+- ``packed_column``: :class:`PackedColumnLinear`, ``column`` with two packed parts (``gate_r|up_r``).
+- ``mla_kv_a``: nothing split; a hook passes the output's last ``qk_rope_head_dim`` features through an identity
+  whose backward sums the gradient over the tp group (see [Note: packed and MLA styles] in ``_hf_plans.py``).
+- ``moe_tp``: every fused expert parameter replaced by this rank's slice (``moe_tp_splits``: its plan entry's dim
+  and packed parts); the module's input and routing weights pass an identity whose backward all-reduces, its
+  output is all-reduced (a column/row pair per expert).
 
 [Note: gradient sum in forward] ``grad_allreduce`` runs the module's forward on its parameters passed through
 an identity whose backward sums the gradient over the tp group (as transformers' ``_use_local_dtensor_params``
@@ -47,8 +53,9 @@ from torch import nn
 
 from hf_elixir.parallel._collectives import copy_to_group, gather_last_dim, reduce_from_group, split_last_dim
 from hf_elixir.parallel._tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPShardLayout, _split
+from hf_elixir.placement._hf_plans import moe_tp_splits, rope_dim_of
 
-__all__ = ["ColumnGatherLinear", "RowSplitLinear", "parallelize_modules"]
+__all__ = ["ColumnGatherLinear", "PackedColumnLinear", "RowSplitLinear", "parallelize_modules"]
 
 
 class ColumnGatherLinear(ColumnParallelLinear):
@@ -65,8 +72,16 @@ class RowSplitLinear(RowParallelLinear):
         return super().forward(split_last_dim(x, self.group))
 
 
+class PackedColumnLinear(ColumnParallelLinear):
+    """:class:`ColumnParallelLinear` of a linear whose output packs two equal parts (``packed_colwise``): each part
+    is split over the tp group, so this rank holds and computes ``gate_r|up_r`` (``TPShardLayout(dim, parts=2)``)."""
+
+    def __init__(self, module: nn.Module, group: Any, rank: int, size: int) -> None:
+        super().__init__(module, group, rank, size, fused_parts=2)
+
+
 _LINEARS = {"column": ColumnParallelLinear, "column_gather": ColumnGatherLinear,
-            "row": RowParallelLinear, "row_split": RowSplitLinear}
+            "row": RowParallelLinear, "row_split": RowSplitLinear, "packed_column": PackedColumnLinear}
 
 
 def _split_embedding(module: nn.Embedding, placement: str, group: Any, rank: int, size: int) -> dict[str, TPShardLayout]:
@@ -116,13 +131,53 @@ def _sum_grads_over(module: nn.Module, group: Any) -> None:
     module.forward = forward
 
 
-def _rewrite(module: nn.Module, placement: str, group: Any, rank: int, size: int) -> tuple[nn.Module, dict]:
+def _sum_rope_grad_over(module: nn.Module, group: Any, rope_dim: int) -> None:
+    """``mla_kv_a``: the output's last ``rope_dim`` features pass an identity whose backward sums over ``group``."""
+
+    def hook(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        kv_pass, k_rot = out.split([out.shape[-1] - rope_dim, rope_dim], dim=-1)
+        return torch.cat([kv_pass, copy_to_group(k_rot, group)], dim=-1)
+
+    module.register_forward_hook(hook)
+
+
+def _split_experts_over_tp(module: nn.Module, fqn: str, model: nn.Module, group: Any, rank: int,
+                           size: int) -> dict[str, TPShardLayout]:
+    """``moe_tp``: see the module docstring and [Note: packed and MLA styles] in ``_hf_plans.py``."""
+    layouts = {}
+    for pname, (dim, parts) in moe_tp_splits(model, fqn, module, size).items():
+        param = getattr(module, pname)
+        setattr(module, pname, nn.Parameter(_split(param.data, dim, parts, rank, size),
+                                            requires_grad=param.requires_grad))
+        layouts[pname] = TPShardLayout(dim, parts)
+    original_forward = module.forward
+
+    def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if len(args) >= 2 and isinstance(args[1], torch.Tensor) and args[1].is_floating_point():  # routing weights
+            args = (args[0], copy_to_group(args[1], group), *args[2:])
+        return reduce_from_group(original_forward(copy_to_group(hidden_states, group), *args, **kwargs), group)
+
+    module.forward = forward
+    return layouts
+
+
+def _rewrite(module: nn.Module, placement: str, group: Any, rank: int, size: int,
+             model: nn.Module, fqn: str) -> tuple[nn.Module, dict]:
     """The module to install at its FQN (a new one for linears, the same one otherwise) and its layouts."""
     if placement in _LINEARS:
         new = _LINEARS[placement](module, group, rank, size)
         return new, dict(new.layouts)
     if placement.startswith("embedding_"):
         return module, _split_embedding(module, placement, group, rank, size)
+    if placement == "moe_tp":
+        return module, _split_experts_over_tp(module, fqn, model, group, rank, size)
+    if placement == "mla_kv_a":
+        rope_dim = rope_dim_of(model)
+        if not isinstance(rope_dim, int):
+            raise ValueError(f"placement 'mla_kv_a' needs config.qk_rope_head_dim (the rotary features of the "
+                             f"output, got {rope_dim!r}); place the module 'sharded' in ElixirConfig.placements")
+        _sum_rope_grad_over(module, group, rope_dim)
+        return module, {}
     assert placement == "grad_allreduce", f"rank {dist.get_rank()}: no tensor-parallel rewrite for {placement!r}"
     _sum_grads_over(module, group)
     return module, {}
@@ -147,7 +202,7 @@ def parallelize_modules(model: nn.Module, items: list[tuple[str, str]], group: A
     for fqn, placement in items:
         module = named[fqn]
         originals = dict(module.named_parameters(recurse=False))
-        new, local = _rewrite(module, placement, group, rank, size)
+        new, local = _rewrite(module, placement, group, rank, size, model, fqn)
         for pname, original in originals.items():
             if id(original) in shards:  # tied: take the shard the first owner made
                 setattr(new, pname, shards[id(original)])

@@ -13,7 +13,12 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["fused_expert_count", "is_fused_experts"]
+__all__ = ["PIECE_ATTR", "SPLIT_ATTR", "fused_expert_count", "is_fused_experts"]
+
+#: set on a fused experts module split into one child per expert (``hf_elixir/parallel/_expert_units.py``)
+SPLIT_ATTR = "_hf_elixir_split_experts"
+#: set on each such child (one expert, ``num_experts = 1``): a piece of its parent, not a container itself
+PIECE_ATTR = "_hf_elixir_expert_piece"
 
 
 def fused_expert_count(module: nn.Module) -> int | None:
@@ -21,10 +26,16 @@ def fused_expert_count(module: nn.Module) -> int | None:
 
     A fused container has an int ``num_experts`` attribute, owns parameters directly, has no child with
     parameters, and every direct parameter has at least two dims with dim 0 equal to ``num_experts``.
+    A fused container split into one child per expert ([Note: split fused experts] in
+    ``hf_elixir/parallel/_expert_units.py``) still is one (its ``num_experts``); its children are not.
     """
     num_experts = getattr(module, "num_experts", None)
     if not isinstance(num_experts, int) or isinstance(module, (nn.ModuleDict, nn.ModuleList)):
         return None
+    if getattr(module, PIECE_ATTR, False):
+        return None
+    if getattr(module, SPLIT_ATTR, None) is not None:
+        return num_experts
     params = list(module.parameters(recurse=False))
     if not params or any(True for child in module.children() for _ in child.parameters()):
         return None

@@ -22,14 +22,38 @@ transformers style                  placement             what runs
 ``embedding_rowwise``               ``embedding_row``     vocabulary split; partial lookups all-reduced
 ``embedding_colwise``               ``embedding_column``  hidden dim split; lookups all-gathered
 ``replicated_with_grad_allreduce``  ``grad_allreduce``    parameters whole on every tp rank; gradient summed over tp
+``packed_colwise``                  ``packed_column``     ``column`` per packed part: a rank holds ``gate_r|up_r``
+``mla_kv_a_proj``                   ``mla_kv_a``          weight whole; the rotary part's gradient summed over tp
+``moe_tp_experts``                  ``moe_tp``            every expert split over tp by its parameters' own entries
+                                                          (``packed_rowwise``, ``colwise``, ...); output all-reduced
 ``replicate``                       (default)             nothing split: the data-parallel default placement
 EP ``ep_dispatch_experts``          ``expert``            the experts module spread over the expert-parallel axis
 EP ``grouped_gemm``                 (its module's)        parameters of the ``ep_dispatch_experts`` module
 ==================================  ====================  ==========================================================
 
-Any other style (``packed_colwise``, ``mla_kv_a_proj``, ``local_params``, ``unit_colwise``, ``sequence_parallel``,
-...) is refused by :func:`plan_placements` naming the module, the style and the fix, never replicated or split
-in some other way.
+Any other style (``local_params``, ``unit_colwise``, ``sequence_parallel``, ``all_reduce``, ...), and a style named
+on a single parameter outside a ``moe_tp_experts`` module, is refused by :func:`plan_placements` naming the module,
+the style and the fix, never replicated or split in some other way.
+
+[Note: packed and MLA styles] ``packed_colwise`` (transformers' ``PackedColwiseParallel``) shards a linear weight
+whose output features are two packed equal parts (``gate|up``) with ``_StridedShard(dim=0, split_factor=2)``: rank
+r holds ``gate_r|up_r``, the input is replicated (its gradient all-reduced) and the output stays local, so the
+module's own ``chunk(2, dim=-1)`` yields this rank's gate and up features for a row-parallel consumer. That is
+``column`` with two fused parts (``TPShardLayout(dim, parts=2)``; GPT-2's ``c_attn`` uses three). transformers
+shards a packed *bias* with a plain ``Shard(-1)``, which does not pair with the strided weight rows; here the bias
+is split per part like the weight (the unmodified model's output). ``mla_kv_a_proj`` (``MlaKvAProjParallel``, the
+DeepSeek-V2/V3 MLA families) splits nothing: ``kv_a_proj_with_mqa``'s output is ``[kv_lora_rank |
+qk_rope_head_dim]``; the first part feeds ``kv_a_layernorm`` and the column-split ``kv_b_proj`` (whose input
+gradient is all-reduced), the rotary part goes straight to this rank's heads, so its gradient is partial and is
+summed over the tp group (identity forward, all-reduce backward on that slice of the output).
+
+``moe_tp_experts`` (``MoeExpertsParallel``; Llama-4, whose experts take every token pre-scaled by its router score)
+splits every expert over tp instead of spreading the experts: each fused 3-D parameter is split as its own plan
+entry says (:data:`PARAM_STYLE_TO_SPLIT`: ``packed_rowwise`` on ``gate_up_proj`` ``(E, H, 2I)`` = the last dim's two
+packed parts each split, a rank holds ``gate_r|up_r``; ``colwise`` on ``down_proj`` ``(E, I, H)`` = ``Shard(ndim - 2)``,
+this rank's ``I`` rows), the module's input (and routing weights, when passed) gets an all-reduce backward and its
+partial output is all-reduced, the column/row pair of Megatron per expert. A parameter of the module without an
+entry, or 1-D (a bias, which the all-reduce would add ``tp`` times), is refused.
 """
 
 from __future__ import annotations
@@ -38,7 +62,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["EP_STYLE_TO_PLACEMENT", "TP_STYLE_TO_PLACEMENT", "check_heads", "plan_placements", "read_plans"]
+__all__ = ["EP_STYLE_TO_PLACEMENT", "PARAM_STYLE_TO_SPLIT", "TP_STYLE_TO_PLACEMENT", "check_heads", "moe_tp_splits",
+           "plan_placements", "read_plans", "rope_dim_of"]
 
 #: transformers TP style -> hf_elixir placement (``None``: not split, keep the default placement)
 TP_STYLE_TO_PLACEMENT: dict[str, str | None] = {
@@ -51,8 +76,15 @@ TP_STYLE_TO_PLACEMENT: dict[str, str | None] = {
     "embedding_rowwise": "embedding_row",
     "embedding_colwise": "embedding_column",
     "replicated_with_grad_allreduce": "grad_allreduce",
+    "packed_colwise": "packed_column",
+    "mla_kv_a_proj": "mla_kv_a",
+    "moe_tp_experts": "moe_tp",
     "replicate": None,
 }
+#: parameter-entry style inside a ``moe_tp_experts`` module -> (split dim from the end, packed parts); see
+#: [Note: packed and MLA styles] (transformers: ``Shard(ndim - 2)`` / ``Shard(-1)``, ``_StridedShard(split_factor=2)``)
+PARAM_STYLE_TO_SPLIT: dict[str, tuple[int, int]] = {"colwise": (2, 1), "rowwise": (1, 1), "packed_colwise": (2, 2),
+                                                     "packed_rowwise": (1, 2)}
 #: transformers EP style -> hf_elixir placement (``None``: a parameter of the experts module, placed with it)
 EP_STYLE_TO_PLACEMENT: dict[str, str | None] = {"ep_dispatch_experts": "expert", "grouped_gemm": None}
 
@@ -127,7 +159,11 @@ def plan_placements(model: nn.Module, tp_size: int, ep_size: int, *, use_tp: boo
     tp_plan, ep_plan = read_plans(model)
     out: dict[str, str] = {}
     if tp_size > 1 and use_tp and tp_plan:
-        for fqn, module, style, is_param in _module_styles(model, tp_plan):
+        styles = _module_styles(model, tp_plan)
+        moe_tp = {fqn for fqn, _, style, is_param in styles if style == "moe_tp_experts" and not is_param}
+        for fqn, module, style, is_param in styles:
+            if is_param and fqn in moe_tp:  # split by the moe_tp rewrite (checked by moe_tp_splits)
+                continue
             if style not in TP_STYLE_TO_PLACEMENT or is_param:
                 why = "" if style not in TP_STYLE_TO_PLACEMENT else " on a single parameter"
                 raise _refuse("tp", fqn, style, tp_size, why)
@@ -136,6 +172,9 @@ def plan_placements(model: nn.Module, tp_size: int, ep_size: int, *, use_tp: boo
                 continue
             if not any(True for _ in module.parameters(recurse=False)):
                 raise _refuse("tp", fqn, style, tp_size, f" on a {type(module).__name__} that owns no parameters")
+            if placement == "mla_kv_a" and not isinstance(rope_dim_of(model), int):
+                raise _refuse("tp", fqn, style, tp_size, " without config.qk_rope_head_dim (the rotary features it "
+                              "splits off the output)")
             out[fqn] = placement
     if ep_size > 1 and use_ep and ep_plan:
         for fqn, module, style, is_param in _module_styles(model, ep_plan):
@@ -144,6 +183,43 @@ def plan_placements(model: nn.Module, tp_size: int, ep_size: int, *, use_tp: boo
             if EP_STYLE_TO_PLACEMENT[style] is not None and not is_param:
                 out[fqn] = "expert"
     return out
+
+
+def moe_tp_splits(model: nn.Module, fqn: str, module: nn.Module, tp_size: int) -> dict[str, tuple[int, int]]:
+    """Parameter name -> ``(split dim, packed parts)`` of a ``moe_tp`` module, from its parameters' plan entries.
+
+    Raises:
+        ValueError: a parameter without an entry, with a style not in :data:`PARAM_STYLE_TO_SPLIT`, 1-D, or whose
+            split dim is not divisible by ``parts * tp_size`` (naming the parameter, the style and the fix).
+    """
+    tp_plan = read_plans(model)[0]
+    out = {}
+    for pname, param in module.named_parameters(recurse=False):
+        style = _style_of(f"{fqn}.{pname}", tp_plan, is_weight=False)
+        if style not in PARAM_STYLE_TO_SPLIT or param.dim() < 2:
+            got = f"style {style!r}" if style is not None else "no entry in model.tp_plan"
+            raise ValueError(
+                f"placement 'moe_tp' of {fqn!r} splits each parameter as its plan entry says, but {pname!r} "
+                f"({param.dim()}-D) has {got} (supported on 2-D and larger: {sorted(PARAM_STYLE_TO_SPLIT)}); set "
+                f"ElixirConfig.tensor_parallel_size=1 (now {tp_size}) or place {fqn!r} 'sharded' in "
+                "ElixirConfig.placements")
+        from_end, parts = PARAM_STYLE_TO_SPLIT[style]
+        dim = param.dim() - from_end
+        if param.shape[dim] % (parts * tp_size):
+            raise ValueError(
+                f"{fqn}.{pname} ({style}): dim {dim} of size {param.shape[dim]} is not divisible by "
+                f"tensor_parallel_size={tp_size}{f' x {parts} packed parts' if parts > 1 else ''}; pick a "
+                f"tensor_parallel_size that divides {param.shape[dim] // parts}")
+        out[pname] = (dim, parts)
+    return out
+
+
+def rope_dim_of(model: nn.Module) -> Any:
+    """``qk_rope_head_dim`` of ``model``'s text config (the ``mla_kv_a`` placement's rotary features), or ``None``."""
+    config = getattr(model, "config", None)
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if callable(get_text) else config
+    return getattr(text, "qk_rope_head_dim", None)
 
 
 def check_heads(model: nn.Module, placements: dict[str, str], tp_size: int) -> None:

@@ -22,8 +22,8 @@ from typing import Any
 
 from torch import nn
 
-from hf_elixir.placement._hf_plans import check_heads, plan_placements, read_plans
-from hf_elixir.placement._experts import fused_expert_count
+from hf_elixir.placement._hf_plans import check_heads, moe_tp_splits, plan_placements, read_plans
+from hf_elixir.placement._experts import PIECE_ATTR, SPLIT_ATTR, fused_expert_count
 from hf_elixir.placement._registry import get_model_spec
 from hf_elixir.placement._spec import PLACEMENTS, ModelPlacementSpec, TensorParallelBlock
 
@@ -31,7 +31,10 @@ __all__ = ["ResolvedPlacements", "resolve_placements", "resolve_placements_detai
 
 _BLOCK_PLACEMENTS = ("column", "row")
 #: every placement that splits or hooks a module over the tensor-parallel axis
-TP_PLACEMENTS = ("column", "row", "column_gather", "row_split", "embedding_row", "embedding_column", "grad_allreduce")
+TP_PLACEMENTS = ("column", "row", "column_gather", "row_split", "embedding_row", "embedding_column", "grad_allreduce",
+                 "packed_column", "mla_kv_a", "moe_tp")
+#: tensor-parallel placements that keep the module's parameters whole (a hook over the tp group only)
+_WHOLE_TP_PLACEMENTS = ("grad_allreduce", "mla_kv_a")
 
 
 @dataclass
@@ -62,9 +65,13 @@ def _is_matmul_module(module: nn.Module) -> bool:
 
 
 def _param_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Modules that own parameters; fused experts split into one child per expert
+    ([Note: split fused experts] in ``hf_elixir/parallel/_expert_units.py``) count as the one module they were,
+    so a split and an unsplit model have the same placements."""
     return {
         fqn: mod for fqn, mod in model.named_modules()
-        if any(True for _ in mod.parameters(recurse=False))
+        if (any(True for _ in mod.parameters(recurse=False)) and not getattr(mod, PIECE_ATTR, False))
+        or getattr(mod, SPLIT_ATTR, None) is not None
     }
 
 
@@ -113,7 +120,10 @@ def _check_tp(model: nn.Module, modules: dict[str, nn.Module], placements: dict[
     standalone = [(fqn, placement) for fqn, placement in placements.items()
                   if placement in TP_PLACEMENTS and fqn not in claimed]
     for fqn, placement in standalone:
-        _check_standalone(fqn, modules[fqn], placement, tp_size)
+        if placement == "moe_tp":  # its parameters' own plan entries say how each one splits
+            moe_tp_splits(model, fqn, modules[fqn], tp_size)
+        else:
+            _check_standalone(fqn, modules[fqn], placement, tp_size)
     return blocks, standalone
 
 
@@ -125,7 +135,7 @@ def _check_standalone(fqn: str, module: nn.Module, placement: str, tp_size: int)
                              "nn.Embedding splits by vocabulary or hidden dim; use 'sharded' or 'replicated'")
         name, size = (("num_embeddings", module.num_embeddings) if placement == "embedding_row"
                       else ("embedding_dim", module.embedding_dim))
-    elif placement == "grad_allreduce":
+    elif placement in _WHOLE_TP_PLACEMENTS:
         return
     else:
         if not _is_matmul_module(module):
@@ -135,13 +145,15 @@ def _check_standalone(fqn: str, module: nn.Module, placement: str, tp_size: int)
             )
         conv = type(module).__name__ == "Conv1D"
         out_features, in_features = (module.weight.shape[1], module.weight.shape[0]) if conv else module.weight.shape
-        name, size = (("output features", out_features) if placement.startswith("column")
+        name, size = (("output features", out_features) if placement.startswith(("column", "packed_column"))
                       else ("input features", in_features))
-    if size % tp_size:
+    parts = 2 if placement == "packed_column" else 1  # each packed part is split on its own
+    if size % (parts * tp_size):
         raise ValueError(
-            f"module {fqn!r}: its {size} {name} are not divisible by tensor_parallel_size={tp_size} (placement "
-            f"{placement!r} splits them evenly); pick a tensor_parallel_size that divides {size}, or place the "
-            "module 'sharded' in ElixirConfig.placements"
+            f"module {fqn!r}: its {size} {name} are not divisible by tensor_parallel_size={tp_size}"
+            f"{f' x {parts} packed parts' if parts > 1 else ''} (placement {placement!r} splits them evenly); pick a "
+            f"tensor_parallel_size that divides {size // parts}, or place the module 'sharded' in "
+            "ElixirConfig.placements"
         )
 
 
@@ -207,11 +219,13 @@ def _check_experts(model: nn.Module, modules: dict[str, nn.Module], placements: 
 def _tied_layout(module: nn.Module, placement: str) -> object:
     """What a placement does to a module's weight: the dim it splits over tp, or the placement itself.
     An embedding split by vocabulary and its tied ``lm_head`` split by output features hold the same rows."""
-    if placement not in TP_PLACEMENTS or placement == "grad_allreduce":
+    if placement not in TP_PLACEMENTS or placement in _WHOLE_TP_PLACEMENTS or placement == "moe_tp":
         return placement
     conv = type(module).__name__ == "Conv1D"
     if placement.startswith("embedding_"):
         return ("tp", 0 if placement == "embedding_row" else 1)
+    if placement == "packed_column":
+        return ("tp", int(conv), 2)
     return ("tp", (0 if placement.startswith("column") else 1) ^ int(conv))
 
 

@@ -35,6 +35,14 @@ __all__ = ["PLACEMENTS", "ModelPlacementSpec", "TensorParallelBlock"]
 #: - ``"grad_allreduce"``: parameters whole on every tensor-parallel rank, in a module that sees only this
 #:   rank's heads (Qwen3's ``q_norm``): gradients summed over the tensor-parallel group
 #:   (``replicated_with_grad_allreduce``).
+#: - ``"packed_column"``: ``"column"`` on a linear whose output packs two equal parts (``gate|up``): each part is
+#:   split over the tensor-parallel axis, a rank holds ``gate_r|up_r`` (``packed_colwise``).
+#: - ``"mla_kv_a"``: parameters whole on every tensor-parallel rank (DeepSeek MLA's ``kv_a_proj_with_mqa``); the
+#:   gradient of the output's last ``qk_rope_head_dim`` features (the rotary key every rank's heads share) is
+#:   summed over the tensor-parallel group (``mla_kv_a_proj``).
+#: - ``"moe_tp"``: every expert of a fused experts module split over the tensor-parallel axis as its parameters'
+#:   plan entries say (Llama-4: ``gate_up_proj`` packed on the last dim, ``down_proj`` on dim 1); the partial
+#:   output all-reduced (``moe_tp_experts``).
 #: - ``"expert"``: the experts of an MoE layer spread over the expert-parallel axis (a fused 3-D experts
 #:   module such as ``MixtralExperts`` as a whole, or the experts of a registered container).
 #:

@@ -25,6 +25,8 @@ from typing import Any
 
 from torch import nn
 
+from hf_elixir.placement._experts import PIECE_ATTR, SPLIT_ATTR
+
 __all__ = ["add_meta_expert_flops", "moe_layers", "record_moe_layers"]
 
 _TOP_K_FIELDS = ("num_experts_per_tok", "experts_per_token", "moe_topk", "top_k")
@@ -41,6 +43,10 @@ def _top_k(model: nn.Module, module: nn.Module) -> int | None:
 
 def _fused_expert_numel(module: nn.Module) -> tuple[int, int] | None:
     """``(num_experts, parameter numel of all experts)`` when ``module`` holds fused 3-D expert weights."""
+    if getattr(module, PIECE_ATTR, False):  # one expert of split fused experts: counted with its parent
+        return None
+    if getattr(module, SPLIT_ATTR, None) is not None:  # split per expert (hf_elixir/parallel/_expert_units.py)
+        return module.num_experts, sum(p.numel() for p in module.parameters() if p.dim() == 3)
     weights = [p for p in module.parameters(recurse=False) if p.dim() == 3]
     if not weights or len({p.shape[0] for p in weights}) != 1:
         return None
@@ -64,7 +70,9 @@ def add_meta_expert_flops(model: nn.Module, profile: Any, tokens: int) -> None:
         experts, numel = fused
         forward = 2.0 * tokens * min(top_k, experts) * numel / experts
         for phase, flops in (("fwd", forward), ("bwd", 0.0 if profile.forward_only else 2.0 * forward)):
-            events = [e for e in profile.events if e.module == name and e.phase == phase]
+            # split experts: their FLOPs go to the experts' own events (one unit per expert)
+            events = [e for e in profile.events if (e.module == name or e.module.startswith(name + "."))
+                      and e.phase == phase]
             if not events or sum(e.flops for e in events) >= 0.5 * flops:
                 continue
             for event in events:

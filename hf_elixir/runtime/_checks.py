@@ -42,8 +42,10 @@ def check_streamed_init(model, config: ElixirConfig, checkpoint, *, is_parallel:
     """Refuse what streamed init does not support, and a meta model without ``checkpoint=``.
 
     Args:
-        is_parallel: the model was rewritten by ``hf_elixir.parallel.parallelize`` with tensor and expert
-            parallel together (each streams alone; the two together are not supported yet).
+        is_parallel: the model was rewritten by ``hf_elixir.parallel.parallelize`` with tensor parallel and
+            experts placed ``"expert"`` (a backstop: the mesh is dp x tp or dp x ep, and ``parallelize`` refuses
+            ``"expert"`` placements without an expert-parallel axis; the slices themselves would compose, as
+            tensor-parallel and expert-row parameters are disjoint).
 
     Raises:
         ValueError: meta parameters without ``checkpoint``; ``checkpoint`` with a parallelized model or with

@@ -51,6 +51,9 @@ class ElixirState:
     #: ``hf_elixir/parallel/_gather.py``, which turns this rank's tensors into the unmodified model's full ones; the
     #: gradient readers (a lower layer) reach it here. ``None`` for other models.
     assemble_full: Callable | None = None
+    #: a model whose fused experts were split ([Note: split fused experts] in ``parallel/_expert_units.py``):
+    #: ``fuse_experts(model, tensors, present) -> (tensors, present)`` maps the pieces back to the fused names
+    fuse_experts: Callable | None = None
 
 #: id(parameter) -> (weak reference to it, the prepared model owning it): every parameter a prepared model
 #: packed into its chunks (a parameter two prepared models both packed would be stepped twice)

@@ -15,14 +15,16 @@ from hf_elixir.chunk._build import chunk_specs, element_bytes, unique_params
 from hf_elixir.chunk.manager import budget_error
 from hf_elixir.config import ElixirConfig
 from hf_elixir.parallel import get_parallel_state, placements_for_plan
+from hf_elixir.parallel._expert_units import splittable_names, temporarily_split
 from hf_elixir.parallel._groups import planned_chunk_groups
 from hf_elixir.placement._device_placement import device_floor_bytes, place_chunks, replicated_bytes
 from hf_elixir.plan import ElixirPlan
+from hf_elixir.runtime._state import is_prepared
 from hf_elixir.runtime.compile import compiled_units
 from hf_elixir.runtime.hooks import mark_subtree_chunks, unit_chunks
 from hf_elixir.search._chunk_size import chunk_size_for
 
-__all__ = ["min_device_budget_bytes", "place_within_budget", "raise_if_replicating_needs_less"]
+__all__ = ["min_device_budget_bytes", "place_within_budget", "raise_if_replicating_needs_less", "split_needed"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,9 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
     activations.
 
     Args:
-        model: the model ``prepare`` will get (after :func:`hf_elixir.parallel.parallelize`, if used).
+        model: the model ``prepare`` will get (after :func:`hf_elixir.parallel.parallelize`, if used). With
+            ``ElixirConfig.split_fused_experts`` ``True`` or ``"auto"`` (the default: ``prepare`` splits at a
+            budget below the fused floor) its fused MoE experts are counted split per expert, as ``prepare`` splits them (the model is split and put back while this runs; nothing is copied).
         optimizer: the optimizer ``prepare`` will get, or ``None`` for inference (no gradient buffers:
             a smaller floor). Its kind sizes the optimizer states kept on the device with
             ``ElixirConfig(offload_optimizer=False)``; otherwise they go to the host and do not count.
@@ -74,7 +78,36 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
         logger.warning("min_device_budget_bytes: activation_bytes=%d ignored: ElixirConfig.budget_covers_activations="
                        "False makes the budget bound model data only", activation_bytes)
         activation_bytes = 0
-    return _model_data_floor_bytes(model, optimizer, config, world_size) + activation_bytes
+    # the model prepare will lay out: fused MoE experts split per expert ([Note: split fused experts])
+    with temporarily_split(model, config.split_fused_experts is not False and not is_prepared(model)):
+        return _model_data_floor_bytes(model, optimizer, config, world_size) + activation_bytes
+
+
+def split_needed(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, config: ElixirConfig,
+                 budget_bytes: int | None, world_size: int, plan: ElixirPlan | None) -> bool:
+    """Whether ``prepare`` splits ``model``'s fused MoE experts per expert ([Note: split fused experts] in
+    ``hf_elixir/parallel/_expert_units.py``) under ``ElixirConfig.split_fused_experts``.
+
+    ``True`` / ``False``: as given. ``"auto"``: a model without splittable fused experts, no; a ``plan`` made for
+    the split model (none of the fused parameter names in ``plan.param_order``; ``hf-elixir plan`` splits by
+    default) or for the fused one (they are there): as the plan was made; else split when ``budget_bytes`` (the
+    agreed device budget, bytes per rank; ``None``: no budget, everything resident) is below the fused model's
+    :func:`min_device_budget_bytes` plus the plan's activation room, so the fused layout, which runs each layer's
+    experts as one call, is kept wherever it fits.
+    """
+    if config.split_fused_experts is not True and config.split_fused_experts is not False:  # "auto"
+        fused = splittable_names(model)
+        if not fused:
+            return False
+        if plan is not None and plan.param_order:
+            return not set(fused) & set(plan.param_order)
+        if budget_bytes is None:
+            return False
+        activation = plan.activation_peak_bytes if plan is not None and config.budget_covers_activations else 0
+        kept = dataclasses.replace(config, split_fused_experts=False)
+        return budget_bytes < min_device_budget_bytes(model, optimizer, kept, world_size,
+                                                      activation_bytes=int(activation or 0))
+    return config.split_fused_experts
 
 
 def _model_data_floor_bytes(model, optimizer, config: ElixirConfig, world_size: int) -> int:
