@@ -16,7 +16,10 @@ Assumptions (printed too, and in the JSON): bf16, AdamW, fp32 gradient reduce, b
 data-parallel rank (the ranks of a tensor-parallel group share it), activations counted in the device budget;
 device rates from the ``--gpu`` presets (``hf_elixir/profiler/_gpu_presets.py``, data sheets derated); host-side
 rates fixed, not measured here (host AdamW ``--host-adam-gelems`` G elements/s per rank, default 4.5 as in
-``benchmarks/predicted_gpu.py``), so every run on any machine prices the same. The search runs at reduced effort
+``benchmarks/predicted_gpu.py``), so every run on any machine prices the same. Fused MoE experts are kept fused:
+``prepare``'s default ``split_fused_experts="auto"`` splits them only under a budget below the fused model's floor,
+which none of these targets is; ``--split-fused-experts`` plans them split, as ``hf-elixir plan`` does by default
+(one hook unit per expert: the search then takes minutes a target for Qwen3-30B-A3B's 48 x 128 experts). The search runs at reduced effort
 (``SEARCH_EFFORT``: fewer chunk sizes and grid points, a shorter local refinement; ``--full-effort`` runs
 ``hf-elixir plan``'s), which keeps the whole table to a few minutes on 2 CPU cores; the full search may find a
 slightly faster plan.
@@ -38,6 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_elixir.config import ElixirConfig  # noqa: E402
+from hf_elixir.parallel._expert_units import split_fused_experts  # noqa: E402
 from hf_elixir.placement import resolve_placements  # noqa: E402
 from hf_elixir.profiler import HardwareProfile, profile_step  # noqa: E402
 from hf_elixir.profiler._gpu_presets import preset_hardware  # noqa: E402
@@ -130,14 +134,18 @@ def min_budget_bytes(profile, hw: HardwareProfile, common: dict, tp: int, ep: in
 
 
 def rows_for(name: str, targets: tuple[Target, ...], *, batch: int, seq: int, host_adam: float,
-             effort: dict) -> list[dict]:
-    """One record per target of ``name``: the chosen plan, or why nothing fits."""
+             effort: dict, split_experts: bool = False) -> list[dict]:
+    """One record per target of ``name``: the chosen plan, or why nothing fits. ``split_experts``: fused MoE
+    experts split into one chunk unit per expert first (``hf-elixir plan``'s default; [Note: split fused experts]
+    in ``hf_elixir/parallel/_expert_units.py``)."""
     started = time.perf_counter()
     config = load_config(name)
     positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     if positions and seq > positions:
         raise ValueError(f"--seq-len {seq} is longer than {name}'s {positions} positions")
     model, sample = meta_model_and_batch(config, batch_size=batch, seq_len=seq, dtype=torch.bfloat16)
+    if split_experts:  # the model prepare lays out below the fused floor (split_fused_experts="auto")
+        split_fused_experts(model)
     profile = profile_step(model, sample, device="meta")
     profiled_s = time.perf_counter() - started
     out = []
@@ -209,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=1, help="micro-batch per data-parallel rank")
     parser.add_argument("--seq-len", type=int, default=None, help="default 2048 (--quick: 256)")
     parser.add_argument("--host-adam-gelems", type=float, default=4.5, help="host AdamW G elements/s per rank")
+    parser.add_argument("--split-fused-experts", default=False, action=argparse.BooleanOptionalAction,
+                        help="one chunk unit per expert of fused MoE experts, as hf-elixir plan does by default "
+                        "(default here: kept fused, see the module docstring; split, a 48-layer 128-expert model "
+                        "takes minutes a target)")
     parser.add_argument("--full-effort", action="store_true", help="search as hf-elixir plan does (slower)")
     parser.add_argument("--quick", action="store_true", help="one small model on one target (a smoke test)")
     parser.add_argument("--json", default="benchmarks/plan_tables.json")
@@ -225,11 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in models:
         rows += rows_for(name, targets, batch=args.batch_size, seq=args.seq_len,
-                         host_adam=args.host_adam_gelems * 1e9, effort=effort)
+                         host_adam=args.host_adam_gelems * 1e9, effort=effort,
+                         split_experts=args.split_fused_experts)
     elapsed = time.perf_counter() - started
     assumptions = {"precision": "bf16", "optimizer": "adamw", "reduce_dtype": "fp32", "batch_size": args.batch_size,
                    "seq_len": args.seq_len, "host_adam_gelems": args.host_adam_gelems,
                    "search_effort": effort or "full (hf-elixir plan's)", "activations_on_device": True,
+                   "split_fused_experts": args.split_fused_experts,
                    "runtime_s": round(elapsed, 1)}
     print(f"PREDICTED (cost model, no GPU): bf16 AdamW, batch {args.batch_size} x {args.seq_len} per data-parallel "
           f"rank, host AdamW {args.host_adam_gelems} G elements/s per rank, search effort "
