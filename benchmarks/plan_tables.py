@@ -18,7 +18,7 @@ device rates from the ``--gpu`` presets (``hf_elixir/profiler/_gpu_presets.py``,
 rates fixed, not measured here (host AdamW ``--host-adam-gelems`` G elements/s per rank, default 4.5 as in
 ``benchmarks/predicted_gpu.py``), so every run on any machine prices the same. Fused MoE experts are kept fused:
 ``prepare``'s default ``split_fused_experts="auto"`` splits them only under a budget below the fused model's floor,
-which none of these targets is; ``--split-fused-experts`` plans them split, as ``hf-elixir plan`` does by default
+and every plan of the table fits above it (the DeepSeek-V3 targets that do not fit lack host memory as well); ``--split-fused-experts`` plans them split, as ``hf-elixir plan`` does by default
 (one hook unit per expert: the search then takes minutes a target for Qwen3-30B-A3B's 48 x 128 experts). The search runs at reduced effort
 (``SEARCH_EFFORT``: fewer chunk sizes and grid points, a shorter local refinement; ``--full-effort`` runs
 ``hf-elixir plan``'s), which keeps the whole table to a few minutes on 2 CPU cores; the full search may find a
