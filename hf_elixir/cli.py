@@ -75,8 +75,10 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--host-adam-gelems", type=float, default=None,
                       help="host AdamW G elements/s of the target's CPU, per rank (default: measured here, which "
                       "says little about a GPU server's host when planning from another machine)")
-    plan.add_argument("--tensor-parallel-size", type=int, default=1,
-                      help="tensor-parallel ranks within --num-gpus (placements column/row)")
+    plan.add_argument("--tensor-parallel-size", type=_tensor_parallel_flag, default=1,
+                      help="tensor-parallel ranks within --num-gpus (placements column/row; the ranks of a "
+                      "tensor-parallel group share one --batch-size micro-batch), or auto: the search tries 1, 2, 4 "
+                      "and 8 within a node (--gpus-per-node) and keeps the fastest per token that fits")
     plan.add_argument("--expert-parallel-size", type=int, default=None,
                       help="expert-parallel ranks within --num-gpus (MoE experts placed 'expert'); default: the "
                       "search tries 1 and the largest that divides --num-gpus and the expert count, and keeps the "
@@ -111,6 +113,16 @@ OPTIMIZER_TERMS = {"adamw": (2, False), "adam": (2, False), "adamw-amsgrad": (3,
                    "sgd-momentum": (1, True), "sgd": (0, True), "none": (0, False)}
 
 
+def _tensor_parallel_flag(value: str) -> int | str:
+    """``--tensor-parallel-size``: an int, or ``"auto"``."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an int or 'auto'") from None
+
+
 def _add_step_flags(parser: argparse.ArgumentParser) -> None:
     """The flags ``plan`` and ``profile`` share: what is trained and how the budget is counted (the same
     values give the same search, so both accept or both refuse a budget)."""
@@ -138,23 +150,41 @@ def _add_step_flags(parser: argparse.ArgumentParser) -> None:
                         "model data only (the CPU simulated pool's; default for profile, whose step runs on this CPU)")
 
 
-def _search(args: argparse.Namespace, profile, hardware, budget: int, **extra):
-    """The search both commands run, from the shared flags (:func:`_add_step_flags`); ``plan`` tries the
-    expert-parallel degrees of ``--expert-parallel-size`` (``search_expert_parallel``), ``profile`` none."""
-    from hf_elixir.search import search, search_expert_parallel
+def _search(args: argparse.Namespace, profile, hardware, budget: int, placements_at=None, heads: tuple = (),
+            **extra):
+    """The search both commands run, from the shared flags (:func:`_add_step_flags`). ``plan`` tries the
+    expert-parallel degrees of ``--expert-parallel-size`` (``search_expert_parallel``) at the tensor-parallel degree
+    of ``--tensor-parallel-size`` (``placements_at(tp)``: the placements there); with ``auto`` the tensor-parallel
+    degrees (``search_tensor_parallel``; ``heads``: the head counts they must divide) and, for a MoE model without
+    ``--expert-parallel-size``, the expert-parallel ones too: the fastest per token of the whole job wins.
+    ``profile`` tries none."""
+    from hf_elixir.search import search, search_expert_parallel, search_parallel
 
+    common = _common_search_args(args, budget)
+    if not hasattr(args, "gpus_per_node"):  # profile
+        return search(profile, hardware, **common, **extra)
+    extra["ranks_per_host"] = args.gpus_per_node
+    tp, ep = args.tensor_parallel_size, args.expert_parallel_size
+    if tp != "auto" or (ep or 1) > 1:  # one tensor-parallel degree (1 beside expert parallel: ElixirConfig)
+        tp = 1 if tp == "auto" else tp
+        ep = ep or (1 if tp > 1 else None)
+        return search_expert_parallel(profile, hardware, expert_parallel_sizes=(ep,) if ep else None,
+                                      tensor_parallel_size=tp,
+                                      tensor_parallel_placements=placements_at(tp) if tp > 1 else None,
+                                      **common, **extra)
+    return search_parallel(profile, hardware, tensor_parallel_placements=placements_at, heads=heads,
+                           **({"expert_parallel_sizes": (1,)} if ep == 1 else {}), **common, **extra)
+
+
+def _common_search_args(args: argparse.Namespace, budget: int) -> dict:
+    """The search arguments the shared flags give (every command, every degree)."""
     optim_states, snapshot_rollback = OPTIMIZER_TERMS[args.optimizer]
-    run = search
-    if hasattr(args, "gpus_per_node"):  # plan
-        ep = args.expert_parallel_size or (1 if args.tensor_parallel_size > 1 else None)  # not both (ElixirConfig)
-        extra.update(expert_parallel_sizes=(ep,) if ep else None, ranks_per_host=args.gpus_per_node)
-        run = search_expert_parallel  # search's arguments, and the expert-parallel degrees
-    return run(profile, hardware, world_size=args.num_gpus, precision=args.precision,
-                  optim_states=optim_states, snapshot_rollback=snapshot_rollback,
-                  reduce_dtype=None if args.reduce_dtype == "compute" else "fp32", device_memory_budget_bytes=budget, safety_margin=args.safety_margin,
-                  activations_on_device=args.activations_on_device,
-                  activation_checkpointing={"auto": None, "on": True, "off": False}[args.activation_checkpointing],
-                  host_memory_name="--host-memory (bytes per machine, e.g. 2TiB)", **extra)
+    return dict(world_size=args.num_gpus, precision=args.precision, optim_states=optim_states,
+                snapshot_rollback=snapshot_rollback, reduce_dtype=None if args.reduce_dtype == "compute" else "fp32",
+                device_memory_budget_bytes=budget, safety_margin=args.safety_margin,
+                activations_on_device=args.activations_on_device,
+                activation_checkpointing={"auto": None, "on": True, "off": False}[args.activation_checkpointing],
+                host_memory_name="--host-memory (bytes per machine, e.g. 2TiB)")
 
 
 def _target_hardware(args: argparse.Namespace):
@@ -224,17 +254,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         split_fused_experts(model)
     profile = profile_step(model, batch, device="meta", forward_only=args.optimizer == "none")
     hardware, notes = _target_hardware(args)
-    placements = _placements(model, args, args.expert_parallel_size or 1)
+    fixed_tp = 1 if args.tensor_parallel_size == "auto" else args.tensor_parallel_size
+    placements = _placements(model, args, args.expert_parallel_size or 1, fixed_tp)
     # replicated data parallelism (whole chunks, gradient all-reduce) is searched for plain data parallel
-    model_parallel = args.tensor_parallel_size > 1 or (args.expert_parallel_size or 1) > 1
+    model_parallel = fixed_tp > 1 or (args.expert_parallel_size or 1) > 1
     result = _search(args, profile, hardware, hardware.device_total_bytes, host_memory_bytes=hardware.host_total_bytes,
                      data_parallel="sharded" if model_parallel else "auto",
-                     replicated_placements={fqn: "replicated" for fqn in placements})
+                     replicated_placements={fqn: "replicated" for fqn in placements},
+                     placements_at=lambda tp: _placements(model, args, 1, tp), heads=_head_counts(config))
     plan, best = result.plan, result.best
     plan.reasons.extend(notes)
     if best.data_parallel == "sharded":
-        plan.placements = (placements if best.expert_parallel_size == (args.expert_parallel_size or 1)
-                           else _placements(model, args, best.expert_parallel_size))
+        plan.placements = (placements if (best.expert_parallel_size, best.tensor_parallel_size)
+                           == (args.expert_parallel_size or 1, fixed_tp)
+                           else _placements(model, args, best.expert_parallel_size, best.tensor_parallel_size))
     if profile.static:
         plan.reasons.append("the model could not run on meta; a static trace (module order) was used")
 
@@ -257,7 +290,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     chosen = Table(title="chosen plan")
     chosen.add_column("field")
     chosen.add_column("value")
-    chosen.add_row("data parallel", best.data_parallel)
+    chosen.add_row("data parallel", f"{best.data_parallel} over {args.num_gpus // best.tensor_parallel_size} rank(s)")
+    chosen.add_row("tensor parallel", f"{best.tensor_parallel_size}" + (
+        f" (all-reduces/all-gathers {_gib(best.prediction.tensor_parallel_bytes)} a step per rank)"
+        if best.tensor_parallel_size > 1 else ""))
     if profile.moe_layers:
         chosen.add_row("expert parallel", f"{best.expert_parallel_size} (all-to-all "
                        f"{_gib(best.prediction.alltoall_bytes)} a step per rank)")
@@ -276,14 +312,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     console.print(chosen)
 
     alts = Table(title="next-best alternatives")
-    for col in ("data parallel", "EP", "chunk", "resident", "cache blocks", "device optim", "prefetch", "activations",
+    for col in ("data parallel", "TP", "EP", "chunk", "resident", "cache blocks", "device optim", "prefetch",
+                "activations",
                 "step time", "device peak", "host"):
         alts.add_column(col)
     others = [c for c in result.best_by_mode.values() if c is not best and c not in result.alternatives]
     shown = set()
     for cand in [best] + result.alternatives + others:
         k = cand.knobs
-        row = (cand.data_parallel, str(cand.expert_parallel_size), str(cand.chunk_size_numel), str(len(k.resident)),
+        row = (cand.data_parallel, str(cand.tensor_parallel_size), str(cand.expert_parallel_size),
+               str(cand.chunk_size_numel), str(len(k.resident)),
                str(k.cache_blocks), str(len(k.device_optim)), str(k.prefetch_depth),
                policy_summary(cand.activation_policy), _human_s(cand.prediction.step_s),
                _gib(cand.prediction.device_peak_bytes), _gib(cand.prediction.host_bytes))
@@ -303,18 +341,29 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _placements(model, args: argparse.Namespace, expert_parallel_size: int) -> dict[str, str]:
-    """Every parameter-owning module's placement (``hf_elixir.placement.resolve_placements``) at that
-    expert-parallel degree."""
+def _placements(model, args: argparse.Namespace, expert_parallel_size: int,
+                tensor_parallel_size: int) -> dict[str, str]:
+    """Every parameter-owning module's placement (``hf_elixir.placement.resolve_placements``) at those
+    expert- and tensor-parallel degrees.
+
+    Raises:
+        ValueError: a degree below 1 or not dividing ``--num-gpus``, or placements the model refuses at it.
+    """
     from hf_elixir.config import ElixirConfig
     from hf_elixir.placement import resolve_placements
 
-    for name, size in (("tensor_parallel_size", args.tensor_parallel_size),
+    for name, size in (("tensor_parallel_size", tensor_parallel_size),
                        ("expert_parallel_size", expert_parallel_size)):
         if size < 1 or args.num_gpus % size:
             raise ValueError(f"--{name.replace('_', '-')}={size} must be >= 1 and divide --num-gpus={args.num_gpus}")
-    config = ElixirConfig(tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=expert_parallel_size)
+    config = ElixirConfig(tensor_parallel_size=tensor_parallel_size, expert_parallel_size=expert_parallel_size)
     return resolve_placements(model, config)
+
+
+def _head_counts(config) -> tuple[int, ...]:
+    """The attention head counts a tensor-parallel degree must divide (query heads, key/value heads)."""
+    names = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads")
+    return tuple(int(v) for v in {getattr(config, n, None) for n in names} if isinstance(v, int) and v > 0)
 
 
 def _policy_table(policy: dict[str, str]):

@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from hf_elixir.profiler._expert_flops import moe_layers, record_moe_layers
+from hf_elixir.profiler._expert_flops import _hidden_size, moe_layers, record_moe_layers
 
 __all__ = ["AccessEvent", "NoLossError", "StepProfile", "canonical_parameters", "profile_step", "static_profile"]
 
@@ -134,6 +134,10 @@ class StepProfile:
         forward_only: an inference step ([Note: forward-only step]): forward events only, nothing trained,
             nothing saved for backward.
         moe_layers: each MoE layer's expert container ([Note: MoE layers in a profile] in ``_expert_flops.py``).
+        tokens: tokens in the sample batch (numel of ``input_ids``, or of the first tensor); 0 in profiles saved
+            before it was recorded.
+        hidden_size: the model config's ``hidden_size`` (``d_model``; 0 without one). With ``tokens`` they size
+            the activations tensor-parallel collectives move (``hf_elixir/search/_tensor_parallel.py``).
     """
 
     model_type: str = ""
@@ -159,6 +163,8 @@ class StepProfile:
     subtree_units: bool = False
     forward_only: bool = False
     moe_layers: dict[str, dict[str, int]] = field(default_factory=dict)
+    tokens: int = 0
+    hidden_size: int = 0
 
     @property
     def num_params(self) -> int:
@@ -631,6 +637,7 @@ def _profile_once(model: nn.Module, sample_batch: Any, device: str, loss_fn: Cal
     )
     tensors = _tensors_in(sample_batch, [])  # [Note: MoE layers in a profile] and [Note: meta expert FLOPs]
     record_moe_layers(model, profile, tensors[0].numel() if tensors else 1, meta_flops=count_flops and device == "meta")
+    profile.tokens, profile.hidden_size = (tensors[0].numel() if tensors else 1), _hidden_size(model)
     return profile
 
 
@@ -699,4 +706,6 @@ def static_profile(model: nn.Module, sample_batch: Any = None, *, tokens: int | 
         static=True,
         forward_only=forward_only,
         moe_layers=moe_layers(model, tokens),
+        tokens=int(tokens),
+        hidden_size=hidden,
     )

@@ -22,7 +22,9 @@ from hf_elixir.chunk.packing import ChunkLayout
 from hf_elixir.profiler import HardwareProfile, StepProfile
 from hf_elixir.search._activation_cost import (DTYPE_BYTES, activation_bytes, checkpointed_events, offload_events,
                                                resolve_policy)
-from hf_elixir.search._expert_parallel import alltoall_seconds, expert_parallel_profile, group_rate
+from hf_elixir.search._expert_parallel import (alltoall_seconds, expert_param_indices, expert_parallel_profile,
+                                               group_rate)
+from hf_elixir.search._tensor_parallel import tensor_parallel_collectives, tensor_parallel_profile
 from hf_elixir.search._rates import event_seconds
 
 __all__ = ["ChunkedStep", "Knobs", "build_chunked_step"]
@@ -96,6 +98,10 @@ class ChunkedStep:
     chunk_world_sizes: list[int] = field(default_factory=list)
     alltoall_bytes: int = 0
     collective_rates: dict[int, float] = field(default_factory=dict)
+    # [Note: tensor parallel pricing] in _tensor_parallel.py: the degree, and the bytes a rank sends per step in the
+    # split layers' all-reduces and all-gathers
+    tensor_parallel_size: int = 1
+    tensor_parallel_bytes: int = 0
 
     @property
     def replicated(self) -> bool:
@@ -189,7 +195,9 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
                        hardware: HardwareProfile, activation_checkpointing: bool = False,
                        optim_states: int = 2, grad_elem_bytes: int = 4, replicated: bool = False,
                        activation_policy: dict[str, str] | None = None, snapshot_rollback: bool = False,
-                       expert_parallel_size: int = 1, gpus_per_node: int = 8) -> ChunkedStep:
+                       expert_parallel_size: int = 1, gpus_per_node: int = 8, tensor_parallel_size: int = 1,
+                       tensor_parallel_placements: dict[str, str] | None = None,
+                       parallelized: bool = False) -> ChunkedStep:
     """Pack the profile's parameters at ``chunk_size_numel`` and precompute the chunk trace, the
     gradient-buffer lifetimes (reduce order as in ``ChunkManager.start_backward``) and the optimizer's
     parameter views.
@@ -202,22 +210,45 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
             it does not name keep. ``None``: ``activation_checkpointing`` for every block.
         expert_parallel_size: the step of one rank of that expert-parallel degree ([Note: expert parallel
             pricing] in ``_expert_parallel.py``: its experts, chunks sharded per group, all-to-alls priced);
-            ``gpus_per_node``: ranks per machine (an expert-parallel group beyond it talks over the network).
+            ``gpus_per_node``: ranks per machine (an expert- or tensor-parallel group beyond it talks over the
+            network).
+        tensor_parallel_size, tensor_parallel_placements: the step of one rank of that tensor-parallel degree, the
+            modules placed as given (``ElixirPlan.placements``; [Note: tensor parallel pricing] in
+            ``_tensor_parallel.py``: split modules' ``1 / tp``, every chunk sharded over ``world_size / tp``
+            ranks, the split layers' collectives priced).
+        parallelized: ``profile`` is already one rank's step (a model rewritten by ``hf_elixir.parallel.parallelize``
+            at these degrees): nothing is divided again; chunk groups and collectives are priced.
 
     Raises:
-        ValueError: ``expert_parallel_size`` does not divide ``world_size`` or an expert count, or is > 1 with
-            ``replicated`` or a dense profile.
+        ValueError: ``expert_parallel_size`` / ``tensor_parallel_size`` does not divide ``world_size`` (or an expert
+            count), is > 1 with ``replicated`` or a dense profile, or both are > 1; ``tensor_parallel_size > 1``
+            without ``tensor_parallel_placements``.
     """
-    ep = expert_parallel_size
-    if ep > 1 and (replicated or world_size % ep):
-        raise ValueError(f"expert_parallel_size={ep} must divide world_size={world_size} and needs sharded data "
-                         f"parallelism (replicated={replicated})")
-    profile, experts = expert_parallel_profile(profile, ep)
+    ep, tp = expert_parallel_size, tensor_parallel_size
+    for name, size in (("expert_parallel_size", ep), ("tensor_parallel_size", tp)):
+        if size > 1 and (replicated or world_size % size):
+            raise ValueError(f"{name}={size} must divide world_size={world_size} and needs sharded data "
+                             f"parallelism (replicated={replicated})")
+    if ep > 1 and tp > 1:
+        raise ValueError(f"expert_parallel_size={ep} and tensor_parallel_size={tp}: one of them must be 1 (as "
+                         "ElixirConfig)")
+    if tp > 1 and tensor_parallel_placements is None:
+        raise ValueError(f"tensor_parallel_size={tp} needs tensor_parallel_placements= (module FQN -> placement, "
+                         "resolve_placements(model, ElixirConfig(tensor_parallel_size=...)))")
+    if parallelized:
+        experts = expert_param_indices(profile)
+    else:
+        profile, experts = expert_parallel_profile(profile, ep)
+        profile = tensor_parallel_profile(profile, tp, tensor_parallel_placements or {})
     replicate_world_size = world_size if replicated else 1
     if replicated:
         world_size = 1
-    layout, chunk_world_sizes = _pack(profile, chunk_size_numel, world_size, replicated, experts if ep > 1 else None,
-                                      world_size // ep)
+    if tp > 1:  # every chunk over the data-parallel group, ranks r, r + tp, ... (parallel/_groups.py)
+        layout = pack_chunks(profile.param_numels, chunk_size_numel, world_size // tp)
+        chunk_world_sizes = [world_size // tp] * layout.num_chunks
+    else:
+        layout, chunk_world_sizes = _pack(profile, chunk_size_numel, world_size, replicated,
+                                          experts if ep > 1 else None, world_size // ep)
     chunk_of = {m: c for c, members in enumerate(layout.members) for m in members}
     policy = resolve_policy(profile, activation_policy if activation_policy is not None else activation_checkpointing)
     recompute = {b for b, kind in policy.items() if kind == "recompute"}
@@ -285,13 +316,20 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
                          if profile.param_requires_grad[i] and off < shard and profile.param_numels[i] > 0))
     compute_s = event_seconds(profile, events, hardware, precision)
     a2a_s, a2a_bytes = alltoall_seconds(profile, events, ep, precision, hardware, gpus_per_node)
+    tp_s, tp_bytes = tensor_parallel_collectives(profile, events, tp, tensor_parallel_placements or {}, precision,
+                                                 hardware, gpus_per_node)
+    if parallelized and all(e.compute_s is not None for e in events) and profile.device == hardware.device_kind:
+        # measured on the rank: its event times already waited for its collectives
+        tp_s = a2a_s = [0.0] * len(events)
     rates = {}
-    if ep > 1 and world_size // ep > 1:  # the expert-data group: ranks r, r + ep, ... (parallel/_mesh.py)
-        rates[world_size // ep] = group_rate(hardware, world_size // ep, across_nodes=world_size > gpus_per_node)
+    mp = max(ep, tp)
+    if mp > 1 and world_size // mp > 1:  # the (expert-)data group: ranks r, r + mp, ... (parallel/_mesh.py)
+        rates[world_size // mp] = group_rate(hardware, world_size // mp, across_nodes=world_size > gpus_per_node)
     return ChunkedStep(
         chunk_size_numel=chunk_size_numel, world_size=world_size, precision=precision,
         chunk_numels=list(layout.chunk_numels), trained_numels=trained, groups=groups,
-        event_compute_s=[t + a for t, a in zip(compute_s, a2a_s)], event_phase=[e.phase for e in events],
+        event_compute_s=[t + a + c for t, a, c in zip(compute_s, a2a_s, tp_s)],
+        event_phase=[e.phase for e in events],
         grad_arrive=grad_arrive, grad_reduce=grad_reduce, grad_peak_bytes=peak, accesses=accesses,
         views=views, activation_bytes=activation_bytes(profile, precision, policy),
         activation_checkpointing=len(recompute) == len(policy) if policy else activation_checkpointing,
@@ -300,7 +338,7 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
         **dict(zip(("offload_after", "offload_before"), offload_events(profile, events, policy, precision))),
         gather_prefetch=not profile.subtree_units, no_dead_release=no_dead_release, compute_held=compute_held,
         forward_only=profile.forward_only, expert_parallel_size=ep, chunk_world_sizes=chunk_world_sizes,
-        alltoall_bytes=a2a_bytes, collective_rates=rates,
+        alltoall_bytes=a2a_bytes, collective_rates=rates, tensor_parallel_size=tp, tensor_parallel_bytes=tp_bytes,
     )
 
 

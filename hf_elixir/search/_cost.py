@@ -179,6 +179,8 @@ class Prediction:
     # activations): they sum to ``device_peak_bytes``; ``breakdown`` gives each kind's own peak instead
     peak_breakdown: dict[str, int] = field(default_factory=dict)
     alltoall_bytes: int = 0  # sent by each rank in the step's MoE all-to-alls ([Note: expert parallel pricing])
+    # sent by each rank in the split layers' all-reduces / all-gathers ([Note: tensor parallel pricing])
+    tensor_parallel_bytes: int = 0
 
 
 def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_bytes: int | None = None,
@@ -604,7 +606,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         onloads=onloads, h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes, allgather_bytes=ag_bytes,
         reduce_scatter_bytes=rs_bytes, device_model_bytes=peak, device_peak_bytes=device_peak,
         host_bytes=host_bytes, host_snapshot_bytes=snapshot_bytes, breakdown=breakdown, peak_breakdown=at_peak,
-        alltoall_bytes=step.alltoall_bytes, timeline=points,
+        alltoall_bytes=step.alltoall_bytes, tensor_parallel_bytes=step.tensor_parallel_bytes, timeline=points,
         chunk_onloads=chunk_onloads, gathers_ahead=gathers_ahead,
         cache_blocks=max(0, (pool_bytes - fixed - step.grad_peak_bytes) // max(1, chunk_bytes)),
     )

@@ -38,8 +38,8 @@ from dataclasses import replace
 from hf_elixir.profiler import HardwareProfile, StepProfile
 from hf_elixir.search._activation_cost import DTYPE_BYTES
 
-__all__ = ["alltoall_bytes_per_layer", "alltoall_seconds", "expert_parallel_degrees", "expert_parallel_profile",
-           "group_rate", "rank_param_order"]
+__all__ = ["alltoall_bytes_per_layer", "alltoall_seconds", "expert_param_indices", "expert_parallel_degrees",
+           "expert_parallel_profile", "group_rate", "rank_param_order"]
 
 
 def alltoall_bytes_per_layer(tokens: int, top_k: int, hidden_size: int, element_bytes: int,
@@ -79,6 +79,12 @@ def _expert_params(profile: StepProfile) -> dict[int, str]:
                 out[i] = fqn
                 break
     return out
+
+
+def expert_param_indices(profile: StepProfile) -> frozenset[int]:
+    """Indices of the expert parameters (those under a ``moe_layers`` container), as they are: for a model already
+    rewritten by ``hf_elixir.parallel.parallelize``, whose profile is one rank's step."""
+    return frozenset(_expert_params(profile))
 
 
 def expert_parallel_profile(profile: StepProfile, expert_parallel_size: int) -> tuple[StepProfile, frozenset[int]]:

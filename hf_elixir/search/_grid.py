@@ -35,12 +35,15 @@ class Candidate:
     activation_policy: dict[str, str] = field(default_factory=dict)  # block -> keep / recompute / offload
     # MoE experts spread over this many ranks ([Note: expert parallel pricing] in _expert_parallel.py)
     expert_parallel_size: int = 1
+    # the split modules' weights over this many ranks ([Note: tensor parallel pricing] in _tensor_parallel.py)
+    tensor_parallel_size: int = 1
     # chunks whole on their rank although the step has several (expert chunks at ep = world size): no host copy
     whole_chunks: frozenset[int] = frozenset()
 
     def summary(self) -> str:
         k = self.knobs
         ep = f" ep={self.expert_parallel_size}" if self.expert_parallel_size > 1 else ""
+        ep += f" tp={self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
         return (f"{self.data_parallel}{ep} chunk={self.chunk_size_numel} resident={len(k.resident)} "
                 f"cache_blocks={k.cache_blocks} "
                 f"device_shards={len(k.device_shard)} device_optim={len(k.device_optim)} "
@@ -62,6 +65,8 @@ class SearchResult:
     best_by_mode: dict[str, Candidate] = field(default_factory=dict)  # fastest "sharded" / "replicated"
     # search_expert_parallel: per expert-parallel degree tried, its fastest candidate, or why none fits
     best_by_expert_parallel: dict[int, Candidate | str] = field(default_factory=dict)
+    # search_tensor_parallel: the same per tensor-parallel degree
+    best_by_tensor_parallel: dict[int, Candidate | str] = field(default_factory=dict)
 
 
 def _whole_chunks(step: ChunkedStep) -> frozenset[int]:
@@ -224,6 +229,7 @@ def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, l
                                                    num_chunks=step.num_chunks,
                                                    activation_policy=dict(step.activation_policy),
                                                    expert_parallel_size=step.expert_parallel_size,
+                                                   tensor_parallel_size=step.tensor_parallel_size,
                                                    whole_chunks=_whole_chunks(step)))
     return found, evaluated
 
@@ -304,7 +310,8 @@ def _refined(found: list[Candidate], ctx: RefineContext, starts: int, max_priced
         out.append(Candidate(size, step.activation_checkpointing, knobs, pred, mode,
                              num_chunks=step.num_chunks if mode == "sharded" else 0,
                              activation_policy=dict(step.activation_policy),
-                             expert_parallel_size=step.expert_parallel_size, whole_chunks=_whole_chunks(step)))
+                             expert_parallel_size=step.expert_parallel_size,
+                             tensor_parallel_size=step.tensor_parallel_size, whole_chunks=_whole_chunks(step)))
     return out
 
 

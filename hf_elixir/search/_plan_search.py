@@ -54,16 +54,16 @@ from hf_elixir.runtime.activations import resolve_activation_policy
 from hf_elixir.search._activation_cost import activation_bytes, moved_kind, policy_grid
 from hf_elixir.search._chunk_size import search_chunk_size
 from hf_elixir.search._cost import DTYPE_BYTES, build_chunked_step, profile_blocks
-from hf_elixir.search._expert_parallel import expert_parallel_degrees, expert_parallel_profile, rank_param_order
+from hf_elixir.search._expert_parallel import expert_parallel_profile, rank_param_order
 from hf_elixir.search._cost import predict  # noqa: F401 (importable from here, as before the grid moved out)
 from hf_elixir.search._grid import (Candidate, SearchResult, _grad_elem_bytes, _memory_not_binding, _policy_key,
                                     _ranking, _refined, _search_one, _search_replicated, brute_force_grid)
 from hf_elixir.search._refine import RefineContext, StepBudget
+from hf_elixir.search._tensor_parallel import tensor_parallel_profile
 from hf_elixir.search._report import (_data_parallel_reasons, _default_replicated_placements, _minimum_bytes,
                                       _policy_or_ckpt, _to_plan)
 
-__all__ = ["Candidate", "SearchResult", "auto_plan", "brute_force_grid", "search", "search_expert_parallel",
-           "search_plan"]
+__all__ = ["Candidate", "SearchResult", "auto_plan", "brute_force_grid", "search", "search_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,22 @@ def _forward_only_settings(activation_checkpointing: bool | None,
         logger.warning("search: %s ignored for a forward-only (inference) step: it saves no activations for "
                        "backward; priced with every block kept", ", ".join(ignored))
     return False, "keep"
+
+
+def _tensor_parallel_placements(model_or_profile: Any, tensor_parallel_size: int) -> dict[str, str]:
+    """Every parameter-owning module's placement at that tensor-parallel degree (``resolve_placements``).
+
+    Raises:
+        ValueError: given a profile, which does not know the model's tensor-parallel spec.
+    """
+    if not isinstance(model_or_profile, nn.Module):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} on a StepProfile needs "
+                         "tensor_parallel_placements= (resolve_placements(model, ElixirConfig(tensor_parallel_size="
+                         f"{tensor_parallel_size})), or ElixirPlan.placements of such a plan)")
+    from hf_elixir.config import ElixirConfig  # noqa: PLC0415
+    from hf_elixir.placement import resolve_placements  # noqa: PLC0415
+
+    return resolve_placements(model_or_profile, ElixirConfig(tensor_parallel_size=tensor_parallel_size))
 
 
 _DATA_PARALLEL = ("auto", "sharded", "replicated")
@@ -162,8 +178,16 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
            overlap_host_optimizer: bool | None = None, snapshot_rollback: bool = False,
            refine_starts: int = 6, refine_max_priced: int | None = None,
            reduce_dtype: str | None = "fp32", host_memory_name: str = "host_memory_bytes=",
-           expert_parallel_size: int = 1) -> SearchResult:
+           expert_parallel_size: int = 1, tensor_parallel_size: int = 1,
+           tensor_parallel_placements: dict[str, str] | None = None, parallelized: bool = False) -> SearchResult:
     """Profile (if given a model) and search; see :func:`search_plan` for the arguments.
+
+    ``expert_parallel_size`` / ``tensor_parallel_size`` price one rank of that degree ([Note: expert parallel
+    pricing] in ``_expert_parallel.py``, [Note: tensor parallel pricing] in ``_tensor_parallel.py``); at most one of
+    them above 1. ``tensor_parallel_placements``: module FQN -> placement at that degree (default, for a model:
+    ``resolve_placements(model, ElixirConfig(tensor_parallel_size=...))``). ``parallelized``: the model (or profile)
+    is already one rank's, rewritten by ``hf_elixir.parallel.parallelize`` at those degrees: nothing is divided
+    again, the chunk groups and collectives are priced.
 
     ``host_memory_name`` is how the caller's user sets the host memory (the CLI's ``--host-memory``,
     ``ElixirConfig.host_memory_budget_bytes``); the error when nothing fits the host names it.
@@ -185,11 +209,21 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         raise TypeError(f"snapshot_rollback={snapshot_rollback!r} must be True (AMSGrad or a non-Adam optimizer: the "
                         "host lane keeps snapshots) or False (Adam/AdamW: rolled back by the inverse update)")
     grad_elem_bytes = _grad_elem_bytes(reduce_dtype, precision)
-    ep = expert_parallel_size
-    if ep > 1 and data_parallel == "replicated":
-        raise ValueError(f"expert_parallel_size={ep} needs data_parallel='sharded' (or 'auto'), not 'replicated'")
-    modes = _data_parallel_modes("sharded" if ep > 1 else data_parallel, world_size)
+    ep, tp = expert_parallel_size, tensor_parallel_size
+    for name, size in (("expert_parallel_size", ep), ("tensor_parallel_size", tp)):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name}={size!r} must be an int >= 1")
+        if size > 1 and data_parallel == "replicated":
+            raise ValueError(f"{name}={size} needs data_parallel='sharded' (or 'auto'), not 'replicated'")
+        if world_size % size:
+            raise ValueError(f"{name}={size} must divide world_size={world_size}")
+    if ep > 1 and tp > 1:
+        raise ValueError(f"expert_parallel_size={ep} and tensor_parallel_size={tp}: one of them must be 1 (as "
+                         "ElixirConfig)")
+    modes = _data_parallel_modes("sharded" if max(ep, tp) > 1 else data_parallel, world_size)
     profile = _resolve_profile(model_or_profile, sample_batch, hardware)
+    if tp > 1 and tensor_parallel_placements is None and not parallelized:
+        tensor_parallel_placements = _tensor_parallel_placements(model_or_profile, tp)
     if activations_on_device is None:
         activations_on_device = hardware.device_kind == "cuda"
     if profile.forward_only:
@@ -210,10 +244,15 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     per_host = _ranks_per_host(world_size, ranks_per_host)
     # [Note: expert parallel pricing] in _expert_parallel.py: each step is one rank's (its experts, its chunk groups,
     # its all-to-alls, across machines where the expert-parallel group spans more than the ranks of one)
-    steps_for = {"expert_parallel_size": ep, "gpus_per_node": per_host}
-    if ep > 1 and world_size % ep:
-        raise ValueError(f"expert_parallel_size={ep} must divide world_size={world_size}")
-    rank_profile = expert_parallel_profile(profile, ep)[0]  # what one rank packs (chunk-size search)
+    # and [Note: tensor parallel pricing] in _tensor_parallel.py (its split weights, every chunk over the ranks of its
+    # data-parallel group, the split layers' collectives)
+    steps_for = {"expert_parallel_size": ep, "gpus_per_node": per_host, "tensor_parallel_size": tp,
+                 "tensor_parallel_placements": tensor_parallel_placements, "parallelized": parallelized}
+    rank_profile = profile  # what one rank packs (chunk-size search)
+    if not parallelized:
+        rank_profile = tensor_parallel_profile(expert_parallel_profile(profile, ep)[0], tp,
+                                               tensor_parallel_placements or {})
+    pack_world_size = world_size // tp  # the chunks' data-parallel group (every chunk's, under tensor parallel)
     if not isinstance(refine_starts, int) or refine_starts < 0:
         raise ValueError(f"refine_starts={refine_starts!r} must be an int >= 0 (0: no local refinement)")
     if refine_max_priced is not None and (not isinstance(refine_max_priced, int) or refine_max_priced < 0):
@@ -231,9 +270,9 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         # chunk sizes for the cache the activations leave (they do not depend on the chunk size): the
         # least and the most activation-saving policy of the grid bound what the cache can be
         for policy in {id(p): p for p in (policies[0], policies[-1])}.values():
-            act_bytes = activation_bytes(profile, precision, _policy_or_ckpt(policy, activation_checkpointing))
+            act_bytes = activation_bytes(rank_profile, precision, _policy_or_ckpt(policy, activation_checkpointing))
             room = limit - (act_bytes if activations_on_device else 0)
-            more_sizes, why = _chunk_sizes(rank_profile, world_size, b, max(1, room), chunk_size_numel,
+            more_sizes, why = _chunk_sizes(rank_profile, pack_world_size, b, max(1, room), chunk_size_numel,
                                            num_chunk_sizes, replicated)
             size_reasons.setdefault(mode, why)
             sizes += [n for n in more_sizes if n not in sizes]
@@ -285,7 +324,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         # budget: the margin comes off whatever is given
         # (smaller rooms pick smaller chunks, whose working set is smaller: the candidates for a few of them count too)
         for room in (limit >> k for k in range(6)):
-            tried_sizes.update(_chunk_sizes(rank_profile, world_size, b, max(1, room), chunk_size_numel,
+            tried_sizes.update(_chunk_sizes(rank_profile, pack_world_size, b, max(1, room), chunk_size_numel,
                                             num_chunk_sizes, False)[0])
         largest = max(rank_profile.param_numels, default=1)  # replicated buckets may be smaller: they pack otherwise
         need = min(_minimum_bytes(profile, world_size, precision, size, activations_on_device, hardware, policies,
@@ -293,7 +332,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         # and the candidates the search would try at about that need (GPT-2 8x1024 told from 100 MB: 7% less)
         for _ in range(2):
             for room in (need >> k for k in range(3)):
-                tried_sizes.update(_chunk_sizes(rank_profile, world_size, b, max(1, room), chunk_size_numel,
+                tried_sizes.update(_chunk_sizes(rank_profile, pack_world_size, b, max(1, room), chunk_size_numel,
                                                 num_chunk_sizes, False)[0])
             need = min(_minimum_bytes(profile, world_size, precision, size, activations_on_device, hardware, policies,
                                       grad_elem_bytes, **steps_for) for size in tried_sizes if size >= largest)
@@ -344,8 +383,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     plan = _to_plan(profile, best, world_size, precision, budget, limit,
                     size_reasons[best.data_parallel](best.chunk_size_numel), evaluated,
                     host_limit, activations_on_device, per_host, reduce_dtype)
-    plan.reasons[2:2] = _data_parallel_reasons(modes, best, best_by_mode, world_size)
-    if ep > 1:  # what prepare sees on each rank after parallelize ([Note: expert parallel pricing])
+    plan.reasons[2:2] = _data_parallel_reasons(modes, best, best_by_mode, world_size, tp)
+    if ep > 1 or tp > 1:  # what prepare sees on each rank after parallelize ([Note: expert parallel pricing])
         plan.num_params, plan.param_order = rank_profile.num_params, rank_param_order(rank_profile)
     if best.data_parallel == "replicated":
         modules = replicated_placements if replicated_placements is not None else (
@@ -358,74 +397,6 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
             plan.reasons.append("placements unknown (an old profile): set them before hf_elixir.prepare")
     return SearchResult(plan=plan, best=best, alternatives=alternatives, evaluated=evaluated,
                         search_s=time.perf_counter() - started, profile=profile, best_by_mode=best_by_mode)
-
-
-def search_expert_parallel(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int = 1,
-                           expert_parallel_sizes: Iterable[int] | None = None, sample_batch: Any = None,
-                           **kwargs: Any) -> SearchResult:
-    """:func:`search` at each expert-parallel degree, and the fastest plan that fits any of them ([Note: expert
-    parallel pricing] in ``_expert_parallel.py``).
-
-    Args:
-        model_or_profile, hardware, world_size, sample_batch, **kwargs: as :func:`search` (``expert_parallel_size``
-            excepted).
-        expert_parallel_sizes: the degrees to try; default :func:`expert_parallel_degrees`: 1 and the largest that
-            divides ``world_size`` and every MoE layer's expert count (only 1 for a dense model).
-
-    Returns:
-        the winning degree's :class:`SearchResult`; its ``alternatives`` include the other degrees' best, and
-        ``best_by_expert_parallel`` maps every degree tried to its fastest candidate or to why nothing fitted.
-
-    Raises:
-        ValueError: bad arguments, or no degree fits (each degree's reason).
-    """
-    if "expert_parallel_size" in kwargs:
-        raise TypeError("search_expert_parallel takes expert_parallel_sizes=, not expert_parallel_size=")
-    started = time.perf_counter()
-    profile = _resolve_profile(model_or_profile, sample_batch, hardware)
-    degrees = (tuple(expert_parallel_sizes) if expert_parallel_sizes is not None
-               else expert_parallel_degrees(profile, world_size))
-    if isinstance(model_or_profile, nn.Module) and "replicated_placements" not in kwargs:
-        kwargs["replicated_placements"] = _default_replicated_placements(model_or_profile, profile)
-    results: dict[int, SearchResult] = {}
-    failed: dict[int, str] = {}
-    for ep in degrees:
-        try:
-            results[ep] = search(profile, hardware, world_size=world_size, expert_parallel_size=ep, **kwargs)
-        except ValueError as err:
-            if len(degrees) == 1:
-                raise
-            failed[ep] = str(err)
-    if not results:
-        raise ValueError("no expert-parallel degree fits: " + "; ".join(f"expert_parallel_size={ep}: {why}"
-                                                                       for ep, why in failed.items()))
-    winner = min(results, key=lambda ep: _ranking(profile)(results[ep].best))
-    result = results[winner]
-    others = [r.best for ep, r in results.items() if ep != winner]
-    result.alternatives = sorted(result.alternatives + others, key=_ranking(profile))
-    result.evaluated = sum(r.evaluated for r in results.values())
-    result.search_s = time.perf_counter() - started
-    result.best_by_expert_parallel = {ep: results[ep].best if ep in results else failed[ep] for ep in degrees}
-    if len(degrees) > 1:
-        result.plan.reasons.insert(2, _expert_parallel_reason(winner, result.best_by_expert_parallel))
-    return result
-
-
-def _expert_parallel_reason(winner: int, tried: dict[int, Candidate | str]) -> str:
-    """Why the winning expert-parallel degree won, against each other degree tried."""
-    mine = tried[winner]
-    assert isinstance(mine, Candidate), f"the winning degree {winner} has a candidate"
-    parts = []
-    for ep, other in tried.items():
-        if ep == winner:
-            continue
-        if isinstance(other, Candidate):
-            parts.append(f"{other.prediction.step_s:.4g} s and {other.prediction.host_bytes / 2**30:.3g} GiB of host "
-                         f"memory per rank at expert parallel {ep}")
-        else:
-            parts.append(f"nothing fits at expert parallel {ep} ({other.split(';')[0]})")
-    return (f"expert parallel {winner} wins: predicted {mine.prediction.step_s:.4g} s and "
-            f"{mine.prediction.host_bytes / 2**30:.3g} GiB of host memory per rank, against " + "; ".join(parts))
 
 
 def search_plan(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int = 1, precision: str = "fp32",
@@ -519,8 +490,9 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
     if budget is None and hardware.device_kind != "cuda":
         budget = hardware.device_total_bytes
     data_parallel, replicated_placements, note = _auto_data_parallel(model, config, world_size)
+    mesh_world_size, parallel_kwargs = _parallel_search_args(model, config, world_size)
     host_budget = getattr(config, "host_memory_budget_bytes", None)  # per rank; the search limits per machine
-    per_host = _ranks_per_host(world_size, None)
+    per_host = _ranks_per_host(mesh_world_size, None)
     # an explicit budget charges activations on any device (the simulated pool too) unless the config opts
     # out; None: the device decides (the card on CUDA covers them, the unlimited simulated pool does not)
     explicit = config.device_memory_budget_bytes is not None
@@ -528,21 +500,23 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
     user_policy = getattr(config, "activation_policy", None)  # the user's choice is priced, not searched
     fixed_policy = (resolve_activation_policy(profile_blocks(profile), {}, False, user_policy)
                     if user_policy is not None else None)
-    result = search(profile, hardware, world_size=world_size, precision=config.precision,
+    result = search(profile, hardware, world_size=mesh_world_size, precision=config.precision,
                     device_memory_budget_bytes=budget, chunk_size_numel=config.chunk_size_numel,
                     activations_on_device=covers, activation_policy=fixed_policy,
                     data_parallel=data_parallel, replicated_placements=replicated_placements,
                     host_memory_bytes=host_budget * per_host if host_budget else None, ranks_per_host=per_host,
                     host_memory_name="ElixirConfig.host_memory_budget_bytes (per rank)",
                     overlap_host_optimizer=getattr(config, "overlap_host_optimizer", None),
-                    reduce_dtype=getattr(config, "reduce_dtype", "fp32"), **optimizer_cost_terms(optimizer, config))
+                    reduce_dtype=getattr(config, "reduce_dtype", "fp32"), **optimizer_cost_terms(optimizer, config),
+                    **parallel_kwargs)
     plan = result.plan
+    plan.world_size = world_size  # prepare's group (the data-parallel one when given as ElixirConfig.process_group)
     if note:
         plan.reasons.append(note)
-    if result.best.data_parallel == "sharded":
-        from hf_elixir.placement import resolve_placements  # noqa: PLC0415
+    if result.best.data_parallel == "sharded":  # a parallelized model's: those parallelize applied
+        from hf_elixir.parallel import placements_for_plan  # noqa: PLC0415
 
-        plan.placements = resolve_placements(model, config)
+        plan.placements = placements_for_plan(model, config)
     if world_size > 1:
         # each rank profiled its own step: timings differ, and ranks with different plans (one replicated,
         # one sharded) would issue different collectives and hang. Every rank takes rank 0's plan.
@@ -551,6 +525,22 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         plan = box[0]
     return plan
+
+
+def _parallel_search_args(model: nn.Module, config: Any, world_size: int) -> tuple[int, dict[str, Any]]:
+    """``(ranks, search kwargs)`` for :func:`auto_plan`: a model rewritten by ``hf_elixir.parallel.parallelize`` is
+    priced as one rank of its mesh (all its ranks, its tensor- and expert-parallel sizes, the placements it applied;
+    ``parallelized=True``: the profiled step is already that rank's, [Note: tensor parallel pricing] and [Note:
+    expert parallel pricing]); any other model as ``world_size`` data-parallel ranks."""
+    from hf_elixir.parallel import get_parallel_state  # noqa: PLC0415
+
+    state = get_parallel_state(model)
+    if state is None:
+        return world_size, {}
+    mesh = state.mesh
+    return mesh.world_size, dict(
+        expert_parallel_size=mesh.ep_size, tensor_parallel_size=mesh.tp_size, parallelized=True,
+        tensor_parallel_placements=dict(state.placements) if mesh.tp_size > 1 else None)
 
 
 def _auto_data_parallel(model: nn.Module, config: Any, world_size: int) -> tuple[str, dict[str, str] | None, str]:

@@ -30,8 +30,13 @@ def _default_replicated_placements(model_or_profile: Any, profile: StepProfile) 
 
 
 def _data_parallel_reasons(modes: tuple[str, ...], best: Candidate, best_by_mode: dict[str, Candidate],
-                           world_size: int) -> list[str]:
-    """Why sharded or replicated data parallelism won (Elixir section 5: partition only when needed)."""
+                           world_size: int, tensor_parallel_size: int = 1) -> list[str]:
+    """Why sharded or replicated data parallelism won (Elixir section 5: partition only when needed); under tensor
+    parallelism, the mesh (``tensor parallel 2 x data parallel 4``)."""
+    tp = tensor_parallel_size
+    if tp > 1:
+        return [f"tensor parallel {tp} x data parallel {world_size // tp} ({world_size} ranks): chunks {modes[0]} "
+                f"over the {world_size // tp} data-parallel rank(s) of each tensor-parallel position"]
     if len(modes) == 1:
         return [f"data parallel over {world_size} rank(s): {modes[0]} only"] if world_size > 1 else []
     other = "sharded" if best.data_parallel == "replicated" else "replicated"
@@ -113,6 +118,15 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
                        f"{p.alltoall_bytes / 2**30:.3g} GiB a step in the all-to-alls; train it with "
                        f"ElixirConfig(placements={{'<experts module glob>': 'expert'}}, expert_parallel_size={ep}) "
                        "and hf_elixir.parallel.parallelize (docs/expert-parallel.md)")
+    if best.tensor_parallel_size > 1:
+        tp = best.tensor_parallel_size
+        where = ("each chunk whole on its rank" if tp == world_size else
+                 f"every chunk sharded over the {world_size // tp} data-parallel ranks")
+        reasons.append(f"tensor parallel over {tp} ranks: each rank holds 1/{tp} of the column/row modules' weights "
+                       f"and computes 1/{tp} of their matmuls, {where}, and sends {p.tensor_parallel_bytes / 2**30:.3g} "
+                       "GiB a step in the split layers' all-reduces and all-gathers; train it with "
+                       f"ElixirConfig(tensor_parallel_size={tp}) and hf_elixir.parallel.parallelize "
+                       "(docs/placements.md)")
     if not act_on_device:
         reasons.append("activations are not counted in the device budget (the pool bounds model data only)")
     if best.activation_policy and policy_summary(best.activation_policy) != "keep":
