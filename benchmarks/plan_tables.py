@@ -18,7 +18,8 @@ device rates from the ``--gpu`` presets (``hf_elixir/profiler/_gpu_presets.py``,
 rates fixed, not measured here (host AdamW ``--host-adam-gelems`` G elements/s per rank, default 4.5 as in
 ``benchmarks/predicted_gpu.py``), so every run on any machine prices the same. Fused MoE experts are kept fused:
 ``prepare``'s default ``split_fused_experts="auto"`` splits them only under a budget below the fused model's floor,
-and every plan of the table fits above it (the DeepSeek-V3 targets that do not fit lack host memory as well); ``--split-fused-experts`` plans them split, as ``hf-elixir plan`` does by default
+and every plan of the table fits above it (the DeepSeek-V3 targets that do not fit lack host memory as well), which is
+also what ``hf-elixir plan`` decides there by default; ``--split-fused-experts`` plans them split
 (one hook unit per expert: the search then takes minutes a target for Qwen3-30B-A3B's 48 x 128 experts). The search runs at reduced effort
 (``SEARCH_EFFORT``: fewer chunk sizes and grid points, a shorter local refinement; ``--full-effort`` runs
 ``hf-elixir plan``'s), which keeps the whole table to a few minutes on 2 CPU cores; the full search may find a
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=None, help="default 2048 (--quick: 256)")
     parser.add_argument("--host-adam-gelems", type=float, default=4.5, help="host AdamW G elements/s per rank")
     parser.add_argument("--split-fused-experts", default=False, action=argparse.BooleanOptionalAction,
-                        help="one chunk unit per expert of fused MoE experts, as hf-elixir plan does by default "
+                        help="one chunk unit per expert of fused MoE experts, as hf-elixir plan --split-fused-experts "
                         "(default here: kept fused, see the module docstring; split, a 48-layer 128-expert model "
                         "takes minutes a target)")
     parser.add_argument("--full-effort", action="store_true", help="search as hf-elixir plan does (slower)")

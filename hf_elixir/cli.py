@@ -140,10 +140,11 @@ def _add_step_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reduce-dtype", default="fp32", choices=("fp32", "compute"),
                         help="gradient buffers and their reduce: fp32 (default) or the compute precision; use the "
                         "same ElixirConfig(reduce_dtype='fp32' / None)")
-    parser.add_argument("--split-fused-experts", default=True, action=argparse.BooleanOptionalAction,
-                        help="one chunk unit per expert of fused MoE experts (Mixtral, Qwen3-MoE, gpt-oss, ...), as "
-                        "prepare does by default; --no-split-fused-experts plans the fused tensors: use the same "
-                        "ElixirConfig(split_fused_experts=...)")
+    parser.add_argument("--split-fused-experts", default=None, action=argparse.BooleanOptionalAction,
+                        help="one chunk unit per expert of fused MoE experts (Mixtral, Qwen3-MoE, gpt-oss, ...); "
+                        "--no-split-fused-experts keeps the fused tensors; default: as prepare's "
+                        "ElixirConfig(split_fused_experts='auto'), split only when the device memory is below the "
+                        "fused model's floor (prepare then follows the plan's layout)")
     on_device = parser.prog.endswith("plan")
     parser.add_argument("--activations-on-device", default=on_device, action=argparse.BooleanOptionalAction,
                         help="count activations in the device budget (a GPU's accounting; default for plan) or "
@@ -250,10 +251,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     _check_positions(config, args.seq_len)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     model, batch = meta_model_and_batch(config, batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype)
-    if args.split_fused_experts:  # the model prepare lays out ([Note: split fused experts])
-        split_fused_experts(model)
-    profile = profile_step(model, batch, device="meta", forward_only=args.optimizer == "none")
     hardware, notes = _target_hardware(args)
+    if _splits_experts(args, model, hardware.device_total_bytes):  # [Note: split fused experts]
+        split_fused_experts(model)
+        notes.append("fused MoE experts split per expert (one chunk unit each)")
+    profile = profile_step(model, batch, device="meta", forward_only=args.optimizer == "none")
     fixed_tp = 1 if args.tensor_parallel_size == "auto" else args.tensor_parallel_size
     placements = _placements(model, args, args.expert_parallel_size or 1, fixed_tp)
     # replicated data parallelism (whole chunks, gradient all-reduce) is searched for plain data parallel
@@ -402,6 +404,24 @@ def _placement_table(placements: dict[str, str]):
     return table
 
 
+def _splits_experts(args: argparse.Namespace, model, budget_bytes: int | None) -> bool:
+    """Whether to plan ``model`` with its fused MoE experts split per expert: ``--split-fused-experts`` /
+    ``--no-split-fused-experts`` as given; by default as ``ElixirConfig(split_fused_experts="auto")`` decides in
+    ``prepare`` (``search/_floor.py: split_needed``): split when ``budget_bytes`` (the device memory a rank, bytes;
+    ``None``: no budget) is below the fused model's ``min_device_budget_bytes`` at ``--num-gpus`` ranks."""
+    if args.split_fused_experts is not None:
+        return args.split_fused_experts
+    import torch
+
+    from hf_elixir.config import ElixirConfig
+    from hf_elixir.search._floor import split_needed
+
+    optimizer = None if args.optimizer == "none" else torch.optim.SGD(model.parameters(), lr=0.0)
+    config = ElixirConfig(precision=args.precision, budget_covers_activations=False,
+                          offload_optimizer=True, split_fused_experts="auto")
+    return split_needed(model, optimizer, config, budget_bytes, args.num_gpus, None)
+
+
 def _cmd_profile(args: argparse.Namespace) -> int:
     import torch
 
@@ -414,7 +434,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     config = load_config(args.model)
     _check_positions(config, args.seq_len)
     model, batch = meta_model_and_batch(config, batch_size=args.batch_size, seq_len=args.seq_len, device="cpu")
-    if args.split_fused_experts:  # the model prepare lays out ([Note: split fused experts])
+    if _splits_experts(args, model, parse_bytes(args.budget) if args.budget else None):  # [Note: split fused experts]
         split_fused_experts(model)
     # probe_hardware() below describes the GPU where there is one: price the CPU-profiled step by its FLOPs there
     profile = profile_step(model, batch, device="cpu", count_flops=torch.cuda.is_available(),

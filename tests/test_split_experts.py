@@ -168,9 +168,10 @@ def test_split_auto_splits_only_where_the_budget_needs_it(budget):
 
 
 def test_plan_command_plans_the_split_model(tmp_path, monkeypatch):
-    """``hf-elixir plan`` lays out the model ``prepare`` builds: its plan (parameter order of the pieces, placements
-    naming the experts module once) is accepted by ``prepare`` with the default config, which splits as the plan was
-    made; ``--no-split-fused-experts`` plans the fused tensors, which ``"auto"`` then keeps."""
+    """``hf-elixir plan --split-fused-experts`` lays out the split model: its plan (parameter order of the pieces,
+    placements naming the experts module once) is accepted by ``prepare`` with the default config, which splits as
+    the plan was made; ``--no-split-fused-experts`` plans the fused tensors, which ``"auto"`` then keeps; without
+    either flag the plan splits only when ``--gpu-memory`` is below the fused model's floor."""
     import json
 
     from hf_elixir.cli import main
@@ -188,7 +189,7 @@ def test_plan_command_plans_the_split_model(tmp_path, monkeypatch):
             "--host-memory", "1GiB", "--batch-size", "1", "--seq-len", "16", "--precision", "fp32", "--output"]
     for split in (True, False):
         path = tmp_path / f"plan_{split}.json"
-        assert main(argv + [str(path)] + ([] if split else ["--no-split-fused-experts"])) == 0
+        assert main(argv + [str(path)] + (["--split-fused-experts"] if split else ["--no-split-fused-experts"])) == 0
         plan = ElixirPlan.load(path)
         assert any(".experts.3.gate_up_proj" in n for n in plan.param_order) == split
         assert plan.placements["model.layers.0.mlp.experts"] == "sharded"
@@ -197,6 +198,15 @@ def test_plan_command_plans_the_split_model(tmp_path, monkeypatch):
         assert any(".experts.3.gate_up_proj" in n for n, _ in model.named_parameters()) == split
         opt.backward(model(**_batch(0, 0)).loss)
         opt.step()
+    # no flag: as prepare's "auto", split only when the GPU memory is below the fused floor (fp32, offloaded optimizer)
+    model = make_moe_model("mixtral")
+    fused = hf_elixir.min_device_budget_bytes(model, torch.optim.SGD(model.parameters(), lr=0.0), hf_elixir.ElixirConfig(
+        budget_covers_activations=False, offload_optimizer=True, split_fused_experts=False))
+    for memory, split in ((fused - 1, True), (fused, False)):
+        path = tmp_path / f"plan_auto_{memory}.json"
+        auto_argv = [a if a != "8MiB" else str(memory) for a in argv] + [str(path)]
+        assert main(auto_argv) == 0
+        assert any(".experts.3.gate_up_proj" in n for n in ElixirPlan.load(path).param_order) == split, memory
 
 
 def test_split_experts_two_ranks_zero_match_plain_pytorch():
