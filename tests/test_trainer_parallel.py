@@ -82,16 +82,23 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_trainer_checkpoints_and_saves_an_expert_parallel_model(tmp_path):
-    script = tmp_path / "train_ep.py"
-    script.write_text(SCRIPT)
+def _torchrun_2(tmp_path, name: str, source: str, *args: str):
+    """Write ``source`` to ``tmp_path / name`` and run it under ``torchrun`` at 2 CPU processes (strict device mode)
+    with ``tmp_path`` and ``args`` as its arguments; asserts it exited 0 and returns the script's path."""
+    script = tmp_path / name
+    script.write_text(source)
     env = dict(os.environ)
     env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", HF_ELIXIR_STRICT_DEVICE="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(script), str(tmp_path)]
+           "--master_port", str(free_port()), str(script), str(tmp_path), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return script
+
+
+def test_trainer_checkpoints_and_saves_an_expert_parallel_model(tmp_path):
+    _torchrun_2(tmp_path, "train_ep.py", SCRIPT)
     r = json.loads((tmp_path / "result.json").read_text())
     assert len(r["el"]) == 3 and r["el"] == pytest.approx(r["ref"], rel=1e-6)
     assert r["param_diff"] < 1e-5
@@ -155,15 +162,7 @@ def test_trainer_feeds_both_tensor_parallel_ranks_the_same_batches(tmp_path, mon
 
     The reference (the same script, stock Trainer, one process) runs in this process: a one-process job is not
     distributed (what ``torchrun --nproc_per_node 1`` gave it too, at the cost of a launch)."""
-    script = tmp_path / "train_tp.py"
-    script.write_text(TP_SCRIPT)
-    env = dict(os.environ)
-    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", HF_ELIXIR_STRICT_DEVICE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(script), str(tmp_path), "tp"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    script = _torchrun_2(tmp_path, "train_tp.py", TP_SCRIPT, "tp")
     import torch.distributed
 
     assert not torch.distributed.is_initialized()
@@ -243,15 +242,7 @@ def test_trainer_resumes_a_tensor_parallel_model(tmp_path):
     checkpoint's full tensors (before: refused with NotImplementedError) and its own optimizer file, so steps 3 and
     4 log the uninterrupted run's losses and end on its weights; the checkpoint still loads with plain
     from_pretrained and holds the gathered weights. load_best_model_at_end loads the best checkpoint the same way."""
-    script = tmp_path / "resume_tp.py"
-    script.write_text(RESUME_SCRIPT)
-    env = dict(os.environ)
-    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", HF_ELIXIR_STRICT_DEVICE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(script), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    _torchrun_2(tmp_path, "resume_tp.py", RESUME_SCRIPT)
     r = json.loads((tmp_path / "result.json").read_text())
     # the resumed run logs steps 3 and 4 itself (1 and 2 come with the checkpoint's trainer_state.json)
     assert sorted(r["whole"]) == sorted(r["resumed"]) == ["1", "2", "3", "4"]
