@@ -53,6 +53,7 @@ from hf_elixir.placement._device_placement import resolve_default_placement
 from hf_elixir.placement._layout import Layout, activation_reserve_bytes, prefetch_reasons, recorded_plan
 from hf_elixir.placement._plan_check import check_plan, check_plan_placements, load_plan
 from hf_elixir.profiler import _device
+from hf_elixir.parallel._exit import end_gloo_group_at_exit
 from hf_elixir.parallel._launch import check_launch_world_size
 from hf_elixir.profiler._hardware import register_prepare
 from hf_elixir.runtime._checks import check_arguments, check_streamed_init
@@ -149,6 +150,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         raise
     release_fused(split)  # the fused tensors' storage can go (the pieces' values are in their chunks)
     _host_heap.after_prepare(get_state(prepared[0]).manager)  # which goes back to the system ([Note: host heap])
+    end_gloo_group_at_exit()  # [Note: gloo group at exit] in parallel/_exit.py
     return prepared
 
 
