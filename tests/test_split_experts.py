@@ -117,6 +117,32 @@ def test_split_experts_save_pretrained_and_full_gradients(tmp_path):
     assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
 
 
+def test_split_experts_save_checkpoint_resumes(tmp_path):
+    """``hf_elixir.save_checkpoint`` of a split model (weights under the fused names, optimizer state per piece)
+    loads back into a fresh split model with ``load_checkpoint``, and the next step is the same."""
+    def build():
+        model = make_moe_model("mixtral")
+        return hf_elixir.prepare(model, _adamw(model), _config(chunk_size_numel=4096, split_fused_experts=True))
+
+    model, opt = build()
+    for step in range(2):
+        opt.zero_grad()
+        opt.backward(model(**_batch(step, 0)).loss)
+        opt.step()
+    hf_elixir.save_checkpoint(tmp_path / "ck", model, opt, step=2)
+    opt.zero_grad()
+    opt.backward(model(**_batch(2, 0)).loss)
+    opt.step()
+    expected = model.state_dict()
+    fresh, fresh_opt = build()
+    assert hf_elixir.load_checkpoint(tmp_path / "ck", fresh, fresh_opt)["step"] == 2
+    fresh_opt.zero_grad()
+    fresh_opt.backward(fresh(**_batch(2, 0)).loss)
+    fresh_opt.step()
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
 def test_split_experts_floor_is_one_expert():
     """The device floor of a tiny Mixtral with split experts: at most the unsplit floor less the E - 1 other experts'
     parameter bytes of one layer (a unit then holds one expert's chunk, not E)."""
