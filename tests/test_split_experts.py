@@ -251,3 +251,33 @@ def test_split_experts_two_ranks_zero_match_plain_pytorch():
             assert m["same_keys"] and m["split_pieces"] == [4] and m["num_evictions"] > 0, (name, m)
             if "idle" in name:
                 assert m["idle_decay_rel"] < 1e-6 and m["idle_moved"] > 1e-4, (name, m)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_trainer_resume_restores_moe_experts(tmp_path, split):
+    """``save_model`` writes Mixtral's experts per expert (``block_sparse_moe.experts.{e}.w1``); the Trainer's own
+    ``resume_from_checkpoint`` loaded the file with plain ``load_state_dict`` and left the gate and the experts at
+    their fresh values. Through ElixirCallback the resumed run ends with the uninterrupted run's weights."""
+    from transformers import Trainer, TrainingArguments
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            ids = torch.randint(2, 64, (8,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    def run(resume=None):
+        model = make_moe_model("mixtral")
+        args = TrainingArguments(str(tmp_path), max_steps=4, save_steps=2, per_device_train_batch_size=2,
+                                 learning_rate=1e-3, use_cpu=True, report_to=[], seed=0)
+        trainer = Trainer(model, args, train_dataset=Data(),
+                          callbacks=[hf_elixir.ElixirCallback(_config(split_fused_experts=split))])
+        trainer.train(resume_from_checkpoint=resume)
+        return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+    expected = run()
+    resumed = run(str(tmp_path / "checkpoint-2"))
+    for key, value in expected.items():
+        assert torch.equal(resumed[key], value), key
