@@ -243,7 +243,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from hf_elixir.profiler import profile_step
-    from hf_elixir.parallel._expert_units import split_fused_experts
+    from hf_elixir.parallel._expert_units import split_fused_experts, splittable_names
     from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
 
     console = Console(width=None if sys.stdout.isatty() else 140)
@@ -255,6 +255,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if _splits_experts(args, model, hardware.device_total_bytes):  # [Note: split fused experts]
         split_fused_experts(model)
         notes.append("fused MoE experts split per expert (one chunk unit each)")
+    elif splittable_names(model):
+        notes.append("fused MoE experts kept fused (one chunk unit per layer's experts; --split-fused-experts "
+                     "splits them per expert)")
     profile = profile_step(model, batch, device="meta", forward_only=args.optimizer == "none")
     fixed_tp = 1 if args.tensor_parallel_size == "auto" else args.tensor_parallel_size
     placements = _placements(model, args, args.expert_parallel_size or 1, fixed_tp)

@@ -193,7 +193,7 @@ def test_split_auto_splits_only_where_the_budget_needs_it(budget):
     opt.step()
 
 
-def test_plan_command_plans_the_split_model(tmp_path, monkeypatch):
+def test_plan_command_plans_the_split_model(tmp_path, monkeypatch, capsys):
     """``hf-elixir plan --split-fused-experts`` lays out the split model: its plan (parameter order of the pieces,
     placements naming the experts module once) is accepted by ``prepare`` with the default config, which splits as
     the plan was made; ``--no-split-fused-experts`` plans the fused tensors, which ``"auto"`` then keeps; without
@@ -231,8 +231,11 @@ def test_plan_command_plans_the_split_model(tmp_path, monkeypatch):
     for memory, split in ((fused - 1, True), (fused, False)):
         path = tmp_path / f"plan_auto_{memory}.json"
         auto_argv = [a if a != "8MiB" else str(memory) for a in argv] + [str(path)]
+        capsys.readouterr()
         assert main(auto_argv) == 0
         assert any(".experts.3.gate_up_proj" in n for n in ElixirPlan.load(path).param_order) == split, memory
+        report = " ".join(capsys.readouterr().out.split())  # the report says which layout it planned
+        assert ("experts split per expert" in report, "experts kept fused" in report) == (split, not split), report
 
 
 def test_split_experts_two_ranks_zero_match_plain_pytorch():
