@@ -45,6 +45,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hf_elixir.chunk import strict
+from hf_elixir.parallel._expert_units import fused_names
 from hf_elixir.runtime._state import get_state
 from hf_elixir.optim.optimizer import CONSOLIDATED_FORMAT, ElixirOptimizer
 
@@ -554,13 +555,16 @@ def _check_groups(optimizer: ElixirOptimizer, saved: list[list[str]]) -> None:
 
 
 def _check_model_keys(root: Path, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """The keys ``model.state_dict()`` has (parameters and persistent buffers) against the file's."""
+    """The keys ``model.state_dict()`` has (parameters and persistent buffers) against the file's; the pieces of
+    split fused experts count under their fused name, as ``state_dict()`` writes them."""
     expected = set()
     for prefix, module in model.named_modules(remove_duplicate=False):
         prefix = prefix + "." if prefix else ""
         expected.update(prefix + n for n, p in module._parameters.items() if p is not None)
         expected.update(prefix + n for n, b in module._buffers.items()
                         if b is not None and n not in module._non_persistent_buffers_set)
+    pieces = fused_names(model)
+    expected = {pieces[k][0] if k in pieces else k for k in expected}
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise ValueError(f"checkpoint {str(root)!r} does not match this model: missing keys {missing[:5]}, "

@@ -238,12 +238,15 @@ def _target_hardware(args: argparse.Namespace):
 def _cmd_plan(args: argparse.Namespace) -> int:
     if args.output and not args.output.endswith((".yaml", ".yml", ".json")):
         raise SystemExit(f"hf-elixir plan: --output {args.output} must end in .yaml, .yml or .json")
+    # a bad degree fails before the model is built and the host measured (seconds to tens of seconds)
+    _check_degrees(args, 1 if args.tensor_parallel_size == "auto" else args.tensor_parallel_size,
+                   args.expert_parallel_size or 1)
     import torch
     from rich.console import Console
     from rich.table import Table
 
     from hf_elixir.profiler import profile_step
-    from hf_elixir.parallel._expert_units import split_fused_experts
+    from hf_elixir.parallel._expert_units import split_fused_experts, splittable_names
     from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
 
     console = Console(width=None if sys.stdout.isatty() else 140)
@@ -255,6 +258,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if _splits_experts(args, model, hardware.device_total_bytes):  # [Note: split fused experts]
         split_fused_experts(model)
         notes.append("fused MoE experts split per expert (one chunk unit each)")
+    elif splittable_names(model):
+        notes.append("fused MoE experts kept fused (one chunk unit per layer's experts; --split-fused-experts "
+                     "splits them per expert)")
     profile = profile_step(model, batch, device="meta", forward_only=args.optimizer == "none")
     fixed_tp = 1 if args.tensor_parallel_size == "auto" else args.tensor_parallel_size
     placements = _placements(model, args, args.expert_parallel_size or 1, fixed_tp)
@@ -343,6 +349,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_degrees(args: argparse.Namespace, tensor_parallel_size: int, expert_parallel_size: int) -> None:
+    """Raises ValueError: a degree below 1 or not dividing ``--num-gpus``."""
+    for name, size in (("tensor_parallel_size", tensor_parallel_size),
+                       ("expert_parallel_size", expert_parallel_size)):
+        if size < 1 or args.num_gpus % size:
+            raise ValueError(f"--{name.replace('_', '-')}={size} must be >= 1 and divide --num-gpus={args.num_gpus}")
+
+
 def _placements(model, args: argparse.Namespace, expert_parallel_size: int,
                 tensor_parallel_size: int) -> dict[str, str]:
     """Every parameter-owning module's placement (``hf_elixir.placement.resolve_placements``) at those
@@ -354,10 +368,7 @@ def _placements(model, args: argparse.Namespace, expert_parallel_size: int,
     from hf_elixir.config import ElixirConfig
     from hf_elixir.placement import resolve_placements
 
-    for name, size in (("tensor_parallel_size", tensor_parallel_size),
-                       ("expert_parallel_size", expert_parallel_size)):
-        if size < 1 or args.num_gpus % size:
-            raise ValueError(f"--{name.replace('_', '-')}={size} must be >= 1 and divide --num-gpus={args.num_gpus}")
+    _check_degrees(args, tensor_parallel_size, expert_parallel_size)
     config = ElixirConfig(tensor_parallel_size=tensor_parallel_size, expert_parallel_size=expert_parallel_size)
     return resolve_placements(model, config)
 

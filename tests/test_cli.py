@@ -48,6 +48,18 @@ def test_plan_command_shows_tensor_and_expert_parallel_placements(tmp_path, caps
     assert "--tensor-parallel-size=3" in capsys.readouterr().err
 
 
+def test_plan_command_refuses_a_bad_degree_before_building_the_model(monkeypatch, capsys):
+    """A degree that does not divide --num-gpus fails at once (it waited for the model and the host probe)."""
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the degrees were checked")
+
+    monkeypatch.setattr("hf_elixir.profiler._model_zoo.load_config", no_model)
+    for flag, size in (("--tensor-parallel-size", "3"), ("--tensor-parallel-size", "0"),
+                       ("--expert-parallel-size", "16")):
+        assert main(["plan", "--model", "llama-3.1-8b", "--num-gpus", "8", flag, size]) == 2
+        assert f"{flag}={size} must be >= 1 and divide --num-gpus=8" in capsys.readouterr().err
+
+
 def test_plan_command_reads_a_local_config_json(tmp_path, capsys):
     import json
 

@@ -117,6 +117,32 @@ def test_split_experts_save_pretrained_and_full_gradients(tmp_path):
     assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
 
 
+def test_split_experts_save_checkpoint_resumes(tmp_path):
+    """``hf_elixir.save_checkpoint`` of a split model (weights under the fused names, optimizer state per piece)
+    loads back into a fresh split model with ``load_checkpoint``, and the next step is the same."""
+    def build():
+        model = make_moe_model("mixtral")
+        return hf_elixir.prepare(model, _adamw(model), _config(chunk_size_numel=4096, split_fused_experts=True))
+
+    model, opt = build()
+    for step in range(2):
+        opt.zero_grad()
+        opt.backward(model(**_batch(step, 0)).loss)
+        opt.step()
+    hf_elixir.save_checkpoint(tmp_path / "ck", model, opt, step=2)
+    opt.zero_grad()
+    opt.backward(model(**_batch(2, 0)).loss)
+    opt.step()
+    expected = model.state_dict()
+    fresh, fresh_opt = build()
+    assert hf_elixir.load_checkpoint(tmp_path / "ck", fresh, fresh_opt)["step"] == 2
+    fresh_opt.zero_grad()
+    fresh_opt.backward(fresh(**_batch(2, 0)).loss)
+    fresh_opt.step()
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
 def test_split_experts_floor_is_one_expert():
     """The device floor of a tiny Mixtral with split experts: at most the unsplit floor less the E - 1 other experts'
     parameter bytes of one layer (a unit then holds one expert's chunk, not E)."""
@@ -167,7 +193,7 @@ def test_split_auto_splits_only_where_the_budget_needs_it(budget):
     opt.step()
 
 
-def test_plan_command_plans_the_split_model(tmp_path, monkeypatch):
+def test_plan_command_plans_the_split_model(tmp_path, monkeypatch, capsys):
     """``hf-elixir plan --split-fused-experts`` lays out the split model: its plan (parameter order of the pieces,
     placements naming the experts module once) is accepted by ``prepare`` with the default config, which splits as
     the plan was made; ``--no-split-fused-experts`` plans the fused tensors, which ``"auto"`` then keeps; without
@@ -205,8 +231,11 @@ def test_plan_command_plans_the_split_model(tmp_path, monkeypatch):
     for memory, split in ((fused - 1, True), (fused, False)):
         path = tmp_path / f"plan_auto_{memory}.json"
         auto_argv = [a if a != "8MiB" else str(memory) for a in argv] + [str(path)]
+        capsys.readouterr()
         assert main(auto_argv) == 0
         assert any(".experts.3.gate_up_proj" in n for n in ElixirPlan.load(path).param_order) == split, memory
+        report = " ".join(capsys.readouterr().out.split())  # the report says which layout it planned
+        assert ("experts split per expert" in report, "experts kept fused" in report) == (split, not split), report
 
 
 def test_split_experts_two_ranks_zero_match_plain_pytorch():
@@ -225,3 +254,33 @@ def test_split_experts_two_ranks_zero_match_plain_pytorch():
             assert m["same_keys"] and m["split_pieces"] == [4] and m["num_evictions"] > 0, (name, m)
             if "idle" in name:
                 assert m["idle_decay_rel"] < 1e-6 and m["idle_moved"] > 1e-4, (name, m)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_trainer_resume_restores_moe_experts(tmp_path, split):
+    """``save_model`` writes Mixtral's experts per expert (``block_sparse_moe.experts.{e}.w1``); the Trainer's own
+    ``resume_from_checkpoint`` loaded the file with plain ``load_state_dict`` and left the gate and the experts at
+    their fresh values. Through ElixirCallback the resumed run ends with the uninterrupted run's weights."""
+    from transformers import Trainer, TrainingArguments
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            ids = torch.randint(2, 64, (8,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    def run(resume=None):
+        model = make_moe_model("mixtral")
+        args = TrainingArguments(str(tmp_path), max_steps=4, save_steps=2, per_device_train_batch_size=2,
+                                 learning_rate=1e-3, use_cpu=True, report_to=[], seed=0)
+        trainer = Trainer(model, args, train_dataset=Data(),
+                          callbacks=[hf_elixir.ElixirCallback(_config(split_fused_experts=split))])
+        trainer.train(resume_from_checkpoint=resume)
+        return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+    expected = run()
+    resumed = run(str(tmp_path / "checkpoint-2"))
+    for key, value in expected.items():
+        assert torch.equal(resumed[key], value), key

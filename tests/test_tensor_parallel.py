@@ -94,3 +94,18 @@ def test_prepared_tp_save_loads_into_unmodified_class(tp2, case):
     assert m["loaded_class"] in ("GPT2LMHeadModel", "OPTForCausalLM")
     assert m["loaded_keys_match"] and m["loaded_bitwise"] and m["partial_refused"] and m["folder_final"], m
     assert m["logits_rel"] < TOL, m
+
+
+def test_parallelize_without_process_group_names_the_fix():
+    """A Trainer user calls ``parallelize`` before ``Trainer(...)`` initialises torch.distributed: the error says
+    to initialise it first, naming the sizes asked for."""
+    import torch.distributed as dist
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import hf_elixir
+    from hf_elixir.parallel import parallelize
+
+    assert not dist.is_initialized()
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64))
+    with pytest.raises(RuntimeError, match=r"tensor_parallel_size=2.*init_process_group\(\) first"):
+        parallelize(model, hf_elixir.ElixirConfig(tensor_parallel_size=2))

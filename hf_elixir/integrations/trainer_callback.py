@@ -283,6 +283,12 @@ def _save_gathered(original_save):
     return _save
 
 
+def _has_safetensors(folder) -> bool:
+    """Whether ``folder`` holds the model's own safetensors weights (single file or an index)."""
+    return any(os.path.isfile(os.path.join(folder, name))
+               for name in ("model.safetensors", "model.safetensors.index.json"))
+
+
 def _parallelized(model) -> bool:
     from hf_elixir.parallel._apply import get_parallel_state  # noqa: PLC0415
 
@@ -331,10 +337,15 @@ def _load_parallel_checkpoint(original_load):
     """
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        from hf_elixir.parallel._load import load_full_state_dict  # noqa: PLC0415
+        from hf_elixir.parallel._load import load_folder_state_dict, load_full_state_dict  # noqa: PLC0415
 
         target = model if model is not None else self.model
         if not _parallelized(target):
+            if _has_safetensors(resume_from_checkpoint):
+                # the folder holds save_pretrained's on-disk names (Mixtral's per-expert w1/w2/w3): read them
+                # through transformers' conversion mapping, where the Trainer's plain load_state_dict missed them
+                self._issue_warnings_after_load(load_folder_state_dict(target, resume_from_checkpoint))
+                return None
             return original_load(self, resume_from_checkpoint, model) if model is not None else \
                 original_load(self, resume_from_checkpoint)
         logger.info("loading this rank's tensor/expert-parallel parts of %s", resume_from_checkpoint)

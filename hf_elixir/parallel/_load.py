@@ -146,3 +146,24 @@ def load_full_state_dict(model: nn.Module, source: dict[str, torch.Tensor] | str
                          f"{' and more' if len(missing) > 5 else ''} in the given state dict; pass the full state "
                          "dict of this model (strict=False keeps their values)")
     return model.load_state_dict(local, strict=False)
+
+
+@torch.no_grad()
+def load_folder_state_dict(model: nn.Module, folder: str | os.PathLike) -> Any:
+    """Load a ``save_pretrained`` folder into a model not rewritten by ``parallelize``, plain or prepared by
+    ``hf_elixir.prepare`` (then collective: its ``load_state_dict`` unshards chunks; call it on every rank).
+
+    The folder's on-disk names and layout (transformers' conversion mapping: Mixtral's per-expert
+    ``block_sparse_moe.experts.{e}.w1``...) are read as ``prepare(checkpoint=)`` reads them, so fused experts, kept
+    fused or split per expert, get their values; the Trainer's plain ``load_state_dict`` of the file misses them.
+
+    Returns:
+        the ``load_state_dict`` result (``missing_keys`` / ``unexpected_keys``).
+
+    Raises:
+        FileNotFoundError: ``folder`` holds no safetensors weights; ValueError as ``prepare(checkpoint=)``.
+    """
+    names = _param_names(model)
+    local = _from_folder(model, folder, names, {})
+    return model.load_state_dict(local, strict=False)
+

@@ -89,7 +89,11 @@ def build_mesh(config: Any, *, device_type: str | None = None) -> ElixirMesh:
         ValueError: both axes > 1, or the world size is not a multiple of the model-parallel size.
     """
     if not dist.is_initialized():
-        raise RuntimeError("build_mesh needs torch.distributed.init_process_group(...) first")
+        raise RuntimeError(
+            f"parallelize / build_mesh (tensor_parallel_size={config.tensor_parallel_size}, expert_parallel_size="
+            f"{config.expert_parallel_size}) needs torch.distributed initialised: launch with torchrun or "
+            "accelerate launch and call torch.distributed.init_process_group() first (with the Trainer too: "
+            "parallelize runs before Trainer(...) would initialise it)")
     tp_size, ep_size = config.tensor_parallel_size, config.expert_parallel_size
     if tp_size > 1 and ep_size > 1:
         raise ValueError(
