@@ -48,6 +48,7 @@ from hf_elixir.chunk import strict
 from hf_elixir.parallel._expert_units import fused_names
 from hf_elixir.runtime._state import get_state
 from hf_elixir.optim.optimizer import CONSOLIDATED_FORMAT, ElixirOptimizer
+from hf_elixir.optim._state_dict import expert_layout_hint
 
 __all__ = ["CHECKPOINT_FORMAT_VERSION", "save_checkpoint", "load_checkpoint", "read_manifest"]
 
@@ -551,7 +552,8 @@ def _check_groups(optimizer: ElixirOptimizer, saved: list[list[str]]) -> None:
         raise ValueError(
             f"the checkpoint's optimizer has {len(saved)} param groups of sizes {[len(g) for g in saved]}, "
             f"this optimizer {len(mine)} of sizes {[len(g) for g in mine]}; build the optimizer with the same "
-            "param groups (same parameters, same order) as the saved run")
+            "param groups (same parameters, same order) as the saved run"
+            + expert_layout_hint([n for g in saved for n in g], [n for g in mine for n in g]))
 
 
 def _check_model_keys(root: Path, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -119,10 +119,11 @@ def test_split_experts_save_pretrained_and_full_gradients(tmp_path):
 
 def test_split_experts_save_checkpoint_resumes(tmp_path):
     """``hf_elixir.save_checkpoint`` of a split model (weights under the fused names, optimizer state per piece)
-    loads back into a fresh split model with ``load_checkpoint``, and the next step is the same."""
-    def build():
+    loads back into a fresh split model with ``load_checkpoint``, and the next step is the same; into a model with
+    the experts kept fused (``"auto"`` at another budget) it refuses, naming ``split_fused_experts`` and the fix."""
+    def build(split=True):
         model = make_moe_model("mixtral")
-        return hf_elixir.prepare(model, _adamw(model), _config(chunk_size_numel=4096, split_fused_experts=True))
+        return hf_elixir.prepare(model, _adamw(model), _config(chunk_size_numel=8192, split_fused_experts=split))
 
     model, opt = build()
     for step in range(2):
@@ -141,6 +142,9 @@ def test_split_experts_save_checkpoint_resumes(tmp_path):
     fresh_opt.step()
     for key, value in fresh.state_dict().items():
         assert torch.equal(value, expected[key]), key
+    fused, fused_opt = build(split=False)
+    with pytest.raises(ValueError, match=r"split per expert and this model has them fused .*split_fused_experts=True"):
+        hf_elixir.load_checkpoint(tmp_path / "ck", fused, fused_opt)
 
 
 def test_split_experts_floor_is_one_expert():

@@ -15,6 +15,7 @@ Source: ``torch.optim.Optimizer.state_dict`` (the layout of ``state`` and ``para
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 
 import torch
@@ -24,10 +25,26 @@ from hf_elixir._compat import all_gather_single
 from hf_elixir.chunk import strict
 from hf_elixir.chunk.chunk import Chunk
 
-__all__ = ["CONSOLIDATED_FORMAT", "SHARDED_FORMAT", "StateDictMixin"]
+__all__ = ["CONSOLIDATED_FORMAT", "SHARDED_FORMAT", "StateDictMixin", "expert_layout_hint"]
 
 CONSOLIDATED_FORMAT = "hf_elixir.optimizer.consolidated.v1"
 SHARDED_FORMAT = "hf_elixir.optimizer.sharded.v1"
+
+
+#: a piece of fused MoE experts split per expert ([Note: split fused experts] in parallel/_expert_units.py)
+_EXPERT_PIECE = re.compile(r"\.experts\.\d+\.")
+
+
+def expert_layout_hint(saved_names, names) -> str:
+    """The fix when a checkpoint and this model lay out fused MoE experts differently (one side split per expert,
+    the other fused: ``ElixirConfig.split_fused_experts="auto"`` decides by the budget), else ``""``."""
+    saved_split = any(_EXPERT_PIECE.search(n) for n in saved_names)
+    if saved_split == any(_EXPERT_PIECE.search(n) for n in names):
+        return ""
+    return (f"; the checkpoint was saved with the fused MoE experts {'split per expert' if saved_split else 'fused'} "
+            f"and this model has them {'fused' if saved_split else 'split per expert'} (ElixirConfig.split_fused_"
+            f"experts='auto' decides by the device budget): prepare with ElixirConfig(split_fused_experts={saved_split})"
+            " to resume it")
 
 
 def _is_plain_torch_state(state_dict: dict) -> bool:
@@ -161,7 +178,7 @@ class StateDictMixin:
                 raise ValueError(
                     f"optimizer param_groups[{index}] holds {len(names)} parameters {names[:3]}... but the "
                     f"checkpoint's group holds {len(saved['params'])} {list(saved['params'])[:3]}...; build "
-                    "the optimizer with the same param groups as the saved run"
+                    f"the optimizer with the same param groups as the saved run{expert_layout_hint(saved['params'], names)}"
                 )
             for key, value in saved.items():
                 if key != "params":
