@@ -44,10 +44,14 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from hf_elixir.chunk import strict
 from hf_elixir.parallel._expert_units import fused_names
+from hf_elixir.parallel._shard_io import (check_same_layout, describe, is_model_parallel, mesh_record,
+                                          model_shard_payload, mp_coordinates, shard_file_name, shard_files_to_read,
+                                          write_local_tensors)
 from hf_elixir.runtime._state import get_state
 from hf_elixir.optim.optimizer import CONSOLIDATED_FORMAT, ElixirOptimizer
+from hf_elixir.optim._shard_payload import (apply_own_shards, chunk_layout, decode, encode, param_groups_meta,
+                                            sharded_payload)
 from hf_elixir.optim._state_dict import expert_layout_hint
 
 __all__ = ["CHECKPOINT_FORMAT_VERSION", "save_checkpoint", "load_checkpoint", "read_manifest"]
@@ -142,113 +146,51 @@ def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _encode(value: Any) -> Any:
-    """JSON-encode optimizer hyperparameters (tuples and 0-d tensors tagged so they round-trip)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise TypeError(f"cannot store a {tuple(value.shape)} tensor in checkpoint metadata")
-        return {"__tensor__": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
-    if isinstance(value, tuple):
-        return {"__tuple__": [_encode(v) for v in value]}
-    if isinstance(value, list):
-        return [_encode(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _encode(v) for k, v in value.items()}
-    return value
-
-
-def _decode(value: Any) -> Any:
-    if isinstance(value, dict):
-        if "__tensor__" in value:
-            return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
-        if "__tuple__" in value:
-            return tuple(_decode(v) for v in value["__tuple__"])
-        return {k: _decode(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_decode(v) for v in value]
-    return value
-
-
-# -- layout (what a sharded file means) --------------------------------------------------------------
-def _chunk_layout(optimizer: ElixirOptimizer) -> list[dict[str, Any]]:
-    """Per trainable chunk: numels, group size and its trainable slots (name, offset, numel, shape)."""
-    layout = []
-    for chunk in optimizer.manager.chunks:
-        if not chunk.trainable:
-            continue
-        layout.append({
-            "chunk_id": chunk.chunk_id, "chunk_numel": chunk.chunk_numel, "shard_numel": chunk.shard_numel,
-            "group_size": chunk.world_size,
-            "slots": [[s.name, s.offset, s.numel, list(s.shape)] for s in chunk.slots if s.trainable],
-        })
-    return layout
-
-
-def _view_state(optimizer: ElixirOptimizer, view) -> dict[str, Any]:
-    """One shard view's optimizer state, whether the inner torch optimizer or the fused chunk update
-    (Adam/AdamW on device chunks, ``ElixirOptimizer.fused_chunks``) holds it."""
-    fused = optimizer.fused_chunks.get(view.chunk.chunk_id)
-    if fused is None:
-        return optimizer.inner.state.get(view.tensor, {}) if optimizer.inner is not None else {}
-    steps = optimizer.fused_steps.get(id(view.tensor), 0)
-    if not steps:
-        return {}
-    return {**{k: v[view.lo:view.hi] for k, v in fused.items()}, "step": torch.tensor(float(steps))}
-
-
-def _set_view_state(optimizer: ElixirOptimizer, view, target: dict[str, Any]) -> None:
-    fused = optimizer.fused_chunks.get(view.chunk.chunk_id)
-    if fused is None:
-        if optimizer.inner is not None:
-            optimizer.set_view_state(view, target)
-        return
-    for key, value in target.items():
-        if key == "step":
-            optimizer.fused_steps[id(view.tensor)] = int(float(value))
-        else:
-            with strict.host_copies():  # loaded from a file: host memory
-                fused[key][view.lo:view.hi].copy_(value)
-
-
-def _sharded_payload(optimizer: ElixirOptimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """This rank's shards: tensors ``chunk{id}.{key}`` (fp32 ``[shard_numel]``) and per-slot metadata
-    (which keys a parameter's state has; its scalar states such as ``step``)."""
-    tensors: dict[str, torch.Tensor] = {}
-    slots: dict[str, Any] = {}
-    keys_of_chunk: dict[int, set[str]] = {}
-    for view in optimizer.views:
-        state = _view_state(optimizer, view)
-        per_element = [k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0
-                       and v.numel() == view.tensor.numel()]
-        scalars = {k: _encode(v) for k, v in state.items() if k not in per_element}
-        slots[view.slot.name] = {"keys": sorted(per_element), "scalars": scalars, "chunk_id": view.chunk.chunk_id}
-        keys_of_chunk.setdefault(view.chunk.chunk_id, set()).update(per_element)
-    chunks = {c.chunk_id: c for c in optimizer.manager.chunks}
-    for cid, keys in keys_of_chunk.items():
-        for key in sorted(keys):
-            tensors[f"chunk{cid}.{key}"] = optimizer._shard_flat(chunks[cid], key)
-    if optimizer.config.precision != "fp32":
-        for cid, master in optimizer.masters.items():
-            tensors[f"chunk{cid}.master"] = master.detach().float().cpu().clone()
-    group_ranks = {str(c.chunk_id): c.rank for c in optimizer.manager.chunks if c.trainable}
-    return tensors, {"slots": slots, "group_ranks": group_ranks}
-
-
-def _param_groups_meta(optimizer: ElixirOptimizer) -> list[dict[str, Any]]:
-    groups = []
-    for group in optimizer.param_groups:
-        entry = {k: _encode(v) for k, v in group.items() if k != "params"}
-        entry["params"] = [optimizer.manager.slot_of[p].name for p in group["params"]]
-        groups.append(entry)
-    return groups
-
-
 def _plan_summary(model: torch.nn.Module) -> dict[str, Any]:
     state = get_state(model)
     plan = state.plan
     return {"model_type": plan.model_type, "num_params": plan.num_params, "world_size": plan.world_size,
             "precision": plan.precision, "chunk_size_numel": plan.chunk_size_numel,
             "num_chunks": len(state.manager.chunks)}
+
+
+# -- model tensors -----------------------------------------------------------------------------------
+def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Every later name of a parameter held under several names -> its first name (``named_parameters`` order),
+    the one a checkpoint stores: transformers' ``save_pretrained`` also writes a tied weight once."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+def _layout_for(mesh: dict[str, Any], optimizer_layout: str | None) -> str:
+    """The optimizer layout to write: a tensor/expert-parallel model's optimizer state is always per rank."""
+    if optimizer_layout is None:
+        return "sharded" if is_model_parallel(mesh) else "consolidated"
+    if optimizer_layout == "consolidated" and is_model_parallel(mesh):
+        logger.warning("save_checkpoint(optimizer_layout='consolidated') of a tensor/expert-parallel model (%s): the "
+                       "optimizer state is saved per rank ('sharded'), which resumes on the same layout; pass "
+                       "optimizer_layout=None to silence this", describe(mesh))
+        return "sharded"
+    return optimizer_layout
+
+
+def _model_payload(model: torch.nn.Module, mesh: dict[str, Any], rank: int):
+    """``(file this rank writes or None, its tensors, their roles)``; collective. A tensor/expert-parallel model:
+    each rank's own shards ([Note: tensor/expert-parallel checkpoints]); else the consolidated state dict (rank 0
+    writes it), each tied weight once."""
+    if is_model_parallel(mesh):
+        tensors, roles = model_shard_payload(model)
+        return (shard_file_name(model) if tensors else None), tensors, roles
+    state = model.state_dict()
+    aliases = _tied_aliases(model)
+    tensors = {k: v for k, v in state.items() if k not in aliases or aliases[k] not in state}
+    return (_MODEL_FILE if rank == 0 else None), tensors, {}
 
 
 # -- save --------------------------------------------------------------------------------------------
@@ -276,7 +218,7 @@ def _check_extra(extra: Any) -> dict[str, Any]:
 
 def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimizer: ElixirOptimizer | None,
                     *, step: int, extra: dict[str, Any] | None = None,
-                    optimizer_layout: str = "consolidated") -> Path:
+                    optimizer_layout: str | None = None) -> Path:
     """Save model and optimizer state atomically into ``directory`` (collective: call on every rank).
 
     Args:
@@ -288,7 +230,8 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
         extra: JSON-serialisable user data (LR scheduler ``state_dict()``, data-loader position, ...).
         optimizer_layout: ``"consolidated"`` (rank 0 writes full per-parameter states, loadable at any
             world size) or ``"sharded"`` (each rank writes its own shards, see [Note: sharded optimizer
-            state]).
+            state]). Default ``None``: consolidated, or sharded for a tensor/expert-parallel model (whose
+            checkpoints are per rank: [Note: tensor/expert-parallel checkpoints]).
 
     Returns:
         the checkpoint directory.
@@ -301,8 +244,8 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise TypeError(f"save_checkpoint(step={step!r}) must be an int >= 0")
-    if optimizer_layout not in _LAYOUTS:
-        raise ValueError(f"save_checkpoint(optimizer_layout={optimizer_layout!r}) must be one of {_LAYOUTS}")
+    if optimizer_layout is not None and optimizer_layout not in _LAYOUTS:
+        raise ValueError(f"save_checkpoint(optimizer_layout={optimizer_layout!r}) must be one of {_LAYOUTS} or None")
     if optimizer is not None and not isinstance(optimizer, ElixirOptimizer):
         optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
         if not isinstance(optimizer, ElixirOptimizer):
@@ -317,9 +260,11 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
     saving, previous = _siblings(directory)
     rank, world_size = _rank(), _world_size()
     plan = _plan_summary(model)
+    mesh = mesh_record(model)
+    optimizer_layout = _layout_for(mesh, optimizer_layout)
 
     # collectives first, in the same order on every rank
-    model_state = model.state_dict()
+    model_file, model_state, roles = _model_payload(model, mesh, rank)
     optim_state = optimizer.state_dict() if optimizer is not None and optimizer_layout == "consolidated" else None
 
     if rank == 0:
@@ -330,52 +275,58 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
         saving.mkdir()
     _barrier()
     files: dict[str, Any] = {}
-    if rank == 0:
-        files[_MODEL_FILE] = _save_tensors(saving / _MODEL_FILE, _unshared(model_state))
+    if model_file is not None:
+        files[model_file] = _save_tensors(saving / model_file, _unshared(model_state))
     del model_state
     if optim_state is not None and rank == 0:
         tensors, scalars = {}, {}
         for name, entry in optim_state["state"].items():
             for key, value in entry.items():
                 if value.dim() == 0:
-                    scalars.setdefault(name, {})[key] = _encode(value)
+                    scalars.setdefault(name, {})[key] = encode(value)
                 else:
                     tensors[f"{name}/{key}"] = value
         files[_OPTIM_FILE] = _save_tensors(saving / _OPTIM_FILE, _unshared(tensors))
         _write_json(saving / _OPTIM_META, {
             "format": optim_state["format"], "scalars": scalars,
-            "param_groups": [{**{k: _encode(v) for k, v in g.items() if k != "params"}, "params": g["params"]}
+            "param_groups": [{**{k: encode(v) for k, v in g.items() if k != "params"}, "params": g["params"]}
                              for g in optim_state["param_groups"]],
             "loss_scaler": optim_state["loss_scaler"]})
         files[_OPTIM_META] = _record(saving / _OPTIM_META)
     shard_meta = None
     if optimizer is not None and optimizer_layout == "sharded":
-        tensors, shard_meta = _sharded_payload(optimizer)
+        tensors, shard_meta = sharded_payload(optimizer)
+        shard_meta["chunk_layout"] = chunk_layout(optimizer)  # this rank's (experts differ per ep rank)
+        shard_meta["param_groups"] = [g["params"] for g in param_groups_meta(optimizer)]
         name = f"optimizer.rank{rank}.safetensors"
         files[name] = _save_tensors(saving / name, tensors)
         shard_meta["file"] = name
         if rank == 0:
             _write_json(saving / _OPTIM_META, {"format": "hf_elixir.optimizer.sharded.v1",
-                                               "param_groups": _param_groups_meta(optimizer),
+                                               "param_groups": param_groups_meta(optimizer),
                                                "loss_scaler": optimizer.scaler.state_dict()})
             files[_OPTIM_META] = _record(saving / _OPTIM_META)
-    gathered = [(files, shard_meta)]
+    model_shard = None if model_file is None or not is_model_parallel(mesh) else {
+        "file": model_file, "mp_rank": mp_coordinates(model)[0], "tensors": roles}
+    gathered = [(files, shard_meta, model_shard)]
     if _dist_on():
         gathered = [None] * world_size
-        dist.all_gather_object(gathered, (files, shard_meta))
+        dist.all_gather_object(gathered, (files, shard_meta, model_shard))
     if rank == 0:
         all_files: dict[str, Any] = {}
-        for part, _ in gathered:
+        for part, _, _ in gathered:
             all_files.update(part)
         manifest = {
             "format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_FORMAT_VERSION, "step": step,
             "world_size": world_size, "plan": plan, "files": all_files, "extra": extra,
             "optimizer_layout": None if optimizer is None else optimizer_layout,
-            "precision": plan["precision"],
+            "precision": plan["precision"], "mesh": mesh, "tied": _tied_aliases(model),
         }
+        if is_model_parallel(mesh):
+            manifest["model_shards"] = [shard for _, _, shard in gathered if shard is not None]
         if optimizer is not None and optimizer_layout == "sharded":
-            manifest["chunk_layout"] = _chunk_layout(optimizer)
-            manifest["optimizer_shards"] = [meta for _, meta in gathered]
+            manifest["chunk_layout"] = chunk_layout(optimizer)
+            manifest["optimizer_shards"] = [meta for _, meta, _ in gathered]
         _write_json(saving / _MANIFEST, manifest)
         _fsync_dir(saving)
         # [Note: atomic save] swap: DIR -> .DIR.previous, .DIR.saving -> DIR, drop .DIR.previous
@@ -464,8 +415,8 @@ def _consolidated_from_files(root: Path, manifest: dict[str, Any]) -> dict[str, 
         state.setdefault(name, {})[field] = value
     for name, scalars in meta["scalars"].items():
         for key, value in scalars.items():
-            state.setdefault(name, {})[key] = _decode(value)
-    return {"format": meta["format"], "state": state, "param_groups": [_decode(g) for g in meta["param_groups"]],
+            state.setdefault(name, {})[key] = decode(value)
+    return {"format": meta["format"], "state": state, "param_groups": [decode(g) for g in meta["param_groups"]],
             "loss_scaler": meta["loss_scaler"]}
 
 
@@ -496,7 +447,7 @@ def _consolidated_from_shards(root: Path, manifest: dict[str, Any]) -> dict[str,
     for meta in shards:
         for name, entry in meta["slots"].items():
             for key, value in entry["scalars"].items():
-                state.setdefault(name, {})[key] = _decode(value)
+                state.setdefault(name, {})[key] = decode(value)
     for name in list(state):  # drop keys a parameter never had (zeros from other parameters' chunks)
         had = set()
         for meta in shards:
@@ -506,7 +457,7 @@ def _consolidated_from_shards(root: Path, manifest: dict[str, Any]) -> dict[str,
         state[name] = {k: v for k, v in state[name].items() if k in had or not torch.is_tensor(v) or v.dim() == 0}
     meta = _load_json(root, manifest, _OPTIM_META)
     return {"format": CONSOLIDATED_FORMAT, "state": state,
-            "param_groups": [_decode(g) for g in meta["param_groups"]], "loss_scaler": meta["loss_scaler"]}
+            "param_groups": [decode(g) for g in meta["param_groups"]], "loss_scaler": meta["loss_scaler"]}
 
 
 def _read_own_shards(root: Path, manifest: dict[str, Any]) -> tuple[dict, dict, dict]:
@@ -517,33 +468,6 @@ def _read_own_shards(root: Path, manifest: dict[str, Any]) -> tuple[dict, dict, 
     meta = manifest["optimizer_shards"][_rank()]
     tensors = _load_tensors(_verify(root, manifest, meta["file"]))
     return tensors, meta, _load_json(root, manifest, _OPTIM_META)
-
-
-def _apply_own_shards(optimizer: ElixirOptimizer, tensors: dict, meta: dict, groups: dict) -> None:
-    """Copy this rank's shards straight into the optimizer's shard views and masters."""
-    for group, saved in zip(optimizer.param_groups, groups["param_groups"]):
-        for key, value in saved.items():
-            if key != "params":
-                group[key] = _decode(value)
-    for view in optimizer.views:
-        entry = meta["slots"].get(view.slot.name)
-        if entry is None:
-            continue
-        cid = view.chunk.chunk_id
-        target = {k: tensors[f"chunk{cid}.{k}"][view.lo:view.hi].to(view.tensor.device).clone()
-                  for k in entry["keys"]}
-        for key, value in entry["scalars"].items():
-            target[key] = _decode(value)
-        if torch.is_tensor(target.get("step")):
-            target["step"] = target["step"].to(torch.float32)
-        _set_view_state(optimizer, view, target)
-    masters = {cid: tensors.get(f"chunk{cid}.master") for cid in optimizer.masters}
-    if masters and all(v is not None for v in masters.values()):
-        for cid, value in masters.items():
-            with strict.host_copies():  # loaded from a file: host memory
-                optimizer.masters[cid].copy_(value)
-        optimizer._refresh_compute_copies()
-    optimizer.scaler.load_state_dict(groups["loss_scaler"])
 
 
 def _check_groups(optimizer: ElixirOptimizer, saved: list[list[str]]) -> None:
@@ -574,7 +498,65 @@ def _check_model_keys(root: Path, model: torch.nn.Module, state: dict[str, torch
 
 
 def _same_layout(manifest: dict[str, Any], optimizer: ElixirOptimizer) -> bool:
-    return manifest["world_size"] == _world_size() and manifest["chunk_layout"] == _chunk_layout(optimizer)
+    """Same world size and chunk layout as this rank's saved shards (every rank agrees on the answer)."""
+    same = manifest["world_size"] == _world_size()
+    if same:
+        saved = manifest["optimizer_shards"][_rank()].get("chunk_layout", manifest["chunk_layout"])
+        same = saved == chunk_layout(optimizer)
+    if _dist_on():
+        votes = [None] * _world_size()
+        dist.all_gather_object(votes, same)
+        same = all(votes)
+    return same
+
+
+def _saved_mesh(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's layout; a checkpoint from before layouts were recorded was saved without tp/ep."""
+    ws = manifest["world_size"]
+    return manifest.get("mesh") or {"tp": 1, "ep": 1, "dp": ws, "world_size": ws, "split_fused_experts": None}
+
+
+def _read_model(root: Path, manifest: dict[str, Any], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The verified model tensors this rank loads: its shard files under a tensor/expert-parallel layout
+    (same layout checked before), else the consolidated file with tied names filled in."""
+    if is_model_parallel(_saved_mesh(manifest)):
+        state: dict[str, torch.Tensor] = {}
+        for name in shard_files_to_read(model, manifest["model_shards"]):
+            state.update(_load_tensors(_verify(root, manifest, name)))
+        return state
+    state = _load_tensors(_verify(root, manifest, _MODEL_FILE))
+    for alias, first in _tied_aliases(model).items():  # a tied weight is stored once
+        if alias not in state and first in state:
+            state[alias] = state[first]
+    _check_model_keys(root, model, state)
+    return state
+
+
+def _read_optimizer(root: Path, manifest: dict[str, Any], optimizer: ElixirOptimizer):
+    """``(consolidated state or None, own shards or None)``, verified; the param groups checked."""
+    layout = manifest.get("optimizer_layout")
+    if layout is None:
+        raise ValueError(f"checkpoint {str(root)!r} has no optimizer state (saved with optimizer=None); "
+                         "pass optimizer=None or resume from another checkpoint")
+    optim_state = own = None
+    if layout == "consolidated":
+        optim_state = _consolidated_from_files(root, manifest)
+    elif _same_layout(manifest, optimizer):
+        own = _read_own_shards(root, manifest)
+    elif is_model_parallel(_saved_mesh(manifest)):
+        raise ValueError(f"checkpoint {str(root)!r}: this rank's optimizer chunks differ from the saved run's at the "
+                         f"same layout ({describe(_saved_mesh(manifest))}); prepare with the same ElixirConfig "
+                         "(chunk_size_numel, placements, param groups) as the saved run")
+    else:
+        logger.info("checkpoint %s: optimizer shards of world size %d are resharded for world size %d",
+                    root, manifest["world_size"], _world_size())
+        optim_state = _consolidated_from_shards(root, manifest)
+    if optim_state is not None:
+        groups = [list(g["params"]) for g in optim_state["param_groups"]]
+    else:
+        groups = own[1].get("param_groups") or [list(g["params"]) for g in own[2]["param_groups"]]
+    _check_groups(optimizer, groups)
+    return optim_state, own
 
 
 def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module,
@@ -606,29 +588,19 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module,
     if optimizer is not None and not isinstance(optimizer, ElixirOptimizer):
         optimizer = getattr(optimizer, "optimizer", optimizer)
     # verify and read everything before touching the model: a bad file leaves the run as it was
-    model_state = _load_tensors(_verify(root, manifest, _MODEL_FILE))
-    _check_model_keys(root, model, model_state)
-    layout = manifest.get("optimizer_layout")
+    check_same_layout(repr(str(root)), _saved_mesh(manifest), model)  # the same on every rank
+    model_state = _read_model(root, manifest, model)
     optim_state = own = None
     if optimizer is not None:
-        if layout is None:
-            raise ValueError(f"checkpoint {str(root)!r} has no optimizer state (saved with optimizer=None); "
-                             "pass optimizer=None or resume from another checkpoint")
-        if layout == "consolidated":
-            optim_state = _consolidated_from_files(root, manifest)
-        elif not _same_layout(manifest, optimizer):
-            logger.info("checkpoint %s: optimizer shards of world size %d are resharded for world size %d",
-                        root, manifest["world_size"], _world_size())
-            optim_state = _consolidated_from_shards(root, manifest)
-        else:
-            own = _read_own_shards(root, manifest)
-        groups = optim_state["param_groups"] if optim_state is not None else own[2]["param_groups"]
-        _check_groups(optimizer, [list(g["params"]) for g in groups])
-    model.load_state_dict(model_state)
+        optim_state, own = _read_optimizer(root, manifest, optimizer)
+    if is_model_parallel(_saved_mesh(manifest)):
+        write_local_tensors(model, model_state)  # [Note: tensor/expert-parallel checkpoints]
+    else:
+        model.load_state_dict(model_state)
     del model_state
     if optim_state is not None:
         optimizer.load_state_dict(optim_state)
     elif own is not None:
-        _apply_own_shards(optimizer, *own)
+        apply_own_shards(optimizer, *own)
     return {"step": int(manifest["step"]), "extra": manifest.get("extra", {}),
             "world_size": int(manifest["world_size"]), "manifest": manifest}

@@ -1,0 +1,238 @@
+"""This rank's own tensors of a tensor/expert-parallel model prepared by ``hf_elixir.prepare``, read and written
+without any gather over the model-parallel group: what a training checkpoint of such a model stores per rank.
+
+[Note: local tensors] A rank of a ``(dp, tp)`` or ``(dp, ep)`` mesh holds its tensor-parallel slices and its
+experts (the parameters :func:`~hf_elixir.parallel.parallelize` left it, under their unmodified names, shapes
+shrunk) plus the tensors replicated over the model-parallel group. ZeRO chunks shard those again over the
+data-parallel group. :func:`read_local_tensors` consolidates the chunks over the data-parallel group only
+(module by module, in module order, as ``model.state_dict()`` of a ZeRO model does, so the collectives line up on
+every rank; under bf16/fp16 the values are the optimizer's fp32 masters, [Note: fp32 exports] in
+``hf_elixir/runtime/_exports.py``) and never over tp/ep: the result is this rank's shard of the model, whatever
+``model.state_dict()`` returns. :func:`write_local_tensors` is its inverse (the chunks are unsharded, written
+through the parameters, marked dirty and written back into each rank's shard, as ``load_state_dict`` does).
+:func:`tensor_roles` says, per tensor, how its local value maps to the unmodified model's tensor, so a checkpoint
+records the layout it was saved in and refuses another one by name. A tensor tied under several names is read
+and written once, under its first name (``named_parameters`` order), as transformers saves tied weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hf_elixir.chunk.strict import host_copies, to_host
+from hf_elixir.parallel._expert_units import fused_names
+from hf_elixir.parallel._state import get_parallel_state
+from hf_elixir.runtime._exports import MasterExport
+from hf_elixir.runtime._state import get_state
+from hf_elixir.runtime.state_dict import _ensure_all_full
+
+__all__ = ["mesh_record", "read_local_tensors", "tensor_roles", "write_local_tensors", "writes_model_shard"]
+
+
+def mesh_record(model: nn.Module) -> dict[str, Any]:
+    """The layout a checkpoint of ``model`` is bound to: mesh axis sizes and whether fused experts are split.
+
+    Returns:
+        ``{"tp": int, "ep": int, "dp": int, "world_size": int, "split_fused_experts": bool}``; a model
+        not rewritten by ``parallelize`` is ``tp = ep = 1`` and ``dp`` = the world size.
+    """
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    pstate = get_parallel_state(model)
+    if pstate is None:
+        tp = ep = 1
+        dp = world_size
+    else:
+        mesh = pstate.mesh
+        tp, ep, dp = mesh.tp_size, mesh.ep_size, mesh.dp_size
+    return {"tp": tp, "ep": ep, "dp": dp, "world_size": world_size, "split_fused_experts": bool(fused_names(model))}
+
+
+def is_model_parallel(record: dict[str, Any]) -> bool:
+    """Does a :func:`mesh_record` describe a tensor- or expert-parallel mesh (tensors sharded per rank)?"""
+    return record.get("tp", 1) > 1 or record.get("ep", 1) > 1
+
+
+def describe(record: dict[str, Any]) -> str:
+    """``tp=2 ep=1 dp=1 (world size 2, fused experts kept fused)``: a layout in an error message."""
+    split = "split per expert" if record.get("split_fused_experts") else "kept fused"
+    return (f"tp={record.get('tp', 1)} ep={record.get('ep', 1)} dp={record.get('dp', '?')} "
+            f"(world size {record.get('world_size', '?')}, fused experts {split})")
+
+
+def mp_coordinates(model: nn.Module) -> tuple[int, int]:
+    """``(mp_rank, dp_index)`` of this rank: its place on the tp/ep axis and on the dp axis (``(0, rank)`` without
+    a mesh)."""
+    pstate = get_parallel_state(model)
+    if pstate is None:
+        return 0, dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    mesh = pstate.mesh
+    mp_rank = mesh.tp_rank if mesh.mp_axis == "tp" else mesh.ep_rank
+    return mp_rank, mesh.device_mesh.get_local_rank("dp")
+
+
+def writes_model_shard(model: nn.Module) -> bool:
+    """Ranks of the first dp row write the model's shards (the other rows hold the same values)."""
+    return mp_coordinates(model)[1] == 0
+
+
+def _owned(model: nn.Module):
+    """``(module FQN prefix, module, [(name, parameter)], [(name, buffer)])`` per module, each parameter once
+    (its first name in ``named_parameters`` order), persistent buffers only."""
+    seen: set[int] = set()
+    for fqn, module in model.named_modules():
+        prefix = f"{fqn}." if fqn else ""
+        params = []
+        for name, param in module._parameters.items():
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
+                params.append((prefix + name, param))
+        buffers = [(prefix + name, buf) for name, buf in module._buffers.items()
+                   if buf is not None and name not in module._non_persistent_buffers_set]
+        if params or buffers:
+            yield module, params, buffers
+
+
+def tensor_roles(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Name -> how this rank's tensor maps to the unmodified model's (see [Note: local tensors]).
+
+    ``{"role": "tp", "dim": d, "parts": p, "local_shape": [...], "global_shape": [...]}`` for a tensor-parallel
+    slice, ``{"role": "experts", ...}`` for an expert-parallel tensor (a fused slice, one piece of split experts,
+    or a Switch-style expert), ``{"role": "replicated", ...}`` for the rest (the same on every model-parallel
+    rank). ``global_shape`` is the unmodified model's shape where that tensor has this name, else ``None``.
+    """
+    pstate = get_parallel_state(model)
+    full_shapes = pstate.full_shapes if pstate is not None else {}
+    roles: dict[str, dict[str, Any]] = {}
+    for _, params, buffers in _owned(model):
+        for name, tensor in params + buffers:
+            entry: dict[str, Any] = {"role": "replicated", "local_shape": list(tensor.shape)}
+            if pstate is not None and name in pstate.tp_layouts:
+                layout = pstate.tp_layouts[name]
+                entry.update(role="tp", dim=layout.dim, parts=layout.parts)
+            elif pstate is not None and pstate.is_expert_param(name):
+                entry["role"] = "experts"
+            shape = full_shapes.get(name)
+            entry["global_shape"] = list(shape) if shape is not None else None
+            roles[name] = entry
+    return roles
+
+
+@torch.no_grad()
+def read_local_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's tensors of a prepared model (host copies; see [Note: local tensors]). Collective over the
+    chunks' data-parallel groups: every rank calls it.
+
+    Returns:
+        ``{name: tensor}`` for every parameter (once, under its first name) and persistent buffer, in module
+        order; local (sharded) shapes under a tensor/expert-parallel mesh.
+    """
+    manager = get_state(model).manager
+    export = MasterExport(model, manager)
+    export.begin()
+    out: dict[str, torch.Tensor] = {}
+    try:
+        for _, params, buffers in _owned(model):
+            chunks = sorted({manager.chunk_of[p] for _, p in params if p in manager.slot_of}, key=lambda c: c.chunk_id)
+            _ensure_all_full(manager, chunks)
+            for name, param in params:
+                out[name] = export.value(param) if param in manager.slot_of else to_host(param.detach()).clone()
+            for name, buf in buffers:
+                out[name] = to_host(buf.detach()).clone()
+    finally:
+        export.end()
+    return out
+
+
+@torch.no_grad()
+def write_local_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Write :func:`read_local_tensors`' output back into a prepared model of the same layout (collective, as the
+    read). Every name must be present with its local shape; then the optimizer's fp32 masters are refreshed from
+    the parameters (an fp32 checkpoint of bf16 training restores them from its optimizer shards after this).
+
+    Raises:
+        ValueError: a tensor is missing or of another shape (names it and both shapes).
+    """
+    state = get_state(model)
+    manager = state.manager
+    manager.take_param_writes()
+    owned = {name for _, params, buffers in _owned(model) for name, _ in params + buffers}
+    unexpected = sorted(set(tensors) - owned)
+    if unexpected:
+        raise ValueError(f"checkpoint tensors {unexpected[:5]} are not in this rank's model: load the checkpoint into "
+                         "the kind of model it was saved from")
+    for _, params, buffers in _owned(model):
+        for name, tensor in params + buffers:
+            value = tensors.get(name)
+            if value is None or tuple(value.shape) != tuple(tensor.shape):
+                got = "missing" if value is None else f"of shape {tuple(value.shape)}"
+                raise ValueError(f"checkpoint tensor {name!r} is {got}; this rank's model has {tuple(tensor.shape)}: "
+                                 "load the checkpoint into a model prepared with the layout it was saved in")
+    for _, params, buffers in _owned(model):
+        chunks = sorted({manager.chunk_of[p] for _, p in params if p in manager.slot_of}, key=lambda c: c.chunk_id)
+        _ensure_all_full(manager, chunks)
+        with host_copies():  # from a file: host memory into the gathered chunk (a manager copy path)
+            for name, tensor in params + buffers:
+                tensor.copy_(tensors[name])
+        for chunk in chunks:
+            chunk.dirty = True
+    for chunk in manager.chunks:
+        if chunk.dirty:
+            if chunk.unsharded:
+                chunk.write_back()
+            else:
+                chunk.dirty = False
+    if state.optimizer is not None:
+        state.optimizer.sync_masters_from_params()
+
+
+# -- what a checkpoint of a tensor/expert-parallel model writes and reads per rank ---------------------------------
+def shard_file_name(model: nn.Module) -> str:
+    """``model.tp{r}.safetensors`` / ``model.ep{r}.safetensors``: the file of this rank's model-parallel index."""
+    pstate = get_parallel_state(model)
+    return f"model.{pstate.mesh.mp_axis}{mp_coordinates(model)[0]}.safetensors"
+
+
+def model_shard_payload(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """This rank's part of a tensor/expert-parallel checkpoint's model files (collective: every rank calls it).
+
+    The first dp row writes; model-parallel rank 0 writes the replicated tensors, every model-parallel rank its
+    own slices and experts, so each tensor is on disk once. Returns ``(tensors, roles)`` (empty on the other dp
+    rows), ``roles`` as :func:`tensor_roles` for the tensors written.
+    """
+    local = read_local_tensors(model)
+    if not writes_model_shard(model):
+        return {}, {}
+    mp_rank = mp_coordinates(model)[0]
+    roles = {k: v for k, v in tensor_roles(model).items() if v["role"] != "replicated" or mp_rank == 0}
+    return {k: local[k] for k in roles}, roles
+
+
+def shard_files_to_read(model: nn.Module, shards: list[dict[str, Any]]) -> list[str]:
+    """The model files (of a checkpoint's ``model_shards`` records) holding this rank's tensors: its
+    model-parallel index's file and model-parallel rank 0's (the replicated tensors)."""
+    mp_rank = mp_coordinates(model)[0]
+    return [s["file"] for s in shards if s["mp_rank"] in (0, mp_rank)]
+
+
+def check_same_layout(where: str, saved: dict[str, Any], model: nn.Module) -> None:
+    """Refuse to resume a checkpoint saved on another tensor/expert-parallel layout (both named).
+
+    Raises:
+        ValueError: either layout is tensor/expert parallel and the mesh or the split of fused experts differ.
+    """
+    current = mesh_record(model)
+    keys = ("tp", "ep", "dp", "world_size", "split_fused_experts")
+    if not (is_model_parallel(saved) or is_model_parallel(current)):
+        return
+    if all(saved.get(k) == current[k] for k in keys):
+        return
+    raise ValueError(
+        f"checkpoint {where} was saved with layout {describe(saved)}; this run has {describe(current)}. A "
+        "tensor/expert-parallel checkpoint holds each rank's shards and resumes only on the layout it was saved in: "
+        f"resume with tensor_parallel_size={saved.get('tp', 1)}, expert_parallel_size={saved.get('ep', 1)}, "
+        f"world size {saved.get('world_size')} and split_fused_experts={bool(saved.get('split_fused_experts'))}, or "
+        "export the weights with model.save_pretrained(dir) (every rank) and start from that folder")
