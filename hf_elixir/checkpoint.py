@@ -2,12 +2,16 @@
 
 Layout of a checkpoint directory ``DIR`` (all tensors in safetensors files, metadata in JSON)::
 
-    DIR/model.safetensors            full (consolidated) model state_dict, written by rank 0
+    DIR/model.safetensors            full (consolidated) model state_dict, written by rank 0, a tied
+                                     weight once (under its first name, as transformers saves it)
+    DIR/model.tp{r}.safetensors      a tensor/expert-parallel model instead: model-parallel rank r's shards
+    DIR/model.ep{r}.safetensors      (see [Note: tensor/expert-parallel checkpoints])
     DIR/optimizer.safetensors        consolidated optimizer tensors (``optimizer_layout="consolidated"``)
     DIR/optimizer.json               param groups, scalar states (``step``), loss scaler
     DIR/optimizer.rank{R}.safetensors  this rank's optimizer shards (``optimizer_layout="sharded"``)
     DIR/manifest.json                written last: step, world size, plan summary, format version,
-                                     per-file SHA-256 and byte size, chunk layout, ``extra``
+                                     per-file SHA-256 and byte size, chunk layout, ``extra``, the mesh
+                                     (``{"tp", "ep", "dp", "world_size", "split_fused_experts"}``)
 
 [Note: atomic save] Everything is written into the sibling ``.DIR.saving`` and fsynced; the manifest
 is written last. Only then is the old ``DIR`` renamed to ``.DIR.previous``, ``.DIR.saving`` renamed to
@@ -24,6 +28,20 @@ world size or chunk layout reassembles full per-parameter states from every rank
 must be visible to every rank, as for any shared checkpoint) and goes through the consolidated path;
 chunks sharded over a sub-group (tensor/expert parallel meshes) cannot be reassembled that way and
 raise ``ValueError``.
+
+[Note: tensor/expert-parallel checkpoints] A model rewritten by ``hf_elixir.parallel.parallelize`` holds a
+different part of the model on each tp/ep rank. Each rank of the first dp row writes its own part, read from the
+chunks without a gather over tp/ep ([Note: local tensors] in ``hf_elixir/parallel/_shard_io.py``): model-parallel
+rank ``r`` writes ``model.{tp|ep}{r}.safetensors`` with its tensor-parallel slices and experts, rank 0 adds the
+tensors replicated over the model-parallel group, so each tensor is on disk once and no rank holds more than its
+own part. The optimizer state is per rank (``optimizer_layout="sharded"``, each rank's chunk layout and param
+groups in its ``optimizer_shards`` record). The manifest records the mesh and, per model file, each tensor's role
+(``tp`` with its split ``dim`` and ``parts``, ``experts``, ``replicated``), local and global shape. Such a
+checkpoint resumes exactly (weights, fp32 masters, moments, step counts) on the same mesh and the same split of
+fused experts; any other layout (another tp/ep/dp size, a dense model, a dense checkpoint into a parallel model)
+is refused with a ``ValueError`` naming both layouts, before anything is loaded. All ranks write into the same
+``.DIR.saving``, gather their file records, and rank 0 writes the manifest and renames last, so [Note: atomic
+save] holds across ranks: a rank killed at any point leaves ``DIR`` (or ``.DIR.previous``) complete.
 
 Source: the write-temp-then-rename discipline of POSIX ``rename(2)``; safetensors (Hugging Face) for
 tensors; PyTorch distributed checkpoint's "each rank writes its shard" layout.

@@ -145,7 +145,21 @@ def assemble_full(local: dict[str, torch.Tensor], model: nn.Module, *,
                 f"rank {dist.get_rank()}: {key} assembled {tuple(full[key].shape)} != {shape}"
             ordered[key] = full[key]
     assert len(ordered) == len(full), f"rank {dist.get_rank()}: not in the unmodified model: {set(full) - set(ordered)}"
+    _share_tied(model, ordered)
     return ordered
+
+
+def _share_tied(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Point every name of a tied parameter at one tensor (the first name's), as PyTorch's ``state_dict`` does: each
+    name was all-gathered on its own, and ``save_pretrained`` (``remove_tied_weights_from_state_dict``) and
+    safetensors find tied weights by storage, so two copies wrote ``lm_head.weight`` beside the embedding (one key
+    more than transformers writes)."""
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) not in first:
+            first[id(param)] = name
+        elif name in full and first[id(param)] in full:
+            full[name] = full[first[id(param)]]
 
 
 @torch.no_grad()
