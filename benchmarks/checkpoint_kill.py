@@ -59,26 +59,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _model(mode: str) -> torch.nn.Module:
-    """The tiny fp32 model of ``mode`` (same seed every time): Llama for ``"tp"``, Mixtral (4 experts) for ``"ep"``."""
+def _model(mode: str, tied: bool = False) -> torch.nn.Module:
+    """The tiny fp32 model of ``mode`` (same seed every time): Llama for ``"tp"``, Mixtral (4 experts) for ``"ep"``;
+    ``tied``: ``lm_head`` tied to the input embedding."""
     import transformers as T
 
     T.logging.set_verbosity_error()
     torch.manual_seed(0)
     common = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=64, attention_dropout=0.0)
+                  max_position_embeddings=64, attention_dropout=0.0, tie_word_embeddings=tied)
     if mode == "tp":
         return T.LlamaForCausalLM(T.LlamaConfig(intermediate_size=64, **common))
     return T.MixtralForCausalLM(T.MixtralConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
                                                 router_jitter_noise=0.0, **common))
 
 
-def _build(mode: str):
-    """The tiny model of ``mode``, parallelized and prepared."""
+def _build(mode: str, tied: bool = False, parallel: bool = True):
+    """The tiny model of ``mode``, parallelized (unless ``parallel=False``: plain ZeRO) and prepared."""
     import hf_elixir
     from hf_elixir.parallel import build_mesh, parallelize
 
-    model = _model(mode)
+    model = _model(mode, tied)
+    if not parallel:
+        cfg = hf_elixir.ElixirConfig(chunk_size_numel=4096)
+        return hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), cfg)
     if mode == "tp":
         cfg = hf_elixir.ElixirConfig(tensor_parallel_size=2, chunk_size_numel=4096)
     else:
@@ -88,11 +92,19 @@ def _build(mode: str):
     return hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), cfg)
 
 
-def _step(model, opt, step: int, rank: int) -> None:
+def _step(model, opt, step: int, rank: int) -> float:
+    """One AdamW step on this rank's batch of ``step`` (the tp ranks of a dp row share one); returns the loss."""
+    from hf_elixir.parallel import get_parallel_state
+
+    pstate = get_parallel_state(model)
+    if pstate is not None and pstate.mesh.mp_axis == "tp":
+        rank = pstate.mesh.device_mesh.get_local_rank("dp")
     ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(1000 * step + rank))
     opt.zero_grad()
-    opt.backward(model(input_ids=ids, labels=ids).loss)
+    loss = model(input_ids=ids, labels=ids).loss
+    opt.backward(loss)
     opt.step()
+    return loss.item()
 
 
 def _local(model) -> dict[str, torch.Tensor]:

@@ -1,0 +1,132 @@
+"""Training checkpoints of tensor/expert-parallel models ([Note: tensor/expert-parallel checkpoints] in
+hf_elixir/checkpoint.py): every rank's shards on disk once, the mesh in the manifest, an exact resume (weights,
+fp32 masters and Adam moments) on the same layout, another layout refused naming both, tied weights saved once
+(the keys transformers writes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import hf_elixir
+from benchmarks.checkpoint_kill import _build, _local, _model, _same, _step
+from tests._dist import run_distributed
+
+
+def _keys(path) -> list[str]:
+    with safe_open(str(path), "pt") as f:
+        return sorted(f.keys())
+
+
+def _resume_worker(rank, world_size, mode, directory):
+    """Save at step 2; the same run trains on to step 4; a fresh run resumes and trains to step 4; a third run never
+    saves. Returns what the test checks."""
+    model, opt = _build(mode, tied=mode == "tp")
+    for step in (1, 2):
+        _step(model, opt, step, rank)
+    hf_elixir.save_checkpoint(directory, model, opt, step=2)
+    expected = [(_step(model, opt, step, rank), _local(model)) for step in (3, 4)]
+    fresh, fresh_opt = _build(mode, tied=mode == "tp")
+    info = hf_elixir.load_checkpoint(directory, fresh, fresh_opt)
+    resumed = [(_step(fresh, fresh_opt, step, rank), _local(fresh)) for step in (3, 4)]
+    never_saved, never_saved_opt = _build(mode, tied=mode == "tp")
+    for step in (1, 2, 3, 4):
+        _step(never_saved, never_saved_opt, step, rank)
+    errors = []
+    dense, dense_opt = _build(mode, tied=mode == "tp", parallel=False)  # the same model, plain ZeRO over both ranks
+    try:
+        hf_elixir.load_checkpoint(directory, dense, dense_opt)
+    except ValueError as err:
+        errors.append(str(err))
+    hf_elixir.save_checkpoint(directory + "-dense", dense, dense_opt, step=0)
+    try:  # and a dense checkpoint into the parallel model
+        hf_elixir.load_checkpoint(directory + "-dense", fresh, fresh_opt)
+    except ValueError as err:
+        errors.append(str(err))
+    return {"step": info["step"],
+            "losses_equal": [e[0] for e in expected] == [r[0] for r in resumed],
+            "tensors_equal": all(_same(e[1], r[1]) for e, r in zip(expected, resumed)),
+            "uninterrupted_equal": _same(resumed[-1][1], _local(never_saved)),
+            "errors": errors}
+
+
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_parallel_checkpoint_resumes_exactly_and_refuses_another_layout(tmp_path, mode):
+    directory = str(tmp_path / "ckpt")
+    results = run_distributed(_resume_worker, 2, mode, directory, timeout_s=240)
+    for result in results:
+        assert result["step"] == 2
+        assert result["losses_equal"] and result["tensors_equal"]  # bit for bit, both steps after the resume
+        assert result["uninterrupted_equal"]  # and equal to a run that never saved
+        assert len(result["errors"]) == 2, result["errors"]
+        saved, other = (f"{mode}=2", "tp=1 ep=1 dp=2")
+        for message in result["errors"]:  # both layouts named, whichever way round
+            assert saved in message and other in message, message
+    manifest = json.loads((Path(directory) / "manifest.json").read_text())
+    assert manifest["mesh"] == {"tp": 2 if mode == "tp" else 1, "ep": 2 if mode == "ep" else 1, "dp": 1,
+                                "world_size": 2, "split_fused_experts": False}  # 'auto' keeps these experts fused
+    files = {s["file"]: s for s in manifest["model_shards"]}
+    assert sorted(files) == [f"model.{mode}0.safetensors", f"model.{mode}1.safetensors"]
+    on_disk = {name: _keys(Path(directory) / name) for name in files}
+    for name, shard in files.items():
+        assert sorted(shard["tensors"]) == on_disk[name]
+    every = [k for keys in on_disk.values() for k in keys]
+    replicated = [k for k, v in files[f"model.{mode}0.safetensors"]["tensors"].items() if v["role"] == "replicated"]
+    sharded = set(every) - set(replicated)
+    assert len(set(replicated) & set(on_disk[f"model.{mode}1.safetensors"])) == 0  # replicated tensors: once
+    assert all(k in on_disk[f"model.{mode}0.safetensors"] and k in on_disk[f"model.{mode}1.safetensors"]
+               for k in sharded)  # each rank's own slices / experts
+    if mode == "tp":
+        q = files["model.tp1.safetensors"]["tensors"]["model.layers.0.self_attn.q_proj.weight"]
+        assert q["role"] == "tp" and q["local_shape"] == [16, 32] and q["global_shape"] == [32, 32]
+        assert "lm_head.weight" not in every  # tied to the embedding: saved once
+    else:
+        experts = [k for k in sharded if ".mlp.experts." in k]
+        assert experts and all(files["model.ep1.safetensors"]["tensors"][k]["role"] == "experts" for k in experts)
+
+
+def _tied_keys_worker(rank, world_size, directory):
+    import transformers as T
+
+    model = _model("tp", tied=True)
+    if rank == 0:
+        model.save_pretrained(directory + "/plain")
+    parallel, opt = _build("tp", tied=True)
+    parallel.save_pretrained(directory + "/tp")
+    hf_elixir.save_checkpoint(directory + "/ck", parallel, opt, step=0)
+    torch.distributed.barrier()
+    on_disk = [k for r in range(2) for k in _keys(f"{directory}/ck/model.tp{r}.safetensors")]
+    return {"plain": _keys(directory + "/plain/model.safetensors"), "tp": _keys(directory + "/tp/model.safetensors"),
+            "tp_loads": isinstance(T.LlamaForCausalLM.from_pretrained(directory + "/tp"), T.LlamaForCausalLM),
+            "checkpoint_names": sorted(set(on_disk))}
+
+
+def test_tied_weights_are_saved_once_under_tensor_parallel(tmp_path):
+    """A tied Llama at TP=2: ``save_pretrained`` writes transformers' own 20 keys (it wrote lm_head.weight as a 21st)
+    and the training checkpoint stores the embedding once per rank's slice, never under lm_head.weight."""
+    result = run_distributed(_tied_keys_worker, 2, str(tmp_path), timeout_s=240)[0]
+    assert result["tp"] == result["plain"] and "lm_head.weight" not in result["plain"]
+    assert result["tp_loads"]
+    assert set(result["checkpoint_names"]) == set(result["plain"])
+
+
+def test_tied_weights_are_saved_once_on_one_rank(tmp_path):
+    """One rank, a tied Llama: the checkpoint's model file has the keys transformers writes, the manifest records
+    the (trivial) mesh, and it resumes."""
+    plain = _model("tp", tied=True)
+    plain.save_pretrained(tmp_path / "plain")
+    model, opt = _build("tp", tied=True, parallel=False)
+    _step(model, opt, 1, 0)
+    hf_elixir.save_checkpoint(tmp_path / "ck", model, opt, step=1)
+    assert _keys(tmp_path / "ck" / "model.safetensors") == _keys(tmp_path / "plain" / "model.safetensors")
+    manifest = hf_elixir.checkpoint.read_manifest(tmp_path / "ck")
+    assert manifest["mesh"] == {"tp": 1, "ep": 1, "dp": 1, "world_size": 1, "split_fused_experts": False}
+    expected = _step(model, opt, 2, 0)
+    fresh, fresh_opt = _build("tp", tied=True, parallel=False)
+    hf_elixir.load_checkpoint(tmp_path / "ck", fresh, fresh_opt)
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
+    assert _step(fresh, fresh_opt, 2, 0) == expected
