@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     import hf_elixir  # noqa: F401 - imported once here, inherited by every forked rank
 
     ok = True
-    for mode in ("tp", "ep") if args.mode == "both" else (args.mode,):
-        summary = run_kills(mode, args.kills, args.seed)
+    for offset, mode in enumerate(("tp", "ep") if args.mode == "both" else (args.mode,)):
+        summary = run_kills(mode, args.kills, args.seed + offset)  # other draws for the second mode
         print(json.dumps(summary))
         ok = ok and summary["exact"] == summary["resumes"] == args.kills and summary["kills"] == args.kills
     return 0 if ok else 1

@@ -584,7 +584,8 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module,
     Every file is checked against the manifest's byte size and SHA-256 before it is read. Model weights
     are consolidated and load at any world size; optimizer state loads at any world size when
     consolidated, and from shards either directly (same world size and chunk layout) or by
-    reassembling every rank's shards (plain data parallel).
+    reassembling every rank's shards (plain data parallel). A tensor/expert-parallel checkpoint loads each
+    rank's own shards, on the layout it was saved in only ([Note: tensor/expert-parallel checkpoints]).
 
     Args:
         directory: the checkpoint directory (if a save was interrupted between its renames, the
@@ -599,7 +600,9 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module,
         FileNotFoundError: no checkpoint at ``directory``.
         ValueError: a file is missing, truncated or fails its checksum; the manifest is corrupted or
             newer; the checkpoint has no optimizer state but ``optimizer`` was given; param groups
-            or parameters do not match; sharded state over sub-groups into another world size.
+            or parameters do not match; sharded state over sub-groups into another world size; a
+            tensor/expert-parallel checkpoint into another layout, or a dense one into a parallel model
+            (names both layouts).
     """
     manifest = read_manifest(directory)
     root = Path(manifest["_directory"])
