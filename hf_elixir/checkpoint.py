@@ -234,6 +234,58 @@ def _check_extra(extra: Any) -> dict[str, Any]:
     return extra
 
 
+def _write_consolidated_optimizer(saving: Path, optim_state: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0: ``optimizer.safetensors`` (per-parameter tensors) and ``optimizer.json``; returns their records."""
+    tensors, scalars = {}, {}
+    for name, entry in optim_state["state"].items():
+        for key, value in entry.items():
+            if value.dim() == 0:
+                scalars.setdefault(name, {})[key] = encode(value)
+            else:
+                tensors[f"{name}/{key}"] = value
+    files = {_OPTIM_FILE: _save_tensors(saving / _OPTIM_FILE, _unshared(tensors))}
+    _write_json(saving / _OPTIM_META, {
+        "format": optim_state["format"], "scalars": scalars,
+        "param_groups": [{**{k: encode(v) for k, v in g.items() if k != "params"}, "params": g["params"]}
+                         for g in optim_state["param_groups"]],
+        "loss_scaler": optim_state["loss_scaler"]})
+    files[_OPTIM_META] = _record(saving / _OPTIM_META)
+    return files
+
+
+def _write_sharded_optimizer(saving: Path, optimizer: ElixirOptimizer, rank: int) -> tuple[dict, dict]:
+    """This rank's ``optimizer.rank{R}.safetensors`` (and rank 0's ``optimizer.json``): ``(file records, this
+    rank's shard record)``; the record holds its chunk layout and param groups (they differ per ep rank)."""
+    tensors, shard_meta = sharded_payload(optimizer)
+    shard_meta["chunk_layout"] = chunk_layout(optimizer)
+    shard_meta["param_groups"] = [g["params"] for g in param_groups_meta(optimizer)]
+    name = f"optimizer.rank{rank}.safetensors"
+    files = {name: _save_tensors(saving / name, tensors)}
+    shard_meta["file"] = name
+    if rank == 0:
+        _write_json(saving / _OPTIM_META, {"format": "hf_elixir.optimizer.sharded.v1",
+                                           "param_groups": param_groups_meta(optimizer),
+                                           "loss_scaler": optimizer.scaler.state_dict()})
+        files[_OPTIM_META] = _record(saving / _OPTIM_META)
+    return files, shard_meta
+
+
+def _commit(directory: Path, manifest: dict[str, Any]) -> None:
+    """Rank 0, once every rank's files are in ``.DIR.saving``: the manifest last, then the swap."""
+    saving, previous = _siblings(directory)
+    _write_json(saving / _MANIFEST, manifest)
+    _fsync_dir(saving)
+    # [Note: atomic save] swap: DIR -> .DIR.previous, .DIR.saving -> DIR, drop .DIR.previous
+    if previous.exists():
+        shutil.rmtree(previous)
+    if directory.exists():
+        os.rename(directory, previous)
+    os.rename(saving, directory)
+    _fsync_dir(directory.parent)
+    if previous.exists():
+        shutil.rmtree(previous)
+
+
 def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimizer: ElixirOptimizer | None,
                     *, step: int, extra: dict[str, Any] | None = None,
                     optimizer_layout: str | None = None) -> Path:
@@ -275,7 +327,7 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
                                                           and not (directory / _MANIFEST).is_file())):
         raise ValueError(f"save_checkpoint({str(directory)!r}): the path exists and is not an hf_elixir "
                          "checkpoint; refusing to replace it. Choose a new or empty directory")
-    saving, previous = _siblings(directory)
+    saving, _ = _siblings(directory)
     rank, world_size = _rank(), _world_size()
     plan = _plan_summary(model)
     mesh = mesh_record(model)
@@ -297,33 +349,11 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
         files[model_file] = _save_tensors(saving / model_file, _unshared(model_state))
     del model_state
     if optim_state is not None and rank == 0:
-        tensors, scalars = {}, {}
-        for name, entry in optim_state["state"].items():
-            for key, value in entry.items():
-                if value.dim() == 0:
-                    scalars.setdefault(name, {})[key] = encode(value)
-                else:
-                    tensors[f"{name}/{key}"] = value
-        files[_OPTIM_FILE] = _save_tensors(saving / _OPTIM_FILE, _unshared(tensors))
-        _write_json(saving / _OPTIM_META, {
-            "format": optim_state["format"], "scalars": scalars,
-            "param_groups": [{**{k: encode(v) for k, v in g.items() if k != "params"}, "params": g["params"]}
-                             for g in optim_state["param_groups"]],
-            "loss_scaler": optim_state["loss_scaler"]})
-        files[_OPTIM_META] = _record(saving / _OPTIM_META)
+        files.update(_write_consolidated_optimizer(saving, optim_state))
     shard_meta = None
     if optimizer is not None and optimizer_layout == "sharded":
-        tensors, shard_meta = sharded_payload(optimizer)
-        shard_meta["chunk_layout"] = chunk_layout(optimizer)  # this rank's (experts differ per ep rank)
-        shard_meta["param_groups"] = [g["params"] for g in param_groups_meta(optimizer)]
-        name = f"optimizer.rank{rank}.safetensors"
-        files[name] = _save_tensors(saving / name, tensors)
-        shard_meta["file"] = name
-        if rank == 0:
-            _write_json(saving / _OPTIM_META, {"format": "hf_elixir.optimizer.sharded.v1",
-                                               "param_groups": param_groups_meta(optimizer),
-                                               "loss_scaler": optimizer.scaler.state_dict()})
-            files[_OPTIM_META] = _record(saving / _OPTIM_META)
+        shard_files, shard_meta = _write_sharded_optimizer(saving, optimizer, rank)
+        files.update(shard_files)
     model_shard = None if model_file is None or not is_model_parallel(mesh) else {
         "file": model_file, "mp_rank": mp_coordinates(model)[0], "tensors": roles}
     gathered = [(files, shard_meta, model_shard)]
@@ -345,17 +375,7 @@ def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, optimi
         if optimizer is not None and optimizer_layout == "sharded":
             manifest["chunk_layout"] = chunk_layout(optimizer)
             manifest["optimizer_shards"] = [meta for _, meta, _ in gathered]
-        _write_json(saving / _MANIFEST, manifest)
-        _fsync_dir(saving)
-        # [Note: atomic save] swap: DIR -> .DIR.previous, .DIR.saving -> DIR, drop .DIR.previous
-        if previous.exists():
-            shutil.rmtree(previous)
-        if directory.exists():
-            os.rename(directory, previous)
-        os.rename(saving, directory)
-        _fsync_dir(directory.parent)
-        if previous.exists():
-            shutil.rmtree(previous)
+        _commit(directory, manifest)
     _barrier()
     return directory
 
