@@ -26,7 +26,7 @@ from torch import nn
 from hf_elixir.chunk.strict import host_copies, to_host
 from hf_elixir.parallel._expert_units import fused_names
 from hf_elixir.parallel._state import get_parallel_state
-from hf_elixir.runtime._exports import MasterExport
+from hf_elixir.runtime._exports import MasterExport, load_fp32_masters
 from hf_elixir.runtime._state import get_state
 from hf_elixir.runtime.state_dict import _ensure_all_full
 
@@ -151,7 +151,7 @@ def read_local_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def write_local_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Write :func:`read_local_tensors`' output back into a prepared model of the same layout (collective, as the
     read). Every name must be present with its local shape; then the optimizer's fp32 masters are refreshed from
-    the parameters (an fp32 checkpoint of bf16 training restores them from its optimizer shards after this).
+    the parameters and take the fp32 values given exactly ([Note: fp32 loads] in ``hf_elixir/runtime/_exports.py``).
 
     Raises:
         ValueError: a tensor is missing or of another shape (names it and both shapes).
@@ -185,8 +185,11 @@ def write_local_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> N
                 chunk.write_back()
             else:
                 chunk.dirty = False
-    if state.optimizer is not None:
+    if state.optimizer is not None:  # as load_state_dict: masters from the parameters, then the fp32 values exactly
         state.optimizer.sync_masters_from_params()
+        loaded = {p: tensors[name] for _, params, _ in _owned(model) for name, p in params
+                  if p in manager.slot_of and tensors[name].dtype == torch.float32}
+        load_fp32_masters(manager, state.optimizer, loaded)  # [Note: fp32 loads]
 
 
 # -- what a checkpoint of a tensor/expert-parallel model writes and reads per rank ---------------------------------
