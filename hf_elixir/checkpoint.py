@@ -38,8 +38,10 @@ own part. The optimizer state is per rank (``optimizer_layout="sharded"``, each 
 groups in its ``optimizer_shards`` record). The manifest records the mesh and, per model file, each tensor's role
 (``tp`` with its split ``dim`` and ``parts``, ``experts``, ``replicated``), local and global shape. Such a
 checkpoint resumes exactly (weights, fp32 masters, moments, step counts) on the same mesh and the same split of
-fused experts; any other layout (another tp/ep/dp size, a dense model, a dense checkpoint into a parallel model)
-is refused with a ``ValueError`` naming both layouts, before anything is loaded. All ranks write into the same
+fused experts; resuming on any other layout (another tp/ep/dp size, a dense model, a dense checkpoint into a
+parallel model) is refused with a ``ValueError`` naming both layouts, before anything is loaded. The weights alone
+(``optimizer=None``) are resharded: the full tensors are reassembled from every rank's file
+(``consolidate_shards``) and this model takes its part (``load_full_state_dict``, or ``load_state_dict``). All ranks write into the same
 ``.DIR.saving``, gather their file records, and rank 0 writes the manifest and renames last, so [Note: atomic
 save] holds across ranks: a rank killed at any point leaves ``DIR`` (or ``.DIR.previous``) complete.
 
@@ -63,9 +65,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hf_elixir.parallel._expert_units import fused_names
-from hf_elixir.parallel._shard_io import (check_same_layout, describe, is_model_parallel, mesh_record,
-                                          model_shard_payload, mp_coordinates, shard_file_name, shard_files_to_read,
-                                          write_local_tensors)
+from hf_elixir.parallel._load import load_full_state_dict
+from hf_elixir.parallel._shard_io import (check_same_layout, consolidate_shards, describe, is_model_parallel,
+                                          mesh_record, model_shard_payload, mp_coordinates, same_layout,
+                                          shard_file_name, shard_files_to_read, write_local_tensors)
 from hf_elixir.runtime._state import get_state
 from hf_elixir.optim.optimizer import CONSOLIDATED_FORMAT, ElixirOptimizer
 from hf_elixir.optim._shard_payload import (apply_own_shards, chunk_layout, decode, encode, param_groups_meta,
@@ -562,12 +565,40 @@ def _read_model(root: Path, manifest: dict[str, Any], model: torch.nn.Module) ->
         for name in shard_files_to_read(model, manifest["model_shards"]):
             state.update(_load_tensors(_verify(root, manifest, name)))
         return state
-    state = _load_tensors(_verify(root, manifest, _MODEL_FILE))
-    for alias, first in _tied_aliases(model).items():  # a tied weight is stored once
-        if alias not in state and first in state:
-            state[alias] = state[first]
+    state = _with_tied(model, _load_tensors(_verify(root, manifest, _MODEL_FILE)))
     _check_model_keys(root, model, state)
     return state
+
+
+def _with_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with every later name of a tied weight (stored once) filled in from its first name."""
+    for alias, first in _tied_aliases(model).items():
+        if alias not in state and first in state:
+            state[alias] = state[first]
+    return state
+
+
+def _load_resharded(root: Path, manifest: dict[str, Any], model: torch.nn.Module) -> None:
+    """Weights only, into another layout: the full tensors (every rank reads every model file: the whole model in
+    host memory on each rank, once), then this model's own part of them."""
+    saved = _saved_mesh(manifest)
+    if is_model_parallel(saved):
+        if saved.get("split_fused_experts"):
+            raise ValueError(f"checkpoint {str(root)!r} ({describe(saved)}) holds experts split per expert, which "
+                             "are not resharded; load it on its own layout and export it with "
+                             "model.save_pretrained(dir) (every rank)")
+        shards = manifest["model_shards"]
+        files = {s["file"]: _load_tensors(_verify(root, manifest, s["file"])) for s in shards}
+        full = consolidate_shards(repr(str(root)), shards, files)
+    else:
+        full = _load_tensors(_verify(root, manifest, _MODEL_FILE))
+    logger.info("checkpoint %s: weights saved with layout %s resharded for %s", root, describe(saved),
+                describe(mesh_record(model)))
+    if is_model_parallel(mesh_record(model)):
+        load_full_state_dict(model, full)
+        return
+    _check_model_keys(root, model, _with_tied(model, full))
+    model.load_state_dict(full)
 
 
 def _read_optimizer(root: Path, manifest: dict[str, Any], optimizer: ElixirOptimizer):
@@ -620,16 +651,21 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module,
         FileNotFoundError: no checkpoint at ``directory``.
         ValueError: a file is missing, truncated or fails its checksum; the manifest is corrupted or
             newer; the checkpoint has no optimizer state but ``optimizer`` was given; param groups
-            or parameters do not match; sharded state over sub-groups into another world size; a
-            tensor/expert-parallel checkpoint into another layout, or a dense one into a parallel model
-            (names both layouts).
+            or parameters do not match; sharded state over sub-groups into another world size; with an
+            optimizer, a tensor/expert-parallel checkpoint into another layout, or a dense one into a parallel
+            model (names both layouts; ``optimizer=None`` reshards the weights instead).
     """
     manifest = read_manifest(directory)
     root = Path(manifest["_directory"])
     if optimizer is not None and not isinstance(optimizer, ElixirOptimizer):
         optimizer = getattr(optimizer, "optimizer", optimizer)
+    info = {"step": int(manifest["step"]), "extra": manifest.get("extra", {}),
+            "world_size": int(manifest["world_size"]), "manifest": manifest}
     # verify and read everything before touching the model: a bad file leaves the run as it was
-    check_same_layout(repr(str(root)), _saved_mesh(manifest), model)  # the same on every rank
+    if optimizer is None and not same_layout(_saved_mesh(manifest), model):  # the same answer on every rank
+        _load_resharded(root, manifest, model)
+        return info
+    check_same_layout(repr(str(root)), _saved_mesh(manifest), model)
     model_state = _read_model(root, manifest, model)
     optim_state = own = None
     if optimizer is not None:
@@ -643,5 +679,4 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module,
         optimizer.load_state_dict(optim_state)
     elif own is not None:
         apply_own_shards(optimizer, *own)
-    return {"step": int(manifest["step"]), "extra": manifest.get("extra", {}),
-            "world_size": int(manifest["world_size"]), "manifest": manifest}
+    return info

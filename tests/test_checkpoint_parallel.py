@@ -1,7 +1,7 @@
 """Training checkpoints of tensor/expert-parallel models ([Note: tensor/expert-parallel checkpoints] in
 hf_elixir/checkpoint.py): every rank's shards on disk once, the mesh in the manifest, an exact resume (weights,
-fp32 masters and Adam moments) on the same layout, another layout refused naming both, tied weights saved once
-(the keys transformers writes)."""
+fp32 masters and Adam moments) on the same layout, another layout refused naming both (the weights alone
+resharded), tied weights saved once (the keys transformers writes)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ from tests._dist import run_distributed
 def _keys(path) -> list[str]:
     with safe_open(str(path), "pt") as f:
         return sorted(f.keys())
+
+
+@torch.no_grad()
+def _loss(model, ids) -> float:
+    return model(input_ids=ids, labels=ids).loss.item()
 
 
 def _resume_worker(rank, world_size, mode, directory):
@@ -42,12 +47,24 @@ def _resume_worker(rank, world_size, mode, directory):
         hf_elixir.load_checkpoint(directory, dense, dense_opt)
     except ValueError as err:
         errors.append(str(err))
-    hf_elixir.save_checkpoint(directory + "-dense", dense, dense_opt, step=0)
+    _step(dense, dense_opt, 1, rank)  # away from the initial weights every fresh model starts from
+    hf_elixir.save_checkpoint(directory + "-dense", dense, dense_opt, step=1)
     try:  # and a dense checkpoint into the parallel model
         hf_elixir.load_checkpoint(directory + "-dense", fresh, fresh_opt)
     except ValueError as err:
         errors.append(str(err))
+    # the weights alone (optimizer=None) reshard either way: the parallel checkpoint into the dense model, the dense
+    # one into the parallel model; each then computes the loss of the model it was loaded from
+    ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(7))
+    resharded, _ = _build(mode, tied=mode == "tp", parallel=False)
+    hf_elixir.load_checkpoint(directory, resharded, None)
+    same, same_opt = _build(mode, tied=mode == "tp")
+    hf_elixir.load_checkpoint(directory, same, same_opt)
+    into_parallel, _ = _build(mode, tied=mode == "tp")
+    hf_elixir.load_checkpoint(directory + "-dense", into_parallel, None)
+    losses = [_loss(m, ids) for m in (resharded, same, into_parallel, dense)]
     return {"step": info["step"],
+            "reshard_rel": [abs(losses[0] - losses[1]) / losses[1], abs(losses[2] - losses[3]) / losses[3]],
             "losses_equal": [e[0] for e in expected] == [r[0] for r in resumed],
             "tensors_equal": all(_same(e[1], r[1]) for e, r in zip(expected, resumed)),
             "uninterrupted_equal": _same(resumed[-1][1], _local(never_saved)),
@@ -62,6 +79,7 @@ def test_parallel_checkpoint_resumes_exactly_and_refuses_another_layout(tmp_path
         assert result["step"] == 2
         assert result["losses_equal"] and result["tensors_equal"]  # bit for bit, both steps after the resume
         assert result["uninterrupted_equal"]  # and equal to a run that never saved
+        assert max(result["reshard_rel"]) < 1e-5, result["reshard_rel"]  # fp32, another reduction order
         assert len(result["errors"]) == 2, result["errors"]
         saved, other = (f"{mode}=2", "tp=1 ep=1 dp=2")
         for message in result["errors"]:  # both layouts named, whichever way round

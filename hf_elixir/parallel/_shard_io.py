@@ -26,11 +26,13 @@ from torch import nn
 from hf_elixir.chunk.strict import host_copies, to_host
 from hf_elixir.parallel._expert_units import fused_names
 from hf_elixir.parallel._state import get_parallel_state
+from hf_elixir.parallel._tensor_parallel import TPShardLayout, merge_shards
 from hf_elixir.runtime._exports import MasterExport, load_fp32_masters
 from hf_elixir.runtime._state import get_state
 from hf_elixir.runtime.state_dict import _ensure_all_full
 
-__all__ = ["mesh_record", "read_local_tensors", "tensor_roles", "write_local_tensors", "writes_model_shard"]
+__all__ = ["check_same_layout", "consolidate_shards", "mesh_record", "read_local_tensors", "same_layout",
+           "tensor_roles", "write_local_tensors", "writes_model_shard"]
 
 
 def mesh_record(model: nn.Module) -> dict[str, Any]:
@@ -221,21 +223,62 @@ def shard_files_to_read(model: nn.Module, shards: list[dict[str, Any]]) -> list[
     return [s["file"] for s in shards if s["mp_rank"] in (0, mp_rank)]
 
 
+def same_layout(saved: dict[str, Any], model: nn.Module) -> bool:
+    """Does ``model`` have the layout of a checkpoint's :func:`mesh_record` (always, when neither is tp/ep parallel:
+    a ZeRO checkpoint is consolidated)?"""
+    current = mesh_record(model)
+    if not (is_model_parallel(saved) or is_model_parallel(current)):
+        return True
+    return all(saved.get(k) == current[k] for k in ("tp", "ep", "dp", "world_size", "split_fused_experts"))
+
+
 def check_same_layout(where: str, saved: dict[str, Any], model: nn.Module) -> None:
-    """Refuse to resume a checkpoint saved on another tensor/expert-parallel layout (both named).
+    """Refuse to resume training from a checkpoint saved on another tensor/expert-parallel layout (both named).
 
     Raises:
         ValueError: either layout is tensor/expert parallel and the mesh or the split of fused experts differ.
     """
-    current = mesh_record(model)
-    keys = ("tp", "ep", "dp", "world_size", "split_fused_experts")
-    if not (is_model_parallel(saved) or is_model_parallel(current)):
-        return
-    if all(saved.get(k) == current[k] for k in keys):
+    if same_layout(saved, model):
         return
     raise ValueError(
-        f"checkpoint {where} was saved with layout {describe(saved)}; this run has {describe(current)}. A "
-        "tensor/expert-parallel checkpoint holds each rank's shards and resumes only on the layout it was saved in: "
-        f"resume with tensor_parallel_size={saved.get('tp', 1)}, expert_parallel_size={saved.get('ep', 1)}, "
+        f"checkpoint {where} was saved with layout {describe(saved)}; this run has {describe(mesh_record(model))}. "
+        "The optimizer state of a tensor/expert-parallel run is per rank and resumes only on the layout it was saved "
+        f"in: resume with tensor_parallel_size={saved.get('tp', 1)}, expert_parallel_size={saved.get('ep', 1)}, "
         f"world size {saved.get('world_size')} and split_fused_experts={bool(saved.get('split_fused_experts'))}, or "
-        "export the weights with model.save_pretrained(dir) (every rank) and start from that folder")
+        "load the weights alone (optimizer=None: resharded to this layout) and start the optimizer afresh")
+
+
+def consolidate_shards(where: str, shards: list[dict[str, Any]],
+                       files: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The unmodified model's full tensors from a tensor/expert-parallel checkpoint's per-rank model files.
+
+    Tensor-parallel slices are merged in tp-rank order (:func:`merge_shards` with the recorded ``dim`` and ``parts``),
+    fused expert slices concatenated on dim 0 in ep-rank order, Switch-style experts (one file each) and replicated
+    tensors taken as they are.
+
+    Args:
+        where: the checkpoint, for messages.
+        shards: the manifest's ``model_shards`` records.
+        files: file name -> its tensors.
+
+    Raises:
+        ValueError: a merged tensor does not have its recorded global shape.
+    """
+    parts: dict[str, list[tuple[dict[str, Any], torch.Tensor]]] = {}
+    for shard in sorted(shards, key=lambda s: s["mp_rank"]):
+        for name, role in shard["tensors"].items():
+            parts.setdefault(name, []).append((role, files[shard["file"]][name]))
+    full: dict[str, torch.Tensor] = {}
+    for name, pieces in parts.items():
+        role, values = pieces[0][0], [value for _, value in pieces]
+        if role["role"] == "tp":
+            full[name] = merge_shards(values, TPShardLayout(role["dim"], role["parts"]))
+        elif role["role"] == "experts" and len(values) > 1:
+            full[name] = torch.cat(values)
+        else:
+            full[name] = values[0]
+        shape = role.get("global_shape")
+        if shape is not None and list(full[name].shape) != shape:
+            raise ValueError(f"checkpoint {where}: {name!r} reassembles to {tuple(full[name].shape)}, but its manifest "
+                             f"records the global shape {tuple(shape)}; the files are not from one save")
+    return full
