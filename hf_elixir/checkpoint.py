@@ -636,7 +636,8 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module,
     are consolidated and load at any world size; optimizer state loads at any world size when
     consolidated, and from shards either directly (same world size and chunk layout) or by
     reassembling every rank's shards (plain data parallel). A tensor/expert-parallel checkpoint loads each
-    rank's own shards, on the layout it was saved in only ([Note: tensor/expert-parallel checkpoints]).
+    rank's own shards on the layout it was saved in; its weights alone (``optimizer=None``) load into any layout
+    ([Note: tensor/expert-parallel checkpoints]).
 
     Args:
         directory: the checkpoint directory (if a save was interrupted between its renames, the
