@@ -31,8 +31,9 @@ from hf_elixir.runtime._exports import MasterExport, load_fp32_masters
 from hf_elixir.runtime._state import get_state
 from hf_elixir.runtime.state_dict import _ensure_all_full
 
-__all__ = ["check_same_layout", "consolidate_shards", "mesh_record", "read_local_tensors", "same_layout",
-           "tensor_roles", "write_local_tensors", "writes_model_shard"]
+__all__ = ["check_same_layout", "consolidate_shards", "describe", "is_model_parallel", "mesh_record",
+           "model_shard_payload", "mp_coordinates", "read_local_tensors", "same_layout", "shard_file_name",
+           "shard_files_to_read", "tensor_roles", "write_local_tensors", "writes_model_shard"]
 
 
 def mesh_record(model: nn.Module) -> dict[str, Any]:
@@ -82,8 +83,8 @@ def writes_model_shard(model: nn.Module) -> bool:
 
 
 def _owned(model: nn.Module):
-    """``(module FQN prefix, module, [(name, parameter)], [(name, buffer)])`` per module, each parameter once
-    (its first name in ``named_parameters`` order), persistent buffers only."""
+    """``(module, [(name, parameter)], [(name, buffer)])`` per module, each parameter once (under its first name in
+    ``named_parameters`` order), persistent buffers only; names relative to ``model``."""
     seen: set[int] = set()
     for fqn, module in model.named_modules():
         prefix = f"{fqn}." if fqn else ""
@@ -108,14 +109,18 @@ def tensor_roles(model: nn.Module) -> dict[str, dict[str, Any]]:
     """
     pstate = get_parallel_state(model)
     full_shapes = pstate.full_shapes if pstate is not None else {}
+    aliases: dict[int, list[str]] = {}  # a tied parameter is split if any of its names is
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
     roles: dict[str, dict[str, Any]] = {}
     for _, params, buffers in _owned(model):
         for name, tensor in params + buffers:
+            names = aliases.get(id(tensor), [name])
             entry: dict[str, Any] = {"role": "replicated", "local_shape": list(tensor.shape)}
-            if pstate is not None and name in pstate.tp_layouts:
-                layout = pstate.tp_layouts[name]
+            layout = next((pstate.tp_layouts[n] for n in names if n in pstate.tp_layouts), None) if pstate else None
+            if layout is not None:
                 entry.update(role="tp", dim=layout.dim, parts=layout.parts)
-            elif pstate is not None and pstate.is_expert_param(name):
+            elif pstate is not None and any(pstate.is_expert_param(n) for n in names):
                 entry["role"] = "experts"
             shape = full_shapes.get(name)
             entry["global_shape"] = list(shape) if shape is not None else None
