@@ -146,11 +146,34 @@ def test_an_unreadable_safetensors_file_is_named(tmp_path):
         _prepare(_meta(_gpt2(2).config), str(sharded))
 
 
+def test_a_streamed_prepare_that_fails_after_the_swap_leaves_the_meta_model_as_it_was(tmp_path, monkeypatch):
+    """A read that fails while the chunks are filled (the meta parameters were already swapped for placeholders):
+    ``prepare`` raises that error, every parameter is on the meta device again, and a second try loads."""
+    from hf_elixir.chunk import _stream_load
+
+    _gpt2(2).save_pretrained(tmp_path / "two")
+    model = _meta(_gpt2(2).config)
+    original = _stream_load.read_chunk_range
+
+    def failing(*args):
+        raise OSError("disk went away")
+
+    monkeypatch.setattr(_stream_load, "read_chunk_range", failing)
+    with pytest.raises(OSError, match="disk went away"):
+        _prepare(model, str(tmp_path / "two"))
+    assert all(p.is_meta for p in model.parameters())
+    monkeypatch.setattr(_stream_load, "read_chunk_range", original)
+    model, _ = _prepare(model, str(tmp_path / "two"))
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "two").state_dict()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+
+
 # -- two ranks --------------------------------------------------------------------------------------
 def _rank_slices_worker(rank: int, world_size: int, out_dir: str) -> dict:
     """Rank 0's tensor-parallel (Llama, TP=2) and expert-parallel (Mixtral, EP=2) local tensors, saved as if they
     were the whole model (``torch.save(model.state_dict())`` of a parallel model), then loaded into the dense
-    model: the error says the folder looks sharded and names the kind."""
+    model: the error says the folder looks sharded and names the kind. Switch experts under expert parallel are
+    refused before the model changes."""
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -162,6 +185,21 @@ def _rank_slices_worker(rank: int, world_size: int, out_dir: str) -> dict:
              "ep": (lambda: make_moe_model("mixtral"),
                     hf_elixir.ElixirConfig(expert_parallel_size=2, placements={"*.mlp.experts": "expert"},
                                            split_fused_experts=False))}
+    from tests.parallel_harness import make_model
+
+    switch = make_model("switch")  # Switch experts under expert parallel: refused before the model changes
+    if rank == 0:
+        switch.save_pretrained(os.path.join(out_dir, "switch"))
+    dist.barrier()
+    with torch.device("meta"):
+        model = type(switch)(switch.config)
+    parallelize(model, hf_elixir.ElixirConfig(expert_parallel_size=2))
+    try:
+        _prepare(model, os.path.join(out_dir, "switch"), expert_parallel_size=2)
+        out["switch"] = "accepted"
+    except ValueError as err:
+        out["switch"] = str(err)
+    out["switch_still_meta"] = all(p.is_meta for p in model.parameters())
     for kind, (make, config) in cases.items():
         model = make()
         dense_config = model.config
@@ -187,6 +225,7 @@ def test_one_ranks_parallel_slices_saved_whole_are_named_as_sharded(tmp_path):
         assert "1/2 of the model's along dim 0: it looks tensor-parallel-sharded" in out["tp"], out["tp"]
         assert "of the model's along dim 0: it looks expert-parallel-sharded" in out["ep"], out["ep"]
         assert "consolidated save" in out["ep"]
+        assert "is on the meta device with gradient hooks" in out["switch"] and out["switch_still_meta"], out
 
 
 def _parallel_load_worker(rank: int, world_size: int, out_dir: str) -> dict:

@@ -484,14 +484,15 @@ class StreamedInit:
                 self.shards[param] = shard
         self.bases: dict[torch.nn.Parameter, int] = {}
         try:
-            self._resolve(model, names, expected, allow_missing)
-            self._materialize_buffers(model, device)
-            for param in names:
+            for param in names:  # before anything changes: a refusal leaves the model as it was
                 if param.is_meta and param._backward_hooks:
                     raise ValueError(
                         f"parameter {names[param][0]!r} is on the meta device with gradient hooks "
                         "(Tensor.register_hook), which streamed loading would drop (torch.utils.swap_tensors): "
                         "load the model with from_pretrained and call prepare without checkpoint=")
+            self._resolve(model, names, expected, allow_missing)
+            self._materialize_buffers(model, device)
+            for param in names:
                 if param.is_meta:
                     placeholder = torch.zeros(1, dtype=param.dtype).expand(param.shape)
                     torch.utils.swap_tensors(param, torch.nn.Parameter(placeholder, requires_grad=param.requires_grad))
