@@ -123,6 +123,12 @@ def test_shape_mismatch_names_the_tensor_its_file_both_shapes_and_the_config_dif
     message = str(info.value)
     assert "'transformer.wte.weight' in model-0000" in message and "is (128, 32), the model's is (128, 64)" in message
     assert "n_embd: 32 in the folder, 64 in the model" in message and "AutoConfig.from_pretrained" in message
+    assert "manifest.json" not in message
+    # a parallel layout that hf_elixir.save_checkpoint's manifest records is named
+    (tmp_path / "two" / "manifest.json").write_text(json.dumps({"step": 3, "mesh": {"tp": 2, "ep": 1, "dp": 1}}))
+    with pytest.raises(ValueError, match=r'manifest.json records the layout it was saved with: \{"mesh": \{"dp": 1, '
+                                         r'"ep": 1, "tp": 2\}\}'):
+        _prepare(_meta(wide), str(tmp_path / "two"))
 
 
 def test_an_unreadable_safetensors_file_is_named(tmp_path):

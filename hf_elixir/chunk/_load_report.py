@@ -71,6 +71,18 @@ def _config_differences(folder: str, model: torch.nn.Module) -> list[str]:
             if isinstance(saved[k], int) and isinstance(mine[k], int) and saved[k] != mine[k]]
 
 
+def _saved_layout(folder: str) -> str:
+    """The parallel layout an ``hf_elixir.save_checkpoint`` manifest in ``folder`` records, as text ("" if none)."""
+    path = Path(folder) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        return ""
+    found = {k: v for k, v in manifest.items() if isinstance(manifest, dict) and
+             (k == "layout" or any(word in k for word in ("mesh", "parallel")))}
+    return json.dumps(found, sort_keys=True) if found else ""
+
+
 def mismatch_error(folder: str, model: torch.nn.Module, mismatched: list[tuple]) -> ValueError:
     """The error for parameters whose folder tensor has another shape: ``mismatched`` holds ``(name, key, file,
     file_shape, model_shape)``; each shown one names the tensor, its file and both shapes. When the folder's config
@@ -82,6 +94,9 @@ def mismatch_error(folder: str, model: torch.nn.Module, mismatched: list[tuple])
             f"{'; '.join(lines[:3])}{f' (and {len(lines) - 3} more)' if len(lines) > 3 else ''}. ")
     differences = _config_differences(folder, model)
     hints = [(key, h) for _, key, _, fs, ms in mismatched if (h := _sharded_hint(fs, ms))]
+    layout = _saved_layout(folder)
+    if layout:
+        text += f"The folder's manifest.json records the layout it was saved with: {layout}. "
     if differences:
         text += (f"The folder's config.json differs from the model's ({'; '.join(differences[:4])}): build the model "
                  "from it (AutoConfig.from_pretrained(folder))")
