@@ -127,7 +127,7 @@ TP_SCRIPT = textwrap.dedent(
     data = [{"input_ids": a, "labels": a} for a in torch.randint(3, 128, (32, 12), generator=g)]
     args = TrainingArguments(os.path.join(out, mode), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-3,
                              max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                             seed=0, data_seed=0, disable_tqdm=True)
+                             seed=0, data_seed=0, disable_tqdm=True, include_num_input_tokens_seen="all")
     model = tiny_model("gpt2")
     callbacks = []
     if mode == "tp":
@@ -148,7 +148,8 @@ TP_SCRIPT = textwrap.dedent(
         json.dump(dict(losses=[h["loss"] for h in trainer.state.log_history if "loss" in h], seen=seen_all,
                        total_batch=trainer.get_total_train_batch_size(args), epoch=trainer.state.epoch,
                        log_epochs=[h["epoch"] for h in trainer.state.log_history if "loss" in h],
-                       samples=metrics["train_samples_per_second"] * metrics["train_runtime"]),
+                       samples=metrics["train_samples_per_second"] * metrics["train_runtime"],
+                       tokens=trainer.state.num_input_tokens_seen),
                   open(os.path.join(out, mode + ".json"), "w"))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -183,6 +184,7 @@ def test_trainer_feeds_both_tensor_parallel_ranks_the_same_batches(tmp_path, mon
     assert tp["total_batch"] == ref["total_batch"] == 4
     assert tp["epoch"] == ref["epoch"] == 0.375 and tp["log_epochs"] == ref["log_epochs"]
     assert tp["samples"] == pytest.approx(12, rel=0.02) and ref["samples"] == pytest.approx(12, rel=0.02)
+    assert tp["tokens"] == ref["tokens"] == 3 * 4 * 12
 
 
 RESUME_SCRIPT = textwrap.dedent(

@@ -163,6 +163,9 @@ class ElixirCallback(TrainerCallback):
         trainer._load_best_model = types.MethodType(_load_parallel_best_model(type(trainer)._load_best_model), trainer)
         if hasattr(type(trainer), "get_tp_size"):  # throughput and epochs count data-parallel rows, not processes
             trainer.get_tp_size = types.MethodType(_tp_size_of_parallel_model(type(trainer).get_tp_size), trainer)
+        if hasattr(type(trainer), "_track_num_input_tokens"):  # and tokens: a row's tp ranks read one batch
+            trainer._track_num_input_tokens = types.MethodType(
+                _tokens_once_per_row(type(trainer)._track_num_input_tokens), trainer)
         # Run first so Elixir's counters are in `logs` before the printer/reporters see them.
         handler = trainer.callback_handler
         if self in handler.callbacks:
@@ -332,8 +335,8 @@ def _tp_size_of_parallel_model(original_get_tp_size):
     reports. ``get_tp_size`` knows transformers' own tensor parallel (``model._tp_size``), DeepSpeed AutoTP and
     accelerate's ``ParallelismConfig``, not hf_elixir's mesh, so the ``tp`` ranks of a row, which read one batch
     ([Note: tensor-parallel batches] in ``_binding.py``), were counted as data-parallel ones (GPT-2 at tp=2 on 2
-    processes: 8 samples a step reported where 4 were consumed). Expert parallel needs nothing: every rank reads
-    its own batch."""
+    processes: 8 samples a step reported where 4 were consumed; ``num_input_tokens_seen`` sums every process's
+    tokens: :func:`_tokens_once_per_row`). Expert parallel needs nothing: every rank reads its own batch."""
     def get_tp_size(self) -> int:
         from hf_elixir.parallel._apply import get_parallel_state  # noqa: PLC0415
 
@@ -343,6 +346,19 @@ def _tp_size_of_parallel_model(original_get_tp_size):
         return original_get_tp_size(self)
 
     return get_tp_size
+
+
+def _tokens_once_per_row(original_track):
+    """Trainer._track_num_input_tokens that counts a tensor-parallel row's batch once: it sums every process's
+    tokens, and the ``tp`` ranks of a row read the same batch ([Note: Trainer metrics under tensor parallel])."""
+    def _track_num_input_tokens(self, inputs) -> None:
+        before = self.state.num_input_tokens_seen
+        original_track(self, inputs)
+        tp_size = self.get_tp_size()
+        if tp_size > 1:
+            self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // tp_size
+
+    return _track_num_input_tokens
 
 
 def _load_parallel_checkpoint(original_load):
