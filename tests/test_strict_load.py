@@ -269,6 +269,21 @@ def _parallel_load_worker(rank: int, world_size: int, out_dir: str) -> dict:
             records.lines.clear()
             load_full_state_dict(model, folder)
             out["tp_load_full"] = records.text()
+            one = os.path.join(out_dir, "tp_one_layer")  # lacks layer 1: raises, or with strict=False keeps it
+            if rank == 0:
+                torch.manual_seed(5)
+                _llama(1).save_pretrained(one)
+            dist.barrier()
+            try:
+                load_full_state_dict(model, one)
+                out["strict"] = "accepted"
+            except ValueError as err:
+                out["strict"] = str(err)
+            load_full_state_dict(model, one, strict=False)
+            after = gather_full_state_dict(model, rank0_only=False)
+            saved = transformers.AutoModelForCausalLM.from_pretrained(one).state_dict()
+            out["lenient"] = (all(torch.equal(after[k], v) for k, v in saved.items())
+                              and all(torch.equal(after[k], full[k]) for k in full if ".layers.1." in k))
     folder = os.path.join(out_dir, "gpt2")
     if rank == 0:
         _gpt2(2).save_pretrained(folder)
@@ -286,5 +301,7 @@ def test_two_ranks_report_unused_tensors_and_initialise_missing_ones_alike(tmp_p
             assert "model.layers.2." in out[kind]["warnings"] and "does not use" in out[kind]["warnings"], out[kind]
             assert "layers.0." not in out[kind]["warnings"] and "layers.1." not in out[kind]["warnings"], out[kind]
         assert "model.layers.2." in out["tp_load_full"], out["tp_load_full"]
+        assert "no tensor for 9 of the model's" in out["strict"] and "'model.layers.1." in out["strict"], out["strict"]
+        assert "strict=False to keep their values" in out["strict"] and out["lenient"]
     assert torch.equal(outs[0]["gpt2_h2"], outs[1]["gpt2_h2"])
     assert 0.015 < float(outs[0]["gpt2_h2"].std()) < 0.025
