@@ -238,3 +238,20 @@ def test_the_floor_of_an_all_resident_sharded_chunk_holds_its_reduce_scatter_out
     for rank_out in run_distributed(_line_floor_worker, 2, timeout_s=120):
         for floor, peak in rank_out:
             assert peak <= floor, rank_out
+
+
+def test_a_searched_config_is_told_the_floor_is_the_default_chunk_sizes(caplog):
+    """``search="auto"`` picks chunk sizes and activation policies inside ``prepare`` for the budget it gets (Mixtral
+    at EP=2 trained at 0.9x the floor computed here), which this function does not run: it says so, and with
+    ``chunk_size_numel`` (or a plan) it is exact and quiet."""
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters())
+    searched = hf_elixir.ElixirConfig(search="auto", budget_covers_activations=False)
+    with caplog.at_level("WARNING", logger="hf_elixir.search._floor"):
+        floor = hf_elixir.min_device_budget_bytes(model, opt, searched)
+    assert "search='auto' is not run here" in caplog.text and "chunk_size_numel" in caplog.text
+    assert floor == hf_elixir.min_device_budget_bytes(model, opt, dataclasses.replace(searched, search="off"))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_elixir.search._floor"):
+        hf_elixir.min_device_budget_bytes(model, opt, dataclasses.replace(searched, chunk_size_numel=4096))
+    assert "search='auto'" not in caplog.text
