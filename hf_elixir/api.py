@@ -177,9 +177,9 @@ def _prepare_split(model, optimizer, config: ElixirConfig, sample_batch, checkpo
         mark_compiled_blocks(model, config.compile)  # compiled blocks are hook units ([Note: compiled blocks])
         layout = _lay_out(model, optimizer, config, sample_batch, names, params)
         fused = fused_names(model)  # a split expert's piece reads its rows of the fused checkpoint tensor
-        stream = (StreamedInit(model, checkpoint, {p: [fused[n][0] if n in fused else n for n in names[p]]
-                                                   for p in params}, layout.manager.compute_device,
-                               shards=pstate.stream_shards() if pstate is not None else None)
+        extra = dict(shards=pstate.stream_shards(), expected=pstate.full_shapes) if pstate is not None else {}
+        stream = (StreamedInit(model, checkpoint, {p: [fused[n][0] if n in fused else n for n in names[p]] for p in
+                               params}, layout.manager.compute_device, allow_missing=config.allow_missing_keys, **extra)
                   if checkpoint else None)
         try:
             prepared = _apply_layout(model, optimizer, names, layout, stream)

@@ -243,6 +243,11 @@ class ElixirConfig:
             device budget is below the fused model's `min_device_budget_bytes`, or when `plan` was made for the
             split model; `True` always splits, `False` keeps the fused tensors (each one slot: a chunk of E
             experts). See [Note: split fused experts] in `hf_elixir/parallel/_expert_units.py`.
+        allow_missing_keys (`bool`, defaults to `False`):
+            With `prepare(..., checkpoint=folder)`: parameters the folder has no tensor for raise (naming them);
+            `True` lets them start from their own values, or on the meta device from the model's `_init_weights`
+            (as `from_pretrained` initialises missing keys), with a warning naming them. Tensors of the folder the
+            model does not use are always reported as a warning. See docs/loading.md.
         compile (`bool`, `str` or `dict`, defaults to `False`): `torch.compile` each transformer block (the
             outermost children of the model's `nn.ModuleList`s), with the unshard/reshard hooks outside the
             compiled code: `True` for `torch.compile`'s defaults (inductor), a backend name (`"aot_eager"`,
@@ -281,8 +286,12 @@ class ElixirConfig:
     process_group: Any = None
     compile: bool | str | Mapping[str, Any] = False
     split_fused_experts: bool | str = "auto"
+    allow_missing_keys: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.allow_missing_keys, bool):
+            raise TypeError(f"ElixirConfig.allow_missing_keys={self.allow_missing_keys!r} must be True (parameters a "
+                            "checkpoint= folder lacks start from the model's _init_weights) or False (they raise)")
         if not isinstance(self.split_fused_experts, bool) and self.split_fused_experts != "auto":
             raise TypeError(f"ElixirConfig.split_fused_experts={self.split_fused_experts!r} is not supported; give "
                             "'auto' (split fused MoE experts per expert only where the device budget needs it, the "

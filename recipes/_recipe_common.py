@@ -472,6 +472,21 @@ def parallelize_for(model, config) -> None:
                         ", ".join(f"{n} {p}" for p, n in sorted(chosen.items())))
 
 
+def quiet_progress_bars_when_redirected(train_args) -> None:
+    """Outside a terminal, turn off the progress bars that would repeat the step lines (transformers' save/load
+    bars, datasets' map bars, the Trainer's bar: its log lines stay, printed once each), unless
+    ``--disable_tqdm`` was given explicitly."""
+    if sys.stderr.isatty():  # where tqdm and transformers draw their bars
+        return
+    import datasets
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    if not any(a.split("=")[0] in ("--disable_tqdm", "--disable-tqdm") for a in sys.argv[1:]):
+        train_args.disable_tqdm = True
+
+
 def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixir_args, train_args,
                           checkpoint: str | None = None, on_prepared=None) -> list[float]:
     """Plain Accelerate loop (+ ElixirPlugin; ``checkpoint``: stream the weights of a meta model from that
@@ -504,7 +519,8 @@ def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixi
     if plugin is not None:
         model, optimizer, loader, scheduler = plugin.prepare(accelerator, model, optimizer, loader, scheduler)
         if accelerator.is_main_process:
-            logger.info("hf_elixir: %s (settings from %s)", plugin.config, settings_source(plugin.source_file, overrides))
+            # the fields that differ from the defaults are on hf_elixir's own line; this one says where they came from
+            logger.info("hf_elixir settings from %s", settings_source(plugin.source_file, overrides))
     else:
         model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     if on_prepared is not None:
@@ -514,7 +530,10 @@ def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixi
     lrs: dict[int, float] = {}  # learning rate each logged step used (the Trainer's convention)
     window: list[torch.Tensor] = []
     log_every = logging_interval(train_args)
-    bar = tqdm(total=train_args.max_steps, disable=not accelerator.is_local_main_process, desc="train")
+    # one progress display: a bar (progress, rate, time left) on a terminal, with the step lines above it; in
+    # redirected output the step lines alone (a bar there is one line of carriage returns per update)
+    bar = tqdm(total=train_args.max_steps, disable=not (accelerator.is_local_main_process and sys.stderr.isatty()),
+               desc="train")
     step, start = 0, time.perf_counter()
     while step < train_args.max_steps:
         for batch in loader:
@@ -537,10 +556,11 @@ def train_with_accelerate(model, tokenizer, train_ds, collate, model_args, elixi
                 window.clear()
                 losses.append(mean)
                 lrs[step] = step_lr
-                bar.set_postfix(loss=f"{mean:.3f}", ppl=f"{math.exp(min(mean, 50)):.1f}", lr=f"{step_lr:.2e}")
                 if accelerator.is_main_process:
-                    tqdm.write(f"step {step:5d}  loss {mean:.4f}  ppl {math.exp(min(mean, 50)):9.2f}  "
-                               f"lr {step_lr:.2e}  {time.perf_counter() - start:6.1f} s")
+                    tqdm.write(f"step {step:5d}/{train_args.max_steps}  loss {mean:.4f}  "
+                               f"ppl {math.exp(min(mean, 50)):9.2f}  lr {step_lr:.2e}  "
+                               f"{time.perf_counter() - start:6.1f} s", file=sys.stdout)
+                    sys.stdout.flush()
             if step >= train_args.max_steps:
                 break
     bar.close()
@@ -589,6 +609,7 @@ def run(default_model_type: str, print_sample: Callable[[Any, Any, str], str]) -
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     model_args, data_args, elixir_args, train_args = parse_args(default_model_type)
+    quiet_progress_bars_when_redirected(train_args)
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, set_seed
 
     from hf_elixir.data import load_text_dataset
@@ -649,7 +670,7 @@ def run(default_model_type: str, print_sample: Callable[[Any, Any, str], str]) -
         cls = AutoModelForSeq2SeqLM if model_args.model_type == "switch_transformers" else AutoModelForCausalLM
         reloaded = _mark_loss(cls.from_pretrained(train_args.output_dir))  # plain transformers, no hf_elixir
         result["eval_ppl_after"] = evaluate_perplexity(reloaded, eval_ds, collate, eval_bs, "cpu")
-        print(f"eval perplexity before training: {ppl_before:.2f}  after: {result['eval_ppl_after']:.2f}", flush=True)
+        print(f"eval perplexity after training: {result['eval_ppl_after']:.2f} (before: {ppl_before:.2f})", flush=True)
         print(f"train loss: step 1 {result['first_loss']:.3f}  last logged {result['last_loss']:.3f}", flush=True)
         print(f"model folder: {os.path.abspath(train_args.output_dir)}", flush=True)
         sample = print_sample(reloaded, tokenizer, elixir_args.sample_prompt)

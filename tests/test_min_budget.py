@@ -32,6 +32,19 @@ def _switch_model():
     return make_model("switch")
 
 
+def _mixtral_model():
+    """Fused 3-D experts (``gate_up_proj`` ``(E, 2I, H)``), 8 experts of intermediate size 64: the experts set the
+    floor, and the split and fused layouts have different floors."""
+    import transformers as T
+
+    from tests._moe_models import moe_config
+
+    torch.manual_seed(0)
+    config = moe_config("mixtral")
+    config.num_local_experts, config.intermediate_size = 8, 64
+    return T.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
 CASES = {
     # name: (model builder, batch kind, config)
     "sharded": (lambda: tiny_model("gpt2"), "gpt2", dict(default_placement="sharded")),
@@ -39,6 +52,11 @@ CASES = {
     "mixed": (lambda: tiny_model("gpt2"), "gpt2", dict(placements={"*ln_*": "replicated"})),
     "tensor_parallel": (_gpt2_tp_model, "gpt2", dict(tensor_parallel_size=2)),
     "expert_parallel": (_switch_model, "switch", dict(expert_parallel_size=2)),
+    # fused MoE experts from the config's base_model_ep_plan: kept fused, split per expert, and "auto" (split where
+    # the budget is below the fused floor: at the split floor it splits)
+    "expert_parallel_fused": (_mixtral_model, "mixtral", dict(expert_parallel_size=2, split_fused_experts=False)),
+    "expert_parallel_split": (_mixtral_model, "mixtral", dict(expert_parallel_size=2, split_fused_experts=True)),
+    "expert_parallel_auto": (_mixtral_model, "mixtral", dict(expert_parallel_size=2)),
     # OPT registers its decoder's final_layer_norm between the position embedding and layer 0: the chunk holding
     # both keeps its gradient buffer through backward ([Note: gradient spill] in hf_elixir/chunk/_grad_buffers.py)
     "opt_bf16": (lambda: tiny_model("opt"), "opt", dict(precision="bf16", chunk_size_numel=4096,
@@ -47,6 +65,10 @@ CASES = {
 
 
 def _batch(kind: str, rank: int, world_size: int, parallel: bool) -> dict:
+    if kind == "mixtral":  # each rank its own batch (expert parallel: tokens are routed across the ranks)
+        g = torch.Generator().manual_seed(rank)
+        ids = torch.randint(2, 128, (2, 12), generator=g)
+        return {"input_ids": ids, "labels": ids}
     if kind == "switch":
         from tests.parallel_harness import make_batch
 
@@ -216,3 +238,20 @@ def test_the_floor_of_an_all_resident_sharded_chunk_holds_its_reduce_scatter_out
     for rank_out in run_distributed(_line_floor_worker, 2, timeout_s=120):
         for floor, peak in rank_out:
             assert peak <= floor, rank_out
+
+
+def test_a_searched_config_is_told_the_floor_is_the_default_chunk_sizes(caplog):
+    """``search="auto"`` picks chunk sizes and activation policies inside ``prepare`` for the budget it gets (Mixtral
+    at EP=2 trained at 0.9x the floor computed here), which this function does not run: it says so, and with
+    ``chunk_size_numel`` (or a plan) it is exact and quiet."""
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters())
+    searched = hf_elixir.ElixirConfig(search="auto", budget_covers_activations=False)
+    with caplog.at_level("WARNING", logger="hf_elixir.search._floor"):
+        floor = hf_elixir.min_device_budget_bytes(model, opt, searched)
+    assert "search='auto' is not run here" in caplog.text and "chunk_size_numel" in caplog.text
+    assert floor == hf_elixir.min_device_budget_bytes(model, opt, dataclasses.replace(searched, search="off"))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_elixir.search._floor"):
+        hf_elixir.min_device_budget_bytes(model, opt, dataclasses.replace(searched, chunk_size_numel=4096))
+    assert "search='auto'" not in caplog.text

@@ -86,6 +86,13 @@ def test_recipe_runs_end_to_end_under_elixir(tmp_path, script, extra):
     assert r["eval_ppl_after"] < r["eval_ppl_before"]
     assert r["num_processes"] == 1
     assert "job: 1 process (rank 0, 1 node(s))" in r["stdout"]
+    # redirected output has one progress display: a line per logged step (1, 2, 4, 6), no progress bar repeating
+    # them (a bar's carriage-return updates made one very long line per run in a log file)
+    out = r["stdout"] + r["stderr"]
+    assert "\r" not in out and "it/s]" not in out and "s/it]" not in out, out[-2000:]
+    logged = [line for line in r["stdout"].splitlines() if line.startswith(("step ", "{'loss'"))]
+    assert len(logged) == 4 and len(set(logged)) == 4, logged
+    assert "ElixirConfig(precision=" not in out  # the settings once, as the fields that differ from the defaults
 
 
 @pytest.mark.parametrize("path", [pytest.param([], marks=pytest.mark.slow), ["--trainer"]], ids=["accelerate", "trainer"])

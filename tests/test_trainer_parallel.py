@@ -127,7 +127,7 @@ TP_SCRIPT = textwrap.dedent(
     data = [{"input_ids": a, "labels": a} for a in torch.randint(3, 128, (32, 12), generator=g)]
     args = TrainingArguments(os.path.join(out, mode), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-3,
                              max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                             seed=0, data_seed=0, disable_tqdm=True)
+                             seed=0, data_seed=0, disable_tqdm=True, include_num_input_tokens_seen="all")
     model = tiny_model("gpt2")
     callbacks = []
     if mode == "tp":
@@ -138,14 +138,18 @@ TP_SCRIPT = textwrap.dedent(
     seen = []
     trainer.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"][:, 0].tolist()),
                                             with_kwargs=True)
-    trainer.train()
+    metrics = trainer.train().metrics
     seen_all = [None] * int(os.environ["WORLD_SIZE"])
     if torch.distributed.is_initialized():
         torch.distributed.all_gather_object(seen_all, seen)
     else:
         seen_all = [seen]
     if rank == 0:
-        json.dump(dict(losses=[h["loss"] for h in trainer.state.log_history if "loss" in h], seen=seen_all),
+        json.dump(dict(losses=[h["loss"] for h in trainer.state.log_history if "loss" in h], seen=seen_all,
+                       total_batch=trainer.get_total_train_batch_size(args), epoch=trainer.state.epoch,
+                       log_epochs=[h["epoch"] for h in trainer.state.log_history if "loss" in h],
+                       samples=metrics["train_samples_per_second"] * metrics["train_runtime"],
+                       tokens=trainer.state.num_input_tokens_seen),
                   open(os.path.join(out, mode + ".json"), "w"))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -158,7 +162,8 @@ def test_trainer_feeds_both_tensor_parallel_ranks_the_same_batches(tmp_path, mon
     """GPT-2 tensor_parallel_size=2 on 2 processes (one data-parallel row) through Trainer + ElixirCallback trains
     as the stock Trainer in one process: both tp ranks read the one process's batches ([Note: tensor-parallel
     batches] in hf_elixir/integrations/_binding.py). Before, accelerate gave each rank its own batch and the row's
-    all-reduces mixed them (step 1 loss 4.463 vs 4.466).
+    all-reduces mixed them (step 1 loss 4.463 vs 4.466). The throughput metrics and epochs are the one-process
+    run's too (the Trainer counted the tp ranks as data-parallel ones).
 
     The reference (the same script, stock Trainer, one process) runs in this process: a one-process job is not
     distributed (what ``torchrun --nproc_per_node 1`` gave it too, at the cost of a launch)."""
@@ -174,6 +179,12 @@ def test_trainer_feeds_both_tensor_parallel_ranks_the_same_batches(tmp_path, mon
     tp = json.loads((tmp_path / "tp.json").read_text())
     assert tp["seen"][0] == tp["seen"][1] == ref["seen"][0]  # the same batches on both tp ranks, in the same order
     assert len(tp["losses"]) == 3 and tp["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    # metrics count the data-parallel rows (one here), not the processes: 3 steps x 4 samples, epoch 3 / 8
+    # ([Note: Trainer metrics under tensor parallel]; before: total batch 8, 24 samples, 43.86 samples/s)
+    assert tp["total_batch"] == ref["total_batch"] == 4
+    assert tp["epoch"] == ref["epoch"] == 0.375 and tp["log_epochs"] == ref["log_epochs"]
+    assert tp["samples"] == pytest.approx(12, rel=0.02) and ref["samples"] == pytest.approx(12, rel=0.02)
+    assert tp["tokens"] == ref["tokens"] == 3 * 4 * 12
 
 
 RESUME_SCRIPT = textwrap.dedent(

@@ -39,16 +39,21 @@ sharded layout (``model.safetensors.index.json`` with a ``weight_map`` from tens
 from __future__ import annotations
 
 import json
+import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hf_elixir.chunk._converted_load import check_converted, converted_sources
+from hf_elixir.chunk._load_report import initial_values, mismatch_error, missing_error, warn_unexpected
 
 __all__ = ["EXPERT_ROWS_ATTR", "CheckpointReader", "SlotSource", "StreamedInit", "TensorShard",
            "meta_parameter_names", "read_chunk_range", "read_local", "resolve_sources", "retie"]
+
+logger = logging.getLogger(__name__)
 
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
@@ -119,26 +124,30 @@ class CheckpointReader:
             raise FileNotFoundError(f"checkpoint={str(folder)!r} is not a folder; pass a Hugging Face model folder "
                                     "(written by save_pretrained) holding model.safetensors")
         index = self.folder / _INDEX
+        self._handles: dict[Path, object] = {}
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"checkpoint file {str(index)!r} is not a safetensors index (JSON with a "
+                                 f"'weight_map': {type(err).__name__}: {err}); re-save the model with "
+                                 "save_pretrained(folder)") from err
             self._file_of = {key: self.folder / name for key, name in weight_map.items()}
         elif (self.folder / _SINGLE).is_file():
-            from safetensors import safe_open  # noqa: PLC0415 (optional dependency of this path only)
-
-            with safe_open(str(self.folder / _SINGLE), framework="pt") as handle:
-                self._file_of = {key: self.folder / _SINGLE for key in handle.keys()}
+            self._file_of = {key: self.folder / _SINGLE for key in self._open(self.folder / _SINGLE).keys()}
         else:
             found = sorted(p.name for p in self.folder.iterdir())[:10]
             raise FileNotFoundError(
                 f"checkpoint={str(folder)!r} holds neither {_SINGLE} nor {_INDEX} (found {found}); streamed "
                 "loading reads safetensors only: re-save the model with save_pretrained(folder) "
                 "(safe_serialization is the default)")
-        self._handles: dict[Path, object] = {}
         self.bytes_read = 0
         #: target name -> ConvertedSource: tensors built by transformers' converters ([Note: converted tensors])
         self.converted: dict = {}
         #: target name -> the key it is stored under (a transformers ``WeightRenaming``)
         self.renamed: dict[str, str] = {}
+        #: key -> a value the folder lacks, given in memory (a missing parameter's initial value)
+        self.given: dict[str, torch.Tensor] = {}
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -154,14 +163,29 @@ class CheckpointReader:
         """The tensor names in the folder's files (not the converted targets)."""
         return set(self._file_of)
 
-    def _handle(self, key: str):
-        path = self._file_of[key]
+    def _open(self, path: Path):
+        """``safe_open(path)``, kept open until :meth:`close`; an unreadable file raises naming it."""
         handle = self._handles.get(path)
         if handle is None:
-            from safetensors import safe_open  # noqa: PLC0415
+            from safetensors import SafetensorError, safe_open  # noqa: PLC0415 (optional dependency of this path)
 
-            handle = self._handles[path] = safe_open(str(path), framework="pt")
+            try:
+                handle = self._handles[path] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as err:
+                raise ValueError(f"checkpoint file {str(path)!r} cannot be read as safetensors ({err}): it is "
+                                 "missing, truncated or corrupt; re-save the model with save_pretrained(folder) or "
+                                 "copy the file again") from err
         return handle
+
+    def _handle(self, key: str):
+        return self._open(self._file_of[key])
+
+    def file_name(self, key: str) -> str:
+        """The file (name inside the folder) that holds ``key``; for a converted tensor, its first source's."""
+        if key in self.converted:
+            key = next(iter(self.converted[key].sources.values()))[0]
+        path = self._file_of.get(key)
+        return path.name if path is not None else "memory"
 
     def resolve(self, names: list[str], prefix: str = "") -> str | None:
         """The first of ``names`` (then each with ``prefix + "."`` added or removed) the files hold."""
@@ -173,12 +197,16 @@ class CheckpointReader:
         return self.renamed.get(found, found)
 
     def shape(self, key: str) -> torch.Size:
+        if key in self.given:
+            return self.given[key].shape
         if key in self.converted:
             return self.converted[key].shape
         return torch.Size(self._handle(key).get_slice(key).get_shape())
 
     def read(self, key: str) -> torch.Tensor:
         """The whole tensor ``key`` (a copy in its file dtype; for buffers and small tensors)."""
+        if key in self.given:
+            return self.given[key].clone()
         if key in self.converted:
             return self.read_flat(key, 0, math.prod(self.shape(key))).reshape(self.shape(key)).clone()
         tensor = self._handle(key).get_tensor(key)
@@ -202,6 +230,8 @@ class CheckpointReader:
         """
         if key in self.converted:  # built expert by expert ([Note: converted tensors])
             return self.converted[key].read_flat(self._read_whole, begin, end)
+        if key in self.given:
+            return self.given[key].reshape(-1)[begin:end]
         view = self._handle(key).get_slice(key)
         shape = view.get_shape()
         numel = math.prod(shape)
@@ -345,9 +375,15 @@ def _tied_sources(model: torch.nn.Module) -> dict[str, str]:
     return dict(tied) if isinstance(tied, dict) else {}
 
 
+_MISSING_FIX = ("build the model from the folder's config.json (AutoConfig.from_pretrained(folder)) or load the "
+                "folder this model was saved to")
+
+
 def resolve_sources(reader: CheckpointReader, model: torch.nn.Module, names: dict,
-                    shards: dict[torch.nn.Parameter, TensorShard]) -> tuple[dict, dict]:
-    """Find every parameter's tensor in ``reader``'s folder and check its shape, before anything is read.
+                    shards: dict[torch.nn.Parameter, TensorShard], *, expected: Iterable[str] = (),
+                    missing_ok: bool = False, missing_fix: str = _MISSING_FIX) -> tuple[dict, dict]:
+    """Find every parameter's tensor in ``reader``'s folder and check its shape, before anything is read; warn
+    about the folder's tensors the model does not use ([Note: strict loads] in ``_load_report.py``).
 
     Args:
         reader: the folder.
@@ -355,13 +391,18 @@ def resolve_sources(reader: CheckpointReader, model: torch.nn.Module, names: dic
         names: parameter -> its names (canonical first, then aliases).
         shards: parameter -> :class:`TensorShard` for parameters holding a tensor-parallel slice of the file's
             tensor; a parameter with ``EXPERT_ROWS_ATTR`` holds expert rows of it.
+        expected: more names the model expects (the unmodified model's, under tensor/expert parallel): the
+            folder's tensors under them are not unexpected here.
+        missing_ok: leave parameters without a tensor out of the result instead of raising.
+        missing_fix: the fix the missing-parameters error names.
 
     Returns:
         ``(keys, bases)``: parameter -> the file tensor's name, and parameter -> its first element in that
         tensor (non-zero for an expert-parallel slice).
 
     Raises:
-        ValueError: a parameter has no tensor in the folder, or one of another shape (names them).
+        ValueError: a parameter has no tensor in the folder (unless ``missing_ok``), or one of another shape (names
+            the tensor, its file and both shapes).
     """
     prefix = getattr(model, "base_model_prefix", "") or ""
     tied = _tied_sources(model)
@@ -382,19 +423,15 @@ def resolve_sources(reader: CheckpointReader, model: torch.nn.Module, names: dic
         if shard is not None:
             full_shape = shard.full_shape(param.shape)
         if shape != full_shape:
-            mismatched.append(f"{fqns[0]} {tuple(full_shape)} vs {key!r} {tuple(shape)}")
+            mismatched.append((fqns[0], key, reader.file_name(key), shape, full_shape))
         keys[param] = key
         bases[param] = first * math.prod(full_shape[1:])
     folder = str(reader.folder)
-    if missing:
-        raise ValueError(f"checkpoint={folder!r} has no tensor for parameters {missing[:5]}"
-                         f"{' and more' if len(missing) > 5 else ''}; streamed loading needs every parameter "
-                         "in the folder (from_pretrained would initialise missing ones at random). Use the "
-                         "folder this model's architecture was saved to, or load it with from_pretrained and "
-                         "call prepare without checkpoint=")
     if mismatched:
-        raise ValueError(f"checkpoint={folder!r} holds tensors of other shapes: {mismatched[:3]}; build the "
-                         "model from the folder's config.json (AutoConfig.from_pretrained(folder))")
+        raise mismatch_error(folder, model, mismatched)
+    if missing and not missing_ok:
+        raise missing_error(folder, missing, len(names), missing_fix)
+    warn_unexpected(reader, model, [n for fqns in names.values() for n in fqns] + list(expected))
     return keys, bases
 
 
@@ -421,16 +458,22 @@ class StreamedInit:
         device: where rebuilt or loaded buffers go (the compute device).
         shards: parameter name -> :class:`TensorShard` for parameters holding a tensor-parallel slice of the
             folder's tensor (see [Note: streamed tensor-parallel shards]); any of a parameter's names.
+        expected: the unmodified model's names under tensor/expert parallel (``ParallelState.full_shapes``): the
+            folder's tensors under them are not reported as unexpected.
+        allow_missing: parameters the folder lacks start from their own values, or (on the meta device) from the
+            model's ``_init_weights``, with a warning, instead of raising (``ElixirConfig.allow_missing_keys``).
 
     Raises:
         FileNotFoundError: as :class:`CheckpointReader`.
-        ValueError: a parameter has no tensor in the folder, or one of another shape (names them);
+        ValueError: a parameter has no tensor in the folder (unless ``allow_missing``), or one of another shape
+            (names them); a folder file that is not safetensors (names it);
             a buffer on the meta device can be neither loaded nor rebuilt; a meta parameter has gradient
             hooks (e.g. Switch-Transformers experts under expert parallel).
     """
 
     def __init__(self, model: torch.nn.Module, folder: str | Path, names: dict, device: torch.device,
-                 shards: dict[str, TensorShard] | None = None) -> None:
+                 shards: dict[str, TensorShard] | None = None, *, expected: Iterable[str] = (),
+                 allow_missing: bool = False) -> None:
         self.reader = CheckpointReader(folder)
         self.prefix = getattr(model, "base_model_prefix", "") or ""
         self.keys: dict[torch.nn.Parameter, str] = {}
@@ -441,14 +484,15 @@ class StreamedInit:
                 self.shards[param] = shard
         self.bases: dict[torch.nn.Parameter, int] = {}
         try:
-            self._resolve(model, names)
-            self._materialize_buffers(model, device)
-            for param in names:
+            for param in names:  # before anything changes: a refusal leaves the model as it was
                 if param.is_meta and param._backward_hooks:
                     raise ValueError(
                         f"parameter {names[param][0]!r} is on the meta device with gradient hooks "
                         "(Tensor.register_hook), which streamed loading would drop (torch.utils.swap_tensors): "
                         "load the model with from_pretrained and call prepare without checkpoint=")
+            self._resolve(model, names, expected, allow_missing)
+            self._materialize_buffers(model, device)
+            for param in names:
                 if param.is_meta:
                     placeholder = torch.zeros(1, dtype=param.dtype).expand(param.shape)
                     torch.utils.swap_tensors(param, torch.nn.Parameter(placeholder, requires_grad=param.requires_grad))
@@ -456,8 +500,27 @@ class StreamedInit:
             self.close()
             raise
 
-    def _resolve(self, model: torch.nn.Module, names: dict) -> None:
-        self.keys, self.bases = resolve_sources(self.reader, model, names, self.shards)
+    def _resolve(self, model: torch.nn.Module, names: dict, expected: Iterable[str], allow_missing: bool) -> None:
+        fix = ("build the model from the folder's config.json (AutoConfig.from_pretrained(folder)), or pass "
+               "ElixirConfig(allow_missing_keys=True) to start them from the model's _init_weights as "
+               "from_pretrained does")
+        self.keys, self.bases = resolve_sources(self.reader, model, names, self.shards, expected=expected,
+                                                missing_ok=allow_missing, missing_fix=fix)
+        missing = [p for p in names if p not in self.keys]
+        if not missing:
+            return
+        name_of = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        for param in missing:  # values given in memory, this rank's whole local tensor
+            key = f"<initial value of {name_of[id(param)]}>"
+            shard = self.shards.get(param)
+            part = shard.rank if shard is not None else _expert_rows(param)[0]
+            self.reader.given[key] = initial_values(model, name_of[id(param)], param, part)
+            self.keys[param], self.bases[param] = key, 0
+            self.shards.pop(param, None)  # base 0, no shard: the value is this rank's part (its slice, its rows)
+        logger.warning("checkpoint=%r has no tensor for %d parameters %s: they start from %s (ElixirConfig("
+                       "allow_missing_keys=True); train them before relying on the model", str(self.reader.folder),
+                       len(missing), [names[p][0] for p in missing][:10],
+                       "the model's _init_weights where on the meta device, else their own values")
 
     def _materialize_buffers(self, model: torch.nn.Module, device: torch.device) -> None:
         rebuild: list[tuple[torch.nn.Module, str]] = []

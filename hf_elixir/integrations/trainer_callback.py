@@ -161,6 +161,11 @@ class ElixirCallback(TrainerCallback):
         trainer._load_from_checkpoint = types.MethodType(
             _load_parallel_checkpoint(type(trainer)._load_from_checkpoint), trainer)
         trainer._load_best_model = types.MethodType(_load_parallel_best_model(type(trainer)._load_best_model), trainer)
+        if hasattr(type(trainer), "get_tp_size"):  # throughput and epochs count data-parallel rows, not processes
+            trainer.get_tp_size = types.MethodType(_tp_size_of_parallel_model(type(trainer).get_tp_size), trainer)
+        if hasattr(type(trainer), "_track_num_input_tokens"):  # and tokens: a row's tp ranks read one batch
+            trainer._track_num_input_tokens = types.MethodType(
+                _tokens_once_per_row(type(trainer)._track_num_input_tokens), trainer)
         # Run first so Elixir's counters are in `logs` before the printer/reporters see them.
         handler = trainer.callback_handler
         if self in handler.callbacks:
@@ -319,6 +324,41 @@ def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
     if self.args.should_save:
         with warnings.catch_warnings(record=True):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
+
+
+def _tp_size_of_parallel_model(original_get_tp_size):
+    """Trainer.get_tp_size that knows a model rewritten by ``parallelize`` for tensor parallel.
+
+    [Note: Trainer metrics under tensor parallel] The Trainer counts the samples of a run as per-device batch x
+    gradient accumulation x ``world_size // get_tp_size()`` (``get_total_train_batch_size``), which sets the
+    ``Total train batch size`` it logs, ``train_samples_per_second`` and, with ``max_steps``, the samples it
+    reports. ``get_tp_size`` knows transformers' own tensor parallel (``model._tp_size``), DeepSpeed AutoTP and
+    accelerate's ``ParallelismConfig``, not hf_elixir's mesh, so the ``tp`` ranks of a row, which read one batch
+    ([Note: tensor-parallel batches] in ``_binding.py``), were counted as data-parallel ones (GPT-2 at tp=2 on 2
+    processes: 8 samples a step reported where 4 were consumed; ``num_input_tokens_seen`` sums every process's
+    tokens: :func:`_tokens_once_per_row`). Expert parallel needs nothing: every rank reads its own batch."""
+    def get_tp_size(self) -> int:
+        from hf_elixir.parallel._apply import get_parallel_state  # noqa: PLC0415
+
+        state = get_parallel_state(self.model) if self.model is not None else None
+        if state is not None and state.mesh.mp_axis == "tp" and state.mesh.tp_size > 1:
+            return state.mesh.tp_size
+        return original_get_tp_size(self)
+
+    return get_tp_size
+
+
+def _tokens_once_per_row(original_track):
+    """Trainer._track_num_input_tokens that counts a tensor-parallel row's batch once: it sums every process's
+    tokens, and the ``tp`` ranks of a row read the same batch ([Note: Trainer metrics under tensor parallel])."""
+    def _track_num_input_tokens(self, inputs) -> None:
+        before = self.state.num_input_tokens_seen
+        original_track(self, inputs)
+        tp_size = self.get_tp_size()
+        if tp_size > 1:
+            self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // tp_size
+
+    return _track_num_input_tokens
 
 
 def _load_parallel_checkpoint(original_load):

@@ -86,12 +86,20 @@ def _from_dict(model: nn.Module, full: dict[str, torch.Tensor], names: dict, sha
     return local
 
 
-def _from_folder(model: nn.Module, folder: str | os.PathLike, names: dict, shards: dict) -> dict[str, torch.Tensor]:
+def _from_folder(model: nn.Module, folder: str | os.PathLike, names: dict, shards: dict,
+                 expected=(), missing_fix: str | None = None) -> dict[str, torch.Tensor]:
+    """This rank's parts of the folder's tensors under the model's names ([Note: strict loads] in
+    ``hf_elixir/chunk/_load_report.py``: unused tensors warn; missing ones raise unless ``missing_fix`` is ``None``,
+    then they are left out)."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     local: dict[str, torch.Tensor] = {}
     with CheckpointReader(folder) as reader:
-        keys, bases = resolve_sources(reader, model, _source_names(model, names), shards)
+        strict = {} if missing_fix is None else {"missing_fix": missing_fix}
+        keys, bases = resolve_sources(reader, model, _source_names(model, names), shards, expected=expected,
+                                      missing_ok=missing_fix is None, **strict)
         for param, fqns in names.items():
+            if param not in keys:
+                continue
             part = read_local(reader, keys[param], param.shape, shards.get(param), bases[param])
             local.update({n: part for n in fqns})
         for name in _persistent_buffers(model):
@@ -124,7 +132,8 @@ def load_full_state_dict(model: nn.Module, source: dict[str, torch.Tensor] | str
 
     Raises:
         ValueError: ``model`` was not parallelized; a tensor of the wrong full shape; with ``strict``, parameters
-            without a value in ``source`` (names them). From a folder also as ``hf_elixir.prepare(checkpoint=)``.
+            without a value in ``source`` (names them). From a folder also as ``hf_elixir.prepare(checkpoint=)``
+            (the folder's tensors the unmodified model does not use are logged as a warning).
         FileNotFoundError: ``source`` is not a folder with safetensors weights.
     """
     state = get_parallel_state(model)
@@ -134,7 +143,8 @@ def load_full_state_dict(model: nn.Module, source: dict[str, torch.Tensor] | str
     names = _param_names(model)
     shards = _shards(state, names)
     if isinstance(source, (str, os.PathLike)):
-        local = _from_folder(model, source, names, shards)
+        fix = ("pass the folder this model was saved to, or strict=False to keep their values" if strict else None)
+        local = _from_folder(model, source, names, shards, expected=state.full_shapes, missing_fix=fix)
     elif isinstance(source, dict):
         local = _from_dict(model, source, names, shards)
     else:
@@ -164,6 +174,6 @@ def load_folder_state_dict(model: nn.Module, folder: str | os.PathLike) -> Any:
         FileNotFoundError: ``folder`` holds no safetensors weights; ValueError as ``prepare(checkpoint=)``.
     """
     names = _param_names(model)
-    local = _from_folder(model, folder, names, {})
+    local = _from_folder(model, folder, names, {}, missing_fix="resume from a checkpoint of this model")
     return model.load_state_dict(local, strict=False)
 

@@ -49,6 +49,8 @@ class ModelSnapshot:
         storage, then flags)."""
         with torch.no_grad():
             for param, cls, attrs, data, requires_grad, grad, grad_hooks, grad_hook_items in self._params:
+                if data.is_meta != param.is_meta:  # streamed init swapped a meta parameter for a placeholder
+                    torch.utils.swap_tensors(param, torch.nn.Parameter(data, requires_grad=requires_grad))
                 param.__class__ = cls  # first: a managed or stale class ([Note: stale placeholder]) guards .data
                 vars(param).clear()
                 vars(param).update(attrs)

@@ -47,7 +47,9 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
         config: the ``ElixirConfig`` ``prepare`` will get. ``default_placement="auto"`` resolves as
             ``prepare`` resolves it (replicated where the whole model with its gradients and optimizer
             states fits the budget, else sharded); ``"replicated"`` modules count whole on every rank
-            (world size > 1).
+            (world size > 1). With ``search="auto"`` and neither ``plan`` nor ``chunk_size_numel`` the search is
+            not run here: the floor is the default chunk size's (a warning says so), an upper bound of what
+            ``prepare``'s search may fit.
         world_size: ranks of the default process group ``prepare`` will see. A parallelized model
             uses its mesh's group sizes instead.
         activation_bytes: bytes per rank the step's activations and autograd temporaries need on the
@@ -74,6 +76,11 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
         raise TypeError(f"min_device_budget_bytes(activation_bytes={activation_bytes!r}) must be an int of bytes")
     if activation_bytes < 0:
         raise ValueError(f"min_device_budget_bytes(activation_bytes={activation_bytes}) must be >= 0")
+    if config.search == "auto" and config.plan is None and not config.chunk_size_numel:
+        logger.warning("min_device_budget_bytes: ElixirConfig.search='auto' is not run here: this is the floor at the "
+                       "default chunk size; prepare's search picks chunk sizes (and activation policies) for the "
+                       "budget it gets, so it may accept less (it names its own minimum when nothing fits). For an "
+                       "exact floor give the plan (ElixirConfig(plan=...), from hf-elixir plan) or chunk_size_numel")
     if activation_bytes and not config.budget_covers_activations:
         logger.warning("min_device_budget_bytes: activation_bytes=%d ignored: ElixirConfig.budget_covers_activations="
                        "False makes the budget bound model data only", activation_bytes)
@@ -104,7 +111,7 @@ def split_needed(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
         if budget_bytes is None:
             return False
         activation = plan.activation_peak_bytes if plan is not None and config.budget_covers_activations else 0
-        kept = dataclasses.replace(config, split_fused_experts=False)
+        kept = dataclasses.replace(config, split_fused_experts=False, search="off")  # the fused floor, no warning
         return budget_bytes < min_device_budget_bytes(model, optimizer, kept, world_size,
                                                       activation_bytes=int(activation or 0))
     return config.split_fused_experts
