@@ -210,14 +210,14 @@ def test_packed_and_mla_placements_from_the_plans():
     assert p[experts] == "moe_tp" and p["model.layers.0.feed_forward.shared_expert.down_proj"] == "row"
     assert moe_tp_splits(llama4, experts, llama4.get_submodule(experts), 2) == {"gate_up_proj": (2, 2),
                                                                                  "down_proj": (1, 1)}
-    with pytest.raises(ValueError, match=r"gate_up_proj \(packed_rowwise\): dim 2 of size 32 is not divisible by "
-                                         r"tensor_parallel_size=32 x 2 packed parts"):
+    with pytest.raises(ValueError, match=r"gate_up_proj \(packed_rowwise\): dim 2 of size 32 split over "
+                                         r"tensor_parallel_size=32 \(x2 packed parts\) leave tp ranks 16..31 no feature"):
         moe_tp_splits(llama4, experts, llama4.get_submodule(experts), 32)
     p = plan_placements(make_model("phi3_packed"), 2, 1)
     assert p["model.layers.0.mlp.gate_up_proj"] == "packed_column" and p["model.layers.0.mlp.down_proj"] == "row"
     phi3 = make_model("phi3_packed")  # 128 packed features: 2 parts of 64, which tp=128 cannot split
-    with pytest.raises(ValueError, match=r"gate_up_proj': its 128 output features are not divisible by "
-                                         r"tensor_parallel_size=128 x 2 packed parts"):
+    with pytest.raises(ValueError, match=r"gate_up_proj': its 128 output features split over "
+                                         r"tensor_parallel_size=128 \(x2 packed parts\) leave tp ranks 64..127"):
         resolve_placements(phi3, _cfg(tensor_parallel_size=128, placements={"*.self_attn.*": "sharded",
                                                                             "*embed_tokens": "sharded",
                                                                             "lm_head": "sharded"}))

@@ -155,8 +155,35 @@ def test_uneven_vocabulary_is_placed_where_it_was_refused():
     # a split that leaves a rank nothing: ceil(3 / 4) = 1 gives 1, 1, 1, 0
     ({"intermediate_size": 3, "num_key_value_heads": 4}, 4,
      r"'model.layers.0.mlp.gate_proj': its 3 output features split over tensor_parallel_size=4 leave tp rank 3 "
-     r"no feature \(ceil-sized slices \[1, 1, 1, 0\]\).*\[2, 3\]"),
+     r"no feature \(ceil-sized slices of 1: \[1, 1, 1, 0\]...\).*\[2, 3\]"),
 ])
 def test_impossible_splits_are_refused_naming_the_sizes_that_work(kw, tp, match):
     with pytest.raises(ValueError, match=match):
         resolve_placements(_llama(**kw), hf_elixir.ElixirConfig(tensor_parallel_size=tp))
+
+
+def test_plan_command_prices_an_uneven_vocabulary(tmp_path, capsys, monkeypatch):
+    """``hf-elixir plan --tensor-parallel-size 2`` on a vocabulary after ``resize_token_embeddings`` (32001) and an
+    odd MLP width: priced and placed (the vocabulary split was refused, so the degree was dropped)."""
+    import json
+
+    from hf_elixir.cli import main
+    from hf_elixir.plan import ElixirPlan
+    from tests._models import fixed_cpu_hardware
+
+    monkeypatch.setenv("HF_ELIXIR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr("hf_elixir.profiler.probe_hardware", lambda *a, **k: fixed_cpu_hardware())
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 32001, "hidden_size": 64, "intermediate_size": 97,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "bos_token_id": 0,
+        "eos_token_id": 1, "max_position_embeddings": 256}))
+    out = tmp_path / "tp2.json"
+    assert main(["plan", "--model", str(config), "--gpu", "h100", "--num-gpus", "2", "--gpu-memory", "64MiB",
+                 "--host-memory", "1GiB", "--batch-size", "2", "--seq-len", "64", "--output", str(out),
+                 "--tensor-parallel-size", "2"]) == 0
+    capsys.readouterr()
+    plan = ElixirPlan.load(out)
+    assert "tensor parallel 2 x data parallel 1 (2 ranks)" in " ".join(plan.reasons)
+    assert plan.placements["model.embed_tokens"] == "embedding_row" and plan.placements["lm_head"] == "column_gather"
+    assert plan.placements["model.layers.0.mlp.down_proj"] == "row"

@@ -232,10 +232,12 @@ def check_tp_split(what: str, size: int, parts: int, tp_size: int, fix: str) -> 
     sizes = tp_slice_sizes(part, tp_size)
     if 0 in sizes:
         valid = [t for t in range(2, min(part, 64) + 1) if 0 not in tp_slice_sizes(part, t)]
+        empty = sizes.index(0)
+        ranks = f"rank {empty}" if empty == tp_size - 1 else f"ranks {empty}..{tp_size - 1}"
         raise ValueError(
             f"{what} split over tensor_parallel_size={tp_size}{f' (x{parts} packed parts)' if parts > 1 else ''} "
-            f"leave tp rank {sizes.index(0)} no feature (ceil-sized slices {sizes}); pick a tensor_parallel_size "
-            f"that leaves every rank one (up to 64: {valid}), or {fix}")
+            f"leave tp {ranks} no feature (ceil-sized slices of {-(-part // tp_size)}: {sizes[:empty + 1]}...); "
+            f"pick a tensor_parallel_size that leaves every rank one (up to 64: {valid}), or {fix}")
 
 
 def rope_dim_of(model: nn.Module) -> Any:
