@@ -106,6 +106,41 @@ def test_uneven_full_gradients_and_load_full_state_dict(uneven):
         assert rows == (128 if rank == 0 else 127), rows  # the embedding's own uneven slice
 
 
+def _styles_worker(rank: int, world_size: int) -> dict:
+    """``embedding_column`` (hidden 5: 3 + 2), ``row_split`` (input 5: 3 + 2) and ``column_gather`` (output 7: 4 + 3)
+    on uneven slices, the styles the four families do not use: output and every gradient against the whole model."""
+    import copy
+
+    from torch import nn
+
+    from hf_elixir.parallel._tensor_parallel import _split
+    from hf_elixir.parallel._tp_modules import parallelize_modules
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"emb": nn.Embedding(11, 5), "a": nn.Linear(5, 9), "b": nn.Linear(9, 7)})
+    ref = copy.deepcopy(model)
+    items = [("emb", "embedding_column"), ("a", "row_split"), ("b", "column_gather")]
+    layouts = parallelize_modules(model, items, dist.group.WORLD, rank, world_size)
+    ids = torch.tensor([[1, 4, 10], [0, 3, 7]])
+    outs = [m["b"](m["a"](m["emb"](ids))) for m in (model, ref)]
+    for out in outs:
+        out.square().sum().backward()
+    grads = {}
+    for name, param in ref.named_parameters():
+        lay = layouts.get(name)
+        want = param.grad if lay is None else _split(param.grad, lay.dim, lay.parts, rank, world_size)
+        local = model.get_parameter(name).grad
+        grads[name] = (tuple(local.shape), float((local - want).abs().max()))
+    return {"out": float((outs[0] - outs[1]).abs().max()), "grads": grads}
+
+
+def test_uneven_embedding_column_row_split_and_column_gather():
+    for rank, r in enumerate(run_distributed(_styles_worker, 2, timeout_s=60)):
+        assert r["out"] < 1e-6, r
+        assert all(err < 1e-6 for _, err in r["grads"].values()), r
+        assert r["grads"]["emb.weight"][0] == (11, 3 - rank) and r["grads"]["b.weight"][0] == (4 - rank, 9), r
+
+
 # -- single process: the slicing rule, merges and cuts, the errors ----------------------------------------------
 @pytest.mark.parametrize("full, size", [(255, 2), (311, 2), (50257, 4), (63, 8), (9, 4), (8, 4)])
 def test_slices_are_dtensors(full, size):
@@ -151,7 +186,8 @@ def test_uneven_vocabulary_is_placed_where_it_was_refused():
 
 @pytest.mark.parametrize("kw, tp, match", [
     # fewer key/value heads than ranks: not replicated, refused naming the sizes that work
-    ({}, 4, r"tensor_parallel_size=4 does not divide config.num_key_value_heads=2 .*one of \[1, 2\]"),
+    ({}, 4, r"tensor_parallel_size=4 does not divide config.num_key_value_heads=2 .*whole heads \(fewer key/value "
+            r"heads than ranks are not replicated\).*one of \[1, 2\]"),
     # a split that leaves a rank nothing: ceil(3 / 4) = 1 gives 1, 1, 1, 0
     ({"intermediate_size": 3, "num_key_value_heads": 4}, 4,
      r"'model.layers.0.mlp.gate_proj': its 3 output features split over tensor_parallel_size=4 leave tp rank 3 "

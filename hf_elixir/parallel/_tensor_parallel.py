@@ -7,7 +7,9 @@ partial outputs are summed with an all-reduce before the bias is added once). Th
 count and width attributes shrink to the local values, so the Hugging Face forward runs unchanged
 on the local heads. Parameter FQNs stay the same; only their shapes shrink.
 
-Layouts: ``nn.Linear`` weight is ``(out, in)``; transformers ``Conv1D`` weight is ``(in, out)``.
+Layouts: ``nn.Linear`` weight is ``(out, in)``; transformers ``Conv1D`` weight is ``(in, out)``. A block with a
+head count or widths to shrink splits evenly; an MLP block (and every standalone module in ``_tp_modules.py``) may
+split unevenly ([Note: uneven tensor-parallel slices] in ``hf_elixir/chunk/_tp_slices.py``).
 
 Source: Megatron-LM (arXiv 1909.08053, section 3).
 """

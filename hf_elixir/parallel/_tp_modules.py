@@ -9,6 +9,10 @@ counts are checked by ``hf_elixir.placement._hf_plans.check_heads``).
 What each placement runs (weights as plain tensors, so chunks can hold them; see [Note: plan styles] in
 ``hf_elixir/placement/_hf_plans.py`` for why not transformers' DTensor styles):
 
+Every split may be uneven: a rank holds the ceil-sized slice :func:`~hf_elixir.chunk._tp_slices.tp_slice` gives it
+([Note: uneven tensor-parallel slices]); gathers pad to the longest slice and trim, the vocabulary-parallel
+embedding masks ids outside this rank's ``[first, first + rows)``.
+
 - ``column`` / ``row``: :class:`ColumnParallelLinear` / :class:`RowParallelLinear`.
 - ``column_gather``: column, then the output all-gathered over the last dim (backward: this rank's slice).
 - ``row_split``: the whole input sliced to this rank's features (backward: all-gather), then row.

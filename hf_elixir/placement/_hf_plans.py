@@ -253,7 +253,9 @@ def check_heads(model: nn.Module, placements: dict[str, str], tp_size: int) -> N
 
     A column-split query or key/value projection gives each rank ``heads / tp_size`` whole heads (the attention
     forward reshapes to ``(-1, head_dim)``), so both head counts of the text config must be divisible by
-    ``tp_size``. Source: transformers' ``get_kv_heads_per_rank`` (the same rule for its cache).
+    ``tp_size``; unlike features (uneven slices are fine), heads never split unevenly, and fewer key/value heads
+    than ranks are refused rather than replicated. Source: transformers' ``get_kv_heads_per_rank`` (the same rule
+    for its cache: ``None`` when the heads do not divide).
 
     Raises:
         ValueError: a head count not divisible by ``tp_size``, naming both numbers.
@@ -275,8 +277,9 @@ def check_heads(model: nn.Module, placements: dict[str, str], tp_size: int) -> N
             other = "num_key_value_heads" if attr == "num_attention_heads" else "num_attention_heads"
             counts = [h for h in (getattr(text, a, None) for a, _ in checks) if isinstance(h, int) and h > 0]
             sizes = [d for d in range(1, min(counts) + 1) if all(h % d == 0 for h in counts)]
+            fewer = " (fewer key/value heads than ranks are not replicated)" if 0 < heads < tp_size else ""
             raise ValueError(
                 f"ElixirConfig.tensor_parallel_size={tp_size} does not divide config.{attr}={heads} "
                 f"({other}={getattr(text, other, None)}): the tensor-parallel placement of {example!r} gives every "
-                f"rank whole heads; pick a tensor_parallel_size that divides every head count: one of {sizes}"
+                f"rank whole heads{fewer}; pick a tensor_parallel_size that divides every head count: one of {sizes}"
             )
