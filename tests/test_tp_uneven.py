@@ -141,6 +141,37 @@ def test_uneven_embedding_column_row_split_and_column_gather():
         assert r["grads"]["emb.weight"][0] == (11, 3 - rank) and r["grads"]["b.weight"][0] == (4 - rank, 9), r
 
 
+def _searched_worker(rank: int, world_size: int) -> dict:
+    """``prepare(search="auto")`` of an uneven model: rank 0's searched plan counts rank 0's longer slices."""
+    from hf_elixir.parallel import parallelize
+    from parallel_harness import make_batch
+
+    kind = "llama" + ODD
+    ref = make_model(kind)
+    model = make_model(kind)
+    config = hf_elixir.ElixirConfig(search="auto", device_memory_budget_bytes=64 * 2**20, tensor_parallel_size=2)
+    parallelize(model, config)
+    batch = make_batch(kind, 0, 0)
+    model, opt = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config, sample_batch=batch)
+    loss = model(**batch).loss
+    opt.backward(loss)
+    opt.step()
+    with torch.no_grad():
+        ref_loss = ref(**batch).loss
+    return {"loss_rel": abs(float(loss) - float(ref_loss)) / float(ref_loss),
+            "local_numel": sum(p.numel() for p in model.parameters()),
+            "searched": any("search" in r for r in hf_elixir.get_state(model).plan.reasons)}
+
+
+def test_searched_plan_of_an_uneven_model_prepares_on_every_rank():
+    """The plan is rank 0's (``prepare`` agrees it); a rank with shorter slices holds fewer parameters, which the
+    plan check refused as a plan "made for another run"."""
+    r0, r1 = run_distributed(_searched_worker, 2, timeout_s=200)
+    assert r0["local_numel"] > r1["local_numel"], (r0, r1)
+    for r in (r0, r1):
+        assert r["loss_rel"] < 1e-6 and r["searched"], r
+
+
 # -- single process: the slicing rule, merges and cuts, the errors ----------------------------------------------
 @pytest.mark.parametrize("full, size", [(255, 2), (311, 2), (50257, 4), (63, 8), (9, 4), (8, 4)])
 def test_slices_are_dtensors(full, size):
