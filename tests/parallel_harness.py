@@ -52,9 +52,10 @@ def make_model(kind: str, *, router_bias: bool = False):
     import transformers as T
 
     torch.manual_seed(0)
-    if kind == "gpt2":
+    if kind in ("gpt2", "gpt2" + ODD):  # _odd: an MLP width of 63 (the spec's c_fc/c_proj block splits 32 + 31)
         cfg = T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=32, resid_pdrop=0.0,
-                           embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+                           embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                           n_inner=63 if kind.endswith(ODD) else None)
         return T.GPT2LMHeadModel(cfg)
     if kind == "opt":
         cfg = T.OPTConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, ffn_dim=64, vocab_size=128,
@@ -122,7 +123,7 @@ def make_batch(kind: str, step: int, index: int) -> dict:
         ids = torch.randint(2, 128, (2, 8), generator=g)
         labels = torch.randint(2, 128, (2, 6), generator=g)
         return {"input_ids": ids, "labels": labels, "output_router_logits": True}
-    ids = torch.randint(2, ODD_VOCAB if kind.endswith(ODD) else 128, (2, 12), generator=g)
+    ids = torch.randint(2, ODD_VOCAB if kind.endswith(ODD) and kind != "gpt2" + ODD else 128, (2, 12), generator=g)
     return {"input_ids": ids, "labels": ids}
 
 
@@ -586,7 +587,8 @@ for _kind in PLAN_FAMILIES:
                                                                    save_dir=os.path.join(d, f"e_{k}"))
     UNEVEN_CASES += [f"{_odd}_tp2", f"elixir_{_odd}_tp2_half"]
 CASES[f"stream_llama{ODD}_tp2"] = lambda d: stream_case("llama" + ODD, d)
-UNEVEN_CASES.append(f"stream_llama{ODD}_tp2")
+CASES[f"gpt2{ODD}_tp2"] = lambda d: train_case("gpt2" + ODD, tp=2, save_dir=os.path.join(d, f"gpt2{ODD}_tp2"))
+UNEVEN_CASES += [f"stream_llama{ODD}_tp2", f"gpt2{ODD}_tp2"]
 
 
 def _merge(values: list) -> object:

@@ -6,8 +6,9 @@ parallel embedding and the gathered lm_head) and an MLP width of 63 (32 + 31: ga
 the single-process plain-PyTorch reference (tests/parallel_harness.py: AdamW with weight decay, 5 steps): plain
 parallel layers, and ``hf_elixir.prepare`` with a model-data budget of half the 16 B/param state (clipped every
 step); each saved with ``save_pretrained`` and reloaded by plain ``from_pretrained``; a streamed load of a folder
-into a meta Llama; ``full_gradients`` and ``load_full_state_dict`` (dict and folder). Then the single-process part:
-the slicing rule against DTensor's, the merges and streamed cuts, and the errors.
+into a meta Llama; ``full_gradients`` and ``load_full_state_dict`` (dict and folder); GPT-2's MLP block (width 63);
+``embedding_column`` / ``row_split`` on uneven slices; a searched plan (``search="auto"``). Then the single-process
+part: the slicing rule against DTensor's, the merges and streamed cuts, and the errors.
 """
 
 from __future__ import annotations
@@ -83,6 +84,15 @@ def test_uneven_save_pretrained_loads_with_plain_from_pretrained(uneven, kind, p
     assert "error" not in m, m["error"]
     assert m["loaded_keys_match"] and m["loaded_bitwise"] and m["partial_refused"] and m["folder_final"], m
     assert m["logits_rel"] < 1e-5, m
+
+
+def test_uneven_mlp_block_of_a_registered_spec_matches_pytorch(uneven):
+    """GPT-2's spec: the attention block splits by heads (even), its MLP block (``c_fc``/``c_proj``, Conv1D) now
+    splits a width of 63 into 32 + 31; saved and reloaded as the others."""
+    m = _worst(uneven, f"gpt2{ODD}_tp2")
+    _check(m, elixir=False)
+    assert m["placements"]["transformer.h.0.mlp.c_fc"] == "column", m["placements"]
+    assert m["loaded_keys_match"] and m["loaded_bitwise"] and m["logits_rel"] < 1e-5, m
 
 
 def test_uneven_streamed_load_reads_each_ranks_slices(uneven):
