@@ -83,10 +83,12 @@ def make_model(kind: str, *, router_bias: bool = False):
         cfg.base_model_tp_plan = {**T.Phi3Config.base_model_tp_plan, "layers.*.mlp.gate_up_proj": "packed_colwise",
                                   "layers.*.mlp.down_proj": "rowwise"}
         return T.Phi3ForCausalLM(cfg)
-    if kind == "llama4":  # tensor-parallel experts (moe_tp_experts; packed_rowwise gate_up_proj), a shared expert
+    if kind in ("llama4", "llama4" + ODD):  # tensor-parallel experts (moe_tp_experts; packed_rowwise gate_up_proj), a
+        odd = kind.endswith(ODD)  # shared expert; _odd: expert width 15 (8 + 7 per packed part), MLP 63, vocabulary 255
         return T.Llama4ForCausalLM(T.Llama4TextConfig(
-            hidden_size=32, intermediate_size=16, intermediate_size_mlp=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, vocab_size=128, num_local_experts=2, max_position_embeddings=64,
+            hidden_size=32, intermediate_size=15 if odd else 16, intermediate_size_mlp=63 if odd else 64,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            vocab_size=ODD_VOCAB if odd else 128, num_local_experts=2, max_position_embeddings=64,
             attention_dropout=0.0))
     family = kind.removesuffix(ODD)
     if family in PLAN_FAMILIES:  # tensor-parallel placements from the config's own base_model_tp_plan
@@ -588,7 +590,8 @@ for _kind in PLAN_FAMILIES:
     UNEVEN_CASES += [f"{_odd}_tp2", f"elixir_{_odd}_tp2_half"]
 CASES[f"stream_llama{ODD}_tp2"] = lambda d: stream_case("llama" + ODD, d)
 CASES[f"gpt2{ODD}_tp2"] = lambda d: train_case("gpt2" + ODD, tp=2, save_dir=os.path.join(d, f"gpt2{ODD}_tp2"))
-UNEVEN_CASES += [f"stream_llama{ODD}_tp2", f"gpt2{ODD}_tp2"]
+CASES[f"llama4{ODD}_tp2"] = lambda d: train_case("llama4" + ODD, tp=2, save_dir=os.path.join(d, f"llama4{ODD}_tp2"))
+UNEVEN_CASES += [f"stream_llama{ODD}_tp2", f"gpt2{ODD}_tp2", f"llama4{ODD}_tp2"]
 
 
 def _merge(values: list) -> object:

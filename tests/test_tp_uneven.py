@@ -7,8 +7,9 @@ the single-process plain-PyTorch reference (tests/parallel_harness.py: AdamW wit
 parallel layers, and ``hf_elixir.prepare`` with a model-data budget of half the 16 B/param state (clipped every
 step); each saved with ``save_pretrained`` and reloaded by plain ``from_pretrained``; a streamed load of a folder
 into a meta Llama; ``full_gradients`` and ``load_full_state_dict`` (dict and folder); GPT-2's MLP block (width 63);
-``embedding_column`` / ``row_split`` on uneven slices; a searched plan (``search="auto"``). Then the single-process
-part: the slicing rule against DTensor's, the merges and streamed cuts, and the errors.
+Llama-4's packed tensor-parallel experts (width 15); ``embedding_column`` / ``row_split`` on uneven slices; a
+searched plan (``search="auto"``). Then the single-process part: the slicing rule against DTensor's, the merges and
+streamed cuts, and the errors.
 """
 
 from __future__ import annotations
@@ -92,6 +93,15 @@ def test_uneven_mlp_block_of_a_registered_spec_matches_pytorch(uneven):
     m = _worst(uneven, f"gpt2{ODD}_tp2")
     _check(m, elixir=False)
     assert m["placements"]["transformer.h.0.mlp.c_fc"] == "column", m["placements"]
+    assert m["loaded_keys_match"] and m["loaded_bitwise"] and m["logits_rel"] < 1e-5, m
+
+
+def test_uneven_packed_experts_match_pytorch(uneven):
+    """Llama-4's ``moe_tp_experts``: ``gate_up_proj`` (two packed parts of 15 features: a rank holds gate_r|up_r, 8 + 8
+    or 7 + 7) and ``down_proj`` (15 rows: 8 + 7) split unevenly; saved and reloaded (re-interleaved to gate|up)."""
+    m = _worst(uneven, f"llama4{ODD}_tp2")
+    _check(m, elixir=False)
+    assert "moe_tp" in set(m["placements"].values())
     assert m["loaded_keys_match"] and m["loaded_bitwise"] and m["logits_rel"] < 1e-5, m
 
 
