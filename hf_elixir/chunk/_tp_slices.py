@@ -8,6 +8,12 @@ parameters with, so a vocabulary after ``resize_token_embeddings`` (32001, 12825
 it does there. A packed tensor (GPT-2's ``q|k|v``, ``gate|up``) splits each of its equal parts by this rule. Every
 split, merge, gather and streamed read of a tensor-parallel parameter in hf_elixir goes through
 :func:`tp_slice`, so they agree; a split that leaves a rank no feature is refused where placements are resolved.
+
+What differs between the ranks of a tp group: their parameters' shapes, hence their chunk layouts. The ranks that
+share a chunk (its data-parallel group) share a tp rank, so their chunks match; tp rank 0 holds the longest slice
+of every parameter, so what ``prepare`` takes from rank 0 (the chunk size, a searched plan and the counts it is
+checked against) fits every rank. Gathers pad each slice to the longest and trim after (collectives take equal
+sizes).
 """
 
 from __future__ import annotations
