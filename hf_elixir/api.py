@@ -221,8 +221,9 @@ def _lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params
     manager = new_manager(config, plan, device, agree_group, charges_activations, activation_bytes)
     chunks = build_chunks(manager, params, names, placements, chunk_group_of(model, group), chunk_size,
                           COMPUTE_DTYPES[config.precision], device)
-    if plan is not None:
-        check_plan(plan, model, sum(numels), world_size, config.precision, len(chunks),
+    if plan is not None:  # checked on rank 0's counts: uneven tensor-parallel slices are shorter on other ranks
+        num_params, num_chunks = agree_object((sum(numels), len(chunks)), agree_group, device)
+        check_plan(plan, model, num_params, world_size, config.precision, num_chunks,
                    config.device_memory_budget_bytes, config.reduce_dtype)
         check_plan_placements(plan, placements)
     reasons = place_within_budget(model, manager, plan, config, auto_config, optimizer, world_size,  # 6

@@ -52,9 +52,10 @@ def make_model(kind: str, *, router_bias: bool = False):
     import transformers as T
 
     torch.manual_seed(0)
-    if kind == "gpt2":
+    if kind in ("gpt2", "gpt2" + ODD):  # _odd: an MLP width of 63 (the spec's c_fc/c_proj block splits 32 + 31)
         cfg = T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=32, resid_pdrop=0.0,
-                           embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+                           embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                           n_inner=63 if kind.endswith(ODD) else None)
         return T.GPT2LMHeadModel(cfg)
     if kind == "opt":
         cfg = T.OPTConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, ffn_dim=64, vocab_size=128,
@@ -82,15 +83,20 @@ def make_model(kind: str, *, router_bias: bool = False):
         cfg.base_model_tp_plan = {**T.Phi3Config.base_model_tp_plan, "layers.*.mlp.gate_up_proj": "packed_colwise",
                                   "layers.*.mlp.down_proj": "rowwise"}
         return T.Phi3ForCausalLM(cfg)
-    if kind == "llama4":  # tensor-parallel experts (moe_tp_experts; packed_rowwise gate_up_proj), a shared expert
+    if kind in ("llama4", "llama4" + ODD):  # tensor-parallel experts (moe_tp_experts; packed_rowwise gate_up_proj), a
+        odd = kind.endswith(ODD)  # shared expert; _odd: expert width 15 (8 + 7 per packed part), MLP 63, vocabulary 255
         return T.Llama4ForCausalLM(T.Llama4TextConfig(
-            hidden_size=32, intermediate_size=16, intermediate_size_mlp=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, vocab_size=128, num_local_experts=2, max_position_embeddings=64,
+            hidden_size=32, intermediate_size=15 if odd else 16, intermediate_size_mlp=63 if odd else 64,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            vocab_size=ODD_VOCAB if odd else 128, num_local_experts=2, max_position_embeddings=64,
             attention_dropout=0.0))
-    if kind in PLAN_FAMILIES:  # tensor-parallel placements from the config's own base_model_tp_plan
-        config_cls, model_cls, extra = PLAN_FAMILIES[kind]
-        cfg = getattr(T, config_cls)(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                     vocab_size=128, max_position_embeddings=64, attention_dropout=0.0, **extra)
+    family = kind.removesuffix(ODD)
+    if family in PLAN_FAMILIES:  # tensor-parallel placements from the config's own base_model_tp_plan
+        config_cls, model_cls, extra = PLAN_FAMILIES[family]
+        sizes = {"vocab_size": ODD_VOCAB, "intermediate_size": 63} if kind.endswith(ODD) else \
+            {"vocab_size": 128, "intermediate_size": 64}
+        cfg = getattr(T, config_cls)(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     max_position_embeddings=64, attention_dropout=0.0, **sizes, **extra)
         return getattr(T, model_cls)(cfg)
     raise ValueError(kind)
 
@@ -107,13 +113,19 @@ PLAN_FAMILIES = {
 }
 
 
+#: ``f"{family}{ODD}"``: the family with sizes tp 2 splits unevenly (a vocabulary of ``ODD_VOCAB``: 128 + 127 rows;
+#: an MLP width of 63: 32 + 31), and batches drawn from the whole vocabulary (both ranks' rows are looked up)
+ODD = "_odd"
+ODD_VOCAB = 255
+
+
 def make_batch(kind: str, step: int, index: int) -> dict:
     g = torch.Generator().manual_seed(1000 * step + index)
     if kind == "switch":
         ids = torch.randint(2, 128, (2, 8), generator=g)
         labels = torch.randint(2, 128, (2, 6), generator=g)
         return {"input_ids": ids, "labels": labels, "output_router_logits": True}
-    ids = torch.randint(2, 128, (2, 12), generator=g)
+    ids = torch.randint(2, ODD_VOCAB if kind.endswith(ODD) and kind != "gpt2" + ODD else 128, (2, 12), generator=g)
     return {"input_ids": ids, "labels": ids}
 
 
@@ -433,7 +445,7 @@ def _save_and_reload(kind: str, model, full: dict, save_dir: str) -> dict:
     cls = {"gpt2": T.GPT2LMHeadModel, "opt": T.OPTForCausalLM,
            "switch": T.SwitchTransformersForConditionalGeneration, "deepseek_v3": T.DeepseekV3ForCausalLM,
            "phi3_packed": T.Phi3ForCausalLM, "llama4": T.Llama4ForCausalLM,
-           **{k: getattr(T, v[1]) for k, v in PLAN_FAMILIES.items()}}[kind]
+           **{k: getattr(T, v[1]) for k, v in PLAN_FAMILIES.items()}}[kind.removesuffix(ODD)]
     loaded = cls.from_pretrained(save_dir)
     loaded_sd = loaded.state_dict()
     batch = make_batch(kind, 99, 0)
@@ -567,6 +579,19 @@ PLAN_CASES.append("expert_with_tp2")
 for _kind in ("llama", "gemma3"):
     CASES[f"stream_{_kind}_tp2"] = lambda d, k=_kind: stream_case(k, d)
     PLAN_CASES.append(f"stream_{_kind}_tp2")
+# uneven tensor-parallel slices (vocabulary 255, MLP width 63 at tp 2): plain, and prepared with half the state
+# offloaded (clipping every step), each saved with save_pretrained and reloaded; Llama also streamed from a folder
+UNEVEN_CASES = []
+for _kind in PLAN_FAMILIES:
+    _odd = _kind + ODD
+    CASES[f"{_odd}_tp2"] = lambda d, k=_odd: train_case(k, tp=2, save_dir=os.path.join(d, f"{k}_tp2"))
+    CASES[f"elixir_{_odd}_tp2_half"] = lambda d, k=_odd: train_case(k, tp=2, elixir="half",
+                                                                   save_dir=os.path.join(d, f"e_{k}"))
+    UNEVEN_CASES += [f"{_odd}_tp2", f"elixir_{_odd}_tp2_half"]
+CASES[f"stream_llama{ODD}_tp2"] = lambda d: stream_case("llama" + ODD, d)
+CASES[f"gpt2{ODD}_tp2"] = lambda d: train_case("gpt2" + ODD, tp=2, save_dir=os.path.join(d, f"gpt2{ODD}_tp2"))
+CASES[f"llama4{ODD}_tp2"] = lambda d: train_case("llama4" + ODD, tp=2, save_dir=os.path.join(d, f"llama4{ODD}_tp2"))
+UNEVEN_CASES += [f"stream_llama{ODD}_tp2", f"gpt2{ODD}_tp2", f"llama4{ODD}_tp2"]
 
 
 def _merge(values: list) -> object:

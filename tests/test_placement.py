@@ -132,7 +132,7 @@ def test_fused_qkv_split_is_per_head_and_merges_back():
     shards = [_split(full, 1, 3, r, tp) for r in range(tp)]
     # rank 1 holds heads 2,3 of q, of k and of v: columns 4..7, 12..15, 20..23
     assert shards[1][0].tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
-    assert torch.equal(merge_shards(shards, TPShardLayout(1, 3)), full)
+    assert torch.equal(merge_shards(shards, TPShardLayout(1, 3, 3 * embd)), full)
 
 
 def test_world_size_must_factor_into_the_mesh(single_rank_group):

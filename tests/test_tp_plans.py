@@ -154,17 +154,13 @@ def _bert():
     # EP on a dense model
     (lambda: make_model("llama"), _cfg(expert_parallel_size=2),
      r"expert_parallel_size=2 but model_type 'llama' has no experts.*a dense model.*expert_parallel_size=1"),
-    # a tie split two ways, a placement the module type cannot take, features not divisible
+    # a tie split two ways, a placement the module type cannot take (uneven splits: tests/test_tp_uneven.py)
     (lambda: make_model("gemma3"), _cfg(tensor_parallel_size=2, placements={"lm_head": "row"}),
      "share a tied parameter"),
     (lambda: make_model("llama"), _cfg(tensor_parallel_size=2, placements={"*.input_layernorm": "column"}),
      "LlamaRMSNorm.*cannot take placement 'column'"),
     (lambda: make_model("llama"), _cfg(tensor_parallel_size=2, placements={"lm_head": "embedding_row"}),
      "cannot take placement 'embedding_row'"),
-    (lambda: T.LlamaForCausalLM(T.LlamaConfig(hidden_size=32, intermediate_size=66, num_hidden_layers=1,
-                                              num_attention_heads=4, num_key_value_heads=4, vocab_size=128)),
-     _cfg(tensor_parallel_size=4), r"'model.layers.0.mlp.gate_proj': its 66 output features are not divisible by "
-                                   r"tensor_parallel_size=4"),
 ])
 def test_bad_input_names_field_value_and_fix(model_fn, config, match):
     with pytest.raises(ValueError, match=match):
@@ -214,14 +210,14 @@ def test_packed_and_mla_placements_from_the_plans():
     assert p[experts] == "moe_tp" and p["model.layers.0.feed_forward.shared_expert.down_proj"] == "row"
     assert moe_tp_splits(llama4, experts, llama4.get_submodule(experts), 2) == {"gate_up_proj": (2, 2),
                                                                                  "down_proj": (1, 1)}
-    with pytest.raises(ValueError, match=r"gate_up_proj \(packed_rowwise\): dim 2 of size 32 is not divisible by "
-                                         r"tensor_parallel_size=32 x 2 packed parts"):
+    with pytest.raises(ValueError, match=r"gate_up_proj \(packed_rowwise\): dim 2 of size 32 split over "
+                                         r"tensor_parallel_size=32 \(x2 packed parts\) leave tp ranks 16..31 no feature"):
         moe_tp_splits(llama4, experts, llama4.get_submodule(experts), 32)
     p = plan_placements(make_model("phi3_packed"), 2, 1)
     assert p["model.layers.0.mlp.gate_up_proj"] == "packed_column" and p["model.layers.0.mlp.down_proj"] == "row"
     phi3 = make_model("phi3_packed")  # 128 packed features: 2 parts of 64, which tp=128 cannot split
-    with pytest.raises(ValueError, match=r"gate_up_proj': its 128 output features are not divisible by "
-                                         r"tensor_parallel_size=128 x 2 packed parts"):
+    with pytest.raises(ValueError, match=r"gate_up_proj': its 128 output features split over "
+                                         r"tensor_parallel_size=128 \(x2 packed parts\) leave tp ranks 64..127"):
         resolve_placements(phi3, _cfg(tensor_parallel_size=128, placements={"*.self_attn.*": "sharded",
                                                                             "*embed_tokens": "sharded",
                                                                             "lm_head": "sharded"}))

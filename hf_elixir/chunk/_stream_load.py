@@ -26,7 +26,8 @@ device are read from the files when persistent and saved, and otherwise rebuilt 
 [Note: streamed tensor-parallel shards] A model rewritten for tensor parallel before ``prepare`` (on the meta
 device: ``parallelize`` splits meta tensors, no data) holds this rank's slice of some parameters, while the
 folder holds the full tensors transformers wrote. ``prepare`` passes each split parameter's
-:class:`TensorShard` (the dim, the fused parts, this rank's index and the tp size); the reader maps a
+:class:`TensorShard` (the dim, the fused parts, this rank's index, the tp size and the full size, which the
+ranks need not divide: [Note: uneven tensor-parallel slices] in ``_tp_slices.py``); the reader maps a
 flat range of the local slice back to the file: a split along dim 0 is a contiguous range of the full
 tensor (one per fused part), and a split along a later dim keeps dim 0, so the rows covering the range
 are read and this rank's columns cut out of them. A rank reads its own rows, never the whole tensor.
@@ -49,6 +50,7 @@ import torch
 
 from hf_elixir.chunk._converted_load import check_converted, converted_sources
 from hf_elixir.chunk._load_report import initial_values, mismatch_error, missing_error, warn_unexpected
+from hf_elixir.chunk._tp_slices import tp_slice
 
 __all__ = ["EXPERT_ROWS_ATTR", "CheckpointReader", "SlotSource", "StreamedInit", "TensorShard",
            "meta_parameter_names", "read_chunk_range", "read_local", "resolve_sources", "retie"]
@@ -66,22 +68,30 @@ class TensorShard:
     Attributes:
         dim: the split dim. parts: the full tensor is ``parts`` equal pieces along ``dim``, each split over
             the ranks (GPT-2's fused q|k|v: 3). rank / size: this rank's index in the tp group and its size.
+        full_size: the full tensor's size along ``dim`` (all parts); the ranks need not divide it (see
+            [Note: uneven tensor-parallel slices] in ``_tp_slices.py``).
     """
 
     dim: int
     parts: int
     rank: int
     size: int
+    full_size: int
+
+    def part_slice(self) -> tuple[int, int]:
+        """``(start, length)`` of this rank's features inside one packed part."""
+        return tp_slice(self.full_size // self.parts, self.rank, self.size)
 
     def full_shape(self, local: torch.Size) -> torch.Size:
         shape = list(local)
-        shape[self.dim] *= self.size
+        shape[self.dim] = self.full_size
         return torch.Size(shape)
 
     def cut(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``full`` (a whole tensor, or whole rows of it for ``dim >= 1``)."""
+        start, length = self.part_slice()
         pieces = full.chunk(self.parts, dim=self.dim)
-        return torch.cat([p.chunk(self.size, dim=self.dim)[self.rank] for p in pieces], dim=self.dim)
+        return torch.cat([p.narrow(self.dim, start, length) for p in pieces], dim=self.dim)
 
 
 @dataclass(frozen=True)
@@ -273,21 +283,22 @@ def _read_shard_flat(reader: CheckpointReader, key: str, begin: int, end: int, s
     """Elements ``[begin, end)`` of this rank's slice of tensor ``key``, flattened (see [Note: streamed
     tensor-parallel shards])."""
     full_shape = reader.shape(key)
-    local = list(full_shape)
-    local[shard.dim] //= shard.size
+    start, length = shard.part_slice()
     if shard.dim == 0:  # each fused part's slice is one contiguous range of the full tensor
-        block = math.prod(local) // shard.parts
+        inner = math.prod(full_shape[1:])
+        block = length * inner  # this rank's elements of one part
         out = []
         for part in range(begin // block, -(-end // block)):
             lo, hi = max(begin, part * block), min(end, (part + 1) * block)
-            first = (part * shard.size + shard.rank) * block
+            first = (part * (full_shape[0] // shard.parts) + start) * inner
             out.append(reader.read_flat(key, first + lo - part * block, first + hi - part * block))
         return torch.cat(out) if len(out) > 1 else out[0]
+    local = list(full_shape)
+    local[shard.dim] = length * shard.parts
     row_numel = math.prod(local[1:])  # dim 0 is not split: local row i is full row i
     first, last = begin // row_numel, -(-end // row_numel)
     if shard.parts == 1 and len(full_shape) == 2:  # a row-parallel weight: only this rank's columns are read
-        width = local[1]
-        mine = reader.read_block(key, first, last, shard.rank * width, (shard.rank + 1) * width).reshape(-1)
+        mine = reader.read_block(key, first, last, start, start + length).reshape(-1)
     else:
         rows = reader.read_flat(key, first * math.prod(full_shape[1:]), last * math.prod(full_shape[1:]))
         mine = shard.cut(rows.reshape(last - first, *full_shape[1:])).reshape(-1)

@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+
+from hf_elixir.chunk._tp_slices import tp_slice, tp_slice_sizes
 
 __all__ = ["all_to_all", "copy_to_group", "gather_last_dim", "reduce_from_group", "split_last_dim"]
 
@@ -47,25 +50,37 @@ class _ReduceFromGroup(torch.autograd.Function):
         return grad, None
 
 
-def _all_gather_last_dim(x: torch.Tensor, group: Any) -> torch.Tensor:
+def _all_gather_last_dim(x: torch.Tensor, group: Any, full: int) -> torch.Tensor:
+    """All-gather the last dim of ``x`` over ``group``: rank ``r`` holds :func:`tp_slice`'s features of ``full``.
+
+    Uneven slices ([Note: uneven tensor-parallel slices]) are padded to the longest before the all-gather (NCCL's
+    and gloo's all_gather take equal sizes) and trimmed after."""
+    sizes = tp_slice_sizes(full, dist.get_world_size(group))
+    assert x.shape[-1] == sizes[dist.get_rank(group)], f"rank {dist.get_rank()}: {x.shape[-1]} features of {sizes}"
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    if x.shape[-1] < sizes[0]:
+        x = F.pad(x, (0, sizes[0] - x.shape[-1]))
+    parts = [torch.empty_like(x) for _ in sizes]
     dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=-1)
+    return torch.cat([part[..., :n] for part, n in zip(parts, sizes)], dim=-1)
+
+
+def _my_slice(x: torch.Tensor, group: Any) -> torch.Tensor:
+    start, length = tp_slice(x.shape[-1], dist.get_rank(group), dist.get_world_size(group))
+    return x[..., start:start + length].contiguous()
 
 
 class _GatherLastDim(torch.autograd.Function):
     """Forward: all-gather the last dim over ``group`` (rank order). Backward: this rank's slice of the gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: Any, full: int) -> torch.Tensor:
         ctx.group = group
-        return _all_gather_last_dim(x, group)
+        return _all_gather_last_dim(x, group, full)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad.chunk(size, dim=-1)[rank].contiguous(), None
+        return _my_slice(grad, ctx.group), None, None
 
 
 class _SplitLastDim(torch.autograd.Function):
@@ -73,13 +88,12 @@ class _SplitLastDim(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        return x.chunk(size, dim=-1)[rank].contiguous()
+        ctx.group, ctx.full = group, x.shape[-1]
+        return _my_slice(x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return _all_gather_last_dim(grad, ctx.group), None
+        return _all_gather_last_dim(grad, ctx.group, ctx.full), None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -112,13 +126,17 @@ def reduce_from_group(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _ReduceFromGroup.apply(x, group)
 
 
-def gather_last_dim(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """All-gather the last dim over ``group`` (a split output made whole); backward keeps this rank's slice."""
-    return _GatherLastDim.apply(x, group)
+def gather_last_dim(x: torch.Tensor, group: Any, full: int | None = None) -> torch.Tensor:
+    """All-gather the last dim over ``group`` (a split output made whole); backward keeps this rank's slice.
+
+    ``full``: the whole last dim, whose :func:`tp_slice` each rank holds (default: ``x``'s times the group size,
+    an even split)."""
+    return _GatherLastDim.apply(x, group, x.shape[-1] * dist.get_world_size(group) if full is None else full)
 
 
 def split_last_dim(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """This rank's slice of the last dim of a tensor whole on every rank; backward all-gathers the gradient."""
+    """This rank's :func:`tp_slice` of the last dim of a tensor whole on every rank; backward all-gathers the
+    gradient."""
     return _SplitLastDim.apply(x, group)
 
 

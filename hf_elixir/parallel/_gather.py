@@ -9,11 +9,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from hf_elixir.chunk.strict import register_host, to_device, to_host
 from hf_elixir.parallel._state import ParallelState, get_parallel_state
-from hf_elixir.parallel._tensor_parallel import merge_shards
+from hf_elixir.parallel._tensor_parallel import TPShardLayout, merge_shards
 from hf_elixir.placement._experts import is_fused_experts
 
 __all__ = ["assemble_full", "gather_full_state_dict", "install_save_guard", "save_pretrained_full"]
@@ -36,6 +37,18 @@ def _all_gather(t: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:
     out = [torch.empty_like(src) for _ in range(size)]
     dist.all_gather(out, src, group=group)
     return [to_host(part) for part in out]
+
+
+def _all_gather_tp(t: torch.Tensor, layout: TPShardLayout, group: Any, size: int) -> list[torch.Tensor]:
+    """:func:`_all_gather` of a tp shard: uneven shards ([Note: uneven tensor-parallel slices] in
+    ``hf_elixir/chunk/_tp_slices.py``) are padded along the split dim to the longest, gathered, and each rank's
+    part trimmed back to its own length."""
+    sizes = layout.sizes(size)
+    if len(set(sizes)) == 1:
+        return _all_gather(t, group, size)
+    pad = [0, 0] * (t.dim() - layout.dim - 1) + [0, sizes[0] - t.shape[layout.dim]]
+    parts = _all_gather(register_host(F.pad(t.detach(), pad)), group, size)
+    return [part.narrow(layout.dim, 0, n) for part, n in zip(parts, sizes)]
 
 
 @dataclass(frozen=True)
@@ -127,13 +140,16 @@ def assemble_full(local: dict[str, torch.Tensor], model: nn.Module, *,
     for gather, has in zip(gathers, _presence(gathers, present, group, size)):
         if not any(has):  # no rank of the group has it: every rank skips this all-gather
             continue
+        if gather.kind == "tp":
+            layout = state.tp_layouts[gather.key]
+            parts = _all_gather_tp(local[gather.key], layout, group, size)
+            full[gather.key] = register_host(merge_shards(parts, layout))  # on the host
+            continue
         parts = _all_gather(local[gather.key], group, size)
         if gather.kind == "experts":
             full.update({name: part for name, part, on in zip(gather.names, parts, has) if on})
-        elif gather.kind == "fused":
-            full[gather.key] = register_host(torch.cat(parts))
         else:
-            full[gather.key] = register_host(merge_shards(parts, state.tp_layouts[gather.key]))  # on the host
+            full[gather.key] = register_host(torch.cat(parts))
     gathered = {g.key for g in gathers}
     for key, tensor in local.items():
         if key not in gathered and (present is None or present[key]):

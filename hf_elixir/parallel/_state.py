@@ -42,7 +42,8 @@ class ParallelState:
         from hf_elixir.chunk._stream_load import TensorShard  # noqa: PLC0415 (a lower layer, used only here)
 
         mesh = self.mesh
-        return {name: TensorShard(lay.dim, lay.parts, mesh.tp_rank, mesh.tp_size) for name, lay in self.tp_layouts.items()}
+        return {name: TensorShard(lay.dim, lay.parts, mesh.tp_rank, mesh.tp_size, lay.full_size)
+                for name, lay in self.tp_layouts.items()}
 
 
 def get_parallel_state(model: nn.Module) -> ParallelState | None:

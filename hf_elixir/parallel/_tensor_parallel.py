@@ -7,7 +7,9 @@ partial outputs are summed with an all-reduce before the bias is added once). Th
 count and width attributes shrink to the local values, so the Hugging Face forward runs unchanged
 on the local heads. Parameter FQNs stay the same; only their shapes shrink.
 
-Layouts: ``nn.Linear`` weight is ``(out, in)``; transformers ``Conv1D`` weight is ``(in, out)``.
+Layouts: ``nn.Linear`` weight is ``(out, in)``; transformers ``Conv1D`` weight is ``(in, out)``. A block with a
+head count or widths to shrink splits evenly; an MLP block (and every standalone module in ``_tp_modules.py``) may
+split unevenly ([Note: uneven tensor-parallel slices] in ``hf_elixir/chunk/_tp_slices.py``).
 
 Source: Megatron-LM (arXiv 1909.08053, section 3).
 """
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_elixir.chunk._tp_slices import tp_slice, tp_slice_sizes
 from hf_elixir.parallel._collectives import copy_to_group, reduce_from_group
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "TPShardLayout", "parallelize_block"]
@@ -34,22 +37,35 @@ class TPShardLayout:
         dim: the tensor dim that is split.
         parts: the full tensor along ``dim`` is ``parts`` equal pieces, each split over the tp ranks
             (3 for GPT-2's fused q|k|v), so a rank holds ``[part_0 slice | part_1 slice | ...]``.
+        full_size: the full tensor's size along ``dim`` (all parts). The ranks need not divide a part: each
+            holds the features :func:`~hf_elixir.chunk._tp_slices.tp_slice` gives it (ceil-sized, the last
+            rank's shorter; [Note: uneven tensor-parallel slices]).
     """
 
     dim: int
-    parts: int = 1
+    parts: int
+    full_size: int
+
+    def sizes(self, size: int) -> list[int]:
+        """Every tp rank's length along ``dim`` (rank order) for a tp group of ``size`` ranks."""
+        return [self.parts * n for n in tp_slice_sizes(self.full_size // self.parts, size)]
 
 
 def _split(full: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> torch.Tensor:
+    """This rank's slice of ``full`` along ``dim``: each of its ``parts`` equal pieces cut by :func:`tp_slice`."""
+    assert full.shape[dim] % parts == 0, f"{full.shape[dim]} features are not {parts} equal packed parts"
+    start, length = tp_slice(full.shape[dim] // parts, rank, size)
     pieces = full.chunk(parts, dim=dim)
-    return torch.cat([p.chunk(size, dim=dim)[rank] for p in pieces], dim=dim).contiguous()
+    return torch.cat([p.narrow(dim, start, length) for p in pieces], dim=dim).contiguous()
 
 
 def merge_shards(shards: list[torch.Tensor], layout: TPShardLayout) -> torch.Tensor:
-    """Inverse of the split: tp-rank-ordered local shards -> the full tensor."""
-    per_rank = [s.chunk(layout.parts, dim=layout.dim) for s in shards]
-    return torch.cat([torch.cat([r[i] for r in per_rank], dim=layout.dim) for i in range(layout.parts)],
+    """Inverse of the split: tp-rank-ordered local shards (uneven ones too) -> the full tensor."""
+    per_rank = [s.split(s.shape[layout.dim] // layout.parts, dim=layout.dim) for s in shards]
+    full = torch.cat([torch.cat([r[i] for r in per_rank], dim=layout.dim) for i in range(layout.parts)],
                      dim=layout.dim)
+    assert full.shape[layout.dim] == layout.full_size, f"merged {tuple(full.shape)} for {layout}"
+    return full
 
 
 def _new_param(data: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
@@ -84,10 +100,11 @@ class ColumnParallelLinear(_ParallelMatmul):
         super().__init__(module, group, rank, size)
         out_dim = 1 if self.conv1d else 0
         self.weight = _new_param(_split(module.weight.data, out_dim, fused_parts, rank, size), module.weight)
-        self.layouts["weight"] = TPShardLayout(out_dim, fused_parts)
+        self.full_out_features = module.weight.shape[out_dim]  # all ranks together (a split may be uneven)
+        self.layouts["weight"] = TPShardLayout(out_dim, fused_parts, self.full_out_features)
         if module.bias is not None:
             self.bias = _new_param(_split(module.bias.data, 0, fused_parts, rank, size), module.bias)
-            self.layouts["bias"] = TPShardLayout(0, fused_parts)
+            self.layouts["bias"] = TPShardLayout(0, fused_parts, self.full_out_features)
         else:
             self.register_parameter("bias", None)
 
@@ -103,7 +120,7 @@ class RowParallelLinear(_ParallelMatmul):
         super().__init__(module, group, rank, size)
         in_dim = 0 if self.conv1d else 1
         self.weight = _new_param(_split(module.weight.data, in_dim, 1, rank, size), module.weight)
-        self.layouts["weight"] = TPShardLayout(in_dim, 1)
+        self.layouts["weight"] = TPShardLayout(in_dim, 1, module.weight.shape[in_dim])
         self.bias = None if module.bias is None else _new_param(module.bias.data, module.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,10 @@ counts are checked by ``hf_elixir.placement._hf_plans.check_heads``).
 What each placement runs (weights as plain tensors, so chunks can hold them; see [Note: plan styles] in
 ``hf_elixir/placement/_hf_plans.py`` for why not transformers' DTensor styles):
 
+Every split may be uneven: a rank holds the ceil-sized slice :func:`~hf_elixir.chunk._tp_slices.tp_slice` gives it
+([Note: uneven tensor-parallel slices]); gathers pad to the longest slice and trim, the vocabulary-parallel
+embedding masks ids outside this rank's ``[first, first + rows)``.
+
 - ``column`` / ``row``: :class:`ColumnParallelLinear` / :class:`RowParallelLinear`.
 - ``column_gather``: column, then the output all-gathered over the last dim (backward: this rank's slice).
 - ``row_split``: the whole input sliced to this rank's features (backward: all-gather), then row.
@@ -51,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_elixir.chunk._tp_slices import tp_slice
 from hf_elixir.parallel._collectives import copy_to_group, gather_last_dim, reduce_from_group, split_last_dim
 from hf_elixir.parallel._tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPShardLayout, _split
 from hf_elixir.placement._hf_plans import moe_tp_splits, rope_dim_of
@@ -62,7 +67,7 @@ class ColumnGatherLinear(ColumnParallelLinear):
     """:class:`ColumnParallelLinear` whose output is all-gathered to full features (``colwise_gather_output``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_last_dim(super().forward(x), self.group)
+        return gather_last_dim(super().forward(x), self.group, self.full_out_features)
 
 
 class RowSplitLinear(RowParallelLinear):
@@ -74,7 +79,7 @@ class RowSplitLinear(RowParallelLinear):
 
 class PackedColumnLinear(ColumnParallelLinear):
     """:class:`ColumnParallelLinear` of a linear whose output packs two equal parts (``packed_colwise``): each part
-    is split over the tp group, so this rank holds and computes ``gate_r|up_r`` (``TPShardLayout(dim, parts=2)``)."""
+    is split over the tp group, so this rank holds and computes ``gate_r|up_r`` (``TPShardLayout(dim, 2, full)``)."""
 
     def __init__(self, module: nn.Module, group: Any, rank: int, size: int) -> None:
         super().__init__(module, group, rank, size, fused_parts=2)
@@ -87,13 +92,13 @@ _LINEARS = {"column": ColumnParallelLinear, "column_gather": ColumnGatherLinear,
 def _split_embedding(module: nn.Embedding, placement: str, group: Any, rank: int, size: int) -> dict[str, TPShardLayout]:
     dim = 0 if placement == "embedding_row" else 1
     weight = module.weight
+    full = weight.shape[dim]
     module.weight = nn.Parameter(_split(weight.data, dim, 1, rank, size), requires_grad=weight.requires_grad)
+    first, rows = tp_slice(full, rank, size)  # this rank's vocabulary rows or hidden columns (may be uneven)
     if dim == 1:
-        module.embedding_dim //= size
-        module.register_forward_hook(lambda mod, args, out: gather_last_dim(out, group))
-        return {"weight": TPShardLayout(1)}
-    rows = module.num_embeddings // size
-    first = rank * rows
+        module.embedding_dim = rows
+        module.register_forward_hook(lambda mod, args, out: gather_last_dim(out, group, full))
+        return {"weight": TPShardLayout(1, 1, full)}
     module.num_embeddings = rows
     pad = module.padding_idx
     module.padding_idx = pad - first if pad is not None and first <= pad < first + rows else None
@@ -111,7 +116,7 @@ def _split_embedding(module: nn.Embedding, placement: str, group: Any, rank: int
 
     module.register_forward_pre_hook(map_ids)
     module.register_forward_hook(combine)
-    return {"weight": TPShardLayout(0)}
+    return {"weight": TPShardLayout(0, 1, full)}
 
 
 def _sum_grads_over(module: nn.Module, group: Any) -> None:
@@ -149,7 +154,7 @@ def _split_experts_over_tp(module: nn.Module, fqn: str, model: nn.Module, group:
         param = getattr(module, pname)
         setattr(module, pname, nn.Parameter(_split(param.data, dim, parts, rank, size),
                                             requires_grad=param.requires_grad))
-        layouts[pname] = TPShardLayout(dim, parts)
+        layouts[pname] = TPShardLayout(dim, parts, param.shape[dim])
     original_forward = module.forward
 
     def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

@@ -62,7 +62,10 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["EP_STYLE_TO_PLACEMENT", "PARAM_STYLE_TO_SPLIT", "TP_STYLE_TO_PLACEMENT", "check_heads", "moe_tp_splits",
+from hf_elixir.chunk._tp_slices import tp_slice_sizes
+
+__all__ = ["EP_STYLE_TO_PLACEMENT", "PARAM_STYLE_TO_SPLIT", "TP_STYLE_TO_PLACEMENT", "check_heads", "check_tp_split",
+           "moe_tp_splits",
            "plan_placements", "read_plans", "rope_dim_of"]
 
 #: transformers TP style -> hf_elixir placement (``None``: not split, keep the default placement)
@@ -190,7 +193,8 @@ def moe_tp_splits(model: nn.Module, fqn: str, module: nn.Module, tp_size: int) -
 
     Raises:
         ValueError: a parameter without an entry, with a style not in :data:`PARAM_STYLE_TO_SPLIT`, 1-D, or whose
-            split dim is not divisible by ``parts * tp_size`` (naming the parameter, the style and the fix).
+            split dim cannot be split (:func:`check_tp_split`; uneven slices are fine), naming the parameter, the
+            style and the fix.
     """
     tp_plan = read_plans(model)[0]
     out = {}
@@ -205,13 +209,35 @@ def moe_tp_splits(model: nn.Module, fqn: str, module: nn.Module, tp_size: int) -
                 "ElixirConfig.placements")
         from_end, parts = PARAM_STYLE_TO_SPLIT[style]
         dim = param.dim() - from_end
-        if param.shape[dim] % (parts * tp_size):
-            raise ValueError(
-                f"{fqn}.{pname} ({style}): dim {dim} of size {param.shape[dim]} is not divisible by "
-                f"tensor_parallel_size={tp_size}{f' x {parts} packed parts' if parts > 1 else ''}; pick a "
-                f"tensor_parallel_size that divides {param.shape[dim] // parts}")
+        check_tp_split(f"{fqn}.{pname} ({style}): dim {dim} of size {param.shape[dim]}", param.shape[dim], parts,
+                       tp_size, f"place {fqn!r} 'sharded' in ElixirConfig.placements")
         out[pname] = (dim, parts)
     return out
+
+
+def check_tp_split(what: str, size: int, parts: int, tp_size: int, fix: str) -> None:
+    """Refuse a split of ``size`` features (``parts`` equal packed parts, each split on its own) over ``tp_size``
+    ranks that is impossible: parts that are not equal, or a rank left with no feature. Uneven slices are
+    fine (ceil-sized, the last rank's shorter: [Note: uneven tensor-parallel slices] in
+    ``hf_elixir/chunk/_tp_slices.py``).
+
+    Raises:
+        ValueError: naming ``what``, the sizes that work and ``fix``.
+    """
+    if tp_size <= 1:
+        return
+    if size % parts:
+        raise ValueError(f"{what} are not {parts} equal packed parts; {fix}")
+    part = size // parts
+    sizes = tp_slice_sizes(part, tp_size)
+    if 0 in sizes:
+        valid = [t for t in range(2, min(part, 64) + 1) if 0 not in tp_slice_sizes(part, t)]
+        empty = sizes.index(0)
+        ranks = f"rank {empty}" if empty == tp_size - 1 else f"ranks {empty}..{tp_size - 1}"
+        raise ValueError(
+            f"{what} split over tensor_parallel_size={tp_size}{f' (x{parts} packed parts)' if parts > 1 else ''} "
+            f"leave tp {ranks} no feature (ceil-sized slices of {-(-part // tp_size)}: {sizes[:empty + 1]}...); "
+            f"pick a tensor_parallel_size that leaves every rank one (up to 64: {valid}), or {fix}")
 
 
 def rope_dim_of(model: nn.Module) -> Any:
@@ -227,7 +253,9 @@ def check_heads(model: nn.Module, placements: dict[str, str], tp_size: int) -> N
 
     A column-split query or key/value projection gives each rank ``heads / tp_size`` whole heads (the attention
     forward reshapes to ``(-1, head_dim)``), so both head counts of the text config must be divisible by
-    ``tp_size``. Source: transformers' ``get_kv_heads_per_rank`` (the same rule for its cache).
+    ``tp_size``; unlike features (uneven slices are fine), heads never split unevenly, and fewer key/value heads
+    than ranks are refused rather than replicated. Source: transformers' ``get_kv_heads_per_rank`` (the same rule
+    for its cache: ``None`` when the heads do not divide).
 
     Raises:
         ValueError: a head count not divisible by ``tp_size``, naming both numbers.
@@ -249,8 +277,9 @@ def check_heads(model: nn.Module, placements: dict[str, str], tp_size: int) -> N
             other = "num_key_value_heads" if attr == "num_attention_heads" else "num_attention_heads"
             counts = [h for h in (getattr(text, a, None) for a, _ in checks) if isinstance(h, int) and h > 0]
             sizes = [d for d in range(1, min(counts) + 1) if all(h % d == 0 for h in counts)]
+            fewer = " (fewer key/value heads than ranks are not replicated)" if 0 < heads < tp_size else ""
             raise ValueError(
                 f"ElixirConfig.tensor_parallel_size={tp_size} does not divide config.{attr}={heads} "
                 f"({other}={getattr(text, other, None)}): the tensor-parallel placement of {example!r} gives every "
-                f"rank whole heads; pick a tensor_parallel_size that divides every head count: one of {sizes}"
+                f"rank whole heads{fewer}; pick a tensor_parallel_size that divides every head count: one of {sizes}"
             )

@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from hf_elixir.placement._hf_plans import check_heads, moe_tp_splits, plan_placements, read_plans
+from hf_elixir.placement._hf_plans import check_heads, check_tp_split, moe_tp_splits, plan_placements, read_plans
 from hf_elixir.placement._experts import PIECE_ATTR, SPLIT_ATTR, fused_expert_count
 from hf_elixir.placement._registry import get_model_spec
 from hf_elixir.placement._spec import PLACEMENTS, ModelPlacementSpec, TensorParallelBlock
@@ -148,13 +148,8 @@ def _check_standalone(fqn: str, module: nn.Module, placement: str, tp_size: int)
         name, size = (("output features", out_features) if placement.startswith(("column", "packed_column"))
                       else ("input features", in_features))
     parts = 2 if placement == "packed_column" else 1  # each packed part is split on its own
-    if size % (parts * tp_size):
-        raise ValueError(
-            f"module {fqn!r}: its {size} {name} are not divisible by tensor_parallel_size={tp_size}"
-            f"{f' x {parts} packed parts' if parts > 1 else ''} (placement {placement!r} splits them evenly); pick a "
-            f"tensor_parallel_size that divides {size // parts}, or place the module 'sharded' in "
-            "ElixirConfig.placements"
-        )
+    check_tp_split(f"module {fqn!r}: its {size} {name}", size, parts, tp_size,
+                   f"place the module 'sharded' in ElixirConfig.placements (placement {placement!r})")
 
 
 def _check_divisible(parent_fqn: str, parent: nn.Module, block: TensorParallelBlock,
@@ -172,11 +167,13 @@ def _check_divisible(parent_fqn: str, parent: nn.Module, block: TensorParallelBl
         out_features, in_features = (module.weight.shape[1], module.weight.shape[0]) if conv else module.weight.shape
         parts = block.fused_parts if role == "column" else 1
         features = out_features if role == "column" else in_features
-        if features % (parts * tp_size):
-            raise ValueError(
-                f"module {child!r}: {features} {'output' if role == 'column' else 'input'} features are not "
-                f"divisible by tensor_parallel_size={tp_size} (x{parts} fused parts); change tensor_parallel_size"
-            )
+        what = f"module {child!r}: its {features} {'output' if role == 'column' else 'input'} features"
+        if block.num_heads_attr is not None or block.width_attrs:  # the parent's widths shrink by tp: even only
+            if features % (parts * tp_size):
+                raise ValueError(f"{what} are not divisible by tensor_parallel_size={tp_size} (x{parts} fused "
+                                 "parts); change tensor_parallel_size")
+        else:  # an MLP pair: any split (see [Note: uneven tensor-parallel slices] in hf_elixir/chunk/_tp_slices.py)
+            check_tp_split(what, features, parts, tp_size, "change tensor_parallel_size")
 
 
 def _check_experts(model: nn.Module, modules: dict[str, nn.Module], placements: dict[str, str],
