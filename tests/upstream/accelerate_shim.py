@@ -24,8 +24,8 @@ onloaded every step. ``ELIXIR_SHIM_READ_FULL=1`` makes ``accelerator.unwrap_mode
 hf_elixir model enter ``hf_elixir.full_parameters(model)`` (read-only, kept open until the script's
 next ``prepare``) before returning it: upstream checks read ``model.a`` after training, and under
 sharding or offload a parameter is not current between steps, so that read raises
-``StaleParameterError`` by design ("Reading a parameter that is not current must fail loudly",
-DESIGN.md). With the flag the checks' own assertions run unchanged on the full values.
+``StaleParameterError`` by design ("Reading a parameter that is not current fails loudly",
+docs/design/rules.md). With the flag the checks' own assertions run unchanged on the full values.
 
 ``ELIXIR_SHIM_ROUTE=launch`` leaves ``Accelerator.prepare`` alone: the script runs under
 ``hf-elixir launch ... -m tests.upstream.accelerate_shim <name>``, whose own routing
