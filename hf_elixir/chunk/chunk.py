@@ -23,7 +23,7 @@ and in-place writes in ``_chunk_params.py`` ([Note: parameter writes]).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,41 +33,11 @@ from hf_elixir.chunk import strict
 from hf_elixir.chunk._chunk_grads import ChunkGradMixin
 from hf_elixir.chunk._chunk_params import ChunkParamsMixin
 from hf_elixir.chunk._chunk_refresh import ChunkRefreshMixin, _PendingRefresh
+from hf_elixir.chunk._slot import ParamSlot
 from hf_elixir.chunk.params import mark_managed
-from hf_elixir.chunk.states import TensorState, check_transition
+from hf_elixir.chunk.states import TensorState
 
 __all__ = ["ParamSlot", "Chunk", "REFRESH_STAGING_NUMEL", "refresh_staging_numel"]
-
-
-@dataclass(eq=False)
-class ParamSlot:
-    """Where one parameter lives inside its chunk.
-
-    Attributes:
-        name: canonical FQN (first name in ``named_parameters(remove_duplicate=False)`` order).
-        param: the ``nn.Parameter`` (identity kept).
-        offset / numel: element range ``[offset, offset + numel)`` inside the chunk.
-        shape: the parameter's shape.
-        trainable: ``param.requires_grad`` at ``prepare`` time.
-        flag_index: position in the manager's has-gradient flag vector (trainable slots only, else -1).
-    """
-
-    name: str
-    param: torch.nn.Parameter
-    offset: int
-    numel: int
-    shape: torch.Size
-    trainable: bool
-    flag_index: int = -1
-    index_in_chunk: int = -1
-    state: TensorState = TensorState.FREE
-    aliases: list[str] = field(default_factory=list)
-    # ``param._version`` when its writes were last taken ([Note: parameter writes] in _chunk_params.py)
-    seen_version: int = 0
-
-    def set_state(self, new: TensorState) -> None:
-        check_transition(self.state, new, f"for parameter {self.name!r}")
-        self.state = new
 
 
 def _free_storage(tensor: torch.Tensor) -> None:
