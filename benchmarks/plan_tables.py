@@ -1,4 +1,4 @@
-"""The ``hf-elixir plan`` tables for the built-in model names (issue 30): the plan search run in-process on a few
+"""The ``hf-elixir plan`` tables for the built-in model names: the plan search run in-process on a few
 realistic targets, from the model configs alone (meta device, no GPU involved: every number is a prediction of the
 cost model, ``hf_elixir/search/_cost.py``).
 

@@ -1,4 +1,4 @@
-"""The GPU comparison on paper (issue 14, item 5): *predicted* step times, no GPU involved.
+"""The GPU comparison on paper: *predicted* step times, no GPU involved.
 
 For OPT-1.3B/6.7B/13B/30B on 1 and 2 GPUs of two published profiles (A100-40GB PCIe Gen4, no NVLink;
 H200 with PCIe Gen5 host links and NVLink between the GPUs), price
