@@ -159,6 +159,7 @@ def test_accelerate_upstream_scripts_train_under_the_launch_at_2_processes(tmp_p
         assert "**Test reinstantiated state**" in out
     else:
         assert "gradient accumulation with optimizer and scheduler" in out
+        assert out.count("ELIXIR_SHIM check_model_parameters on full_gradients") == 3 * 2  # 3 iterations, 2 ranks
 
 
 # ------------------------------------------------------------------------ the start hook of plain accelerate launch
