@@ -43,6 +43,9 @@ import traceback
 import warnings
 from pathlib import Path
 
+if __package__ in (None, ""):  # `python benchmarks/host_memory.py`: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import torch
 import torch.multiprocessing as mp
 
