@@ -1,4 +1,4 @@
-"""Predicted step time of the peers, from what each one moves *by construction* (issue 14, item 5).
+"""Predicted step time of the peers, from what each one moves *by construction*.
 
 Each peer is priced on the same :class:`~hf_elixir.profiler.HardwareProfile` (a GPU preset) and the
 same :class:`~hf_elixir.profiler.StepProfile` (FLOPs counted on meta) as hf_elixir's searched plan. The

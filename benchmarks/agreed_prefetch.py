@@ -38,9 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
+if __package__ in (None, ""):  # `python benchmarks/agreed_prefetch.py`: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._harness import free_port  # noqa: E402
 

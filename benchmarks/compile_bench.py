@@ -25,6 +25,9 @@ import sys
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):  # `python benchmarks/compile_bench.py`: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

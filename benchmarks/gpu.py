@@ -18,7 +18,7 @@ that one), in this order:
                the resident pool peak, the library minimum) against plain PyTorch AdamW on the same
                batches: losses per step and parameters after the last step; for every step the pool's
                peak (``memory_stats``) next to ``torch.cuda.max_memory_allocated``.
-``search``     the cost model on this device (issue 12 item 8): the hardware probed, GPT-2 small priced from
+``search``     the cost model on this device: the hardware probed, GPT-2 small priced from
                a meta-device profile (counted FLOPs at the probed rate), the chosen plan run at half the
                model data: predicted vs measured step time.
 ``opt_*``      OPT-1.3B (random init from its config, no hub): hf_elixir at a budget that forces offload,
@@ -349,7 +349,7 @@ def _parity_row(precision, budget_name, budget, steps_rows, losses, ref_losses, 
     return row
 
 
-# -- search: the cost model's prediction against the step it chose (issue 12 item 8) ----------------------------
+# -- search: the cost model's prediction against the step it chose ----------------------------
 def section_search(ctx: Context) -> None:
     """Probe this device, price GPT-2 small from a meta-device profile (counted FLOPs at the probed matmul
     rate, [Note: overlap] for copies), let the search pick a plan at half the model data, run that plan and

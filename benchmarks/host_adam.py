@@ -28,10 +28,12 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # `python benchmarks/host_adam.py`: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hf_elixir.optim._same_pass import SamePassTable, ViewTensors, _kernel_call, step_and_cast  # noqa: E402
 

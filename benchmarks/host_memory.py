@@ -7,7 +7,7 @@ process per rank, a fresh process group per run), for:
 - ``elixir_materialised``: every rank builds the fp32 model (``from_pretrained`` of the folder), then
   ``hf_elixir.prepare`` with ``default_placement="sharded"`` under a 25% device budget;
 - ``elixir_checkpoint``: the model is built on the meta device and ``prepare(..., checkpoint=folder)``
-  reads each rank's shards from the safetensors file (issue 13 item 3);
+  reads each rank's shards from the safetensors file;
 - ``fsdp2``: ``fully_shard`` (every ``GPT2Block`` and the root, ``CPUOffloadPolicy``) on a meta-device
   model, ``to_empty`` and rank-0 loading (``set_model_state_dict(full_state_dict=True,
   broadcast_from_rank0=True)``: rank 0 reads the whole file, the others receive their shards);
@@ -24,7 +24,7 @@ moment (``_HostPeak``: what a GPU rank's host would pay); the targets are judged
 
 The per-rank device budget is 25% of the rank's share of the model state (16 B/param / world size),
 raised to ``hf_elixir.min_device_budget_bytes`` where that is larger. Every rank trains 3 AdamW steps
-(batch 2 x seq 64). Targets (issue 13) are printed as ratios from this one run.
+(batch 2 x seq 64). Targets are printed as ratios from this one run.
 
 Run: ``PYTHONPATH=$PWD python benchmarks/host_memory.py [--world-sizes 1,2,4] [--json out.json]``.
 """
@@ -42,6 +42,9 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+
+if __package__ in (None, ""):  # `python benchmarks/host_memory.py`: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import torch.multiprocessing as mp
@@ -417,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                       + (_heap_line(records) if "heap_free_growth_bytes" in records[0] else "")
                       + f"loss {records[0]['losses'][0]:.4f}->{records[0]['losses'][-1]:.4f}, "
                       f"{max(r['wall_s'] for r in records):.1f} s", flush=True)
-    print("\nTargets (issue 13):")
+    print("\nTargets:")
     for text in _targets(results, num_params):
         print(text)
     print(f"\ntook {time.perf_counter() - start:.0f} s")

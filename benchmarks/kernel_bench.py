@@ -13,7 +13,7 @@ practical physical limit for these memory-bound ops), and the PyTorch equivalent
     cast_                 vs Tensor.copy_
     moe permute/unpermute vs index_select / gate-weighted index_add_
 
-Target (issue 3): fused AdamW >= 80% of copy bandwidth on a 64 MiB fp32 shard and faster than
+Target: fused AdamW >= 80% of copy bandwidth on a 64 MiB fp32 shard and faster than
 ``torch.optim.AdamW(fused=True)``. ``--sweep`` also times the AdamW kernel over a few
 (BLOCK_SIZE, num_warps) choices. Without a CUDA device it prints so and exits 0.
 """

@@ -20,7 +20,7 @@ matmuls, 2 FLOPs per multiply-add; backward is twice the forward for every matmu
 training step's) bounds how much faster the MoE can train per token. The LM head (the same in both) is
 left out of the bound, which makes the bound larger and the target stricter; its FLOPs are in the JSON.
 
-Targets (issue 30): EP tokens/s over dense tokens/s >= 0.75 x bound on every shape, and >= 3x on a shape
+Targets: EP tokens/s over dense tokens/s >= 0.75 x bound on every shape, and >= 3x on a shape
 whose bound is >= 4 (8 experts, top-1, expert MLPs dominating the FLOPs).
 
 Usage (from the repository root; about 10 minutes on 2 busy cores)::
@@ -251,7 +251,7 @@ def summarize(shapes: dict[str, ModelSpec], pooled: dict[str, _Pooled]) -> dict[
 
 
 def _targets(ratio: float, bound: float) -> dict[str, dict[str, Any]]:
-    """Issue 30's targets for an EP/dense ``ratio`` at a FLOP ``bound``: >= 0.75 x bound; >= 3x when bound >= 4."""
+    """The targets for an EP/dense ``ratio`` at a FLOP ``bound``: >= 0.75 x bound; >= 3x when bound >= 4."""
     out = {"fraction_of_bound": {"target": FRACTION_OF_BOUND * bound, "met": ratio >= FRACTION_OF_BOUND * bound}}
     if bound >= BIG_BOUND:
         out["speedup_3x"] = {"target": BIG_SPEEDUP, "met": ratio >= BIG_SPEEDUP}

@@ -1,4 +1,4 @@
-"""The ``hf-elixir plan`` tables for the built-in model names (issue 30): the plan search run in-process on a few
+"""The ``hf-elixir plan`` tables for the built-in model names: the plan search run in-process on a few
 realistic targets, from the model configs alone (meta device, no GPU involved: every number is a prediction of the
 cost model, ``hf_elixir/search/_cost.py``).
 
@@ -31,15 +31,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import sys
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # `python benchmarks/plan_tables.py`: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hf_elixir.config import ElixirConfig  # noqa: E402
 from hf_elixir.parallel._expert_units import split_fused_experts  # noqa: E402

@@ -1,4 +1,4 @@
-"""The GPU comparison on paper (issue 14, item 5): *predicted* step times, no GPU involved.
+"""The GPU comparison on paper: *predicted* step times, no GPU involved.
 
 For OPT-1.3B/6.7B/13B/30B on 1 and 2 GPUs of two published profiles (A100-40GB PCIe Gen4, no NVLink;
 H200 with PCIe Gen5 host links and NVLink between the GPUs), price
@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # `python benchmarks/predicted_gpu.py`: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._peers_predicted import PEER_MODELS, predict_peer  # noqa: E402
 from hf_elixir.profiler import HardwareProfile, probe_hardware, profile_step  # noqa: E402

@@ -53,7 +53,7 @@ PRESETS: dict[str, ModelSpec] = {
     "opt-350m": ModelSpec(family="opt", n_layer=24, n_embd=1024, n_head=16, vocab_size=50272, n_positions=2048,
                           word_embed_proj_dim=512, layer_norm_before=False, batch_size=2, seq_len=256),
 }
-#: the rows issue 14 asks of a realistic preset (2 ranks)
+#: the rows a realistic preset runs (2 ranks)
 PRESET_PEERS = ("ddp", "fsdp2", "fsdp2_offload", "ds_zero3_offload", "elixir_resident", "elixir_search", "elixir_min")
 
 
@@ -414,10 +414,10 @@ def _machine() -> str:
             "torch.distributed backend gloo")
 
 
-#: issue 14's throughput targets at 2 ranks for the offloading rows: >= 1.5x DeepSpeed ZeRO-3 offload, >= 1.15x
+#: the throughput targets at 2 ranks for the offloading rows: >= 1.5x DeepSpeed ZeRO-3 offload, >= 1.15x
 #: FSDP2 + CPUOffload (both offload every parameter and optimizer state)
 THROUGHPUT_TARGETS = {"ds_zero3_offload": 1.5, "fsdp2_offload": 1.15}
-#: issue 14's reference for the blocked-wait target (<= 20% of it): the searched 50%-budget row's time blocked in
+#: the reference for the blocked-wait target (<= 20% of it): the searched 50%-budget row's time blocked in
 #: gathers and reduces, s/step, gpt2-124m at 2 ranks, measured 2026-12-01 01:37 UTC (benchmarks/RESULTS.md)
 BLOCKED_REFERENCE_S = 0.380
 
@@ -441,13 +441,13 @@ def headline(runs: list[RunResult], traffic_facts: list[dict[str, Any]], largest
             if len(per_round) > 1:
                 note += (f"; per interleaved round {', '.join(f'{x:.3f}' for x in per_round)}x (median "
                         f"{statistics.median(per_round):.3f}x, spread {min(per_round):.3f}-{max(per_round):.3f})")
-            # issue 14 asks 0.95x of DDP at 2 ranks; the single-rank target is the original 1.05x of PyTorch
+            # the target is 0.95x of DDP at 2 ranks; the single-rank target is the original 1.05x of PyTorch
             lines.append(_verdict(f"hf_elixir all-resident step time / {'PyTorch' if ws == 1 else 'DDP'} "
                                   f"({ws} rank{'s' if ws > 1 else ''})", ratio, 1.05 if ws == 1 else 0.95,
                                   lower_is_better=True, alt=alt) + note)
     for name in ("elixir_budget", "elixir_search", "elixir_budget_replicated"):
         offload, ref = get(name, 2), _reference(runs, 2)
-        if name == "elixir_search" and offload and ref:  # issue 14: the cost of offload hidden
+        if name == "elixir_search" and offload and ref:  # the cost of offload hidden
             per_round = round_ratios(offload, ref)
             note = f"; per interleaved round {', '.join(f'{x:.3f}' for x in per_round)}x" if len(per_round) > 1 else ""
             lines.append(_verdict(f"{PEERS[name].label} step time / DDP (2 ranks)", offload.median_s / ref.median_s,

@@ -1,4 +1,4 @@
-"""Cost model and search accuracy on CPU with the simulated device pool (issue 4's measured checks).
+"""Cost model and search accuracy on CPU with the simulated device pool (the measured checks).
 
 For tiny GPT-2 / OPT at several budgets: the searched plan's predicted step time next to the measured
 one, and the searched plan's measured time next to the fastest point of a brute-force grid over the same

@@ -44,9 +44,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
+if __package__ in (None, ""):  # `python benchmarks/soak.py`: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 _TRAFFIC = ("step_allgather_bytes", "step_reduce_scatter_bytes", "step_h2d_bytes", "step_d2h_bytes")
 _MIB = 2**20

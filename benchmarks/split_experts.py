@@ -4,7 +4,7 @@ Two parts, one process, CPU:
 
 1. **Floors** (no data moves): ``hf_elixir.min_device_budget_bytes`` of today's MoE models built on the meta device
    from the built-in configs (``hf_elixir/profiler/_model_zoo.py``: Mixtral-8x7B, Qwen3-30B-A3B, gpt-oss-20b), bf16,
-   AdamW, 1 rank, fused (``split_fused_experts=False``) and split (``True``). Issue 30 item 3: a fused expert tensor
+   AdamW, 1 rank, fused (``split_fused_experts=False``) and split (``True``). A fused expert tensor
    is one chunk slot, so it sets the chunk floor at E experts; split, at one.
 2. **Step time**: a small Mixtral-style model (``MixtralForCausalLM`` from a config built offline, fp32, AdamW,
    1 process) trained under hf_elixir at a device budget both layouts fit (10% above the fused floor), fused and

@@ -1,7 +1,7 @@
 """User-facing configuration: :class:`ElixirConfig` and its small policy dataclasses.
 
 Every field is validated in ``__post_init__``; a bad value raises ``ValueError``/``TypeError``
-naming the field, the value and the fix (see ../shared/STYLE.md rule 5).
+naming the field, the value and the fix (docs/design/rules.md, *Errors and layers*).
 """
 
 from __future__ import annotations

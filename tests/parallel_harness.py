@@ -197,6 +197,46 @@ def _grad_parity(local_grads: dict, ref_params: dict, state) -> tuple[float, flo
     return total, max(rel(g, r) for g, r in pairs if r.norm() > 0)
 
 
+class _AutocastReference:
+    """Plain PyTorch's own low-precision run of the reference: the same model, optimizer, batches and clipping, the
+    forward under ``torch.autocast("cpu", dtype)`` (fp32 weights and optimizer). A low-precision hf_elixir run is
+    compared with it, at a tolerance taken from its distance to the fp32 reference on the same machine (the CPU's
+    bf16 kernels set both), never from a constant."""
+
+    def __init__(self, ref, matrix_decay: bool, dtype: torch.dtype):
+        self.model, self.dtype = copy.deepcopy(ref), dtype
+        self.opt = torch.optim.AdamW(_param_groups(self.model, matrix_decay), lr=LR)
+        self.losses, self.norms = [], []
+
+    def step(self, kind: str, step: int, num_batches: int, my_batch: int, masks) -> None:
+        self.opt.zero_grad()
+        losses = []
+        with torch.autocast("cpu", dtype=self.dtype):
+            for b in range(num_batches):
+                if masks:
+                    masks[1].batch = b
+                losses.append(self.model(**make_batch(kind, step, b)).loss.float())
+        torch.stack(losses).mean().backward()
+        self.norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM)))
+        self.opt.step()
+        self.losses.append(losses[my_batch].item())
+
+
+def _low_precision_metrics(auto: _AutocastReference, ref_losses, ref_norms, losses, norms, full, ref_sd, null,
+                           param_keys) -> dict:
+    """Distances of the autocast run to fp32 (``auto_*``) and of the hf_elixir run to the autocast run (``*_vs_auto``)."""
+    def step_rel(a, b):
+        return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+    def vec(sd):
+        return torch.cat([sd[k].float().masked_fill(null[k], 0).flatten() for k in param_keys])
+
+    auto_sd = auto.model.state_dict()
+    return {"auto_loss_rel": step_rel(auto.losses, ref_losses), "auto_norm_rel": step_rel(auto.norms, ref_norms),
+            "auto_param_rel": rel(vec(auto_sd), vec(ref_sd)), "loss_rel_vs_auto": step_rel(losses, auto.losses),
+            "norm_rel_vs_auto": step_rel(norms, auto.norms), "param_rel_vs_auto": rel(vec(full), vec(auto_sd))}
+
+
 # -- one case ---------------------------------------------------------------------------------------
 def _tight_budget(model, optimizer, cfg, mesh) -> int:
     """A device budget a little above the smallest one ``prepare`` accepts, so chunks get evicted."""
@@ -255,6 +295,9 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
 
     opt, opt_ref = (torch.optim.AdamW(_param_groups(m, matrix_decay), lr=LR) for m in (model, ref))
     extra: dict = {}
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    auto = _AutocastReference(ref, matrix_decay, low) if low is not None else None
+    trace = {"ref_losses": [], "ref_norms": [], "losses": [], "norms": []}
     if elixir is not None:
         budget = {"tight": lambda: _tight_budget(model, opt, cfg, mesh),
                   "half": lambda: _half_state_budget(model, mesh)}.get(elixir, lambda: None)()
@@ -303,10 +346,16 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
         if elixir is not None:
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
             norm_rels.append(abs(float(norm) - float(ref_norm)) / float(ref_norm))
+            trace["ref_norms"].append(float(ref_norm))
+            trace["norms"].append(float(norm))
             extra["clipped_steps"] = extra.get("clipped_steps", 0) + int(float(ref_norm) > MAX_NORM)
         elif step == 0:
             grad_rel, grad_rel_worst = _grad_parity(local_grads, ref_params, state)
         opt_ref.step()
+        if auto is not None:
+            auto.step(kind, step, num_batches, my_batch, masks)
+        trace["losses"].append(loss.item())
+        trace["ref_losses"].append(ref_losses[my_batch].item())
         step_rel = abs(loss.item() - ref_losses[my_batch].item()) / abs(ref_losses[my_batch].item())
         loss_rel = max(loss_rel, step_rel)
         step_rels.append(step_rel)
@@ -337,11 +386,17 @@ def train_case(kind: str, *, tp: int = 1, ep: int = 1, empty_experts: bool = Fal
         # every weight the reference trained moved (never-routed experts stay put: PyTorch skips them)
         "params_moved": min(rel(ref_sd[k], init[k]) for k in ref_sd
                             if k.endswith("weight") and not _is_idle_expert(k, empty_experts)),
+        # the whole parameter vector's movement over the steps: a parity tolerance must sit well below it
+        "params_moved_total": rel(torch.cat([ref_sd[k].flatten() for k in param_keys]),
+                                  torch.cat([init[k].flatten() for k in param_keys])),
         "placements": {k: v for k, v in state.placements.items() if v != "sharded"},
         "has_grad_mismatch": has_grad_mismatch,  # plain path: parameters whose .grad is None only on one side
         "none_grad_layers": none_grad_layers,  # per step: expert -> sparse layers where PyTorch gave no gradient
         **extra,
     }
+    if auto is not None:
+        metrics.update(_low_precision_metrics(auto, trace["ref_losses"], trace["ref_norms"], trace["losses"],
+                                              trace["norms"], full, ref_sd, null, param_keys))
     if elixir is not None:
         stats = hf_elixir.memory_stats(model)
         metrics["norm_rel"] = max(norm_rels)

@@ -1,6 +1,6 @@
 """An explicit ``device_memory_budget_bytes`` covers the whole device by default: activations and autograd's
 temporaries are charged against it, not only model data ([Note: activations in the budget] in
-hf_elixir/chunk/memory.py; issue 12 item 2). Chunks are evicted to make room for activations, a step that
+hf_elixir/chunk/memory.py). Chunks are evicted to make room for activations, a step that
 cannot fit raises naming activations, placement keeps a plan's activation bytes out of the budget, and
 ``budget_covers_activations=False`` keeps the model-data-only meaning. Every run is checked against plain
 PyTorch and against the pool's measured total peak (``device_total_peak_bytes``: model data plus the real

@@ -1,4 +1,4 @@
-"""Offloaded activations copied back ahead (issue 14 item 3, [Note: activation onload ahead] in
+"""Offloaded activations copied back ahead ([Note: activation onload ahead] in
 ``hf_elixir/runtime/activations.py``): when the backward of an offloaded block starts, the tensors of the
 offloaded block before it come back at once, so its own backward finds them on the device
 (``num_prefetched_act_onloads``); only the last offloaded block waits at its first unpack

@@ -1,4 +1,4 @@
-"""Block-wise activation policy (keep / recompute / offload per transformer block; issue 14 item 3).
+"""Block-wise activation policy (keep / recompute / offload per transformer block).
 
 Runtime: parity with plain PyTorch (same seeds, fp32, <= 1e-5 relative) for every policy and a mixed one, at
 1 rank and 2 gloo ranks, under a budget that evicts; the measured activation peak drops under recompute and

@@ -1,4 +1,4 @@
-"""Backward all-gather prefetch (issue 14 item 1, [Note: backward gather prefetch] in ``hf_elixir/chunk/_prefetch.py``):
+"""Backward all-gather prefetch ([Note: backward gather prefetch] in ``hf_elixir/chunk/_prefetch.py``):
 at two gloo ranks under a budget that reshards chunks after forward, backward re-gathers them ahead of their
 pre-backward hooks (async work handles off CUDA) where free and dead-chunk room allows, with the same bytes, the
 same decisions on every rank, and parity with plain PyTorch; the cost model prices those gathers as ahead.

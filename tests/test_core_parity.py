@@ -2,7 +2,8 @@
 1, 2, 4; everything resident (replicated by ``default_placement="auto"`` at world size > 1, and
 forced sharded; replicated with the optimizer on the host under a budget), about half the chunks off the device, and the smallest budget that runs.
 
-Reference (DESIGN.md): one process running plain ``torch.optim.AdamW`` on the concatenation of every
+Reference (docs/design/rules.md, *The reference for parity tests*): one process running plain
+``torch.optim.AdamW`` on the concatenation of every
 rank's batch (same per-rank shapes, mean loss). 10 steps, two param groups, a LR schedule, clipping.
 """
 

@@ -1,4 +1,4 @@
-"""Device selection (issue 12 item 6) against a fake CUDA / NVML layer: ``cuda:LOCAL_RANK`` when the
+"""Device selection against a fake CUDA / NVML layer: ``cuda:LOCAL_RANK`` when the
 process set no device, and the NVML handle matched by UUID / PCI bus id so that CUDA_VISIBLE_DEVICES is
 honoured. See [Note: device selection] and [Note: NVML handle] in hf_elixir/profiler/_device.py."""
 

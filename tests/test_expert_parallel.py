@@ -108,7 +108,7 @@ def _check_idle_schedule(m: dict) -> None:
 
 @pytest.mark.parametrize("case", ["switch_ep2_idle", "elixir_switch_ep2_idle"])
 def test_idle_experts_skipped_as_pytorch_ep2(ep_on_2, case):
-    """AdamW with weight decay, experts idle in some steps (issue 12 item 5): every rank and every
+    """AdamW with weight decay, experts idle in some steps: every rank and every
     expert matches plain PyTorch, which skips a parameter whose .grad is None."""
     m = ep_on_2[case]
     _check_parity(m, elixir=case.startswith("elixir"))
@@ -136,7 +136,7 @@ def test_prepared_ep_save_loads_into_unmodified_class(ep_on_2):
 
 
 def test_ep_dispatch_and_combine_run_the_triton_kernels(ep_on_2):
-    """Issue 12 item 10: token dispatch/combine around the all-to-all go through triton_kernels.moe_permute /
+    """Token dispatch/combine around the all-to-all go through triton_kernels.moe_permute /
     moe_unpermute; forced through the Triton interpreter they match the PyTorch references.
 
     Bitwise: the logits, and the gradients of the last sparse layer's experts. Every kernel there copies

@@ -1,4 +1,4 @@
-"""All-gather prefetch (issue 14 item 1, [Note: gather prefetch] in ``hf_elixir/chunk/_prefetch.py``): at two gloo
+"""All-gather prefetch ([Note: gather prefetch] in ``hf_elixir/chunk/_prefetch.py``): at two gloo
 ranks with sharded chunks under a device budget, forward issues the all-gathers of the next chunks of the
 previous step's order ahead of their use (async work handles off CUDA), the hooks wait for them, and training
 matches plain PyTorch.

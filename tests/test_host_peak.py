@@ -1,4 +1,4 @@
-"""What a 1-rank step holds at its peak (issue 13: growth at world size 1): no stale gathered copy of a chunk
+"""What a 1-rank step holds at its peak (growth at world size 1): no stale gathered copy of a chunk
 carried through the end of backward and the step ([Note: dead chunks] in hf_elixir/chunk/_eviction.py), checked
 on the chunks' buffer storage really held, and against plain PyTorch."""
 

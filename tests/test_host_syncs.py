@@ -1,5 +1,5 @@
 """Host syncs in the training step's hot path are counted; one per optimizer step is the ceiling
-(DESIGN.md, "The simulation must be as strict as the hardware"; [Note: one host read] in
+(docs/design/rules.md, *The simulation is as strict as the hardware*; [Note: one host read] in
 hf_elixir/optim/_step_read.py).
 
 A ``TorchFunctionMode`` counts the calls that make the host wait for the device: ``.item()``,

@@ -1,4 +1,4 @@
-"""Collectives run on the model's own process group, never WORLD by default (DESIGN.md: "Every
+"""Collectives run on the model's own process group, never WORLD by default (docs/design/rules.md: "Every
 collective runs on the group it belongs to"): 4 gloo ranks run two independent 2-rank data-parallel
 jobs (``ElixirConfig(process_group=...)``, groups [0, 1] and [2, 3]) with different models and data,
 clipping on; each matches its own plain-PyTorch reference (one process on the job's global batch)."""

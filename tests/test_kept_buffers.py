@@ -4,8 +4,8 @@ pool while kept and is dropped first when a chunk, a gradient buffer or an activ
 checked here is what was really allocated (the device storages the manager and the optimizer hold,
 ``tests/_device_bytes.py``), not the pool's counter against its own budget: at every pool charge and release,
 and after every backward and step, of several steps at the tightest budget ``prepare`` accepts and at 1.5x it,
-on 1 and 2 gloo ranks, with parity to plain PyTorch (DESIGN.md: "The simulation must be as strict as the
-hardware")."""
+on 1 and 2 gloo ranks, with parity to plain PyTorch (docs/design/rules.md: *The simulation is as strict as
+the hardware*)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The package's Triton kernels run on its hot paths (issue 12 item 10): here the chunk cast kernel in the
+"""The package's Triton kernels run on its hot paths: here the chunk cast kernel in the
 optimizer's refresh of the low-precision compute copies, run through the Triton interpreter on CPU.
 (The MoE permutation kernels on the expert-parallel path: tests/test_expert_parallel.py, case
 ``switch_ep2_kernels``.)"""

@@ -2,7 +2,7 @@
 
 The scripts in ``tests/launch_scripts/`` have nothing of hf_elixir in them (``plugin_loop.py``, the reference,
 writes ``ElixirPlugin().prepare`` in). Each subprocess test launches CPU processes (``ACCELERATE_USE_CPU=1``;
-two processes need ``--multi_gpu --num_processes 2``, DESIGN.md) on a free port and checks that the model is
+two processes need ``--multi_gpu --num_processes 2``, docs/design/rules.md) on a free port and checks that the model is
 never ``DistributedDataParallel`` and, for the plain loop, that the final loss equals the reference's exactly.
 accelerate's own test scripts run from the installed package through ``tests/upstream/accelerate_shim.py`` in
 its launch mode: only the routing of ``hf-elixir launch`` puts their models under hf_elixir, and the shim names
@@ -159,6 +159,7 @@ def test_accelerate_upstream_scripts_train_under_the_launch_at_2_processes(tmp_p
         assert "**Test reinstantiated state**" in out
     else:
         assert "gradient accumulation with optimizer and scheduler" in out
+        assert out.count("ELIXIR_SHIM check_model_parameters on full_gradients") == 3 * 2  # 3 iterations, 2 ranks
 
 
 # ------------------------------------------------------------------------ the start hook of plain accelerate launch

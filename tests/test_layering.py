@@ -1,4 +1,4 @@
-"""Nothing below imports a layer above it (STYLE.md, "What to change as the house grows").
+"""Nothing below imports a layer above it (docs/design/rules.md, *Errors and layers*).
 
 Every module under ``hf_elixir/`` is parsed (``ast``, so lazy imports inside functions count too;
 imports under ``if TYPE_CHECKING:`` do not, they never run) and its ``hf_elixir`` imports are checked

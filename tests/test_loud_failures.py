@@ -1,4 +1,4 @@
-"""Silent failures turned loud (issue 15): a stale parameter never reads as a number; gradients that
+"""Silent failures turned loud: a stale parameter never reads as a number; gradients that
 nobody consumes; every way PyTorch users clear gradients clears them here.
 
 Each behaviour is checked at one rank under a device budget (chunks offloaded and resharded between

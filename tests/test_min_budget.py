@@ -182,7 +182,7 @@ def _opt_bf16_run(budget: int | None, steps: int = 2):
 
 
 def test_opt_bf16_trains_at_its_floor(single_rank_group):
-    """Issue 13 item 6: tiny OPT in bf16 (chunks of 4096) needed three fp32 gradient buffers at once in backward
+    """Tiny OPT in bf16 (chunks of 4096) needed three fp32 gradient buffers at once in backward
     (chunk 1 holds the position embedding, the decoder's final_layer_norm and layer 0's k_proj, so its buffer
     lives through backward) where the floor counts two: the step failed at the floor (49152 bytes; it asked for
     49536). The runtime now spills that partial buffer to the host ([Note: gradient spill]): two steps run at

@@ -1,5 +1,5 @@
-"""The peer models of ``benchmarks/predicted_gpu.py`` move, per step, the bytes their construction implies
-(issue 14 item 5), checked by hand on a two-block model: root (embeddings + head) 100 elements, blocks
+"""The peer models of ``benchmarks/predicted_gpu.py`` move, per step, the bytes their construction implies,
+checked by hand on a two-block model: root (embeddings + head) 100 elements, blocks
 ``h.0`` and ``h.1`` 40 elements each, bf16 (b = 2)."""
 
 import pytest

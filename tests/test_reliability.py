@@ -1,5 +1,5 @@
 """Unsupported usage fails loudly or works; fp16 overflow handling end to end; the known failure modes
-of chunk/ZeRO systems (issue 8) that tests/test_core_features.py does not already cover.
+of chunk/ZeRO systems that tests/test_core_features.py does not already cover.
 
 Already covered elsewhere (not repeated here): tied embeddings through save_pretrained
 (test_core_features::test_tied_weights_save_pretrained_round_trip, and test_checkpoint for our

@@ -1,4 +1,4 @@
-"""``benchmarks/run_cpu.py --model tiny|gpt2-124m|opt-350m`` (issue 14 item 4): the presets are the real
+"""``benchmarks/run_cpu.py --model tiny|gpt2-124m|opt-350m``: the presets are the real
 Hugging Face shapes, and the main table reports per step the collective traffic and the time hf_elixir was
 blocked in all-gathers and reduce-scatters."""
 
@@ -113,8 +113,8 @@ def test_cpu_seconds_per_step_per_rank_are_reported_and_pooled_over_rounds(tmp_p
     assert f"CPU seconds per step per rank {(4.75 + 5.15) / (5.25 + 5.65):.3f}x" in line
 
 
-def test_headline_carries_issue_14_targets_for_the_searched_row():
-    """The searched 50%-budget row is held to issue 14's own targets: <= 1.00x DDP's step time, >= 1.15x FSDP2 +
+def test_headline_carries_the_targets_for_the_searched_row():
+    """The searched 50%-budget row is held to the benchmark's own targets: <= 1.00x DDP's step time, >= 1.15x FSDP2 +
     CPUOffload's throughput, >= 1.5x DeepSpeed ZeRO-3 offload's, and <= 20% of the reference blocked-wait time."""
     def run(peer, step_s, extra=None):
         spec = run_cpu.RunSpec(peer=peer, world_size=2)

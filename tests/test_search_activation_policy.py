@@ -1,4 +1,4 @@
-"""Cost model and search of the block-wise activation policy (issue 14 item 3; [Note: activation policy] in
+"""Cost model and search of the block-wise activation policy ([Note: activation policy] in
 ``hf_elixir/search/_activation_cost.py``): memory and time of keep / recompute / offload per block, the search
 choosing a non-keep policy only when the budget forces it, and ``hf-elixir plan`` printing the policy per block."""
 

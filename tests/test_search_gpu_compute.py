@@ -1,4 +1,4 @@
-"""The search prices compute on another device than the profiled one (issue 12 item 8): counted FLOPs at
+"""The search prices compute on another device than the profiled one: counted FLOPs at
 the device's rate; and the cost model overlaps only what the runtime overlaps ([Note: overlap] in
 ``hf_elixir/search/_cost.py``)."""
 

@@ -264,7 +264,7 @@ def test_rank_local_host_copies_are_priced_against_host_memory():
 
     """Several ranks under a tight budget: keeping a host copy of each gathered chunk saves the backward
     all-gathers (slow here), so the search keeps them when host memory allows, and not when it does not
-    (issue 13: no full per-rank host replica unless the plan chooses one)."""
+    (no full per-rank host replica unless the plan chooses one)."""
     profile = _tiny_real_profile()
     numel = profile.num_params
     budget = numel * 4  # a fraction of the model's state: chunks are evicted and re-needed in backward

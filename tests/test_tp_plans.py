@@ -28,7 +28,8 @@ def plans(tmp_path_factory):
 def _check(m: dict, elixir: bool) -> None:
     assert "error" not in m, m["error"]
     assert m["same_keys"], "gathered state dict keys differ from the unmodified model's"
-    assert m["params_moved"] > 1e-3, "training did not move the weights; parity would be vacuous"
+    assert m["params_moved"] > 1e-3 and m["params_moved_total"] > 100 * TOL, "training did not move the weights; " \
+        "parity would be vacuous"
     assert m["loss_rel"] < TOL, m["loss_rel_per_step"]
     assert m["param_rel"] < TOL, m["worst"]
     assert m["param_rel_worst_tensor"] < 5 * TOL, m["worst"]  # the smallest tensors carry Adam's float noise
@@ -257,16 +258,26 @@ def test_hf_elixir_plan_reads_the_tp_plan_of_a_config_json(tmp_path, capsys):
     assert "embedding_row" in text
 
 
+#: how many times plain PyTorch's own bf16 run's distance to fp32 a bf16 hf_elixir run may sit from that bf16 run
+#: (both are bf16 rounding of the same steps: by the triangle inequality about 2x when they are independent; measured
+#: 0.6-1.34x on tiny Llama and Gemma3 at TP=2)
+BF16_SPREAD = 3.0
+
+
 @pytest.mark.parametrize("case", ["elixir_llama_tp2_half_bf16", "elixir_gemma3_tp2_half_bf16"])
-def test_prepared_tp2_bf16_tracks_fp32_pytorch(plans, case):
-    """bf16 compute, fp32 master weights: the package's documented tolerance (test_core_features: the loss within
-    2% of fp32 PyTorch's every step). Parameters: bf16 rounding, and Adam's steps on Gemma3's zero-initialised
-    norm weights (tiny gradients, so a rounding can flip a step), keep the whole vector within 5%."""
+def test_prepared_tp2_bf16_tracks_pytorch_bf16(plans, case):
+    """bf16 compute, fp32 master weights, against plain PyTorch's own bf16 run (``torch.autocast``, fp32 weights and
+    AdamW, the same batches and clipping) on the same machine: the losses, clipped norms and the whole parameter
+    vector after 5 steps within :data:`BF16_SPREAD` x that run's distance to the fp32 reference, a tolerance the CPU's
+    bf16 kernels set and no constant. The weights move at least 3x farther than the parameter tolerance, so the
+    comparison is not vacuous."""
     m = plans[case]
     assert "error" not in m, m["error"]
-    assert m["loss_rel"] < 2e-2, m["loss_rel_per_step"]
-    assert m["param_rel"] < 5e-2 and m["params_moved"] > 1e-3, m["worst"]
-    assert m["clipped_steps"] == 5 and m["norm_rel"] < 2e-2, m
+    assert m["clipped_steps"] == 5, m
+    for metric in ("loss", "norm", "param"):
+        tolerance = BF16_SPREAD * m[f"auto_{metric}_rel"]
+        assert m[f"{metric}_rel_vs_auto"] <= tolerance, (metric, m[f"{metric}_rel_vs_auto"], tolerance)
+    assert m["params_moved_total"] > 3 * BF16_SPREAD * m["auto_param_rel"], m
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])

@@ -1,5 +1,5 @@
 """``memory_stats`` reports the seconds the training thread was blocked in all-gathers and in gradient
-reduce-scatters (issue 14 items 1 and 4): cumulative ``gather_wait_s`` / ``reduce_wait_s`` and the last
+reduce-scatters: cumulative ``gather_wait_s`` / ``reduce_wait_s`` and the last
 step's ``step_gather_wait_s`` / ``step_reduce_wait_s``; zero where no collective runs."""
 
 from __future__ import annotations

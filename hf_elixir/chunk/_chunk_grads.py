@@ -19,17 +19,14 @@ step's pass over the gradients shrinks from zero + add (write, then read + write
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from hf_elixir._compat import reduce_scatter_single
 from hf_elixir.chunk import strict
+from hf_elixir.chunk._slot import ParamSlot
 from hf_elixir.chunk.states import TensorState
-
-if TYPE_CHECKING:
-    from hf_elixir.chunk.chunk import ParamSlot
 
 __all__ = ["ChunkGradMixin"]
 

@@ -44,7 +44,7 @@ class GradBufferMixin:
         buffer is device memory (it stays allocated), so it stays charged to the pool while kept
         (``kept_buffer_bytes``; in ``device_used_bytes`` and its peak), and :meth:`make_room` drops kept
         buffers before it finishes reduces or evicts a chunk: the pool never holds more than its budget, kept
-        buffers included (DESIGN.md: "The simulation must be as strict as the hardware"). Reusing a kept
+        buffers included (docs/design/rules.md: *The simulation is as strict as the hardware*). Reusing a kept
         buffer moves its charge from kept to in use (no new charge, no room to make).
 
         Args:
@@ -110,9 +110,9 @@ class GradBufferMixin:
         comes back before its next gradient or its reduce: rank-local copies, the same collectives in the same
         order. So a step runs within the floor. Returns whether a buffer was spilled.
 
-        Neither copy syncs the host (DESIGN.md: host syncs in the step's hot path are counted, one per step): the
-        spill is a non-blocking device->host copy into the chunk's host buffer (:meth:`host_empty`: pinned on CUDA,
-        so a real asynchronous DMA) queued on the current stream, the restore a non-blocking host->device copy on
+        Neither copy syncs the host (docs/design/rules.md: host syncs in the step's hot path are counted, one per
+        step): the spill is a non-blocking device->host copy into the chunk's host buffer (:meth:`host_empty`:
+        pinned on CUDA, so a real asynchronous DMA) queued on the current stream, the restore a non-blocking host->device copy on
         the current stream, and nothing on the host reads that buffer, so nothing waits for them (a blocking
         ``copy_`` would: ``memcpy_and_sync``, both ways). The device buffer goes to :meth:`recycle_buffer` right
         after its copy is queued: on CUDA that releases its pool charge and the chunk drops the last reference, so

@@ -16,7 +16,7 @@ host memory: measured on ``benchmarks/host_memory.py``'s GPT-2 (23M parameters, 
 ranks), 266-316 MiB per rank of freed heap stayed resident after 3 steps, next to 238 MiB of live
 tensors (RSS growth 536 MiB per rank); with the threshold fixed at 1 MiB the free heap was 30 MiB and
 the peak growth 338 MiB. A device's own allocator does not behave this way: what a byte-budgeted pool
-frees is reusable for the next chunk, so the budget bounds it (DESIGN.md: the simulation must be as
+frees is reusable for the next chunk, so the budget bounds it (docs/design/rules.md: the simulation is as
 strict as the hardware).
 
 Hence, at the end of a successful ``prepare`` (:func:`after_prepare`), when the compute device is the

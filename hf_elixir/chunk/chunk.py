@@ -23,7 +23,7 @@ and in-place writes in ``_chunk_params.py`` ([Note: parameter writes]).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,41 +33,11 @@ from hf_elixir.chunk import strict
 from hf_elixir.chunk._chunk_grads import ChunkGradMixin
 from hf_elixir.chunk._chunk_params import ChunkParamsMixin
 from hf_elixir.chunk._chunk_refresh import ChunkRefreshMixin, _PendingRefresh
+from hf_elixir.chunk._slot import ParamSlot
 from hf_elixir.chunk.params import mark_managed
-from hf_elixir.chunk.states import TensorState, check_transition
+from hf_elixir.chunk.states import ChunkState, TensorState, check_chunk_transition
 
 __all__ = ["ParamSlot", "Chunk", "REFRESH_STAGING_NUMEL", "refresh_staging_numel"]
-
-
-@dataclass(eq=False)
-class ParamSlot:
-    """Where one parameter lives inside its chunk.
-
-    Attributes:
-        name: canonical FQN (first name in ``named_parameters(remove_duplicate=False)`` order).
-        param: the ``nn.Parameter`` (identity kept).
-        offset / numel: element range ``[offset, offset + numel)`` inside the chunk.
-        shape: the parameter's shape.
-        trainable: ``param.requires_grad`` at ``prepare`` time.
-        flag_index: position in the manager's has-gradient flag vector (trainable slots only, else -1).
-    """
-
-    name: str
-    param: torch.nn.Parameter
-    offset: int
-    numel: int
-    shape: torch.Size
-    trainable: bool
-    flag_index: int = -1
-    index_in_chunk: int = -1
-    state: TensorState = TensorState.FREE
-    aliases: list[str] = field(default_factory=list)
-    # ``param._version`` when its writes were last taken ([Note: parameter writes] in _chunk_params.py)
-    seen_version: int = 0
-
-    def set_state(self, new: TensorState) -> None:
-        check_transition(self.state, new, f"for parameter {self.name!r}")
-        self.state = new
 
 
 def _free_storage(tensor: torch.Tensor) -> None:
@@ -224,6 +194,18 @@ class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
         return self.world_size > 1 and (self.keep_host_copy or self.host_copy_required)
 
     @property
+    def state(self) -> ChunkState:
+        """What ``full`` holds ([Note: chunk states] in ``states.py``), from the fields the verbs set."""
+        if self.full_alias:
+            return ChunkState.ALIAS
+        if not self.unsharded:
+            return ChunkState.SHARDED
+        return ChunkState.GATHERING if self.pending_gather is not None else ChunkState.GATHERED
+
+    def _moved(self, old: ChunkState, verb: str) -> None:
+        check_chunk_transition(old, self.state, f"(rank {self.rank}, chunk {self.chunk_id}, {verb})")
+
+    @property
     def evictable(self) -> bool:
         return self.unsharded and not self.full_alias and not self.resident and self.pins == 0
 
@@ -239,6 +221,7 @@ class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
                 the parameters' data. A chunk sharded over several ranks then reads only this rank's
                 shard; a resident one all-gathers the rest, the others keep no gathered copy.
         """
+        old = self.state
         counters = self.manager.counters
         full = torch.zeros(self.chunk_numel, dtype=self.dtype, device=self.compute_device)
         partial = False
@@ -283,6 +266,7 @@ class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
         self.unsharded = True
         self.full_version = -1 if partial else self.version  # partial: only this rank's slice was read
         self.stamp_params()
+        self._moved(old, "materialize")
 
     # -- unshard / reshard ---------------------------------------------------------------------
     def needs_fill(self) -> bool:
@@ -317,6 +301,7 @@ class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
             self.wait_ready()  # a prefetched all-gather may still be filling ``full``
             self.show_params()
             return
+        old = self.state
         self.wait_refresh(side_stream)  # the fill reads the shard the refresh writes
         if self.manager.host_fence is not None:  # the host optimizer may be stepping this shard in place
             self.manager.host_fence(self)
@@ -340,6 +325,7 @@ class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
         for slot in self.slots:
             if slot.state is TensorState.FREE:
                 slot.set_state(TensorState.HOLD)
+        self._moved(old, "unshard")
 
     def wait_ready(self) -> bool:
         """Wait for the refresh of the device shard (:meth:`wait_refresh`) and for a prefetched all-gather
@@ -351,7 +337,9 @@ class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
             whether an all-gather issued ahead was waited for here.
         """
         self.wait_refresh()
+        old = self.state
         pending, self.pending_gather = self.pending_gather, None
+        self._moved(old, "wait_ready")
         if pending is not None:
             pending.work.wait()
             if pending.staging_bytes:
@@ -402,6 +390,7 @@ class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
         if self.full_alias or not self.unsharded:
             return
         self.wait_ready()  # never free a buffer a collective is still writing
+        old = self.state
         if self.take_param_writes() and self.manager.on_param_writes is not None \
                 and not self.manager.backward_pending:  # in backward: merged at the step
             self.manager.on_param_writes([self])
@@ -420,6 +409,7 @@ class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
         _free_storage(self.full)
         self.manager.pool.release(self.full_bytes)
         self.unsharded = False
+        self._moved(old, "reshard")
         self.manager.counters.num_evictions += 1
         for slot in self.slots:
             if slot.state is not TensorState.READY_FOR_REDUCE:

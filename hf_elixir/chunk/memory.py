@@ -10,7 +10,7 @@ bytes of every distinct storage packed by ``torch.autograd.graph.saved_tensors_h
 chunk, released when the storage dies: after backward, or with the graph of a forward that had none, [Note:
 pack without a cycle] in ``chunk/_activations.py``) and reported (``activation_bytes``,
 ``activation_peak_bytes``, ``device_total_peak_bytes`` = the peak of model data plus activations plus
-temporaries). The budget is the whole device a user grants (DESIGN.md: "The budget is the whole card"):
+temporaries). The budget is the whole device a user grants (docs/design/rules.md: "The budget is the whole card"):
 an explicit ``device_memory_budget_bytes`` (with ``ElixirConfig.budget_covers_activations=True``, the
 default) and ``None`` on CUDA (what the card has, :func:`whole_device_budget_bytes`) both *charge*
 activations and autograd's temporaries (a parameter's ``.grad`` before it lands in its chunk): chunks

@@ -1,4 +1,4 @@
-"""Per-parameter tensor states and the one declared transition table.
+"""Per-parameter tensor states and per-chunk storage states, each with one declared transition table.
 
 [Note: tensor states] A parameter's state says where its data is and who may touch it:
 
@@ -11,13 +11,27 @@
   reduce-scatter.
 
 Source: PatrickStar (arXiv 2108.05818) section 4.2 and ColossalAI Gemini's ``TensorState``.
+
+[Note: chunk states] What a chunk's gathered buffer ``full`` holds (FSDP2's ``ShardedState``, with the in-flight
+gather made explicit):
+
+* ``SHARDED``: ``full``'s storage is freed; only this rank's shard exists (before ``materialize`` too).
+* ``GATHERING``: ``full`` is allocated and an all-gather issued ahead (``async_op``) is still filling it; the
+  parameters are stale placeholders until ``wait_ready``.
+* ``GATHERED``: ``full`` holds the gathered values (current, or stale after a step until the next unshard
+  refills it: ``full_version``).
+* ``ALIAS``: one rank with the shard on the device: ``full`` *is* the shard, never freed.
+
+:class:`~hf_elixir.chunk.chunk.Chunk` derives its state from its fields (``state``) and asserts every move of its
+verbs (``materialize``, ``unshard``, ``wait_ready``, ``reshard``) against :data:`CHUNK_TRANSITIONS`.
 """
 
 from __future__ import annotations
 
 import enum
 
-__all__ = ["TensorState", "TRANSITIONS", "check_transition"]
+__all__ = ["CHUNK_TRANSITIONS", "ChunkState", "TensorState", "TRANSITIONS", "check_chunk_transition",
+           "check_transition"]
 
 
 class TensorState(enum.Enum):
@@ -50,3 +64,30 @@ TRANSITIONS: dict[TensorState, frozenset[TensorState]] = {
 def check_transition(old: TensorState, new: TensorState, what: str = "") -> None:
     """Assert ``old -> new`` is in :data:`TRANSITIONS` (an internal invariant, not a user error)."""
     assert new in TRANSITIONS[old], f"illegal tensor-state transition {old.name} -> {new.name} {what}"
+
+
+class ChunkState(enum.Enum):
+    """What a chunk's gathered buffer holds ([Note: chunk states])."""
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+    ALIAS = "alias"
+
+
+_C = ChunkState
+
+#: allowed ``old -> {new}`` moves of a chunk's verbs. GATHERED -> GATHERED / GATHERING: a stale gathered copy
+#: refilled in place (after a step bumped the shard's version); SHARDED -> SHARDED: a reshard of a chunk already
+#: resharded, or an unshard that did not need a fill; ALIAS -> ALIAS: every verb of a one-rank device chunk.
+CHUNK_TRANSITIONS: dict[ChunkState, frozenset[ChunkState]] = {
+    _C.SHARDED: frozenset({_C.SHARDED, _C.GATHERING, _C.GATHERED, _C.ALIAS}),
+    _C.GATHERING: frozenset({_C.GATHERING, _C.GATHERED}),
+    _C.GATHERED: frozenset({_C.GATHERED, _C.GATHERING, _C.SHARDED}),
+    _C.ALIAS: frozenset({_C.ALIAS}),
+}
+
+
+def check_chunk_transition(old: ChunkState, new: ChunkState, what: str = "") -> None:
+    """Assert ``old -> new`` is in :data:`CHUNK_TRANSITIONS` (an internal invariant, not a user error)."""
+    assert new in CHUNK_TRANSITIONS[old], f"illegal chunk-state transition {old.name} -> {new.name} {what}"

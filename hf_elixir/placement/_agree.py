@@ -7,7 +7,7 @@ from its own free memory, its own device budget or its own timings, can pick ano
 peers and the job hangs (or computes garbage). So every per-rank *input* of those decisions is reduced
 once at ``prepare`` (:func:`agree_min`: the smallest budget / free memory over the ranks, the one every
 rank can afford), and every *decision* is taken from one rank (:func:`agree_object`: rank 0 of the group
-broadcasts it). DESIGN.md, "The simulation must be as strict as the hardware": decisions that select
+broadcasts it). docs/design/rules.md, *The simulation is as strict as the hardware*: decisions that select
 collectives are identical on all ranks by construction.
 
 The reductions run on the model's group (``ElixirConfig.process_group``, else the world; the whole mesh,

@@ -81,7 +81,7 @@ TP_STYLE_TO_PLACEMENT: dict[str, str | None] = {
     "replicated_with_grad_allreduce": "grad_allreduce",
     "packed_colwise": "packed_column",
     "mla_kv_a_proj": "mla_kv_a",
-    "moe_tp_experts": "moe_tp",
+    "moe_tp_experts": "moe_tp",  # deprecated upstream (removal announced for v5.28): tests/test_style_drift.py
     "replicate": None,
 }
 #: parameter-entry style inside a ``moe_tp_experts`` module -> (split dim from the end, packed parts); see

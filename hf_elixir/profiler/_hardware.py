@@ -7,7 +7,7 @@ cached in a JSON file (``$HF_ELIXIR_CACHE_DIR/hardware.json``, default ``~/.cach
 On a machine without CUDA the "device" is the CPU: the chunk manager then keeps a simulated device pool
 whose onloads/offloads are ``memcpy``s between two host buffers, so that is what the probe times.
 
-Source: DESIGN.md ("measured, never hard-coded"); Elixir (arXiv 2212.05339) section 5.2 measures the
+Source: docs/design/rules.md (*Measured, never hard-coded*); Elixir (arXiv 2212.05339) section 5.2 measures the
 same quantities before searching.
 """
 

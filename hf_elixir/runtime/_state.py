@@ -12,8 +12,6 @@ import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import torch
 
 from hf_elixir.chunk.manager import ChunkManager
@@ -21,9 +19,6 @@ from hf_elixir.config import ElixirConfig
 from hf_elixir.plan import ElixirPlan
 from hf_elixir.runtime.compile import compile_stats
 from hf_elixir.runtime.hooks import ModuleHandle
-
-if TYPE_CHECKING:  # the optimizer layer sits above this one
-    from hf_elixir.optim.optimizer import ElixirOptimizer
 
 __all__ = ["ElixirState", "attach_state", "check_unclaimed", "claim_parameters", "get_state", "is_prepared",
            "memory_stats", "reset_memory_stats"]
@@ -45,7 +40,9 @@ class ElixirState:
     handles: list[ModuleHandle]
     config: ElixirConfig
     plan: ElixirPlan
-    optimizer: ElixirOptimizer | None = None
+    #: the ``hf_elixir.optim.ElixirOptimizer`` prepare built (the optimizer layer sits above this one, so it is
+    #: typed as what it is to this layer: a ``torch.optim.Optimizer``)
+    optimizer: torch.optim.Optimizer | None = None
     compiled: list = field(default_factory=list)  # runtime/compile.py's compiled block forwards
     #: a model ``hf_elixir.parallel.parallelize`` rewrote: ``assemble_full(local, model, present=...)`` of
     #: ``hf_elixir/parallel/_gather.py``, which turns this rank's tensors into the unmodified model's full ones; the

@@ -22,10 +22,10 @@ from hf_elixir.chunk.packing import ChunkLayout
 from hf_elixir.profiler import HardwareProfile, StepProfile
 from hf_elixir.search._activation_cost import (DTYPE_BYTES, activation_bytes, checkpointed_events, offload_events,
                                                resolve_policy)
+from hf_elixir.search._event_seconds import event_seconds
 from hf_elixir.search._expert_parallel import (alltoall_seconds, expert_param_indices, expert_parallel_profile,
                                                group_rate)
 from hf_elixir.search._tensor_parallel import tensor_parallel_collectives, tensor_parallel_profile
-from hf_elixir.search._rates import event_seconds
 
 __all__ = ["ChunkedStep", "Knobs", "build_chunked_step"]
 

@@ -24,8 +24,8 @@ onloaded every step. ``ELIXIR_SHIM_READ_FULL=1`` makes ``accelerator.unwrap_mode
 hf_elixir model enter ``hf_elixir.full_parameters(model)`` (read-only, kept open until the script's
 next ``prepare``) before returning it: upstream checks read ``model.a`` after training, and under
 sharding or offload a parameter is not current between steps, so that read raises
-``StaleParameterError`` by design ("Reading a parameter that is not current must fail loudly",
-DESIGN.md). With the flag the checks' own assertions run unchanged on the full values.
+``StaleParameterError`` by design ("Reading a parameter that is not current fails loudly",
+docs/design/rules.md). With the flag the checks' own assertions run unchanged on the full values.
 
 ``ELIXIR_SHIM_ROUTE=launch`` leaves ``Accelerator.prepare`` alone: the script runs under
 ``hf-elixir launch ... -m tests.upstream.accelerate_shim <name>``, whose own routing
@@ -60,14 +60,7 @@ EXCLUDED: dict[str, dict[str, str]] = {
         "is_bf16_available": "parameters are bf16 compute copies under hf_elixir; upstream compares dtype and 1e-6",
         "is_fp16_available": "parameters are fp16 compute copies and fp16 loss scaling skips overflow steps",
     },
-    "test_sync": {
-        # Compares p.grad of the reference model with p.grad of the prepared one. Under hf_elixir
-        # gradients live in chunk buffers and are reduce-scattered into shards; p.grad stays None by
-        # design ([Note: gradients in chunks] in hf_elixir/chunk/params.py). The rest of
-        # test_gradient_accumulation_with_opt_and_scheduler (accumulate(), optimizer/scheduler stepping
-        # only on sync steps, equal learning rates) still runs.
-        "check_model_parameters": "reads p.grad, which stays None under hf_elixir (gradients live in chunk shards)",
-    },
+    "test_sync": {},
     "test_ops": {},
     "test_distributed_data_loop": {
         # Each join check prepares a bare nn.Linear without an optimizer, so it is plain DDP, never
@@ -85,6 +78,36 @@ EXCLUDED: dict[str, dict[str, str]] = {
         "test_join_raises_warning_for_iterable_when_overriding_even_batches": "CPU processes warn 'multi-GPU only' instead",
     },
 }
+
+
+def _full_gradient_check(original):
+    """Upstream's ``check_model_parameters`` (test_sync) run unchanged on an hf_elixir model's gradients as
+    ``hf_elixir.full_gradients`` gives them: ``p.grad`` stays None under hf_elixir by design (gradients live in chunk
+    shards, [Note: readable gradients] in hf_elixir/optim/gradients.py), so the prepared model is shown to the check
+    as parameters holding those gradients (in ``parameters()`` order; a parameter without one holds None, as
+    PyTorch's would). Those are the global (data-parallel mean) gradients at every point, also inside
+    ``accumulate()`` before a sync, where DDP's ``p.grad`` holds only the local batch's: so the check runs its
+    in-sync branch on every iteration (upstream's not-in-sync branch asserts DDP's local gradients differ from the
+    reference; hf_elixir's equal it, which the in-sync branch checks)."""
+    import types
+
+    import hf_elixir
+
+    @functools.wraps(original)
+    def check(model_a, model_b, did_step, iteration, **kwargs):
+        if not any(model_b is m for m in _prepared()):
+            return original(model_a, model_b, did_step, iteration, **kwargs)
+        with hf_elixir.full_gradients(model_b) as grads:  # collective: every rank checks in the same order
+            shown = [types.SimpleNamespace(grad=grads.get(name), requires_grad=p.requires_grad)
+                     for name, p in model_b.named_parameters()]
+        print(f"ELIXIR_SHIM check_model_parameters on full_gradients (iteration {iteration})", flush=True)
+        return original(model_a, types.SimpleNamespace(parameters=lambda: iter(shown)), True, iteration, **kwargs)
+
+    return check
+
+
+#: upstream checks run on hf_elixir's view of the model instead, per script: {function name: wrapper}
+ADAPTED = {"test_sync": {"check_model_parameters": _full_gradient_check}}
 
 
 def _exclude_without_torchdata() -> None:
@@ -199,6 +222,8 @@ def run(script: str) -> None:
     for name, reason in EXCLUDED[script].items():
         assert callable(getattr(module, name, None)), f"{script}.{name} does not exist upstream any more"
         setattr(module, name, _skipper(name, reason))
+    for name, wrapper in ADAPTED.get(script, {}).items():
+        setattr(module, name, wrapper(getattr(module, name)))
     atexit.register(lambda: print(f"ELIXIR_SHIM prepared {len(_prepared())}", flush=True))
     module.main()
 

@@ -1,0 +1,103 @@
+"""The phases of ``hf_elixir.prepare`` that decide, before anything of the model changes ([Note: all-or-nothing
+prepare] in ``runtime/_rollback.py``): whether the fused MoE experts are split (:func:`decide_split_experts`), and
+the layout (:func:`lay_out`): the plan, the default placement, the parameters' order, the chunk size, the chunks
+(sizes only) and where each one lives. ``hf_elixir/api.py`` calls them in order.
+
+Every input that selects collectives is agreed over the model's group ([Note: ranks agree] in
+``placement/_agree.py``): the budget once, before either phase (the caller passes the agreed config), the plan, the
+default placement with the chunk size, and each chunk's placement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.distributed as dist
+
+from hf_elixir.chunk._build import COMPUTE_DTYPES, build_chunks, element_bytes, new_manager, ordered_params
+from hf_elixir.config import ElixirConfig
+from hf_elixir.parallel import get_parallel_state, placements_for_plan
+from hf_elixir.parallel._expert_units import splittable_names
+from hf_elixir.parallel._groups import chunk_group_of
+from hf_elixir.placement._agree import agree_object, agree_placements
+from hf_elixir.placement._device_placement import resolve_default_placement
+from hf_elixir.placement._layout import Layout, activation_reserve_bytes, prefetch_reasons
+from hf_elixir.placement._plan_check import check_plan, check_plan_placements, load_plan
+from hf_elixir.runtime.activations import model_activation_policy
+from hf_elixir.search._chunk_size import chunk_size_for
+from hf_elixir.search._floor import place_within_budget, split_needed
+from hf_elixir.search._resolve import resolve_plan
+
+__all__ = ["decide_split_experts", "lay_out"]
+
+logger = logging.getLogger(__name__)
+
+
+def _world_size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def decide_split_experts(model, optimizer, config: ElixirConfig, group) -> ElixirConfig:
+    """The config with ``split_fused_experts`` decided ([Note: split fused experts] in
+    ``parallel/_expert_units.py``): ``True`` / ``False`` as given; ``"auto"`` compares the agreed device budget
+    (``config`` carries it) with the fused model's floor (``search/_floor.py: split_needed``)."""
+    split = config.split_fused_experts
+    if not isinstance(split, bool):
+        split = bool(splittable_names(model)) and split_needed(
+            model, optimizer, config, config.device_memory_budget_bytes, _world_size(group), load_plan(config))
+    return dataclasses.replace(config, split_fused_experts=split)
+
+
+def _placements_and_chunk_size(model, config: ElixirConfig, plan, numels, world_size, agree_group, device):
+    """The placements (resolved once from the config's default placement) and the chunk size, both rank 0's."""
+    placements = placements_for_plan(model, config)
+    chunk_size = chunk_size_for(config, plan, numels, placements, world_size, element_bytes(config.precision),
+                                config.device_memory_budget_bytes)
+    default_placement, chunk_size = agree_object((config.default_placement, chunk_size), agree_group, device)
+    if default_placement != config.default_placement:  # this rank resolved 'auto' otherwise: rank 0's
+        config = dataclasses.replace(config, default_placement=default_placement)
+        placements = placements_for_plan(model, config)
+    return config, placements, chunk_size
+
+
+def lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params, *, group, agree_group,
+            device: torch.device, charges_activations: bool) -> Layout:
+    """The plan, placements, chunks and their placement (``prepare``'s phases 4-7); the model is not changed.
+
+    Args:
+        config: the config with the agreed budget and the split decided.
+        names / params: ``{parameter: its names}`` and the floating-point parameters to pack.
+        group / agree_group: the data-parallel group and the group every rank of the job agrees over.
+        charges_activations: whether the budget covers activations (from the budget's agreement).
+    """
+    plan = agree_object(resolve_plan(model, config, sample_batch, optimizer), agree_group, device)
+    activation_bytes = activation_reserve_bytes(plan, config, charges_activations)  # from the agreed plan
+    world_size = _world_size(group)
+    if len(params) != len(names):
+        logger.warning("%d non-floating-point parameters are left unmanaged", len(names) - len(params))
+    auto_config = config
+    config, placement_reason = resolve_default_placement(
+        config, plan, [p.numel() for p in params], optimizer, world_size, element_bytes(config.precision),
+        is_parallel=get_parallel_state(model) is not None, placements_of=lambda c: placements_for_plan(model, c),
+        group=agree_group, device=device, activation_bytes=activation_bytes)
+    params = ordered_params(plan, params, names)
+    numels = [p.numel() for p in params]
+    config, placements, chunk_size = _placements_and_chunk_size(model, config, plan, numels, world_size,
+                                                                agree_group, device)
+    manager = new_manager(config, plan, device, agree_group, charges_activations, activation_bytes)
+    chunks = build_chunks(manager, params, names, placements, chunk_group_of(model, group), chunk_size,
+                          COMPUTE_DTYPES[config.precision], device)
+    if plan is not None:  # checked on rank 0's counts: uneven tensor-parallel slices are shorter on other ranks
+        num_params, num_chunks = agree_object((sum(numels), len(chunks)), agree_group, device)
+        check_plan(plan, model, num_params, world_size, config.precision, num_chunks,
+                   config.device_memory_budget_bytes, config.reduce_dtype)
+        check_plan_placements(plan, placements)
+    reasons = place_within_budget(model, manager, plan, config, auto_config, optimizer, world_size,
+                                  activation_bytes)
+    if get_parallel_state(model) is None:  # a mesh's ranks hold different chunks: placed from agreed inputs
+        agree_placements(chunks, agree_group, device)
+    return Layout(config, plan, manager, params, placements, chunk_size, world_size,
+                  ([placement_reason] if placement_reason else []) + reasons + prefetch_reasons(manager, optimizer),
+                  model_activation_policy(model, plan, config))
