@@ -1,0 +1,207 @@
+"""Every rank enters a collective call of hf_elixir, or the calling ranks raise within seconds.
+
+[Note: collective entry check] ``model.state_dict()``, ``model.load_state_dict(...)``, ``save_pretrained``,
+``hf_elixir.full_parameters`` and ``hf_elixir.full_gradients`` gather chunks (and tensor/expert-parallel shards)
+over the model's ranks: collectives that every rank must enter. Called on rank 0 alone (``if rank == 0:
+model.state_dict()``, ``if accelerator.is_main_process: model.save_pretrained(dir)``), the first all-gather waited
+for the other ranks until the process group's timeout (gloo: 30 min; NCCL may wait for ever), or paired with
+another rank's unrelated collective of the same size (the next forward's unshard) and went on with wrong data.
+
+So, before its first collective, such a call checks in on the store of the default process group (the TCP
+rendezvous store that ``init_process_group`` already runs, on every backend: no NCCL call, nothing on the
+device, about one round trip per rank): each rank writes the call's name under the next sequence number of the
+model's ranks, adds one to a counter, and the rank that completes the count sets the number's state to ``go``.
+The others wait for that state for ``HF_ELIXIR_COLLECTIVE_TIMEOUT_S`` seconds (default 30); a rank that waits in
+vain sets the state to ``abort`` instead, with ``compare_set``, so exactly one of ``go`` / ``abort`` wins even
+when the last rank arrives at that moment: every rank that arrived sees the same outcome, and a rank that arrives
+after an ``abort`` raises as well instead of entering a gather the others left. Once ``go``, the ranks compare
+the names they wrote: ranks in two different calls (rank 0 in ``state_dict``, rank 1 in ``full_parameters``)
+raise at once, naming both, instead of pairing their collectives. A call inside another checked call (the
+``state_dict`` of a ``save_pretrained``) is not checked again: every rank that entered the outer one runs the
+same code. The sequence numbers of the ranks fall out of step after an error: the job is expected to end there.
+
+Same role as PyTorch's ``monitored_barrier`` (gloo only) and NCCL's watchdog (which kills a job after its
+timeout, minutes later, without naming the call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import threading
+
+import torch.distributed as dist
+
+__all__ = ["TIMEOUT_ENV", "CollectiveEntryError", "check_entry", "checked_call", "model_group", "timeout_s"]
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT_ENV = "HF_ELIXIR_COLLECTIVE_TIMEOUT_S"
+_DEFAULT_TIMEOUT_S = 30.0
+_PREFIX = "hf_elixir/entry"
+
+
+class CollectiveEntryError(RuntimeError):
+    """A collective call of hf_elixir was entered by some of the model's ranks only ([Note: collective entry
+    check])."""
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.depth = 0  # > 0 inside a checked call: nested calls are not checked again
+        self.label: str | None = None  # the user's call that the checked collective belongs to (save_pretrained)
+
+
+_local = _Local()
+_sequence: dict[str, int] = {}  # domain -> this process's next sequence number
+
+
+def timeout_s() -> float:
+    """``HF_ELIXIR_COLLECTIVE_TIMEOUT_S`` (seconds a rank waits for the others to enter a collective call).
+
+    Raises:
+        ValueError: the variable is set to something other than a positive number.
+    """
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    if not raw:
+        return _DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds (default "
+                         f"{_DEFAULT_TIMEOUT_S:g}); unset it for the default")
+    return value
+
+
+def _ranks(group) -> list[int] | None:
+    """The global ranks of ``group`` (``None``: the world), or ``None`` when there is nothing to check."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return ranks if len(ranks) > 1 else None
+
+
+def model_group(state):
+    """The ranks a prepared model's collective calls span: its ``ElixirConfig.process_group``, or the world for a
+    tensor/expert-parallel model (its gathers also run over the tp/ep groups of the world's mesh)."""
+    return None if state.assemble_full is not None else state.config.process_group
+
+
+def _store():
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return getter() if getter is not None else None
+    except (RuntimeError, ValueError):  # a process group initialised without a store
+        return None
+
+
+def _fix(call: str) -> str:
+    return (f"call {call} on every rank of the model, in the same order (it gathers over all of them); to write a "
+            "file from one process, call model.save_pretrained(dir, is_main_process=accelerator.is_main_process) "
+            "(or hf_elixir.save_checkpoint) on every rank: every rank takes part in the gather and only the main "
+            "process writes")
+
+
+def _what(call: str) -> str:
+    return f"{_local.label} (its {call})" if _local.label and _local.label != call else call
+
+
+def _wait_outcome(store, base: str, size: int, timeout: float) -> str:
+    """This rank's vote for ``base``; returns the agreed state, ``go`` or ``abort:<reason>``."""
+    if store.add(f"{base}/n", 1) == size:
+        return store.compare_set(f"{base}/state", "", "go").decode()
+    try:
+        store.wait([f"{base}/state"], datetime.timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistError):  # the store's timeout: this rank votes to abort
+        pass
+    return store.compare_set(f"{base}/state", "", "abort").decode()
+
+
+def _cleanup(store, domain: str, seq: int, rank: int, first: int) -> None:
+    """Delete the keys of sequence number ``seq - 2``: every rank has left it (it entered ``seq - 1``)."""
+    old = seq - 2
+    if old < 0:
+        return
+    base = f"{_PREFIX}/{domain}/{old}"
+    keys = [f"{base}/r{rank}"] + ([f"{base}/n", f"{base}/state"] if rank == first else [])
+    for key in keys:
+        with contextlib.suppress(RuntimeError, NotImplementedError):
+            store.delete_key(key)
+
+
+def check_entry(call: str, group=None) -> None:
+    """Check that every rank of ``group`` enters the collective ``call`` (see [Note: collective entry check]).
+
+    A no-op with one rank, without torch.distributed, and inside another checked call (:func:`checked_call`).
+
+    Args:
+        call: the call as the user writes it (``"model.state_dict()"``), named in the error.
+        group: the model's process group (``None``: the world).
+
+    Raises:
+        CollectiveEntryError: some rank of ``group`` did not enter a collective call within
+            ``HF_ELIXIR_COLLECTIVE_TIMEOUT_S`` seconds, or entered another one; names the call and the fix.
+    """
+    if _local.depth > 0:
+        return
+    ranks = _ranks(group)
+    store = _store() if ranks is not None else None
+    if store is None:
+        return
+    rank = dist.get_rank()
+    domain = "-".join(map(str, ranks))
+    seq = _sequence.get(domain, 0)
+    _sequence[domain] = seq + 1
+    _cleanup(store, domain, seq, rank, ranks[0])
+    base = f"{_PREFIX}/{domain}/{seq}"
+    what = _what(call)
+    store.set(f"{base}/r{rank}", what)
+    timeout = timeout_s()
+    outcome = _wait_outcome(store, base, len(ranks), timeout)
+    if outcome != "go":
+        arrived = [r for r in ranks if store.check([f"{base}/r{r}"])]
+        missing = [r for r in ranks if r not in arrived]
+        if not missing:  # this rank came after the others had given up: a lonely call earlier, or a slow rank
+            calls = {r: store.get(f"{base}/r{r}").decode() for r in ranks if r != rank}
+            raise CollectiveEntryError(
+                f"{what} on rank {rank} came after {', '.join(f'{c} on rank {r}' for r, c in calls.items())} had "
+                f"given up waiting {timeout:g} s for this rank and raised: the ranks' collective calls are out of step "
+                f"since (a call made on some ranks only, e.g. inside `if rank == 0:`). {_fix(call)}. If this rank was "
+                f"only slower to get there, raise {TIMEOUT_ENV} (now {timeout:g} s)")
+        raise CollectiveEntryError(
+            f"{what} is a collective call, but on rank {rank} it waited {timeout:g} s and ranks {missing} of the "
+            f"model's ranks {ranks} did not enter it (ranks {arrived} did): {_fix(call)}. If those ranks are only "
+            f"slower to get there (a long write on one rank), raise {TIMEOUT_ENV} (now {timeout:g} s)")
+    calls = {r: store.get(f"{base}/r{r}").decode() for r in ranks}
+    if len(set(calls.values())) > 1:
+        raise CollectiveEntryError(
+            f"the model's ranks entered different collective calls at the same point: "
+            f"{', '.join(f'rank {r}: {c}' for r, c in calls.items())}; their gathers would pair with each other's "
+            f"and give wrong data or hang. {_fix(call)}")
+
+
+@contextlib.contextmanager
+def checked_call(call: str, group=None, *, label: bool = False):
+    """:func:`check_entry` for ``call``, then run the body with nested checks off (every rank runs the same code).
+
+    Args:
+        label: name ``call`` in the errors of the checks it would have made (a ``save_pretrained`` whose
+            ``state_dict()`` is checked): nothing is checked on entry, the first nested check is.
+    """
+    if label:
+        outer, _local.label = _local.label, _local.label or call
+        try:
+            yield
+        finally:
+            _local.label = outer
+        return
+    check_entry(call, group)
+    _local.depth += 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
