@@ -152,8 +152,9 @@ def assemble_full(local: dict[str, torch.Tensor], model: nn.Module, *,
 def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The state dict of the unmodified model class, reassembled from tp shards and ep experts.
 
-    Collective: call on every rank. Works on a model also prepared by ``hf_elixir.prepare`` (built on
-    its ``model.state_dict()``, which consolidates the ZeRO chunks over their data-parallel groups into
+    Collective: call on every rank. What ``model.state_dict()`` returns for such a model ([Note: one state_dict
+    contract] in ``_state_dict.py``), kept on rank 0 only by default. Works on a model also prepared by
+    ``hf_elixir.prepare`` (its state dict consolidates the ZeRO chunks over their data-parallel groups into
     this rank's full local tensors), through :func:`assemble_full`: tp shards all-gathered over the tp group
     and merged (GPT-2's ``c_attn`` re-fused per head: ``q|k|v`` with every rank's heads in order), experts
     all-gathered over the ep group (fused 3-D expert slices concatenated on dim 0, in ep rank order).
@@ -174,7 +175,7 @@ def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict
     if state is None:
         raise ValueError("gather_full_state_dict needs a model rewritten by hf_elixir.parallel.parallelize; "
                          "use model.state_dict() for others")
-    full = assemble_full(model.state_dict(), model)
+    full = model.state_dict()  # assembled: [Note: one state_dict contract] in _state_dict.py
     missing = [k for k in state.full_shapes if k not in full]
     assert not missing, f"rank {dist.get_rank()}: not gathered: {missing[:3]}"
     if rank0_only and dist.get_rank() != 0:

@@ -110,10 +110,13 @@ def _what(call: str) -> str:
     return f"{_local.label} (its {call})" if _local.label and _local.label != call else call
 
 
-def _wait_outcome(store, base: str, size: int, timeout: float) -> str:
-    """This rank's vote for ``base``; returns the agreed state, ``go`` or ``abort:<reason>``."""
-    if store.add(f"{base}/n", 1) == size:
-        return store.compare_set(f"{base}/state", "", "go").decode()
+def _decide(store, base: str, ranks: list[int], timeout: float) -> str:
+    """This rank's vote for ``base``; returns the agreed state: ``go``, ``mismatch:<calls>`` or ``abort``."""
+    if store.add(f"{base}/n", 1) == len(ranks):  # the last to arrive compares the calls for everyone
+        calls = [c.decode() for c in store.multi_get([f"{base}/r{r}" for r in ranks])]
+        decision = "go" if len(set(calls)) == 1 else "mismatch:" + ", ".join(
+            f"rank {r}: {c}" for r, c in zip(ranks, calls))
+        return store.compare_set(f"{base}/state", "", decision).decode()
     try:
         store.wait([f"{base}/state"], datetime.timedelta(seconds=timeout))
     except (RuntimeError, dist.DistError):  # the store's timeout: this rank votes to abort
@@ -121,16 +124,34 @@ def _wait_outcome(store, base: str, size: int, timeout: float) -> str:
     return store.compare_set(f"{base}/state", "", "abort").decode()
 
 
-def _cleanup(store, domain: str, seq: int, rank: int, first: int) -> None:
+def _leave(store, base: str, ranks: list[int], rank: int, timeout: float) -> None:
+    """The rank that serves the store (global rank 0) leaves last: a rank that finishes first (a call that gathers
+    nothing) and exits would take the store down under the others' last reads."""
+    if rank != 0:
+        store.set(f"{base}/d{rank}", "1")  # this rank's last store operation for ``base``
+        return
+    with contextlib.suppress(RuntimeError, dist.DistError):
+        store.wait([f"{base}/d{r}" for r in ranks if r != rank], datetime.timedelta(seconds=timeout))
+
+
+def _cleanup(store, domain: str, seq: int, rank: int, ranks: list[int]) -> None:
     """Delete the keys of sequence number ``seq - 2``: every rank has left it (it entered ``seq - 1``)."""
     old = seq - 2
     if old < 0:
         return
     base = f"{_PREFIX}/{domain}/{old}"
-    keys = [f"{base}/r{rank}"] + ([f"{base}/n", f"{base}/state"] if rank == first else [])
+    keys = [f"{base}/r{rank}", f"{base}/d{rank}"]
+    if rank == ranks[0]:
+        keys += [f"{base}/n", f"{base}/state"]
     for key in keys:
         with contextlib.suppress(RuntimeError, NotImplementedError):
             store.delete_key(key)
+
+
+def _domain(group, ranks: list[int]) -> str:
+    """The key namespace of ``group``: its name (unique per group, the same on its ranks) and its ranks."""
+    name = getattr(group if group is not None else dist.group.WORLD, "group_name", "")
+    return f"{name}:{'-'.join(map(str, ranks))}"
 
 
 def check_entry(call: str, group=None) -> None:
@@ -153,35 +174,38 @@ def check_entry(call: str, group=None) -> None:
     if store is None:
         return
     rank = dist.get_rank()
-    domain = "-".join(map(str, ranks))
+    domain = _domain(group, ranks)
     seq = _sequence.get(domain, 0)
     _sequence[domain] = seq + 1
-    _cleanup(store, domain, seq, rank, ranks[0])
+    _cleanup(store, domain, seq, rank, ranks)
     base = f"{_PREFIX}/{domain}/{seq}"
     what = _what(call)
-    store.set(f"{base}/r{rank}", what)
     timeout = timeout_s()
-    outcome = _wait_outcome(store, base, len(ranks), timeout)
+    store.set(f"{base}/r{rank}", what)
+    outcome = _decide(store, base, ranks, timeout)
+    if outcome == "abort":
+        _raise_abort(store, base, ranks, rank, what, call, timeout)
+    _leave(store, base, ranks, rank, timeout)
     if outcome != "go":
-        arrived = [r for r in ranks if store.check([f"{base}/r{r}"])]
-        missing = [r for r in ranks if r not in arrived]
-        if not missing:  # this rank came after the others had given up: a lonely call earlier, or a slow rank
-            calls = {r: store.get(f"{base}/r{r}").decode() for r in ranks if r != rank}
-            raise CollectiveEntryError(
-                f"{what} on rank {rank} came after {', '.join(f'{c} on rank {r}' for r, c in calls.items())} had "
-                f"given up waiting {timeout:g} s for this rank and raised: the ranks' collective calls are out of step "
-                f"since (a call made on some ranks only, e.g. inside `if rank == 0:`). {_fix(call)}. If this rank was "
-                f"only slower to get there, raise {TIMEOUT_ENV} (now {timeout:g} s)")
         raise CollectiveEntryError(
-            f"{what} is a collective call, but on rank {rank} it waited {timeout:g} s and ranks {missing} of the "
-            f"model's ranks {ranks} did not enter it (ranks {arrived} did): {_fix(call)}. If those ranks are only "
-            f"slower to get there (a long write on one rank), raise {TIMEOUT_ENV} (now {timeout:g} s)")
-    calls = {r: store.get(f"{base}/r{r}").decode() for r in ranks}
-    if len(set(calls.values())) > 1:
+            f"the model's ranks entered different collective calls at the same point ({outcome[len('mismatch:'):]}): "
+            f"their gathers would pair with each other's and give wrong data or hang. {_fix(call)}")
+
+
+def _raise_abort(store, base: str, ranks: list[int], rank: int, what: str, call: str, timeout: float):
+    arrived = [r for r in ranks if store.check([f"{base}/r{r}"])]
+    missing = [r for r in ranks if r not in arrived]
+    if not missing:  # this rank came after the others had given up: a lonely call earlier, or a slow rank
+        calls = {r: store.get(f"{base}/r{r}").decode() for r in ranks if r != rank}
         raise CollectiveEntryError(
-            f"the model's ranks entered different collective calls at the same point: "
-            f"{', '.join(f'rank {r}: {c}' for r, c in calls.items())}; their gathers would pair with each other's "
-            f"and give wrong data or hang. {_fix(call)}")
+            f"{what} on rank {rank} came after {', '.join(f'{c} on rank {r}' for r, c in calls.items())} had "
+            f"given up waiting {timeout:g} s for this rank and raised: the ranks' collective calls are out of step "
+            f"since (a call made on some ranks only, e.g. inside `if rank == 0:`). {_fix(call)}. If this rank was "
+            f"only slower to get there, raise {TIMEOUT_ENV} (now {timeout:g} s)")
+    raise CollectiveEntryError(
+        f"{what} is a collective call, but on rank {rank} it waited {timeout:g} s and ranks {missing} of the "
+        f"model's ranks {ranks} did not enter it (ranks {arrived} did): {_fix(call)}. If those ranks are only "
+        f"slower to get there (a long write on one rank), raise {TIMEOUT_ENV} (now {timeout:g} s)")
 
 
 @contextlib.contextmanager
