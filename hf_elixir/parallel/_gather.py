@@ -198,12 +198,10 @@ def save_pretrained_full(model: nn.Module, save_directory: str | os.PathLike, **
 def install_save_guard(model: nn.Module) -> None:
     """Make ``model.save_pretrained`` of a parallelized model write the unmodified model's folder.
 
-    Hugging Face's ``save_pretrained(dir)`` saves ``model.state_dict()``: on a rewritten model, this
-    rank's tensor-parallel shards and experts only, a folder that fails to load (tp) or loads with
-    random experts (ep). Without ``state_dict=``, the call becomes :func:`save_pretrained_full`
-    (collective: every rank calls it). With a ``state_dict=`` (Trainer, ``accelerator.get_state_dict``)
-    whose keys or shapes are not the full model's, it raises ``ValueError`` instead of writing a broken
-    folder. Set as an instance attribute (shadows the class method); ``save_pretrained_full`` calls the
+    Without ``state_dict=``, the call becomes :func:`save_pretrained_full` (collective: every rank calls it;
+    the full tensors are kept on rank 0 only, which writes). With a ``state_dict=`` whose keys or shapes are not
+    the full model's (this rank's parts: ``hf_elixir.parallel.local_state_dict``), it raises ``ValueError``
+    instead of writing a folder that fails to load (tp) or loads with random experts (ep). Set as an instance attribute (shadows the class method); ``save_pretrained_full`` calls the
     class method through it with the gathered dict.
     """
     if not callable(getattr(model, "save_pretrained", None)):

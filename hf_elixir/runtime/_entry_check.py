@@ -9,16 +9,18 @@ another rank's unrelated collective of the same size (the next forward's unshard
 
 So, before its first collective, such a call checks in on the store of the default process group (the TCP
 rendezvous store that ``init_process_group`` already runs, on every backend: no NCCL call, nothing on the
-device, about one round trip per rank): each rank writes the call's name under the next sequence number of the
-model's ranks, adds one to a counter, and the rank that completes the count sets the number's state to ``go``.
-The others wait for that state for ``HF_ELIXIR_COLLECTIVE_TIMEOUT_S`` seconds (default 30); a rank that waits in
-vain sets the state to ``abort`` instead, with ``compare_set``, so exactly one of ``go`` / ``abort`` wins even
-when the last rank arrives at that moment: every rank that arrived sees the same outcome, and a rank that arrives
-after an ``abort`` raises as well instead of entering a gather the others left. Once ``go``, the ranks compare
-the names they wrote: ranks in two different calls (rank 0 in ``state_dict``, rank 1 in ``full_parameters``)
-raise at once, naming both, instead of pairing their collectives. A call inside another checked call (the
-``state_dict`` of a ``save_pretrained``) is not checked again: every rank that entered the outer one runs the
-same code. The sequence numbers of the ranks fall out of step after an error: the job is expected to end there.
+device, a few round trips per rank): each rank writes the call's name under the next sequence number of the
+model's group and adds one to a counter; the rank that completes the count compares the names and sets the
+number's state to ``go`` (or ``mismatch`` with every rank's call: ranks in two different calls, rank 0 in
+``state_dict`` and rank 1 in ``full_parameters``, raise at once, naming both, instead of pairing their
+collectives). The others wait for that state for ``HF_ELIXIR_COLLECTIVE_TIMEOUT_S`` seconds (default 30); a rank
+that waits in vain sets it to ``abort`` instead, with ``compare_set``, so exactly one outcome wins even when the
+last rank arrives at that moment: every rank that arrived sees the same one, and a rank that arrives after an
+``abort`` raises as well instead of entering a gather the others left. The rank that serves the store (global rank
+0 under ``env://``) leaves last, so a call that gathers nothing afterwards cannot take the store down under the
+others' last reads. A call inside another checked call (the ``state_dict`` of a tensor-parallel ``state_dict``) is
+not checked again: every rank that entered the outer one runs the same code. The sequence numbers of the ranks
+fall out of step after an error (their next checked calls raise too, none hangs): the job is expected to end there.
 
 Same role as PyTorch's ``monitored_barrier`` (gloo only) and NCCL's watchdog (which kills a job after its
 timeout, minutes later, without naming the call).
