@@ -35,9 +35,9 @@ hf_elixir: a ``p.grad`` norm or logging loop) in that window, naming ``hf_elixir
 ``get_full_grad`` (optim/gradients.py), which give the gradient. After ``optimizer.step()`` and until ``zero_grad``
 plain PyTorch's ``p.grad`` still holds the gradient (a Trainer callback's ``on_optimizer_step`` reads it there);
 here the step consumed the shards, so a user's read raises too (``grads_stepped``, ``STEPPED_FIX``: read them
-before the step, in ``on_pre_optimizer_step``) instead of seeing ``None`` for every parameter; library readers (the Trainer's DTensor check,
-``Module.zero_grad``, accelerate's test scripts) get ``None`` as before; and a global optimizer
-step pre-hook refuses any optimizer other than hf_elixir's that holds managed parameters (it would
+before the step, in ``on_pre_optimizer_step``) instead of seeing ``None`` for every parameter; library readers
+(the Trainer's DTensor check, ``Module.zero_grad``, accelerate's test scripts) get ``None`` as before; and a global
+optimizer step pre-hook refuses any optimizer other than hf_elixir's that holds managed parameters (it would
 update nothing). ``model.zero_grad()`` is routed by runtime/guards.py.
 """
 

@@ -201,8 +201,9 @@ def install_save_guard(model: nn.Module) -> None:
     Without ``state_dict=``, the call becomes :func:`save_pretrained_full` (collective: every rank calls it;
     the full tensors are kept on rank 0 only, which writes). With a ``state_dict=`` whose keys or shapes are not
     the full model's (this rank's parts: ``hf_elixir.parallel.local_state_dict``), it raises ``ValueError``
-    instead of writing a folder that fails to load (tp) or loads with random experts (ep). Set as an instance attribute (shadows the class method); ``save_pretrained_full`` calls the
-    class method through it with the gathered dict.
+    instead of writing a folder that fails to load (tp) or loads with random experts (ep). Set as an instance
+    attribute (shadows the class method); ``save_pretrained_full`` calls the class method through it with the
+    gathered dict.
     """
     if not callable(getattr(model, "save_pretrained", None)):
         return
