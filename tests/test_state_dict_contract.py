@@ -6,18 +6,14 @@
   ``accelerator.get_state_dict`` gives the same. ``hf_elixir.parallel.local_state_dict`` gives this rank's parts;
   ``model.load_state_dict`` takes either back.
 * ``if rank == 0: model.state_dict()`` and ``if accelerator.is_main_process: model.save_pretrained(dir)`` raise on
-  the calling rank within seconds, naming the call and the fix (they used to hang); run in a subprocess with a
-  timeout, so a hang fails the test instead of stalling it.
+  the calling rank within seconds, naming the call and the fix (they used to hang); the ranks are processes
+  killed past a deadline, so a hang fails the test instead of stalling it.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,8 +22,7 @@ import torch.distributed as dist
 import hf_elixir
 from tests._dist import run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
-ENTRY_TIMEOUT_S = 3  # HF_ELIXIR_COLLECTIVE_TIMEOUT_S in the entry cases
+ENTRY_TIMEOUT_S = 2  # HF_ELIXIR_COLLECTIVE_TIMEOUT_S in the entry cases
 
 
 def _model(kind: str):
@@ -145,28 +140,49 @@ def _entry_worker(rank, world_size, pattern, precision, folder):
     return rank, error, elapsed
 
 
-def _run_entry_cases(out_path: str) -> None:
-    """Every pattern, each in its own 2-rank job (the subprocess entry point of the test below)."""
-    os.environ["HF_ELIXIR_COLLECTIVE_TIMEOUT_S"] = str(ENTRY_TIMEOUT_S)
-    results = {}
-    for pattern, precision in (("state_dict", "fp32"), ("state_dict", "bf16"), ("save_pretrained", "fp32"),
-                               ("tp_state_dict", "fp32")):
-        folder = os.path.join(os.path.dirname(out_path), f"{pattern}-{precision}")
-        results[f"{pattern}-{precision}"] = run_distributed(_entry_worker, 2, pattern, precision, folder, timeout_s=60)
-    Path(out_path).write_text(json.dumps(results))
+ENTRY_CASES = [("state_dict", "fp32"), ("state_dict", "bf16"), ("save_pretrained", "fp32"), ("tp_state_dict", "fp32")]
 
 
-def test_calls_on_rank_zero_alone_raise_within_seconds_naming_the_fix(tmp_path):
-    out = tmp_path / "results.json"
-    code = f"from tests.test_state_dict_contract import _run_entry_cases; _run_entry_cases({str(out)!r})"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=400, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for case, ranks in json.loads(out.read_text()).items():
-        (_, error, elapsed), (_, other, _) = ranks
-        assert error is not None, f"{case}: rank 0's call did not raise"
-        assert other is None
-        assert elapsed < ENTRY_TIMEOUT_S + 10, f"{case}: raised after {elapsed:.1f} s"
-        call = "save_pretrained" if case.startswith("save_pretrained") else "state_dict()"
-        assert call in error and "every rank" in error and "is_main_process" in error, f"{case}: {error}"
-        assert "ranks [1]" in error and "HF_ELIXIR_COLLECTIVE_TIMEOUT_S" in error, f"{case}: {error}"
-    assert not (tmp_path / "save_pretrained-fp32" / "model.safetensors").exists()  # nothing half-written
+@pytest.mark.parametrize("pattern,precision", ENTRY_CASES)
+def test_calls_on_rank_zero_alone_raise_within_seconds_naming_the_fix(tmp_path, monkeypatch, pattern, precision):
+    monkeypatch.setenv("HF_ELIXIR_COLLECTIVE_TIMEOUT_S", str(ENTRY_TIMEOUT_S))
+    folder = tmp_path / "saved"
+    # the ranks are processes killed past join_timeout_s: a hang fails the test instead of stalling it
+    (_, error, elapsed), (_, other, _) = run_distributed(_entry_worker, 2, pattern, precision, str(folder),
+                                                        timeout_s=60, join_timeout_s=150)
+    assert error is not None, "rank 0's call did not raise"
+    assert other is None
+    assert elapsed < ENTRY_TIMEOUT_S + 10, f"raised after {elapsed:.1f} s"
+    call = "save_pretrained" if pattern == "save_pretrained" else "state_dict()"
+    assert call in error and "every rank" in error and "is_main_process" in error, error
+    assert "ranks [1]" in error and "HF_ELIXIR_COLLECTIVE_TIMEOUT_S" in error, error
+    assert not (folder / "model.safetensors").exists()  # nothing half-written
+
+
+def _mismatch_worker(rank, world_size):
+    from hf_elixir.runtime._entry_check import check_entry
+
+    check_entry("model.state_dict()")  # every rank: passes
+    start = time.perf_counter()
+    try:
+        check_entry("model.state_dict()" if rank == 0 else "hf_elixir.full_parameters(model)")
+    except hf_elixir.CollectiveEntryError as err:
+        return str(err), time.perf_counter() - start
+    return None, time.perf_counter() - start
+
+
+def test_ranks_in_different_collective_calls_raise_at_once_naming_both(monkeypatch):
+    monkeypatch.setenv("HF_ELIXIR_COLLECTIVE_TIMEOUT_S", "60")
+    for error, elapsed in run_distributed(_mismatch_worker, 2, timeout_s=60):
+        assert error is not None and elapsed < 20  # no timeout waited out
+        assert "rank 0: model.state_dict()" in error and "rank 1: hf_elixir.full_parameters(model)" in error
+
+
+def test_the_timeout_variable_is_validated(monkeypatch):
+    from hf_elixir.runtime._entry_check import timeout_s
+
+    monkeypatch.setenv("HF_ELIXIR_COLLECTIVE_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="HF_ELIXIR_COLLECTIVE_TIMEOUT_S='soon'"):
+        timeout_s()
+    monkeypatch.setenv("HF_ELIXIR_COLLECTIVE_TIMEOUT_S", "2.5")
+    assert timeout_s() == 2.5

@@ -175,6 +175,7 @@ def check_entry(call: str, group=None) -> None:
     store = _store() if ranks is not None else None
     if store is None:
         return
+    timeout = timeout_s()
     rank = dist.get_rank()
     domain = _domain(group, ranks)
     seq = _sequence.get(domain, 0)
@@ -182,7 +183,6 @@ def check_entry(call: str, group=None) -> None:
     _cleanup(store, domain, seq, rank, ranks)
     base = f"{_PREFIX}/{domain}/{seq}"
     what = _what(call)
-    timeout = timeout_s()
     store.set(f"{base}/r{rank}", what)
     outcome = _decide(store, base, ranks, timeout)
     if outcome == "abort":
