@@ -159,6 +159,28 @@ def test_calls_on_rank_zero_alone_raise_within_seconds_naming_the_fix(tmp_path, 
     assert not (folder / "model.safetensors").exists()  # nothing half-written
 
 
+def _replicated_worker(rank, world_size):
+    from tests._models import tiny_model
+
+    model = tiny_model("gpt2")
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    model, opt = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters()),
+                                   hf_elixir.ElixirConfig(default_placement="replicated"))
+    start = time.perf_counter()
+    same = None
+    if rank == 0:  # whole on every rank: nothing to gather, a local call as under DDP
+        same = all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    elapsed = time.perf_counter() - start
+    dist.barrier()
+    return same, elapsed
+
+
+def test_a_replicated_models_state_dict_on_rank_zero_alone_works(monkeypatch):
+    monkeypatch.setenv("HF_ELIXIR_COLLECTIVE_TIMEOUT_S", "60")
+    (same, elapsed), _ = run_distributed(_replicated_worker, 2, timeout_s=60, join_timeout_s=150)
+    assert same and elapsed < 20
+
+
 def _mismatch_worker(rank, world_size):
     from hf_elixir.runtime._entry_check import check_entry
 

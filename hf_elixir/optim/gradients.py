@@ -42,7 +42,7 @@ import torch
 
 from hf_elixir._compat import all_gather_single
 from hf_elixir.chunk.strict import host_read, register_host, to_device, to_host
-from hf_elixir.runtime._entry_check import check_entry, model_group
+from hf_elixir.runtime._entry_check import check_model_entry
 from hf_elixir.runtime._state import get_state
 
 __all__ = ["full_gradients", "get_full_grad"]
@@ -184,7 +184,7 @@ def full_gradients(model: torch.nn.Module, *, local: bool = False) -> Iterator[d
     """
     manager, optimizer = _optimizer_of(model)
     _check_not_stepped(manager, "hf_elixir.full_gradients(model)")
-    check_entry("hf_elixir.full_gradients(model)", model_group(get_state(model)))
+    check_model_entry("hf_elixir.full_gradients(model)", get_state(model))
     flags = _settle(manager, optimizer)
     names = _named_trainable(model, manager)
     grads = _local_grads(manager, optimizer, names, flags)
@@ -229,7 +229,7 @@ def get_full_grad(param: torch.nn.Parameter, model: torch.nn.Module, *, local: b
         raise ValueError(f"hf_elixir.get_full_grad: the parameter of shape {tuple(param.shape)} is not managed by "
                          "this prepared model; pass a parameter of model.parameters()")
     _check_not_stepped(manager, "hf_elixir.get_full_grad(param, model)")
-    check_entry("hf_elixir.get_full_grad(param, model)", model_group(get_state(model)))
+    check_model_entry("hf_elixir.get_full_grad(param, model)", get_state(model))
     flags = _settle(manager, optimizer)
     if not slot.trainable:  # the same on every rank: none takes part in a collective
         return None

@@ -19,8 +19,10 @@ last rank arrives at that moment: every rank that arrived sees the same one, and
 ``abort`` raises as well instead of entering a gather the others left. The rank that serves the store (global rank
 0 under ``env://``) leaves last, so a call that gathers nothing afterwards cannot take the store down under the
 others' last reads. A call inside another checked call (the ``state_dict`` of a tensor-parallel ``state_dict``) is
-not checked again: every rank that entered the outer one runs the same code. The sequence numbers of the ranks
-fall out of step after an error (their next checked calls raise too, none hangs): the job is expected to end there.
+not checked again: every rank that entered the outer one runs the same code. A model whose chunks are all whole on every rank
+(``"replicated"``, or one rank per group) and that is not tensor/expert parallel gathers nothing: its calls are
+local and not checked (``if rank == 0: torch.save(model.state_dict())`` works there, as under DDP). The sequence
+numbers of the ranks fall out of step after an error (their next checked calls raise too, none hangs): the job is expected to end there.
 
 Same role as PyTorch's ``monitored_barrier`` (gloo only) and NCCL's watchdog (which kills a job after its
 timeout, minutes later, without naming the call).
@@ -36,7 +38,7 @@ import threading
 
 import torch.distributed as dist
 
-__all__ = ["TIMEOUT_ENV", "CollectiveEntryError", "check_entry", "checked_call", "model_group", "timeout_s"]
+__all__ = ["TIMEOUT_ENV", "CollectiveEntryError", "check_entry", "check_model_entry", "checked_call", "timeout_s"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +89,15 @@ def _ranks(group) -> list[int] | None:
     return ranks if len(ranks) > 1 else None
 
 
-def model_group(state):
-    """The ranks a prepared model's collective calls span: its ``ElixirConfig.process_group``, or the world for a
-    tensor/expert-parallel model (its gathers also run over the tp/ep groups of the world's mesh)."""
-    return None if state.assemble_full is not None else state.config.process_group
+def check_model_entry(call: str, state) -> None:
+    """:func:`check_entry` for a call on a prepared model (``ElixirState``), over the ranks its gathers span: its
+    ``ElixirConfig.process_group``, or the world for a tensor/expert-parallel model (its gathers also run over the
+    tp/ep groups of the world's mesh). A model whose chunks are all whole on every rank (one rank per group, or
+    ``"replicated"``) and that is not tensor/expert parallel gathers nothing: its calls are local, as PyTorch's
+    (``if rank == 0: torch.save(model.state_dict())`` works there, as under DDP), and are not checked."""
+    if state.assemble_full is None and all(chunk.world_size == 1 for chunk in state.manager.chunks):
+        return
+    check_entry(call, None if state.assemble_full is not None else state.config.process_group)
 
 
 def _store():

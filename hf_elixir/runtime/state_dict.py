@@ -17,7 +17,7 @@ import torch
 
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.chunk.strict import host_copies
-from hf_elixir.runtime._entry_check import check_entry, model_group
+from hf_elixir.runtime._entry_check import check_model_entry
 from hf_elixir.runtime._exports import MasterExport, install_config_dtype, load_fp32_masters
 from hf_elixir.runtime._state import get_state
 
@@ -57,11 +57,8 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
     """
     export = MasterExport(model, manager)
 
-    def group():
-        return model_group(get_state(model))
-
     def begin_save(*args):
-        check_entry("model.state_dict()", group())  # [Note: collective entry check] in _entry_check.py
+        check_model_entry("model.state_dict()", get_state(model))  # [Note: collective entry check] in _entry_check.py
         export.begin()
 
     removables = [model.register_state_dict_pre_hook(begin_save)]
@@ -123,7 +120,7 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
     copies = []
 
     def enter_copies(*args):
-        check_entry("model.load_state_dict(...)", group())
+        check_model_entry("model.load_state_dict(...)", get_state(model))
         copies.append(host_copies())
         copies[-1].__enter__()
 
@@ -185,7 +182,7 @@ def full_parameters(model: torch.nn.Module, *, writeback: bool = False):
     """
     state = get_state(model)
     manager = state.manager
-    check_entry("hf_elixir.full_parameters(model)", model_group(state))
+    check_model_entry("hf_elixir.full_parameters(model)", state)
     # writes made through current parameters before the context: in the shards and masters, so that
     # writeback=False discards only what is written inside it ([Note: parameter writes] in chunk/_chunk_params.py)
     manager.take_param_writes()
