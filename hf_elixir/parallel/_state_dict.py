@@ -114,8 +114,7 @@ def install_full_state_dict(model: nn.Module) -> None:
 
     def state_dict(*args, destination=None, prefix: str = "", keep_vars: bool = False):
         if args:  # torch's deprecated positional form: (destination, prefix, keep_vars)
-            destination, prefix, keep_vars = (*args, prefix, keep_vars)[:3] if len(args) == 1 else \
-                (*args, keep_vars)[:3] if len(args) == 2 else args[:3]
+            destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args):])[:3]
         with checked_call("model.state_dict()"):  # every rank: tp/ep all-gathers follow
             parts = original_save(keep_vars=keep_vars)
             full = assemble_full(parts, model)
