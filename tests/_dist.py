@@ -21,6 +21,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 
 import torch.distributed as dist
@@ -69,11 +70,27 @@ def _worker(rank: int, world_size: int, port: int, fn, args, out_dir: str, timeo
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout_s: int = 120):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the list of results."""
+def _join(context, deadline_s: float) -> None:
+    """Wait for every rank until ``deadline_s`` (``time.monotonic()``); past it, kill them and fail (a hang)."""
+    while not context.join(timeout=max(0.1, min(1.0, deadline_s - time.monotonic()))):
+        if time.monotonic() > deadline_s:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise AssertionError("the ranks did not finish in time: a hang")
+
+
+def run_distributed(fn, world_size: int, *args, timeout_s: int = 120, join_timeout_s: float | None = None):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the list of results.
+
+    ``join_timeout_s``: kill the ranks and fail when they have not all returned by then (a hang outside the process
+    group's collectives, which ``timeout_s`` bounds)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, out_dir, timeout_s, dict(os.environ)),
-                           nprocs=world_size, join=True, start_method=_start_method())
+        context = mp.start_processes(
+            _worker, args=(world_size, free_port(), fn, args, out_dir, timeout_s, dict(os.environ)),
+            nprocs=world_size, join=join_timeout_s is None, start_method=_start_method())
+        if join_timeout_s is not None:
+            _join(context, time.monotonic() + join_timeout_s)
         results = []
         for rank in range(world_size):
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:

@@ -485,6 +485,8 @@ def _slow_config_writes(delay_s: float = 0.3):
 def _save_and_reload(kind: str, model, full: dict, save_dir: str) -> dict:
     import transformers as T
 
+    from hf_elixir.parallel import local_state_dict
+
     # the plain HF call gathers the unmodified model's folder (collective); rank 0 writes config.json slowly, so a
     # rank that returns before the folder is final (reads it while rank 0 still writes) is seen below
     with _slow_config_writes() if dist.get_rank() == 0 else contextlib.nullcontext():
@@ -493,7 +495,7 @@ def _save_and_reload(kind: str, model, full: dict, save_dir: str) -> dict:
     dist.barrier()
     folder_final = os.stat(os.path.join(save_dir, "config.json")).st_mtime_ns == config_mtime
     try:  # this rank's parts as state_dict= (what a Trainer would pass): refused, nothing written
-        model.save_pretrained(save_dir + "-partial", state_dict=model.state_dict())
+        model.save_pretrained(save_dir + "-partial", state_dict=local_state_dict(model))
         partial_refused = False
     except ValueError as err:
         partial_refused = "save_pretrained_full" in str(err) and not os.path.exists(save_dir + "-partial")

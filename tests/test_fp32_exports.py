@@ -180,7 +180,7 @@ def test_accelerate_get_state_dict_unwrap_save_and_trainer_save_model_write_fp32
 def _parallel_worker(rank, world_size, kind, tp, ep, folder):
     """A tensor/expert-parallel model under bf16: this rank's state_dict is its local fp32 masters, the
     gathered (unmodified model's) state dict and folder are fp32."""
-    from hf_elixir.parallel import build_mesh, gather_full_state_dict, parallelize
+    from hf_elixir.parallel import build_mesh, gather_full_state_dict, local_state_dict, parallelize
     from tests.parallel_harness import make_batch, make_model
 
     model = make_model(kind)
@@ -195,7 +195,7 @@ def _parallel_worker(rank, world_size, kind, tp, ep, folder):
         opt.backward(model(**make_batch(kind, step, index)).loss)
         opt.step()
         opt.zero_grad()
-    local = model.state_dict()
+    local = local_state_dict(model)  # this rank's parts, as the optimizer's masters
     masters = _masters(opt)
     full = gather_full_state_dict(model, rank0_only=False)
     model.save_pretrained(folder)

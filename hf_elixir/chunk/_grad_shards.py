@@ -103,6 +103,7 @@ class GradShardMixin:
             self.local_flags = set()
         self.rank_checks.reset()  # the gradients a mismatched order reduced are gone
         self.grads_pending = False
+        self.grads_stepped = False
         if self.on_zero_grad is not None:
             self.on_zero_grad()
 

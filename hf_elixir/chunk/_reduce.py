@@ -91,6 +91,9 @@ class ReduceMixin:
         # reduced gradients wait in the shards for the optimizer: set at the end of backward, cleared by the
         # step and by zero_grad ([Note: gradients in chunks] in params.py)
         self.grads_pending = False
+        # the step consumed them and no zero_grad cleared them yet: where plain PyTorch's p.grad still holds them
+        # (a Trainer callback's on_optimizer_step), a user's read of p.grad raises instead of seeing None
+        self.grads_stepped = False
 
     def on_grad(self, param: torch.nn.Parameter) -> None:
         """Post-accumulate-grad hook body: move ``param.grad`` into its chunk's gradient buffer."""
@@ -263,6 +266,7 @@ class ReduceMixin:
             chunk.arrived_slots.clear()
         self.backward_pending = False
         self.grads_pending = True
+        self.grads_stepped = False
         if self.on_backward_end is not None:
             self.on_backward_end()
 

@@ -121,6 +121,7 @@ class StepTraceMixin:
         self.drain_reduces()
         self.drain_gathers()
         self._rotate_trace()
+        self.grads_stepped = self.grads_pending or self.grads_stepped
         self.grads_pending = False  # consumed by the step
         self.hide_stale()
         self._close_step()

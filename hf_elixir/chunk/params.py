@@ -32,9 +32,12 @@ manager's ``clear_param_grad``); assigning a tensor raises; ``torch.nn.utils.cli
 ``clip_grad_value_`` reading ``p.grad`` while the chunks hold gradients not yet stepped or cleared raises
 and so does a read of a trainable parameter's ``p.grad`` by user code (a file outside installed libraries and
 hf_elixir: a ``p.grad`` norm or logging loop) in that window, naming ``hf_elixir.full_gradients`` /
-``get_full_grad`` (optim/gradients.py), which give the gradient; library readers (the Trainer's DTensor check,
-``Module.zero_grad``, accelerate's test scripts) get ``None`` as before; and a global optimizer
-step pre-hook refuses any optimizer other than hf_elixir's that holds managed parameters (it would
+``get_full_grad`` (optim/gradients.py), which give the gradient. After ``optimizer.step()`` and until ``zero_grad``
+plain PyTorch's ``p.grad`` still holds the gradient (a Trainer callback's ``on_optimizer_step`` reads it there);
+here the step consumed the shards, so a user's read raises too (``grads_stepped``, ``STEPPED_FIX``: read them
+before the step, in ``on_pre_optimizer_step``) instead of seeing ``None`` for every parameter; library readers
+(the Trainer's DTensor check, ``Module.zero_grad``, accelerate's test scripts) get ``None`` as before; and a global
+optimizer step pre-hook refuses any optimizer other than hf_elixir's that holds managed parameters (it would
 update nothing). ``model.zero_grad()`` is routed by runtime/guards.py.
 """
 
@@ -89,6 +92,15 @@ class UnconsumedGradientError(RuntimeError):
 GRAD_FIX = ("backward adds each gradient into its chunk's buffer and reduce-scatters it, so p.grad stays None and "
             "only the optimizer hf_elixir.prepare returned (`model, optimizer = hf_elixir.prepare(model, "
             "optimizer)`) steps, clips and clears these gradients.")
+
+
+#: a user's read of p.grad after optimizer.step() and before zero_grad ([Note: gradients in chunks])
+STEPPED_FIX = ("p.grad of {name!r} after optimizer.step() is None under hf_elixir, where plain PyTorch still holds the "
+               "gradient until zero_grad (a Trainer callback's on_optimizer_step): the gradients live in sharded chunk "
+               "buffers that the step consumed. Read them before the step with `with hf_elixir.full_gradients(model) "
+               "as grads:` (grads[name]: the full fp32 gradient, clipped) or hf_elixir.get_full_grad(param, model), "
+               "on every rank: in a Trainer callback, in on_pre_optimizer_step (after the Trainer's clipping, the "
+               "values p.grad holds in on_optimizer_step)")
 
 
 def _op_name(func) -> str:
@@ -165,6 +177,8 @@ class _ManagedMixin:
                     "hf_elixir.full_gradients(model) as grads:` (grads[name]: the full fp32 gradient) or "
                     "hf_elixir.get_full_grad(param, model) on every rank; the norm is what optimizer.clip_grad_norm "
                     "(accelerator.clip_grad_norm_) returns")
+            if owner is not None and owner.grads_stepped and self.requires_grad and _read_by_user_code():
+                raise UnconsumedGradientError(STEPPED_FIX.format(name=self._hf_elixir_name))
         return value
 
     @grad.setter

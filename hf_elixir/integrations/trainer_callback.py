@@ -268,12 +268,9 @@ def _loss_scale(optimizer) -> float | None:
 def _save_gathered(original_save):
     """Trainer._save that consolidates the state dict on every rank (a collective under Elixir).
 
-    A model rewritten by ``hf_elixir.parallel.parallelize`` (tensor/expert parallel) holds only this rank's
-    shards and experts in ``state_dict()``; its save guard refuses such a ``state_dict=`` (the folder would not
-    load), which made every Trainer checkpoint and ``save_model`` of an expert-parallel model raise on the
-    writing rank while the others waited in the next collective. For it the unmodified model's full state dict
-    is gathered instead (``gather_full_state_dict``, collective over every rank; kept on every rank when
-    ``save_on_each_node`` makes more than one rank write)."""
+    A model rewritten by ``hf_elixir.parallel.parallelize`` (tensor/expert parallel) gets the unmodified model's
+    full state dict through ``gather_full_state_dict`` (collective over every rank, as its ``state_dict()``), kept
+    on the writing rank only (on every rank when ``save_on_each_node`` makes more than one rank write)."""
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if state_dict is None:

@@ -42,6 +42,7 @@ import torch
 
 from hf_elixir._compat import all_gather_single
 from hf_elixir.chunk.strict import host_read, register_host, to_device, to_host
+from hf_elixir.runtime._entry_check import check_model_entry
 from hf_elixir.runtime._state import get_state
 
 __all__ = ["full_gradients", "get_full_grad"]
@@ -54,6 +55,15 @@ def _optimizer_of(model: torch.nn.Module):
                          "(hf_elixir.prepare(model, None)), so it keeps no gradients; prepare it with the optimizer "
                          "that trains it")
     return state.manager, state.optimizer
+
+
+def _check_not_stepped(manager, call: str) -> None:
+    """Refuse a read after ``optimizer.step()`` and before ``zero_grad``: the step consumed the shards (fp16: unscaled
+    in place, the scale updated), so they no longer read as the step's gradients."""
+    if manager.grads_stepped:
+        raise ValueError(f"{call} after optimizer.step(): the step consumed the gradient shards, so they no longer "
+                         "read as this step's gradients; call it between backward and optimizer.step() (in a Trainer "
+                         "callback: on_pre_optimizer_step, after the Trainer's clipping)")
 
 
 def _settle(manager, optimizer) -> torch.Tensor:
@@ -167,9 +177,14 @@ def full_gradients(model: torch.nn.Module, *, local: bool = False) -> Iterator[d
         (of the unmodified model under tensor/expert parallel, unless ``local``).
 
     Raises:
-        ValueError: the model was not prepared, or was prepared without an optimizer.
+        ValueError: the model was not prepared, or was prepared without an optimizer; called after
+            ``optimizer.step()`` and before ``zero_grad`` (in a Trainer callback, use ``on_pre_optimizer_step``).
+        CollectiveEntryError: some rank did not enter it ([Note: collective entry check] in
+            ``hf_elixir/runtime/_entry_check.py``).
     """
     manager, optimizer = _optimizer_of(model)
+    _check_not_stepped(manager, "hf_elixir.full_gradients(model)")
+    check_model_entry("hf_elixir.full_gradients(model)", get_state(model))
     flags = _settle(manager, optimizer)
     names = _named_trainable(model, manager)
     grads = _local_grads(manager, optimizer, names, flags)
@@ -205,13 +220,16 @@ def get_full_grad(param: torch.nn.Parameter, model: torch.nn.Module, *, local: b
         got no gradient since the last ``zero_grad`` (as PyTorch's ``p.grad``), or is frozen.
 
     Raises:
-        ValueError: ``model`` was not prepared with an optimizer, or ``param`` is not one hf_elixir manages in it.
+        ValueError: ``model`` was not prepared with an optimizer, or ``param`` is not one hf_elixir manages in it;
+            called after ``optimizer.step()`` and before ``zero_grad``.
     """
     manager, optimizer = _optimizer_of(model)
     slot = manager.slot_of.get(param)
     if slot is None:
         raise ValueError(f"hf_elixir.get_full_grad: the parameter of shape {tuple(param.shape)} is not managed by "
                          "this prepared model; pass a parameter of model.parameters()")
+    _check_not_stepped(manager, "hf_elixir.get_full_grad(param, model)")
+    check_model_entry("hf_elixir.get_full_grad(param, model)", get_state(model))
     flags = _settle(manager, optimizer)
     if not slot.trainable:  # the same on every rank: none takes part in a collective
         return None

@@ -3,7 +3,8 @@
 Public surface: :func:`build_mesh` / :class:`ElixirMesh`, :func:`parallelize` (rewrites a model in
 place from its resolved placements), :func:`reduce_gradients` / :func:`param_process_groups` (which
 group each gradient is reduced over), :func:`gather_full_state_dict` / :func:`save_pretrained_full`
-(back to a standard Hugging Face checkpoint) and :func:`load_full_state_dict` (from one, e.g. to resume),
+(back to a standard Hugging Face checkpoint: what ``model.state_dict()`` returns), :func:`local_state_dict` (this
+rank's parts) and :func:`load_full_state_dict` (from one, e.g. to resume),
 and the layers themselves (Switch's :class:`ExpertParallelExperts`; :func:`shard_fused_experts` /
 :class:`FusedExpertDispatch` for the fused 3-D experts of Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, gpt-oss;
 :func:`split_fused_experts` / :func:`unsplit_fused_experts`, one hook unit per expert, which ``prepare`` applies
@@ -24,6 +25,7 @@ from hf_elixir.parallel._gather import gather_full_state_dict, save_pretrained_f
 from hf_elixir.parallel._load import load_full_state_dict
 from hf_elixir.parallel._mesh import ElixirMesh, build_mesh
 from hf_elixir.parallel._state import ParallelState, get_parallel_state
+from hf_elixir.parallel._state_dict import local_state_dict
 from hf_elixir.parallel._tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPShardLayout
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "gather_full_state_dict",
     "get_parallel_state",
     "load_full_state_dict",
+    "local_state_dict",
     "param_process_groups",
     "parallelize",
     "placements_for_plan",

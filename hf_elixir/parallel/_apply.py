@@ -16,6 +16,7 @@ from torch import nn
 from hf_elixir.parallel._expert_parallel import ExpertParallelExperts
 from hf_elixir.parallel._fused_experts import shard_fused_experts
 from hf_elixir.parallel._gather import install_save_guard
+from hf_elixir.parallel._state_dict import install_full_state_dict
 from hf_elixir.parallel._mesh import ElixirMesh, build_mesh
 from hf_elixir.parallel._state import _STATE_ATTR, ParallelState, get_parallel_state
 from hf_elixir.parallel._tensor_parallel import parallelize_block
@@ -81,6 +82,7 @@ def parallelize(model: nn.Module, config: Any, mesh: ElixirMesh | None = None) -
         setattr(named[parent_fqn] if parent_fqn else model, child, new)
     setattr(model, _STATE_ATTR, state)
     install_save_guard(model)
+    install_full_state_dict(model)  # model.state_dict(): full tensors ([Note: one state_dict contract])
     return state
 
 

@@ -182,8 +182,9 @@ def _share_tied(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
 def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The state dict of the unmodified model class, reassembled from tp shards and ep experts.
 
-    Collective: call on every rank. Works on a model also prepared by ``hf_elixir.prepare`` (built on
-    its ``model.state_dict()``, which consolidates the ZeRO chunks over their data-parallel groups into
+    Collective: call on every rank. What ``model.state_dict()`` returns for such a model ([Note: one state_dict
+    contract] in ``_state_dict.py``), kept on rank 0 only by default. Works on a model also prepared by
+    ``hf_elixir.prepare`` (its state dict consolidates the ZeRO chunks over their data-parallel groups into
     this rank's full local tensors), through :func:`assemble_full`: tp shards all-gathered over the tp group
     and merged (GPT-2's ``c_attn`` re-fused per head: ``q|k|v`` with every rank's heads in order), experts
     all-gathered over the ep group (fused 3-D expert slices concatenated on dim 0, in ep rank order).
@@ -204,7 +205,7 @@ def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict
     if state is None:
         raise ValueError("gather_full_state_dict needs a model rewritten by hf_elixir.parallel.parallelize; "
                          "use model.state_dict() for others")
-    full = assemble_full(model.state_dict(), model)
+    full = model.state_dict()  # assembled: [Note: one state_dict contract] in _state_dict.py
     missing = [k for k in state.full_shapes if k not in full]
     assert not missing, f"rank {dist.get_rank()}: not gathered: {missing[:3]}"
     if rank0_only and dist.get_rank() != 0:
@@ -227,13 +228,12 @@ def save_pretrained_full(model: nn.Module, save_directory: str | os.PathLike, **
 def install_save_guard(model: nn.Module) -> None:
     """Make ``model.save_pretrained`` of a parallelized model write the unmodified model's folder.
 
-    Hugging Face's ``save_pretrained(dir)`` saves ``model.state_dict()``: on a rewritten model, this
-    rank's tensor-parallel shards and experts only, a folder that fails to load (tp) or loads with
-    random experts (ep). Without ``state_dict=``, the call becomes :func:`save_pretrained_full`
-    (collective: every rank calls it). With a ``state_dict=`` (Trainer, ``accelerator.get_state_dict``)
-    whose keys or shapes are not the full model's, it raises ``ValueError`` instead of writing a broken
-    folder. Set as an instance attribute (shadows the class method); ``save_pretrained_full`` calls the
-    class method through it with the gathered dict.
+    Without ``state_dict=``, the call becomes :func:`save_pretrained_full` (collective: every rank calls it;
+    the full tensors are kept on rank 0 only, which writes). With a ``state_dict=`` whose keys or shapes are not
+    the full model's (this rank's parts: ``hf_elixir.parallel.local_state_dict``), it raises ``ValueError``
+    instead of writing a folder that fails to load (tp) or loads with random experts (ep). Set as an instance
+    attribute (shadows the class method); ``save_pretrained_full`` calls the class method through it with the
+    gathered dict.
     """
     if not callable(getattr(model, "save_pretrained", None)):
         return

@@ -26,7 +26,9 @@ from hf_elixir.chunk._stream_load import (EXPERT_ROWS_ATTR, CheckpointReader, Te
 from hf_elixir.parallel._expert_units import fused_names
 from hf_elixir.parallel._state import ParallelState, get_parallel_state
 
-__all__ = ["load_full_state_dict"]
+__all__ = ["LOCAL_LOAD_ATTR", "load_full_state_dict"]
+
+LOCAL_LOAD_ATTR = "_hf_elixir_local_load_state_dict"  # a parallelized model's load_state_dict of this rank's parts
 
 
 def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -155,7 +157,9 @@ def load_full_state_dict(model: nn.Module, source: dict[str, torch.Tensor] | str
         raise ValueError(f"load_full_state_dict: no value for parameters {missing[:5]}"
                          f"{' and more' if len(missing) > 5 else ''} in the given state dict; pass the full state "
                          "dict of this model (strict=False keeps their values)")
-    return model.load_state_dict(local, strict=False)
+    # this rank's parts: the model's own load_state_dict, not the full-tensor one over it ([Note: one state_dict
+    # contract] in _state_dict.py)
+    return getattr(model, LOCAL_LOAD_ATTR, model.load_state_dict)(local, strict=False)
 
 
 @torch.no_grad()

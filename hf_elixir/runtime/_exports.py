@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from hf_elixir._compat import all_gather_single
 from hf_elixir.chunk.strict import host_copies, register_host, to_device, to_host
+from hf_elixir.runtime._entry_check import checked_call
 from hf_elixir.runtime._state import get_state
 
 __all__ = ["MasterExport", "exports_masters", "install_config_dtype", "load_fp32_masters"]
@@ -148,7 +149,9 @@ def install_config_dtype(model: torch.nn.Module, export: MasterExport):
     collective = getattr(original, "collective", False)  # the parallel save guard: ends in a barrier
 
     def save_pretrained(save_directory, *args, state_dict=None, is_main_process=True, **kwargs):
-        result = original(save_directory, *args, state_dict=state_dict, is_main_process=is_main_process, **kwargs)
+        with checked_call("model.save_pretrained(...)", label=True):  # names it in a collective entry error
+            result = original(save_directory, *args, state_dict=state_dict, is_main_process=is_main_process,
+                              **kwargs)
         written = _written_dtype(state_dict) or export.dtype()
         on_this_rank = getattr(model, "should_save_on_this_rank", lambda main: main)(is_main_process)
         if on_this_rank and os.path.isfile(os.path.join(save_directory, "config.json")):

@@ -17,6 +17,7 @@ import torch
 
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.chunk.strict import host_copies
+from hf_elixir.runtime._entry_check import check_model_entry
 from hf_elixir.runtime._exports import MasterExport, install_config_dtype, load_fp32_masters
 from hf_elixir.runtime._state import get_state
 
@@ -55,7 +56,12 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
             optimizer refreshes its fp32 masters there).
     """
     export = MasterExport(model, manager)
-    removables = [model.register_state_dict_pre_hook(lambda *args: export.begin())]
+
+    def begin_save(*args):
+        check_model_entry("model.state_dict()", get_state(model))  # [Note: collective entry check] in _entry_check.py
+        export.begin()
+
+    removables = [model.register_state_dict_pre_hook(begin_save)]
     loaded: dict[torch.nn.Parameter, torch.Tensor] = {}  # fp32 values a load_state_dict gives ([Note: fp32 loads])
 
     for module in model.modules():
@@ -114,6 +120,7 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
     copies = []
 
     def enter_copies(*args):
+        check_model_entry("model.load_state_dict(...)", get_state(model))
         copies.append(host_copies())
         copies[-1].__enter__()
 
@@ -170,9 +177,12 @@ def full_parameters(model: torch.nn.Module, *, writeback: bool = False):
 
     Raises:
         DeviceBudgetExceededError: the whole model does not fit the device budget at once.
+        CollectiveEntryError: some rank of the model did not enter it within ``HF_ELIXIR_COLLECTIVE_TIMEOUT_S``
+            seconds ([Note: collective entry check] in _entry_check.py).
     """
     state = get_state(model)
     manager = state.manager
+    check_model_entry("hf_elixir.full_parameters(model)", state)
     # writes made through current parameters before the context: in the shards and masters, so that
     # writeback=False discards only what is written inside it ([Note: parameter writes] in chunk/_chunk_params.py)
     manager.take_param_writes()
