@@ -75,21 +75,21 @@ def _model(mode: str, tied: bool = False, uneven: bool = False) -> torch.nn.Modu
                                                 router_jitter_noise=0.0, **common))
 
 
-def _build(mode: str, tied: bool = False, parallel: bool = True, uneven: bool = False):
+def _build(mode: str, tied: bool = False, parallel: bool = True, uneven: bool = False, precision: str = "fp32"):
     """The tiny model of ``mode`` (``tied``, ``uneven`` as :func:`_model`), parallelized (unless ``parallel=False``:
-    plain ZeRO) and prepared."""
+    plain ZeRO) and prepared at ``precision``."""
     import hf_elixir
     from hf_elixir.parallel import build_mesh, parallelize
 
     model = _model(mode, tied, uneven)
     if not parallel:
-        cfg = hf_elixir.ElixirConfig(chunk_size_numel=4096)
+        cfg = hf_elixir.ElixirConfig(chunk_size_numel=4096, precision=precision)
         return hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), cfg)
     if mode == "tp":
-        cfg = hf_elixir.ElixirConfig(tensor_parallel_size=2, chunk_size_numel=4096)
+        cfg = hf_elixir.ElixirConfig(tensor_parallel_size=2, chunk_size_numel=4096, precision=precision)
     else:
         cfg = hf_elixir.ElixirConfig(expert_parallel_size=2, placements={"*.mlp.experts": "expert"},
-                                     chunk_size_numel=4096)
+                                     chunk_size_numel=4096, precision=precision)
     parallelize(model, cfg, build_mesh(cfg))
     return hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), cfg)
 

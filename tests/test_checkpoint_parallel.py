@@ -43,6 +43,20 @@ def _same_optimizer(a, b) -> bool:
     return _same(tensors_a, tensors_b) and meta_a["slots"] == meta_b["slots"]
 
 
+def _bf16_resume(rank, directory) -> list[bool]:
+    """The uneven TP=2 Llama in bf16 (fp32 masters): saved after a step, the next step of the saved run and of a
+    resumed one give the same fp32 masters and optimizer shards (masters, moments, steps), bit for bit."""
+    kw = dict(tied=True, uneven=True, precision="bf16")
+    model, opt = _build("tp", **kw)
+    _step(model, opt, 1, rank)
+    hf_elixir.save_checkpoint(directory, model, opt, step=1)
+    _step(model, opt, 2, rank)
+    fresh, fresh_opt = _build("tp", **kw)
+    hf_elixir.load_checkpoint(directory, fresh, fresh_opt)
+    _step(fresh, fresh_opt, 2, rank)
+    return [_same(_local(model), _local(fresh)), _same_optimizer(opt, fresh_opt)]
+
+
 def _legacy_error(rank, directory, mode, model) -> str:
     """A checkpoint as a tensor/expert-parallel run wrote it before manifests recorded the mesh (rank 0's local
     tensors as ``model.safetensors``, no ``mesh``), loaded without an optimizer into ``model``: the message."""
@@ -108,6 +122,7 @@ def _resume_worker(rank, world_size, mode, directory):
     rebuilt, full_same = _local(resharded), gather_full_state_dict(same, rank0_only=False)
     cut, dense_local = gather_full_state_dict(into_parallel, rank0_only=False), _local(dense)
     return {"step": info["step"], "legacy": _legacy_error(rank, directory, mode, same),
+            "bf16_equal": _bf16_resume(rank, directory + "-bf16") if mode == "tp" else [True, True],
             "reshard_exact": [_equal_on(rebuilt, full_same), _equal_on(dense_local, cut)],
             "reshard_rel": [abs(losses[0] - losses[1]) / losses[1], abs(losses[2] - losses[3]) / losses[3]],
             "losses_equal": [e[0] for e in expected] == [r[0] for r in resumed],
@@ -126,6 +141,7 @@ def test_parallel_checkpoint_resumes_exactly_and_refuses_another_layout(tmp_path
         assert result["losses_equal"] and result["tensors_equal"]  # bit for bit, both steps after the resume
         assert result["uninterrupted_equal"]  # and equal to a run that never saved
         assert result["optimizer_equal"] == [True, True]  # Adam moments and steps: the saved run's, the unsaved one's
+        assert result["bf16_equal"] == [True, True]  # and under bf16: fp32 masters, moments
         assert max(result["reshard_rel"]) < 1e-5, result["reshard_rel"]  # fp32, another reduction order
         assert len(result["errors"]) == 2, result["errors"]
         saved, other = (f"{mode}=2", "tp=1 ep=1 dp=2")
