@@ -59,35 +59,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _model(mode: str, tied: bool = False) -> torch.nn.Module:
+def _model(mode: str, tied: bool = False, uneven: bool = False) -> torch.nn.Module:
     """The tiny fp32 model of ``mode`` (same seed every time): Llama for ``"tp"``, Mixtral (4 experts) for ``"ep"``;
-    ``tied``: ``lm_head`` tied to the input embedding."""
+    ``tied``: ``lm_head`` tied to the input embedding; ``uneven``: a vocabulary of 255 and an MLP width of 63, which
+    two tp ranks do not divide."""
     import transformers as T
 
     T.logging.set_verbosity_error()
     torch.manual_seed(0)
-    common = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=64, attention_dropout=0.0, tie_word_embeddings=tied)
+    common = dict(vocab_size=255 if uneven else 128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.0, tie_word_embeddings=tied)
     if mode == "tp":
-        return T.LlamaForCausalLM(T.LlamaConfig(intermediate_size=64, **common))
+        return T.LlamaForCausalLM(T.LlamaConfig(intermediate_size=63 if uneven else 64, **common))
     return T.MixtralForCausalLM(T.MixtralConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
                                                 router_jitter_noise=0.0, **common))
 
 
-def _build(mode: str, tied: bool = False, parallel: bool = True):
-    """The tiny model of ``mode``, parallelized (unless ``parallel=False``: plain ZeRO) and prepared."""
+def _build(mode: str, tied: bool = False, parallel: bool = True, uneven: bool = False, precision: str = "fp32"):
+    """The tiny model of ``mode`` (``tied``, ``uneven`` as :func:`_model`), parallelized (unless ``parallel=False``:
+    plain ZeRO) and prepared at ``precision``."""
     import hf_elixir
     from hf_elixir.parallel import build_mesh, parallelize
 
-    model = _model(mode, tied)
+    model = _model(mode, tied, uneven)
     if not parallel:
-        cfg = hf_elixir.ElixirConfig(chunk_size_numel=4096)
+        cfg = hf_elixir.ElixirConfig(chunk_size_numel=4096, precision=precision)
         return hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), cfg)
     if mode == "tp":
-        cfg = hf_elixir.ElixirConfig(tensor_parallel_size=2, chunk_size_numel=4096)
+        cfg = hf_elixir.ElixirConfig(tensor_parallel_size=2, chunk_size_numel=4096, precision=precision)
     else:
         cfg = hf_elixir.ElixirConfig(expert_parallel_size=2, placements={"*.mlp.experts": "expert"},
-                                     chunk_size_numel=4096)
+                                     chunk_size_numel=4096, precision=precision)
     parallelize(model, cfg, build_mesh(cfg))
     return hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), cfg)
 

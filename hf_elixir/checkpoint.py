@@ -36,14 +36,17 @@ rank ``r`` writes ``model.{tp|ep}{r}.safetensors`` with its tensor-parallel slic
 tensors replicated over the model-parallel group, so each tensor is on disk once and no rank holds more than its
 own part. The optimizer state is per rank (``optimizer_layout="sharded"``, each rank's chunk layout and param
 groups in its ``optimizer_shards`` record). The manifest records the mesh and, per model file, each tensor's role
-(``tp`` with its split ``dim`` and ``parts``, ``experts``, ``replicated``), local and global shape. Such a
-checkpoint resumes exactly (weights, fp32 masters, moments, step counts) on the same mesh and the same split of
-fused experts; resuming on any other layout (another tp/ep/dp size, a dense model, a dense checkpoint into a
+(``tp`` with its split ``dim``, ``parts`` and ``full_size``, ``experts``, ``replicated``), local and global shape.
+Such a checkpoint resumes exactly (weights, fp32 masters, moments, step counts) on the same mesh and the same split
+of fused experts; resuming on any other layout (another tp/ep/dp size, a dense model, a dense checkpoint into a
 parallel model) is refused with a ``ValueError`` naming both layouts, before anything is loaded. The weights alone
-(``optimizer=None``) are resharded: the full tensors are reassembled from every rank's file
-(``consolidate_shards``) and this model takes its part (``load_full_state_dict``, or ``load_state_dict``). All ranks write into the same
-``.DIR.saving``, gather their file records, and rank 0 writes the manifest and renames last, so [Note: atomic
-save] holds across ranks: a rank killed at any point leaves ``DIR`` (or ``.DIR.previous``) complete.
+(``optimizer=None``) are resharded: the full tensors are reassembled from every rank's file (``consolidate_shards``,
+by the ``tp_slice`` rule the slices were cut with, uneven ones too) and this model takes its part
+(``load_full_state_dict``, the same rule, or ``load_state_dict``). A checkpoint without the mesh record whose model
+file holds one rank's shards (a tensor/expert-parallel save from before the record) is refused naming the fixes
+(``check_layout_recorded``). All ranks write into the same ``.DIR.saving``, gather their file records, and rank 0
+writes the manifest and renames last, so [Note: atomic save] holds across ranks: a rank killed at any point leaves
+``DIR`` (or ``.DIR.previous``) complete.
 
 Source: the write-temp-then-rename discipline of POSIX ``rename(2)``; safetensors (Hugging Face) for
 tensors; PyTorch distributed checkpoint's "each rank writes its shard" layout.
@@ -66,9 +69,9 @@ from safetensors.torch import load_file, save_file
 
 from hf_elixir.parallel._expert_units import fused_names
 from hf_elixir.parallel._load import load_full_state_dict
-from hf_elixir.parallel._shard_io import (check_same_layout, consolidate_shards, describe, is_model_parallel,
-                                          mesh_record, model_shard_payload, mp_coordinates, same_layout,
-                                          shard_file_name, shard_files_to_read, write_local_tensors)
+from hf_elixir.parallel._shard_io import (check_layout_recorded, check_same_layout, consolidate_shards, describe,
+                                          is_model_parallel, mesh_record, model_shard_payload, mp_coordinates,
+                                          same_layout, shard_file_name, shard_files_to_read, write_local_tensors)
 from hf_elixir.runtime._state import get_state
 from hf_elixir.optim.optimizer import CONSOLIDATED_FORMAT, ElixirOptimizer
 from hf_elixir.optim._shard_payload import (apply_own_shards, chunk_layout, decode, encode, param_groups_meta,
@@ -654,7 +657,8 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module,
             newer; the checkpoint has no optimizer state but ``optimizer`` was given; param groups
             or parameters do not match; sharded state over sub-groups into another world size; with an
             optimizer, a tensor/expert-parallel checkpoint into another layout, or a dense one into a parallel
-            model (names both layouts; ``optimizer=None`` reshards the weights instead).
+            model (names both layouts; ``optimizer=None`` reshards the weights instead); into a parallel model, a
+            checkpoint without a mesh record holding one rank's shards.
     """
     manifest = read_manifest(directory)
     root = Path(manifest["_directory"])
@@ -663,6 +667,8 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module,
     info = {"step": int(manifest["step"]), "extra": manifest.get("extra", {}),
             "world_size": int(manifest["world_size"]), "manifest": manifest}
     # verify and read everything before touching the model: a bad file leaves the run as it was
+    if "mesh" not in manifest and _MODEL_FILE in manifest["files"] and is_model_parallel(mesh_record(model)):
+        check_layout_recorded(repr(str(root)), _verify(root, manifest, _MODEL_FILE), model)
     if optimizer is None and not same_layout(_saved_mesh(manifest), model):  # the same answer on every rank
         _load_resharded(root, manifest, model)
         return info

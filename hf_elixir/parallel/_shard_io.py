@@ -17,10 +17,12 @@ and written once, under its first name (``named_parameters`` order), as transfor
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch import nn
 
 from hf_elixir.chunk.strict import host_copies, to_host
@@ -31,9 +33,9 @@ from hf_elixir.runtime._exports import MasterExport, load_fp32_masters
 from hf_elixir.runtime._state import get_state
 from hf_elixir.runtime.state_dict import _ensure_all_full
 
-__all__ = ["check_same_layout", "consolidate_shards", "describe", "is_model_parallel", "mesh_record",
-           "model_shard_payload", "mp_coordinates", "read_local_tensors", "same_layout", "shard_file_name",
-           "shard_files_to_read", "tensor_roles", "write_local_tensors", "writes_model_shard"]
+__all__ = ["check_layout_recorded", "check_same_layout", "consolidate_shards", "describe", "is_model_parallel",
+           "mesh_record", "model_shard_payload", "mp_coordinates", "read_local_tensors", "same_layout",
+           "shard_file_name", "shard_files_to_read", "tensor_roles", "write_local_tensors", "writes_model_shard"]
 
 
 def mesh_record(model: nn.Module) -> dict[str, Any]:
@@ -102,10 +104,12 @@ def _owned(model: nn.Module):
 def tensor_roles(model: nn.Module) -> dict[str, dict[str, Any]]:
     """Name -> how this rank's tensor maps to the unmodified model's (see [Note: local tensors]).
 
-    ``{"role": "tp", "dim": d, "parts": p, "local_shape": [...], "global_shape": [...]}`` for a tensor-parallel
-    slice, ``{"role": "experts", ...}`` for an expert-parallel tensor (a fused slice, one piece of split experts,
-    or a Switch-style expert), ``{"role": "replicated", ...}`` for the rest (the same on every model-parallel
-    rank). ``global_shape`` is the unmodified model's shape where that tensor has this name, else ``None``.
+    ``{"role": "tp", "dim": d, "parts": p, "full_size": n, "local_shape": [...], "global_shape": [...]}`` for a
+    tensor-parallel slice (``n`` features along ``d``, cut by ``tp_slice``: [Note: uneven tensor-parallel slices] in
+    ``hf_elixir/chunk/_tp_slices.py``), ``{"role": "experts", ...}`` for an expert-parallel tensor (a fused slice,
+    one piece of split experts, or a Switch-style expert), ``{"role": "replicated", ...}`` for the rest (the same on
+    every model-parallel rank). ``global_shape`` is the unmodified model's shape where that tensor has this name,
+    else ``None``.
     """
     pstate = get_parallel_state(model)
     full_shapes = pstate.full_shapes if pstate is not None else {}
@@ -119,7 +123,7 @@ def tensor_roles(model: nn.Module) -> dict[str, dict[str, Any]]:
             entry: dict[str, Any] = {"role": "replicated", "local_shape": list(tensor.shape)}
             layout = next((pstate.tp_layouts[n] for n in names if n in pstate.tp_layouts), None) if pstate else None
             if layout is not None:
-                entry.update(role="tp", dim=layout.dim, parts=layout.parts)
+                entry.update(role="tp", dim=layout.dim, parts=layout.parts, full_size=layout.full_size)
             elif pstate is not None and any(pstate.is_expert_param(n) for n in names):
                 entry["role"] = "experts"
             shape = full_shapes.get(name)
@@ -253,13 +257,30 @@ def check_same_layout(where: str, saved: dict[str, Any], model: nn.Module) -> No
         "load the weights alone (optimizer=None: resharded to this layout) and start the optimizer afresh")
 
 
+def _saved_tp_layout(where: str, name: str, role: dict[str, Any], values: list[torch.Tensor]) -> TPShardLayout:
+    """The split a tensor-parallel tensor was saved with; its tp-rank-ordered slices must have the lengths
+    ``tp_slice`` gives ([Note: uneven tensor-parallel slices] in ``hf_elixir/chunk/_tp_slices.py``: ceil-sized, the
+    last shorter), or they are not one save's (a record without ``full_size`` predates uneven splits: its slices
+    are equal and sum to it)."""
+    dim, parts = role["dim"], role["parts"]
+    full_size = role.get("full_size") or sum(v.shape[dim] for v in values)
+    layout = TPShardLayout(dim, parts, full_size)
+    lengths, expected = [v.shape[dim] for v in values], layout.sizes(len(values))
+    if lengths != expected:
+        raise ValueError(f"checkpoint {where}: the {len(values)} tensor-parallel slices of {name!r} have lengths "
+                         f"{lengths} along dim {dim}, but {full_size} features split over {len(values)} ranks are "
+                         f"{expected}; the files are not from one save")
+    return layout
+
+
 def consolidate_shards(where: str, shards: list[dict[str, Any]],
                        files: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The unmodified model's full tensors from a tensor/expert-parallel checkpoint's per-rank model files.
 
-    Tensor-parallel slices are merged in tp-rank order (:func:`merge_shards` with the recorded ``dim`` and ``parts``),
-    fused expert slices concatenated on dim 0 in ep-rank order, Switch-style experts (one file each) and replicated
-    tensors taken as they are.
+    Tensor-parallel slices are merged in tp-rank order (:func:`merge_shards` with the recorded ``dim``, ``parts`` and
+    ``full_size``; each slice of the length ``tp_slice`` gives its rank, the last one shorter where the ranks do not
+    divide the dim), fused expert slices concatenated on dim 0 in ep-rank order, Switch-style experts (one file
+    each) and replicated tensors taken as they are.
 
     Args:
         where: the checkpoint, for messages.
@@ -267,7 +288,8 @@ def consolidate_shards(where: str, shards: list[dict[str, Any]],
         files: file name -> its tensors.
 
     Raises:
-        ValueError: a merged tensor does not have its recorded global shape.
+        ValueError: a merged tensor does not have its recorded global shape, or its slices not the lengths of
+            their ranks.
     """
     parts: dict[str, list[tuple[dict[str, Any], torch.Tensor]]] = {}
     for shard in sorted(shards, key=lambda s: s["mp_rank"]):
@@ -277,7 +299,7 @@ def consolidate_shards(where: str, shards: list[dict[str, Any]],
     for name, pieces in parts.items():
         role, values = pieces[0][0], [value for _, value in pieces]
         if role["role"] == "tp":
-            full[name] = merge_shards(values, TPShardLayout(role["dim"], role["parts"]))
+            full[name] = merge_shards(values, _saved_tp_layout(where, name, role, values))
         elif role["role"] == "experts" and len(values) > 1:
             full[name] = torch.cat(values)
         else:
@@ -287,3 +309,30 @@ def consolidate_shards(where: str, shards: list[dict[str, Any]],
             raise ValueError(f"checkpoint {where}: {name!r} reassembles to {tuple(full[name].shape)}, but its manifest "
                              f"records the global shape {tuple(shape)}; the files are not from one save")
     return full
+
+
+def check_layout_recorded(where: str, model_file: str | os.PathLike, model: nn.Module) -> None:
+    """Refuse a checkpoint without a layout record (no ``mesh`` in its manifest) whose model file a
+    tensor/expert-parallel run wrote: before checkpoints recorded the mesh, such a run saved rank 0's
+    ``model.state_dict()``, one rank's slices and experts under the unmodified names, which no layout can load.
+    Checked on a tensor/expert-parallel ``model`` by the file's shapes against the unmodified model's (a dense
+    checkpoint of full tensors passes and is resharded).
+
+    Raises:
+        ValueError: a tensor's shape is not the unmodified model's (names it, both shapes and the fixes).
+    """
+    pstate = get_parallel_state(model)
+    if pstate is None or not is_model_parallel(mesh_record(model)):
+        return
+    with safe_open(str(model_file), "pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    local = [(n, s) for n, s in shapes.items() if n in pstate.full_shapes and s != tuple(pstate.full_shapes[n])]
+    if local:
+        name, shape = local[0]
+        raise ValueError(
+            f"checkpoint {where} has no layout record (no 'mesh' in its manifest.json: it predates them) and its model "
+            f"file holds one rank's shards of a tensor/expert-parallel run ({name!r} has shape {shape}, the full model "
+            f"{tuple(pstate.full_shapes[name])}; {len(local)} tensors so), which cannot be loaded into any layout. "
+            "Re-save the checkpoint with this hf_elixir from a run of its own layout (save_checkpoint now writes every "
+            "rank's shards and the mesh), or load the consolidated folder model.save_pretrained(dir) wrote "
+            "(hf_elixir.parallel.load_full_state_dict(model, dir))")
