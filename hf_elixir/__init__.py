@@ -21,6 +21,7 @@ from hf_elixir.optim.gradients import full_gradients, get_full_grad
 from hf_elixir.optim.optimizer import SUPPORTED_OPTIMIZERS, ElixirOptimizer
 from hf_elixir.checkpoint import load_checkpoint, save_checkpoint
 from hf_elixir.plan import ElixirPlan
+from hf_elixir.runtime.external import external_reads
 from hf_elixir.runtime.state_dict import full_parameters
 from hf_elixir.profiler import probe_hardware, profile_step
 from hf_elixir.search import search_plan
@@ -28,6 +29,7 @@ from hf_elixir.search import search_plan
 __all__ = [
     "ElixirCallback",
     "ElixirPlugin",
+    "external_reads",
     "full_gradients",
     "full_parameters",
     "get_full_grad",
