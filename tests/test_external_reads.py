@@ -157,3 +157,40 @@ def test_read_after_forward_without_the_context_is_loud():
     out = model(input_ids=_batch(0, ROWS), output_hidden_states=True)
     with pytest.raises(StaleParameterError, match=r"external_reads"):
         out.hidden_states[-1] @ model.model.embed_tokens.weight.t()
+
+
+def _tp_read(rank: int, world_size: int, placements: dict) -> dict:
+    import hf_elixir
+
+    model = _model("trl_fused")
+    ref = copy.deepcopy(model)
+    from hf_elixir.parallel import parallelize
+
+    config = hf_elixir.ElixirConfig(tensor_parallel_size=2, placements=placements, chunk_size_numel=4096)
+    state = parallelize(model, config)
+    model, opt = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=config)
+    ids = _batch(0, 2)
+    try:
+        model(input_ids=ids, labels=ids, fused_lm_head=True).loss.backward()
+    except ValueError as err:
+        return dict(error=str(err), split=sorted(state.tp_layouts))
+    opt.step()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref(input_ids=ids, labels=ids, fused_lm_head=True).loss.backward()
+    ref_opt.step()
+    with hf_elixir.full_parameters(model):
+        head = model.state_dict()["lm_head.weight"]
+    return dict(error=None, head_diff=float((head - ref.lm_head.weight.detach()).abs().max()))
+
+
+def _tp_cases(rank: int, world_size: int) -> list[dict]:
+    return [_tp_read(rank, world_size, {}), _tp_read(rank, world_size, {"lm_head": "sharded"})]
+
+
+def test_tensor_parallel_split_weight_read_whole_is_refused_by_name():
+    """Llama's own plan splits ``lm_head`` over tensor-parallel ranks; TRL's fused head reading it whole is refused,
+    naming the parameter and the fix, and with the fix (``lm_head`` kept whole, sharded) it trains as PyTorch."""
+    for refused, fixed in run_distributed(_tp_cases, 2, timeout_s=180):
+        assert "'lm_head.weight'" in refused["error"] and "tensor-parallel" in refused["error"]
+        assert "placements={'lm_head': 'sharded'}" in refused["error"]
+        assert fixed["error"] is None and fixed["head_diff"] < 1e-6
