@@ -1,0 +1,59 @@
+"""TRL's trainers with their defaults (fp32: ``bf16=False``) through ``callbacks=[ElixirCallback(...)]``, at 1 process
+(in this process, as ``python script.py`` runs it) and 2 processes (torchrun, gloo on CPU), against the same TRL run
+without the callback (DDP at 2 processes): losses step by step and final weights, under a device budget that evicts.
+
+TRL's SFT and DPO losses read ``lm_head.weight`` directly (their fused LM head), so these also cover parameters read
+outside their own module's forward ([Note: external reads] in hf_elixir/chunk/_external.py). The script is
+``tests/launch_scripts/trl_trainers.py``: a tiny Llama built from a config, a word-level tokenizer built offline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests._dist import free_port
+
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "launch_scripts" / "trl_trainers.py"
+
+ONE_PROCESS = ["sft", "sft_packing", "sft_completion", "sft_lora", "dpo", "dpo_lora", "reward"]
+TWO_PROCESSES = ["sft", "sft_lora", "dpo", "dpo_lora", "reward"]
+
+
+def _check(out: Path, cases: list[str], world: int) -> None:
+    for case in cases:
+        r = json.loads((out / f"{case}.json").read_text())
+        assert r["world"] == world
+        assert r["keys"], case  # the same state-dict keys (PEFT's included)
+        assert len(r["losses"]) == 3, case
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5), case
+        assert r["rel_l2"] < 1e-5, (case, r["rel_l2"])
+        assert r["evictions"] > 0, case  # the budget evicted chunks: parameters really were sharded / offloaded
+
+
+def test_trl_trainers_one_process(tmp_path, monkeypatch):
+    import torch.distributed
+
+    assert not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), str(tmp_path), *ONE_PROCESS])
+    runpy.run_path(str(SCRIPT), run_name="__main__")
+    _check(tmp_path, ONE_PROCESS, 1)
+
+
+def test_trl_trainers_two_processes(tmp_path):
+    env = dict(os.environ)
+    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(SCRIPT), str(tmp_path), *TWO_PROCESSES]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    _check(tmp_path, TWO_PROCESSES, 2)
