@@ -1,4 +1,4 @@
-"""TRL's trainers with their defaults (fp32: ``bf16=False``) through ``callbacks=[ElixirCallback(...)]``, at 1 process
+"""TRL's trainers (SFT, DPO, Reward, GRPO without vLLM) with their defaults (fp32: ``bf16=False``) through ``callbacks=[ElixirCallback(...)]``, at 1 process
 (in this process, as ``python script.py`` runs it) and 2 processes (torchrun, gloo on CPU), against the same TRL run
 without the callback (DDP at 2 processes): losses step by step and final weights, under a device budget that evicts.
 
@@ -24,8 +24,8 @@ from tests._dist import free_port
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "launch_scripts" / "trl_trainers.py"
 
-ONE_PROCESS = ["sft", "sft_packing", "sft_completion", "sft_lora", "dpo", "dpo_lora", "reward"]
-TWO_PROCESSES = ["sft", "sft_lora", "dpo", "dpo_lora", "reward"]
+ONE_PROCESS = ["sft", "sft_packing", "sft_completion", "sft_lora", "dpo", "dpo_lora", "reward", "grpo"]
+TWO_PROCESSES = ["sft", "sft_lora", "dpo", "dpo_lora", "reward", "grpo"]
 
 
 def _check(out: Path, cases: list[str], world: int) -> None:
@@ -34,7 +34,7 @@ def _check(out: Path, cases: list[str], world: int) -> None:
         assert r["world"] == world
         assert r["keys"], case  # the same state-dict keys (PEFT's included)
         assert len(r["losses"]) == 3, case
-        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5), case
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-7), case  # GRPO's first loss is ~0
         assert r["rel_l2"] < 1e-5, (case, r["rel_l2"])
         assert r["evictions"] > 0, case  # the budget evicted chunks: parameters really were sharded / offloaded
 

@@ -91,7 +91,29 @@ def reward(case: str, out: str, callbacks: list):
                          train_dataset=preference(), processing_class=tokenizer(), callbacks=callbacks)
 
 
-BUILDERS = {"sft": sft, "sft_packing": sft, "sft_completion": sft, "sft_lora": sft, "dpo": dpo, "dpo_lora": dpo,
+def grpo(case: str, out: str, callbacks: list):
+    from trl import GRPOConfig, GRPOTrainer
+
+    def reward_len(completions, **kwargs):  # a reward function: shorter completions score higher
+        return [-float(len(c)) for c in completions]
+
+    # the KL reference is loaded from the policy's folder: once the process group exists save_pretrained writes on rank
+    # 0 only (the others wait for it); before, each rank writes its own
+    if torch.distributed.is_initialized():
+        base = os.path.join(os.path.dirname(out), "base")
+        llama().save_pretrained(base)
+        torch.distributed.barrier()
+    else:
+        base = os.path.join(os.path.dirname(out), f"base-{os.environ.get('RANK', '0')}")
+        llama().save_pretrained(base)
+    args = GRPOConfig(**common(out), num_generations=2, max_completion_length=6, beta=0.1,
+                      generation_batch_size=2 * int(os.environ.get("WORLD_SIZE", "1")))
+    return GRPOTrainer(model=LlamaForCausalLM.from_pretrained(base), reward_funcs=reward_len, args=args,
+                       train_dataset=Dataset.from_dict({"prompt": sentences(16, 1)}), processing_class=tokenizer(),
+                       callbacks=callbacks)
+
+
+BUILDERS = {"grpo": grpo, "sft": sft, "sft_packing": sft, "sft_completion": sft, "sft_lora": sft, "dpo": dpo, "dpo_lora": dpo,
             "reward": reward}
 
 
