@@ -11,12 +11,14 @@ global batch:
 * ``value_head``: a wrapper module whose forward reads a backbone weight (also used by its own module: one
   accumulated gradient, reduced once).
 
-Reads between steps stay loud, and a read of a tensor-parallel split weight is refused by name.
+The fused head also trains Mixtral with its experts under expert parallel (2 ranks, a budget that evicts). Reads
+between steps stay loud, and a read of a tensor-parallel split weight is refused by name (kept whole, it trains).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -194,3 +196,47 @@ def test_tensor_parallel_split_weight_read_whole_is_refused_by_name():
         assert "'lm_head.weight'" in refused["error"] and "tensor-parallel" in refused["error"]
         assert "placements={'lm_head': 'sharded'}" in refused["error"]
         assert fixed["error"] is None and fixed["head_diff"] < 1e-6
+
+
+def _ep_fused_head(rank: int, world_size: int) -> dict:
+    """Mixtral with its experts spread over 2 expert-parallel ranks (the rest ZeRO-sharded under a model-data
+    budget 5% above the smallest one prepare accepts), trained through TRL's fused LM head against plain PyTorch on both ranks'
+    batches."""
+    import hf_elixir
+    from hf_elixir.parallel import gather_full_state_dict, parallelize
+    from trl.trainer.utils import add_fused_lm_head
+
+    from tests._moe_models import make_moe_model
+
+    model = make_moe_model("mixtral")
+    add_fused_lm_head(model)
+    ref = copy.deepcopy(model)
+    config = hf_elixir.ElixirConfig(placements={"*.mlp.experts": "expert"}, expert_parallel_size=2,
+                                    chunk_size_numel=4096, budget_covers_activations=False)
+    parallelize(model, config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    floor = hf_elixir.min_device_budget_bytes(model, opt, config, world_size=1)  # 5% above it: chunks are evicted
+    config = dataclasses.replace(config, device_memory_budget_bytes=int(floor * 1.05) + 1024)
+    model, opt = hf_elixir.prepare(model, opt, config)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        ids = _batch(step, ROWS * world_size)
+        loss = model(input_ids=ids[rank * ROWS:(rank + 1) * ROWS], labels=ids[rank * ROWS:(rank + 1) * ROWS],
+                     fused_lm_head=True).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = torch.stack([ref(input_ids=ids[r * ROWS:(r + 1) * ROWS], labels=ids[r * ROWS:(r + 1) * ROWS],
+                                    fused_lm_head=True).loss for r in range(world_size)]).mean()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    got, want = gather_full_state_dict(model, rank0_only=False), ref.state_dict()
+    num = sum(float((got[k] - want[k]).double().norm() ** 2) for k in want)
+    den = sum(float(want[k].double().norm() ** 2) for k in want)
+    return dict(rel_l2=(num / den) ** 0.5, evictions=hf_elixir.memory_stats(model)["num_evictions"])
+
+
+def test_fused_head_under_expert_parallel():
+    for result in run_distributed(_ep_fused_head, 2, timeout_s=180):
+        assert result["rel_l2"] < 1e-5 and result["evictions"] > 0, result
