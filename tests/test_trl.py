@@ -57,3 +57,37 @@ def test_trl_trainers_two_processes(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     _check(tmp_path, TWO_PROCESSES, 2)
+
+
+def _accelerate_launch(tmp_path: Path, config: Path, out: Path, cases: list[str]) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELIXIR_")}
+    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               HF_HUB_OFFLINE="1", ACCELERATE_USE_CPU="1", HF_HOME=str(tmp_path / "hf_home"),
+               TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port",
+           str(free_port()), "--multi_gpu", "--num_processes", "2", str(SCRIPT), str(out), "--unchanged", *cases]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def test_unchanged_trl_script_under_accelerate_launch_with_the_elixir_config(tmp_path):
+    """``accelerate launch --config_file elixir.yaml`` (2 processes) of a TRL script with no hf_elixir line trains its
+    SFT and DPO models under Elixir, with the losses and final weights of the same launch without the elixir
+    section (DDP)."""
+    import torch
+
+    yaml = (REPO / "tests" / "launch_scripts" / "elixir_test.yaml").read_text()
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(yaml.split("dynamo_config:")[0])  # the same config without its elixir section
+    cases = ["sft", "dpo"]
+    _accelerate_launch(tmp_path, REPO / "tests" / "launch_scripts" / "elixir_test.yaml", tmp_path / "elixir", cases)
+    _accelerate_launch(tmp_path, plain, tmp_path / "plain", cases)
+    for case in cases:
+        el = json.loads((tmp_path / "elixir" / f"{case}.json").read_text())
+        ref = json.loads((tmp_path / "plain" / f"{case}.json").read_text())
+        assert el["under_elixir"] and not ref["under_elixir"] and el["world"] == 2, case
+        assert el["losses"] == pytest.approx(ref["losses"], rel=1e-5), case
+        got, want = torch.load(tmp_path / "elixir" / f"{case}.pt"), torch.load(tmp_path / "plain" / f"{case}.pt")
+        num = sum(float((got[k].double() - want[k].double()).norm() ** 2) for k in want)
+        den = sum(float(want[k].double().norm() ** 2) for k in want)
+        assert (num / den) ** 0.5 < 1e-5, case

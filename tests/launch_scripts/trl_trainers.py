@@ -1,7 +1,8 @@
 """TRL trainers with and without ElixirCallback on a tiny Llama built from a config, with a word-level tokenizer built
 offline: ``python trl_trainers.py OUT CASE [CASE ...]`` (or under torchrun) writes ``OUT/CASE.json`` on rank 0 with
 both runs' losses and the relative L2 distance of their final weights (fp32: ``bf16=False``, which TRL's configs turn
-on by default)."""
+on by default). ``python trl_trainers.py OUT --unchanged CASE ...`` runs each case once, without the callback (for
+``accelerate launch``)."""
 
 from __future__ import annotations
 
@@ -133,10 +134,30 @@ def run(case: str, out: str) -> dict:
                 world=int(os.environ.get("WORLD_SIZE", "1")), keys=sorted(got) == sorted(want))
 
 
+def run_unchanged(case: str, out: str) -> dict:
+    """The case as a user's script has it, no callback (``--unchanged``): under ``accelerate launch --config_file
+    elixir.yaml`` hf_elixir puts the Trainer's model under Elixir itself; the final weights go to ``OUT/CASE.pt``."""
+    import hf_elixir
+
+    trainer = BUILDERS[case](case, os.path.join(out, case), [])
+    trainer.train()
+    try:
+        hf_elixir.get_state(trainer.model)
+        under_elixir = True
+    except ValueError:
+        under_elixir = False
+    weights = trainer.accelerator.get_state_dict(trainer.model)
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save({k: v.detach().float().clone() for k, v in weights.items()}, os.path.join(out, f"{case}.pt"))
+    return dict(losses=[h["loss"] for h in trainer.state.log_history if "loss" in h], under_elixir=under_elixir,
+                world=int(os.environ.get("WORLD_SIZE", "1")))
+
+
 def main(out: str, cases: list[str]) -> None:
     transformers.logging.set_verbosity_error()
-    for case in cases:
-        result = run(case, out)
+    unchanged = cases[0] == "--unchanged"
+    for case in cases[unchanged:]:
+        result = run_unchanged(case, out) if unchanged else run(case, out)
         if int(os.environ.get("RANK", "0")) == 0:
             with open(os.path.join(out, f"{case}.json"), "w") as f:
                 json.dump(result, f)
