@@ -22,6 +22,7 @@ from hf_elixir.optim.optimizer import SUPPORTED_OPTIMIZERS, ElixirOptimizer
 from hf_elixir.checkpoint import load_checkpoint, save_checkpoint
 from hf_elixir.plan import ElixirPlan
 from hf_elixir.runtime._entry_check import CollectiveEntryError
+from hf_elixir.runtime.external import external_reads
 from hf_elixir.runtime.state_dict import full_parameters
 from hf_elixir.profiler import probe_hardware, profile_step
 from hf_elixir.search import search_plan
@@ -29,6 +30,7 @@ from hf_elixir.search import search_plan
 __all__ = [
     "ElixirCallback",
     "ElixirPlugin",
+    "external_reads",
     "full_gradients",
     "full_parameters",
     "get_full_grad",

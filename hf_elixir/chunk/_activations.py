@@ -16,6 +16,7 @@ import weakref
 import torch
 
 from hf_elixir.chunk import strict
+from hf_elixir.chunk._external import ExternalSaved
 from hf_elixir.chunk.memory import DeviceBudgetExceededError, DevicePool
 
 __all__ = ["ActivationAccountingMixin"]
@@ -37,10 +38,20 @@ class ActivationAccountingMixin:
         self.sync_activation_bytes()
         outer = _active_saved_tensors_hooks()
         if outer is None:
-            return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, _unpack_saved)
+            return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
         outer_pack, outer_unpack = outer  # e.g. the profiler's tracer: keep it seeing every saved tensor, itself
         # (the tracer tells tensors apart by identity); what the outer hook packs is what autograd keeps
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: (self._pack_saved(t), outer_pack(t))[1], outer_unpack)
+        def pack(tensor):
+            mine = self._pack_saved(tensor)
+            return (mine, outer_pack(tensor)) if isinstance(mine, ExternalSaved) else outer_pack(tensor)
+
+        def unpack(packed):
+            if type(packed) is tuple and len(packed) == 2 and isinstance(packed[0], ExternalSaved):
+                self.unpack_external(packed[0])  # the chunk unsharded again ([Note: external reads])
+                packed = packed[1]
+            return outer_unpack(packed)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def sync_activation_bytes(self) -> None:
         """Set the pool's activation bytes to the storages still alive (a weak mapping forgets the dead)."""
@@ -60,8 +71,9 @@ class ActivationAccountingMixin:
         Autograd does not check the version of a tensor packed by hooks, so :func:`_packed` records it and
         :func:`_unpack_saved` raises as PyTorch does when the saved tensor was modified in place (before, backward
         used the modified values silently). Chunk views are exempt: refills write the chunk buffers in place."""
-        if strict.is_managed_device(tensor):
-            return tensor
+        if strict.is_managed_device(tensor):  # a parameter read outside its module: [Note: external reads]
+            external = self.pack_external(tensor)
+            return tensor if external is None else external
         if tensor.device != self.compute_device or tensor.layout != torch.strided:
             return _packed(tensor)
         storage = tensor.untyped_storage()
@@ -78,6 +90,13 @@ class ActivationAccountingMixin:
         self.pool.charge_activation(nbytes)
         self._saved_storages[storage] = nbytes
         return _packed(tensor)
+
+    def _unpack_saved(self, packed):
+        """What :meth:`_pack_saved` packed, back for backward (:func:`_unpack_saved`; an external read's chunk
+        unsharded again, [Note: external reads] in ``_external.py``)."""
+        if isinstance(packed, ExternalSaved):
+            return self.unpack_external(packed)
+        return _unpack_saved(packed)
 
     def charge_temporary(self, nbytes: int, what: str):
         """Context: ``nbytes`` of an autograd temporary live on the device inside (charged only when the

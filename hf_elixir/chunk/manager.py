@@ -16,7 +16,8 @@ concepts a file each (``torch/distributed/fsdp/_fully_shard/``):
 * ``_grad_shards.py``: the reduced gradient shards: host offload, zeroing ([Note: gradient offload]);
 * ``_rank_checks.py``: the has-gradient flags' all-reduce and the cross-rank checks riding it ([Note: has-gradient
   flags], [Note: reduce order check], [Note: hyperparameter check]);
-* ``_activations.py``: activations charged to the pool ([Note: pack without a cycle]).
+* ``_activations.py``: activations charged to the pool ([Note: pack without a cycle]);
+* ``_external.py``: parameters read outside their own module's forward ([Note: external reads]).
 
 Most are mixins of :class:`ChunkManager`: they read and write the same chunks, trace, pool and in-flight
 collectives, which the manager owns, and each initialises its own state (``_init_*``). The cross-rank checks keep
@@ -39,6 +40,7 @@ import torch
 from hf_elixir.chunk._activations import ActivationAccountingMixin
 from hf_elixir.chunk._agreed_gathers import AgreedGathersMixin
 from hf_elixir.chunk._eviction import EvictionMixin
+from hf_elixir.chunk._external import ExternalReadsMixin
 from hf_elixir.chunk._grad_buffers import GradBufferMixin
 from hf_elixir.chunk._grad_shards import GradShardMixin
 from hf_elixir.chunk._prefetch import GatherPrefetchMixin
@@ -60,7 +62,7 @@ def _no_fence(chunk) -> None:
 
 
 class ChunkManager(StepTraceMixin, EvictionMixin, GradBufferMixin, GatherPrefetchMixin, AgreedGathersMixin,
-                   ReduceMixin, GradShardMixin, FlagsMixin, ActivationAccountingMixin):
+                   ReduceMixin, GradShardMixin, FlagsMixin, ActivationAccountingMixin, ExternalReadsMixin):
     """Chunks of one model plus the device pool, counters, access trace and reduce bookkeeping."""
 
     def __init__(self, *, compute_device: torch.device, budget_bytes: int | None,
@@ -111,6 +113,7 @@ class ChunkManager(StepTraceMixin, EvictionMixin, GradBufferMixin, GatherPrefetc
         self._init_grad_shards()
         self._init_flag_state()
         self._init_activations()
+        self._init_external()
 
     # -- host memory ---------------------------------------------------------------------------
     def _count_host(self, delta_bytes: int) -> None:

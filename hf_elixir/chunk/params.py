@@ -117,13 +117,18 @@ class _StaleMixin:
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        stale = next((t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, _StaleMixin)), None)
+        stales = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, _StaleMixin)]
+        if stales and all(_served(t, func) for t in stales):  # [Note: external reads] in _external.py
+            return func(*args, **(kwargs or {}))
+        stale = next((t for t in stales if isinstance(t, _StaleMixin)), None)
         name = getattr(stale, "_hf_elixir_name", "?")
         shape = tuple(torch._C.TensorBase.shape.__get__(stale)) if stale is not None else ()
         raise StaleParameterError(
             f"{_op_name(func)} on parameter {name!r} (shape {shape}): its data is not current between "
             "steps (hf_elixir keeps it in a resharded, offloaded or not yet refreshed chunk), so it has no values "
-            f"to read or write here; {FIX}")
+            f"to read or write here; {FIX}. (Inside the model's forward and backward such reads are served; for a "
+            "read elsewhere in a training step, e.g. a loss computed after the forward, wrap it in `with "
+            "hf_elixir.external_reads(model):`)")
 
     def __repr__(self) -> str:
         with torch._C.DisableTorchFunctionSubclass():
@@ -132,6 +137,15 @@ class _StaleMixin:
 
     def __format__(self, spec: str) -> str:
         return repr(self)
+
+
+def _served(param, func) -> bool:
+    """Did ``param``'s chunk manager serve this read (unshard the chunk: the parameter is current again)?"""
+    if not isinstance(param, _StaleMixin):
+        return True  # served with an earlier argument of the same chunk
+    owner = param.__dict__.get("_hf_elixir_owner")
+    serve = getattr(owner, "serve_read", None)
+    return serve is not None and serve(param, _op_name(func)) and not isinstance(param, _StaleMixin)
 
 
 _MANAGED: dict[type, type] = {}

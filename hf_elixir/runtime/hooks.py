@@ -8,6 +8,8 @@
 * post-accumulate-grad (per trainable parameter): copy the gradient into its chunk's gradient buffer and
   let the manager reduce-scatter ready chunks in its fixed order.
 * end of backward (queued engine callback): flush remaining reduce-scatters, unpin.
+* the outermost forward opens the window in which reads of parameters outside their own module are served
+  ([Note: external reads] in ``chunk/_external.py``).
 
 Activation checkpointing re-runs forwards inside backward: the pre-forward hook then unshards
 again and pins for the recomputation only, which is all the recomputed forward needs.
@@ -267,11 +269,15 @@ def install_hooks(model: torch.nn.Module, manager: ChunkManager) -> list[ModuleH
     def on_backward_end() -> None:
         for handle in handles:
             handle.end_backward()
+        manager.release_backward_holds()  # [Note: external reads] in chunk/_external.py
         for slot in manager.slot_of.values():
             if slot.state is TensorState.COMPUTE:
                 slot.set_state(TensorState.HOLD_AFTER_BWD)
 
     manager.on_backward_end = on_backward_end
+    # tensor-parallel split parameters hold a slice: a read outside their module is refused by name
+    pstate = getattr(model, "_hf_elixir_parallel", None)  # parallel/_state.py (an upper layer: read, not imported)
+    manager.split_names = frozenset(getattr(pstate, "tp_layouts", None) or ())
     mark_subtree_chunks(model, manager)
     owners: dict[torch.nn.Parameter, list[ModuleHandle]] = {}
     for handle in handles:
@@ -301,6 +307,7 @@ def _grad_ready(manager: ChunkManager | None, param: torch.nn.Parameter, owners:
     assert manager is not None, "a gradient hook ran after its ChunkManager was collected"
     manager.start_backward()
     manager.on_grad(param)
+    manager.release_external(param)
     for owner in owners:
         owner().on_param_grad()
 
@@ -315,6 +322,7 @@ def _install_activation_accounting(model: torch.nn.Module, manager: ChunkManager
     def enter(module, args):
         if depth[0] == 0:
             manager.begin_forward()
+            manager.open_reads_window()  # [Note: external reads] in chunk/_external.py
             if torch.is_grad_enabled():
                 active.append(manager.saved_tensors_accounting())
                 active[-1].__enter__()
@@ -325,6 +333,7 @@ def _install_activation_accounting(model: torch.nn.Module, manager: ChunkManager
         if depth[0] == 0:
             if active:
                 active.pop().__exit__(None, None, None)
+            manager.close_reads_window()
             manager.end_forward()
 
     return [model.register_forward_pre_hook(enter, prepend=True),
