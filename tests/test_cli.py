@@ -437,3 +437,18 @@ def test_sizes_print_in_binary_units(value, text):
     from hf_elixir.cli._report import human_bytes
 
     assert human_bytes(value) == text
+
+
+def test_plan_lora_prices_a_frozen_base_and_trained_adapters(tmp_path, capsys):
+    """``--lora-rank``: peft's adapters on the meta model; the frozen base has no gradients or optimizer state, so a
+    budget too small for full fine-tuning fits LoRA, and the plan packs the adapters with the base."""
+    argv = ["plan", "--model", "gpt2-medium", "--gpu", "h100", "--gpu-memory", "1GiB", "--host-memory", "2GiB",
+            "--seq-len", "128"]
+    assert main(argv) == 2  # full fine-tuning needs host memory for its fp32 masters and moments
+    assert "no configuration fits host memory" in capsys.readouterr().err
+    out = tmp_path / "lora.json"
+    report = _plan_json(capsys, [*argv, "--lora-rank", "8", "--lora-targets", "c_attn", "--output", str(out)])
+    data = report["zero3_model_data_per_gpu_bytes"]
+    assert 0 < data["grads"] < 0.01 * data["params"] and data["optimizer"] < 0.02 * data["params"]
+    plan = ElixirPlan.load(out)
+    assert any("lora_A" in name for name in plan.param_order) and any("LoRA rank 8" in r for r in plan.reasons)

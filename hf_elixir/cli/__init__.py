@@ -153,6 +153,12 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="expert-parallel GPUs within --num-gpus (MoE experts placed 'expert'); default: the "
                       "search tries 1 and the largest that divides --num-gpus and the expert count, and keeps the "
                       "faster plan")
+    plan.add_argument("--lora-rank", type=_positive_int, default=None,
+                      help="plan LoRA fine-tuning at this rank (peft's LoraConfig on the meta model): the base frozen "
+                      "in the compute dtype (no gradients, optimizer state or reduce-scatters), the adapters trained "
+                      "with their AdamW state; data parallel only")
+    plan.add_argument("--lora-targets", nargs="+", default=None,
+                      help="module names the adapters wrap (peft's target_modules; default: all-linear)")
     plan.add_argument("--output", default=None, help="write the plan (.yaml/.yml or .json)")
     plan.add_argument("--json", action="store_true", help="print the report as JSON (for tools) instead of tables")
     prof = sub.add_parser("profile", help="run one real step of a small model and draw the memory timeline")
@@ -217,6 +223,11 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, size in (("--tensor-parallel-size", tp), ("--expert-parallel-size", args.expert_parallel_size or 1)):
         if args.num_gpus % size:
             raise ValueError(f"{flag}={size} must divide --num-gpus={args.num_gpus}; use a divisor of it")
+    if args.lora_targets and not args.lora_rank:
+        raise ValueError("--lora-targets needs --lora-rank, e.g. --lora-rank 16")
+    if args.lora_rank and (args.tensor_parallel_size != 1 or (args.expert_parallel_size or 1) > 1):
+        raise ValueError(f"--lora-rank {args.lora_rank} is planned with data parallelism only; leave "
+                         "--tensor-parallel-size and --expert-parallel-size out (or give 1)")
     if tp > 1 and (args.expert_parallel_size or 1) > 1:
         raise ValueError(f"--tensor-parallel-size={tp} with --expert-parallel-size={args.expert_parallel_size}: one "
                          "of them must be 1")

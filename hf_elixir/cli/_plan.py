@@ -235,6 +235,40 @@ def splits_experts(args: argparse.Namespace, model, budget_bytes: int | None) ->
     return split_needed(model, optimizer, config, budget_bytes, args.num_gpus, None)
 
 
+def _with_lora(model, args: argparse.Namespace):
+    """``model`` (on meta) with peft's LoRA adapters of ``--lora-rank`` on ``--lora-targets``: the model a LoRA run
+    prepares (peft freezes everything else)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = args.lora_targets or "all-linear"
+    try:
+        return get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                                                target_modules=targets))
+    except ValueError as err:
+        raise ValueError(f"--lora-targets {' '.join(args.lora_targets or ['all-linear'])}: {err}") from None
+
+
+def trained_last(profile):
+    """``profile`` with its trained parameters (LoRA's adapters) after the frozen ones, in the same relative order.
+
+    [Note: LoRA packing] Chunks are packed in ``ElixirPlan.param_order`` (``prepare`` packs the model that way too),
+    and a chunk with any trained parameter carries gradient buffers, reduce-scatters and optimizer state for its
+    whole shard. In module order every layer's adapters share chunks with its frozen weights, so a LoRA plan would
+    pay full fine-tuning's state (Llama-3.1-70B at r16: 1.2 TiB of host memory). With the adapters last they fill
+    chunks of their own: the frozen base's chunks have no gradients, optimizer state or reduce-scatters (gathers
+    only), and the adapters' few chunks, used by every layer, are what the search keeps resident."""
+    import dataclasses
+
+    order = ([i for i, g in enumerate(profile.param_requires_grad) if not g]
+             + [i for i, g in enumerate(profile.param_requires_grad) if g])
+    new = {old: pos for pos, old in enumerate(order)}
+    pick = lambda values: [values[i] for i in order] if values else values  # noqa: E731
+    return dataclasses.replace(
+        profile, param_names=pick(profile.param_names), param_numels=pick(profile.param_numels),
+        param_requires_grad=pick(profile.param_requires_grad), grad_ready_event=pick(profile.grad_ready_event),
+        events=[dataclasses.replace(e, params=[new[i] for i in e.params]) for e in profile.events])
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """``hf-elixir plan``: check, profile on meta, search (progress on stderr), report, write the plan."""
     import torch
@@ -247,6 +281,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     config = load_config(args.model)
     check_config(args, config)
+    if args.lora_rank and args.expert_parallel_size is None:  # LoRA: data parallel only (check_args)
+        args.expert_parallel_size = 1
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     model, batch = meta_model_and_batch(config, batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype)
     hardware, rates, label, notes = target_hardware(args)
@@ -256,7 +292,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     elif splittable_names(model):
         notes.append("fused MoE experts kept fused (one chunk unit per layer's experts; a rank holds 1/ep of them "
                      "under expert parallel ep; --split-fused-experts splits them per expert)")
+    if getattr(args, "lora_rank", None):
+        model = _with_lora(model, args)
+        notes.append(f"LoRA rank {args.lora_rank} on {', '.join(args.lora_targets or ['all-linear'])}: the base is "
+                     "frozen in the compute dtype (no gradients, optimizer state or reduce-scatters), the adapters "
+                     "are trained with their AdamW state")
     profile = profile_step(model, batch, device="meta", forward_only=args.optimizer == "none")
+    if getattr(args, "lora_rank", None):  # [Note: LoRA packing]
+        profile = trained_last(profile)
     fixed_tp = 1 if args.tensor_parallel_size == "auto" else args.tensor_parallel_size
     first = placements(model, args, args.expert_parallel_size or 1, fixed_tp)
     # replicated data parallelism (whole chunks, gradient all-reduce) is searched for plain data parallel

@@ -147,7 +147,7 @@ def _headline(report: dict) -> list[str]:
         f"Run tensor parallel {c['tensor_parallel']} x expert parallel {c['expert_parallel']} x data parallel "
         f"{c['data_parallel']} ({c['data_parallel_kind']} chunks of {human_count(c['chunk_size_numel'])} elements, "
         f"activations {c['activations']}{' blocks' if c['activations'] != 'keep' else ''})",
-        f"  predicted {human_s(c['step_s'])} a step for {c['data_parallel']} micro-batches of {mb['batch_size']} x "
+        f"  predicted {human_s(c['step_s'])} a step for {_batches(c['data_parallel'])} of {mb['batch_size']} x "
         f"{mb['seq_len']} tokens = {c['tokens_per_s']:,.0f} tokens/s for the job",
         f"  device peak {human_bytes(c['device_peak_bytes'])} per GPU (of {human_bytes(report['device_budget_bytes'])}"
         f", {human_bytes(report['device_limit_bytes'])} after the safety margin); host "
@@ -158,8 +158,12 @@ def _headline(report: dict) -> list[str]:
     if runner:
         lines.append(f"Why: the most tokens/s of the {report['searched_configurations']:,} configurations searched; "
                      f"next best {_mesh_text(runner)}: {human_s(runner['step_s'])} a step for "
-                     f"{runner['data_parallel']} micro-batches = {runner['tokens_per_s']:,.0f} tokens/s")
+                     f"{_batches(runner['data_parallel'])} = {runner['tokens_per_s']:,.0f} tokens/s")
     return lines
+
+
+def _batches(count: int) -> str:
+    return f"{count} micro-batch{'es' if count != 1 else ''}"
 
 
 def _mesh_text(row: dict) -> str:

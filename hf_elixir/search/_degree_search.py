@@ -148,6 +148,7 @@ def search_parallel(model_or_profile: Any, hardware: HardwareProfile, *, world_s
     Raises:
         ValueError: nothing fits at any degree (the tensor-parallel search's reason first).
     """
+    started = time.perf_counter()
     profile = _resolve_profile(model_or_profile, sample_batch, hardware)
     ep_sizes = kwargs.pop("expert_parallel_sizes", None)
     ep_sizes = tuple(d for d in (ep_sizes if ep_sizes is not None else expert_parallel_degrees(profile, world_size))
@@ -173,6 +174,8 @@ def search_parallel(model_or_profile: Any, hardware: HardwareProfile, *, world_s
         raise next(iter(errors.values()))
     winner = min(results, key=lambda side: _per_token_ranking(results[side].best))
     result = results[winner]
+    result.evaluated = sum(r.evaluated for r in results.values())  # one count: every side's configurations
+    result.search_s = time.perf_counter() - started
     # every degree tried, on both sides (a side that failed: its reason for each of its degrees)
     result.best_by_tensor_parallel = (results["tensor"].best_by_tensor_parallel if "tensor" in results else
                                       {1: str(errors.get("tensor", ""))})

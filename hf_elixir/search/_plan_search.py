@@ -55,7 +55,7 @@ from hf_elixir.search._activation_cost import activation_bytes, moved_kind, poli
 from hf_elixir.search._chunk_size import search_chunk_size
 from hf_elixir.search._coarse import (DegreePruned, coarse_effort, fine_steps_to_search, report_progress,
                                       step_lower_bound_s)
-from hf_elixir.search._cost import DTYPE_BYTES, build_chunked_step, profile_blocks
+from hf_elixir.search._cost import DTYPE_BYTES, Knobs, build_chunked_step, fixed_memory, profile_blocks
 from hf_elixir.search._expert_parallel import expert_parallel_profile, rank_param_order
 from hf_elixir.search._cost import predict  # noqa: F401 (importable from here, as before the grid moved out)
 from hf_elixir.search._grid import (Candidate, SearchResult, _grad_elem_bytes, _memory_not_binding, _policy_key,
@@ -325,14 +325,29 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         evaluated += count
         return more
 
+    def floor_exceeds(sb: StepBudget) -> bool:
+        """The step's least device bytes (nothing resident but what replicated chunks must be, no device optimizer
+        state) exceed what it may use: no configuration of it fits."""
+        step = sb.step
+        base = (Knobs(resident=frozenset(range(step.num_chunks)), device_shard=frozenset(range(step.num_chunks)))
+                if step.replicated else Knobs(resident=frozenset(), device_shard=frozenset()))
+        return fixed_memory(step, base)[0] + step.working_set_bytes(step.never_filled(base)) > sb.work_limit_bytes
+
     coarse = coarse_effort(grid_points, tuple(prefetch_depths))
     fine = {"grid_points": grid_points, "prefetch_depths": tuple(prefetch_depths), "fill_fractions": None}
     step_best: dict[tuple, float] = {}  # (mode, size, policy key) -> its coarse best step seconds
     settled: set[tuple] = set()  # (mode, size, kind) whose fewer moved blocks already leave memory unbound
     pruned = 0
+    # the policies that leave the fewest activations on the device (every block recomputed or offloaded)
+    extremes = [p for p in policies if p is None or all(v != "keep" for v in p.values())] or policies[:1]
+    hopeless: dict[tuple[str, int], bool] = {}  # (mode, size) -> no policy can fit its floor
     for done, (mode, size, policy) in enumerate(planned):
         kind = moved_kind(policy)
         if (mode, size, kind) in settled or (mode, size, "keep") in settled:
+            continue
+        if (mode, size) not in hopeless:  # two steps built instead of every policy's where nothing fits
+            hopeless[(mode, size)] = all(floor_exceeds(budget_for(mode, size, p)) for p in extremes)
+        if hopeless[(mode, size)]:
             continue
         incumbent = min([c.prediction.step_s for c in found] + ([incumbent_s] if incumbent_s else []), default=None)
         if incumbent is not None and step_lower_bound_s(budget_for(mode, size, policy).step, hardware) >= incumbent:
@@ -372,7 +387,6 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         largest = max(rank_profile.param_numels, default=1)  # replicated buckets may be smaller: they pack otherwise
         # the least-activation policies bound the need (every block recomputed or offloaded; keep for a grid of one):
         # the others only add activations, and each step built here is memoised for the next size's
-        extremes = [p for p in policies if p is None or all(v != "keep" for v in p.values())] or policies[:1]
 
         def need_at(size: int) -> int:
             return min(budget_for("sharded", size, p).step.working_set_bytes() + (
