@@ -26,6 +26,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -84,13 +85,24 @@ def plan_row(name: str, target: Target, *, batch: int, seq: int) -> dict:
     return row
 
 
+def why_not(text: str) -> str:
+    """What a target lacks, in a table cell: the host memory per machine or the device budget the search names."""
+    host = re.search(r"\(([\d.,]+) GiB per host\)", text)
+    device = re.search(r"a device_memory_budget_bytes of about (\d+)", text)
+    if "fits host memory" in text and host:
+        return f"needs {host.group(1)} GiB of host memory per machine"
+    if device:
+        return f"needs a device budget of about {int(device.group(1)) / GIB:.0f} GiB"
+    return text.split(";")[0][:120]
+
+
 def table(rows: list[dict]) -> str:
     """The markdown table of ``rows`` (one line per record)."""
     lines = ["| model | target | TP x EP x DP | predicted step | tokens/s (job) | device peak | host per GPU | "
              "planner CPU s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r["fits"]:
-            lines.append(f"| {r['model']} | {r['target']} | does not fit: {r['why'][:120]} | - | - | - | - | "
+            lines.append(f"| {r['model']} | {r['target']} | does not fit: {why_not(r['why'])} | - | - | - | - | "
                          f"{r['cpu_s']:.0f} |")
             continue
         rep, c = r["report"], r["report"]["chosen"]

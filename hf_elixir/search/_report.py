@@ -46,8 +46,8 @@ def _data_parallel_reasons(modes: tuple[str, ...], best: Candidate, best_by_mode
         return [f"{best.data_parallel} data parallelism: {why}; predicted {mine.step_s:.4g} s"]
     theirs = best_by_mode[other].prediction
     return [f"{best.data_parallel} data parallelism wins: predicted {mine.step_s:.4g} s vs {theirs.step_s:.4g} s for "
-            f"the best {other} plan ({other} device peak {theirs.device_peak_bytes} bytes, "
-            f"{best.data_parallel} {mine.device_peak_bytes} bytes)"]
+            f"the best {other} plan ({other} device peak {theirs.device_peak_bytes / 2**30:,.2f} GiB, "
+            f"{best.data_parallel} {mine.device_peak_bytes / 2**30:,.2f} GiB)"]
 
 
 def _gather_reasons(profile: StepProfile, best: Candidate, world_size: int, act_on_device: bool) -> list[str]:
