@@ -252,7 +252,7 @@ def test_plan_command_optimizer_none_searches_for_inference(tmp_path, capsys, mo
     assert any("inference (no optimizer)" in r for r in plan.reasons), plan.reasons
     assert plan.device_optim_chunks == [] and plan.resident_chunks
     assert plan.predicted_peak_device_bytes <= 512 * 1024
-    assert "model data: grads" in text
+    assert "device memory per GPU at the step's peak" in text
 
 
 PREFETCH_FRACTIONS = (0.75, 0.9, 1.05, 1.2)

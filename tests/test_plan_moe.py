@@ -217,7 +217,7 @@ def test_plan_command_tries_expert_parallel_and_shows_its_degree(tmp_path, capsy
     text = capsys.readouterr().out
     plan = ElixirPlan.load(tmp_path / "auto.json")
     ep = 2 if plan.placements["model.layers.0.mlp.experts"] == "expert" else 1
-    assert f"│ expert parallel          │ {ep} (all-to-all" in text and "┃ EP ┃" in text
+    assert f"Run tensor parallel 1 x expert parallel {ep} x data parallel 2" in text and "TP x EP" in text
     assert any(r.startswith(f"expert parallel {ep} wins") for r in plan.reasons), plan.reasons
     assert main(argv + [str(tmp_path / "zero.json"), "--expert-parallel-size", "1"]) == 0
     assert "expert parallel 1 wins" not in capsys.readouterr().out.replace("\n", " ")  # one degree, no contest

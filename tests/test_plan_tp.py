@@ -203,18 +203,17 @@ def test_plan_command_tensor_parallel(tmp_path, capsys, monkeypatch):
     text = capsys.readouterr().out
     plan = ElixirPlan.load(tmp_path / "tp2.json")
     assert "tensor parallel 2 x data parallel 2 (4 ranks)" in " ".join(plan.reasons)
-    assert "│ tensor parallel          │ 2 (all-reduces" in text and "┃ TP ┃" in text
+    assert "Run tensor parallel 2 x expert parallel 1 x data parallel 2" in text and "TP x EP" in text
     assert plan.placements["model.layers.0.self_attn.o_proj"] == "row"
     assert main(argv + [str(tmp_path / "auto.json"), "--tensor-parallel-size", "auto"]) == 0
     capsys.readouterr()
     plan = ElixirPlan.load(tmp_path / "auto.json")
-    won = [r for r in plan.reasons if " wins: predicted " in r and r.startswith("tensor parallel")]
+    won = [r for r in plan.reasons if " wins per token: predicted " in r and r.startswith("tensor parallel")]
     assert len(won) == 1 and "tensor parallel 4" not in won[0]  # 4 does not divide the 2 key/value heads
     tp = int(won[0].split()[2])
     assert plan.placements["model.layers.0.self_attn.o_proj"] == ("row" if tp > 1 else "sharded")
-    with pytest.raises(SystemExit):  # argparse: "invalid _tensor_parallel_flag value"
-        main(argv + [str(tmp_path / "bad.json"), "--tensor-parallel-size", "two"])
-    assert "'two' is not an int or 'auto'" in capsys.readouterr().err
+    assert main(argv + [str(tmp_path / "bad.json"), "--tensor-parallel-size", "two"]) == 2  # argparse's error line
+    assert "'two' is not a whole number" in capsys.readouterr().err
 
 
 def _auto_on_parallelized(rank: int, world_size: int) -> dict:

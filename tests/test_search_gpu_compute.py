@@ -197,11 +197,12 @@ def test_plan_device_tflops_applies_to_fp32_plans_too(monkeypatch):
     """``hf-elixir plan --device-tflops`` gives the target's rate; this machine's measured fp32 rate must not
     replace it for an fp32 plan."""
     from hf_elixir import cli
+    from hf_elixir.cli._plan import target_hardware
 
     monkeypatch.setattr("hf_elixir.profiler.probe_hardware", lambda *a, **k: replace(
         _gpu(), device_kind="cpu", device_flops_per_s=1e11, device_fp32_flops_per_s=1e11))
     args = cli._build_parser().parse_args(["plan", "--model", "gpt2", "--gpu-memory", "40GiB", "--device-tflops", "300"])
-    hardware, _ = cli._target_hardware(args)
+    hardware = target_hardware(args)[0]
     assert hardware.flops_rate("fp32") == hardware.flops_rate("bf16") == 300e12
 
 

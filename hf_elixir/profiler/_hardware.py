@@ -229,8 +229,10 @@ def _measure(device: torch.device, process_group: Any, size_bytes: int, repeats:
 # [Note: runtime probe] hf_elixir's own overheads are timed on small models prepared by
 # ``hf_elixir.prepare``, which lives in a layer above this one (``hf_elixir.api``, which calls the search,
 # which calls this probe). So that nothing below imports it, ``hf_elixir.api`` hands its entry points
-# down when it is imported (:func:`register_prepare`); importing any part of hf_elixir runs the package
-# ``__init__``, which imports ``hf_elixir.api``, so they are set before any probe runs.
+# down when it is imported (:func:`register_prepare`). The package ``__init__`` imports its public names on
+# first use (so ``hf-elixir --help`` needs no torch), and asking it for any of them imports ``hf_elixir.api``
+# first; a caller that imported only ``hf_elixir.profiler`` gets the façade loaded by name here, once, the
+# probe's one use of the layer above (the same module the package ``__init__`` used to load eagerly).
 _PREPARE: dict[str, Callable] = {}
 
 
@@ -249,6 +251,10 @@ def _measure_runtime(device: torch.device, rates: dict[str, Any], repeats: int,
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return {"hook_event_s": 0.0, "onload_fixed_s": 0.0, "optim_tensor_s": 0.0}
+    if not _PREPARE:  # [Note: runtime probe]: the façade registers prepare when it is imported
+        import importlib  # noqa: PLC0415
+
+        importlib.import_module("hf_elixir.api")
     assert _PREPARE, "hf_elixir.api registers prepare on import (see [Note: runtime probe])"
     from hf_elixir.config import ElixirConfig  # noqa: PLC0415
 

@@ -31,6 +31,10 @@ _TODAY: dict[tuple[str, str], dict[str, Any]] = {
         "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
         "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
         "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": False},
+    ("meta-llama", "Llama-3.1-70B"): {
+        "model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": False},
     ("Qwen", "Qwen3-30B-A3B"): {
         "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
         "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,

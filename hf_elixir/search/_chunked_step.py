@@ -183,7 +183,14 @@ class ChunkedStep:
     def working_set_bytes(self, held: frozenset[int] = frozenset()) -> int:
         """Device bytes the step needs beyond the fixed parts: the largest event's unsharded non-held
         chunks (plus the previous event's, which backward may still pin), the gradient-buffer peak and,
-        with several ranks, an onload staging shard."""
+        with several ranks, an onload staging shard (memoised per ``held``: the search asks for the same sets
+        thousands of times)."""
+        memo = self.__dict__.setdefault("_working_set_memo", {})
+        if held not in memo:
+            memo[held] = self._working_set_bytes(held)
+        return memo[held]
+
+    def _working_set_bytes(self, held: frozenset[int]) -> int:
         per_event = [sum(self.full_bytes(c) for c in g if c not in held) for g in self.groups] or [0]
         pairs = [a + b for a, b in zip(per_event, per_event[1:])] or per_event
         staging = max((self.shard_numel(c) * DTYPE_BYTES[self.precision] for c in range(self.num_chunks)

@@ -19,6 +19,7 @@ from hf_elixir.profiler import HardwareProfile
 from hf_elixir.search._expert_parallel import expert_parallel_degrees
 from hf_elixir.search._grid import Candidate, SearchResult, _ranking
 from hf_elixir.search import _plan_search  # its search() looked up at each call (tests spy on it there)
+from hf_elixir.search._coarse import DegreePruned, progress_scope
 from hf_elixir.search._plan_search import _ranks_per_host, _resolve_profile, _tensor_parallel_placements
 from hf_elixir.search._report import _default_replicated_placements
 from hf_elixir.search._tensor_parallel import tensor_parallel_degrees
@@ -28,7 +29,7 @@ __all__ = ["search_expert_parallel", "search_parallel", "search_tensor_parallel"
 
 def search_expert_parallel(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int = 1,
                            expert_parallel_sizes: Iterable[int] | None = None, sample_batch: Any = None,
-                           **kwargs: Any) -> SearchResult:
+                           incumbent_per_token: float | None = None, **kwargs: Any) -> SearchResult:
     """:func:`search` at each expert-parallel degree, and the fastest plan that fits any of them ([Note: expert
     parallel pricing] in ``_expert_parallel.py``).
 
@@ -37,6 +38,8 @@ def search_expert_parallel(model_or_profile: Any, hardware: HardwareProfile, *, 
             excepted).
         expert_parallel_sizes: the degrees to try; default :func:`expert_parallel_degrees`: 1 and the largest that
             divides ``world_size`` and every MoE layer's expert count (only 1 for a dense model).
+        incumbent_per_token: the per-token seconds (step seconds times the tensor-parallel degree) of a plan found
+            elsewhere; degrees that cannot beat it are pruned ([Note: coarse to fine] in ``_coarse.py``).
 
     Returns:
         the winning degree's :class:`SearchResult`; its ``alternatives`` include the other degrees' best, and
@@ -53,18 +56,13 @@ def search_expert_parallel(model_or_profile: Any, hardware: HardwareProfile, *, 
                else expert_parallel_degrees(profile, world_size))
     if isinstance(model_or_profile, nn.Module) and "replicated_placements" not in kwargs:
         kwargs["replicated_placements"] = _default_replicated_placements(model_or_profile, profile)
-    results: dict[int, SearchResult] = {}
-    failed: dict[int, str] = {}
-    for ep in degrees:
-        try:
-            results[ep] = _plan_search.search(profile, hardware, world_size=world_size, expert_parallel_size=ep,
-                                              **kwargs)
-        except ValueError as err:
-            if len(degrees) == 1:
-                raise
-            failed[ep] = str(err)
+    results, failed = _over_degrees(
+        "expert parallel", degrees, lambda ep, bound: _plan_search.search(
+            profile, hardware, world_size=world_size, expert_parallel_size=ep, incumbent_s=bound, **kwargs),
+        incumbent_per_token=incumbent_per_token)
     if not results:
-        raise ValueError("no expert-parallel degree fits: " + "; ".join(f"expert_parallel_size={ep}: {why}"
+        kind = DegreePruned if all(why.startswith("pruned:") for why in failed.values()) else ValueError
+        raise kind("no expert-parallel degree fits: " + "; ".join(f"expert_parallel_size={ep}: {why}"
                                                                        for ep, why in failed.items()))
     winner = min(results, key=lambda ep: _ranking(profile)(results[ep].best))
     result = results[winner]
@@ -109,17 +107,13 @@ def search_tensor_parallel(model_or_profile: Any, hardware: HardwareProfile, *, 
     degrees = (tuple(tensor_parallel_sizes) if tensor_parallel_sizes is not None else
                tensor_parallel_degrees(world_size, _ranks_per_host(world_size, kwargs.get("ranks_per_host")), heads))
     placements_at = tensor_parallel_placements or (lambda tp: _tensor_parallel_placements(model_or_profile, tp))
-    results: dict[int, SearchResult] = {}
-    failed: dict[int, str] = {}
-    for tp in degrees:
-        try:
-            placements = placements_at(tp) if tp > 1 else None
-            results[tp] = _plan_search.search(profile, hardware, world_size=world_size, tensor_parallel_size=tp,
-                                              tensor_parallel_placements=placements, **kwargs)
-        except ValueError as err:
-            if len(degrees) == 1:
-                raise
-            failed[tp] = str(err)
+
+    def at(tp: int, bound: float | None) -> SearchResult:
+        placements = placements_at(tp) if tp > 1 else None
+        return _plan_search.search(profile, hardware, world_size=world_size, tensor_parallel_size=tp,
+                                   tensor_parallel_placements=placements, incumbent_s=bound, **kwargs)
+
+    results, failed = _over_degrees("tensor parallel", degrees, at, per_token=lambda tp: tp)
     if not results:
         raise ValueError("no tensor-parallel degree fits: " + "; ".join(f"tensor_parallel_size={tp}: {why}"
                                                                        for tp, why in failed.items()))
@@ -154,6 +148,7 @@ def search_parallel(model_or_profile: Any, hardware: HardwareProfile, *, world_s
     Raises:
         ValueError: nothing fits at any degree (the tensor-parallel search's reason first).
     """
+    started = time.perf_counter()
     profile = _resolve_profile(model_or_profile, sample_batch, hardware)
     ep_sizes = kwargs.pop("expert_parallel_sizes", None)
     ep_sizes = tuple(d for d in (ep_sizes if ep_sizes is not None else expert_parallel_degrees(profile, world_size))
@@ -169,14 +164,18 @@ def search_parallel(model_or_profile: Any, hardware: HardwareProfile, *, world_s
     if ep_sizes:
         ep_kwargs = {k: v for k, v in kwargs.items() if k != "tensor_parallel_sizes"}
         try:
+            incumbent = _per_token_ranking(results["tensor"].best)[0] if "tensor" in results else None
             results["expert"] = search_expert_parallel(profile, hardware, world_size=world_size,
-                                                       expert_parallel_sizes=ep_sizes, **ep_kwargs)
+                                                       expert_parallel_sizes=ep_sizes,
+                                                       incumbent_per_token=incumbent, **ep_kwargs)
         except ValueError as err:
             errors["expert"] = err
     if not results:
         raise next(iter(errors.values()))
     winner = min(results, key=lambda side: _per_token_ranking(results[side].best))
     result = results[winner]
+    result.evaluated = sum(r.evaluated for r in results.values())  # one count: every side's configurations
+    result.search_s = time.perf_counter() - started
     # every degree tried, on both sides (a side that failed: its reason for each of its degrees)
     result.best_by_tensor_parallel = (results["tensor"].best_by_tensor_parallel if "tensor" in results else
                                       {1: str(errors.get("tensor", ""))})
@@ -193,8 +192,35 @@ def search_parallel(model_or_profile: Any, hardware: HardwareProfile, *, world_s
         result.alternatives = sorted(result.alternatives + [other], key=_per_token_ranking)
     elif errors:
         why = str(next(iter(errors.values()))).split(";")[0]
-        result.plan.reasons.insert(2, f"the {next(iter(errors))}-parallel degrees do not fit: {why}")
+        side = next(iter(errors))
+        result.plan.reasons.insert(2, f"the {side}-parallel degrees cannot win: {why}" if "pruned:" in why else
+                                   f"the {side}-parallel degrees do not fit: {why}")
     return result
+
+
+def _over_degrees(what: str, degrees: tuple[int, ...], search_at: Callable[[int, float | None], SearchResult],
+                  per_token: Callable[[int], int] = lambda degree: 1, incumbent_per_token: float | None = None,
+                  ) -> tuple[dict[int, SearchResult], dict[int, str]]:
+    """``search_at(degree, incumbent step seconds or None)`` at each degree, in order, each told the best per-token
+    seconds found so far (``per_token(degree)``: the tokens of a tensor-parallel-1 step over this degree's, so the
+    bound is in this degree's step seconds); ``(results, why each other degree has none)``. A degree with nothing
+    that fits, or nothing that can win (:class:`DegreePruned`), is recorded; with one degree its error is raised."""
+    results: dict[int, SearchResult] = {}
+    failed: dict[int, str] = {}
+    best = incumbent_per_token
+    for i, degree in enumerate(degrees):
+        with progress_scope(f"{what} {degree} ({i + 1} of {len(degrees)})"):
+            try:
+                result = search_at(degree, None if best is None else best / per_token(degree))
+            except ValueError as err:
+                if len(degrees) == 1 and not isinstance(err, DegreePruned):
+                    raise
+                failed[degree] = str(err)
+                continue
+        results[degree] = result
+        mine = result.best.prediction.step_s * per_token(degree)
+        best = mine if best is None else min(best, mine)
+    return results, failed
 
 
 def _per_token_ranking(cand: Candidate) -> tuple:
@@ -214,21 +240,23 @@ def _degree_reason(what: str, winner: int, tried: dict[int, Candidate | str]) ->
     mine = tried[winner]
     assert isinstance(mine, Candidate), f"the winning degree {winner} has a candidate"
 
-    def seconds(cand: Candidate, degree: int) -> str:  # tensor parallel: per the tokens of a tp = 1 step too
-        text = f"{cand.prediction.step_s:.4g} s"
-        if what == "tensor parallel" and degree > 1:
-            text += (f" ({cand.prediction.step_s * degree:.4g} s for the {degree} micro-batches one step runs at "
-                     "tensor parallel 1)")
-        return text
+    def seconds(cand: Candidate, degree: int) -> str:  # tensor parallel: per the tokens of a tp = 1 step first
+        if what != "tensor parallel":
+            return f"{cand.prediction.step_s:.4g} s a step"
+        return (f"{cand.prediction.step_s * degree:.4g} s for the tokens of one tensor-parallel-1 step ("
+                f"{cand.prediction.step_s:.4g} s a step" + (f", which runs 1/{degree} of them)" if degree > 1 else ")"))
 
     parts = []
     for degree, other in tried.items():
         if degree == winner:
             continue
         if isinstance(other, Candidate):
-            parts.append(f"{seconds(other, degree)} and {other.prediction.host_bytes / 2**30:.3g} GiB of host "
+            parts.append(f"{seconds(other, degree)} and {other.prediction.host_bytes / 2**30:,.2f} GiB of host "
                          f"memory per rank at {what} {degree}")
+        elif other.startswith("pruned:"):
+            parts.append(f"{what} {degree} not searched in full ({other.split(';')[0]})")
         else:
             parts.append(f"nothing fits at {what} {degree} ({other.split(';')[0]})")
-    return (f"{what} {winner} wins: predicted {seconds(mine, winner)} and "
-            f"{mine.prediction.host_bytes / 2**30:.3g} GiB of host memory per rank, against " + "; ".join(parts))
+    return (f"{what} {winner} wins{' per token' if what == 'tensor parallel' else ''}: predicted "
+            f"{seconds(mine, winner)} and "
+            f"{mine.prediction.host_bytes / 2**30:,.2f} GiB of host memory per rank, against " + "; ".join(parts))

@@ -171,11 +171,12 @@ def _prefix_points(step: ChunkedStep, start: Knobs, limit_bytes: int, order: lis
 
 def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, limit_bytes: int,
                 activations_on_device: bool, grid_points: int, prefetch_depths: Iterable[int],
-                host_budget_bytes: int | None = None,
-                overlap_host_optimizer: bool | None = None) -> tuple[list[Candidate], int]:
+                host_budget_bytes: int | None = None, overlap_host_optimizer: bool | None = None,
+                fill_fractions: tuple[float, ...] | None = None) -> tuple[list[Candidate], int]:
     """Grid over resident chunks x the share of the spare bytes spent on device optimizer states and
-    shards (the rest is cache) x prefetch depth; keep points whose fixed parts plus working set fit
-    ``limit_bytes`` and whose simulated peak fits ``pool_bytes``."""
+    shards (the rest is cache; ``fill_fractions``, default five shares from none to all) x prefetch depth; keep
+    points whose fixed parts plus working set fit ``limit_bytes`` and whose simulated peak fits ``pool_bytes``."""
+    fill_fractions = fill_fractions or _FILL_FRACTIONS
     order = sorted(range(step.num_chunks), key=lambda c: (-step.accesses[c], c))
     found: list[Candidate] = []
     evaluated = 0
@@ -193,7 +194,7 @@ def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, l
             evaluated += 1  # the probe is priced too (its onloads guide the fill)
             if probe is None:
                 continue
-            for fraction in _FILL_FRACTIONS:
+            for fraction in fill_fractions:
                 start = Knobs(resident=resident, device_shard=base.device_shard, prefetch_depth=depth)
                 spare = int((limit_bytes - floor) * fraction)
                 knobs = _fill(step, start, spare, hardware, order, probe.chunk_onloads)
@@ -205,7 +206,7 @@ def _search_one(step: ChunkedStep, hardware: HardwareProfile, pool_bytes: int, l
                     roomy = _fill(step, start, max(0, spare - staging), hardware, order, probe.chunk_onloads)
                     if _uploaded_chunks(step, roomy):
                         variants.append(replace(roomy, refresh_cast="device"))
-                if fraction == _FILL_FRACTIONS[-1] and step.world_size > 1:
+                if fraction == fill_fractions[-1] and step.world_size > 1:
                     variants += _prefix_points(step, start, limit_bytes, order)
                 for point in variants:
                     if point in seen:

@@ -92,7 +92,16 @@ def refresh_staging_bytes(step: ChunkedStep, knobs: Knobs) -> int:
 
 
 def fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, int]]:
-    """(fixed device bytes, host bytes, breakdown) per rank; see [Note: memory accounting]."""
+    """(fixed device bytes, host bytes, breakdown) per rank; see [Note: memory accounting]. Memoised per knobs on
+    the step (the search asks for the same knobs many times; a ``ChunkedStep`` is not changed once built)."""
+    memo = step.__dict__.setdefault("_fixed_memory_memo", {})
+    if knobs not in memo:
+        memo[knobs] = _fixed_memory(step, knobs)
+    fixed, host, breakdown = memo[knobs]
+    return fixed, host, dict(breakdown)
+
+
+def _fixed_memory(step: ChunkedStep, knobs: Knobs) -> tuple[int, int, dict[str, int]]:
     b = DTYPE_BYTES[step.precision]
     ws = step.world_size
     held = knobs.resident | knobs.device_shard

@@ -53,14 +53,16 @@ from hf_elixir.profiler import HardwareProfile, StepProfile, profile_step
 from hf_elixir.runtime.activations import resolve_activation_policy
 from hf_elixir.search._activation_cost import activation_bytes, moved_kind, policy_grid
 from hf_elixir.search._chunk_size import search_chunk_size
-from hf_elixir.search._cost import DTYPE_BYTES, build_chunked_step, profile_blocks
+from hf_elixir.search._coarse import (DegreePruned, coarse_effort, fine_steps_to_search, report_progress,
+                                      step_lower_bound_s)
+from hf_elixir.search._cost import DTYPE_BYTES, Knobs, build_chunked_step, fixed_memory, profile_blocks
 from hf_elixir.search._expert_parallel import expert_parallel_profile, rank_param_order
 from hf_elixir.search._cost import predict  # noqa: F401 (importable from here, as before the grid moved out)
 from hf_elixir.search._grid import (Candidate, SearchResult, _grad_elem_bytes, _memory_not_binding, _policy_key,
                                     _ranking, _refined, _search_one, _search_replicated, brute_force_grid)
 from hf_elixir.search._refine import RefineContext, StepBudget
 from hf_elixir.search._tensor_parallel import tensor_parallel_profile
-from hf_elixir.search._report import (_data_parallel_reasons, _default_replicated_placements, _minimum_bytes,
+from hf_elixir.search._report import (_data_parallel_reasons, _default_replicated_placements,
                                       _policy_or_ckpt, _to_plan)
 
 __all__ = ["Candidate", "SearchResult", "auto_plan", "brute_force_grid", "search", "search_plan"]
@@ -70,6 +72,9 @@ logger = logging.getLogger(__name__)
 
 #: the local refinement's default bound on priced configurations: as many as the grid priced, within these
 REFINE_MIN_PRICED, REFINE_MAX_PRICED = 500, 1000
+#: a degree whose best is more than this fraction slower than another degree's best is not refined
+#: ([Note: coarse to fine] in ``_coarse.py``)
+REFINE_SLACK = 0.1
 
 
 def _resolve_profile(model_or_profile: Any, sample_batch: Any, hardware: HardwareProfile) -> StepProfile:
@@ -179,7 +184,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
            refine_starts: int = 6, refine_max_priced: int | None = None,
            reduce_dtype: str | None = "fp32", host_memory_name: str = "host_memory_bytes=",
            expert_parallel_size: int = 1, tensor_parallel_size: int = 1,
-           tensor_parallel_placements: dict[str, str] | None = None, parallelized: bool = False) -> SearchResult:
+           tensor_parallel_placements: dict[str, str] | None = None, parallelized: bool = False,
+           incumbent_s: float | None = None) -> SearchResult:
     """Profile (if given a model) and search; see :func:`search_plan` for the arguments.
 
     ``expert_parallel_size`` / ``tensor_parallel_size`` price one rank of that degree ([Note: expert parallel
@@ -188,6 +194,10 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     ``resolve_placements(model, ElixirConfig(tensor_parallel_size=...))``). ``parallelized``: the model (or profile)
     is already one rank's, rewritten by ``hf_elixir.parallel.parallelize`` at those degrees: nothing is divided
     again, the chunk groups and collectives are priced.
+
+    ``incumbent_s``: the step seconds (at this degree's tokens per step) of a plan another degree already found;
+    steps that cannot beat it are skipped, and a degree none of whose steps can raises :class:`DegreePruned`
+    ([Note: coarse to fine] in ``_coarse.py``: a coarse pass over every step, the fine grid for the few best).
 
     ``host_memory_name`` is how the caller's user sets the host memory (the CLI's ``--host-memory``,
     ``ElixirConfig.host_memory_budget_bytes``); the error when nothing fits the host names it.
@@ -264,6 +274,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     size_reasons: dict[str, Callable[[int], str]] = {}
     steps: dict[tuple, StepBudget] = {}  # (mode, chunk size, policy key) -> step, for the local refinement
     tried_sizes: set[int] = set()  # every chunk size priced, for the smallest need when none fits
+    rank_host = host_limit // per_host if host_limit is not None else None  # bounds the lane's snapshots
+    planned: list[tuple[str, int, Any]] = []  # (mode, chunk size, policy) in the order the grid walks them
     for mode in modes:
         replicated = mode == "replicated"
         sizes: list[int] = []
@@ -277,39 +289,85 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
             size_reasons.setdefault(mode, why)
             sizes += [n for n in more_sizes if n not in sizes]
             tried_sizes.update(more_sizes)
-        for size in sizes:
-            settled: set[str] = set()  # policy kinds whose fewer moved blocks already leave memory unbound
-            for policy in policies:
-                kind = moved_kind(policy)
-                if kind in settled or "keep" in settled:
-                    continue
-                step = build_chunked_step(profile, size, world_size=world_size, precision=precision,
-                                          hardware=hardware, optim_states=optim_states, replicated=replicated,
-                                          snapshot_rollback=snapshot_rollback, grad_elem_bytes=grad_elem_bytes,
-                                          activation_checkpointing=bool(activation_checkpointing),
-                                          activation_policy=policy, **steps_for)
-                act = step.activation_bytes if activations_on_device else 0
-                # the pool prepare() gets: the budget when activations are outside it (a model-data budget,
-                # ElixirConfig.budget_covers_activations=False), what the activations leave of the
-                # margin-reduced budget when they are charged to it
-                pool = budget if not activations_on_device else limit - act
-                rank_host = host_limit // per_host if host_limit is not None else None  # bounds the lane's snapshots
-                steps[(mode, size, _policy_key(step.activation_policy))] = StepBudget(step, pool, limit - act)
-                if replicated:
-                    more, count = _search_replicated(step, hardware, pool, limit - act, activations_on_device,
-                                                     rank_host, overlap_host_optimizer)
-                else:
-                    more, count = _search_one(step, hardware, pool, limit - act, activations_on_device, grid_points,
-                                              tuple(prefetch_depths), rank_host, overlap_host_optimizer)
-                if host_limit is not None:  # host memory is per machine: every local rank holds its part
-                    kept = [c for c in more if c.prediction.host_bytes * per_host <= host_limit]
-                    over_host += len(more) - len(kept)
-                    least_host = min([least_host] + [c.prediction.host_bytes for c in more if c not in kept])
-                    more = kept
-                found += more
-                evaluated += count
-                if any(_memory_not_binding(step, c) for c in more):
-                    settled.add(kind)  # everything on the device already: moving more blocks only costs time
+        planned += [(mode, size, policy) for size in sizes for policy in policies]
+
+    def budget_for(mode: str, size: int, policy: Any) -> StepBudget:
+        key = (mode, size, _policy_key(policy))
+        if key not in steps:  # memoised: the coarse pass, the fine pass and the refinement share each step
+            step = build_chunked_step(profile, size, world_size=world_size, precision=precision,
+                                      hardware=hardware, optim_states=optim_states, replicated=mode == "replicated",
+                                      snapshot_rollback=snapshot_rollback, grad_elem_bytes=grad_elem_bytes,
+                                      activation_checkpointing=bool(activation_checkpointing),
+                                      activation_policy=policy, **steps_for)
+            act = step.activation_bytes if activations_on_device else 0
+            # the pool prepare() gets: the budget when activations are outside it (a model-data budget,
+            # ElixirConfig.budget_covers_activations=False), what the activations leave of the
+            # margin-reduced budget when they are charged to it
+            steps[key] = StepBudget(step, budget if not activations_on_device else limit - act, limit - act)
+        return steps[key]
+
+    def price(mode: str, size: int, policy: Any, effort: dict) -> list[Candidate]:
+        """The step's grid at ``effort`` (the coarse or the fine pass, [Note: coarse to fine]), host-filtered."""
+        nonlocal evaluated, over_host, least_host
+        sb = budget_for(mode, size, policy)
+        if mode == "replicated":
+            more, count = _search_replicated(sb.step, hardware, sb.pool_bytes, sb.work_limit_bytes,
+                                             activations_on_device, rank_host, overlap_host_optimizer)
+        else:
+            more, count = _search_one(sb.step, hardware, sb.pool_bytes, sb.work_limit_bytes, activations_on_device,
+                                      effort["grid_points"], effort["prefetch_depths"], rank_host,
+                                      overlap_host_optimizer, fill_fractions=effort["fill_fractions"])
+        if host_limit is not None:  # host memory is per machine: every local rank holds its part
+            kept = [c for c in more if c.prediction.host_bytes * per_host <= host_limit]
+            over_host += len(more) - len(kept)
+            least_host = min([least_host] + [c.prediction.host_bytes for c in more if c not in kept])
+            more = kept
+        evaluated += count
+        return more
+
+    def floor_exceeds(sb: StepBudget) -> bool:
+        """The step's least device bytes (nothing resident but what replicated chunks must be, no device optimizer
+        state) exceed what it may use: no configuration of it fits."""
+        step = sb.step
+        base = (Knobs(resident=frozenset(range(step.num_chunks)), device_shard=frozenset(range(step.num_chunks)))
+                if step.replicated else Knobs(resident=frozenset(), device_shard=frozenset()))
+        return fixed_memory(step, base)[0] + step.working_set_bytes(step.never_filled(base)) > sb.work_limit_bytes
+
+    coarse = coarse_effort(grid_points, tuple(prefetch_depths))
+    fine = {"grid_points": grid_points, "prefetch_depths": tuple(prefetch_depths), "fill_fractions": None}
+    step_best: dict[tuple, float] = {}  # (mode, size, policy key) -> its coarse best step seconds
+    settled: set[tuple] = set()  # (mode, size, kind) whose fewer moved blocks already leave memory unbound
+    pruned = 0
+    # the policies that leave the fewest activations on the device (every block recomputed or offloaded)
+    extremes = [p for p in policies if p is None or all(v != "keep" for v in p.values())] or policies[:1]
+    hopeless: dict[tuple[str, int], bool] = {}  # (mode, size) -> no policy can fit its floor
+    for done, (mode, size, policy) in enumerate(planned):
+        kind = moved_kind(policy)
+        if (mode, size, kind) in settled or (mode, size, "keep") in settled:
+            continue
+        if (mode, size) not in hopeless:  # two steps built instead of every policy's where nothing fits
+            hopeless[(mode, size)] = all(floor_exceeds(budget_for(mode, size, p)) for p in extremes)
+        if hopeless[(mode, size)]:
+            continue
+        incumbent = min([c.prediction.step_s for c in found] + ([incumbent_s] if incumbent_s else []), default=None)
+        if incumbent is not None and step_lower_bound_s(budget_for(mode, size, policy).step, hardware) >= incumbent:
+            pruned += 1  # its compute alone is slower than a plan already found ([Note: coarse to fine])
+            continue
+        more = price(mode, size, policy, coarse)
+        found += more
+        if more:
+            step_best[(mode, size, _policy_key(policy))] = min(c.prediction.step_s for c in more)
+        if any(_memory_not_binding(budget_for(mode, size, policy).step, c) for c in more):
+            settled.add((mode, size, kind))  # everything on the device already: moving more blocks only costs time
+        report_progress(what="coarse pass", done=done + 1, total=len(planned), priced=evaluated,
+                        best_s=min((c.prediction.step_s for c in found), default=None))
+    for mode, size, policy in fine_steps_to_search(planned, step_best, incumbent_s):
+        found += price(mode, size, policy, fine)
+        report_progress(what="fine pass", done=1, total=1, priced=evaluated,
+                        best_s=min((c.prediction.step_s for c in found), default=None))
+    if not found and pruned and not over_host:
+        raise DegreePruned(f"pruned: the compute alone of each of its {pruned} steps is slower than the "
+                           f"{incumbent_s:.4g} s step already found at another degree")
     if not found:
         if over_host:
             raise ValueError(
@@ -327,15 +385,21 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
             tried_sizes.update(_chunk_sizes(rank_profile, pack_world_size, b, max(1, room), chunk_size_numel,
                                             num_chunk_sizes, False)[0])
         largest = max(rank_profile.param_numels, default=1)  # replicated buckets may be smaller: they pack otherwise
-        need = min(_minimum_bytes(profile, world_size, precision, size, activations_on_device, hardware, policies,
-                                  grad_elem_bytes, **steps_for) for size in tried_sizes if size >= largest)
+        # the least-activation policies bound the need (every block recomputed or offloaded; keep for a grid of one):
+        # the others only add activations, and each step built here is memoised for the next size's
+
+        def need_at(size: int) -> int:
+            return min(budget_for("sharded", size, p).step.working_set_bytes() + (
+                budget_for("sharded", size, p).step.activation_bytes if activations_on_device else 0)
+                for p in extremes)
+
+        need = min(need_at(size) for size in tried_sizes if size >= largest)
         # and the candidates the search would try at about that need (GPT-2 8x1024 told from 100 MB: 7% less)
         for _ in range(2):
             for room in (need >> k for k in range(3)):
                 tried_sizes.update(_chunk_sizes(rank_profile, pack_world_size, b, max(1, room), chunk_size_numel,
                                                 num_chunk_sizes, False)[0])
-            need = min(_minimum_bytes(profile, world_size, precision, size, activations_on_device, hardware, policies,
-                                      grad_elem_bytes, **steps_for) for size in tried_sizes if size >= largest)
+            need = min(need_at(size) for size in tried_sizes if size >= largest)
         need_budget = math.ceil(need / (1.0 - safety_margin))
         raise ValueError(
             f"no configuration fits device_memory_budget_bytes={budget} (with safety_margin={safety_margin}: "
@@ -346,21 +410,11 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     found.sort(key=_ranking(profile))
     if refine_max_priced is None:  # about what the grid priced (at least 500: a small grid says little here)
         refine_max_priced = min(REFINE_MAX_PRICED, max(REFINE_MIN_PRICED, evaluated))
-    if refine_starts and refine_max_priced:
-        def step_for(mode: str, size: int, policy: dict[str, str] | None) -> StepBudget:
-            key = (mode, size, _policy_key(policy))
-            if key not in steps:  # a policy the refinement moved to: built as the loop above builds its steps
-                step = build_chunked_step(profile, size, world_size=world_size, precision=precision,
-                                          hardware=hardware, optim_states=optim_states,
-                                          replicated=mode == "replicated", snapshot_rollback=snapshot_rollback,
-                                          grad_elem_bytes=grad_elem_bytes,
-                                          activation_checkpointing=bool(activation_checkpointing),
-                                          activation_policy=policy, **steps_for)
-                act = step.activation_bytes if activations_on_device else 0
-                steps[key] = StepBudget(step, budget if not activations_on_device else limit - act, limit - act)
-            return steps[key]
-
-        ctx = RefineContext(hardware=hardware, step_for=step_for, activations_on_device=activations_on_device,
+    # the refinement polishes a degree that can win: not one whose best is well behind another degree's
+    competitive = incumbent_s is None or found[0].prediction.step_s <= incumbent_s * (1.0 + REFINE_SLACK)
+    if refine_starts and refine_max_priced and competitive:
+        report_progress(what="local refinement", done=0, total=1, priced=evaluated, best_s=found[0].prediction.step_s)
+        ctx = RefineContext(hardware=hardware, step_for=budget_for, activations_on_device=activations_on_device,
                             prefetch_depths=tuple(prefetch_depths), policy_searched=len(policies) > 1,
                             host_budget_bytes=host_limit // per_host if host_limit is not None else None,
                             host_limit_bytes=host_limit, ranks_per_host=per_host,

@@ -11,9 +11,8 @@ from typing import Any
 from torch import nn
 
 from hf_elixir.plan import ElixirPlan, policy_summary
-from hf_elixir.profiler import HardwareProfile, StepProfile
+from hf_elixir.profiler import StepProfile
 from hf_elixir.search._activation_cost import DTYPE_BYTES, activation_bytes
-from hf_elixir.search._chunked_step import build_chunked_step
 from hf_elixir.search._grid import Candidate
 
 __all__: list[str] = []
@@ -47,21 +46,8 @@ def _data_parallel_reasons(modes: tuple[str, ...], best: Candidate, best_by_mode
         return [f"{best.data_parallel} data parallelism: {why}; predicted {mine.step_s:.4g} s"]
     theirs = best_by_mode[other].prediction
     return [f"{best.data_parallel} data parallelism wins: predicted {mine.step_s:.4g} s vs {theirs.step_s:.4g} s for "
-            f"the best {other} plan ({other} device peak {theirs.device_peak_bytes} bytes, "
-            f"{best.data_parallel} {mine.device_peak_bytes} bytes)"]
-
-
-def _minimum_bytes(profile: StepProfile, world_size: int, precision: str, size: int, act_on_device: bool,
-                   hardware: HardwareProfile, policies: list | None = None, grad_elem_bytes: int = 4,
-                   **step_kwargs: int) -> int:
-    """The smallest working set plus activations over ``policies`` (default: the uniform switch off);
-    ``step_kwargs``: ``build_chunked_step``'s expert-parallel arguments."""
-    need = []
-    for policy in policies or [None]:
-        step = build_chunked_step(profile, size, world_size=world_size, precision=precision, hardware=hardware,
-                                  activation_policy=policy, grad_elem_bytes=grad_elem_bytes, **step_kwargs)
-        need.append(step.working_set_bytes() + (step.activation_bytes if act_on_device else 0))
-    return min(need)
+            f"the best {other} plan ({other} device peak {theirs.device_peak_bytes / 2**30:,.2f} GiB, "
+            f"{best.data_parallel} {mine.device_peak_bytes / 2**30:,.2f} GiB)"]
 
 
 def _gather_reasons(profile: StepProfile, best: Candidate, world_size: int, act_on_device: bool) -> list[str]:
@@ -98,10 +84,10 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
     gib = 2**30
     reasons = [
         size_reason,
-        f"searched {evaluated} configurations; fastest that fits {limit / gib:.3g} GiB "
-        f"(budget {budget / gib:.3g} GiB minus safety margin) is {best.summary()}",
-        f"device bytes at the peak ({p.device_peak_bytes / gib:.3g} GiB): "
-        + ", ".join(f"{name} {v / gib:.3g} GiB" for name, v in (p.peak_breakdown or p.breakdown).items() if v),
+        f"fastest that fits {limit / gib:,.2f} GiB "
+        f"(budget {budget / gib:,.2f} GiB minus safety margin) is {best.summary()}",
+        f"device bytes at the peak ({p.device_peak_bytes / gib:,.2f} GiB): "
+        + ", ".join(f"{name} {v / gib:,.2f} GiB" for name, v in (p.peak_breakdown or p.breakdown).items() if v),
         f"predicted step {p.step_s:.4g} s = forward+backward {p.forward_backward_s:.4g} s "
         f"(compute {p.compute_s:.4g} s, {p.onloads} chunk onloads) + optimizer {p.optimizer_s:.4g} s"
         if not profile.forward_only else
@@ -115,7 +101,7 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
                  f"sharded over the {world_size // ep} ranks holding the same ones")
         reasons.append(f"expert parallel over {ep} ranks: each rank holds 1/{ep} of every MoE layer's experts, "
                        f"{where}, and sends "
-                       f"{p.alltoall_bytes / 2**30:.3g} GiB a step in the all-to-alls; train it with "
+                       f"{p.alltoall_bytes / 2**30:,.2f} GiB a step in the all-to-alls; train it with "
                        f"ElixirConfig(placements={{'<experts module glob>': 'expert'}}, expert_parallel_size={ep}) "
                        "and hf_elixir.parallel.parallelize (docs/expert-parallel.md)")
     if best.tensor_parallel_size > 1:
@@ -123,7 +109,7 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
         where = ("each chunk whole on its rank" if tp == world_size else
                  f"every chunk sharded over the {world_size // tp} data-parallel ranks")
         reasons.append(f"tensor parallel over {tp} ranks: each rank holds 1/{tp} of the column/row modules' weights "
-                       f"and computes 1/{tp} of their matmuls, {where}, and sends {p.tensor_parallel_bytes / 2**30:.3g} "
+                       f"and computes 1/{tp} of their matmuls, {where}, and sends {p.tensor_parallel_bytes / 2**30:,.2f} "
                        "GiB a step in the split layers' all-reduces and all-gathers; train it with "
                        f"ElixirConfig(tensor_parallel_size={tp}) and hf_elixir.parallel.parallelize "
                        "(docs/placements.md)")
@@ -134,7 +120,7 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
         moved = [b for b in blocks if best.activation_policy[b] != "keep"]
         where = "first blocks in forward order" if moved == blocks[:len(moved)] else "blocks: " + ", ".join(moved)
         reasons.append(f"activation policy {policy_summary(best.activation_policy)} blocks ({where}; "
-                       f"activations {p.breakdown.get('activations', 0) / gib:.3g} GiB on the device): keeping "
+                       f"activations {p.breakdown.get('activations', 0) / gib:,.2f} GiB on the device): keeping "
                        "every block's activations does not leave room for a faster plan")
     elif best.activation_checkpointing:
         reasons.append("activation checkpointing on: without it the activations do not leave room for a faster plan")
@@ -147,8 +133,8 @@ def _to_plan(profile: StepProfile, best: Candidate, world_size: int, precision: 
                        f"{p.breakdown.get('refresh_staging', 0) / 2**20:.3g} MiB of device staging) beats casting them "
                        "in the host lane here")
     if host_memory_bytes is not None:
-        reasons.append(f"host bytes {p.host_bytes / gib:.3g} GiB per rank x {ranks_per_host} rank(s) per host fit "
-                       f"in host memory {host_memory_bytes / gib:.3g} GiB")
+        reasons.append(f"host bytes {p.host_bytes / gib:,.2f} GiB per rank x {ranks_per_host} rank(s) per host fit "
+                       f"in host memory {host_memory_bytes / gib:,.2f} GiB")
     return ElixirPlan(
         model_type=profile.model_type, num_params=profile.num_params, world_size=world_size, precision=precision,
         chunk_size_numel=best.chunk_size_numel, param_order=list(profile.param_names),
