@@ -82,10 +82,11 @@ def install(config_file: str | None = None, source: str | None = None) -> None:
     transformers.Trainer.__init__ = _trainer_init_with_callback(transformers.Trainer.__init__)
 
 
-def install_for_accelerate_launch() -> bool:
+def install_for_accelerate_launch(path=None) -> bool:
     """Called by the start hook (``hf_elixir_autoroute``, [Note: the start hook]) at the first
     ``accelerator.prepare`` or ``Trainer(...)`` of a process ``accelerate launch`` started: install the router if
-    the launch's config file (found as ``ElixirPlugin`` finds it) has a ``dynamo_config.elixir`` section.
+    the launch's config file (``path``, or found as ``ElixirPlugin`` finds it) has a ``dynamo_config.elixir``
+    section.
 
     Returns:
         Whether the router is installed now.
@@ -98,7 +99,7 @@ def install_for_accelerate_launch() -> bool:
 
     if _STATE["config"] is not None:  # hf-elixir launch installed it already
         return True
-    path = find_launch_config_file()
+    path = path if path is not None else find_launch_config_file()
     if path is None or not has_elixir_section(path):
         return False
     install(str(path), source=f"{path} (accelerate launch)")
