@@ -37,7 +37,7 @@ fields of whatever the file says.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Mapping
 
 # Finding and reading the file lives in the start hook's module, which must not import hf_elixir to decide
 # whether a launch is Elixir's ([Note: the start hook stays out of other launches] in hf_elixir_autoroute.py).
