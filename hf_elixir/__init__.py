@@ -15,6 +15,7 @@ import importlib as _importlib
 from typing import Any as _Any
 
 from hf_elixir.api import get_state, memory_stats, min_device_budget_bytes, prepare, reset_memory_stats
+from hf_elixir.chunk._shared_budget import SharedDeviceBudget
 from hf_elixir.chunk.memory import DeviceBudgetExceededError
 from hf_elixir.config import ElixirConfig, LossScalePolicy
 from hf_elixir.optim.gradients import full_gradients, get_full_grad
@@ -39,6 +40,7 @@ __all__ = [
     "ElixirPlan",
     "LossScalePolicy",
     "SUPPORTED_OPTIMIZERS",
+    "SharedDeviceBudget",
     "get_state",
     "memory_stats",
     "min_device_budget_bytes",

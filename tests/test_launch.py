@@ -84,10 +84,19 @@ def test_a_model_prepared_apart_from_its_optimizer_is_refused_with_the_one_line_
     assert _route.routed_models() == []
 
 
-def test_two_models_in_one_prepare_are_refused(routed):
-    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
-    with pytest.raises(ValueError, match="2 models and 2 optimizers"):
-        routed.prepare(a, torch.optim.SGD(a.parameters(), lr=0.1), b, torch.optim.SGD(b.parameters(), lr=0.1))
+def test_two_models_in_one_prepare_are_paired_with_their_optimizers_and_a_shared_optimizer_is_refused(routed):
+    import hf_elixir
+
+    a, b, frozen = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).requires_grad_(False)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    out = routed.prepare(opt_b, a, frozen, b, opt_a)  # paired by the parameters each optimizer holds
+    assert out[1] is a and out[2] is frozen and out[3] is b and _route.routed_models() == [a, frozen, b]
+    assert out[0].optimizer is hf_elixir.get_state(b).optimizer and out[4].optimizer is hf_elixir.get_state(a).optimizer
+    assert hf_elixir.get_state(frozen).optimizer is None
+    c, d = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    both = torch.optim.SGD([*c.parameters(), *d.parameters()], lr=0.1)
+    with pytest.raises(ValueError, match="holds parameters of Linear and of Linear"):
+        routed.prepare(c, d, both)
 
 
 def test_a_model_with_its_optimizer_is_put_under_elixir_and_returned_in_order(routed):
