@@ -57,6 +57,7 @@ from hf_elixir._logging import info_on_main_rank
 from hf_elixir.chunk._shared_budget import SharedDeviceBudget
 from hf_elixir.parallel._launch import check_launch_world_size
 from hf_elixir.integrations._compile import compile_from_accelerator
+from hf_elixir.integrations._takeover import log_takeover, parallelize_for_integration
 from hf_elixir.runtime._state import is_prepared
 
 __all__ = ["ElixirAcceleratedOptimizer", "binding_of", "config_summary", "elixir_prepare",
@@ -517,11 +518,14 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
     binding = binding_of(accelerator)
     config = compile_from_accelerator(accelerator, config)  # [Note: torch.compile through the integrations]
     info_on_main_rank(logger, "%s", config_summary(config, source))
+    if not is_prepared(model):  # [Note: parallelized by the integration] in _takeover.py
+        parallelize_for_integration(model, optimizer, config, accelerator)
     if optimizer is None:  # a model only evaluated (a reference or teacher model): nothing to step or wrap
         if not is_prepared(model):
             with binding.shared_budget:
                 model, _ = hf_elixir.prepare(model, None, config=config, checkpoint=checkpoint,
                                              sample_batch=sample_batch)
+            log_takeover(model, source)
         model._is_accelerate_prepared = True
         binding.entries.append((model, None))
         return binding.original_prepare(model), None
@@ -532,6 +536,7 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
     else:
         with binding.shared_budget:
             model, elixir_optimizer = _prepare_explaining_no_loss(model, optimizer, config, checkpoint, sample_batch)
+        log_takeover(model, source)
     wrapped = ElixirAcceleratedOptimizer(elixir_optimizer)
     model._is_accelerate_prepared = True  # accelerate: register, do not wrap (no DDP, no autocast)
     wrapped._is_accelerate_prepared = True

@@ -24,6 +24,9 @@ the script runs (``hf-elixir launch`` runs the script through :mod:`hf_elixir.in
   run whose config asks for Elixir never trains a DDP model silently.
 * ``transformers.Trainer`` gets an :class:`~hf_elixir.integrations.ElixirCallback` with the same config when
   its ``callbacks`` hold none (the callback then routes the Trainer's own ``prepare``).
+* a config asking for tensor or expert parallelism parallelizes the model first (the Trainer's in its
+  ``__init__``, a loop's at its ``prepare``): [Note: parallelized by the integration] in ``_takeover.py``.
+* one INFO line on rank 0 per model says that hf_elixir took over, with which placements, budget and plan.
 
 Everything the router does not route falls through to accelerate unchanged; models that accelerate already
 prepared (``_is_accelerate_prepared``) pass through, which is how the callback and ``ElixirPlugin`` register
@@ -78,6 +81,9 @@ def install(config_file: str | None = None, source: str | None = None) -> None:
     _STATE["source"] = source or (f"{path} (hf-elixir launch)" if path is not None else "hf-elixir launch (defaults)")
     if not first:
         return
+    from hf_elixir.integrations._takeover import show_takeover_line
+
+    show_takeover_line()  # the one line that says hf_elixir took over, at INFO on rank 0
     import accelerate
 
     accelerate.Accelerator.prepare = _routed_prepare(accelerate.Accelerator.prepare)
@@ -216,6 +222,11 @@ def _trainer_init_with_callback(original):
         from hf_elixir.integrations.trainer_callback import ElixirCallback
 
         bound = signature.bind(self, *args, **kwargs)
+        model = bound.arguments.get("model")
+        if isinstance(model, torch.nn.Module):  # before the Trainer builds its optimizer and data loaders on it
+            from hf_elixir.integrations._takeover import parallelize_for_integration
+
+            parallelize_for_integration(model, None, _STATE["config"])  # [Note: parallelized by the integration]
         callbacks = list(bound.arguments.get("callbacks") or [])
         if not any(isinstance(c, ElixirCallback) or c is ElixirCallback for c in callbacks):
             callback = ElixirCallback(config=_STATE["config"])
