@@ -88,3 +88,20 @@ def test_an_unchanged_loop_under_a_tensor_or_expert_parallel_config_is_paralleli
     mesh = "(tp=2, ep=1, dp=1)" if kind == "llama" else "(tp=1, ep=2"
     assert f"{'LlamaForCausalLM' if kind == 'llama' else 'MixtralForCausalLM'} (trained)" in line
     assert "from elixir.yaml (accelerate launch): placements" in line and mesh in line and "device budget" in line
+
+
+def test_an_unchanged_trainer_script_under_the_llama_tensor_parallel_yaml_trains_as_the_stock_trainer(tmp_path):
+    """``accelerate launch --config_file recipes/llama/elixir.yaml run_trainer.py`` (tensor_parallel_size: 2, a stock
+    Trainer script): the route parallelizes the model before the Trainer builds its optimizer and data loaders, the
+    two processes are one tensor-parallel row reading one process's batches, and the losses equal the stock Trainer
+    in one process; the took-over line shows at the default log level, once."""
+    from tests.test_launch import REPO, SCRIPTS, _field, _launch, _yaml_without_elixir
+
+    script = [str(SCRIPTS / "run_trainer.py"), str(tmp_path / "out")]
+    routed = _launch(tmp_path, 2, script, via="accelerate", config=REPO / "recipes" / "llama" / "elixir.yaml")
+    reference = _launch(tmp_path, 1, script, via="accelerate", config=_yaml_without_elixir(tmp_path))
+    assert _field(routed, "TRAINED_MODEL_CLASS") == ["GPT2LMHeadModel"] * 2, routed[-3000:]
+    got, expected = [float(x) for x in _field(routed, "FINAL_LOSS")], float(_field(reference, "FINAL_LOSS")[0])
+    assert got == pytest.approx([expected] * 2, rel=1e-5), (got, expected)
+    took_over = [line for line in routed.splitlines() if "hf_elixir took over GPT2LMHeadModel (trained)" in line]
+    assert len(took_over) == 1 and "(tp=2, ep=1, dp=1)" in took_over[0], routed[-3000:]
