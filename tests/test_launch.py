@@ -90,7 +90,7 @@ def test_two_models_in_one_prepare_are_paired_with_their_optimizers_and_a_shared
     a, b, frozen = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).requires_grad_(False)
     opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
     out = routed.prepare(opt_b, a, frozen, b, opt_a)  # paired by the parameters each optimizer holds
-    assert out[1] is a and out[2] is frozen and out[3] is b and _route.routed_models() == [a, frozen, b]
+    assert out[1] is a and out[2] is frozen and out[3] is b and _route.routed_models() == [a, b, frozen]
     assert out[0].optimizer is hf_elixir.get_state(b).optimizer and out[4].optimizer is hf_elixir.get_state(a).optimizer
     assert hf_elixir.get_state(frozen).optimizer is None
     c, d = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)

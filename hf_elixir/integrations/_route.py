@@ -144,8 +144,8 @@ def _pair(args: tuple, models: list[int], optimizers: list[int]) -> tuple[list[t
     """Which optimizer steps which model, from the parameters each optimizer holds.
 
     Returns:
-        ``(pairs, alone)``: ``(model index, optimizer index)`` for each model with its optimizer, ``(model index,
-        None)`` for a frozen model (no parameter requires a gradient: a reference or teacher model), and the
+        ``(pairs, alone)``: ``(model index, optimizer index)`` for each model with its optimizer, then ``(model
+        index, None)`` for each frozen model (no parameter requires a gradient: a reference or teacher model), and the
         models with trainable parameters but no optimizer in this call (left to accelerate).
 
     Raises:
@@ -170,7 +170,7 @@ def _pair(args: tuple, models: list[int], optimizers: list[int]) -> tuple[list[t
                          "steps one model (put the parameter groups in one optimizer)")
     frozen = [m for m in models if m not in paired and not any(p.requires_grad for p in args[m].parameters())]
     alone = [m for m in models if m not in paired and m not in frozen]
-    return sorted(pairs + [(m, None) for m in frozen]), alone
+    return sorted(pairs) + [(m, None) for m in frozen], alone  # trained first: they take the loaders (search='auto')
 
 
 def _routed_prepare(original):
