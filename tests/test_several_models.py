@@ -175,3 +175,29 @@ def test_an_unchanged_accelerate_loop_with_two_trained_models_and_a_frozen_teach
         assert r["types"] == ["ElixirAcceleratedOptimizer"] * 2
         assert sum(r["pools"]) <= 4_000_000, r["pools"]
         assert max(r["rel"]) < 1e-5, r["rel"]
+
+
+def test_a_loss_reaching_two_fp16_models_is_refused_by_name_and_each_models_own_loss_is_scaled():
+    import accelerate
+
+    import hf_elixir
+    from hf_elixir.integrations import ElixirPlugin
+
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = accelerate.Accelerator(cpu=True)
+        plugin = ElixirPlugin(config=hf_elixir.ElixirConfig(precision="fp16"))
+        a, b = tiny_model("gpt2", seed=0), tiny_model("gpt2", seed=2)
+        a, opt_a = plugin.prepare(accelerator, a, torch.optim.AdamW(a.parameters(), lr=1e-3))
+        b, opt_b = plugin.prepare(accelerator, b, torch.optim.AdamW(b.parameters(), lr=1e-3))
+        ids = batch("gpt2", 0, ROWS)["input_ids"]
+        loss_a, loss_b = a(input_ids=ids, labels=ids).loss, b(input_ids=ids, labels=ids).loss
+        with pytest.raises(ValueError, match=r"reaches 2 trained hf_elixir models, and fp16 models \(GPT2LMHeadModel, "
+                                             r"GPT2LMHeadModel\)"):
+            accelerator.backward(loss_a + loss_b)
+        for loss, optimizer in ((loss_a, opt_a), (loss_b, opt_b)):
+            accelerator.backward(loss)  # each loss reaches its own model: that model's loss scale
+            assert optimizer.optimizer._scaled_backward
+            optimizer.step()
+    finally:
+        accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)

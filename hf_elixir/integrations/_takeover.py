@@ -64,7 +64,9 @@ def parallelize_for_integration(model: torch.nn.Module, optimizer, config, accel
             f"ElixirConfig(tensor_parallel_size={config.tensor_parallel_size}): a data loader was prepared before "
             f"the model, so it gives each of the {accelerator.num_processes} processes its own batch, while the "
             "tensor-parallel ranks of a row must compute on the same one; prepare the data loader in the same call "
-            "as the model (`model, optimizer, loader = accelerator.prepare(model, optimizer, loader)`) or after it")
+            "as the model (`model, optimizer, loader = accelerator.prepare(model, optimizer, loader)`) or after it. "
+            "With a Trainer, call hf_elixir.parallel.parallelize(model, config) before Trainer(...), or launch the "
+            "unchanged script with the config (accelerate launch --config_file elixir.yaml), which does that")
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     parallelize(model, config)
     rewritten = dict(model.named_parameters(remove_duplicate=False))
