@@ -262,3 +262,17 @@ def test_the_hooks_triggers_keep_the_signatures_of_the_methods_they_stand_in_for
         trigger = hook._trigger(cls, method, original)
         assert inspect.signature(trigger) == inspect.signature(original) and trigger.__name__ == method
         assert "callbacks" in inspect.signature(trigger).parameters or method == "prepare"
+
+
+def test_an_unchanged_loop_with_two_trained_models_is_routed_and_trains_as_ddp(tmp_path):
+    """Plain ``accelerate launch`` (the start hook) of a loop preparing a policy and a value model with their
+    optimizers in one call, one loss reaching both: both go to hf_elixir, and the losses equal the same loop under
+    DDP at 2 processes."""
+    script = [str(SCRIPTS / "two_models_loop.py")]
+    routed = _launch(tmp_path, 2, script, via="accelerate")
+    ddp = _launch(tmp_path, 2, script, via="accelerate", config=_yaml_without_elixir(tmp_path))
+    for name in ("OPTIMIZER_P", "OPTIMIZER_V"):
+        assert _field(routed, name) == ["ElixirAcceleratedOptimizer"] * 2, routed[-3000:]
+    assert _field(routed, "DDP") == ["False"] * 2 and _field(ddp, "DDP") == ["True"] * 2, ddp[-2000:]
+    got, expected = sorted(map(float, _field(routed, "FINAL_LOSS"))), sorted(map(float, _field(ddp, "FINAL_LOSS")))
+    assert len(got) == 2 and got == pytest.approx(expected, rel=1e-5), (got, expected)
