@@ -28,6 +28,7 @@ __all__ = [
     "ElixirPlan",
     "LossScalePolicy",
     "SUPPORTED_OPTIMIZERS",
+    "SharedDeviceBudget",
     "get_state",
     "memory_stats",
     "min_device_budget_bytes",
@@ -38,6 +39,7 @@ __all__ = [
     "search_plan",
     "CollectiveEntryError",
     "external_reads",
+    "SharedDeviceBudget",
 ]
 __version__ = "0.1.0"
 
@@ -48,7 +50,7 @@ _LAZY = {
     "ElixirCallback": "hf_elixir.integrations.trainer_callback",
     "get_state": "hf_elixir.api", "memory_stats": "hf_elixir.api", "min_device_budget_bytes": "hf_elixir.api",
     "prepare": "hf_elixir.api", "reset_memory_stats": "hf_elixir.api",
-    "DeviceBudgetExceededError": "hf_elixir.chunk.memory",
+    "DeviceBudgetExceededError": "hf_elixir.chunk.memory", "SharedDeviceBudget": "hf_elixir.chunk._shared_budget",
     "ElixirConfig": "hf_elixir.config", "LossScalePolicy": "hf_elixir.config",
     "full_gradients": "hf_elixir.optim.gradients", "get_full_grad": "hf_elixir.optim.gradients",
     "SUPPORTED_OPTIMIZERS": "hf_elixir.optim.optimizer", "ElixirOptimizer": "hf_elixir.optim.optimizer",

@@ -84,10 +84,19 @@ def test_a_model_prepared_apart_from_its_optimizer_is_refused_with_the_one_line_
     assert _route.routed_models() == []
 
 
-def test_two_models_in_one_prepare_are_refused(routed):
-    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
-    with pytest.raises(ValueError, match="2 models and 2 optimizers"):
-        routed.prepare(a, torch.optim.SGD(a.parameters(), lr=0.1), b, torch.optim.SGD(b.parameters(), lr=0.1))
+def test_two_models_in_one_prepare_are_paired_with_their_optimizers_and_a_shared_optimizer_is_refused(routed):
+    import hf_elixir
+
+    a, b, frozen = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).requires_grad_(False)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    out = routed.prepare(opt_b, a, frozen, b, opt_a)  # paired by the parameters each optimizer holds
+    assert out[1] is a and out[2] is frozen and out[3] is b and _route.routed_models() == [a, b, frozen]
+    assert out[0].optimizer is hf_elixir.get_state(b).optimizer and out[4].optimizer is hf_elixir.get_state(a).optimizer
+    assert hf_elixir.get_state(frozen).optimizer is None
+    c, d = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    both = torch.optim.SGD([*c.parameters(), *d.parameters()], lr=0.1)
+    with pytest.raises(ValueError, match="holds parameters of Linear and of Linear"):
+        routed.prepare(c, d, both)
 
 
 def test_a_model_with_its_optimizer_is_put_under_elixir_and_returned_in_order(routed):
@@ -187,6 +196,11 @@ def test_plain_accelerate_launch_without_an_elixir_section_or_with_the_hook_off_
                       config=config, extra_env=env)
         assert _field(out, "DDP") == [str(procs > 1)] * procs, (env, out[-3000:])
         assert _field(out, "OPTIMIZER_CLASS") == ["AcceleratedOptimizer"] * procs, out[-3000:]
+        # [Note: the start hook stays out of other launches]: nothing of hf_elixir imported, the hook's trigger (armed
+        # in the launched DDP processes, not with the switch off) kept Accelerator.prepare's signature
+        assert _field(out, "HF_ELIXIR_MODULES") == ["0"] * procs, out[-3000:]
+        assert _field(out, "PREPARE_SIGNATURE_KEPT") == ["True"] * procs, out[-3000:]
+        assert _field(out, "WRAPPED_BEFORE") == [str(not env)] * procs, out[-3000:]
 
 
 def test_plain_accelerate_launch_with_an_invalid_elixir_field_fails_at_prepare_naming_it(tmp_path):
@@ -208,3 +222,58 @@ def test_the_hook_on_import_torch_arms_only_in_launched_processes_and_imports_no
     out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
                          timeout=120, check=True).stdout.split()
     assert out == [str(armed), "False"]
+
+
+def test_a_stale_elixir_config_file_that_disagrees_with_config_file_is_an_error_naming_both(tmp_path):
+    """A DDP launch (``--config_file ddp.yaml``) with ``ELIXIR_CONFIG_FILE`` left pointing at an Elixir YAML used to be
+    routed to hf_elixir without a word; now the first ``prepare`` raises, naming both files."""
+    ddp = _yaml_without_elixir(tmp_path)
+    out = _launch(tmp_path, 1, [str(SCRIPTS / "plain_loop.py"), "--model", "gpt2"], via="accelerate", config=ddp,
+                  extra_env={"ELIXIR_CONFIG_FILE": str(YAML)}, check=False)
+    assert "ValueError: ELIXIR_CONFIG_FILE=" in out and str(YAML) in out and str(ddp) in out, out[-3000:]
+    assert "FINAL_LOSS" not in out
+
+
+def test_the_config_file_sources_agree_or_the_lookup_names_both(tmp_path, monkeypatch):
+    import hf_elixir_autoroute as hook
+
+    elixir, other = tmp_path / "elixir.yaml", tmp_path / "other.yaml"
+    elixir.write_text(YAML.read_text())
+    other.write_text(YAML.read_text())
+    monkeypatch.setenv("ELIXIR_CONFIG_FILE", str(elixir))
+    for launcher, expected in (((None, False), elixir), ((elixir, True), elixir), ((other, False), elixir)):
+        monkeypatch.setattr(hook, "_launcher_config_file", lambda launcher=launcher: launcher)
+        assert hook.find_launch_config_file() == expected  # no launcher, the same file, accelerate's default file
+    monkeypatch.setattr(hook, "_launcher_config_file", lambda: (other, True))
+    with pytest.raises(ValueError, match=re.escape(f"ELIXIR_CONFIG_FILE={str(elixir)!r} disagrees with `accelerate "
+                                                   f"launch --config_file {other}`")):
+        hook.find_launch_config_file()
+    assert hook.find_launch_config_file(other) == other  # an explicit ElixirPlugin(config_file=) wins
+
+
+def test_the_hooks_triggers_keep_the_signatures_of_the_methods_they_stand_in_for():
+    import inspect
+
+    import transformers
+
+    import hf_elixir_autoroute as hook
+
+    for cls, method in ((accelerate.Accelerator, "prepare"), (transformers.Trainer, "__init__")):
+        original = cls.__dict__[method]
+        trigger = hook._trigger(cls, method, original)
+        assert inspect.signature(trigger) == inspect.signature(original) and trigger.__name__ == method
+        assert "callbacks" in inspect.signature(trigger).parameters or method == "prepare"
+
+
+def test_an_unchanged_loop_with_two_trained_models_is_routed_and_trains_as_ddp(tmp_path):
+    """Plain ``accelerate launch`` (the start hook) of a loop preparing a policy and a value model with their
+    optimizers in one call, one loss reaching both: both go to hf_elixir, and the losses equal the same loop under
+    DDP at 2 processes."""
+    script = [str(SCRIPTS / "two_models_loop.py")]
+    routed = _launch(tmp_path, 2, script, via="accelerate")
+    ddp = _launch(tmp_path, 2, script, via="accelerate", config=_yaml_without_elixir(tmp_path))
+    for name in ("OPTIMIZER_P", "OPTIMIZER_V"):
+        assert _field(routed, name) == ["ElixirAcceleratedOptimizer"] * 2, routed[-3000:]
+    assert _field(routed, "DDP") == ["False"] * 2 and _field(ddp, "DDP") == ["True"] * 2, ddp[-2000:]
+    got, expected = sorted(map(float, _field(routed, "FINAL_LOSS"))), sorted(map(float, _field(ddp, "FINAL_LOSS")))
+    assert len(got) == 2 and got == pytest.approx(expected, rel=1e-5), (got, expected)

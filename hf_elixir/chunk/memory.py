@@ -164,6 +164,9 @@ class DevicePool:
         # bytes placement kept out of the budget for activations (a plan's ``activation_peak_bytes``); 0 when
         # ``prepare`` had no measured figure: the advice in :meth:`activation_error` depends on which
         self.activation_reserve_bytes = 0
+        # what placement commits on the device at the least (no cache): a budget shared by several models gives
+        # the others the rest ([Note: one device budget for several models] in _shared_budget.py)
+        self.committed_bytes: int | None = None
         self.drift_warned = False
 
     @property

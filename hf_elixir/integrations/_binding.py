@@ -54,8 +54,10 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 
 from hf_elixir._logging import info_on_main_rank
+from hf_elixir.chunk._shared_budget import SharedDeviceBudget
 from hf_elixir.parallel._launch import check_launch_world_size
 from hf_elixir.integrations._compile import compile_from_accelerator
+from hf_elixir.integrations._takeover import log_takeover, parallelize_for_integration
 from hf_elixir.runtime._state import is_prepared
 
 __all__ = ["ElixirAcceleratedOptimizer", "binding_of", "config_summary", "elixir_prepare",
@@ -116,6 +118,9 @@ class _Binding:
     def __init__(self, accelerator) -> None:
         self.accelerator = accelerator
         self.entries: list[tuple[torch.nn.Module, Any]] = []  # (model, ElixirOptimizer, or None: inference only)
+        # every model this accelerator puts under Elixir shares one device budget ([Note: one device budget for
+        # several models] in hf_elixir/chunk/_shared_budget.py)
+        self.shared_budget = SharedDeviceBudget()
         self.original_prepare = accelerator.prepare  # before the Trainer callback wraps it
         self.original_backward = accelerator.backward
         self.original_clip_grad_norm_ = accelerator.clip_grad_norm_
@@ -141,17 +146,31 @@ class _Binding:
         return [(m, o) for m, o in self.entries if o is not None]
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``accelerator.backward(loss)``: divided by ``gradient_accumulation_steps``, then the backward of the Elixir
+        optimizer of the model ``loss`` reached ([Note: which model a loss belongs to]).
+
+        Raises:
+            ValueError: the loss reaches several trained Elixir models of which one scales its loss (fp16).
+        """
         trained = self.trained()
         if not trained:
             return self.original_backward(loss, **kwargs)
-        if len(trained) > 1:
-            raise ValueError(
-                "accelerator.backward cannot tell which of several Elixir models a loss belongs to; "
-                "call optimizer.backward(loss / accelerator.gradient_accumulation_steps) directly"
-            )
         if kwargs:
             logger.warning("accelerator.backward: %s are ignored under Elixir", sorted(kwargs))
-        trained[0][1].backward(loss / self.accelerator.gradient_accumulation_steps)
+        loss = loss / self.accelerator.gradient_accumulation_steps
+        if len(trained) == 1:
+            return trained[0][1].backward(loss)
+        optimizers = _optimizers_reached(loss, trained) or [o for _, o in trained]
+        if len(optimizers) == 1:
+            return optimizers[0].backward(loss)
+        scaled = [type(m).__name__ for m, o in trained if o in optimizers and o.scaler.enabled]
+        if scaled:
+            raise ValueError(
+                f"accelerator.backward: the loss reaches {len(optimizers)} trained hf_elixir models, and fp16 "
+                f"models ({', '.join(scaled)}) each scale their loss by their own factor, so one backward cannot "
+                "serve them all; use precision='bf16' or 'fp32' for these models, or one loss (and one "
+                "accelerator.backward) per fp16 model")
+        loss.backward()  # no loss scale (fp32/bf16): each model's hooks reduce its own gradients
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -200,6 +219,34 @@ class _Binding:
             return
         with _even_batches_override(accelerator, even_batches):
             yield
+
+
+def _optimizers_reached(loss: torch.Tensor, trained: list[tuple[torch.nn.Module, Any]]) -> list:
+    """The Elixir optimizers of the ``trained`` models whose parameters ``loss``'s autograd graph reaches.
+
+    [Note: which model a loss belongs to] With several trained models on one accelerator (policy and value as
+    in PPO, student beside a trained teacher), ``accelerator.backward(loss)`` gets no model, and what differs per
+    model is the fp16 loss scale. The graph says which models the loss reached: every parameter it differentiates
+    is a leaf whose ``AccumulateGrad`` node holds it (``node.variable``); an Elixir parameter keeps its identity
+    ([Note: parameters as views] in ``hf_elixir/chunk/chunk.py``). The walk visits each node once and stops when
+    every trained model is found; it runs only with two or more trained models. Parameters hidden inside a
+    reentrant checkpoint's node are not seen: a loss whose reached models cannot be told is given to all of them
+    (the caller's fallback), which is exact unless one scales its loss (fp16), refused by name.
+    """
+    owner = {id(p): i for i, (model, _) in enumerate(trained) for p in model.parameters() if p.requires_grad}
+    found: set[int] = set()
+    seen: set = set()
+    stack = [loss.grad_fn]
+    while stack and len(found) < len(trained):
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) in owner:
+            found.add(owner[id(variable)])
+        stack.extend(child for child, _ in node.next_functions)
+    return [trained[i][1] for i in sorted(found)]
 
 
 @contextlib.contextmanager
@@ -471,9 +518,14 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
     binding = binding_of(accelerator)
     config = compile_from_accelerator(accelerator, config)  # [Note: torch.compile through the integrations]
     info_on_main_rank(logger, "%s", config_summary(config, source))
+    if not is_prepared(model):  # [Note: parallelized by the integration] in _takeover.py
+        parallelize_for_integration(model, optimizer, config, accelerator)
     if optimizer is None:  # a model only evaluated (a reference or teacher model): nothing to step or wrap
         if not is_prepared(model):
-            model, _ = hf_elixir.prepare(model, None, config=config, checkpoint=checkpoint, sample_batch=sample_batch)
+            with binding.shared_budget:
+                model, _ = hf_elixir.prepare(model, None, config=config, checkpoint=checkpoint,
+                                             sample_batch=sample_batch)
+            log_takeover(model, source)
         model._is_accelerate_prepared = True
         binding.entries.append((model, None))
         return binding.original_prepare(model), None
@@ -482,7 +534,9 @@ def elixir_prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.O
     if is_prepared(model):  # a model a previous Trainer/Accelerator already trained
         elixir_optimizer = rebind_optimizer(model, optimizer, config)
     else:
-        model, elixir_optimizer = _prepare_explaining_no_loss(model, optimizer, config, checkpoint, sample_batch)
+        with binding.shared_budget:
+            model, elixir_optimizer = _prepare_explaining_no_loss(model, optimizer, config, checkpoint, sample_batch)
+        log_takeover(model, source)
     wrapped = ElixirAcceleratedOptimizer(elixir_optimizer)
     model._is_accelerate_prepared = True  # accelerate: register, do not wrap (no DDP, no autocast)
     wrapped._is_accelerate_prepared = True

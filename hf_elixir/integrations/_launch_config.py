@@ -27,6 +27,9 @@ A launched process finds the file, in this order:
    launcher); without ``--config_file`` accelerate's default config file is used, as accelerate
    itself does.
 
+An ``ELIXIR_CONFIG_FILE`` that names another file than the launcher's ``--config_file`` is a
+``ValueError`` naming both (one file would configure the launch and the other route it).
+
 ``ELIXIR_<FIELD>`` environment variables (:meth:`hf_elixir.ElixirConfig.from_env`) override single
 fields of whatever the file says.
 """
@@ -34,108 +37,14 @@ fields of whatever the file says.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Mapping
 
+# Finding and reading the file lives in the start hook's module, which must not import hf_elixir to decide
+# whether a launch is Elixir's ([Note: the start hook stays out of other launches] in hf_elixir_autoroute.py).
+from hf_elixir_autoroute import _config_file_from_launcher_argv  # noqa: F401 - its tests read it from here
+from hf_elixir_autoroute import ELIXIR_SECTION, find_launch_config_file, has_elixir_section, read_launch_config
+
 __all__ = ["ELIXIR_SECTION", "find_launch_config_file", "has_elixir_section", "read_elixir_section", "read_launch_config"]
-
-#: (top-level accelerate key, sub-key) under which elixir.yaml keeps the ElixirConfig fields.
-ELIXIR_SECTION: tuple[str, str] = ("dynamo_config", "elixir")
-_CONFIG_FILE_ENV = "ELIXIR_CONFIG_FILE"
-_MAX_PARENT_DEPTH = 4
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return []
-    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
-
-
-def _parent_pid(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # "pid (comm) state ppid ...": comm may contain spaces/parentheses, so split after the last ')'.
-    fields = stat.rsplit(")", 1)[-1].split()
-    return int(fields[1]) if len(fields) > 1 else None
-
-
-def _config_file_from_launcher_argv(argv: list[str]) -> str | None:
-    """The ``--config_file`` value of an ``accelerate launch`` argv, ``""`` if it has none, else None."""
-    head = argv[:4]
-    via_cli = any(Path(a).name == "accelerate" for a in head[:2]) and "launch" in head
-    via_module = "accelerate.commands.launch" in head or any(a.endswith("accelerate/commands/launch.py") for a in head)
-    if not (via_cli or via_module):
-        return None
-    for i, arg in enumerate(argv):
-        if arg == "--config_file" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--config_file="):
-            return arg.split("=", 1)[1]
-    return ""
-
-
-def find_launch_config_file(explicit: str | os.PathLike | None = None) -> Path | None:
-    """Locate the accelerate/Elixir YAML for this process (see the module note for the order).
-
-    Args:
-        explicit: a path given by the user; wins over everything else.
-
-    Returns:
-        The absolute path, or ``None`` when the process was not started by ``accelerate launch``
-        and neither ``explicit`` nor ``ELIXIR_CONFIG_FILE`` is set.
-
-    Raises:
-        FileNotFoundError: ``explicit`` or ``ELIXIR_CONFIG_FILE`` names a missing file.
-    """
-    for source, value in (("config_file", explicit), (_CONFIG_FILE_ENV, os.environ.get(_CONFIG_FILE_ENV))):
-        if value:
-            path = Path(value).expanduser().resolve()
-            if not path.is_file():
-                raise FileNotFoundError(f"{source}={str(value)!r}: no such file")
-            return path
-    pid: int | None = os.getpid()
-    for _ in range(_MAX_PARENT_DEPTH):
-        pid = _parent_pid(pid) if pid is not None else None
-        if pid is None or pid <= 1:
-            return None
-        found = _config_file_from_launcher_argv(_cmdline(pid))
-        if found is None:
-            continue
-        if found == "":
-            from accelerate.commands.config import default_config_file
-
-            return Path(default_config_file) if os.path.isfile(default_config_file) else None
-        path = Path(found).expanduser()
-        if not path.is_absolute():
-            try:
-                path = Path(os.readlink(f"/proc/{pid}/cwd")) / path
-            except OSError:
-                path = path.resolve()
-        return path if path.is_file() else None
-    return None
-
-
-def read_launch_config(path: str | os.PathLike) -> dict[str, Any]:
-    """The whole accelerate config file (YAML or JSON) as a dict."""
-    import yaml
-
-    with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{path}: an accelerate config file must be a mapping, got {type(data).__name__}")
-    return dict(data)
-
-
-def has_elixir_section(path: str | os.PathLike) -> bool:
-    """Whether the accelerate config file has a ``dynamo_config.elixir`` key (even an empty one: the defaults)."""
-    outer, inner = ELIXIR_SECTION
-    section = read_launch_config(path).get(outer)
-    return isinstance(section, Mapping) and inner in section
-
 
 def read_elixir_section(path: str | os.PathLike) -> dict[str, Any]:
     """The ``dynamo_config.elixir`` mapping of an accelerate config file (``{}`` if absent).

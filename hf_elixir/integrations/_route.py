@@ -11,13 +11,22 @@ the script runs (``hf-elixir launch`` runs the script through :mod:`hf_elixir.in
 * ``Accelerator.prepare`` with exactly one model and one optimizer that accelerate has not prepared yet (in
   any order, with data loaders and schedulers around them) goes to ``ElixirPlugin(config).prepare``, and the
   results come back in the order given: the model is never wrapped in ``DistributedDataParallel``.
-* a model prepared *without* its optimizer is left to accelerate (evaluation models, upstream's DDP-only
-  checks), and remembered: an optimizer over its parameters prepared later raises ``ValueError`` naming the
-  one-line change (``model, optimizer = accelerator.prepare(model, optimizer)``), so a run whose config asks
-  for Elixir never trains a DDP model silently. Several models or several optimizers in one call raise too:
-  accelerate cannot tell which optimizer steps which model, and neither can the router.
+* several models and their optimizers in one call (policy and value as in PPO, student and teacher) are paired
+  by the parameters each optimizer holds, and each pair goes to ``ElixirPlugin.prepare``; a model none of whose
+  parameters requires a gradient (a frozen reference or teacher model) is prepared for inference
+  (``hf_elixir.prepare(model, None)``: compute dtype, sharded, no gradients or optimizer states). All the models
+  of one accelerator share one device budget ([Note: one device budget for several models] in
+  ``hf_elixir/chunk/_shared_budget.py``), and ``accelerator.backward(loss)`` finds the models the loss reached
+  ([Note: which model a loss belongs to] in ``_binding.py``). An optimizer over several models' parameters raises.
+* a model with trainable parameters prepared *without* its optimizer is left to accelerate (evaluation models,
+  upstream's DDP-only checks), and remembered: an optimizer over its parameters prepared later raises
+  ``ValueError`` naming the one-line change (``model, optimizer = accelerator.prepare(model, optimizer)``), so a
+  run whose config asks for Elixir never trains a DDP model silently.
 * ``transformers.Trainer`` gets an :class:`~hf_elixir.integrations.ElixirCallback` with the same config when
   its ``callbacks`` hold none (the callback then routes the Trainer's own ``prepare``).
+* a config asking for tensor or expert parallelism parallelizes the model first (the Trainer's in its
+  ``__init__``, a loop's at its ``prepare``): [Note: parallelized by the integration] in ``_takeover.py``.
+* one INFO line on rank 0 per model says that hf_elixir took over, with which placements, budget and plan.
 
 Everything the router does not route falls through to accelerate unchanged; models that accelerate already
 prepared (``_is_accelerate_prepared``) pass through, which is how the callback and ``ElixirPlugin`` register
@@ -72,6 +81,9 @@ def install(config_file: str | None = None, source: str | None = None) -> None:
     _STATE["source"] = source or (f"{path} (hf-elixir launch)" if path is not None else "hf-elixir launch (defaults)")
     if not first:
         return
+    from hf_elixir.integrations._takeover import show_takeover_line
+
+    show_takeover_line()  # the one line that says hf_elixir took over, at INFO on rank 0
     import accelerate
 
     accelerate.Accelerator.prepare = _routed_prepare(accelerate.Accelerator.prepare)
@@ -82,10 +94,11 @@ def install(config_file: str | None = None, source: str | None = None) -> None:
     transformers.Trainer.__init__ = _trainer_init_with_callback(transformers.Trainer.__init__)
 
 
-def install_for_accelerate_launch() -> bool:
+def install_for_accelerate_launch(path=None) -> bool:
     """Called by the start hook (``hf_elixir_autoroute``, [Note: the start hook]) at the first
     ``accelerator.prepare`` or ``Trainer(...)`` of a process ``accelerate launch`` started: install the router if
-    the launch's config file (found as ``ElixirPlugin`` finds it) has a ``dynamo_config.elixir`` section.
+    the launch's config file (``path``, or found as ``ElixirPlugin`` finds it) has a ``dynamo_config.elixir``
+    section.
 
     Returns:
         Whether the router is installed now.
@@ -98,7 +111,7 @@ def install_for_accelerate_launch() -> bool:
 
     if _STATE["config"] is not None:  # hf-elixir launch installed it already
         return True
-    path = find_launch_config_file()
+    path = path if path is not None else find_launch_config_file()
     if path is None or not has_elixir_section(path):
         return False
     install(str(path), source=f"{path} (accelerate launch)")
@@ -127,36 +140,77 @@ def _refuse_optimizer_of_unrouted_model(accelerator, optimizer: torch.optim.Opti
                 f"`{_ONE_LINE}`")
 
 
+def _pair(args: tuple, models: list[int], optimizers: list[int]) -> tuple[list[tuple[int, int | None]], list[int]]:
+    """Which optimizer steps which model, from the parameters each optimizer holds.
+
+    Returns:
+        ``(pairs, alone)``: ``(model index, optimizer index)`` for each model with its optimizer, then ``(model
+        index, None)`` for each frozen model (no parameter requires a gradient: a reference or teacher model), and the
+        models with trainable parameters but no optimizer in this call (left to accelerate).
+
+    Raises:
+        ValueError: an optimizer over parameters of several models, or of none of them.
+    """
+    owner = {id(p): m for m in models for p in args[m].parameters()}
+    pairs: list[tuple[int, int | None]] = []
+    for o in optimizers:
+        held = {owner.get(id(p)) for group in args[o].param_groups for p in group["params"]}
+        if len(held) != 1 or None in held:
+            names = sorted(type(args[m]).__name__ for m in held if m is not None)
+            names += ["no model in this call"] if None in held else []
+            raise ValueError(
+                f"accelerator.prepare: optimizer {type(args[o]).__name__} (argument {o}) holds parameters of "
+                f"{' and of '.join(names)}; "
+                "under hf_elixir (this launch's config has a dynamo_config.elixir section) each optimizer steps "
+                f"one model prepared in the same call: `{_ONE_LINE}`, one optimizer per model")
+        pairs.append((held.pop(), o))
+    paired = {m for m, _ in pairs}
+    if len(paired) != len(pairs):
+        raise ValueError("accelerator.prepare: two optimizers step the same model; under hf_elixir one optimizer "
+                         "steps one model (put the parameter groups in one optimizer)")
+    frozen = [m for m in models if m not in paired and not any(p.requires_grad for p in args[m].parameters())]
+    alone = [m for m in models if m not in paired and m not in frozen]
+    return sorted(pairs) + [(m, None) for m in frozen], alone  # trained first: they take the loaders (search='auto')
+
+
 def _routed_prepare(original):
     @functools.wraps(original)
     def prepare(self, *args, device_placement=None):
         models, optimizers = _split(args)
-        if len(models) > 1 or len(optimizers) > 1:
-            raise ValueError(
-                f"accelerator.prepare got {len(models)} models and {len(optimizers)} optimizers in one call; under "
-                "hf_elixir (this launch's config has a dynamo_config.elixir section) each model is prepared with its "
-                f"own optimizer: one `{_ONE_LINE}` call per pair")
         if optimizers and not models:
-            _refuse_optimizer_of_unrouted_model(self, args[optimizers[0]])
-        if not (models and optimizers):
-            if models:
-                self.__dict__.setdefault("_hf_elixir_unrouted", []).append(args[models[0]])
+            for o in optimizers:
+                _refuse_optimizer_of_unrouted_model(self, args[o])
+        pairs, alone = _pair(args, models, optimizers) if models else ([], [])
+        for m in alone:  # an evaluation model (or one whose optimizer comes later, refused then): accelerate's
+            self.__dict__.setdefault("_hf_elixir_unrouted", []).append(args[m])
+        if not pairs:
             return original(self, *args, device_placement=device_placement)
-        return _prepare_under_elixir(self, args, models[0], optimizers[0])
+        return _prepare_under_elixir(self, args, pairs, device_placement)
 
     return prepare
 
 
-def _prepare_under_elixir(accelerator, args: tuple, model_at: int, optimizer_at: int):
+def _prepare_under_elixir(accelerator, args: tuple, pairs: list[tuple[int, int | None]], device_placement):
+    """Each (model, optimizer) pair and each frozen model through ``ElixirPlugin.prepare``, in the order given, all
+    under one device budget (``hf_elixir.shared_device_budget``, one per accelerator: [Note: one device budget for
+    several models]); the other arguments (data loaders, schedulers, models left to accelerate) through the first
+    pair's call. Results come back in the order given."""
     from hf_elixir.integrations.accelerate_plugin import ElixirPlugin
 
-    plugin = ElixirPlugin(config=_STATE["config"])
-    plugin._source = lambda: _STATE["source"]  # the settings line names the YAML, not "ElixirPlugin(config=...)"
-    rest = [a for i, a in enumerate(args) if i not in (model_at, optimizer_at)]
-    out = plugin.prepare(accelerator, args[model_at], args[optimizer_at], *rest)
-    _STATE["routed"].append(out[0])
-    done_rest = iter(out[2:])
-    result = [out[0] if i == model_at else out[1] if i == optimizer_at else next(done_rest) for i in range(len(args))]
+    taken = {i for pair in pairs for i in pair if i is not None}
+    rest_at = [i for i in range(len(args)) if i not in taken]
+    out: dict[int, Any] = {}
+    for k, (model_at, optimizer_at) in enumerate(pairs):
+        plugin = ElixirPlugin(config=_STATE["config"])
+        plugin._source = lambda: _STATE["source"]  # the settings line names the YAML, not "ElixirPlugin(config=...)"
+        rest = [args[i] for i in rest_at] if k == 0 else []
+        done = plugin.prepare(accelerator, args[model_at], None if optimizer_at is None else args[optimizer_at], *rest)
+        out[model_at] = done[0]
+        if optimizer_at is not None:
+            out[optimizer_at] = done[1]
+        out.update(zip(rest_at, done[2:]) if k == 0 else ())
+        _STATE["routed"].append(done[0])
+    result = [out[i] for i in range(len(args))]
     return tuple(result) if len(result) > 1 else result[0]
 
 
@@ -168,6 +222,11 @@ def _trainer_init_with_callback(original):
         from hf_elixir.integrations.trainer_callback import ElixirCallback
 
         bound = signature.bind(self, *args, **kwargs)
+        model = bound.arguments.get("model")
+        if isinstance(model, torch.nn.Module):  # before the Trainer builds its optimizer and data loaders on it
+            from hf_elixir.integrations._takeover import parallelize_for_integration
+
+            parallelize_for_integration(model, None, _STATE["config"])  # [Note: parallelized by the integration]
         callbacks = list(bound.arguments.get("callbacks") or [])
         if not any(isinstance(c, ElixirCallback) or c is ElixirCallback for c in callbacks):
             callback = ElixirCallback(config=_STATE["config"])

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from hf_elixir.chunk._shared_budget import current_shared_budget
 from hf_elixir.chunk.memory import default_host_budget_bytes, resolve_budget_bytes
 from hf_elixir.config import ElixirConfig
 
@@ -90,7 +91,10 @@ def agree_budget(config: ElixirConfig, group, device: torch.device) -> tuple[Eli
     """The config with this rank's budget (``resolve_budget_bytes``: on CUDA the free memory less the
     reserve), then the smallest ``device_memory_budget_bytes`` over ``group`` ([Note: ranks agree]): a rank
     given (or measuring) less memory than its peers makes every rank place for that figure. Also returns
-    whether the budget covers activations ([Note: activations in the budget] in ``chunk/memory.py``)."""
+    whether the budget covers activations ([Note: activations in the budget] in ``chunk/memory.py``). Inside a
+    :class:`~hf_elixir.chunk._shared_budget.SharedDeviceBudget` the budget is what the models prepared before
+    left ([Note: one device budget for several models])."""
+    measured = config.device_memory_budget_bytes is None
     budget, charges_activations = resolve_budget_bytes(config.device_memory_budget_bytes, device, None,
                                                        config.budget_covers_activations)
     config = dataclasses.replace(config, device_memory_budget_bytes=budget)
@@ -99,6 +103,11 @@ def agree_budget(config: ElixirConfig, group, device: torch.device) -> tuple[Eli
         logger.info("hf_elixir: device_memory_budget_bytes %s on this rank; %s, the smallest over the ranks, "
                     "is used", config.device_memory_budget_bytes, budget)
         config = dataclasses.replace(config, device_memory_budget_bytes=budget)
+    shared = current_shared_budget()  # [Note: one device budget for several models] in chunk/_shared_budget.py
+    if shared is not None:
+        left = shared.budget_for(config.device_memory_budget_bytes, measured=measured)
+        if left != config.device_memory_budget_bytes:
+            config = dataclasses.replace(config, device_memory_budget_bytes=left)
     if agreement_group_size(group) > 1:  # the host budget picks rank-local host copies (no re-all-gather)
         host = agree_min(config.host_memory_budget_bytes or default_host_budget_bytes(), group, device)
         config = dataclasses.replace(config, host_memory_budget_bytes=host)

@@ -24,7 +24,7 @@ from hf_elixir.plan import ElixirPlan
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Sizes", "choose_host_copies", "default_host_budget_bytes", "device_floor_bytes", "place", "place_chunks",
+__all__ = ["Sizes", "choose_host_copies", "committed_bytes", "default_host_budget_bytes", "device_floor_bytes", "place", "place_chunks",
            "replicated_bytes", "replicated_fits", "resolve_default_placement", "run_sizes", "working_set",
            "working_set_bytes"]
 
@@ -216,6 +216,22 @@ def place(chunks, plan: ElixirPlan | None, config: ElixirConfig, sizes: Sizes, u
     on_dev = sum(c.shard_on_device for c in chunks)
     reasons.append(f"{on_dev}/{len(chunks)} chunk shards on the device, {spare - used} bytes of cache")
     return reasons
+
+
+def committed_bytes(chunks, units_chunks: list[list], config: ElixirConfig, optimizer, activation_bytes: int) -> int:
+    """The device bytes a placed model cannot give back ([Note: one device budget for several models] in
+    ``hf_elixir/chunk/_shared_budget.py``): with every chunk resident, what :func:`place` charged for that; else
+    the working set of two adjacent units, the resident chunks, the shards and optimizer states kept on the device;
+    and the ``activation_bytes`` placement reserved. A cache of gathered chunks is not committed (it is evicted
+    when the room is needed)."""
+    sizes = run_sizes(chunks, config, optimizer)
+    if all(c.resident for c in chunks):
+        return _resident_bytes(sizes, chunks) + activation_bytes
+    kept = sum(sizes.full[c.chunk_id] for c in chunks if c.resident and c.replicate_group is None)
+    shards = sum((sizes.full if c.world_size == 1 else sizes.shard)[c.chunk_id]
+                 for c in chunks if c.shard_on_device and not c.resident)
+    optim = sum(sizes.optim[c.chunk_id] for c in chunks if c.optim_on_device)
+    return working_set(units_chunks, sizes, chunks) + kept + shards + optim + activation_bytes
 
 
 def place_chunks(chunks, units_chunks: list[list], plan: ElixirPlan | None, config: ElixirConfig, optimizer,

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 import torch
 
+from hf_elixir.chunk._shared_budget import current_shared_budget
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.config import ElixirConfig
 from hf_elixir.plan import ElixirPlan
@@ -143,8 +144,12 @@ def _synced_generate(model: torch.nn.Module, manager) -> None:
 
 
 def attach_state(model: torch.nn.Module, state: ElixirState) -> None:
-    """Zero the traffic counters (preparing is not a step), attach ``state`` and refuse ``deepcopy``."""
+    """Zero the traffic counters (preparing is not a step), attach ``state``, refuse ``deepcopy``, and join the
+    :class:`~hf_elixir.chunk._shared_budget.SharedDeviceBudget` entered around ``prepare``, if any."""
     _reset_counters(state.manager)
+    shared = current_shared_budget()
+    if shared is not None:
+        shared.join(state.manager, f"{type(model).__name__} ({'trained' if state.optimizer is not None else 'frozen'})")
     setattr(model, _ATTR, state)
     model.__deepcopy__ = _refuse_deepcopy
     regathers = any(c.world_size > 1 and not c.resident and not c.wants_host_copy for c in state.manager.chunks)

@@ -12,12 +12,13 @@ import logging
 import torch
 
 from hf_elixir.chunk._build import chunk_specs, element_bytes, unique_params
+from hf_elixir.chunk._shared_budget import current_shared_budget
 from hf_elixir.chunk.manager import budget_error
 from hf_elixir.config import ElixirConfig
 from hf_elixir.parallel import get_parallel_state, placements_for_plan
 from hf_elixir.parallel._expert_units import splittable_names, temporarily_split
 from hf_elixir.parallel._groups import planned_chunk_groups
-from hf_elixir.placement._device_placement import device_floor_bytes, place_chunks, replicated_bytes
+from hf_elixir.placement._device_placement import committed_bytes, device_floor_bytes, place_chunks, replicated_bytes
 from hf_elixir.plan import ElixirPlan
 from hf_elixir.runtime._state import is_prepared
 from hf_elixir.runtime.compile import compiled_units
@@ -176,11 +177,36 @@ def place_within_budget(model: torch.nn.Module, manager, plan: ElixirPlan | None
     Raises:
         ValueError: the budget is below the floor (naming the bytes needed), or a plan's placement does not fit.
     """
+    units = unit_chunks(model, manager.chunk_of)
     try:
         mark_subtree_chunks(model, manager)  # MoE-expert chunks need rank-local host copies (placement reads it)
-        return place_chunks(manager.chunks, unit_chunks(model, manager.chunk_of), plan, config, optimizer,
-                            world_size, activation_bytes)
+        reasons = place_chunks(manager.chunks, units, plan, config, optimizer, world_size, activation_bytes)
     except ValueError as err:
+        shared = current_shared_budget()
+        if shared is not None and shared.members():
+            raise _shared_budget_error(model, optimizer, config, world_size, activation_bytes, shared) from err
         if plan is None and auto_config is not config and config.default_placement == "sharded":
             raise_if_replicating_needs_less(model, optimizer, auto_config, world_size, err, activation_bytes)
         raise
+    manager.pool.committed_bytes = committed_bytes(manager.chunks, units, config, optimizer, activation_bytes)
+    shared = current_shared_budget()
+    if shared is not None and shared.members():
+        shared.divide(manager, f"{type(model).__name__} ({'trained' if optimizer is not None else 'frozen'})")
+    return reasons
+
+
+def _shared_budget_error(model, optimizer, config: ElixirConfig, world_size: int, activation_bytes: int,
+                         shared) -> ValueError:
+    """The refusal of a model that does not fit beside the others of its :class:`SharedDeviceBudget`: every
+    model's need, their sum and the fixes ([Note: one device budget for several models] in
+    ``chunk/_shared_budget.py``)."""
+    need = _placed_floor_bytes(model, optimizer, config, world_size) + activation_bytes
+    others = shared.committed_by_others()
+    label = f"{type(model).__name__} ({'trained' if optimizer is not None else 'frozen'})"
+    return ValueError(
+        f"{label} does not fit the device budget it shares with the models prepared before it: "
+        f"ElixirConfig.device_memory_budget_bytes={shared.budget_bytes} is the whole device for all of them; "
+        f"{shared.needs()}, and {label} needs at least {need} bytes, {others + need} in all. Raise "
+        f"device_memory_budget_bytes to at least {others + need}, or leave room when the earlier models are "
+        f"placed: prepare them with device_memory_budget_bytes={max(0, (shared.budget_bytes or 0) - need)} of "
+        "their own (the rest of the device stays for this one), or offload_optimizer=True")

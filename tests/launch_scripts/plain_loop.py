@@ -2,14 +2,18 @@
 hf_elixir in it. ``hf-elixir launch --config_file elixir.yaml plain_loop.py --model gpt2`` trains it under
 hf_elixir; ``plugin_loop.py`` runs the same loop with ``ElixirPlugin().prepare`` written in (the reference).
 
-Prints ``MODEL_CLASS <name>`` after prepare, ``DDP <bool>``, ``OPTIMIZER_CLASS <name>`` and ``FINAL_LOSS <repr>`` (this rank's last loss).
+Prints ``MODEL_CLASS <name>`` after prepare, ``DDP <bool>``, ``OPTIMIZER_CLASS <name>`` and ``FINAL_LOSS <repr>`` (this rank's last loss),
+``HF_ELIXIR_MODULES <n>`` (how many ``hf_elixir`` modules the process imported by its end) and ``PREPARE_SIGNATURE_KEPT
+<bool> WRAPPED_BEFORE <bool>`` (``inspect.signature(Accelerator.prepare)`` the same before the first ``prepare`` as
+after, and whether something, such as the start hook's trigger, stood in for the method before it).
 """
 
 from __future__ import annotations
 
-import os
-
 import argparse
+import inspect
+import os
+import sys
 
 import torch
 import transformers
@@ -45,11 +49,15 @@ def main(prepare=None, argv=None) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = DataLoader(dataset(), batch_size=2, shuffle=False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    signature_before = inspect.signature(Accelerator.prepare)
+    stood_in = hasattr(Accelerator.__dict__["prepare"], "__wrapped__")  # a start hook's trigger, or a router
     if prepare is None:  # the stock call; plugin_loop.py passes ElixirPlugin().prepare
         model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     else:
         model, optimizer, loader, scheduler = prepare(accelerator, model, optimizer, loader, scheduler)
     accelerator.print(f"MODEL_CLASS {type(model).__name__}")
+    kept = inspect.signature(Accelerator.prepare) == signature_before
+    os.write(1, f"PREPARE_SIGNATURE_KEPT {kept} WRAPPED_BEFORE {stood_in}\n".encode())
     os.write(1, (f"DDP {isinstance(model, torch.nn.parallel.DistributedDataParallel)}" + "\n").encode())  # one write: ranks share the pipe
     os.write(1, (f"OPTIMIZER_CLASS {type(optimizer).__name__}" + "\n").encode())  # one write: ranks share the pipe
     model.train()
@@ -64,6 +72,8 @@ def main(prepare=None, argv=None) -> None:
         scheduler.step()
         optimizer.zero_grad()
     os.write(1, (f"FINAL_LOSS {loss.item()!r}" + "\n").encode())  # one write: ranks share the pipe
+    own = [m for m in sys.modules if m == "hf_elixir" or m.startswith("hf_elixir.")]
+    os.write(1, f"HF_ELIXIR_MODULES {len(own)}\n".encode())
     accelerator.end_training()
 
 
