@@ -39,7 +39,6 @@ __all__ = [
     "search_plan",
     "CollectiveEntryError",
     "external_reads",
-    "SharedDeviceBudget",
 ]
 __version__ = "0.1.0"
 
