@@ -1,7 +1,9 @@
 """An unchanged accelerate loop under a tensor-parallel (Llama) or expert-parallel (Mixtral) Elixir config is
 parallelized by the route itself ([Note: parallelized by the integration] in ``hf_elixir/integrations/_takeover.py``):
 the optimizer the script built on the original parameters steps the rewritten ones, training matches plain PyTorch
-on the global batch at 2 gloo ranks, and rank 0 logs one line saying that hf_elixir took over."""
+on the global batch at 2 gloo ranks, and rank 0 logs one line saying that hf_elixir took over. An unchanged
+``Trainer`` script launched with ``recipes/llama/elixir.yaml`` or ``recipes/mixtral/elixir.yaml`` at 2 processes
+trains as the stock Trainer in one process: the same losses and saved weights."""
 
 from __future__ import annotations
 
@@ -90,18 +92,41 @@ def test_an_unchanged_loop_under_a_tensor_or_expert_parallel_config_is_paralleli
     assert "from elixir.yaml (accelerate launch): placements" in line and mesh in line and "device budget" in line
 
 
-def test_an_unchanged_trainer_script_under_the_llama_tensor_parallel_yaml_trains_as_the_stock_trainer(tmp_path):
-    """``accelerate launch --config_file recipes/llama/elixir.yaml run_trainer.py`` (tensor_parallel_size: 2, a stock
-    Trainer script): the route parallelizes the model before the Trainer builds its optimizer and data loaders, the
-    two processes are one tensor-parallel row reading one process's batches, and the losses equal the stock Trainer
-    in one process; the took-over line shows at the default log level, once."""
+# recipe: (model, rows per process routed, rows of the one-process reference, the took-over line's model and mesh).
+# tensor parallel: the two processes are one row reading one process's batches; expert parallel: two data-parallel
+# rows, each with its own batch, so the reference reads both rows' batches in one
+_TRAINER_CASES = {"llama": ("gpt2", 2, 2, "GPT2LMHeadModel", "(tp=2, ep=1, dp=1)"),
+                  "mixtral": ("mixtral", 2, 4, "MixtralForCausalLM", "(tp=1, ep=2")}
+
+
+def _final_weights(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "final" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("recipe", sorted(_TRAINER_CASES))
+def test_an_unchanged_trainer_script_under_a_tensor_or_expert_parallel_yaml_trains_as_the_stock_trainer(
+        tmp_path, recipe):
+    """``accelerate launch --config_file recipes/<recipe>/elixir.yaml run_trainer.py`` (a stock Trainer script) at 2
+    processes: the route parallelizes the model (``tensor_parallel_size: 2`` for Llama's, ``expert_parallel_size: 2``
+    for Mixtral's) before the Trainer builds its optimizer and data loaders, and the losses and saved weights equal
+    the stock Trainer in one process on the same global batch; the took-over line shows at the default log level,
+    once."""
     from tests.test_launch import REPO, SCRIPTS, _field, _launch, _yaml_without_elixir
 
-    script = [str(SCRIPTS / "run_trainer.py"), str(tmp_path / "out")]
-    routed = _launch(tmp_path, 2, script, via="accelerate", config=REPO / "recipes" / "llama" / "elixir.yaml")
-    reference = _launch(tmp_path, 1, script, via="accelerate", config=_yaml_without_elixir(tmp_path))
-    assert _field(routed, "TRAINED_MODEL_CLASS") == ["GPT2LMHeadModel"] * 2, routed[-3000:]
+    model, rows, reference_rows, model_class, mesh = _TRAINER_CASES[recipe]
+    script = [str(SCRIPTS / "run_trainer.py"), "--model", model, "--save"]
+    routed = _launch(tmp_path, 2, [*script, str(tmp_path / "routed"), "--batch", str(rows)], via="accelerate",
+                     config=REPO / "recipes" / recipe / "elixir.yaml")
+    reference = _launch(tmp_path, 1, [*script, str(tmp_path / "stock"), "--batch", str(reference_rows)],
+                        via="accelerate", config=_yaml_without_elixir(tmp_path))
+    assert _field(routed, "TRAINED_MODEL_CLASS") == [model_class] * 2, routed[-3000:]
     got, expected = [float(x) for x in _field(routed, "FINAL_LOSS")], float(_field(reference, "FINAL_LOSS")[0])
     assert got == pytest.approx([expected] * 2, rel=1e-5), (got, expected)
-    took_over = [line for line in routed.splitlines() if "hf_elixir took over GPT2LMHeadModel (trained)" in line]
-    assert len(took_over) == 1 and "(tp=2, ep=1, dp=1)" in took_over[0], routed[-3000:]
+    weights, stock = _final_weights(tmp_path / "routed"), _final_weights(tmp_path / "stock")
+    assert sorted(weights) == sorted(stock)
+    num = sum(float((weights[k].double() - stock[k].double()).norm() ** 2) for k in stock)
+    assert (num / sum(float(v.double().norm() ** 2) for v in stock.values())) ** 0.5 < 1e-5
+    took_over = [line for line in routed.splitlines() if f"hf_elixir took over {model_class} (trained)" in line]
+    assert len(took_over) == 1 and mesh in took_over[0], routed[-3000:]
