@@ -294,3 +294,34 @@ def test_a_searched_config_floor_is_exact_on_one_rank():
 def test_a_searched_config_floor_is_exact_at_expert_parallel_2():
     for out in run_distributed(_searched_floor_worker, 2, timeout_s=300):
         _check_searched_floor(out)
+
+
+def test_a_searched_plan_that_does_not_place_at_the_floor_falls_back_to_the_floors_chunk_size(monkeypatch, caplog):
+    """At or above the floor ``prepare`` accepts, whatever plan the search returns: one made for three times the
+    budget (larger chunks, more resident) does not place at the floor, so the model is laid out at the floor's
+    chunk size instead, and trains within it."""
+    import transformers as T
+
+    from hf_elixir.search import _lay_out
+    from hf_elixir.search._plan_search import auto_plan
+    from tests._moe_models import moe_config
+
+    def build():
+        torch.manual_seed(0)
+        model = T.AutoModelForCausalLM.from_config(moe_config("mixtral"), attn_implementation="eager")
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    # experts kept fused: the plan below is searched for the fused model, as prepare at the floor lays it out
+    config = hf_elixir.ElixirConfig(search="auto", budget_covers_activations=False, split_fused_experts=False)
+    need = hf_elixir.min_device_budget_bytes(*build(), config)
+    b = _batch("mixtral", 0, 1, False)
+    model, opt = build()
+    roomy = auto_plan(model, b, dataclasses.replace(config, device_memory_budget_bytes=8 * need), optimizer=opt)
+    monkeypatch.setattr(_lay_out, "resolve_plan", lambda *args: roomy)
+    with caplog.at_level("INFO", logger="hf_elixir.search._lay_out"):
+        model, opt = hf_elixir.prepare(*build(), dataclasses.replace(config, device_memory_budget_bytes=need),
+                                       sample_batch=b)
+    assert "the searched plan does not place" in caplog.text, caplog.text
+    opt.backward(model(**b).loss)
+    opt.step()
+    assert hf_elixir.memory_stats(model)["device_peak_bytes"] <= need
