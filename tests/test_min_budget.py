@@ -240,18 +240,88 @@ def test_the_floor_of_an_all_resident_sharded_chunk_holds_its_reduce_scatter_out
             assert peak <= floor, rank_out
 
 
-def test_a_searched_config_is_told_the_floor_is_the_default_chunk_sizes(caplog):
-    """``search="auto"`` picks chunk sizes and activation policies inside ``prepare`` for the budget it gets (Mixtral
-    at EP=2 trained at 0.9x the floor computed here), which this function does not run: it says so, and with
-    ``chunk_size_numel`` (or a plan) it is exact and quiet."""
-    model = tiny_model("gpt2")
-    opt = torch.optim.AdamW(model.parameters())
-    searched = hf_elixir.ElixirConfig(search="auto", budget_covers_activations=False)
-    with caplog.at_level("WARNING", logger="hf_elixir.search._floor"):
-        floor = hf_elixir.min_device_budget_bytes(model, opt, searched)
-    assert "search='auto' is not run here" in caplog.text and "chunk_size_numel" in caplog.text
-    assert floor == hf_elixir.min_device_budget_bytes(model, opt, dataclasses.replace(searched, search="off"))
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="hf_elixir.search._floor"):
-        hf_elixir.min_device_budget_bytes(model, opt, dataclasses.replace(searched, chunk_size_numel=4096))
-    assert "search='auto'" not in caplog.text
+def _searched_floor_worker(rank: int, world_size: int) -> dict:
+    """A tiny Mixtral (expert parallel over the ranks when there are two) with ``search="auto"``: its floor, the
+    default chunk size's, and what ``prepare`` (which searches) does at 0.95x, 0.9x, one byte below and at it."""
+    from hf_elixir.parallel import build_mesh, parallelize
+    from tests._moe_models import moe_config
+
+    import transformers as T
+
+    config = hf_elixir.ElixirConfig(search="auto", budget_covers_activations=False, expert_parallel_size=world_size)
+    mesh = build_mesh(config) if world_size > 1 else None
+
+    def build():
+        torch.manual_seed(0)
+        model = T.AutoModelForCausalLM.from_config(moe_config("mixtral"), attn_implementation="eager")
+        if mesh is not None:
+            parallelize(model, config, mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    b = _batch("mixtral", rank, world_size, False)
+    need = hf_elixir.min_device_budget_bytes(*build(), config, world_size=world_size)
+    out = {"need": need, "default_chunk": hf_elixir.min_device_budget_bytes(
+        *build(), dataclasses.replace(config, search="off"), world_size=world_size), "refused": {}}
+    for budget in (int(0.9 * need), int(0.95 * need), need - 1):
+        try:
+            hf_elixir.prepare(*build(), dataclasses.replace(config, device_memory_budget_bytes=budget), sample_batch=b)
+        except ValueError as err:
+            out["refused"][budget] = str(err)
+    model, opt = hf_elixir.prepare(*build(), dataclasses.replace(config, device_memory_budget_bytes=need),
+                                   sample_batch=b)
+    opt.backward(model(**b).loss)
+    opt.step()
+    out["peak"], out["loss"] = hf_elixir.memory_stats(model)["device_peak_bytes"], float(model(**b).loss)
+    return out
+
+
+def _check_searched_floor(out: dict) -> None:
+    need = out["need"]
+    # the search packs smaller chunks than the default: the floor at the default chunk size overstated it
+    assert need < out["default_chunk"], out
+    assert len(out["refused"]) == 3, f"a budget below the floor {need} was accepted: {out['refused']}"
+    for budget, err in out["refused"].items():
+        assert f"needs {need} bytes" in err, f"{budget} refused naming another minimum than {need}: {err}"
+    assert out["peak"] <= need and torch.isfinite(torch.tensor(out["loss"])), out
+
+
+def test_a_searched_config_floor_is_exact_on_one_rank():
+    """``search="auto"`` picks its chunk size for the budget it gets: the floor is the least over the sizes it can
+    choose, and ``prepare`` trains at it and refuses one byte less naming it."""
+    _check_searched_floor(_searched_floor_worker(0, 1))
+
+
+def test_a_searched_config_floor_is_exact_at_expert_parallel_2():
+    for out in run_distributed(_searched_floor_worker, 2, timeout_s=300):
+        _check_searched_floor(out)
+
+
+def test_a_searched_plan_that_does_not_place_at_the_floor_falls_back_to_the_floors_chunk_size(monkeypatch, caplog):
+    """At or above the floor ``prepare`` accepts, whatever plan the search returns: one made for three times the
+    budget (larger chunks, more resident) does not place at the floor, so the model is laid out at the floor's
+    chunk size instead, and trains within it."""
+    import transformers as T
+
+    from hf_elixir.search import _lay_out
+    from hf_elixir.search._plan_search import auto_plan
+    from tests._moe_models import moe_config
+
+    def build():
+        torch.manual_seed(0)
+        model = T.AutoModelForCausalLM.from_config(moe_config("mixtral"), attn_implementation="eager")
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    # experts kept fused: the plan below is searched for the fused model, as prepare at the floor lays it out
+    config = hf_elixir.ElixirConfig(search="auto", budget_covers_activations=False, split_fused_experts=False)
+    need = hf_elixir.min_device_budget_bytes(*build(), config)
+    b = _batch("mixtral", 0, 1, False)
+    model, opt = build()
+    roomy = auto_plan(model, b, dataclasses.replace(config, device_memory_budget_bytes=8 * need), optimizer=opt)
+    monkeypatch.setattr(_lay_out, "resolve_plan", lambda *args: roomy)
+    with caplog.at_level("INFO", logger="hf_elixir.search._lay_out"):
+        model, opt = hf_elixir.prepare(*build(), dataclasses.replace(config, device_memory_budget_bytes=need),
+                                       sample_batch=b)
+    assert "the searched plan does not place" in caplog.text, caplog.text
+    opt.backward(model(**b).loss)
+    opt.step()
+    assert hf_elixir.memory_stats(model)["device_peak_bytes"] <= need

@@ -19,8 +19,8 @@ from hf_elixir.chunk import ChunkLayout, pack_chunks, round_up
 from hf_elixir.chunk.packing import replicated_chunk_size
 from hf_elixir.search._belady import belady_schedule
 
-__all__ = ["ChunkSizeCandidate", "ChunkSizeResult", "chunk_groups", "chunk_size_for", "default_chunk_size",
-           "search_chunk_size"]
+__all__ = ["ChunkSizeCandidate", "ChunkSizeResult", "candidate_grid", "chunk_groups", "chunk_size_for",
+           "default_chunk_size", "search_chunk_size"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,15 @@ def _candidate_sizes(lo: int, hi: int, num_candidates: int, step: int) -> list[i
     return sorted(sizes)
 
 
+def candidate_grid(numels: Sequence[int], upper_bound_numel: int | None = None, num_candidates: int = 32,
+                   step_numel: int = 1024) -> list[int]:
+    """The chunk sizes :func:`search_chunk_size` scores for parameters of ``numels`` (its arguments' defaults):
+    from the largest parameter to ``upper_bound_numel`` (default ``min(total, max(4 * largest, 2**20))``)."""
+    lo = max(int(n) for n in numels)
+    hi = upper_bound_numel if upper_bound_numel is not None else min(sum(numels), max(4 * lo, 2**20))
+    return _candidate_sizes(lo, max(lo, int(hi)), num_candidates, max(1, step_numel))
+
+
 def search_chunk_size(numels: Sequence[int], param_trace: Sequence[Sequence[int]] = (), *,
                       world_size: int = 1, element_bytes: int = 2, cache_bytes: int | None = None,
                       upper_bound_numel: int | None = None, num_candidates: int = 32, step_numel: int = 1024,
@@ -131,12 +140,10 @@ def search_chunk_size(numels: Sequence[int], param_trace: Sequence[Sequence[int]
         raise ValueError("search_chunk_size needs at least one non-empty parameter")
     if num_candidates < 1:
         raise ValueError(f"num_candidates={num_candidates} must be >= 1")
-    lo = max(numels)
-    total = sum(numels)
-    hi = upper_bound_numel if upper_bound_numel is not None else min(total, max(4 * lo, 2**20))
-    hi = max(lo, int(hi))
+    grid = candidate_grid(numels, upper_bound_numel, num_candidates, step_numel)
+    lo, hi = grid[0], grid[-1]
     candidates: list[ChunkSizeCandidate] = []
-    for size in _candidate_sizes(lo, hi, num_candidates, max(1, step_numel)):
+    for size in grid:
         layout = pack_chunks(numels, size, world_size)
         waste = layout.padding_numel / max(1, sum(layout.chunk_numels))
         moves = moved = None

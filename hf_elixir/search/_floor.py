@@ -23,9 +23,10 @@ from hf_elixir.plan import ElixirPlan
 from hf_elixir.runtime._state import is_prepared
 from hf_elixir.runtime.compile import compiled_units
 from hf_elixir.runtime.hooks import mark_subtree_chunks, unit_chunks
-from hf_elixir.search._chunk_size import chunk_size_for
+from hf_elixir.search._chunk_size import candidate_grid, chunk_size_for
 
-__all__ = ["min_device_budget_bytes", "place_within_budget", "raise_if_replicating_needs_less", "split_needed"]
+__all__ = ["min_device_budget_bytes", "place_within_budget", "raise_if_replicating_needs_less", "searched_floor",
+           "split_needed"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +49,10 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
         config: the ``ElixirConfig`` ``prepare`` will get. ``default_placement="auto"`` resolves as
             ``prepare`` resolves it (replicated where the whole model with its gradients and optimizer
             states fits the budget, else sharded); ``"replicated"`` modules count whole on every rank
-            (world size > 1). With ``search="auto"`` and neither ``plan`` nor ``chunk_size_numel`` the search is
-            not run here: the floor is the default chunk size's (a warning says so), an upper bound of what
-            ``prepare``'s search may fit.
+            (world size > 1). With ``search="auto"`` and neither ``plan`` nor ``chunk_size_numel``: the least
+            floor over the chunk sizes the search can choose ([Note: the searched floor]); ``prepare`` refuses
+            a budget below it naming it, and at it trains the searched plan, or that chunk size where no
+            searched plan fits.
         world_size: ranks of the default process group ``prepare`` will see. A parallelized model
             uses its mesh's group sizes instead.
         activation_bytes: bytes per rank the step's activations and autograd temporaries need on the
@@ -77,11 +79,6 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
         raise TypeError(f"min_device_budget_bytes(activation_bytes={activation_bytes!r}) must be an int of bytes")
     if activation_bytes < 0:
         raise ValueError(f"min_device_budget_bytes(activation_bytes={activation_bytes}) must be >= 0")
-    if config.search == "auto" and config.plan is None and not config.chunk_size_numel:
-        logger.warning("min_device_budget_bytes: ElixirConfig.search='auto' is not run here: this is the floor at the "
-                       "default chunk size; prepare's search picks chunk sizes (and activation policies) for the "
-                       "budget it gets, so it may accept less (it names its own minimum when nothing fits). For an "
-                       "exact floor give the plan (ElixirConfig(plan=...), from hf-elixir plan) or chunk_size_numel")
     if activation_bytes and not config.budget_covers_activations:
         logger.warning("min_device_budget_bytes: activation_bytes=%d ignored: ElixirConfig.budget_covers_activations="
                        "False makes the budget bound model data only", activation_bytes)
@@ -153,6 +150,22 @@ def raise_if_replicating_needs_less(model, optimizer, config: ElixirConfig, worl
 
 def _placed_floor_bytes(model, optimizer, config: ElixirConfig, world_size: int) -> int:
     """:func:`min_device_budget_bytes` for a concrete ``default_placement``."""
+    return min(_placed_floors(model, optimizer, config, world_size).values())
+
+
+# [Note: the searched floor]
+# With search="auto" (no plan, no chunk_size_numel) prepare's search picks a chunk size for the budget it gets,
+# from the grid search_chunk_size scores (search/_chunk_size.py: candidate_grid; the plan search ranks that grid
+# by padding and traffic and prices the best few), so a floor at the default chunk size overstated what it
+# accepts (a tiny Mixtral at expert parallel 2 trained at half of it). The floor is therefore the least over that
+# grid and the default size, each packed and placed as prepare packs and places it (device_floor_bytes), and
+# prepare keeps it exact both ways (search/_lay_out.py): a budget below it is refused naming it, before the
+# search runs; at or above it, where the search finds no plan or its plan does not place, prepare lays the model
+# out without a plan at the chunk size of the least floor that fits (searched_floor), which the floor covers.
+def _placed_floors(model, optimizer, config: ElixirConfig, world_size: int) -> dict[int, int]:
+    """``{chunk size: floor}`` for a concrete ``default_placement``: the default chunk size's, and with
+    ``search="auto"`` (no plan, no ``chunk_size_numel``) every size of the search's grid ([Note: the searched
+    floor])."""
     placements = placements_for_plan(model, config)
     names = unique_params(model)
     params = [p for p in names if p.is_floating_point()]
@@ -160,11 +173,39 @@ def _placed_floor_bytes(model, optimizer, config: ElixirConfig, world_size: int)
     esize = element_bytes(config.precision)
     gsize = 4 if config.reduce_dtype == "fp32" else esize
     # prepare will get a budget (this one): its default chunk size is the budgeted one, whatever the config says
-    chunk_size = chunk_size_for(config, None, numels, placements, world_size, esize, 1)
+    sizes = {chunk_size_for(config, None, numels, placements, world_size, esize, 1)}
+    if _searching(config) and numels:
+        sizes.update(candidate_grid(numels))
     group_of, size_of = planned_chunk_groups(model, world_size)
-    specs, chunk_of = chunk_specs(params, names, placements, group_of, size_of, chunk_size, esize, gsize)
+    floors = {}
     with compiled_units(model, config.compile):  # a compiled block is one unit ([Note: compiled blocks])
-        return device_floor_bytes(specs, unit_chunks(model, chunk_of), config, optimizer)
+        for size in sorted(sizes):
+            specs, chunk_of = chunk_specs(params, names, placements, group_of, size_of, size, esize, gsize)
+            floors[size] = device_floor_bytes(specs, unit_chunks(model, chunk_of), config, optimizer)
+    return floors
+
+
+def _searching(config: ElixirConfig) -> bool:
+    return config.search == "auto" and config.plan is None and not config.chunk_size_numel
+
+
+def searched_floor(model, optimizer, config: ElixirConfig, world_size: int) -> tuple[int, int] | None:
+    """``(floor, chunk size)`` of a prepare that searches under a budget ([Note: the searched floor]): the model-data
+    floor :func:`min_device_budget_bytes` reports, and the chunk size of the least sharded floor (the smallest such
+    size); ``None`` when ``prepare`` does not
+    search (a plan, a ``chunk_size_numel``, ``search="off"``) or has no budget. ``model`` is as ``prepare`` lays it
+    out (split experts already split)."""
+    budget = config.device_memory_budget_bytes
+    if not _searching(config) or budget is None:
+        return None
+    pstate = get_parallel_state(model)
+    if pstate is not None:
+        world_size = pstate.mesh.world_size
+    floor = _model_data_floor_bytes(model, optimizer, config, world_size)
+    sharded = config if config.default_placement != "auto" else dataclasses.replace(config,
+                                                                                    default_placement="sharded")
+    floors = _placed_floors(model, optimizer, sharded, world_size)
+    return floor, min(floors, key=lambda size: (floors[size], size))
 
 
 def place_within_budget(model: torch.nn.Module, manager, plan: ElixirPlan | None, config: ElixirConfig,

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hf_elixir.chunk._build import COMPUTE_DTYPES, build_chunks, element_bytes, new_manager, ordered_params
+from hf_elixir.chunk.manager import budget_error
 from hf_elixir.config import ElixirConfig
 from hf_elixir.parallel import get_parallel_state, placements_for_plan
 from hf_elixir.parallel._expert_units import splittable_names
@@ -27,7 +28,7 @@ from hf_elixir.placement._layout import Layout, activation_reserve_bytes, prefet
 from hf_elixir.placement._plan_check import check_plan, check_plan_placements, load_plan
 from hf_elixir.runtime.activations import model_activation_policy
 from hf_elixir.search._chunk_size import chunk_size_for
-from hf_elixir.search._floor import place_within_budget, split_needed
+from hf_elixir.search._floor import place_within_budget, searched_floor, split_needed
 from hf_elixir.search._resolve import resolve_plan
 
 __all__ = ["decide_split_experts", "lay_out"]
@@ -72,11 +73,49 @@ def lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params,
         group / agree_group: the data-parallel group and the group every rank of the job agrees over.
         charges_activations: whether the budget covers activations (from the budget's agreement).
     """
-    plan = agree_object(resolve_plan(model, config, sample_batch, optimizer), agree_group, device)
-    activation_bytes = activation_reserve_bytes(plan, config, charges_activations)  # from the agreed plan
     world_size = _world_size(group)
+    # search="auto" under a budget: exact at min_device_budget_bytes ([Note: the searched floor] in _floor.py)
+    searched = searched_floor(model, optimizer, config, world_size)
+    if searched is not None and config.device_memory_budget_bytes < searched[0]:
+        raise budget_error(searched[0], config.device_memory_budget_bytes,
+                           "the smallest working set at any chunk size search='auto' can choose (the largest pair "
+                           "of adjacent modules' unsharded chunks and gradient buffers)")
+    plan = agree_object(_resolved_plan(model, config, sample_batch, optimizer, searched), agree_group, device)
     if len(params) != len(names):
         logger.warning("%d non-floating-point parameters are left unmanaged", len(names) - len(params))
+    if plan is None and searched is not None:
+        config = dataclasses.replace(config, chunk_size_numel=searched[1])
+    args = (model, optimizer, names, params, world_size, group, agree_group, device, charges_activations)
+    try:
+        return _lay_out_with(config, plan, *args)
+    except ValueError as err:
+        if plan is None or searched is None:
+            raise
+        logger.info("search='auto': the searched plan does not place in device_memory_budget_bytes=%d (%s); laid "
+                    "out without it at chunk_size_numel=%d, the smallest floor's", config.device_memory_budget_bytes,
+                    err, searched[1])
+        return _lay_out_with(dataclasses.replace(config, chunk_size_numel=searched[1]), None, *args)
+
+
+def _resolved_plan(model, config: ElixirConfig, sample_batch, optimizer, searched):
+    """:func:`resolve_plan`, or ``None`` where the search finds nothing in a budget at or above its floor (``prepare``
+    then lays out at the floor's chunk size, [Note: the searched floor] in ``_floor.py``)."""
+    try:
+        return resolve_plan(model, config, sample_batch, optimizer)
+    except ValueError as err:
+        # the search's refusal ("no configuration fits ..."): its cost model keeps a safety margin and prices
+        # activations; the floor, which prepare's placement holds, is met
+        if searched is None or sample_batch is None or not str(err).startswith("no configuration fits"):
+            raise
+        logger.info("search='auto' found no plan in device_memory_budget_bytes=%d (%s); laying out at "
+                    "chunk_size_numel=%d, the smallest floor's", config.device_memory_budget_bytes, err, searched[1])
+        return None
+
+
+def _lay_out_with(config: ElixirConfig, plan, model, optimizer, names, params, world_size, group, agree_group,
+                  device, charges_activations) -> Layout:
+    """:func:`lay_out` for a resolved ``plan`` (or none)."""
+    activation_bytes = activation_reserve_bytes(plan, config, charges_activations)  # from the agreed plan
     auto_config = config
     config, placement_reason = resolve_default_placement(
         config, plan, [p.numel() for p in params], optimizer, world_size, element_bytes(config.precision),
