@@ -107,7 +107,9 @@ def placements_for_plan(model: nn.Module, config: Any) -> dict[str, str]:
             raise ValueError(
                 f"ElixirConfig(tensor_parallel_size={tp}, expert_parallel_size={ep}) needs a model rewritten "
                 "for it: call hf_elixir.parallel.parallelize(model, config) on every rank, then build the "
-                "optimizer on model.parameters(), then hf_elixir.prepare(model, optimizer, config)"
+                "optimizer on model.parameters(), then hf_elixir.prepare(model, optimizer, config) (with "
+                "ElixirCallback: parallelize(model, config) before Trainer(...) or SFTTrainer(...); with "
+                "ElixirPlugin: parallelize(model, plugin.config) before building the optimizer)"
             )
         return resolved.placements
     if (state.mesh.tp_size, state.mesh.ep_size) != (tp, ep):
