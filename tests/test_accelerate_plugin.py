@@ -404,3 +404,44 @@ def test_a_reference_model_prepared_without_an_optimizer_leaves_the_trained_one_
         dist.destroy_process_group()
     assert got[0] == pytest.approx(expected[0], rel=1e-6) and got[1] == pytest.approx(expected[1], rel=1e-6)
     assert expected[1][0] > 0.5  # the clip was active
+
+
+def test_two_trained_models_on_one_accelerator_train_through_the_prepared_optimizers_backward():
+    """Two models trained through one accelerator (a resumed copy beside the first, two students):
+    ``accelerator.backward`` cannot tell which one a loss belongs to and says to call ``optimizer.backward``, and the
+    optimizer ``ElixirPlugin.prepare`` returned has that method (before: an ``AttributeError``, so the error's fix
+    did not work); a model trained that way takes the same steps as alone under ``accelerator.backward``."""
+    import torch
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    from hf_elixir.integrations import ElixirPlugin
+    from tests._models import batch, tiny_model
+
+    def run(beside_another: bool):
+        accelerator = Accelerator(cpu=True)
+        model = tiny_model("gpt2", seed=0)
+        model, opt = ElixirPlugin().prepare(accelerator, model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        if beside_another:
+            other = tiny_model("gpt2", seed=1)
+            ElixirPlugin().prepare(accelerator, other, torch.optim.AdamW(other.parameters(), lr=1e-2))
+        losses = []
+        for step in range(3):
+            ids = batch("gpt2", step, 2)["input_ids"]
+            loss = model(input_ids=ids, labels=ids).loss
+            if beside_another:
+                with pytest.raises(ValueError, match=r"call optimizer\.backward\(loss"):
+                    accelerator.backward(loss)
+                opt.backward(loss)
+            else:
+                accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        return losses
+
+    expected = run(False)
+    got = run(True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    assert got == expected, (got, expected)

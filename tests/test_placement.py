@@ -149,6 +149,17 @@ def test_gather_needs_a_parallelized_model(single_rank_group):
         gather_full_state_dict(gpt2())
 
 
+def test_an_unrewritten_model_under_tensor_parallel_is_refused_with_each_entry_points_fix(single_rank_group):
+    """A Trainer or Accelerate user who only set ``tensor_parallel_size`` is told where ``parallelize`` goes in
+    their script (an unchanged script under a config with ``tensor_parallel_size: 2`` needs that one line), not
+    only in a ``hf_elixir.prepare`` loop."""
+    from hf_elixir.parallel._apply import placements_for_plan
+
+    with pytest.raises(ValueError, match=r"ElixirCallback: parallelize\(model, config\) before Trainer\(\.\.\.\)"
+                                         r".*launched unchanged .* parallelize\(model, ElixirPlugin\(\)\.config\)"):
+        placements_for_plan(gpt2(), cfg(tensor_parallel_size=2))
+
+
 def test_parallelize_on_one_rank_keeps_outputs(single_rank_group):
     from hf_elixir.parallel import gather_full_state_dict, parallelize
 

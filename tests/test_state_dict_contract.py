@@ -126,10 +126,14 @@ def _entry_worker(rank, world_size, pattern, precision, folder):
         model = tiny_model("gpt2")
         model, _ = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters()),
                                      hf_elixir.ElixirConfig(default_placement="sharded", precision=precision))
+    if pattern == "trainer_save_model":
+        trainer = _trained_trainer(folder)
     is_main = Accelerator(cpu=True).is_main_process if pattern == "save_pretrained" else rank == 0
     error, start = None, time.perf_counter()
     try:
-        if is_main and pattern == "save_pretrained":
+        if pattern == "trainer_save_model" and trainer.is_world_process_zero():
+            trainer.save_model(folder)
+        elif is_main and pattern == "save_pretrained":
             model.save_pretrained(folder)
         elif is_main:
             model.state_dict()
@@ -140,7 +144,24 @@ def _entry_worker(rank, world_size, pattern, precision, folder):
     return rank, error, elapsed
 
 
-ENTRY_CASES = [("state_dict", "fp32"), ("state_dict", "bf16"), ("save_pretrained", "fp32"), ("tp_state_dict", "fp32")]
+def _trained_trainer(folder):
+    """A Trainer that took one step of a sharded tiny GPT-2 under ``ElixirCallback``."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_elixir.integrations import ElixirCallback
+    from tests._models import batch, tiny_model
+
+    rows = [{k: v[0] for k, v in batch("gpt2", i, 1).items()} for i in range(4)]
+    args = TrainingArguments(str(folder) + "-run", max_steps=1, per_device_train_batch_size=1, use_cpu=True,
+                             report_to=[], save_strategy="no", disable_tqdm=True)
+    callback = ElixirCallback(hf_elixir.ElixirConfig(default_placement="sharded"))
+    trainer = Trainer(tiny_model("gpt2"), args, train_dataset=rows, callbacks=[callback])
+    trainer.train()
+    return trainer
+
+
+ENTRY_CASES = [("state_dict", "fp32"), ("state_dict", "bf16"), ("save_pretrained", "fp32"), ("tp_state_dict", "fp32"),
+               ("trainer_save_model", "fp32")]
 
 
 @pytest.mark.parametrize("pattern,precision", ENTRY_CASES)
@@ -153,8 +174,12 @@ def test_calls_on_rank_zero_alone_raise_within_seconds_naming_the_fix(tmp_path, 
     assert error is not None, "rank 0's call did not raise"
     assert other is None
     assert elapsed < ENTRY_TIMEOUT_S + 10, f"raised after {elapsed:.1f} s"
-    call = "save_pretrained" if pattern == "save_pretrained" else "state_dict()"
-    assert call in error and "every rank" in error and "is_main_process" in error, error
+    if pattern == "trainer_save_model":  # named as the user wrote it, with the Trainer's fix
+        assert "trainer.save_model(...) (its model.state_dict())" in error, error
+        assert "on every rank, not inside `if trainer.is_world_process_zero():`" in error, error
+    else:
+        call = "save_pretrained" if pattern == "save_pretrained" else "state_dict()"
+        assert call in error and "every rank" in error and "is_main_process" in error, error
     assert "ranks [1]" in error and "HF_ELIXIR_COLLECTIVE_TIMEOUT_S" in error, error
     assert not (folder / "model.safetensors").exists()  # nothing half-written
 

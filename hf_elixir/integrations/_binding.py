@@ -111,6 +111,11 @@ class ElixirAcceleratedOptimizer(AcceleratedOptimizer):
         # fp16 overflow: ElixirOptimizer skipped the update and backed off the loss scale.
         self._is_overflow = getattr(scaler, "num_skipped_steps", 0) > skipped_before
 
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``ElixirOptimizer.backward``: what ``accelerator.backward`` asks for when several Elixir models share
+        the accelerator and it cannot tell which one a loss belongs to."""
+        self.optimizer.backward(loss, **kwargs)
+
 
 class _Binding:
     """Elixir's bookkeeping on one Accelerator: its models/optimizers and the original methods."""

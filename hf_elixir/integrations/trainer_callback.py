@@ -46,6 +46,7 @@ from transformers import TrainerCallback
 from hf_elixir.config import ElixirConfig
 from hf_elixir.integrations._binding import (binding_of, elixir_prepare, feed_tensor_parallel_rows, first_batch,
                                              merge_precision)
+from hf_elixir.runtime._entry_check import checked_call
 
 __all__ = ["ElixirCallback"]
 
@@ -276,10 +277,11 @@ def _save_gathered(original_save):
         if state_dict is None:
             from hf_elixir.parallel._gather import gather_full_state_dict  # noqa: PLC0415
 
-            if _parallelized(self.model):
-                state_dict = gather_full_state_dict(self.model, rank0_only=not self.args.save_on_each_node)
-            else:
-                state_dict = self.accelerator.get_state_dict(self.model)
+            with checked_call("trainer.save_model(...)", label=True):  # names it in a collective entry error
+                if _parallelized(self.model):
+                    state_dict = gather_full_state_dict(self.model, rank0_only=not self.args.save_on_each_node)
+                else:
+                    state_dict = self.accelerator.get_state_dict(self.model)
         return original_save(self, output_dir, state_dict=state_dict)
 
     return _save

@@ -106,8 +106,12 @@ def placements_for_plan(model: nn.Module, config: Any) -> dict[str, str]:
         if tp > 1 or ep > 1:
             raise ValueError(
                 f"ElixirConfig(tensor_parallel_size={tp}, expert_parallel_size={ep}) needs a model rewritten "
-                "for it: call hf_elixir.parallel.parallelize(model, config) on every rank, then build the "
-                "optimizer on model.parameters(), then hf_elixir.prepare(model, optimizer, config)"
+                "for it before its optimizer is built: call hf_elixir.parallel.parallelize(model, config) on every "
+                "rank, then build the optimizer on model.parameters(), then hf_elixir.prepare(model, optimizer, "
+                "config). With ElixirCallback: parallelize(model, config) before Trainer(...) or SFTTrainer(...); "
+                "with ElixirPlugin, or a script launched unchanged with an accelerate config that sets these sizes: "
+                "parallelize(model, ElixirPlugin().config) (from hf_elixir.integrations) before building the "
+                "optimizer or the Trainer"
             )
         return resolved.placements
     if (state.mesh.tp_size, state.mesh.ep_size) != (tp, ep):

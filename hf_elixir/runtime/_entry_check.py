@@ -109,10 +109,13 @@ def _store():
 
 
 def _fix(call: str) -> str:
+    if _local.label and _local.label.startswith("trainer."):  # the Trainer writes from its main process by itself
+        return (f"call {_local.label} on every rank, not inside `if trainer.is_world_process_zero():` (it gathers "
+                "over all of them; only the main process writes)")
     return (f"call {call} on every rank of the model, in the same order (it gathers over all of them); to write a "
             "file from one process, call model.save_pretrained(dir, is_main_process=accelerator.is_main_process) "
-            "(or hf_elixir.save_checkpoint) on every rank: every rank takes part in the gather and only the main "
-            "process writes")
+            "(under the Trainer: trainer.save_model(dir)) or hf_elixir.save_checkpoint on every rank: every rank "
+            "takes part in the gather and only the main process writes")
 
 
 def _what(call: str) -> str:
