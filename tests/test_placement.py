@@ -150,13 +150,12 @@ def test_gather_needs_a_parallelized_model(single_rank_group):
 
 
 def test_an_unrewritten_model_under_tensor_parallel_is_refused_with_each_entry_points_fix(single_rank_group):
-    """A Trainer or Accelerate user who only set ``tensor_parallel_size`` is told where ``parallelize`` goes in
-    their script (an unchanged script under a config with ``tensor_parallel_size: 2`` needs that one line), not
-    only in a ``hf_elixir.prepare`` loop."""
+    """A Trainer user who only set ``tensor_parallel_size`` is told where ``parallelize`` goes in their script, and
+    that ElixirPlugin and routed launches parallelize by themselves, not only how a ``hf_elixir.prepare`` loop does."""
     from hf_elixir.parallel._apply import placements_for_plan
 
     with pytest.raises(ValueError, match=r"ElixirCallback: parallelize\(model, config\) before Trainer\(\.\.\.\)"
-                                         r".*launched unchanged .* parallelize\(model, ElixirPlugin\(\)\.config\)"):
+                                         r".*ElixirPlugin\(\)\.prepare\(\.\.\.\) and a script launched .* parallelize the model themselves"):
         placements_for_plan(gpt2(), cfg(tensor_parallel_size=2))
 
 

@@ -108,10 +108,9 @@ def placements_for_plan(model: nn.Module, config: Any) -> dict[str, str]:
                 f"ElixirConfig(tensor_parallel_size={tp}, expert_parallel_size={ep}) needs a model rewritten "
                 "for it before its optimizer is built: call hf_elixir.parallel.parallelize(model, config) on every "
                 "rank, then build the optimizer on model.parameters(), then hf_elixir.prepare(model, optimizer, "
-                "config). With ElixirCallback: parallelize(model, config) before Trainer(...) or SFTTrainer(...); "
-                "with ElixirPlugin, or a script launched unchanged with an accelerate config that sets these sizes: "
-                "parallelize(model, ElixirPlugin().config) (from hf_elixir.integrations) before building the "
-                "optimizer or the Trainer"
+                "config). With ElixirCallback: parallelize(model, config) before Trainer(...) or SFTTrainer(...). "
+                "ElixirPlugin().prepare(...) and a script launched with an accelerate config whose Elixir section "
+                "sets these sizes parallelize the model themselves"
             )
         return resolved.placements
     if (state.mesh.tp_size, state.mesh.ep_size) != (tp, ep):
