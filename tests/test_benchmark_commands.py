@@ -31,7 +31,8 @@ QUICK: dict[str, list[str]] = {
     "kernel_bench": ["--smoke"],
     "moe": ["--device", "cpu", "--steps", "1", "--warmup", "0", "--layers", "1", "--d-model", "32", "--d-ff", "64",
             "--heads", "2", "--vocab", "128", "--batch", "2", "--seq", "16", "--experts", "2"],
-    **{name: ["--help"] for name in ("agreed_prefetch", "host_memory", "predicted_gpu", "search_accuracy", "soak")},
+    **{name: ["--help"] for name in ("agreed_prefetch", "checkpoint_kill", "host_memory", "predicted_gpu", "search_accuracy", "soak",
+                                          "start_hook_overhead")},
     # their quick forms, as the pages give them, run in tests/test_benchmarks.py and tests/test_benchmarks_gpu.py
     **{name: [] for name in ("gpu", "moe_dense", "plan_tables", "run_cpu", "split_experts")},
 }
