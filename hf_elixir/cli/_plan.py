@@ -238,12 +238,14 @@ def splits_experts(args: argparse.Namespace, model, budget_bytes: int | None) ->
 def _with_lora(model, args: argparse.Namespace):
     """``model`` (on meta) with peft's LoRA adapters of ``--lora-rank`` on ``--lora-targets``: the model a LoRA run
     prepares (peft freezes everything else)."""
+    import torch
     from peft import LoraConfig, get_peft_model
 
     targets = args.lora_targets or "all-linear"
-    try:
-        return get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
-                                                target_modules=targets))
+    try:  # the adapters on meta too: DeepSeek-V3's 6.6 B would otherwise take 26 GB of this machine's memory
+        with torch.device("meta"):
+            return get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                                                    target_modules=targets))
     except ValueError as err:
         raise ValueError(f"--lora-targets {' '.join(args.lora_targets or ['all-linear'])}: {err}") from None
 
