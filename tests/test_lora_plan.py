@@ -26,14 +26,14 @@ def test_nf4_prices_the_frozen_base_at_torchao_bytes(capsys):
     their gradients and AdamW state do not change, and the plan needs less device and host memory."""
     from hf_elixir.cli._plan import nf4_bytes_per_element
 
-    argv = ["plan", "--model", "gpt2", "--gpu", "h100", "--gpu-memory", "1GiB", "--host-memory", "2GiB",
-            "--seq-len", "64", "--lora-rank", "8", "--lora-targets", "c_attn"]
+    argv = ["plan", "--model", "tiny-gpt2", "--gpu", "h100", "--gpu-memory", "1GiB", "--host-memory", "2GiB",
+            "--seq-len", "32", "--lora-rank", "4", "--lora-targets", "c_attn"]
     bf16, nf4 = _plan(capsys, argv), _plan(capsys, [*argv, "--quantize", "nf4"])
     a, b = bf16["zero3_model_data_per_gpu_bytes"], nf4["zero3_model_data_per_gpu_bytes"]
     assert (a["grads"], a["optimizer"]) == (b["grads"], b["optimizer"]) and bf16["parameters"] == nf4["parameters"]
     adapters = a["grads"] // 4  # fp32 gradients of the trained elements
     ratio = (b["params"] - 2 * adapters) / (a["params"] - 2 * adapters)
-    assert ratio == pytest.approx(nf4_bytes_per_element("bf16") / 2, rel=1e-5)
+    assert ratio == pytest.approx(nf4_bytes_per_element("bf16") / 2, rel=5e-3)  # each tiny tensor rounds up
     assert nf4["device_peak_bytes"] < bf16["device_peak_bytes"]
     assert nf4["host_bytes_per_gpu"] <= bf16["host_bytes_per_gpu"]
     assert any("NF4" in reason for reason in nf4["reasons"])
