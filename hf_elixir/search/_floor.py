@@ -160,7 +160,10 @@ def _placed_floor_bytes(model, optimizer, config: ElixirConfig, world_size: int)
     # chunks count gradient buffers and optimizer state. Without a plan, prepare packs in module order and a chunk
     # holding a layer's adapters beside its frozen weights carries them for its whole shard (``Sizes``): the floor
     # counts that too, as the run would charge it.
-    params = ordered_params(config.plan, [p for p in names if p.is_floating_point()], names)
+    # (a plan naming parameters this layout lacks, e.g. made for the fused experts, is not prepare's here: model order)
+    known = {ns[0] for ns in names.values()}
+    plan = config.plan if config.plan is not None and set(config.plan.param_order) <= known else None
+    params = ordered_params(plan, [p for p in names if p.is_floating_point()], names)
     numels = [p.numel() for p in params]
     esize = element_bytes(config.precision)
     gsize = 4 if config.reduce_dtype == "fp32" else esize
