@@ -159,6 +159,9 @@ def _build_parser() -> argparse.ArgumentParser:
                       "with their AdamW state; data parallel only")
     plan.add_argument("--lora-targets", nargs="+", default=None,
                       help="module names the adapters wrap (peft's target_modules; default: all-linear)")
+    plan.add_argument("--quantize", default=None, choices=("nf4",),
+                      help="with --lora-rank: the frozen base stored as NF4 (QLoRA; torchao's layout, about 0.52 "
+                      "bytes per element with its scales) instead of the compute dtype")
     plan.add_argument("--output", default=None, help="write the plan (.yaml/.yml or .json)")
     plan.add_argument("--json", action="store_true", help="print the report as JSON (for tools) instead of tables")
     prof = sub.add_parser("profile", help="run one real step of a small model and draw the memory timeline")
@@ -225,6 +228,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag}={size} must divide --num-gpus={args.num_gpus}; use a divisor of it")
     if args.lora_targets and not args.lora_rank:
         raise ValueError("--lora-targets needs --lora-rank, e.g. --lora-rank 16")
+    if args.quantize and not args.lora_rank:
+        raise ValueError(f"--quantize {args.quantize} quantizes a frozen base, which needs --lora-rank (e.g. "
+                         "--lora-rank 16); full fine-tuning trains the base in the compute dtype")
     if args.lora_rank and (args.tensor_parallel_size != 1 or (args.expert_parallel_size or 1) > 1):
         raise ValueError(f"--lora-rank {args.lora_rank} is planned with data parallelism only; leave "
                          "--tensor-parallel-size and --expert-parallel-size out (or give 1)")

@@ -238,12 +238,14 @@ def splits_experts(args: argparse.Namespace, model, budget_bytes: int | None) ->
 def _with_lora(model, args: argparse.Namespace):
     """``model`` (on meta) with peft's LoRA adapters of ``--lora-rank`` on ``--lora-targets``: the model a LoRA run
     prepares (peft freezes everything else)."""
+    import torch
     from peft import LoraConfig, get_peft_model
 
     targets = args.lora_targets or "all-linear"
-    try:
-        return get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
-                                                target_modules=targets))
+    try:  # the adapters on meta too: DeepSeek-V3's 6.6 B would otherwise take 26 GB of this machine's memory
+        with torch.device("meta"):
+            return get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                                                    target_modules=targets))
     except ValueError as err:
         raise ValueError(f"--lora-targets {' '.join(args.lora_targets or ['all-linear'])}: {err}") from None
 
@@ -269,13 +271,67 @@ def trained_last(profile):
         events=[dataclasses.replace(e, params=[new[i] for i in e.params]) for e in profile.events])
 
 
+def nf4_bytes_per_element(precision: str) -> float:
+    """Bytes per element of a weight stored as NF4 (torchao's ``to_nf4`` defaults).
+
+    [Note: NF4 pricing] torchao's ``NF4Tensor`` (``torchao.quantization.quantize_.workflows.nf4.nf4_tensor``, once
+    ``torchao.dtypes.nf4tensor``) packs two 4-bit codes per byte (0.5 B), one absmax scale per 64-element block,
+    double-quantized to int8 (1 / 64 B), and one scale of those per 256 blocks in the weight's dtype (``precision``'s
+    bytes / 16384), plus a few bytes per tensor (the scales' mean, the 16-value code book): 0.515747 B in bf16, as
+    ``to_nf4`` of a 4096 x 4096 bf16 weight measures. ``--quantize nf4`` prices each frozen parameter at these bytes
+    by giving it ``numel * nf4 / b`` elements of the compute dtype (``b`` bytes) in the searched profile: its chunks'
+    device and host bytes, gathers and host-to-device copies are the packed ones; compute and activations are the
+    compute dtype's (dequantized on gather; the dequantization itself is not priced)."""
+    from hf_elixir.search._activation_cost import DTYPE_BYTES
+
+    block, scaler_block = 64, 256
+    return 0.5 + 1 / block + DTYPE_BYTES[precision] / (block * scaler_block)
+
+
+def frozen_as_nf4(profile, precision: str):
+    """``profile`` with every frozen parameter's numel the compute-dtype elements its NF4 storage takes
+    ([Note: NF4 pricing])."""
+    import dataclasses
+    import math
+
+    from hf_elixir.search._activation_cost import DTYPE_BYTES
+
+    ratio = nf4_bytes_per_element(precision) / DTYPE_BYTES[precision]
+    numels = [n if trained else math.ceil(n * ratio)
+              for n, trained in zip(profile.param_numels, profile.param_requires_grad)]
+    return dataclasses.replace(profile, param_numels=numels)
+
+
+def _profiled(model, batch, args: argparse.Namespace, notes: list[str]):
+    """``(model, profile, parameters)``: the model as trained (peft's adapters with ``--lora-rank``), its step
+    profiled on meta (adapters packed last: [Note: LoRA packing]; a frozen base priced as NF4 with ``--quantize
+    nf4``: [Note: NF4 pricing]) and its parameter count."""
+    from hf_elixir.profiler import profile_step
+
+    lora, nf4 = getattr(args, "lora_rank", None), getattr(args, "quantize", None) == "nf4"
+    if lora:
+        model = _with_lora(model, args)
+        notes.append(f"LoRA rank {lora} on {', '.join(args.lora_targets or ['all-linear'])}: the base is frozen in "
+                     f"{'NF4' if nf4 else 'the compute dtype'} (no gradients, optimizer state or reduce-scatters), "
+                     "the adapters are trained with their AdamW state")
+    profile = profile_step(model, batch, device="meta", forward_only=args.optimizer == "none")
+    if lora:
+        profile = trained_last(profile)
+    parameters = profile.num_params
+    if nf4:
+        profile = frozen_as_nf4(profile, args.precision)
+        notes.append(f"QLoRA: the frozen base stored as NF4 at {nf4_bytes_per_element(args.precision):.6f} bytes "
+                     "per element (torchao's layout: 64-element blocks, double-quantized scales), dequantized on "
+                     "gather; the plan's chunk sizes count its packed bytes in compute-dtype elements")
+    return model, profile, parameters
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """``hf-elixir plan``: check, profile on meta, search (progress on stderr), report, write the plan."""
     import torch
 
     from hf_elixir.cli._report import build_report, print_json, print_report
     from hf_elixir.parallel._expert_units import split_fused_experts, splittable_names
-    from hf_elixir.profiler import profile_step
     from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
     from hf_elixir.search._coarse import PeriodicLines, progress_reporter
 
@@ -292,14 +348,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     elif splittable_names(model):
         notes.append("fused MoE experts kept fused (one chunk unit per layer's experts; a rank holds 1/ep of them "
                      "under expert parallel ep; --split-fused-experts splits them per expert)")
-    if getattr(args, "lora_rank", None):
-        model = _with_lora(model, args)
-        notes.append(f"LoRA rank {args.lora_rank} on {', '.join(args.lora_targets or ['all-linear'])}: the base is "
-                     "frozen in the compute dtype (no gradients, optimizer state or reduce-scatters), the adapters "
-                     "are trained with their AdamW state")
-    profile = profile_step(model, batch, device="meta", forward_only=args.optimizer == "none")
-    if getattr(args, "lora_rank", None):  # [Note: LoRA packing]
-        profile = trained_last(profile)
+    model, profile, parameters = _profiled(model, batch, args, notes)
     fixed_tp = 1 if args.tensor_parallel_size == "auto" else args.tensor_parallel_size
     first = placements(model, args, args.expert_parallel_size or 1, fixed_tp)
     # replicated data parallelism (whole chunks, gradient all-reduce) is searched for plain data parallel
@@ -319,6 +368,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if profile.static:
         plan.reasons.append("the model could not run on meta; a static trace (module order) was used")
     report = build_report(args, profile, result, hardware, rates, label)
+    report["parameters"] = int(parameters)  # the model's, not the NF4 storage's ([Note: NF4 pricing])
     if args.output:
         plan.save(args.output)
         report["plan_file"] = args.output

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from hf_elixir.chunk._build import chunk_specs, element_bytes, unique_params
+from hf_elixir.chunk._build import chunk_specs, element_bytes, ordered_params, unique_params
 from hf_elixir.chunk._shared_budget import current_shared_budget
 from hf_elixir.chunk.manager import budget_error
 from hf_elixir.config import ElixirConfig
@@ -168,7 +168,15 @@ def _placed_floors(model, optimizer, config: ElixirConfig, world_size: int) -> d
     floor])."""
     placements = placements_for_plan(model, config)
     names = unique_params(model)
-    params = [p for p in names if p.is_floating_point()]
+    # [Note: LoRA floor] packed in the plan's order, as prepare packs (``search/_lay_out.py``): a LoRA plan's
+    # adapters after the frozen base ([Note: LoRA packing] in ``hf_elixir/cli/_plan.py``), so only the adapters'
+    # chunks count gradient buffers and optimizer state. Without a plan, prepare packs in module order and a chunk
+    # holding a layer's adapters beside its frozen weights carries them for its whole shard (``Sizes``): the floor
+    # counts that too, as the run would charge it.
+    # (a plan naming parameters this layout lacks, e.g. made for the fused experts, is not prepare's here: model order)
+    known = {ns[0] for ns in names.values()}
+    plan = config.plan if config.plan is not None and set(config.plan.param_order) <= known else None
+    params = ordered_params(plan, [p for p in names if p.is_floating_point()], names)
     numels = [p.numel() for p in params]
     esize = element_bytes(config.precision)
     gsize = 4 if config.reduce_dtype == "fp32" else esize
