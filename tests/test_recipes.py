@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -111,7 +112,7 @@ def test_recipe_under_torchrun_on_cpu_is_really_distributed(tmp_path, path):
     assert r["eval_ppl_after"] < r["eval_ppl_before"]
     out = r["stdout"] + r["stderr"]
     assert out.count("trained a byte-level BPE tokenizer") == 1, out[-3000:]
-    assert out.count("Map:   0%") == 4, out[-3000:]  # tokenize + group, train and held-out, on rank 0 only
+    assert "Map:" not in out and "\r" not in out, out[-3000:]  # redirected output: no progress bars on any rank
     assert out.count("INFO hf_elixir.api: hf_elixir:") == 1, out[-3000:]  # the placement, logged by rank 0
     peak = 5e-3  # FAST: --learning_rate 5e-3 --warmup_steps 0 --max_steps 6 --logging_steps 2, linear decay
     lrs = {int(k): v for k, v in r["learning_rates"].items()}
@@ -142,7 +143,7 @@ def test_lr_schedule_spans_the_run_under_accelerate_launch_with_2_processes(tmp_
     out = r["stdout"] + r["stderr"]
     # the Accelerate loop at 2 processes (the torchrun case above, slow-marked for this path, checks the same):
     assert out.count("trained a byte-level BPE tokenizer") == 1, out[-3000:]  # by the main process only
-    assert out.count("Map:   0%") == 4, out[-3000:]  # tokenize + group, train and held-out, on rank 0 only
+    assert "Map:" not in out and "\r" not in out, out[-3000:]  # redirected output: no progress bars on any rank
     assert out.count("INFO hf_elixir.api: hf_elixir:") == 1, out[-3000:]  # the placement, logged by rank 0
     assert r["last_loss"] < r["first_loss"] and r["eval_ppl_after"] < r["eval_ppl_before"]
     lrs = {int(k): v for k, v in r["learning_rates"].items()}
@@ -324,7 +325,10 @@ def test_recipe_cli_error_is_the_last_line_not_buried_under_usage(tmp_path, monk
     script = str(REPO / "recipes" / "finetune_clm.py")
     proc = subprocess.run([sys.executable, script, "--output_dir", str(out)], env=_recipe_env(), capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
-    lines = proc.stderr.strip().splitlines()
+    # lines other packages print at import (torchao's "Failed to load ...so", torch's W-level pytree notes) are not
+    # the recipe's: the recipe's own output is the one-line usage and the error, last
+    lines = [ln for ln in proc.stderr.strip().splitlines()
+             if not ln.startswith("Failed to load ") and not re.match(r"W\d{4} [\d:.]+ \d+ torch/", ln)]
     assert proc.returncode == 2 and len(lines) <= 3 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     message = f"--output_dir {out} already holds another run's files (model.safetensors)"
     assert lines[-1].startswith("finetune_clm.py: error: ") and message in lines[-1], lines

@@ -93,13 +93,35 @@ def _full_gradient_check(original):
 
     import hf_elixir
 
+    stepped: dict[int, dict] = {}  # id(model) -> its full gradients just before the optimizer consumed them
+
+    def snapshot(optimizer, args, kwargs):
+        # upstream checks after opt.step() and before zero_grad, where PyTorch's p.grad still holds the step's
+        # gradient but hf_elixir's step consumed the shards (full_gradients refuses there): keep them from before
+        from hf_elixir.optim.optimizer import ElixirOptimizer
+
+        if isinstance(optimizer, ElixirOptimizer):
+            for model in _prepared():
+                with hf_elixir.full_gradients(model) as grads:
+                    stepped[id(model)] = {name: g.clone() for name, g in grads.items()}
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(snapshot)
+
     @functools.wraps(original)
     def check(model_a, model_b, did_step, iteration, **kwargs):
         if not any(model_b is m for m in _prepared()):
             return original(model_a, model_b, did_step, iteration, **kwargs)
-        with hf_elixir.full_gradients(model_b) as grads:  # collective: every rank checks in the same order
-            shown = [types.SimpleNamespace(grad=grads.get(name), requires_grad=p.requires_grad)
-                     for name, p in model_b.named_parameters()]
+        try:
+            with hf_elixir.full_gradients(model_b) as grads:  # collective: every rank checks in the same order
+                values = dict(grads)
+        except ValueError as err:
+            if "after optimizer.step()" not in str(err):
+                raise
+            values = stepped.pop(id(model_b))
+        shown = [types.SimpleNamespace(grad=values.get(name), requires_grad=p.requires_grad)
+                 for name, p in model_b.named_parameters()]
         print(f"ELIXIR_SHIM check_model_parameters on full_gradients (iteration {iteration})", flush=True)
         return original(model_a, types.SimpleNamespace(parameters=lambda: iter(shown)), True, iteration, **kwargs)
 
