@@ -311,6 +311,13 @@ def test_short_trainer_run_logs_several_steps_with_the_plain_trainer_lr_schedule
     assert {h["step"]: h["learning_rate"] for h in plain} == pytest.approx(lrs, rel=1e-12, abs=0), (plain, lrs)
 
 
+def _own_lines(stderr: str) -> list[str]:
+    """``stderr``'s lines less what other packages print when first imported (torchao's "Failed to load ...so",
+    torch's W-level pytree notes): what is left is the recipe's own output."""
+    return [ln for ln in stderr.strip().splitlines()
+            if not ln.startswith("Failed to load ") and not re.match(r"W\d{4} [\d:.]+ \d+ \S*torch/", ln)]
+
+
 def test_recipe_cli_error_is_the_last_line_not_buried_under_usage(tmp_path, monkeypatch, capsys):
     """argparse printed the whole usage (over 100 lines of TrainingArguments) before the one line that
     says what is wrong; now a one-line usage, then the error, last. Exit status stays 2. `--help` works
@@ -327,8 +334,7 @@ def test_recipe_cli_error_is_the_last_line_not_buried_under_usage(tmp_path, monk
                           text=True, timeout=300, cwd=tmp_path)
     # lines other packages print at import (torchao's "Failed to load ...so", torch's W-level pytree notes) are not
     # the recipe's: the recipe's own output is the one-line usage and the error, last
-    lines = [ln for ln in proc.stderr.strip().splitlines()
-             if not ln.startswith("Failed to load ") and not re.match(r"W\d{4} [\d:.]+ \d+ torch/", ln)]
+    lines = _own_lines(proc.stderr)
     assert proc.returncode == 2 and len(lines) <= 3 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     message = f"--output_dir {out} already holds another run's files (model.safetensors)"
     assert lines[-1].startswith("finetune_clm.py: error: ") and message in lines[-1], lines
@@ -342,7 +348,7 @@ def test_recipe_cli_error_is_the_last_line_not_buried_under_usage(tmp_path, monk
     monkeypatch.setattr(sys, "argv", ["finetune_clm.py", "--max_steps", "x"])
     with pytest.raises(SystemExit) as exited:
         parse_args("gpt2")
-    lines = capsys.readouterr().err.strip().splitlines()
+    lines = _own_lines(capsys.readouterr().err)
     assert exited.value.code == 2 and len(lines) <= 3, lines
     assert lines[-1].startswith("finetune_clm.py: error: ") and \
         "argument --max_steps/--max-steps: invalid int value: 'x'" in lines[-1], lines
