@@ -2,7 +2,7 @@
 
 [Note: one device budget for several models]
 
-``ElixirConfig.device_memory_budget_bytes`` is the whole card (DESIGN.md: "The budget is the whole card"). Two
+``ElixirConfig.device_memory_budget_bytes`` is the whole card (docs/design/rules.md: the budget is the whole card). Two
 models prepared one after the other, each with its own chunk manager and pool, used to get the whole budget each:
 two pools of ``B`` bytes on a card of ``B`` bytes, which the CPU simulation let pass and a GPU would not. Models
 prepared inside one :class:`SharedDeviceBudget` (``with hf_elixir.shared_device_budget() as budget:``; the
