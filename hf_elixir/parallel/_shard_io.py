@@ -31,7 +31,7 @@ from hf_elixir.parallel._state import get_parallel_state
 from hf_elixir.parallel._tensor_parallel import TPShardLayout, merge_shards
 from hf_elixir.runtime._exports import MasterExport, load_fp32_masters
 from hf_elixir.runtime._state import get_state
-from hf_elixir.runtime.state_dict import _ensure_all_full
+from hf_elixir.runtime.state_dict import _ensure_all_full, write_back_dirty
 
 __all__ = ["check_layout_recorded", "check_same_layout", "consolidate_shards", "describe", "is_model_parallel",
            "mesh_record", "model_shard_payload", "mp_coordinates", "read_local_tensors", "same_layout",
@@ -190,12 +190,7 @@ def write_local_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> N
                 tensor.copy_(tensors[name])
         for chunk in chunks:
             chunk.dirty = True
-    for chunk in manager.chunks:
-        if chunk.dirty:
-            if chunk.unsharded:
-                chunk.write_back()
-            else:
-                chunk.dirty = False
+    write_back_dirty(manager)
     if state.optimizer is not None:  # as load_state_dict: masters from the parameters, then the fp32 values exactly
         state.optimizer.sync_masters_from_params()
         loaded = {p: tensors[name] for _, params, _ in _owned(model) for name, p in params

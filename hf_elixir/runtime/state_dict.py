@@ -45,6 +45,17 @@ def _ensure_all_full(manager: ChunkManager, chunks) -> None:
             chunk.pins -= 1
 
 
+def write_back_dirty(manager: ChunkManager) -> None:
+    """After values were copied into gathered chunks (a load): each dirty gathered chunk writes its values back to
+    its shard; a dirty chunk no longer gathered has nothing left to write."""
+    for chunk in manager.chunks:
+        if chunk.dirty:
+            if chunk.unsharded:
+                chunk.write_back()
+            else:
+                chunk.dirty = False
+
+
 def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_loaded) -> list:
     """Register save/load hooks on every module that owns managed parameters.
 
@@ -129,12 +140,7 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
     def load_post_hook(mod, incompatible_keys):
         while copies:
             copies.pop().__exit__(None, None, None)
-        for chunk in manager.chunks:
-            if chunk.dirty:
-                if chunk.unsharded:
-                    chunk.write_back()
-                else:
-                    chunk.dirty = False
+        write_back_dirty(manager)
         on_loaded()
         state = get_state(model)
         if loaded and state.optimizer is not None:
