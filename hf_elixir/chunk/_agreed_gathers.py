@@ -93,11 +93,13 @@ class AgreedGathersMixin:
                            "batch saved more activations than the one it voted with)", exclude=pinned)
             if not room:
                 self.counters.num_agreed_gather_evictions += self.counters.num_evictions - evictions
-            chunk.unshard(side_stream=self.copy_stream, async_op=self.async_gather)
+            if self.recorder is not None:
+                self.record_event("fill", chunk)
+            chunk.unshard(side_stream=self.copy_stream, async_op=self.prefetcher.async_gather)
             self.counters.num_prefetches += 1
             self.counters.num_prefetched_gathers += 1
             if chunk.pending_gather is not None:
-                self._pending_gathers.append(chunk)
+                self.prefetcher.pending.append(chunk)
 
     def _room_ahead(self, chunk: Chunk, need: int, keep: set[int]) -> bool:
         """Whether ``need`` more bytes for ``chunk`` fit the pool after dropping kept gradient buffers and

@@ -1,6 +1,8 @@
-"""Gathers and onloads issued ahead of their use by the chunk manager (FSDP2's prefetch), in forward and backward.
+"""Gathers and onloads issued ahead of their use by the chunk manager (FSDP2's prefetch), in forward and backward:
+the :class:`PrefetchScheduler`, one object per manager, executing the previous step's :class:`~hf_elixir.chunk.schedule.
+StepOrder` ([Note: one step description] in ``schedule.py``: the cost model prices the same order and window).
 
-[Note: gather prefetch] (FSDP2's all-gather prefetch.) During forward, :meth:`_prefetch`
+[Note: gather prefetch] (FSDP2's all-gather prefetch.) During forward, :meth:`PrefetchScheduler.issue`
 issues the all-gathers of the next ``prefetch_depth`` chunks of the previous step's order ahead of their
 use: on CUDA on the copy stream (the compute stream waits for its event), elsewhere with ``async_op=True``
 (gloo runs it on its own threads while this thread computes). The chunk's pre-forward access waits for it
@@ -18,7 +20,7 @@ order on every rank, so a rank may issue a gather ahead only where every rank do
   or whether a collective has finished (waits happen at fixed points: the chunk's access, its eviction, the
   start of backward, the optimizer step);
 * a gather ahead evicts only what the hook of its chunk would evict anyway ([Note: Belady-consistent gather
-  ahead] in :meth:`_kept_until`), so prefetching issues the same gathers as the hooks alone, only earlier
+  ahead] in :meth:`PrefetchScheduler._kept_until`), so prefetching issues the same gathers as the hooks alone, only earlier
   (what the cost model assumes);
 * within one phase: in forward the window stops where the previous step's forward (micro-batch) ended, so
   no rank issues a gather ahead of the backward's reduce-scatters; in backward it stops where that step's
@@ -35,7 +37,7 @@ not carry over: a gather ahead could evict a chunk the hooks alone would have ke
 before its use. A backward gather ahead is therefore issued only when its bytes, plus those of the chunks
 of the window that the hooks will still fill, plus the rise of gradient-buffer and reduce-output bytes the
 previous step saw up to the chunk's access (``prev_grad_at``: bytes at each access and the peak since the
-one before), fit in the free budget plus the chunks this step no longer uses (:meth:`_dead`: trainable,
+one before), fit in the free budget plus the chunks this step no longer uses (``ChunkManager._dead``: trainable,
 no later use in the previous trace, so the step makes their gathered copy stale anyway); it evicts only
 those. Every later make-room in the window then finds its room among free and dead bytes, which Belady
 evicts first, so no chunk the step still uses leaves the device earlier than without the prefetch: the
@@ -49,73 +51,89 @@ access for the chunk it needs (the compute waits for the whole collective).
 
 from __future__ import annotations
 
-import bisect
-
 from hf_elixir.chunk.chunk import Chunk
 
-__all__ = ["GatherPrefetchMixin"]
+__all__ = ["PrefetchScheduler"]
 
 _INF = float("inf")
 
 
-class GatherPrefetchMixin:
-    """:class:`~hf_elixir.chunk.manager.ChunkManager`'s gathers ahead (a mixin: every decision reads the manager's
-    trace, pool and eviction, which is what makes it the same on every rank)."""
+class PrefetchScheduler:
+    """The chunk manager's gathers and onloads ahead of their use (FSDP2's prefetch), as an object.
 
-    def _init_prefetch(self) -> None:
+    It executes the previous step's order (``manager.prev_order``, a :class:`~hf_elixir.chunk.schedule.StepOrder`):
+    at each access it fills the next ``prefetch_depth`` chunks of :meth:`StepOrder.window` that the rules above
+    allow. Every decision reads only the manager's trace, agreed plan, pool accounting and eviction ranking
+    (``_victim``, ``_belady_key``, ``_next_use``, ``_dead``), which is what makes it the same on every rank; it owns
+    the all-gathers it issued asynchronously (``pending``) until :meth:`drain`.
+
+    Args:
+        manager: the :class:`~hf_elixir.chunk.manager.ChunkManager` whose chunks it fills.
+    """
+
+    def __init__(self, manager) -> None:
+        self.manager = manager
         # off CUDA, all-gathers issued ahead are async collectives waited at the chunk's access
-        self.async_gather = self.compute_device.type != "cuda"
-        self._pending_gathers: list[Chunk] = []
+        self.async_gather = manager.compute_device.type != "cuda"
+        self.pending: list[Chunk] = []
 
-    def _prefetch(self, pinned: set[int]) -> None:
+    def issue(self, pinned: set[int]) -> None:
         """Unshard the next ``prefetch_depth`` chunks of the previous step's order, when that does not
         evict a chunk needed sooner than the prefetched one; all-gathers only where
         [Note: gather prefetch] allows (in backward: [Note: backward gather prefetch])."""
-        pos = len(self.trace)
+        m = self.manager
+        pos = len(m.trace)
         gather_end = self._gather_window_end(pos)
-        seen: set[int] = set(pinned)
-        upcoming: list[tuple[int, int]] = []  # (position in prev_trace, chunk id)
-        for index in range(pos, min(len(self.prev_trace), pos + 8 * self.prefetch_depth)):
-            cid = self.prev_trace[index]
-            if cid not in seen:
-                seen.add(cid)
-                upcoming.append((index, cid))
-            if len(upcoming) == self.prefetch_depth:
-                break
+        upcoming = m.prev_order.window(pos, pinned, m.prefetch_depth)  # (position in prev_trace, chunk id)
         keep = pinned | {cid for _, cid in upcoming}
-        if self.gather_prefetch_mode() == "agreed":
-            self._agreed_gathers_ahead(pos, pinned, upcoming, keep)  # the loop below then onloads only
+        if self.mode() == "agreed":
+            m._agreed_gathers_ahead(pos, pinned, upcoming, keep)  # the loop below then onloads only
         fills_before = 0  # bytes the hooks will charge for upcoming chunks not filled here ([Note: backward ...])
         for index, cid in upcoming:
-            chunk = self.chunks[cid]
+            chunk = m.chunks[cid]
             if not chunk.needs_fill():
                 continue
             collective = chunk.needs_collective()
-            if not collective and self.forward_steps and self.copy_stream is None:
+            if not collective and m.forward_steps and m.copy_stream is None:
                 # [Note: forward steps] in _steps.py: a local onload ahead off CUDA overlaps nothing, it only evicts
                 return
             need = chunk.fill_bytes_needed()
-            if collective and (index >= gather_end or (self.backward_pending
-                                                        and not self._backward_room(need + fills_before, pos, index))):
+            if collective and (index >= gather_end or (m.backward_pending
+                                                       and not self._backward_room(need + fills_before, pos, index))):
                 fills_before += need
                 continue  # not this phase's, not allowed, or no room (see [Note: gather prefetch])
-            dead_only = collective and self.backward_pending  # [Note: backward gather prefetch]
-            if self.kept_buffer_bytes and not self.pool.fits(need):
-                # what the hook's make_room drops first too ([Note: buffer reuse] in _grad_buffers.py)
-                self.drop_kept_buffers(need)
-            beyond = (self._kept_until(pinned, upcoming, index, cid)
-                      if collective and not dead_only and not self.pool.fits(need) else None)
-            while not self.pool.fits(need):
-                victim = self._dead_victim() if dead_only else self._victim(keep, beyond=beyond)
-                if victim is None or self._next_use(victim) <= self._next_use(chunk):
-                    return  # prefetching would evict something needed sooner: stop
-                victim.reshard()
-            chunk.unshard(side_stream=self.copy_stream, async_op=collective and self.async_gather)
-            self.counters.num_prefetches += 1
-            if collective:
-                self.counters.num_prefetched_gathers += 1
-            if chunk.pending_gather is not None:
-                self._pending_gathers.append(chunk)
+            if not self._make_room(chunk, need, collective, pinned, upcoming, index, keep):
+                return  # prefetching would evict something needed sooner: stop
+            self._fill(chunk, collective)
+
+    def _make_room(self, chunk: Chunk, need: int, collective: bool, pinned: set[int],
+                   upcoming: list[tuple[int, int]], index: int, keep: set[int]) -> bool:
+        """Evict for a fill ahead of ``chunk`` (used at ``index``) only what the rules above allow; ``False`` where
+        that would evict a chunk needed sooner (nothing more is prefetched then)."""
+        m = self.manager
+        dead_only = collective and m.backward_pending  # [Note: backward gather prefetch]
+        if m.kept_buffer_bytes and not m.pool.fits(need):
+            # what the hook's make_room drops first too ([Note: buffer reuse] in _grad_buffers.py)
+            m.drop_kept_buffers(need)
+        beyond = (self._kept_until(pinned, upcoming, index, chunk.chunk_id)
+                  if collective and not dead_only and not m.pool.fits(need) else None)
+        while not m.pool.fits(need):
+            victim = m._dead_victim() if dead_only else m._victim(keep, beyond=beyond)
+            if victim is None or m._next_use(victim) <= m._next_use(chunk):
+                return False
+            victim.reshard()
+        return True
+
+    def _fill(self, chunk: Chunk, collective: bool) -> None:
+        m = self.manager
+        if m.recorder is not None:
+            m.record_event("fill", chunk)
+        chunk.unshard(side_stream=m.copy_stream, async_op=collective and self.async_gather)
+        m.counters.num_prefetches += 1
+        if collective:
+            m.counters.num_prefetched_gathers += 1
+        if chunk.pending_gather is not None:
+            self.pending.append(chunk)
 
     def _kept_until(self, pinned: set[int], upcoming: list[tuple[int, int]], index: int,
                     target: int) -> tuple[float, int]:
@@ -130,65 +148,65 @@ class GatherPrefetchMixin:
         in between), so issuing the gather early evicts what the hook would, and adds no all-gather. The tie
         matters where the chunk just used is never used again (a forward without backward, [Note: forward
         steps]): the hook would evict an older such chunk, not it. Returns that Belady key
-        (:meth:`_belady_key`), ``(-inf, 0)`` without a rival."""
+        (``ChunkManager._belady_key``), ``(-inf, 0)`` without a rival."""
+        m = self.manager
         before = {cid for position, cid in upcoming if position < index}
-        rivals = [self.chunks[cid] for cid in pinned | {cid for _, cid in upcoming}
-                  if cid != target and (cid in before or self.chunks[cid].unsharded)]
-        return max((self._belady_key(c, after=index) for c in rivals if not (c.resident or c.full_alias)),
+        rivals = [m.chunks[cid] for cid in pinned | {cid for _, cid in upcoming}
+                  if cid != target and (cid in before or m.chunks[cid].unsharded)]
+        return max((m._belady_key(c, after=index) for c in rivals if not (c.resident or c.full_alias)),
                    default=(-_INF, 0))
 
     def _backward_room(self, need: int, pos: int, index: int) -> bool:
         """[Note: backward gather prefetch] Whether ``need`` bytes, plus the gradient buffers and reduce
         outputs the previous step charged between positions ``pos - 1`` and ``index`` of its trace, fit in
-        the free budget plus the chunks this step uses no more (:meth:`_dead`)."""
-        if self.pool.budget_bytes is None:
+        the free budget plus the chunks this step uses no more (``ChunkManager._dead``)."""
+        m = self.manager
+        if m.pool.budget_bytes is None:
             return True
-        if not 0 < pos <= index < len(self.prev_grad_at):
+        if not 0 < pos <= index < len(m.prev_grad_at):
             return False
-        at = self.prev_grad_at
-        reserve = max(0, max(peak for _, peak in at[pos:index + 1]) - self._grad_live_bytes)
-        dead = sum(c.full_bytes for c in self.chunks if self._dead(c))
+        at = m.prev_grad_at
+        reserve = max(0, max(peak for _, peak in at[pos:index + 1]) - m._grad_live_bytes)
+        dead = sum(c.full_bytes for c in m.chunks if m._dead(c))
         # kept gradient buffers ([Note: buffer reuse] in _grad_buffers.py) are room: the rise reuses them, make_room
         # drops the rest
-        used = self.pool.used_bytes - self.kept_buffer_bytes
-        return used + need + reserve <= self.pool.budget_bytes + dead
+        used = m.pool.used_bytes - m.kept_buffer_bytes
+        return used + need + reserve <= m.pool.budget_bytes + dead
 
-    def gather_prefetch_mode(self) -> str | None:
+    def mode(self) -> str | None:
         """How all-gathers may be issued ahead: ``"fixed"`` (a pool that charges model data only: every rank
         computes the same decisions, [Note: gather prefetch]), ``"agreed"`` (a pool that charges activations,
         in training, every offloadable chunk with a rank-local host copy: [Note: agreed gathers ahead] in
         ``_agreed_gathers.py``), or ``None`` (in the hooks only: MoE-expert chunks, or such a pool without the copies
         or an optimizer)."""
-        if any(c.subtree_only or c.host_copy_required for c in self.chunks):
+        m = self.manager
+        if any(c.subtree_only or c.host_copy_required for c in m.chunks):
             return None
-        if not self.pool.charges_activations:
+        if not m.pool.charges_activations:
             return "fixed"
-        if self.forward_steps:
+        if m.forward_steps:
             return None
-        if all(c.keep_host_copy for c in self.chunks if c.world_size > 1 and not c.resident):
+        if all(c.keep_host_copy for c in m.chunks if c.world_size > 1 and not c.resident):
             return "agreed"
         return None
 
-    def gather_prefetch_allowed(self) -> bool:
-        """Whether any all-gather may be issued ahead (:meth:`gather_prefetch_mode` is not ``None``)."""
-        return self.gather_prefetch_mode() is not None
+    def allowed(self) -> bool:
+        """Whether any all-gather may be issued ahead (:meth:`mode` is not ``None``)."""
+        return self.mode() is not None
 
     def _gather_window_end(self, pos: int) -> int:
         """The first position of the previous step's trace, at or after ``pos``, whose chunk may not be
         all-gathered ahead by the rule every rank computes alike: where the forward or backward running now
-        ended in that step (``pos`` itself unless :meth:`gather_prefetch_mode` is ``"fixed"``; the agreed
-        mode issues its gathers in :meth:`_agreed_gathers_ahead`)."""
-        if self.gather_prefetch_mode() != "fixed":
+        ended in that step (``pos`` itself unless :meth:`mode` is ``"fixed"``; the agreed mode issues its gathers
+        in ``ChunkManager._agreed_gathers_ahead``), :meth:`StepOrder.window_end`."""
+        if self.mode() != "fixed":
             return pos
-        ends = self.prev_backward_ends if self.backward_pending else self.prev_forward_ends
-        if not ends:  # the previous step had no such phase (a backward after forward steps): its order says nothing
-            return pos
-        i = bisect.bisect_right(ends, pos)
-        return ends[i] if i < len(ends) else len(self.prev_trace)
+        # without such a phase in the previous step (a backward after forward steps) its order says nothing: ``pos``
+        return self.manager.prev_order.window_end(pos, backward=self.manager.backward_pending)
 
-    def drain_gathers(self) -> None:
+    def drain(self) -> None:
         """Wait for every all-gather issued ahead (at the start of backward and at the optimizer step: a
         prefetched chunk that forward did not use)."""
-        for chunk in self._pending_gathers:
+        for chunk in self.pending:
             chunk.wait_ready()
-        self._pending_gathers = []
+        self.pending = []

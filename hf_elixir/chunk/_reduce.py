@@ -179,6 +179,8 @@ class ReduceMixin:
     def _reduce(self, chunk: Chunk) -> None:
         before, started = self.counters.reduce_scatter_bytes, time.perf_counter()
         in_place = chunk.grad_full is None and chunk.grad_spill is None and chunk.direct_grad_shard() is not None
+        if self.recorder is not None:  # [Note: one step description] in schedule.py
+            self.record_event("reduce", chunk)
         finish = chunk.reduce_scatter_grad(self.grad_shards[chunk.chunk_id], async_op=self.async_reduce)
         collective = self.counters.reduce_scatter_bytes != before  # one rank, not replicated: a local add
         if collective:

@@ -36,11 +36,10 @@ next step's trace and shifted every position after them, backward's included).
 from __future__ import annotations
 
 import bisect
-from collections import defaultdict
-
 import torch
 
 from hf_elixir.chunk.chunk import Chunk
+from hf_elixir.chunk.schedule import EventRecorder, StepOrder
 from hf_elixir.chunk.states import TensorState
 
 __all__ = ["StepTraceMixin"]
@@ -58,7 +57,9 @@ class StepTraceMixin:
         # steps records into a trace of its own (``None`` outside one)
         self.forward_steps = False
         self._outer_trace: tuple[list[int], list[tuple[int, int]]] | None = None
-        # access trace (chunk ids) of the previous and the current step
+        # access trace (chunk ids) of the previous and the current step; the previous one as the step description
+        # the prefetch scheduler executes ([Note: one step description] in schedule.py)
+        self.prev_order = StepOrder()
         self.prev_trace: list[int] = []
         self.prev_positions: dict[int, list[int]] = {}
         self.trace: list[int] = []
@@ -74,6 +75,14 @@ class StepTraceMixin:
         self.prev_grad_at: list[tuple[int, int]] = []
         self._step_start = self.counters.as_dict()
         self.last_step: dict[str, int] = {}
+        # the events the step executes, where a test compares them with the cost model's ([Note: one step
+        # description]); ``None``: not recorded (every recording site tests this first)
+        self.recorder: EventRecorder | None = None
+
+    def record_event(self, kind: str, chunk: Chunk) -> None:
+        """Record ``kind`` (:data:`~hf_elixir.chunk.schedule.EVENT_KINDS`) for ``chunk`` at this point of the step
+        (callers test ``self.recorder is not None`` first, so that recording off costs nothing more)."""
+        self.recorder.record("bwd" if self.backward_pending else "fwd", kind, chunk.chunk_id, len(self.trace))
 
     def _record(self, chunk: Chunk) -> None:
         self.clock += 1
@@ -160,10 +169,8 @@ class StepTraceMixin:
             self.prev_forward_ends = self._forward_ends
             self.prev_backward_ends = self._backward_ends
             self.prev_grad_at = self._grad_at
-            positions: dict[int, list[int]] = defaultdict(list)
-            for i, cid in enumerate(self.trace):
-                positions[cid].append(i)
-            self.prev_positions = dict(positions)
+            self.prev_order = StepOrder(tuple(self.trace), tuple(self._forward_ends), tuple(self._backward_ends))
+            self.prev_positions = self.prev_order.positions
         self.trace = []
         self._forward_ends = []
         self._backward_ends = []

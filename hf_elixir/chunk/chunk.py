@@ -390,6 +390,8 @@ class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
         if self.full_alias or not self.unsharded:
             return
         self.wait_ready()  # never free a buffer a collective is still writing
+        if self.manager.recorder is not None:  # [Note: one step description] in schedule.py
+            self.manager.record_event("evict", self)
         old = self.state
         if self.take_param_writes() and self.manager.on_param_writes is not None \
                 and not self.manager.backward_pending:  # in backward: merged at the step

@@ -7,8 +7,9 @@ concepts a file each (``torch/distributed/fsdp/_fully_shard/``):
 * ``_steps.py``: the access trace, the step / forward bookkeeping ([Note: forward steps]);
 * ``_eviction.py``: Belady eviction, ``make_room`` ([Note: Belady eviction], [Note: dead chunks]);
 * ``_grad_buffers.py``: gradient buffers, their reuse and spill ([Note: buffer reuse], [Note: gradient spill]);
-* ``_prefetch.py``: all-gathers and onloads issued ahead ([Note: gather prefetch], [Note: backward gather
-  prefetch], [Note: Belady-consistent gather ahead]);
+* ``_prefetch.py``: all-gathers and onloads issued ahead, the :class:`PrefetchScheduler` (``prefetcher``) executing
+  the previous step's order ([Note: gather prefetch], [Note: backward gather prefetch], [Note: Belady-consistent
+  gather ahead]; [Note: one step description] in ``schedule.py``);
 * ``_agreed_gathers.py``: gathers ahead agreed over ranks where the pool charges activations ([Note: agreed
   gathers ahead]);
 * ``_reduce.py``: backward's gradient reduces: their order, the in-flight window, late waits ([Note: reduce
@@ -43,7 +44,7 @@ from hf_elixir.chunk._eviction import EvictionMixin
 from hf_elixir.chunk._external import ExternalReadsMixin
 from hf_elixir.chunk._grad_buffers import GradBufferMixin
 from hf_elixir.chunk._grad_shards import GradShardMixin
-from hf_elixir.chunk._prefetch import GatherPrefetchMixin
+from hf_elixir.chunk._prefetch import PrefetchScheduler
 from hf_elixir.chunk._rank_checks import FlagsMixin
 from hf_elixir.chunk._reduce import FLAGS_IN_FLIGHT, ReduceMixin
 from hf_elixir.chunk._steps import StepTraceMixin
@@ -61,8 +62,8 @@ def _no_fence(chunk) -> None:
     """The default ``ChunkManager.early_refresh_fence``: no optimizer issues refreshes early."""
 
 
-class ChunkManager(StepTraceMixin, EvictionMixin, GradBufferMixin, GatherPrefetchMixin, AgreedGathersMixin,
-                   ReduceMixin, GradShardMixin, FlagsMixin, ActivationAccountingMixin, ExternalReadsMixin):
+class ChunkManager(StepTraceMixin, EvictionMixin, GradBufferMixin, AgreedGathersMixin, ReduceMixin,
+                   GradShardMixin, FlagsMixin, ActivationAccountingMixin, ExternalReadsMixin):
     """Chunks of one model plus the device pool, counters, access trace and reduce bookkeeping."""
 
     def __init__(self, *, compute_device: torch.device, budget_bytes: int | None,
@@ -107,7 +108,7 @@ class ChunkManager(StepTraceMixin, EvictionMixin, GradBufferMixin, GatherPrefetc
         # each concept's own state
         self._init_trace()
         self._init_grad_buffers()
-        self._init_prefetch()
+        self.prefetcher = PrefetchScheduler(self)  # gathers and onloads ahead (_prefetch.py)
         self._init_agreed_gathers()
         self._init_reduces()
         self._init_grad_shards()
@@ -154,13 +155,27 @@ class ChunkManager(StepTraceMixin, EvictionMixin, GradBufferMixin, GatherPrefetc
                 self.make_room(chunk.fill_bytes_needed(), f"chunk {chunk.chunk_id}", exclude=pinned)
             started = time.perf_counter()
             if chunk.needs_fill():
+                if self.recorder is not None:
+                    self.record_event("fill", chunk)
                 chunk.unshard()
             if chunk.wait_ready() or gather:  # a gather issued ahead, or one issued just now
                 self.counters.gather_wait_s += time.perf_counter() - started
             if gather:
                 self.counters.num_blocking_gathers += 1
         if self.prefetch_depth and self.prev_trace and not gathered:
-            self._prefetch(pinned)
+            self.prefetcher.issue(pinned)
+
+    def drain_gathers(self) -> None:
+        """Wait for every all-gather issued ahead (:meth:`PrefetchScheduler.drain`)."""
+        self.prefetcher.drain()
+
+    def gather_prefetch_mode(self) -> str | None:
+        """How all-gathers may be issued ahead (:meth:`PrefetchScheduler.mode`)."""
+        return self.prefetcher.mode()
+
+    def gather_prefetch_allowed(self) -> bool:
+        """Whether any all-gather may be issued ahead (:meth:`PrefetchScheduler.allowed`)."""
+        return self.prefetcher.allowed()
 
     def release(self, chunks: list[Chunk]) -> None:
         for chunk in chunks:

@@ -127,6 +127,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hf_elixir.chunk.schedule import EventRecorder
 from hf_elixir.profiler import HardwareProfile
 from hf_elixir.search._activation_cost import DTYPE_BYTES, activation_bytes, profile_blocks, resolve_policy
 from hf_elixir.search._chunked_step import _INF, ChunkedStep, Knobs, build_chunked_step
@@ -186,6 +187,7 @@ class Prediction:
 def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_bytes: int | None = None,
             activations_on_device: bool = False, timeline: bool = False,
             overlap_host_optimizer: bool | None = None, host_budget_bytes: int | None = None,
+            recorder: EventRecorder | None = None,
             _refresh_prev: dict[int, float] | None = None) -> Prediction | None:
     """Predicted time and memory of ``knobs`` with a model-data pool of ``pool_bytes`` (the
     ``device_memory_budget_bytes`` given to ``prepare``); ``None`` if the step cannot run in it (the
@@ -194,6 +196,9 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     ``ElixirConfig.overlap_host_optimizer``, ``None`` resolved as the runtime does (on for a CUDA device,
     off on CPU: :func:`hf_elixir.optim._overlap.speculates`), see [Note: overlap];
     ``host_budget_bytes``: this rank's host memory, which bounds the host lane's snapshots (``None``: no bound).
+    ``recorder``: receives the events the replay prices (fills, evictions, reduces of the priced replay, at their
+    places in the step's order), the list the runtime executes ([Note: one step description] in
+    ``hf_elixir/chunk/schedule.py``).
     ``_refresh_prev`` (internal): when each upload of the previous step is done, seconds from this step's start
     (the second pass of [Note: early refresh pricing]).
 
@@ -201,6 +206,16 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     """
     ws = step.world_size
     b = DTYPE_BYTES[step.precision]
+    if recorder is not None:
+        recorder.clear()
+    # where each event's accesses start in the step's order (a unit's chunks by id, [Note: one step description])
+    event_at = [0]
+    for group in step.groups:
+        event_at.append(event_at[-1] + len(set(group)))
+    serving = [0, 0]  # (event, position) the replay is serving: where an eviction is recorded
+
+    def note(kind: str, c: int, at: int) -> None:
+        recorder.record(step.event_phase[serving[0]], kind, c, at)
     if overlap_host_optimizer is None:  # as hf_elixir.optim._overlap.speculates resolves it
         overlap_host_optimizer = hardware.device_kind == "cuda"
     held = knobs.resident | knobs.device_shard
@@ -319,11 +334,11 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 return False
             if step.forward_only and first_pass:  # least recently used ([Note: forward-only pricing])
                 victim = min(victims, key=recency.__getitem__)
-            elif step.forward_only:  # Belady over the previous forward, as ChunkManager._belady_key
+            else:  # Belady over the step's order, ties to the least recently used, as ChunkManager._belady_key
                 victim = max(victims, key=lambda c: (*place[c], -recency[c]))
-            else:
-                victim = max(victims, key=lambda c: (last_seen.get(c, _INF), -c))
             evicted.append(victim)
+            if recorder is not None:
+                note("evict", victim, serving[1])
             used -= cached.pop(victim)
             evictions += 1
             if ws > 1 and knobs.host_copies and victim in gathered and victim not in host_copied:
@@ -360,6 +375,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 peak_parts = (cache_peak, 0)
                 for log in (starts, points, pool_log):
                     log.clear()
+                if recorder is not None:
+                    recorder.clear()
                 chunk_onloads.clear()
                 gathers_ahead.clear()
             yield from enumerate(step.groups)
@@ -390,9 +407,11 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         if step.event_phase[k] == "bwd" and not backward_waited:  # the start of backward drains every upload
             ready, backward_waited = max(ready, upload_end), True
         loaded = 0
+        in_event = sorted(set(group))
         for c in group:
             if c in on_device or c in cached:
                 continue
+            serving[:] = [k, event_at[k] + in_event.index(c) + 1]
             loaded += 1
             full = step.full_bytes(c)
             collective = step.group_size(c) > 1 and (c not in gathered or not knobs.host_copies)
@@ -406,6 +425,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 return None
             if ahead and step.forward_only:  # [Note: forward-only pricing]: not where its room is a chunk just used
                 ahead = not set(evicted) & (set(step.groups[k - 1]) - set(group))
+            if recorder is not None:
+                note("fill", c, serving[1])
             used += full
             cached[c] = full
             raise_peak(used + staging, staging)
@@ -457,6 +478,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
                 t_act = max(t_act, start) + nbytes / d2h_rate
             else:
                 t_compute += nbytes / d2h_rate
+        serving[:] = [k, event_at[k + 1]]
         for c in arrive_at.get(k, []):
             g = step.chunk_numels[c] * step.grad_elem_bytes
             pool_log.append(("take", g))
@@ -469,6 +491,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             t_compute += step.trained_numels[c] * 4 / local_rate  # gradients copied into the buffer
         grad_peak = max(grad_peak, grad_live)
         for c in reduce_at.get(k, []):
+            if recorder is not None:
+                note("reduce", c, event_at[k + 1])
             g = step.chunk_numels[c] * step.grad_elem_bytes
             shard_g = step.shard_numel(c) * 4
             out = 0
@@ -527,6 +551,8 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             for c in group:  # [Note: dead chunks] in chunk/_eviction.py
                 if c in cached and step.trained_numels[c] and next_use[k][c] == _INF and c not in computing \
                         and step.group_size(c) == 1:
+                    if recorder is not None:
+                        note("evict", c, event_at[k + 1])
                     used -= cached.pop(c)
                     evictions += 1
         if timeline:
@@ -600,7 +626,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         prev.update({c: queued + t for c, t in _refresh_times(step, rest).items()})
         return predict(step, knobs, hardware, pool_bytes=pool_bytes, activations_on_device=activations_on_device,
                        timeline=timeline, overlap_host_optimizer=overlap_host_optimizer,
-                       host_budget_bytes=host_budget_bytes, _refresh_prev=prev)
+                       host_budget_bytes=host_budget_bytes, recorder=recorder, _refresh_prev=prev)
     return Prediction(
         step_s=fwd_bwd + optim_s, forward_backward_s=fwd_bwd, optimizer_s=optim_s, compute_s=compute_s,
         onloads=onloads, h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes, allgather_bytes=ag_bytes,
