@@ -268,7 +268,7 @@ def test_lane_uploads_go_out_during_backward(monkeypatch):
     too slow for the uploads to hide under the forward, the next forward then waits only for what backward did
     not finish. The same bytes move. Not under fp16 loss scaling, and nothing changes when the lane only
     finishes after backward."""
-    from hf_elixir.search import _cost
+    from hf_elixir.search import _replay
 
     model, sample = tiny_model("gpt2"), batch("gpt2", 0, 2, seq=8)
     profile = profile_step(model, sample, device="cpu", count_flops=True)
@@ -281,7 +281,7 @@ def test_lane_uploads_go_out_during_backward(monkeypatch):
         knobs = Knobs(resident=everything, device_shard=everything)  # every optimizer state on the host
         early = predict(step, knobs, hardware, pool_bytes=GIB)
         with monkeypatch.context() as m:
-            m.setattr(_cost, "_early_refresh", lambda step, hardware: False)
+            m.setattr(_replay, "_early_refresh", lambda step, hardware: False)
             late = predict(step, knobs, hardware, pool_bytes=GIB)
         return early, late
 

@@ -3,8 +3,9 @@ hf_elixir/chunk/schedule.py): the order the prefetch scheduler executes is the o
 and the fills, evictions and reduces the runtime executes in a steady step under a budget are the ones the model
 prices, in the same order and at the same places of the step's order.
 
-One rank, in process, with fixed event times (``tests/_models.fixed_times``); the third step is recorded (a trace
-exists from the first, and the second leaves the steady state's cached chunks)."""
+One rank in process (fills are onloads), and two gloo ranks (fills are all-gathers), with fixed event times
+(``tests/_models.fixed_times``); the third step is recorded (a trace exists from the first, and the second leaves the
+steady state's cached chunks)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from hf_elixir.chunk.schedule import EventRecorder, StepOrder
 from hf_elixir.profiler import profile_step
 from hf_elixir.search._cost import Knobs, build_chunked_step, predict
 
-from _models import batch, fixed_cpu_hardware, fixed_times, priced_plan, tiny_model
+from _dist import run_distributed
+from _models import batch, fixed_cpu_hardware, fixed_times, priced_plan, rank_batch, tiny_model
 from _moe_models import make_moe_model
 
 #: model -> (chunk elements, budget as a fraction of the fp32 parameter bytes): budgets that force onloads and
@@ -70,12 +72,12 @@ def _record(kind: str, prefetch_depth: int):
         model(**_batch(i)).loss.backward()
         opt.step()
         opt.zero_grad()
-    order = StepOrder.from_events(step.groups, step.event_phase)
+    order = step.order
     return (predicted.events, manager.recorder.events, order, manager.prev_order, pred,
             hf_elixir.memory_stats(model))
 
 
-@pytest.mark.parametrize("kind", ["gpt2"])
+@pytest.mark.parametrize("kind", sorted(CASES))
 def test_predicted_events_equal_executed_events(kind):
     """Without prefetch every fill is in a hook: the model's fills, evictions and reduces are the runtime's, in the
     same order, at the same places; and the order the runtime's scheduler reads is the one the model builds."""
@@ -127,3 +129,38 @@ def test_step_order_window_and_phase_ends():
     assert StepOrder((3, 4)).window_end(0, backward=True) == 0  # no backward in that step: nothing ahead
     assert order.issue_position(3, depth=1, pinned_at=[{0}, {0}, {1}]) == 2
     assert order.issue_position(3, depth=2) == 2 and order.issue_position(6, depth=1) == 6
+
+
+def _two_rank_worker(rank: int, world_size: int):
+    hardware = fixed_cpu_hardware()
+    model = tiny_model("gpt2")
+    budget = int(sum(p.numel() for p in model.parameters()) * 4 * 0.6)
+    profile = fixed_times(profile_step(model, rank_batch("gpt2", 0, rank, world_size, 4)))
+    step = build_chunked_step(profile, 4096, world_size=world_size, precision="fp32", hardware=hardware)
+    predicted = EventRecorder()
+    pred = predict(step, Knobs(), hardware, pool_bytes=budget, recorder=predicted)
+    plan = dataclasses.replace(priced_plan(profile, [], pred), world_size=world_size)
+    model = tiny_model("gpt2")
+    model, opt = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                   ElixirConfig(plan=plan, device_memory_budget_bytes=budget,
+                                                budget_covers_activations=False))
+    manager = hf_elixir.get_state(model).manager
+    for i in range(3):
+        if i == 2:
+            manager.recorder = EventRecorder()
+        model(**rank_batch("gpt2", i, rank, world_size, 4)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    stats = hf_elixir.memory_stats(model)
+    return (predicted.events, manager.recorder.events, step.order == manager.prev_order, pred.onloads,
+            stats["step_num_blocking_gathers"])
+
+
+def test_predicted_gathers_equal_executed_gathers_at_two_ranks():
+    """Two ranks, chunks sharded: every fill is an all-gather in its hook; the model's all-gathers, evictions and
+    reduce-scatters are each rank's, in the same order, at the same places."""
+    for predicted, executed, same_order, onloads, gathers in run_distributed(_two_rank_worker, 2, timeout_s=120):
+        assert same_order
+        assert {(e.phase, e.kind) for e in executed} >= {("fwd", "fill"), ("bwd", "fill"), ("fwd", "evict")}
+        assert predicted == executed
+        assert onloads == gathers == sum(e.kind == "fill" for e in executed)

@@ -1,6 +1,7 @@
 """Gathers and onloads issued ahead of their use by the chunk manager (FSDP2's prefetch), in forward and backward:
 the :class:`PrefetchScheduler`, one object per manager, executing the previous step's :class:`~hf_elixir.chunk.schedule.
-StepOrder` ([Note: one step description] in ``schedule.py``: the cost model prices the same order and window).
+StepOrder` ([Note: one step description] in ``schedule.py``: the cost model builds the same order from the profile
+and prices the fills, evictions and reduces the runtime executes, which a test compares).
 
 [Note: gather prefetch] (FSDP2's all-gather prefetch.) During forward, :meth:`PrefetchScheduler.issue`
 issues the all-gathers of the next ``prefetch_depth`` chunks of the previous step's order ahead of their

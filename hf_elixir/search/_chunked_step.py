@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from hf_elixir.chunk import pack_chunks
 from hf_elixir.chunk.packing import ChunkLayout
+from hf_elixir.chunk.schedule import StepOrder
 from hf_elixir.profiler import HardwareProfile, StepProfile
 from hf_elixir.search._activation_cost import (DTYPE_BYTES, activation_bytes, checkpointed_events, offload_events,
                                                resolve_policy)
@@ -149,6 +150,12 @@ class ChunkedStep:
             for i, c in enumerate(sorted(self.groups[k])):
                 upcoming[c] = (k, i)
         return next_use, next_place, dict(upcoming)
+
+    @functools.cached_property
+    def order(self) -> StepOrder:
+        """The step's chunk order: the description the runtime's prefetch scheduler executes (``ChunkManager.
+        prev_order`` in a steady step), [Note: one step description] in ``hf_elixir/chunk/schedule.py``."""
+        return StepOrder.from_events(self.groups, self.event_phase)
 
     @functools.cached_property
     def last_access(self) -> dict[int, int]:
