@@ -36,6 +36,7 @@ next step's trace and shifted every position after them, backward's included).
 from __future__ import annotations
 
 import bisect
+
 import torch
 
 from hf_elixir.chunk.chunk import Chunk
