@@ -26,22 +26,22 @@ from _moe_models import make_moe_model
 
 #: model -> (chunk elements, budget as a fraction of the fp32 parameter bytes): budgets that force onloads and
 #: evictions in forward and backward
-CASES = {"gpt2": (4096, 0.9), "mixtral": (8192, 0.9)}
+CASES = {"gpt2": (4096, 0.9), "mixtral": (8192, 0.9), "opt": (4096, 0.9)}
 
 
 def _make(kind: str) -> torch.nn.Module:
     return make_moe_model("mixtral") if kind == "mixtral" else tiny_model(kind)
 
 
-def _batch(step: int) -> dict[str, torch.Tensor]:
-    return batch("gpt2", step, 4, 16)  # token ids and labels in the shared tiny vocabulary
+def _batch(kind: str, step: int) -> dict[str, torch.Tensor]:
+    return batch("opt" if kind == "opt" else "gpt2", step, 4, 16)  # token ids and labels in the tiny vocabulary
 
 
 def _step(kind: str):
     chunk_numel = CASES[kind][0]
     model = _make(kind)
     hardware = fixed_cpu_hardware()
-    profile = fixed_times(profile_step(model, _batch(0)))
+    profile = fixed_times(profile_step(model, _batch(kind, 0)))
     return model, profile, hardware, build_chunked_step(profile, chunk_numel, world_size=1, precision="fp32",
                                                         hardware=hardware)
 
@@ -69,7 +69,7 @@ def _record(kind: str, prefetch_depth: int):
     for i in range(3):
         if i == 2:
             manager.recorder = EventRecorder()
-        model(**_batch(i)).loss.backward()
+        model(**_batch(kind, i)).loss.backward()
         opt.step()
         opt.zero_grad()
     order = step.order

@@ -19,7 +19,11 @@ position in the step's order it serves). The runtime records the events it execu
 (``ChunkManager.recorder``: ``None`` by default, and then nothing is recorded: one ``is None`` test per event), the
 cost model emits the events it prices into one (``predict(..., recorder=...)``), and a test compares the two lists
 exactly (``tests/test_step_description.py``): a change to what the runtime does to its chunks that the model does
-not follow fails there, not only in a benchmark.
+not follow fails there, not only in a benchmark. What the model still prices apart from the runtime's order: a fill
+issued ahead is priced at its use (its seconds on the stream it runs on, [Note: overlap] in ``search/_cost.py``),
+while the scheduler issues it where :meth:`StepOrder.window` first holds it (the same fills and evictions, earlier;
+the test checks those places); and at several ranks a backward all-gather issued ahead may evict a chunk the step
+uses no more that the model leaves cached (no fill follows from it).
 """
 
 from __future__ import annotations
