@@ -121,3 +121,103 @@ def test_qlora_matches_peft_one_rank():
 def test_qlora_matches_peft_two_ranks():
     for result in run_distributed(_train, 2, timeout_s=240):
         _check(result, 2)
+
+
+def _linear_stack(dtype: torch.dtype, nf4: bool) -> torch.nn.Module:
+    """Four bias-free 256 x 256 linears (262,144 weights), the base in ``dtype``, or quantized from it to NF4."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False, dtype=dtype) for _ in range(4)])
+    if nf4:
+        from torchao.quantization import to_nf4
+
+        for module in model:
+            module.weight = torch.nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
+    else:
+        model.requires_grad_(False)
+    return model
+
+
+def _chunk_storage_bytes(model) -> tuple[int, list]:
+    """Bytes the chunks' buffers really allocate (each storage once), and the chunks' slots."""
+    import hf_elixir
+
+    manager = hf_elixir.get_state(model).manager
+    storages = {c.full.untyped_storage().data_ptr(): c.full.untyped_storage().nbytes() for c in manager.chunks}
+    return sum(storages.values()), [s for c in manager.chunks for s in c.slots]
+
+
+def test_nf4_base_bytes_in_chunks():
+    """The NF4 base takes ~0.516 B/param in its chunks' allocated storage (the planner's price, plus at most 16 alignment
+    bytes per tensor), a quarter of bf16's and an eighth of fp32's; and computes what torchao computes."""
+    import dataclasses
+
+    import hf_elixir
+    from hf_elixir.chunk._nf4 import nf4_bytes_per_element, nf4_packed_bytes
+    from hf_elixir.cli._plan import frozen_as_nf4
+
+    numel = 4 * 256 * 256
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    measured = {}
+    for name, dtype, precision, nf4 in [("fp32", torch.float32, "fp32", False), ("bf16", torch.bfloat16, "bf16", False),
+                                        ("nf4", torch.bfloat16, "bf16", True)]:
+        model = _linear_stack(dtype, nf4)
+        want = model(x.to(dtype)) if nf4 else None
+        model, _ = hf_elixir.prepare(model, None, hf_elixir.ElixirConfig(precision=precision, chunk_size_numel=300_000))
+        measured[name], slots = _chunk_storage_bytes(model)
+        if nf4:
+            assert torch.equal(model(x), want)  # the same dequantized weights as torchao's F.linear
+            assert all(s.name.endswith("parametrizations.weight.original") and s.param.dtype == torch.bfloat16
+                       for s in slots)
+    per_param = measured["nf4"] / numel
+    assert measured["fp32"] == 4 * numel and measured["bf16"] == 2 * numel
+    assert nf4_bytes_per_element(2) <= per_param <= nf4_bytes_per_element(2) + 4 * 16 / numel
+    assert measured["nf4"] / measured["bf16"] == pytest.approx(0.258, abs=1e-3)
+    assert measured["nf4"] / measured["fp32"] == pytest.approx(0.129, abs=1e-3)
+
+    @dataclasses.dataclass
+    class _Profile:  # the planner's view of these four frozen weights
+        param_numels: list
+        param_requires_grad: list
+
+    priced = frozen_as_nf4(_Profile([256 * 256] * 4, [False] * 4), "bf16").param_numels
+    assert 0 <= measured["nf4"] - 2 * sum(priced) <= 4 * 16
+    assert nf4_packed_bytes(numel, 2) == pytest.approx(numel * nf4_bytes_per_element(2))
+
+
+def test_trainable_nf4_parameter_is_refused_by_name():
+    import hf_elixir
+    from torchao.quantization import to_nf4
+
+    model = _linear_stack(torch.float32, nf4=False)
+    model[2].weight = torch.nn.Parameter(to_nf4(model[2].weight.detach()), requires_grad=True)
+    with pytest.raises(ValueError, match=r"NF4 parameter '2.weight' has requires_grad=True.*requires_grad=False"):
+        hf_elixir.prepare(model, None)
+
+
+def test_nf4_blocks_that_do_not_divide_are_refused_by_name():
+    """A hand-built NF4 tensor whose inner tensors do not match its block sizes (a layout the carrier would read
+    wrongly) is refused, naming the parameter, the block sizes and the fix."""
+    import hf_elixir
+
+    model = _linear_stack(torch.float32, nf4=True)
+    model[1].weight.block_size = 128  # inner tensors made for 64-element blocks
+    with pytest.raises(ValueError, match=r"NF4 parameter '1.weight' .*block_size=128.*quantized_scalers of 1024 "
+                                         r"elements where 512 are expected.*to_nf4\(weight, block_size"):
+        hf_elixir.prepare(model, None)
+
+
+def test_failed_prepare_leaves_the_nf4_parameters_in_place():
+    """All or nothing: a prepare that fails after the NF4 weights became carriers puts the NF4 parameters back (same
+    objects, no parametrization), and a fixed call then works."""
+    import hf_elixir
+    from torch.nn.utils import parametrize
+
+    model = _linear_stack(torch.float32, nf4=True)
+    before = [m.weight for m in model]
+    with pytest.raises(ValueError, match="device_memory_budget_bytes"):
+        hf_elixir.prepare(model, None, hf_elixir.ElixirConfig(device_memory_budget_bytes=1000, chunk_size_numel=40_000))
+    assert all(m.weight is w and not parametrize.is_parametrized(m) for m, w in zip(model, before))
+    x = torch.randn(2, 256)
+    want = model(x)
+    model, _ = hf_elixir.prepare(model, None, hf_elixir.ElixirConfig(chunk_size_numel=40_000))
+    assert torch.equal(model(x), want)
