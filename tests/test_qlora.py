@@ -37,17 +37,29 @@ def _quantize_base(model: torch.nn.Module) -> None:
             module.weight = torch.nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
 
 
-def _qlora_model():
+def _nf4_llama(**kw):
+    """A tiny Llama whose decoder linears are NF4 (torchao's default blocks need numel % 16384 == 0)."""
     import transformers
-    from peft import LoraConfig, get_peft_model
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, **kw)
     model = transformers.LlamaForCausalLM(cfg)
     _quantize_base(model)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
+    return model
+
+
+def _lora():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
+
+
+def _qlora_model():
+    from peft import get_peft_model
+
+    model = get_peft_model(_nf4_llama(), _lora())
     with torch.no_grad():  # peft starts lora_B at zero: make the adapters matter from the first step
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -121,6 +133,39 @@ def test_qlora_matches_peft_one_rank():
 def test_qlora_matches_peft_two_ranks():
     for result in run_distributed(_train, 2, timeout_s=240):
         _check(result, 2)
+
+
+def _sft(callbacks: list, out: str):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from tests.launch_scripts.trl_trainers import common, sentences, tokenizer
+
+    model = _nf4_llama(pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    args = SFTConfig(**common(out), max_length=24)
+    return SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": sentences(16, 1)}),
+                      processing_class=tokenizer(), callbacks=callbacks, peft_config=_lora())
+
+
+def test_qlora_through_trl_sft_trainer(tmp_path):
+    """The path a TRL user takes: a torchao NF4 base, ``SFTTrainer(peft_config=LoraConfig(...))`` and
+    ``callbacks=[ElixirCallback(...)]``, against the same run without the callback: losses and adapters."""
+    import hf_elixir
+
+    config = hf_elixir.ElixirConfig(device_memory_budget_bytes=BUDGET_BYTES, chunk_size_numel=16_384,
+                                    budget_covers_activations=False)
+    el = _sft([hf_elixir.ElixirCallback(config)], str(tmp_path / "elixir"))
+    el.train()
+    ref = _sft([], str(tmp_path / "ref"))
+    ref.train()
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (el, ref)]
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+    got, want = el.model.state_dict(), ref.model.state_dict()
+    adapters = [k for k in want if "lora_" in k]
+    num = sum(float((got[k] - want[k]).double().norm() ** 2) for k in adapters)
+    den = sum(float(want[k].double().norm() ** 2) for k in adapters)
+    assert len(adapters) == 2 * len(TARGETS) * 2 and (num / den) ** 0.5 < 1e-5
+    assert hf_elixir.memory_stats(el.model)["num_evictions"] > 0
 
 
 def _linear_stack(dtype: torch.dtype, nf4: bool) -> torch.nn.Module:
