@@ -2,8 +2,9 @@
 hf_elixir/chunk/_nf4.py), with peft LoRA adapters trained on top.
 
 * parity: peft's QLoRA on plain PyTorch with the same NF4 base (same seeds, fp32 compute) against the same model
-  prepared by hf_elixir, 5 AdamW steps, at 1 rank and at 2 gloo ranks (sharded), under a device budget that
-  evicts chunks and offloads the optimizer: losses and adapter weights within 1e-5 relative;
+  prepared by hf_elixir, 5 AdamW steps, at 1 rank (also with activation checkpointing) and at 2 gloo ranks
+  (sharded), under a device budget that evicts chunks and offloads the optimizer: losses and adapter weights within
+  1e-5 relative; and through TRL's ``SFTTrainer(peft_config=...)`` with ``ElixirCallback`` against the plain run;
 * bytes: what the NF4 base really occupies in its chunks (their allocated storage) against the same base in
   bf16 and fp32, and against the planner's ``--quantize nf4`` price (one formula);
 * bad input: a trainable NF4 parameter, NF4 blocks that do not match the weight, a failed prepare undone.
@@ -56,10 +57,12 @@ def _lora():
     return LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
 
 
-def _qlora_model():
+def _qlora_model(checkpointing: bool = False):
     from peft import get_peft_model
 
     model = get_peft_model(_nf4_llama(), _lora())
+    if checkpointing:  # HF activation checkpointing: the NF4 weights are read again in backward's recomputation
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with torch.no_grad():  # peft starts lora_B at zero: make the adapters matter from the first step
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -75,11 +78,11 @@ def _adamw(model):
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
 
 
-def _train(rank: int, world_size: int) -> dict:
+def _train(rank: int, world_size: int, checkpointing: bool = False) -> dict:
     import hf_elixir
 
-    ref = _qlora_model()
-    model = _qlora_model()
+    ref = _qlora_model(checkpointing)
+    model = _qlora_model(checkpointing)
     ref_opt = _adamw(ref)
     config = hf_elixir.ElixirConfig(device_memory_budget_bytes=BUDGET_BYTES, chunk_size_numel=16_384,
                                     offload_optimizer=True, budget_covers_activations=False)
@@ -126,8 +129,9 @@ def _check(result: dict, world_size: int) -> None:
     assert result["sharded"] == world_size
 
 
-def test_qlora_matches_peft_one_rank():
-    _check(_train(0, 1), 1)
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_qlora_matches_peft_one_rank(checkpointing):
+    _check(_train(0, 1, checkpointing), 1)
 
 
 def test_qlora_matches_peft_two_ranks():
@@ -266,3 +270,20 @@ def test_failed_prepare_leaves_the_nf4_parameters_in_place():
     want = model(x)
     model, _ = hf_elixir.prepare(model, None, hf_elixir.ElixirConfig(chunk_size_numel=40_000))
     assert torch.equal(model(x), want)
+
+
+def test_min_budget_prices_the_packed_base():
+    """``min_device_budget_bytes`` on the NF4 model (before ``prepare``) prices the packed bytes ``prepare`` stores:
+    ``prepare`` accepts that budget, refuses one byte less, and the model is left with its NF4 parameters."""
+    import dataclasses
+
+    import hf_elixir
+    from hf_elixir.chunk._nf4 import is_nf4
+
+    config = hf_elixir.ElixirConfig(chunk_size_numel=16_384, budget_covers_activations=False)
+    model = _qlora_model()
+    floor = hf_elixir.min_device_budget_bytes(model, _adamw(model), config)
+    assert sum(is_nf4(p) for p in model.parameters()) == 14
+    with pytest.raises(ValueError, match="device_memory_budget_bytes"):
+        hf_elixir.prepare(model, _adamw(model), dataclasses.replace(config, device_memory_budget_bytes=floor - 1))
+    hf_elixir.prepare(model, _adamw(model), dataclasses.replace(config, device_memory_budget_bytes=floor))

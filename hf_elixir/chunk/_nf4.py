@@ -30,7 +30,7 @@ expert-parallel model (a split would cut through the packed blocks).
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 import math
 import sys
 from dataclasses import dataclass
@@ -40,7 +40,7 @@ from torch.nn.utils import parametrize
 
 from hf_elixir.chunk._build import COMPUTE_DTYPES
 
-__all__ = ["NF4Weight", "is_nf4", "nf4_bytes_per_element", "nf4_packed_bytes", "pack_nf4_params"]
+__all__ = ["NF4Weight", "is_nf4", "nf4_bytes_per_element", "nf4_packed_bytes", "pack_nf4_params", "packed_nf4"]
 
 #: torchao's ``to_nf4`` defaults
 NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE = 64, 256
@@ -225,3 +225,14 @@ def pack_nf4_params(model: torch.nn.Module, config, checkpoint=None, pstate=None
         undo()
         raise
     return undo
+
+
+@contextlib.contextmanager
+def packed_nf4(model: torch.nn.Module, config):
+    """``model`` as ``prepare`` lays it out while the block runs: its NF4 parameters as their carriers (what
+    ``min_device_budget_bytes`` prices), put back after. Raises as :func:`pack_nf4_params`."""
+    undo = pack_nf4_params(model, config)
+    try:
+        yield
+    finally:
+        undo()
