@@ -123,7 +123,8 @@ class _NF4Layout:
         return raw.view(dtype)
 
     def unpack(self, raw: torch.Tensor, nf4_codes: torch.Tensor):
-        """The ``NF4Tensor`` over ``raw`` (the packed bytes, ``uint8``, owned by the result)."""
+        """The ``NF4Tensor`` over ``raw`` (the packed bytes, ``uint8``, owned by the result) and ``nf4_codes`` (on
+        ``raw``'s device)."""
         module = _nf4_module()
         inner = {}
         for attr, offset, shape, dtype in self.parts:
@@ -132,7 +133,7 @@ class _NF4Layout:
         meta = module.SubclassTensorArgs(self.shape, self.stride, 0, self.dtype, raw.device, False)
         return module.NF4Tensor(meta, self.block_size, self.n_blocks, self.scaler_block_size,
                                 inner["quantized_scalers"], inner["quantization_factor"], inner["scaler_mean"],
-                                inner["quantized_data"], nf4_codes.to(raw.device))
+                                inner["quantized_data"], nf4_codes)
 
 
 class NF4Weight(torch.nn.Module):
@@ -147,10 +148,14 @@ class NF4Weight(torch.nn.Module):
         super().__init__()
         self.layout = layout
         self.nf4_codes = nf4_codes.detach().clone()
+        self._codes_on: dict[torch.device, torch.Tensor] = {}  # the code book on each device read from (one copy)
 
     def forward(self, carrier: torch.Tensor):
         raw = carrier.detach().view(torch.uint8)[:self.layout.packed_bytes].clone()
-        return self.layout.unpack(raw, self.nf4_codes)
+        codes = self._codes_on.get(raw.device)
+        if codes is None:
+            codes = self._codes_on[raw.device] = self.nf4_codes.to(raw.device)
+        return self.layout.unpack(raw, codes)
 
 
 def _check(name: str, param, names: list[str]) -> None:
