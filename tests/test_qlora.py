@@ -287,3 +287,44 @@ def test_min_budget_prices_the_packed_base():
     with pytest.raises(ValueError, match="device_memory_budget_bytes"):
         hf_elixir.prepare(model, _adamw(model), dataclasses.replace(config, device_memory_budget_bytes=floor - 1))
     hf_elixir.prepare(model, _adamw(model), dataclasses.replace(config, device_memory_budget_bytes=floor))
+
+
+def _codes_read_by_forward(model, names: list[str], steps: int) -> dict:
+    """Train ``steps`` AdamW steps; the NF4 codes each named module read in the last forward."""
+    seen = {}
+    for name in names:
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda module, args, _n=name: seen.__setitem__(_n, module.weight.quantized_data.clone()))
+    opt = model._qlora_opt
+    for step in range(steps):
+        ids = _batch(step, ROWS)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return seen
+
+
+@pytest.mark.parametrize("search", ["off", "auto"])
+def test_nf4_codes_survive_bf16_training(search):
+    """[Note: carriers in frozen chunks]: with bf16 compute the adapters' fp32 masters are cast back into their chunks
+    at every step, which would turn packed bytes that read as NaN into bf16's one NaN; the carriers get chunks without
+    trained parameters, so after three steps the base reads the same NF4 codes, also with a searched plan (whose
+    packing splits the same way)."""
+    import hf_elixir
+
+    model = _qlora_model()
+    want = {n.rpartition(".")[0]: p.quantized_data.clone() for n, p in model.named_parameters() if hasattr(p, "nf4")}
+    ids = _batch(0, ROWS)
+    config = hf_elixir.ElixirConfig(precision="bf16", device_memory_budget_bytes=300_000, chunk_size_numel=16_384,
+                                    budget_covers_activations=False)
+    if search == "auto":
+        config = hf_elixir.ElixirConfig(precision="bf16", search="auto", device_memory_budget_bytes=2_000_000)
+    model, model._qlora_opt = hf_elixir.prepare(model, _adamw(model), config,
+                                                sample_batch=dict(input_ids=ids, labels=ids))
+    manager = hf_elixir.get_state(model).manager
+    for chunk in manager.chunks:
+        carriers = [s.name.endswith(".parametrizations.weight.original") for s in chunk.slots]
+        assert all(carriers) or not any(carriers)
+        assert not (all(carriers) and chunk.trainable)
+    seen = _codes_read_by_forward(model, list(want), steps=3)
+    assert sorted(seen) == sorted(want) and all(torch.equal(seen[n], want[n]) for n in want)
