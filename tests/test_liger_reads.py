@@ -56,7 +56,8 @@ def _train(rank: int, world_size: int) -> dict:
     model, _ = _liger_llama()
     first = _batch(0, ROWS * world_size)
     with torch.no_grad():  # Liger's fused loss is HF's loss
-        hf_loss, liger_loss = float(hf_forward(input_ids=first, labels=first).loss), float(ref(first, labels=first).loss)
+        hf_loss = float(hf_forward(input_ids=first, labels=first).loss)
+        liger_loss = float(ref(first, labels=first).loss)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     config = hf_elixir.ElixirConfig(device_memory_budget_bytes=BUDGET_BYTES, chunk_size_numel=4096,
                                     offload_optimizer=True, budget_covers_activations=False)

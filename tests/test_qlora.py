@@ -196,8 +196,8 @@ def _chunk_storage_bytes(model) -> tuple[int, list]:
 
 
 def test_nf4_base_bytes_in_chunks():
-    """The NF4 base takes ~0.516 B/param in its chunks' allocated storage (the planner's price, plus at most 16 alignment
-    bytes per tensor), a quarter of bf16's and an eighth of fp32's; and computes what torchao computes."""
+    """The NF4 base takes ~0.516 B/param in its chunks' allocated storage (the planner's price, plus at most 16
+    alignment bytes per tensor), a quarter of bf16's and an eighth of fp32's; and computes what torchao computes."""
     import dataclasses
 
     import hf_elixir
@@ -328,3 +328,8 @@ def test_nf4_codes_survive_bf16_training(search):
         assert not (all(carriers) and chunk.trainable)
     seen = _codes_read_by_forward(model, list(want), steps=3)
     assert sorted(seen) == sorted(want) and all(torch.equal(seen[n], want[n]) for n in want)
+    state = model.state_dict()  # the packed bytes are exported in bf16 (an fp32 round trip would rewrite NaN patterns)
+    assert {state[k].dtype for k in state if k.endswith(".original")} == {torch.bfloat16}
+    model.load_state_dict(state)
+    seen = _codes_read_by_forward(model, list(want), steps=1)
+    assert all(torch.equal(seen[n], want[n]) for n in want)

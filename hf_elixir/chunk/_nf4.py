@@ -128,7 +128,8 @@ class _NF4Layout:
         raw = torch.zeros(math.ceil(self.packed_bytes / element) * element, dtype=torch.uint8)
         for attr, offset, _, _ in self.parts:
             src = getattr(nf4, attr).detach()
-            inner = torch.empty(src.numel(), dtype=src.dtype).copy_(src.reshape(-1))  # dense (a strided view in torchao)
+            # dense (torchao's quantization_factor is a strided view)
+            inner = torch.empty(src.numel(), dtype=src.dtype).copy_(src.reshape(-1))
             raw[offset:offset + inner.numel() * inner.element_size()] = inner.view(torch.uint8)
         return raw.view(dtype)
 
