@@ -115,6 +115,7 @@ def _train(rank: int, world_size: int, checkpointing: bool = False) -> dict:
     carriers = [s for c in manager.chunks for s in c.slots if s.name.endswith("parametrizations.weight.original")]
     return dict(losses=losses, ref_losses=ref_losses, rel_l2=(num / den) ** 0.5, num_adapters=len(adapters),
                 moved=moved, evictions=hf_elixir.memory_stats(model)["num_evictions"], num_carriers=len(carriers),
+                onloads=hf_elixir.memory_stats(model)["num_onloads"],
                 carrier_dtypes={str(s.param.dtype) for s in carriers}, sharded=manager.chunks[0].world_size)
 
 
@@ -123,7 +124,7 @@ def _check(result: dict, world_size: int) -> None:
     assert result["rel_l2"] < 1e-5
     assert result["num_adapters"] == 2 * len(TARGETS) * 2  # A and B, 3 targets, 2 layers
     assert result["moved"] > 1e-2  # the adapters really trained
-    assert result["evictions"] > 0  # the budget really evicted chunks
+    assert result["evictions"] > 0 and result["onloads"] > 0  # the budget really evicted chunks, onloaded again
     assert result["num_carriers"] == 7 * 2  # every linear of both layers stored packed
     assert result["carrier_dtypes"] == {"torch.float32"}
     assert result["sharded"] == world_size

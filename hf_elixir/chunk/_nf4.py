@@ -12,8 +12,9 @@ and registers a ``torch.nn.utils.parametrize`` parametrization on the module (:c
 ``module.weight`` still reads as the same ``NF4Tensor``. The carrier is an ordinary frozen parameter to every layer:
 it is packed, sharded, offloaded, all-gathered and placed as bytes (copies of one dtype, and gathers, move bits
 unchanged; a frozen chunk has no optimizer, cast or arithmetic), and costs what ``--quantize nf4`` prices
-(:func:`nf4_bytes_per_element`, the one formula both read) plus at most 15 alignment bytes per tensor. The code
-book is a constant of torchao (kept on the parametrization, not in chunks).
+(:func:`nf4_bytes_per_element`, the one formula both read) plus at most 16 bytes per tensor (alignment and the
+scales' mean). The code book is a constant of torchao (kept on the parametrization, not in chunks). ``state_dict``
+exports a carrier in the compute dtype, never upcast (``hf_elixir/runtime/_exports.py``), for the reason below.
 
 The parametrization runs as a module (``ParametrizationList.__call__``), so the carrier's unit hooks unshard its
 chunk exactly when the module reads ``weight``, during forward and during recomputation. It returns an ``NF4Tensor``
@@ -21,7 +22,7 @@ over a *copy* of the packed bytes (0.52 B/param): torchao's ``F.linear`` (``Line
 backward and dequantizes it in the forward and again in the backward, as on plain PyTorch, so the adapters'
 gradients are peft's QLoRA's bit for bit, and the chunk may be resharded as soon as the read is done (a view into the
 chunk would be freed before the backward reads it). The copy lives from the layer's forward to its backward
-(activation memory; HF gradient checkpointing keeps none).
+(activation memory; under activation checkpointing it is made again in the recomputation instead).
 
 [Note: carriers in frozen chunks] A chunk with any trained parameter has fp32 masters for its whole shard, which the
 optimizer steps (``lr`` 0 on frozen elements) and casts back into the compute copy. Bytes that read as NaN or inf in the
@@ -54,7 +55,7 @@ __all__ = ["NF4Weight", "is_nf4", "nf4_bytes_per_element", "nf4_packed_bytes", "
 
 #: torchao's ``to_nf4`` defaults
 NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE = 64, 256
-#: modules where torchao has defined ``NF4Tensor`` (0.18; before ~0.11)
+#: modules where torchao has defined ``NF4Tensor`` (0.18; older releases)
 _NF4_MODULES = ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor")
 _ALIGN_BYTES = 8
 _FIX = ("QLoRA keeps the base frozen: quantize with `module.weight = torch.nn.Parameter(to_nf4(module.weight."
