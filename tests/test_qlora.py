@@ -334,3 +334,19 @@ def test_nf4_codes_survive_bf16_training(search):
     model.load_state_dict(state)
     seen = _codes_read_by_forward(model, list(want), steps=1)
     assert all(torch.equal(seen[n], want[n]) for n in want)
+
+
+def test_generate_and_adapters_off_match_peft():
+    """Under an evicting budget, ``generate`` and peft's ``disable_adapter()`` (the reference model of DPO with
+    ``ref_model=None``) read the NF4 base as plain PyTorch does."""
+    import hf_elixir
+
+    ref, model = _qlora_model(), _qlora_model()
+    model, _ = hf_elixir.prepare(model, _adamw(model), hf_elixir.ElixirConfig(
+        device_memory_budget_bytes=BUDGET_BYTES, chunk_size_numel=16_384, budget_covers_activations=False))
+    ids = _batch(0, ROWS)[:, :4]
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=5, do_sample=False),
+                       ref.generate(input_ids=ids, max_new_tokens=5, do_sample=False))
+    with model.disable_adapter(), ref.disable_adapter():
+        assert torch.allclose(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+    assert hf_elixir.memory_stats(model)["num_evictions"] > 0
