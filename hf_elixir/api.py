@@ -30,7 +30,7 @@ import os
 import torch
 
 from hf_elixir._logging import info_on_main_rank
-from hf_elixir.chunk import _host_heap
+from hf_elixir.chunk import _host_heap, _nf4
 from hf_elixir.chunk._build import materialize_chunks, unique_params
 from hf_elixir.chunk._stream_load import StreamedInit, retie
 from hf_elixir.config import ElixirConfig
@@ -129,6 +129,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     split = split_fused_experts(model) if config.split_fused_experts else []
     undo = [lambda: unsplit_fused_experts(split)]
     try:
+        undo.append(_nf4.pack_nf4_params(model, config, checkpoint, pstate))  # [Note: NF4 in chunks]
         undo.append(split_optimizer_params(optimizer, split))
         names = unique_params(model)
         check_unclaimed(model, names)

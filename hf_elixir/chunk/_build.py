@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from hf_elixir.chunk.chunk import Chunk, ChunkBytes, ParamSlot
 from hf_elixir.chunk.manager import ChunkManager
+from hf_elixir.chunk._carriers import is_carrier_name
 from hf_elixir.chunk.packing import ChunkLayout, pack_chunks
 from hf_elixir.config import ElixirConfig
 from hf_elixir.plan import ElixirPlan
@@ -64,12 +65,13 @@ def comm_buckets(params, names, placements: dict[str, str], group_of: GroupOf):
     Returns:
         list of ``(group, replicas, replicated, params)``.
     """
-    buckets: dict[tuple[int, int, bool], tuple] = {}
+    buckets: dict[tuple[int, int, bool, bool], tuple] = {}
     for p in params:
         name = names[p][0]
         replicated = _placement_of(placements, name) == "replicated"
         group, replicas = group_of(name)
-        key = (id(group), replicas, replicated)
+        # an NF4 base's packed bytes never share a chunk with trained parameters ([Note: carriers in frozen chunks])
+        key = (id(group), replicas, replicated, is_carrier_name(name, p.requires_grad))
         if key not in buckets:
             buckets[key] = (group, replicas, replicated, [])
         buckets[key][3].append(p)

@@ -281,11 +281,12 @@ def nf4_bytes_per_element(precision: str) -> float:
     ``to_nf4`` of a 4096 x 4096 bf16 weight measures. ``--quantize nf4`` prices each frozen parameter at these bytes
     by giving it ``numel * nf4 / b`` elements of the compute dtype (``b`` bytes) in the searched profile: its chunks'
     device and host bytes, gathers and host-to-device copies are the packed ones; compute and activations are the
-    compute dtype's (dequantized on gather; the dequantization itself is not priced)."""
+    compute dtype's (dequantized on gather; the dequantization itself is not priced). The runtime stores these
+    bytes (``hf_elixir/chunk/_nf4.py``, [Note: NF4 in chunks]): one formula for both."""
+    from hf_elixir.chunk._nf4 import nf4_bytes_per_element as runtime_bytes
     from hf_elixir.search._activation_cost import DTYPE_BYTES
 
-    block, scaler_block = 64, 256
-    return 0.5 + 1 / block + DTYPE_BYTES[precision] / (block * scaler_block)
+    return runtime_bytes(DTYPE_BYTES[precision])
 
 
 def frozen_as_nf4(profile, precision: str):

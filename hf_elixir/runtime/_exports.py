@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hf_elixir._compat import all_gather_single
+from hf_elixir.chunk._carriers import is_carrier_name
 from hf_elixir.chunk.strict import host_copies, register_host, to_device, to_host
 from hf_elixir.runtime._entry_check import checked_call
 from hf_elixir.runtime._state import get_state
@@ -96,6 +97,9 @@ class MasterExport:
         manager = self._manager
         chunk = manager.chunk_of[param]
         master = state.optimizer.masters.get(chunk.chunk_id)
+        if master is None and is_carrier_name(manager.slot_of[param].name, False):
+            # packed NF4 bytes, never upcast: fp32 -> bf16 would rewrite their NaN patterns ([Note: NF4 in chunks])
+            return to_host(param.detach())
         if master is None:  # frozen: no master, the compute copy upcast exactly
             return register_host(to_host(param.detach()).float())
         cache = self._cache

@@ -12,6 +12,7 @@ import logging
 import torch
 
 from hf_elixir.chunk._build import chunk_specs, element_bytes, ordered_params, unique_params
+from hf_elixir.chunk._nf4 import packed_nf4
 from hf_elixir.chunk._shared_budget import current_shared_budget
 from hf_elixir.chunk.manager import budget_error
 from hf_elixir.config import ElixirConfig
@@ -84,7 +85,8 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
                        "False makes the budget bound model data only", activation_bytes)
         activation_bytes = 0
     # the model prepare will lay out: fused MoE experts split per expert ([Note: split fused experts])
-    with temporarily_split(model, config.split_fused_experts is not False and not is_prepared(model)):
+    with temporarily_split(model, config.split_fused_experts is not False and not is_prepared(model)), \
+            packed_nf4(model, config):  # NF4 weights priced as the packed bytes prepare stores ([Note: NF4 in chunks])
         return _model_data_floor_bytes(model, optimizer, config, world_size) + activation_bytes
 
 
