@@ -13,10 +13,11 @@ Each chunk owns one page-aligned *region* of the file (its master, then its stat
 kernel keeps of the file, and the tier bounds it in the step's order (the optimizer steps chunks in a known
 order, so the schedule is exact, not a guess):
 
-* **read ahead.** :meth:`DiskFile.prefetch` (one reader thread) asks for a region
-  (``MADV_POPULATE_WRITE``: read in and mapped writable in one call; where the kernel lacks it,
-  ``posix_fadvise(WILLNEED)`` plus a touch of every page) while the previous chunk steps; :meth:`DiskFile.ready`
-  waits for it.
+* **read ahead.** :meth:`DiskFile.prefetch` (one reader thread) reads a region in while the previous chunk
+  steps: ``posix_fadvise(WILLNEED)`` (the kernel reads exactly that range, in large requests), then
+  ``MADV_POPULATE_WRITE`` (waits for it and maps it writable in one call; where the kernel lacks it, a touch of
+  every page); :meth:`DiskFile.ready` waits for it. The mapping is ``MADV_RANDOM``: no fault-time readahead
+  past a region, which would bring in pages of chunks already written back.
 * **write back.** :meth:`DiskFile.write_back` (writer threads) writes a stepped region to the file
   (``msync(MS_SYNC)``), unmaps its pages (``MADV_DONTNEED``: for a shared file mapping this drops only the
   page-table entries, the page cache keeps the data) and evicts them (``posix_fadvise(DONTNEED)``, which drops
@@ -59,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _ALIGN_BYTES = 64  # tensors inside a region: one cache line
-_MS_SYNC, _MADV_WILLNEED, _MADV_DONTNEED, _MADV_POPULATE_WRITE = 4, 3, 4, 23
+_MS_SYNC, _MADV_RANDOM, _MADV_DONTNEED, _MADV_POPULATE_WRITE = 4, 1, 4, 23
 
 
 @functools.cache
@@ -157,6 +158,7 @@ class DiskFile:
                              f"disk tier ({err.strerror}); free space there or give another offload_dir") from None
         self.storage = torch.UntypedStorage.from_file(self.path, shared=True, nbytes=self.nbytes)
         self._base = self.storage.data_ptr()
+        _libc().madvise(self._base, self.nbytes, _MADV_RANDOM)  # no fault-time readahead past a region
         self.tensors = {key: torch.empty(0, dtype=torch.float32).set_(self.storage, off // 4, (numel,))
                         for key, (off, numel) in offsets.items()}
         self.window = max(int(window), 1)
@@ -187,8 +189,8 @@ class DiskFile:
     # -- read ahead / write back ------------------------------------------------------------------
     def _read(self, region: int) -> None:
         offset, nbytes = self.regions[region]
+        os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_WILLNEED)  # the region in large reads
         if _libc().madvise(self._base + offset, nbytes, _MADV_POPULATE_WRITE) != 0:  # kernel < 5.14
-            os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
             pages = torch.empty(0, dtype=torch.uint8).set_(self.storage, offset, (nbytes // PAGE_BYTES,),
                                                            (PAGE_BYTES,))
             pages.add_(0)  # touch every page writable (x + 0: the values stay)

@@ -14,7 +14,9 @@ The step (``InnerStepMixin._run_inner``) steps the host chunks first, then the d
 order: chunk ``i + 1`` is read ahead while chunk ``i`` steps, and chunk ``i`` is written back (at most
 ``window`` in flight) as soon as its step is done. Each view's update is independent (torch's fused AdamW
 runs per tensor), so the split changes no result. The fp32 masters of disk chunks are read again when the
-compute copies refresh from them (the upload that the next forward waits for), from the page cache or the file.
+compute copies refresh from them (the upload that the next forward waits for); those pages are clean page cache
+(the kernel may reclaim them at will) until the chunk's next step writes it back and evicts it; chunks the step
+does not touch are evicted at its end (:meth:`DiskStates.write_back_others`).
 
 Source: ZeRO-Infinity (arXiv 2104.07857) section 5-6: optimizer states and fp32 masters on NVMe, stepped
 partition by partition with the next one prefetched.
@@ -63,6 +65,7 @@ class DiskStates:
     def __init__(self, file: DiskFile) -> None:
         self.file = file
         self.chunks = frozenset(file.regions)
+        self._stepped: set[int] = set()  # disk chunks stepped since the last write_back_others
         for tensor in file.tensors.values():
             strict.register_host(tensor)
 
@@ -129,6 +132,14 @@ class DiskStates:
                 self.file.prefetch(ordered[i + 1])
             step_one(cid)
             self.file.write_back(cid)
+            self._stepped.add(cid)
+
+    def write_back_others(self) -> None:
+        """At the end of a step: write back and evict the disk chunks the step did not touch (no trainable element
+        with a gradient in this rank's shard), whose masters the last refresh read in."""
+        for cid in sorted(self.chunks - self._stepped):
+            self.file.write_back(cid)
+        self._stepped.clear()
 
     def close(self) -> None:
         """Wait for the IO in flight and remove the file."""

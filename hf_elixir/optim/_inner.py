@@ -88,6 +88,8 @@ class InnerStepMixin:
             manager.drain_reduces()
             todo = [[t for t in group if self._view_by_tensor[id(t)].chunk.chunk_id in late] for group in todo]
         self._run_inner(todo)
+        if self._disk is not None:
+            self._disk.write_back_others()  # [Note: disk states] in _disk_state.py
 
     def _step_views(self, views: list, hyper: list[dict]) -> None:
         """Step exactly ``views`` with the hyperparameters ``hyper`` (per param group, as the host lane recorded
