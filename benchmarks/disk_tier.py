@@ -1,8 +1,9 @@
 """The disk tier: its read and write GB/s against ``dd`` on the same file system, and GPT-2 124M at 2 ranks with
 the optimizer state on disk against on the host.
 
-    python -m benchmarks.disk_tier                    # 1 GiB of IO, GPT-2 124M at 2 gloo ranks, 3 timed steps
-    python -m benchmarks.disk_tier --quick            # 64 MiB, a tiny GPT-2 (seconds)
+    python benchmarks/disk_tier.py                    # 1 GiB of IO, GPT-2 124M at 2 gloo ranks, 3 timed steps
+    python benchmarks/disk_tier.py --quick            # 64 MiB, a tiny GPT-2 (seconds)
+    python -m benchmarks.disk_tier --quick --skip-gpt2  # the same as a module; IO figures only
 
 IO ([Note: disk tier] in ``hf_elixir/chunk/_disk.py``): one ``DiskFile`` of ``--gib`` GiB in ``--region-mib``
 regions under ``--dir``. *write*: region by region, copy a source tensor into the mapped region and

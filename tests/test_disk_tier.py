@@ -144,6 +144,29 @@ def _check_schedule(events, stepped, regions):
     assert max(e[2] for e in events if e[0] == "write") <= WINDOW_CHUNKS
 
 
+@pytest.mark.parametrize("precision,overlap", [("bf16", False), ("fp32", True)])
+def test_the_disk_tier_changes_no_bit(tmp_path, precision, overlap):
+    """bf16 (the same-pass host step with its staging cast) and the host lane stepping chunks during backward:
+    the run with the state on disk is bit for bit the run with it in host memory."""
+    runs = []
+    for offload_dir in (tmp_path, None):
+        config = dict(precision=precision, overlap_host_optimizer=overlap)
+        if offload_dir is None:
+            config.update(host_memory_budget_bytes=None)
+        model, opt = _prepare(tiny_model("gpt2"), offload_dir or tmp_path, **config)
+        if offload_dir is None:
+            assert opt._disk is None
+        else:
+            assert opt._disk is not None and opt._disk.chunks
+            same_pass = set(getattr(opt, "_same_pass", {}))
+            assert precision != "bf16" or same_pass & opt._disk.chunks, "the same-pass step runs on disk chunks"
+            assert opt._lane.speculate == overlap
+        for step in range(3):
+            _step(model, opt, step)
+        runs.append(_params(model))
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[1])
+
+
 # -- kill -9 during a write-back, resume from the checkpoint ---------------------------------------------------
 def _kill_during_write_back(offload_dir, ckpt_dir):
     model, opt = _prepare(tiny_model("gpt2"), offload_dir)
