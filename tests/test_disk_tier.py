@@ -204,6 +204,7 @@ def test_kill_during_a_write_back_then_resume_from_the_checkpoint_exactly(tmp_pa
     model, opt = _prepare(tiny_model("gpt2", seed=7), offload_dir)
     assert not any(f"pid{victim.pid}-" in n for n in os.listdir(offload_dir)), "the killed rank's file is removed"
     assert load_checkpoint(ckpt_dir, model, opt)["step"] == 2
+    assert opt._disk.file.resident_bytes() == 0, "the loaded state went to the file"
     for step in range(2, STEPS):
         _step(model, opt, step)
     got, want = _params(model), _params(uninterrupted)
