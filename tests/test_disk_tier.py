@@ -211,6 +211,21 @@ def test_kill_during_a_write_back_then_resume_from_the_checkpoint_exactly(tmp_pa
     assert all(torch.equal(got[k], want[k]) for k in want), "the resume is bit for bit the uninterrupted run"
 
 
+def _train_and_return(offload_dir):
+    model, opt = _prepare(tiny_model("gpt2"), offload_dir)
+    _step(model, opt, 0)
+    assert len(os.listdir(offload_dir)) == 1
+
+
+def test_the_file_is_removed_when_a_rank_process_returns(tmp_path):
+    """A multiprocessing rank exits by os._exit, skipping atexit handlers: the file goes anyway."""
+    process = mp.get_context(_dist._start_method()).Process(target=_train_and_return, args=(str(tmp_path),))
+    process.start()
+    process.join(120)
+    assert process.exitcode == 0
+    assert os.listdir(tmp_path) == []
+
+
 # -- bad inputs -------------------------------------------------------------------------------------------------
 def test_offload_dir_that_is_not_a_writable_directory_is_refused(tmp_path):
     not_dir = tmp_path / "file"

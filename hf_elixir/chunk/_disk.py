@@ -31,7 +31,7 @@ Direct IO (``O_DIRECT``) is not used: it bypasses exactly the page cache the map
 
 The file is ``posix_fallocate``d at creation (no space: a ``ValueError`` naming ``offload_dir`` and
 ``disk_budget_bytes``), removed by :meth:`DiskFile.close`, at garbage collection and at interpreter exit
-(``weakref.finalize``); a file left by a killed process (no exit handler runs under SIGKILL) is removed by the
+(``weakref.finalize``; in a ``multiprocessing`` child, which exits without atexit handlers, its finalizers); a file left by a killed process (no exit handler runs under SIGKILL) is removed by the
 next :class:`DiskFile` of the same rank in that directory once its pid is gone. A checkpoint never points at
 this file: ``save_checkpoint`` reads the tensors and writes its own safetensors files.
 
@@ -47,6 +47,7 @@ import ctypes
 import functools
 import glob
 import logging
+import multiprocessing.util
 import os
 import re
 import secrets
@@ -167,6 +168,8 @@ class DiskFile:
         self._writes: collections.OrderedDict[int, concurrent.futures.Future] = collections.OrderedDict()
         self.bytes_read = self.bytes_written = 0
         self._finalizer = weakref.finalize(self, _close, self.path, self._fd, [self._reader, self._writer])
+        # a multiprocessing child leaves by os._exit (no atexit): its own finalizers run the same (once-only) close
+        multiprocessing.util.Finalize(self, self._finalizer, exitpriority=10)
         logger.info("hf_elixir: disk tier file %s (%d bytes, %d regions)", self.path, self.nbytes, len(self.regions))
 
     def _check_space(self, directory: str, budget_bytes: int | None) -> None:
