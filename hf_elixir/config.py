@@ -11,6 +11,8 @@ import difflib
 import math
 import os
 import re
+import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -171,6 +173,12 @@ class ElixirConfig:
             (a full compute-dtype copy of a chunk, which saves re-gathering it in backward) are kept
             only where the plan chooses them and they fit this budget. `None`: 80% of this machine's
             RAM (psutil) divided by the ranks on this machine (`LOCAL_WORLD_SIZE`).
+        offload_dir (`str` or `os.PathLike`, *optional*):
+            A writable directory (on a local SSD/NVMe) for the disk tier: the fp32 masters and optimizer moments
+            of host optimizer chunks that do not fit `host_memory_budget_bytes` live in one file per rank there,
+            read ahead and written back around each chunk's step (docs/disk.md). `None`: no disk tier.
+        disk_budget_bytes (`int` or `str`, *optional*):
+            Bytes (or a size such as `"2TB"`) of `offload_dir` this rank may fill; `None`: the space free there.
         chunk_size_numel (`int`, *optional*):
             Elements per chunk; must be >= the largest parameter's numel, except for `"replicated"`
             chunks, which are gradient all-reduce buckets: there a larger parameter gets a chunk of its own
@@ -270,6 +278,8 @@ class ElixirConfig:
     device_memory_budget_bytes: int | None = None
     budget_covers_activations: bool = True
     host_memory_budget_bytes: int | None = None
+    offload_dir: str | os.PathLike | None = None
+    disk_budget_bytes: int | None = None
     chunk_size_numel: int | None = None
     reduce_dtype: str | None = "fp32"
     offload_optimizer: bool | str = "auto"
@@ -322,6 +332,7 @@ class ElixirConfig:
             if self.host_memory_budget_bytes <= 0:
                 raise ValueError(f"ElixirConfig.host_memory_budget_bytes={self.host_memory_budget_bytes} must be > 0 "
                                  "(or None for a share of this machine's RAM)")
+        self._check_disk()
         if isinstance(self.loss_scale, Mapping):  # the YAML form
             try:
                 object.__setattr__(self, "loss_scale", LossScalePolicy.from_dict(self.loss_scale))
@@ -394,6 +405,39 @@ class ElixirConfig:
             raise TypeError(f"ElixirConfig.process_group={self.process_group!r} must be a torch.distributed "
                             "process group (e.g. torch.distributed.new_group(ranks)) or None for the default "
                             "group; the backend (nccl / gloo) is chosen at init_process_group")
+
+    def _check_disk(self) -> None:
+        """``offload_dir``: an existing directory this process can create files in; ``disk_budget_bytes``: a size
+        no larger than the space free there."""
+        if isinstance(self.disk_budget_bytes, str):
+            try:
+                object.__setattr__(self, "disk_budget_bytes", parse_bytes(self.disk_budget_bytes))
+            except ValueError as err:
+                raise ValueError(f"ElixirConfig.disk_budget_bytes: {err}") from None
+        if self.offload_dir is None:
+            if self.disk_budget_bytes is not None:
+                raise ValueError(f"ElixirConfig.disk_budget_bytes={self.disk_budget_bytes} is set without offload_dir; "
+                                 "give offload_dir (a directory on a local SSD) or leave disk_budget_bytes=None")
+            return
+        _check_type("offload_dir", self.offload_dir, (str, os.PathLike), "give a directory path, e.g. '/nvme/elixir'")
+        path = os.fspath(self.offload_dir)
+        if not os.path.isdir(path):
+            raise ValueError(f"ElixirConfig.offload_dir={path!r} is not a directory; create it (mkdir -p) or give "
+                             "an existing directory on a local SSD")
+        try:  # os.access says yes to root on a read-only file system: try what the disk tier will do
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as err:
+            raise ValueError(f"ElixirConfig.offload_dir={path!r} is not writable ({err.strerror}); give a directory "
+                             "this process can create files in, or fix its permissions") from None
+        if self.disk_budget_bytes is not None:
+            _check_type("disk_budget_bytes", self.disk_budget_bytes, (int,),
+                        "give a whole number of bytes, e.g. 2 * 10**12, or None for the space free in offload_dir")
+            free = shutil.disk_usage(path).free
+            if self.disk_budget_bytes <= 0 or self.disk_budget_bytes > free:
+                raise ValueError(f"ElixirConfig.disk_budget_bytes={self.disk_budget_bytes} must be > 0 and at most "
+                                 f"the {free} bytes free in offload_dir={path!r}; free space there, lower the budget, "
+                                 "or give None (all the free space)")
 
     def _check_activation_policy(self) -> None:
         from hf_elixir.plan import ACTIVATION_POLICIES  # noqa: PLC0415 (plan.py imports nothing from here)

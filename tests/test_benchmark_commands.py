@@ -27,6 +27,7 @@ PAGES = [ROOT / "benchmarks" / "RESULTS.md", ROOT / "README.md", *sorted((ROOT /
 QUICK: dict[str, list[str]] = {
     "compile_bench": ["--quick", "--peers", "ddp_eager", "elixir_eager", "--steps", "1", "--warmup", "1",
                       "--output", "{tmp}/compile.json"],
+    "disk_tier": ["--quick", "--skip-gpt2", "--dir", "{tmp}"],
     "host_adam": ["--rounds", "1", "--hidden", "64", "--blocks", "4096", "--threads", "1"],
     "kernel_bench": ["--smoke"],
     "moe": ["--device", "cpu", "--steps", "1", "--warmup", "0", "--layers", "1", "--d-model", "32", "--d-ff", "64",

@@ -94,10 +94,12 @@ class HostStates:
         views: the shard views (``_ShardView``) of host optimizer chunks that the inner optimizer steps.
         keys_of_chunk: chunk id -> the state keys to allocate at once (fp32 ``[shard_numel]`` each); a
             key found later is allocated when first adopted.
+        disk: the ``DiskStates`` whose file holds some chunks' states instead of the blocks, or ``None``.
     """
 
-    def __init__(self, manager, cls: type, views: list, keys_of_chunk: dict[int, list[str]]) -> None:
+    def __init__(self, manager, cls: type, views: list, keys_of_chunk: dict[int, list[str]], disk=None) -> None:
         self.manager = manager
+        self.disk = disk  # DiskStates: chunks whose states are in the disk tier's file ([Note: disk states])
         self.cls = cls
         self._view_of = {id(v.tensor): v for v in views}
         self._chunk_numel = {v.chunk.chunk_id: v.chunk.shard_numel for v in views}
@@ -118,7 +120,9 @@ class HostStates:
     def _buffer(self, cid: int, key: str) -> torch.Tensor:
         buffers = self.buffers[cid]
         if key not in buffers:
-            buffers[key] = self.manager.host_zeros(self._chunk_numel[cid], torch.float32)
+            on_disk = self.disk.tensor(cid, key) if self.disk is not None else None  # zero: a fresh file
+            buffers[key] = on_disk if on_disk is not None else self.manager.host_zeros(self._chunk_numel[cid],
+                                                                                       torch.float32)
         return buffers[key]
 
     def owns(self, tensor: torch.Tensor) -> bool:

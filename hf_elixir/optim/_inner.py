@@ -88,6 +88,8 @@ class InnerStepMixin:
             manager.drain_reduces()
             todo = [[t for t in group if self._view_by_tensor[id(t)].chunk.chunk_id in late] for group in todo]
         self._run_inner(todo)
+        if self._disk is not None:
+            self._disk.write_back_others()  # [Note: disk states] in _disk_state.py
 
     def _step_views(self, views: list, hyper: list[dict]) -> None:
         """Step exactly ``views`` with the hyperparameters ``hyper`` (per param group, as the host lane recorded
@@ -119,20 +121,32 @@ class InnerStepMixin:
             rest = [[t for t in params if self._view_by_tensor[id(t)].chunk.chunk_id not in same_pass]
                     for params in params_per_group]
             if any(rest):
-                for inner_group, params in zip(self.inner.param_groups, rest):
-                    inner_group["params"] = params
                 self._staged.difference_update(self._view_by_tensor[id(t)].chunk.chunk_id for g in rest for t in g)
-                unhooked_step(self.inner)  # no step hooks for the inner optimizer ([Note: step hooks])
-                # a fused kernel (torch._fused_adamw_) leaves the masters' version counter as it was: bump it, so
-                # a pending upload of a master sees the write ([Note: strict refresh source] in chunk/_chunk_refresh.py)
-                torch.autograd.graph.increment_version([t for params in rest for t in params])
-            for cid, chosen in same_pass.items():
-                self._step_same_pass(cid, chosen)
+                if self._disk is None:
+                    self._step_params(rest)
+                else:  # chunk by chunk, disk chunks read ahead and written back ([Note: disk states])
+                    cids = {self._view_by_tensor[id(t)].chunk.chunk_id for g in rest for t in g}
+                    self._disk.run(sorted(cids), lambda cid: self._step_params(
+                        [[t for t in g if self._view_by_tensor[id(t)].chunk.chunk_id == cid] for g in rest]))
+            if self._disk is None:
+                for cid, chosen in same_pass.items():
+                    self._step_same_pass(cid, chosen)
+            else:
+                self._disk.run(sorted(same_pass), lambda cid: self._step_same_pass(cid, same_pass[cid]))
         finally:
             for inner_group, full in zip(self.inner.param_groups, self._full_group_params):
                 inner_group["params"] = full
         if fresh:  # a state the step made itself (SGD's momentum buffer) moves into the blocks
             self._host_states.adopt(self.inner, fresh)
+
+    def _step_params(self, params_per_group: list[list[torch.Tensor]]) -> None:
+        """One ``inner.step()`` over ``params_per_group`` (aligned with the param groups)."""
+        for inner_group, params in zip(self.inner.param_groups, params_per_group):
+            inner_group["params"] = params
+        unhooked_step(self.inner)  # no step hooks for the inner optimizer ([Note: step hooks])
+        # a fused kernel (torch._fused_adamw_) leaves the masters' version counter as it was: bump it, so
+        # a pending upload of a master sees the write ([Note: strict refresh source] in chunk/_chunk_refresh.py)
+        torch.autograd.graph.increment_version([t for params in params_per_group for t in params])
 
     def _same_pass_chunks(self, params_per_group: list[list[torch.Tensor]]) -> dict[int, set[int]]:
         """Chunk id -> ids of its views in ``params_per_group``, for the chunks with a staging buffer whose

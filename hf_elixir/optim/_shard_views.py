@@ -22,6 +22,7 @@ import torch
 
 from hf_elixir.chunk import strict
 from hf_elixir.chunk.chunk import Chunk, ParamSlot
+from hf_elixir.optim._disk_state import MASTER_KEY, DiskStates
 from hf_elixir.optim._host_state import HostStates
 from hf_elixir.optim._refresh import uploads_cast
 
@@ -49,11 +50,10 @@ class ShardStateMixin:
         host = [c for c in manager.chunks if c.trainable and not c.optim_on_device]
         state_keys = HostStates.requests(type(self.user_optimizer), self.param_groups, self._groups_of_shards(host),
                                          {c.chunk_id: c.shard_numel for c in host})
-        manager.host.reserve_for([(c.shard_numel, torch.float32) for c in host]  # gradient shards, masters
-                                 + [(c.shard_numel, torch.float32) for c in host if c.dtype != torch.float32
-                                    or c.shard_on_device]
-                                 + [(c.shard_numel, torch.float32) for c in host
-                                    for _ in state_keys.get(c.chunk_id, ())]
+        # [Note: disk states] in _disk_state.py: masters and states that do not fit the host budget go to disk
+        self._disk = DiskStates.build(manager, self.config, host, state_keys, self.refresh_cast)
+        manager.host.reserve_for([(c.shard_numel, torch.float32) for c in host]  # gradient shards, masters, states
+                                 + DiskStates.host_requests(host, state_keys, self._disk)
                                  + [(c.shard_numel, c.dtype) for c in host if uploads_cast(c)
                                     and self.refresh_cast == "host"])  # staging
         self._init_refresh_buffers(host)  # [Note: overlapped refresh] in _refresh.py
@@ -62,7 +62,9 @@ class ShardStateMixin:
                 self._build_chunk_shard(chunk)
         # [Note: host optimizer state] in _host_state.py: the host chunks' optimizer states, in the blocks
         self._host_states = HostStates(manager, type(self.user_optimizer),
-                                       [v for v in self.views if not v.chunk.optim_on_device], state_keys)
+                                       [v for v in self.views if not v.chunk.optim_on_device], state_keys, self._disk)
+        if self._disk is not None:
+            self._disk.file.evict_all()  # the masters just copied in go to the file
 
     def _build_chunk_shard(self, chunk: Chunk) -> None:
         """The chunk's fp32 gradient shard and master (the compute shard itself where it is fp32 on the optimizer
@@ -86,7 +88,8 @@ class ShardStateMixin:
                 manager.pool.charge(nbytes, f"fp32 master shard of chunk {chunk.chunk_id}")
                 master = strict.register_device(strict.to_device(source.detach().float(), location).clone())
             else:
-                master = manager.host_empty(chunk.shard_numel, torch.float32)
+                on_disk = self._disk.tensor(chunk.chunk_id, MASTER_KEY) if self._disk is not None else None
+                master = on_disk if on_disk is not None else manager.host_empty(chunk.shard_numel, torch.float32)
                 with strict.host_copies():
                     master.copy_(source)
                 if chunk.shard_on_device:

@@ -186,6 +186,8 @@ class StateDictMixin:
         with strict.host_copies():  # the loaded state is host memory
             self._load_view_states(state_dict["state"])
         self.scaler.load_state_dict(state_dict.get("loss_scaler", self.scaler.state_dict()))
+        if self._disk is not None:  # the loaded disk states go to the file ([Note: disk states] in _disk_state.py)
+            self._disk.file.evict_all()
 
     def _load_view_states(self, saved_state: dict) -> None:
         for view in self.views:

@@ -1,0 +1,195 @@
+"""The disk tier: its read and write GB/s against ``dd`` on the same file system, and GPT-2 124M at 2 ranks with
+the optimizer state on disk against on the host.
+
+    python benchmarks/disk_tier.py                    # 1 GiB of IO, GPT-2 124M at 2 gloo ranks, 3 timed steps
+    python benchmarks/disk_tier.py --quick            # 64 MiB, a tiny GPT-2 (seconds)
+    python -m benchmarks.disk_tier --quick --skip-gpt2  # the same as a module; IO figures only
+
+IO ([Note: disk tier] in ``hf_elixir/chunk/_disk.py``): one ``DiskFile`` of ``--gib`` GiB in ``--region-mib``
+regions under ``--dir``. *write*: region by region, copy a source tensor into the mapped region and
+``write_back`` it (the step's order: at most the window in flight), then wait for all: bytes / seconds. *read*:
+every region evicted, then region by region ``prefetch`` the next and ``ready`` this one: bytes / seconds.
+``dd``: ``dd if=/dev/zero of=F bs=4M count=N conv=fdatasync`` (buffered) and ``oflag=direct`` (O_DIRECT), then
+``dd if=F of=/dev/null bs=4M`` after evicting F's pages (buffered) and ``iflag=direct``. The ratio is the tier's
+GB/s over buffered dd's (the target is >= 0.8x); the direct columns say whether O_DIRECT would help here.
+
+GPT-2 124M (``GPT2Config()``, fp32, AdamW with weight decay, clipping at 1.0, 1 x 128 tokens a rank, seed 0)
+at 2 gloo ranks, ``offload_optimizer=True`` both times: *host* (the default host budget: every master and moment
+in host memory) and *disk* (``offload_dir=--dir`` and a host budget of a quarter of the 16 B/param state: every
+master and moment in the file). Median step time of the ``--steps`` timed steps after one warm-up, slowest rank;
+the ratio disk / host is the result, and the last losses must agree (same arithmetic). Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python benchmarks/disk_tier.py`: make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_MIB = 1 << 20
+
+
+def _evict(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _dd(directory: str, nbytes: int, direct: bool) -> dict[str, float]:
+    """GB/s of ``dd`` writing then reading ``nbytes`` in ``directory`` (buffered + fdatasync, or O_DIRECT)."""
+    path = os.path.join(directory, "dd_probe.bin")
+    count = nbytes // (4 * _MIB)
+    flag_out = ["oflag=direct"] if direct else ["conv=fdatasync"]
+    start = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=4M", f"count={count}", *flag_out],
+                   check=True, capture_output=True)
+    write_s = time.perf_counter() - start
+    _evict(path)
+    start = time.perf_counter()
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=4M", *(["iflag=direct"] if direct else [])],
+                   check=True, capture_output=True)
+    read_s = time.perf_counter() - start
+    os.unlink(path)
+    return {"write_gbps": nbytes / write_s / 1e9, "read_gbps": nbytes / read_s / 1e9}
+
+
+def _tier(directory: str, nbytes: int, region_bytes: int) -> dict[str, float]:
+    """GB/s of the tier's write-back and read-ahead path over ``nbytes`` in regions of ``region_bytes``."""
+    from hf_elixir.chunk._disk import DiskFile
+
+    numel = region_bytes // 4
+    regions = {r: [("x", numel)] for r in range(nbytes // region_bytes)}
+    file = DiskFile(directory, 0, regions)
+    file.evict_all()
+    source = torch.randn(numel)
+    start = time.perf_counter()
+    for region in regions:
+        file.tensor(region, "x").copy_(source)
+        file.write_back(region)
+    file.settle()
+    write_s = time.perf_counter() - start
+    assert file.resident_bytes() == 0
+    start = time.perf_counter()
+    file.prefetch(0)
+    for region in regions:
+        if region + 1 in regions:
+            file.prefetch(region + 1)
+        file.ready(region)
+    read_s = time.perf_counter() - start
+    check = float(file.tensor(len(regions) - 1, "x")[:4].sum()) == float(source[:4].sum())
+    file.close()
+    assert check, "the tier read back other bytes than it wrote"
+    return {"write_gbps": nbytes / write_s / 1e9, "read_gbps": nbytes / read_s / 1e9}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model(quick: bool):
+    import transformers
+
+    torch.manual_seed(0)
+    shape = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=128) if quick else {}
+    cfg = transformers.GPT2Config(**shape, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _rank(rank: int, world_size: int, port: int, mode: str, directory: str, steps: int, quick: bool,
+          out: str) -> None:
+    import hf_elixir
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    model = _model(quick)
+    num_params = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-4)
+    disk = dict(offload_dir=directory, host_memory_budget_bytes=16 * num_params // world_size // 4) \
+        if mode == "disk" else {}
+    model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(
+        offload_optimizer=True, default_placement="sharded", **disk))
+    vocab = model.config.vocab_size
+    times, loss = [], None
+    for step in range(steps + 1):
+        ids = torch.randint(0, vocab, (1, 128), generator=torch.Generator().manual_seed(1000 * step + rank))
+        dist.barrier()
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.backward(loss)
+        opt.clip_grad_norm(1.0)
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+    file = getattr(opt, "_disk", None)
+    result = {"step_s": times[1:], "loss": float(loss.detach()), "num_params": num_params,
+              "disk_bytes": file.file.nbytes if file is not None else 0}
+    with open(os.path.join(out, f"{mode}{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def _gpt2(mode: str, directory: str, steps: int, quick: bool) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_rank, args=(2, _free_port(), mode, directory, steps, quick, out), nprocs=2,
+                           start_method="spawn")
+        ranks = [json.load(open(os.path.join(out, f"{mode}{r}.json"))) for r in range(2)]
+    slowest = [max(ts) for ts in zip(*(r["step_s"] for r in ranks))]
+    return {"step_s": statistics.median(slowest), "loss": ranks[0]["loss"], "num_params": ranks[0]["num_params"],
+            "disk_bytes_per_rank": ranks[0]["disk_bytes"]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dir", default=None, help="a directory on the disk to test (default: a temporary one)")
+    parser.add_argument("--gib", type=float, default=1.0, help="GiB of IO for the GB/s figures")
+    parser.add_argument("--region-mib", type=int, default=64, help="MiB per region (a chunk's state)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="64 MiB of IO and a tiny GPT-2")
+    parser.add_argument("--skip-gpt2", action="store_true")
+    args = parser.parse_args(argv)
+    nbytes = (64 * _MIB) if args.quick else int(args.gib * (1 << 30))
+    region = min(args.region_mib * _MIB, nbytes)
+    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+        tier = _tier(directory, nbytes, region)
+        dd = _dd(directory, nbytes, direct=False)
+        direct = _dd(directory, nbytes, direct=True)
+        result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                  "bytes": nbytes, "region_bytes": region, "tier": tier, "dd": dd, "dd_direct": direct,
+                  "read_ratio": tier["read_gbps"] / dd["read_gbps"],
+                  "write_ratio": tier["write_gbps"] / dd["write_gbps"],
+                  "free_bytes": shutil.disk_usage(directory).free}
+        if not args.skip_gpt2:
+            host = _gpt2("host", directory, args.steps, args.quick)
+            disk = _gpt2("disk", directory, args.steps, args.quick)
+            result.update(gpt2_host=host, gpt2_disk=disk, step_ratio=disk["step_s"] / host["step_s"])
+    print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
