@@ -15,10 +15,12 @@ runtime spills (``ElixirConfig(offload_dir=..., disk_budget_bytes=...)``):
    least once, and written back after the update where the chunk is trained) and fp32 gradient shards (written by
    the reduce, read by the update), the fewest bytes moved per byte freed first.
 
-The spill takes whole chunk parts until the host fits, with a staging buffer of :data:`STAGING_CHUNKS` of the
-largest spilled parts in host memory (one read ahead, one written back: the bounded staging of ZeRO-Infinity's
-``buffer_count``); a configuration the disk cannot hold (``R`` times the spilled bytes above its capacity) or
-that no spill fits is dropped.
+The spill takes whole chunk parts until the host fits, and adds a bounded staging area in host memory:
+:data:`STAGING_BUFFERS` buffers (one read ahead, one written back) of the largest spilled part, at most
+:data:`STAGING_BUFFER_BYTES` each, since a part streams through in slices (the update is element-wise and a copy
+to the device can start from a slice; ZeRO-Infinity's ``buffer_count`` x ``buffer_size``). At 3 GB/s a rank
+turns a 128 MiB buffer over in about 45 ms, well under a step. A configuration the disk cannot hold (``R`` times
+the spilled bytes above its capacity) or that no spill fits is dropped.
 
 Time: the runtime reads ahead in the step's order and writes back asynchronously, both overlapping compute, so
 the disk's seconds ``D = R * (read / read_rate + write / write_rate)`` (reads and writes share the disk, so they
@@ -44,10 +46,16 @@ from hf_elixir.search._activation_cost import DTYPE_BYTES
 from hf_elixir.search._chunked_step import ChunkedStep, Knobs
 from hf_elixir.search._memory_cost import resolve_host_copies
 
-__all__ = ["DiskSpill", "DiskTier", "STAGING_CHUNKS", "fit_host", "least_host_bytes", "spill"]
+__all__ = ["DiskSpill", "DiskTier", "STAGING_BUFFERS", "STAGING_BUFFER_BYTES", "fit_host", "least_host_bytes",
+           "spill"]
 
-#: host staging of the disk tier, in chunk parts of the largest spilled ([Note: disk tier pricing])
-STAGING_CHUNKS = 2
+#: host staging of the disk tier: this many buffers of the largest spilled part, at most this many bytes each
+#: ([Note: disk tier pricing])
+STAGING_BUFFERS, STAGING_BUFFER_BYTES = 2, 128 * 2**20
+
+
+def _staging_bytes(largest_part_bytes: int) -> int:
+    return STAGING_BUFFERS * min(largest_part_bytes, STAGING_BUFFER_BYTES)
 
 
 @dataclass(frozen=True)
@@ -165,12 +173,12 @@ def spill(step: ChunkedStep, knobs: Knobs, pred, disk: DiskTier, host_limit_byte
     taken: list[tuple[int, int, int, int]] = []
     spilled = largest = 0
     for unit in _spill_units(step, knobs, pred.chunk_onloads):
-        if fits(pred.host_bytes - spilled + STAGING_CHUNKS * largest):
+        if fits(pred.host_bytes - spilled + _staging_bytes(largest)):
             break
         taken.append(unit)
         spilled += unit[1]
         largest = max(largest, unit[1])
-    staging = STAGING_CHUNKS * largest
+    staging = _staging_bytes(largest)
     if not fits(pred.host_bytes - spilled + staging) or spilled * ranks_per_host > disk.capacity_bytes:
         return None
     by_kind = [sum(u[1] for u in taken if u[0] == kind) for kind in (_OPTIM, _PARAM, _GRAD)]
@@ -195,7 +203,7 @@ def least_host_bytes(step: ChunkedStep, knobs: Knobs, pred, disk: DiskTier | Non
             break
         spilled += nbytes
         largest = max(largest, nbytes)
-    return pred.host_bytes - spilled + STAGING_CHUNKS * largest
+    return pred.host_bytes - spilled + _staging_bytes(largest)
 
 
 def fit_host(candidates: list, step: ChunkedStep, host_limit_bytes: int, ranks_per_host: int,
