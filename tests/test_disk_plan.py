@@ -170,3 +170,21 @@ def test_disk_tier_refuses_non_positive_values():
         DiskTier(capacity_bytes=0, read_bytes_per_s=1e9, write_bytes_per_s=1e9)
     with pytest.raises(ValueError, match="write_bytes_per_s=0"):
         DiskTier(capacity_bytes=1, read_bytes_per_s=1e9, write_bytes_per_s=0.0)
+
+
+def test_prepare_search_prices_the_config_disk(tmp_path):
+    """``ElixirConfig(offload_dir=..., disk_budget_bytes=...)`` gives ``prepare``'s search a disk of that budget a
+    rank at the rates ``hf-elixir probe`` kept (else the default one, which the CLI names too)."""
+    from types import SimpleNamespace
+
+    from hf_elixir.cli._disk import DEFAULT_DISK_GBPS
+    from hf_elixir.search._disk_cost import DEFAULT_DISK_BYTES_PER_S, config_disk_tier
+
+    assert DEFAULT_DISK_GBPS * 1e9 == DEFAULT_DISK_BYTES_PER_S
+    hw = _gpu(GIB, GIB)
+    assert config_disk_tier(SimpleNamespace(), hw, 8) is None  # no offload_dir: no disk tier
+    tier = config_disk_tier(SimpleNamespace(offload_dir=str(tmp_path), disk_budget_bytes=10 * GIB), hw, 8)
+    assert tier == DiskTier(80 * GIB, DEFAULT_DISK_BYTES_PER_S, DEFAULT_DISK_BYTES_PER_S)
+    probed = replace(hw, disk_read_bytes_per_s=3e9, disk_write_bytes_per_s=2e9)
+    free = config_disk_tier(SimpleNamespace(offload_dir=str(tmp_path), disk_budget_bytes=None), probed, 1)
+    assert free.capacity_bytes > 0 and (free.read_bytes_per_s, free.write_bytes_per_s) == (3e9, 2e9)

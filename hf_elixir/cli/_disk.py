@@ -17,8 +17,8 @@ from typing import Any
 __all__ = ["DEFAULT_DISK_GBPS", "add_disk_flags", "add_probe_parser", "check_disk_args", "cmd_probe", "disk_lines",
            "disk_report", "disk_tier"]
 
-#: the disk's rate without ``--disk-gbps`` (and without a measurement with ``--measure-here``): one PCIe Gen4
-#: NVMe drive's sequential rate, derated (7 GB/s read, 5 GB/s write rated), both ways
+#: the disk's rate without ``--disk-gbps`` (and without a measurement with ``--measure-here``), GB/s both ways:
+#: ``hf_elixir.search._disk_cost.DEFAULT_DISK_BYTES_PER_S`` (one NVMe drive; not imported: no torch for --help)
 DEFAULT_DISK_GBPS = 5.0
 
 

@@ -46,12 +46,17 @@ from hf_elixir.search._activation_cost import DTYPE_BYTES
 from hf_elixir.search._chunked_step import ChunkedStep, Knobs
 from hf_elixir.search._memory_cost import resolve_host_copies
 
-__all__ = ["DiskSpill", "DiskTier", "STAGING_BUFFERS", "STAGING_BUFFER_BYTES", "fit_host", "least_host_bytes",
+__all__ = ["DEFAULT_DISK_BYTES_PER_S", "DiskSpill", "DiskTier", "config_disk_tier", "STAGING_BUFFERS", "STAGING_BUFFER_BYTES", "fit_host", "least_host_bytes",
            "spill"]
 
 #: host staging of the disk tier: this many buffers of the largest spilled part, at most this many bytes each
 #: ([Note: disk tier pricing])
 STAGING_BUFFERS, STAGING_BUFFER_BYTES = 2, 128 * 2**20
+
+
+#: a disk's sequential rate where nothing better is known (bytes/s, read and write): one PCIe Gen4 NVMe drive,
+#: derated (7 GB/s read, 5 GB/s write rated); ``hf-elixir probe`` measures the real one
+DEFAULT_DISK_BYTES_PER_S = 5e9
 
 
 def _staging_bytes(largest_part_bytes: int) -> int:
@@ -225,3 +230,26 @@ def fit_host(candidates: list, step: ChunkedStep, host_limit_bytes: int, ranks_p
         else:
             kept.append(cand if pred is cand.prediction else replace(cand, prediction=pred))
     return kept, len(candidates) - len(kept), least
+
+
+def config_disk_tier(config, hardware, ranks_per_host: int) -> DiskTier | None:
+    """The disk tier ``prepare``'s search prices for ``config`` (``None`` without ``ElixirConfig.offload_dir``): its
+    ``disk_budget_bytes`` a rank (default: the free space of the folder's file system, shared by the machine's
+    ranks), at the rates ``hf-elixir probe`` measured on this machine (``hardware.disk_*``), else
+    :data:`DEFAULT_DISK_BYTES_PER_S`."""
+    folder = getattr(config, "offload_dir", None)
+    if folder is None:
+        return None
+    budget = getattr(config, "disk_budget_bytes", None)
+    if budget is not None:
+        capacity = int(budget) * ranks_per_host
+    else:
+        import shutil  # noqa: PLC0415
+
+        try:
+            capacity = shutil.disk_usage(folder).free
+        except OSError:
+            return None  # prepare's own checks name an unusable offload_dir
+    read = getattr(hardware, "disk_read_bytes_per_s", None) or DEFAULT_DISK_BYTES_PER_S
+    write = getattr(hardware, "disk_write_bytes_per_s", None) or DEFAULT_DISK_BYTES_PER_S
+    return DiskTier(capacity_bytes=max(1, capacity), read_bytes_per_s=read, write_bytes_per_s=write)

@@ -58,7 +58,7 @@ from hf_elixir.search._coarse import (DegreePruned, coarse_effort, fine_steps_to
 from hf_elixir.search._cost import DTYPE_BYTES, Knobs, build_chunked_step, fixed_memory, profile_blocks
 from hf_elixir.search._expert_parallel import expert_parallel_profile, rank_param_order
 from hf_elixir.search._cost import predict  # noqa: F401 (importable from here, as before the grid moved out)
-from hf_elixir.search._disk_cost import DiskTier, fit_host
+from hf_elixir.search._disk_cost import DiskTier, config_disk_tier, fit_host
 from hf_elixir.search._grid import (Candidate, SearchResult, _grad_elem_bytes, _memory_not_binding, _policy_key,
                                     _ranking, _refined, _search_one, _search_replicated, brute_force_grid)
 from hf_elixir.search._refine import RefineContext, StepBudget
@@ -568,7 +568,7 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
                     host_memory_name="ElixirConfig.host_memory_budget_bytes (per rank)",
                     overlap_host_optimizer=getattr(config, "overlap_host_optimizer", None),
                     reduce_dtype=getattr(config, "reduce_dtype", "fp32"), **optimizer_cost_terms(optimizer, config),
-                    **parallel_kwargs)
+                    disk=config_disk_tier(config, hardware, per_host), **parallel_kwargs)
     plan = result.plan
     plan.world_size = world_size  # prepare's group (the data-parallel one when given as ElixirConfig.process_group)
     if note:
