@@ -60,6 +60,7 @@ def test_a_disk_holds_what_the_host_does_not(gpt2_profile):
     assert info.param_bytes == 0 or info.optimizer_bytes >= 10 * info.param_bytes  # masters and moments first
     assert pred.step_s == pytest.approx(max(info.step_without_disk_s, info.disk_s))
     assert info.disk_s == pytest.approx(info.read_bytes / 5e9 + info.write_bytes / 5e9)
+    assert any(r.startswith("disk tier:") for r in result.plan.reasons)
     # the least host memory the error names drops with a disk (what is left: gradients, parameters, staging)
     tiny = replace(disk, capacity_bytes=100 * GIB)
     with pytest.raises(ValueError, match="beside a") as with_disk:

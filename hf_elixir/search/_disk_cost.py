@@ -46,7 +46,7 @@ from hf_elixir.search._activation_cost import DTYPE_BYTES
 from hf_elixir.search._chunked_step import ChunkedStep, Knobs
 from hf_elixir.search._memory_cost import resolve_host_copies
 
-__all__ = ["DEFAULT_DISK_BYTES_PER_S", "DiskSpill", "DiskTier", "config_disk_tier", "STAGING_BUFFERS", "STAGING_BUFFER_BYTES", "fit_host", "least_host_bytes",
+__all__ = ["DEFAULT_DISK_BYTES_PER_S", "DiskSpill", "DiskTier", "config_disk_tier", "disk_reason", "STAGING_BUFFERS", "STAGING_BUFFER_BYTES", "fit_host", "least_host_bytes",
            "spill"]
 
 #: host staging of the disk tier: this many buffers of the largest spilled part, at most this many bytes each
@@ -253,3 +253,14 @@ def config_disk_tier(config, hardware, ranks_per_host: int) -> DiskTier | None:
     read = getattr(hardware, "disk_read_bytes_per_s", None) or DEFAULT_DISK_BYTES_PER_S
     write = getattr(hardware, "disk_write_bytes_per_s", None) or DEFAULT_DISK_BYTES_PER_S
     return DiskTier(capacity_bytes=max(1, capacity), read_bytes_per_s=read, write_bytes_per_s=write)
+
+
+def disk_reason(pred, ranks_per_host: int) -> str | None:
+    """The plan's reason for its disk tier (``None`` where the host holds everything)."""
+    info = getattr(pred, "disk", None)
+    if info is None:
+        return None
+    return (f"disk tier: {info.spilled_bytes * ranks_per_host} bytes a machine on the disk (masters and moments "
+            f"{info.optimizer_bytes}, parameter chunks {info.param_bytes}, gradients {info.grad_bytes} bytes a rank), "
+            f"{info.read_bytes + info.write_bytes} bytes moved a rank a step: {info.disk_s:.4g} s of disk against "
+            f"{info.step_without_disk_s:.4g} s of step ([Note: disk tier pricing])")

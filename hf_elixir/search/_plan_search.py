@@ -58,7 +58,7 @@ from hf_elixir.search._coarse import (DegreePruned, coarse_effort, fine_steps_to
 from hf_elixir.search._cost import DTYPE_BYTES, Knobs, build_chunked_step, fixed_memory, profile_blocks
 from hf_elixir.search._expert_parallel import expert_parallel_profile, rank_param_order
 from hf_elixir.search._cost import predict  # noqa: F401 (importable from here, as before the grid moved out)
-from hf_elixir.search._disk_cost import DiskTier, config_disk_tier, fit_host
+from hf_elixir.search._disk_cost import DiskTier, config_disk_tier, disk_reason, fit_host
 from hf_elixir.search._grid import (Candidate, SearchResult, _grad_elem_bytes, _memory_not_binding, _policy_key,
                                     _ranking, _refined, _search_one, _search_replicated, brute_force_grid)
 from hf_elixir.search._refine import RefineContext, StepBudget
@@ -444,6 +444,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                     size_reasons[best.data_parallel](best.chunk_size_numel), evaluated,
                     host_limit, activations_on_device, per_host, reduce_dtype)
     plan.reasons[2:2] = _data_parallel_reasons(modes, best, best_by_mode, world_size, tp)
+    plan.reasons += [r for r in (disk_reason(best.prediction, per_host),) if r]
     if ep > 1 or tp > 1:  # what prepare sees on each rank after parallelize ([Note: expert parallel pricing])
         plan.num_params, plan.param_order = rank_profile.num_params, rank_param_order(rank_profile)
     if best.data_parallel == "replicated":
