@@ -132,8 +132,8 @@ def table(rows: list[dict]) -> str:
 def disk_table(rows: list[dict]) -> str:
     """The disk tier's markdown table: where each model's state lives, the disk's seconds a step, and the tokens per
     step at which they hide under compute."""
-    lines = ["| model | TP x EP x DP | host / GPU | on disk / node | step (disk; compute alone) | tokens/step to hide "
-             "the disk | tokens/s there |", "|---|---|---|---|---|---|---|"]
+    lines = ["| model | TP x EP x DP | host / GPU | on disk / node | step: disk-bound; without the disk | tokens/step "
+             "hiding the disk | tokens/s there |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r["fits"]:
             lines.append(f"| {r['model']} | does not fit: {why_not(r['why'])} | - | - | - | - | - |")
