@@ -11,12 +11,19 @@ count); the most tokens per second of the whole job wins.
     PYTHONPATH=$PWD HF_HUB_OFFLINE=1 python benchmarks/plan_tables.py [--json benchmarks/plan_tables.json]
     python benchmarks/plan_tables.py --quick --json out.json      # one small model, one target (a smoke test)
     python benchmarks/plan_tables.py --all-names                  # every distinct built-in name on 8 x H100
+    python benchmarks/plan_tables.py --disk --json out.json       # the disk tier: the largest models on one node
 
 Assumptions (printed too, and in the JSON): bf16, AdamW, fp32 gradient reduce, batch 1 x 2048 tokens per
 data-parallel rank, activations counted in the device budget; every rate the target's ([Note: target rates] in
 ``hf_elixir/cli/_plan.py``): device rates from the ``--gpu`` preset, the host side a GPU server's (host AdamW 4.5
 G elements/s per GPU), nothing measured here, so any machine, busy or idle, prints the same plans. Fused MoE
 experts are kept fused where they fit (``prepare``'s ``split_fused_experts="auto"``, the CLI's default).
+
+``--disk``: DeepSeek-V3 (671B), a 1T-parameter MoE from Kimi-K2's config numbers (``kimi-k2-like``) and
+Llama-3.1-405B, full fine-tuning on one node of 8 x H100 with 1 TiB of host memory and 30 TB of NVMe at 25 GB/s
+(``--disk 30TB --disk-gbps 25``): what the host cannot hold lives on the disk, and each row gives the tokens per step
+at which the disk's traffic hides under compute ([Note: disk tier pricing] in ``hf_elixir/search/_disk_cost.py``).
+Anchor: ZeRO-Infinity (arXiv 2104.07857) trains a trillion parameters on one DGX-2 node from NVMe.
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ class Target:
     gpus_per_node: int
     host: str
     models: tuple[str, ...] = ()
+    disk: str | None = None  # a --disk value (per machine), with --disk-gbps disk_gbps
+    disk_gbps: float | None = None
 
 
 TARGETS = (
@@ -64,6 +73,9 @@ TARGETS = (
     Target("64 x H100-80GB (8 nodes), 2 TiB host each", "h100", 64, 8, "2TiB", models=("deepseek-v3",)),
 )
 QUICK_TARGETS = (Target("2 x H100-80GB, 1 TiB host", "h100", 2, 8, "1TiB"),)
+DISK_MODELS = ("deepseek-v3", "kimi-k2-like", "llama-3.1-405b")
+DISK_TARGETS = (Target("8 x H100-80GB, 1 TiB host, 30 TB NVMe at 25 GB/s", "h100", 8, 8, "1TiB", models=DISK_MODELS,
+                       disk="30TB", disk_gbps=25.0),)
 
 
 def plan_row(name: str, target: Target, *, batch: int, seq: int) -> dict:
@@ -71,6 +83,8 @@ def plan_row(name: str, target: Target, *, batch: int, seq: int) -> dict:
     argv = ["plan", "--model", name, "--gpu", target.gpu, "--num-gpus", str(target.num_gpus), "--gpus-per-node",
             str(target.gpus_per_node), "--host-memory", target.host, "--batch-size", str(batch), "--seq-len",
             str(seq), "--tensor-parallel-size", "auto", "--json"]
+    if target.disk:
+        argv[-1:-1] = ["--disk", target.disk, "--disk-gbps", f"{target.disk_gbps:g}"]
     out, err = io.StringIO(), io.StringIO()
     cpu, wall = time.process_time(), time.perf_counter()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -88,7 +102,7 @@ def plan_row(name: str, target: Target, *, batch: int, seq: int) -> dict:
 
 def why_not(text: str) -> str:
     """What a target lacks, in a table cell: the host memory per machine or the device budget the search names."""
-    host = re.search(r"\(([\d.,]+) GiB per host\)", text)
+    host = re.search(r"\(([\d.,]+) GiB per host[)\s]", text)
     device = re.search(r"a device_memory_budget_bytes of about (\d+)", text)
     if "fits host memory" in text and host:
         return f"needs {host.group(1)} GiB of host memory per machine"
@@ -115,6 +129,28 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def disk_table(rows: list[dict]) -> str:
+    """The disk tier's markdown table: where each model's state lives, the disk's seconds a step, and the tokens per
+    step at which they hide under compute."""
+    lines = ["| model | TP x EP x DP | host / GPU | on disk / node | step: disk-bound; without the disk | tokens/step "
+             "hiding the disk | tokens/s there |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if not r["fits"]:
+            lines.append(f"| {r['model']} | does not fit: {why_not(r['why'])} | - | - | - | - | - |")
+            continue
+        rep, c, d = r["report"], r["report"]["chosen"], r["report"]["disk"]
+        model = f"{r['model']} ({rep['parameters'] / 1e9:.0f} B)"
+        if d is None:
+            lines.append(f"| {model} | {c['tensor_parallel']} x {c['expert_parallel']} x {c['data_parallel']} | "
+                         f"{c['host_bytes_per_gpu'] / GIB:.0f} GiB | none | {c['step_s']:.3g} s | - | - |")
+            continue
+        lines.append(f"| {model} | {c['tensor_parallel']} x {c['expert_parallel']} x {c['data_parallel']} | "
+                     f"{c['host_bytes_per_gpu'] / GIB:.0f} GiB | {d['disk_bytes_per_machine'] / 1e12:.1f} TB | "
+                     f"{d['disk_s']:.0f} s; {d['step_without_disk_s']:.3g} s | {d['hide_tokens_per_step'] / 1e6:.1f} M "
+                     f"| {d['hide_tokens_per_s']:,.0f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=None, help=f"built-in names (default: {' '.join(MODELS)})")
@@ -123,14 +159,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one small model on one target (a smoke test)")
     parser.add_argument("--all-names", action="store_true",
                         help="every distinct built-in name on 8 x H100 (the planner's speed on each)")
+    parser.add_argument("--disk", action="store_true",
+                        help=f"the disk tier's table: {', '.join(DISK_MODELS)} on {DISK_TARGETS[0].name}")
     parser.add_argument("--json", default="benchmarks/plan_tables.json")
     args = parser.parse_args(argv)
     if args.seq_len is None:
         args.seq_len = 256 if args.quick else 2048
     if min(args.batch_size, args.seq_len) < 1:
         parser.error("--batch-size and --seq-len must be >= 1")
-    models = args.models or (("gpt2",) if args.quick else ALL_NAMES if args.all_names else MODELS)
-    targets = QUICK_TARGETS if args.quick else TARGETS[1:2] if args.all_names else TARGETS
+    models = args.models or (("gpt2",) if args.quick else ALL_NAMES if args.all_names else DISK_MODELS if args.disk
+                             else MODELS)
+    targets = (QUICK_TARGETS if args.quick else TARGETS[1:2] if args.all_names else DISK_TARGETS if args.disk
+               else TARGETS)
     started = time.perf_counter()
     rows = []
     for name in models:
@@ -142,10 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     assumptions = {"precision": "bf16", "optimizer": "adamw", "reduce_dtype": "fp32", "batch_size": args.batch_size,
                    "seq_len": args.seq_len, "rates": "the --gpu preset's and a GPU server's host (nothing measured)",
-                   "activations_on_device": True, "runtime_s": round(elapsed, 1)}
+                   "activations_on_device": True, "runtime_s": round(elapsed, 1),
+                   "disk": {"size": DISK_TARGETS[0].disk, "gbps": DISK_TARGETS[0].disk_gbps} if args.disk else None}
     print(f"PREDICTED (cost model, no GPU): bf16 AdamW, batch {args.batch_size} x {args.seq_len} per data-parallel "
           "rank, the target's rates (preset device, a GPU server's host: 4.5 G AdamW elements/s per GPU)")
-    print(table(rows))
+    print(disk_table(rows) if args.disk else table(rows))
     with open(args.json, "w") as f:
         json.dump({"assumptions": assumptions, "rows": rows}, f, indent=1)
     print(f"wrote {args.json} ({elapsed:.0f} s)")

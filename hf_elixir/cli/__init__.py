@@ -30,6 +30,7 @@ import os
 import sys
 from typing import Sequence
 
+from hf_elixir.cli._disk import add_disk_flags, add_probe_parser, check_disk_args
 from hf_elixir.config import parse_bytes
 
 __all__ = ["main", "parse_bytes"]
@@ -142,6 +143,7 @@ def _build_parser() -> argparse.ArgumentParser:
     target.add_argument("--internode-gbps", type=_positive_float, default=None,
                         help="GB/s per direction one GPU sends to other machines (default: the preset's 400 Gb/s "
                         "InfiniBand port per GPU, 40 GB/s achieved)")
+    add_disk_flags(target, _size, _positive_float)
     plan.add_argument("--batch-size", type=_positive_int, default=1,
                       help="micro-batch per data-parallel rank (the GPUs of a tensor-parallel group share one)")
     plan.add_argument("--seq-len", type=_positive_int, default=1024)
@@ -164,6 +166,7 @@ def _build_parser() -> argparse.ArgumentParser:
                       "bytes per element with its scales) instead of the compute dtype")
     plan.add_argument("--output", default=None, help="write the plan (.yaml/.yml or .json)")
     plan.add_argument("--json", action="store_true", help="print the report as JSON (for tools) instead of tables")
+    add_probe_parser(sub, _size)
     prof = sub.add_parser("profile", help="run one real step of a small model and draw the memory timeline")
     prof.add_argument("--model", default="tiny-gpt2", help="built-in name or local config (small!)")
     prof.add_argument("--batch-size", type=_positive_int, default=2)
@@ -215,6 +218,9 @@ def check_args(args: argparse.Namespace) -> None:
         ValueError: an --output of the wrong kind or in a folder that does not exist, or a tensor- or
             expert-parallel degree that does not divide --num-gpus.
     """
+    check_disk_args(args)
+    if args.command == "probe":
+        return
     if args.command == "plan" and args.output and not args.output.endswith((".yaml", ".yml", ".json")):
         raise ValueError(f"--output {args.output} must end in .yaml, .yml or .json")
     folder = os.path.dirname(os.path.abspath(args.output)) if args.output else ""
@@ -263,6 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from hf_elixir.cli._plan import cmd_plan  # noqa: PLC0415
 
             return cmd_plan(args)
+        if args.command == "probe":
+            from hf_elixir.cli._disk import cmd_probe  # noqa: PLC0415
+
+            return cmd_probe(args)
         from hf_elixir.cli._profile import cmd_profile  # noqa: PLC0415
 
         return cmd_profile(args)

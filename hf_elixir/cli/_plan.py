@@ -331,6 +331,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """``hf-elixir plan``: check, profile on meta, search (progress on stderr), report, write the plan."""
     import torch
 
+    from hf_elixir.cli._disk import disk_tier
     from hf_elixir.cli._report import build_report, print_json, print_report
     from hf_elixir.parallel._expert_units import split_fused_experts, splittable_names
     from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
@@ -343,6 +344,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     model, batch = meta_model_and_batch(config, batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype)
     hardware, rates, label, notes = target_hardware(args)
+    disk, disk_rates = disk_tier(args, hardware)  # [Note: disk tier pricing] in hf_elixir/search/_disk_cost.py
+    rates += disk_rates
     if splits_experts(args, model, hardware.device_total_bytes):  # [Note: split fused experts]
         split_fused_experts(model)
         notes.append("fused MoE experts split per expert (one chunk unit each)")
@@ -356,7 +359,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model_parallel = fixed_tp > 1 or (args.expert_parallel_size or 1) > 1
     with progress_reporter(PeriodicLines(sys.stderr.write)):
         result = run_search(args, profile, hardware, hardware.device_total_bytes,
-                            host_memory_bytes=hardware.host_total_bytes,
+                            host_memory_bytes=hardware.host_total_bytes, disk=disk,
                             data_parallel="sharded" if model_parallel else "auto",
                             replicated_placements={fqn: "replicated" for fqn in first},
                             placements_at=lambda tp: placements(model, args, 1, tp), heads=head_counts(config))

@@ -15,6 +15,7 @@ import json
 import sys
 from typing import Any
 
+from hf_elixir.cli._disk import disk_lines, disk_report
 from hf_elixir.plan import policy_summary
 
 __all__ = ["build_report", "human_bytes", "human_count", "human_s", "print_json", "print_report"]
@@ -118,6 +119,7 @@ def build_report(args: argparse.Namespace, profile, result, hardware, rates: lis
         "rates": rates, "alternatives": others[:8], "degrees": degrees,
         "searched_configurations": int(result.evaluated), "search_s": round(result.search_s, 2),
         "reasons": list(result.plan.reasons),
+        "disk": disk_report(pred, chosen["tokens_per_step"], min(args.num_gpus, args.gpus_per_node)),
     }
 
 
@@ -177,7 +179,7 @@ def print_report(report: dict, plan) -> None:
     from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 140)
-    for line in _headline(report):
+    for line in _headline(report) + disk_lines(report):
         console.print(line, highlight=False)
     rates = Table(title="rates priced (the target's, and where each came from)", title_justify="left")
     for col in ("rate", "value", "source"):

@@ -25,8 +25,10 @@ from typing import Any, Callable
 import torch
 
 from hf_elixir.profiler._device import nvml_handle, select_compute_device
+from hf_elixir.profiler._disk_probe import DiskRates, measure_disk
+from hf_elixir.profiler._disk_probe import cache_key as disk_cache_key
 
-__all__ = ["HardwareProfile", "probe_hardware", "default_cache_path"]
+__all__ = ["HardwareProfile", "probe_disk", "probe_hardware", "default_cache_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,9 @@ class HardwareProfile:
             known (a GPU preset sets both; :meth:`link_rate` then derives them). They price the all-to-all of
             expert parallelism (``hf_elixir/search/_expert_parallel.py``) and collectives of groups other than
             the one timed.
+        disk_read_bytes_per_s / disk_write_bytes_per_s / disk_dir: the sequential rates of the disk holding
+            ``disk_dir``, timed by ``hf-elixir probe`` (:func:`probe_disk`, [Note: disk probe] in ``_disk_probe.py``)
+            and kept in the cache beside the rest; ``None``: never measured on this machine.
     """
 
     hostname: str = ""
@@ -100,6 +105,9 @@ class HardwareProfile:
     can_overlap: bool = False
     intra_node_bytes_per_s: float | None = None
     inter_node_bytes_per_s: float | None = None
+    disk_read_bytes_per_s: float | None = None
+    disk_write_bytes_per_s: float | None = None
+    disk_dir: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -339,6 +347,45 @@ def _measure_collectives(device: torch.device, group: Any, numel: int, repeats: 
             "allreduce_bytes_per_s": nbytes / float(times[2]), "world_size": world}
 
 
+def _read_cache(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        logger.warning("ignoring unreadable hardware cache %s (%s)", path, exc)
+        return {}
+
+
+def _write_cache(path: Path, cache: dict[str, Any]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cache, indent=2))
+        tmp.replace(path)
+    except OSError as exc:
+        logger.warning("could not write hardware cache %s (%s)", path, exc)
+
+
+def probe_disk(directory: str | os.PathLike, *, size_bytes: int = 256 * 2**20, repeats: int = 2,
+               cache_path: str | Path | None = None) -> DiskRates:
+    """Measure the sequential write and read rates of the disk holding ``directory`` ([Note: disk probe] in
+    ``_disk_probe.py``) and keep them in the hardware cache (``hostname|disk``), so that every later
+    :func:`probe_hardware` on this machine carries them (``disk_read_bytes_per_s`` / ``disk_write_bytes_per_s``).
+
+    Raises:
+        ValueError: ``directory`` is not a writable folder, or ``size_bytes`` / ``repeats`` below 1.
+    """
+    rates = measure_disk(directory, size_bytes=size_bytes, repeats=repeats)
+    path = Path(cache_path) if cache_path is not None else default_cache_path()
+    cache = _read_cache(path)
+    cache[disk_cache_key()] = rates.to_cache()
+    _write_cache(path, cache)
+    logger.info("disk %s: write %.3g GB/s, read %.3g GB/s (%s reads, %d bytes)", rates.directory,
+                rates.write_bytes_per_s / 1e9, rates.read_bytes_per_s / 1e9, rates.method, rates.size_bytes)
+    return rates
+
+
 def probe_hardware(device: str | torch.device | None = None, *, budget_bytes: int | None = None,
                    cache_path: str | Path | None = None, refresh: bool = False, process_group: Any = None,
                    size_bytes: int = 32 * 2**20, repeats: int = 3) -> HardwareProfile:
@@ -370,12 +417,7 @@ def probe_hardware(device: str | torch.device | None = None, *, budget_bytes: in
     world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
     key = f"{socket.gethostname()}|{name}|world{world}"
     path = Path(cache_path) if cache_path is not None else default_cache_path()
-    cache: dict[str, Any] = {}
-    if path.exists():
-        try:
-            cache = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            logger.warning("ignoring unreadable hardware cache %s (%s)", path, exc)
+    cache = _read_cache(path)
     measured = cache.get(key) if not refresh else None
     need = measured is None or any(f not in measured for f in _MEASURED_FIELDS)
     if world > 1 and not need and measured.get("allreduce_bytes_per_s") is None:
@@ -392,14 +434,9 @@ def probe_hardware(device: str | torch.device | None = None, *, budget_bytes: in
         logger.info("measuring hardware (%s)", key)
         measured = _measure(dev, process_group, size_bytes, repeats)
         cache[key] = measured
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(cache, indent=2))
-            tmp.replace(path)
-        except OSError as exc:
-            logger.warning("could not write hardware cache %s (%s)", path, exc)
+        _write_cache(path, cache)
     values = dict(measured)
+    values.update(cache.get(disk_cache_key(), {}))  # hf-elixir probe's disk rates, where measured here
     values.update(hostname=socket.gethostname(), device_name=name, device_kind=dev.type,
                   device_total_bytes=total, device_free_bytes=free, host_total_bytes=int(vm.total),
                   host_available_bytes=int(vm.available), can_overlap=dev.type == "cuda")

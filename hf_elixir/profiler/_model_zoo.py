@@ -3,7 +3,8 @@
 Built-in sizes follow the published model cards' configurations (GPT-2: Radford et al. 2019; OPT: Zhang
 et al. 2022, table 1; Switch Transformers base-N: Fedus et al. 2021, T5-base backbone; today's models from the ``config.json`` their
 publishers ship on the hub: meta-llama/Llama-3.1-8B, Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1,
-deepseek-ai/DeepSeek-V3, openai/gpt-oss-20b). Any other model
+deepseek-ai/DeepSeek-V3, openai/gpt-oss-20b, meta-llama/Llama-3.1-405B; ``kimi-k2-like``: moonshotai/Kimi-K2's
+numbers on the DeepSeek-V3 architecture). Any other model
 is read from a local directory or a ``config.json`` file.
 """
 
@@ -51,12 +52,27 @@ _TODAY: dict[tuple[str, str], dict[str, Any]] = {
         "n_group": 8, "topk_group": 4, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
         "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280, "max_position_embeddings": 163840,
         "tie_word_embeddings": False},
+    ("meta-llama", "Llama-3.1-405B"): {
+        "model_type": "llama", "hidden_size": 16384, "num_hidden_layers": 126, "num_attention_heads": 128,
+        "num_key_value_heads": 8, "intermediate_size": 53248, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": False},
     ("openai", "gpt-oss-20b"): {
         "model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
         "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880, "num_local_experts": 32,
         "num_experts_per_tok": 4, "vocab_size": 201088, "max_position_embeddings": 131072, "sliding_window": 128,
         "tie_word_embeddings": False},
 }
+
+
+# a 1T-parameter MoE from moonshotai/Kimi-K2-Instruct's published config.json numbers, built as the DeepSeek-V3
+# architecture it uses (MLA attention, one shared expert, the first layer dense): not the hub model itself
+# (its tokenizer, weights and remote code are not used), hence the name
+_KIMI_K2_LIKE: dict[str, Any] = {
+    "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 64,
+    "num_key_value_heads": 64, "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 384,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "vocab_size": 163840, "max_position_embeddings": 131072, "tie_word_embeddings": False}
 
 
 def _builtin() -> dict[str, dict[str, Any]]:
@@ -83,6 +99,7 @@ def _builtin() -> dict[str, dict[str, Any]]:
     for (org, name), cfg in _TODAY.items():
         out[name] = out[name.lower()] = out[f"{org}/{name}"] = cfg
     out["mixtral-8x7b"] = _TODAY[("mistralai", "Mixtral-8x7B-v0.1")]
+    out["kimi-k2-like"] = _KIMI_K2_LIKE
     # special token ids inside the 128-token vocabulary (GPT2Config's defaults, 50256, are not: a warning)
     out["tiny-gpt2"] = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 128,
                         "n_positions": 64, "bos_token_id": 0, "eos_token_id": 0}

@@ -58,6 +58,7 @@ from hf_elixir.search._coarse import (DegreePruned, coarse_effort, fine_steps_to
 from hf_elixir.search._cost import DTYPE_BYTES, Knobs, build_chunked_step, fixed_memory, profile_blocks
 from hf_elixir.search._expert_parallel import expert_parallel_profile, rank_param_order
 from hf_elixir.search._cost import predict  # noqa: F401 (importable from here, as before the grid moved out)
+from hf_elixir.search._disk_cost import DiskTier, config_disk_tier, disk_reason, fit_host
 from hf_elixir.search._grid import (Candidate, SearchResult, _grad_elem_bytes, _memory_not_binding, _policy_key,
                                     _ranking, _refined, _search_one, _search_replicated, brute_force_grid)
 from hf_elixir.search._refine import RefineContext, StepBudget
@@ -185,7 +186,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
            reduce_dtype: str | None = "fp32", host_memory_name: str = "host_memory_bytes=",
            expert_parallel_size: int = 1, tensor_parallel_size: int = 1,
            tensor_parallel_placements: dict[str, str] | None = None, parallelized: bool = False,
-           incumbent_s: float | None = None) -> SearchResult:
+           incumbent_s: float | None = None, disk: DiskTier | None = None) -> SearchResult:
     """Profile (if given a model) and search; see :func:`search_plan` for the arguments.
 
     ``expert_parallel_size`` / ``tensor_parallel_size`` price one rank of that degree ([Note: expert parallel
@@ -198,6 +199,10 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     ``incumbent_s``: the step seconds (at this degree's tokens per step) of a plan another degree already found;
     steps that cannot beat it are skipped, and a degree none of whose steps can raises :class:`DegreePruned`
     ([Note: coarse to fine] in ``_coarse.py``: a coarse pass over every step, the fine grid for the few best).
+
+    ``disk``: a :class:`~hf_elixir.search._disk_cost.DiskTier` that holds what host memory does not (fp32 masters
+    and optimizer moments first, then parameter chunks), its traffic priced under the step ([Note: disk tier
+    pricing] in ``_disk_cost.py``); ``None``: host memory is the last tier.
 
     ``host_memory_name`` is how the caller's user sets the host memory (the CLI's ``--host-memory``,
     ``ElixirConfig.host_memory_budget_bytes``); the error when nothing fits the host names it.
@@ -317,11 +322,10 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
             more, count = _search_one(sb.step, hardware, sb.pool_bytes, sb.work_limit_bytes, activations_on_device,
                                       effort["grid_points"], effort["prefetch_depths"], rank_host,
                                       overlap_host_optimizer, fill_fractions=effort["fill_fractions"])
-        if host_limit is not None:  # host memory is per machine: every local rank holds its part
-            kept = [c for c in more if c.prediction.host_bytes * per_host <= host_limit]
-            over_host += len(more) - len(kept)
-            least_host = min([least_host] + [c.prediction.host_bytes for c in more if c not in kept])
-            more = kept
+        if host_limit is not None:  # host memory is per machine: every local rank holds its part (the disk the
+            # rest, [Note: disk tier pricing] in _disk_cost.py)
+            more, over, least = fit_host(more, sb.step, host_limit, per_host, disk, activations_on_device, rank_host)
+            over_host, least_host = over_host + over, min(least_host, least)
         evaluated += count
         return more
 
@@ -375,7 +379,9 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                 f"{'' if host_memory_bytes is not None else ', measured on this machine'}) with {per_host} rank(s) "
                 f"per host (and device_memory_budget_bytes={budget}); {over_host} fitting the device need more host "
                 f"memory, the least {int(least_host)} bytes per rank ({int(least_host) * per_host / 2**30:.1f} GiB "
-                f"per host). Use more machines, a larger budget, or raise {host_memory_name} if the host is larger"
+                f"per host{'' if disk is None else f' beside a {disk.capacity_bytes}-byte disk'}). Use more machines, "
+                f"a larger budget, {'a disk tier' if disk is None else 'a larger disk'}, or raise {host_memory_name} "
+                "if the host is larger"
                 f"{'' if host_memory_bytes is not None else ' (the target host, not this one)'}")
         # the least over every chunk size the search priced (the first candidate for the whole limit alone overstated
         # it: a tiny GPT-2 was told 676356 bytes where a budget of 512500 fitted, with a smaller chunk), and as a
@@ -418,7 +424,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                             prefetch_depths=tuple(prefetch_depths), policy_searched=len(policies) > 1,
                             host_budget_bytes=host_limit // per_host if host_limit is not None else None,
                             host_limit_bytes=host_limit, ranks_per_host=per_host,
-                            overlap_host_optimizer=overlap_host_optimizer)
+                            overlap_host_optimizer=overlap_host_optimizer, disk=disk)
         found += _refined(found, ctx, refine_starts, refine_max_priced)
         evaluated += ctx.priced
         found.sort(key=_ranking(profile))
@@ -438,6 +444,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                     size_reasons[best.data_parallel](best.chunk_size_numel), evaluated,
                     host_limit, activations_on_device, per_host, reduce_dtype)
     plan.reasons[2:2] = _data_parallel_reasons(modes, best, best_by_mode, world_size, tp)
+    plan.reasons += [r for r in (disk_reason(best.prediction, per_host),) if r]
     if ep > 1 or tp > 1:  # what prepare sees on each rank after parallelize ([Note: expert parallel pricing])
         plan.num_params, plan.param_order = rank_profile.num_params, rank_param_order(rank_profile)
     if best.data_parallel == "replicated":
@@ -562,7 +569,7 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
                     host_memory_name="ElixirConfig.host_memory_budget_bytes (per rank)",
                     overlap_host_optimizer=getattr(config, "overlap_host_optimizer", None),
                     reduce_dtype=getattr(config, "reduce_dtype", "fp32"), **optimizer_cost_terms(optimizer, config),
-                    **parallel_kwargs)
+                    disk=config_disk_tier(config, hardware, per_host), **parallel_kwargs)
     plan = result.plan
     plan.world_size = world_size  # prepare's group (the data-parallel one when given as ElixirConfig.process_group)
     if note:

@@ -52,6 +52,7 @@ from typing import Callable
 
 from hf_elixir.profiler import HardwareProfile
 from hf_elixir.search._cost import ChunkedStep, Knobs, Prediction, _uploaded_chunks, fixed_memory, predict
+from hf_elixir.search._disk_cost import DiskTier, spill
 
 __all__ = ["RefineContext", "StepBudget", "fits", "refine"]
 
@@ -90,6 +91,7 @@ class RefineContext:
     host_limit_bytes: int | None = None  # per machine
     ranks_per_host: int = 1
     overlap_host_optimizer: bool | None = None
+    disk: DiskTier | None = None  # holds what the host does not ([Note: disk tier pricing] in _disk_cost.py)
     # (data_parallel, chunk size, policy key, knobs) -> prediction or None; shared by every climb
     memo: dict[tuple, Prediction | None] = field(default_factory=dict)
     priced: int = 0
@@ -281,9 +283,12 @@ def _price(ctx: RefineContext, mode: str, size: int, policy: dict[str, str] | No
                    activations_on_device=ctx.activations_on_device, host_budget_bytes=ctx.host_budget_bytes,
                    overlap_host_optimizer=ctx.overlap_host_optimizer)
     ctx.priced += 1
-    ok = pred is not None and fits(step, knobs, pred, budget.pool_bytes, budget.work_limit_bytes,
-                                   ctx.working_sets) and (
-        ctx.host_limit_bytes is None or pred.host_bytes * ctx.ranks_per_host <= ctx.host_limit_bytes)
+    ok = pred is not None and fits(step, knobs, pred, budget.pool_bytes, budget.work_limit_bytes, ctx.working_sets)
+    if ok and ctx.host_limit_bytes is not None:  # the host, then the disk ([Note: disk tier pricing])
+        pred = (spill(step, knobs, pred, ctx.disk, ctx.host_limit_bytes, ctx.ranks_per_host,
+                      ctx.activations_on_device, ctx.host_budget_bytes) if ctx.disk is not None
+                else pred if pred.host_bytes * ctx.ranks_per_host <= ctx.host_limit_bytes else None)
+        ok = pred is not None
     ctx.memo[key] = pred if ok else None
     return ctx.memo[key]
 
