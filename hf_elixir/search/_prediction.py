@@ -40,3 +40,4 @@ class Prediction:
     alltoall_bytes: int = 0  # sent by each rank in the step's MoE all-to-alls ([Note: expert parallel pricing])
     # sent by each rank in the split layers' all-reduces / all-gathers ([Note: tensor parallel pricing])
     tensor_parallel_bytes: int = 0
+    disk: object = None  # the disk tier's DiskSpill, where it holds what the host does not ([Note: disk tier pricing])
