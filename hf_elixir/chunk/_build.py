@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hf_elixir.chunk.chunk import Chunk, ChunkBytes, ParamSlot
 from hf_elixir.chunk.manager import ChunkManager
-from hf_elixir.chunk._carriers import is_carrier_name
+from hf_elixir.chunk._frozen_apart import frozen_apart
 from hf_elixir.chunk.packing import ChunkLayout, pack_chunks
 from hf_elixir.config import ElixirConfig
 from hf_elixir.plan import ElixirPlan
@@ -53,7 +53,7 @@ def _group_size(group) -> int:
 
 
 def comm_buckets(params, names, placements: dict[str, str], group_of: GroupOf):
-    """Split ``params`` (order kept) by (process group, grad-norm replicas, replicated).
+    """Split ``params`` (order kept) by (process group, grad-norm replicas, replicated, trained).
 
     Plain data parallel: one bucket over the default group. A model rewritten by
     :func:`hf_elixir.parallel.parallelize` gets the groups of its mesh (see [Note: gradient groups] in
@@ -61,21 +61,22 @@ def comm_buckets(params, names, placements: dict[str, str], group_of: GroupOf):
     the rest over the data-parallel group; parameters replicated across tensor-parallel ranks count
     once in the global gradient norm (``replicas = tp``). Parameters of modules placed ``"replicated"``
     go to chunks every rank keeps whole (no all-gather), whose gradients are all-reduced over the group.
+    Frozen parameters (LoRA's base, an NF4 base's packed bytes) never share a chunk with trained ones
+    ([Note: frozen chunks apart] in ``_frozen_apart.py``).
 
     Returns:
         list of ``(group, replicas, replicated, params)``.
     """
-    buckets: dict[tuple[int, int, bool, bool], tuple] = {}
+    params = list(params)
+    groups: dict[int, object] = {}
+    keys = []
     for p in params:
         name = names[p][0]
-        replicated = _placement_of(placements, name) == "replicated"
         group, replicas = group_of(name)
-        # an NF4 base's packed bytes never share a chunk with trained parameters ([Note: carriers in frozen chunks])
-        key = (id(group), replicas, replicated, is_carrier_name(name, p.requires_grad))
-        if key not in buckets:
-            buckets[key] = (group, replicas, replicated, [])
-        buckets[key][3].append(p)
-    return list(buckets.values())
+        groups[id(group)] = group
+        keys.append((id(group), replicas, _placement_of(placements, name) == "replicated"))
+    return [(groups[group_id], replicas, replicated, [params[i] for i in indices])
+            for (group_id, replicas, replicated), indices in frozen_apart(keys, [p.requires_grad for p in params])]
 
 
 def _build_bucket(params_in_order, names, layout: ChunkLayout, dtype, group, device, manager,

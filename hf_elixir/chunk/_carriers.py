@@ -1,7 +1,6 @@
 """Which parameters are carriers: frozen parametrizations' originals, such as an NF4 weight's packed bytes ([Note: NF4
-in chunks] in ``_nf4.py``), which get chunks of their own ([Note: carriers in frozen chunks] there). Both the chunks
-``prepare`` builds (``_build.comm_buckets``) and the search's packing of a profile (names only) ask this, so they lay
-out the same chunks."""
+in chunks] in ``_nf4.py``), which are exported in the compute dtype (``runtime/_exports.py``). Like every frozen
+parameter they get chunks of their own ([Note: frozen chunks apart] in ``_frozen_apart.py``)."""
 
 from __future__ import annotations
 

@@ -28,11 +28,10 @@ chunk would be freed before the backward reads it). The copy lives from the laye
 optimizer steps (``lr`` 0 on frozen elements) and casts back into the compute copy. Bytes that read as NaN or inf in the
 compute dtype do not survive that: fp32 -> bf16 turns every NaN into the one canonical NaN (``c10::BFloat16``), and
 ``inf * 0`` is NaN. With bf16 compute, 10 of 14 NF4 weights of the test's Llama came back with other codes after
-three steps when carriers shared chunks with the adapters. So carriers are packed in communication buckets of their own
-(``comm_buckets`` in ``_build.py``, by ``_carriers.is_carrier_name``; the search's packing splits the same way): their
-chunks hold no trained parameter, so no master, optimizer step, cast or gradient buffer ever touches them. This is
-also the layout ``hf-elixir plan`` prices for LoRA ([Note: LoRA packing] in ``hf_elixir/cli/_plan.py``): the base's
-chunks are gathered only.
+three steps when carriers shared chunks with the adapters. So carriers, as every frozen parameter, are packed in
+communication buckets of their own ([Note: frozen chunks apart] in ``_frozen_apart.py``; the search's packing splits
+the same way): their chunks hold no trained parameter, so no master, optimizer step, cast or gradient buffer ever
+touches them.
 
 Refused with the parameter's name: an NF4 parameter that requires grad (the base is frozen in QLoRA), one whose inner
 tensors do not match its block sizes, one tied under two names, streamed init from a checkpoint, and a tensor- or

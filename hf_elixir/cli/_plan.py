@@ -250,27 +250,6 @@ def _with_lora(model, args: argparse.Namespace):
         raise ValueError(f"--lora-targets {' '.join(args.lora_targets or ['all-linear'])}: {err}") from None
 
 
-def trained_last(profile):
-    """``profile`` with its trained parameters (LoRA's adapters) after the frozen ones, in the same relative order.
-
-    [Note: LoRA packing] Chunks are packed in ``ElixirPlan.param_order`` (``prepare`` packs the model that way too),
-    and a chunk with any trained parameter carries gradient buffers, reduce-scatters and optimizer state for its
-    whole shard. In module order every layer's adapters share chunks with its frozen weights, so a LoRA plan would
-    pay full fine-tuning's state (Llama-3.1-70B at r16: 1.2 TiB of host memory). With the adapters last they fill
-    chunks of their own: the frozen base's chunks have no gradients, optimizer state or reduce-scatters (gathers
-    only), and the adapters' few chunks, used by every layer, are what the search keeps resident."""
-    import dataclasses
-
-    order = ([i for i, g in enumerate(profile.param_requires_grad) if not g]
-             + [i for i, g in enumerate(profile.param_requires_grad) if g])
-    new = {old: pos for pos, old in enumerate(order)}
-    pick = lambda values: [values[i] for i in order] if values else values  # noqa: E731
-    return dataclasses.replace(
-        profile, param_names=pick(profile.param_names), param_numels=pick(profile.param_numels),
-        param_requires_grad=pick(profile.param_requires_grad), grad_ready_event=pick(profile.grad_ready_event),
-        events=[dataclasses.replace(e, params=[new[i] for i in e.params]) for e in profile.events])
-
-
 def nf4_bytes_per_element(precision: str) -> float:
     """Bytes per element of a weight stored as NF4 (torchao's ``to_nf4`` defaults).
 
@@ -305,8 +284,9 @@ def frozen_as_nf4(profile, precision: str):
 
 def _profiled(model, batch, args: argparse.Namespace, notes: list[str]):
     """``(model, profile, parameters)``: the model as trained (peft's adapters with ``--lora-rank``), its step
-    profiled on meta (adapters packed last: [Note: LoRA packing]; a frozen base priced as NF4 with ``--quantize
-    nf4``: [Note: NF4 pricing]) and its parameter count."""
+    profiled on meta (the frozen base packed apart from the adapters, as ``prepare`` packs it: [Note: frozen chunks
+    apart] in ``hf_elixir/chunk/_frozen_apart.py``; a frozen base priced as NF4 with ``--quantize nf4``: [Note: NF4
+    pricing]) and its parameter count."""
     from hf_elixir.profiler import profile_step
 
     lora, nf4 = getattr(args, "lora_rank", None), getattr(args, "quantize", None) == "nf4"
@@ -316,8 +296,6 @@ def _profiled(model, batch, args: argparse.Namespace, notes: list[str]):
                      f"{'NF4' if nf4 else 'the compute dtype'} (no gradients, optimizer state or reduce-scatters), "
                      "the adapters are trained with their AdamW state")
     profile = profile_step(model, batch, device="meta", forward_only=args.optimizer == "none")
-    if lora:
-        profile = trained_last(profile)
     parameters = profile.num_params
     if nf4:
         profile = frozen_as_nf4(profile, args.precision)

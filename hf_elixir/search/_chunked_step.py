@@ -18,7 +18,7 @@ import functools
 from dataclasses import dataclass, field
 
 from hf_elixir.chunk import pack_chunks
-from hf_elixir.chunk._carriers import is_carrier_name
+from hf_elixir.chunk._frozen_apart import frozen_apart
 from hf_elixir.chunk.packing import ChunkLayout
 from hf_elixir.chunk.schedule import StepOrder
 from hf_elixir.profiler import HardwareProfile, StepProfile
@@ -259,7 +259,7 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
     if replicated:
         world_size = 1
     if tp > 1:  # every chunk over the data-parallel group, ranks r, r + tp, ... (parallel/_groups.py)
-        layout = pack_chunks(profile.param_numels, chunk_size_numel, world_size // tp)
+        layout, _ = _pack(profile, chunk_size_numel, world_size // tp, False, None, 1)
         chunk_world_sizes = [world_size // tp] * layout.num_chunks
     else:
         layout, chunk_world_sizes = _pack(profile, chunk_size_numel, world_size, replicated,
@@ -361,29 +361,27 @@ def _pack(profile: StepProfile, chunk_size_numel: int, world_size: int, replicat
           experts: frozenset[int] | None, expert_world_size: int) -> tuple[ChunkLayout, list[int]]:
     """The chunk layout (member indices into ``profile.param_numels``) and, under expert parallelism (``experts``:
     the expert parameters), each chunk's group size: as ``hf_elixir.chunk._build.build_chunks``, the parameters
-    split into buckets by group (order kept; the bucket of the first parameter first), each packed for its group
-    ([Note: expert parallel pricing] in ``_expert_parallel.py``). Without experts: one bucket, no group sizes (two
-    with an NF4 base: its carriers apart, [Note: carriers in frozen chunks] in ``hf_elixir/chunk/_nf4.py``)."""
-    carriers = {i for i, (name, trained) in enumerate(zip(profile.param_names, profile.param_requires_grad))
-                if is_carrier_name(name, trained)}
-    if experts is None and not carriers:
-        return pack_chunks(profile.param_numels, chunk_size_numel, world_size, bucket_packing=replicated), []
-    buckets: dict[tuple[bool, bool], list[int]] = {}
-    for i in range(len(profile.param_numels)):
-        buckets.setdefault((experts is not None and i in experts, i in carriers), []).append(i)
+    split into buckets by group and by whether they are trained (order kept; the bucket of the first parameter
+    first: ``frozen_apart``, [Note: frozen chunks apart] in ``hf_elixir/chunk/_frozen_apart.py``), each packed for
+    its group ([Note: expert parallel pricing] in ``_expert_parallel.py``). Without experts, no group sizes."""
+    numels = profile.param_numels
+    trained = profile.param_requires_grad or [True] * len(numels)
+    buckets = frozen_apart([experts is not None and i in experts for i in range(len(numels))], trained)
+    if experts is None and len(buckets) <= 1:
+        return pack_chunks(numels, chunk_size_numel, world_size, bucket_packing=replicated), []
     members: list[list[int]] = []
     offsets: list[list[int]] = []
-    numels: list[int] = []
+    chunk_numels: list[int] = []
     used: list[int] = []
     sizes: list[int] = []
-    for (is_expert, _), indices in buckets.items():
+    for is_expert, indices in buckets:
         ws = expert_world_size if is_expert else world_size
-        part = pack_chunks([profile.param_numels[i] for i in indices], chunk_size_numel, ws,
+        part = pack_chunks([numels[i] for i in indices], chunk_size_numel, ws,
                            bucket_packing=replicated and experts is None)
         members += [[indices[m] for m in chunk] for chunk in part.members]
         offsets += part.offsets
-        numels += part.chunk_numels
+        chunk_numels += part.chunk_numels
         used += part.used_numels
         sizes += [ws] * part.num_chunks
-    return ChunkLayout(members=members, offsets=offsets, chunk_numels=numels, used_numels=used), \
+    return ChunkLayout(members=members, offsets=offsets, chunk_numels=chunk_numels, used_numels=used), \
         (sizes if experts is not None else [])

@@ -170,11 +170,10 @@ def _placed_floors(model, optimizer, config: ElixirConfig, world_size: int) -> d
     floor])."""
     placements = placements_for_plan(model, config)
     names = unique_params(model)
-    # [Note: LoRA floor] packed in the plan's order, as prepare packs (``search/_lay_out.py``): a LoRA plan's
-    # adapters after the frozen base ([Note: LoRA packing] in ``hf_elixir/cli/_plan.py``), so only the adapters'
-    # chunks count gradient buffers and optimizer state. Without a plan, prepare packs in module order and a chunk
-    # holding a layer's adapters beside its frozen weights carries them for its whole shard (``Sizes``): the floor
-    # counts that too, as the run would charge it.
+    # [Note: LoRA floor] packed in the plan's order (else module order) and split as prepare packs
+    # (``search/_lay_out.py``, ``chunk_specs``): a LoRA model's frozen base in chunks apart from its adapters
+    # ([Note: frozen chunks apart] in ``hf_elixir/chunk/_frozen_apart.py``), so only the adapters' chunks count
+    # gradient buffers and optimizer state.
     # (a plan naming parameters this layout lacks, e.g. made for the fused experts, is not prepare's here: model order)
     known = {ns[0] for ns in names.values()}
     plan = config.plan if config.plan is not None and set(config.plan.param_order) <= known else None
