@@ -27,9 +27,9 @@ _STATS = ("num_evictions", "host_bytes", "h2d_bytes", "d2h_bytes", "device_total
 def _config(tp: int, ep: int, budget_bytes: int | None, **kwargs):
     import hf_elixir
 
-    return hf_elixir.ElixirConfig(tensor_parallel_size=tp, expert_parallel_size=ep, chunk_size_numel=CHUNK_NUMEL,
-                                  device_memory_budget_bytes=budget_bytes, budget_covers_activations=False,
-                                  split_fused_experts=True, **kwargs)
+    kwargs = {"chunk_size_numel": CHUNK_NUMEL, "split_fused_experts": True, **kwargs}
+    return hf_elixir.ElixirConfig(tensor_parallel_size=tp, expert_parallel_size=ep, device_memory_budget_bytes=budget_bytes,
+                                  budget_covers_activations=False, **kwargs)
 
 
 def _reference_step(ref, opt_ref, step: int, num_batches: int):
@@ -46,6 +46,7 @@ def train_case(family: str, *, tp: int = 2, ep: int = 2, budget: str = "none", s
     fresh run from it for the remaining steps (the resumed run must match the reference too)."""
     import hf_elixir
     from hf_elixir.parallel import build_mesh, parallelize
+    from hf_elixir.runtime._state import get_state
 
     model = make_moe_model(family)
     ref = copy.deepcopy(model)
@@ -80,6 +81,9 @@ def train_case(family: str, *, tp: int = 2, ep: int = 2, budget: str = "none", s
              groups=_group_ranks(mesh), budget_bytes=budget_bytes,
              **{k: v for k, v in hf_elixir.memory_stats(model).items() if k in _STATS},
              local_expert_rows=sorted({tuple(p.shape)[0] for n, p in model.named_parameters() if ".experts." in n}))
+    manager = get_state(model).manager  # what the planner prices per rank: the chunks' shards and their groups
+    m["shard_numel"] = sum(c.shard_numel for c in manager.chunks)
+    m["chunk_group_sizes"] = sorted({c.world_size for c in manager.chunks})
     if save_dir is not None:
         m["resumed_rel"] = _resume(family, tp, ep, budget_bytes, save_dir, ref_sd)
     return m
@@ -133,12 +137,84 @@ def _resume(family: str, tp: int, ep: int, budget_bytes, save_dir: str, ref_sd: 
     return max(rel(full[k], ref_sd[k]) for k in ref_sd if ref_sd[k].norm() > 0)
 
 
+def stream_case(family: str, *, folder: str, tp: int = 2, ep: int = 2) -> dict:
+    """Streamed load under tp x ep: ``prepare(model_on_meta, checkpoint=folder)`` on a folder plain ``save_pretrained``
+    wrote, against the same model loaded by ``from_pretrained``, parallelized and prepared; two training steps each.
+    Then ``save_pretrained`` of the streamed model (collective: full tensors) loads into plain ``from_pretrained``."""
+    import transformers as T
+
+    import hf_elixir
+    from hf_elixir.parallel import parallelize
+
+    if dist.get_rank() == 0:
+        make_moe_model(family).save_pretrained(folder)
+    dist.barrier()
+    T.logging.set_verbosity_error()
+    runs = []
+    for streamed in (False, True):
+        cfg = _config(tp, ep, None)
+        if streamed:
+            with torch.device("meta"):
+                model = T.AutoModelForCausalLM.from_config(T.AutoConfig.from_pretrained(folder),
+                                                           attn_implementation="eager")
+        else:
+            model = T.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").train()
+        mesh = parallelize(model, cfg).mesh
+        opt = _adamw(model)
+        model, opt = hf_elixir.prepare(model, opt, cfg, checkpoint=folder if streamed else None)
+        losses = []
+        for step in range(2):
+            loss = model(**_batch(step, mesh.batch_index)).loss
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, model.state_dict(), model))
+    (plain_losses, plain_sd, _), (streamed_losses, streamed_sd, streamed_model) = runs
+    streamed_model.save_pretrained(folder + "-trained")  # every rank: the full tensors, written by rank 0
+    loaded = T.AutoModelForCausalLM.from_pretrained(folder + "-trained").state_dict()
+    return {
+        "same_losses": plain_losses == streamed_losses,
+        "bitwise": plain_sd.keys() == streamed_sd.keys() and all(torch.equal(plain_sd[k], streamed_sd[k])
+                                                                  for k in plain_sd),
+        "saved_loads_bitwise": loaded.keys() == streamed_sd.keys() and all(torch.equal(loaded[k], streamed_sd[k])
+                                                                           for k in loaded),
+    }
+
+
+def reshard_case(family: str, *, save_dir: str) -> dict:
+    """Weights only across layouts: a checkpoint saved at tp=2 x ep=2 loads (``optimizer=None``) into a tp=2 x ep=4
+    model and into a plain data-parallel one, both ending with the saved model's full state dict."""
+    import hf_elixir
+    from hf_elixir.parallel import parallelize
+
+    out = {}
+    for tp, ep in ((2, 2), (2, 4), (1, 1)):
+        model = make_moe_model(family, seed=tp * 10 + ep)
+        # fused experts kept fused: a checkpoint of split experts loads on its own layout only
+        cfg = _config(tp, ep, None, chunk_size_numel=CHUNK_NUMEL * 2, split_fused_experts=False)
+        if tp > 1:
+            parallelize(model, cfg)
+        opt = _adamw(model)
+        model, opt = hf_elixir.prepare(model, opt, cfg)
+        if (tp, ep) == (2, 2):
+            opt.backward(model(**_batch(0, 0)).loss)
+            opt.step()
+            hf_elixir.save_checkpoint(save_dir, model, opt, step=1)
+            saved = model.state_dict()
+            continue
+        hf_elixir.load_checkpoint(save_dir, model, None)
+        now = model.state_dict()
+        out[f"tp{tp}_ep{ep}_bitwise"] = now.keys() == saved.keys() and all(torch.equal(now[k], saved[k]) for k in now)
+    return out
+
+
 def run_cases(rank: int, world_size: int, cases: list[tuple[str, dict]]) -> dict:
     """``run_distributed`` target: every case in order -> ``{name: metrics}``."""
     torch.use_deterministic_algorithms(False)
-    run = {"train": train_case}
+    run = {"train": train_case, "stream": stream_case, "reshard": reshard_case}
     return {name: run[dict(kwargs).pop("kind", "train")](**{k: v for k, v in kwargs.items() if k != "kind"})
             for name, kwargs in cases}
 
 
-__all__ = ["LR", "run_cases", "train_case"]
+__all__ = ["LR", "reshard_case", "run_cases", "stream_case", "train_case"]

@@ -8,7 +8,7 @@ evicted). Parity with plain PyTorch (fp32, 5 steps of AdamW with weight decay on
 below every step's, same seeds): losses, gradient norms, ``full_gradients`` after the first clip and the full
 ``model.state_dict()`` after the last step. One case resumes from a checkpoint saved after step 3 (a fresh model of
 other weights, same layout) and must reach the same weights; one runs ``expert_parallel_size=4`` (an ep group of two
-tp groups, one copy of each expert). What each rank runs is in ``tests/_tp_ep_cases.py``; the 8-rank launch as
+tp groups, one copy of each expert). Streamed load, ``save_pretrained`` and weights loaded into other layouts too. What each rank runs is in ``tests/_tp_ep_cases.py``; the 8-rank launch as
 2 nodes x 4 processes is ``test_tp_ep_eight_ranks_on_two_nodes`` (slow; these cases cover the same code).
 """
 
@@ -44,6 +44,8 @@ def _results(tmp_path_factory) -> dict:
     if not _RESULTS:
         root = tmp_path_factory.mktemp("tp_ep")
         cases = [(name, {**kw, "save_dir": str(root / name)} if name == RESUMED else kw) for name, kw in CASES]
+        cases += [("stream", {"kind": "stream", "family": "deepseek_v3", "folder": str(root / "stream")}),
+                  ("reshard", {"kind": "reshard", "family": "qwen3_moe", "save_dir": str(root / "reshard")})]
         per_rank = run_distributed(run_cases, 4, cases, timeout_s=600)
         _RESULTS.update({name: [r[name] for r in per_rank] for name, _ in cases})
     return _RESULTS
@@ -88,6 +90,21 @@ def test_resume_from_a_checkpoint_at_the_same_layout(tmp_path_factory):
     for m in _results(tmp_path_factory)[RESUMED]:
         assert m["resumed_rel"] is not None and m["resumed_rel"] < TOL_WORST_TENSOR, m
         assert m["resumed_rel"] == pytest.approx(m["param_rel_worst_tensor"], rel=1e-3), m  # the same weights
+
+
+def test_streamed_load_and_save_pretrained(tmp_path_factory):
+    """``prepare(meta_model, checkpoint=folder)`` under tp=2 x ep=2 (DeepSeek-V3: MLA attention split over tp, experts
+    over ep) trains bitwise as ``from_pretrained`` + ``parallelize`` + ``prepare``; its ``save_pretrained`` (every rank)
+    loads into plain ``from_pretrained`` with the same tensors."""
+    for m in _results(tmp_path_factory)["stream"]:
+        assert m == {"same_losses": True, "bitwise": True, "saved_loads_bitwise": True}, m
+
+
+def test_weights_load_into_other_layouts(tmp_path_factory):
+    """A tp=2 x ep=2 checkpoint's weights (``load_checkpoint(..., optimizer=None)``) load bitwise into tp=2 x ep=4 and
+    into plain data parallel (every rank's files reassembled into full tensors)."""
+    for m in _results(tmp_path_factory)["reshard"]:
+        assert m == {"tp2_ep4_bitwise": True, "tp1_ep1_bitwise": True}, m
 
 
 @pytest.mark.parametrize("tp,ep,world,why", [
