@@ -28,8 +28,8 @@ def _config(tp: int, ep: int, budget_bytes: int | None, **kwargs):
     import hf_elixir
 
     kwargs = {"chunk_size_numel": CHUNK_NUMEL, "split_fused_experts": True, **kwargs}
-    return hf_elixir.ElixirConfig(tensor_parallel_size=tp, expert_parallel_size=ep, device_memory_budget_bytes=budget_bytes,
-                                  budget_covers_activations=False, **kwargs)
+    return hf_elixir.ElixirConfig(tensor_parallel_size=tp, expert_parallel_size=ep,
+                                  device_memory_budget_bytes=budget_bytes, budget_covers_activations=False, **kwargs)
 
 
 def _reference_step(ref, opt_ref, step: int, num_batches: int):

@@ -8,8 +8,9 @@ evicted). Parity with plain PyTorch (fp32, 5 steps of AdamW with weight decay on
 below every step's, same seeds): losses, gradient norms, ``full_gradients`` after the first clip and the full
 ``model.state_dict()`` after the last step. One case resumes from a checkpoint saved after step 3 (a fresh model of
 other weights, same layout) and must reach the same weights; one runs ``expert_parallel_size=4`` (an ep group of two
-tp groups, one copy of each expert). Streamed load, ``save_pretrained`` and weights loaded into other layouts too. What each rank runs is in ``tests/_tp_ep_cases.py``; the 8-rank launch as
-2 nodes x 4 processes is ``test_tp_ep_eight_ranks_on_two_nodes`` (slow; these cases cover the same code).
+tp groups, one copy of each expert). Streamed load, ``save_pretrained`` and weights loaded into other layouts too.
+What each rank runs is in ``tests/_tp_ep_cases.py``; the 8-rank launch as 2 nodes x 4 processes is
+``test_tp_ep_eight_ranks_on_two_nodes`` (slow; these cases cover the same code).
 """
 
 from __future__ import annotations

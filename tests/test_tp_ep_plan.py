@@ -46,8 +46,8 @@ def test_chunks_are_priced_over_the_dense_and_expert_groups(world, tp, ep):
 
 
 def test_runtime_shards_match_the_priced_state_per_rank(tmp_path_factory):
-    """The model state one rank holds under tp=2 x ep=2 at 4 ranks: the runtime's chunk shards (``tests/test_tp_ep.py``'s
-    run, split fused experts, chunks of 4096) against ``build_chunked_step`` at the same degrees and chunk size,
+    """The model state one rank holds under tp=2 x ep=2 at 4 ranks: the runtime's chunk shards
+    (``tests/test_tp_ep.py``'s run, split fused experts, chunks of 4096) against ``build_chunked_step`` at the same degrees and chunk size,
     within 10% (padding: the runtime packs each expert of a split fused tensor on its own)."""
     from tests.test_tp_ep import _results
 

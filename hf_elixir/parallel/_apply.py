@@ -76,9 +76,10 @@ def parallelize(model: nn.Module, config: Any, mesh: ElixirMesh | None = None) -
         parent_fqn, _, child = fqn.rpartition(".")
         container = named[fqn]
         if is_fused_experts(container):  # sliced in place: names and class unchanged
+            both = mesh.mp_axis == "tp_ep"  # the tp ranks split the tokens ([Note: tokens split over tp])
             state.expert_containers[fqn] = shard_fused_experts(
                 container, mesh.ep_group, mesh.ep_rank, mesh.ep_size,
-                tp_group=mesh.tp_group if mesh.mp_axis == "tp_ep" else None, tp_size=mesh.tp_size if mesh.mp_axis == "tp_ep" else 1)
+                tp_group=mesh.tp_group if both else None, tp_size=mesh.tp_size if both else 1)
             continue
         state.expert_containers[fqn] = container.num_experts
         new = ExpertParallelExperts(container, mesh.ep_group, mesh.ep_rank, mesh.ep_size)

@@ -92,7 +92,8 @@ class FusedExpertDispatch:
         self.group, self.ep_rank, self.ep_size = group, rank, size
         self.tp_group, self.tp_size = tp_group, tp_size
         assert size % tp_size == 0, f"ep size {size} is not a multiple of tp size {tp_size}"
-        self.num_batches = size // tp_size  # distinct batches in the ep group: [Note: expert gradient scale in the graph]
+        # distinct batches in the ep group: [Note: expert gradient scale in the graph]
+        self.num_batches = size // tp_size
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  **kwargs: Any) -> torch.Tensor:

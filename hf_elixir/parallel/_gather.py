@@ -138,7 +138,8 @@ def assemble_full(local: dict[str, torch.Tensor], model: nn.Module, *,
     gathers = _mp_gathers(local, state, dict(model.named_modules()))
     full: dict[str, torch.Tensor] = {}
     # experts over the ep group, then tp slices over the tp group (both under tp x ep): the same order on every rank
-    for kinds, group, size in ((("fused", "experts"), mesh.ep_group, mesh.ep_size), (("tp",), mesh.tp_group, mesh.tp_size)):
+    for kinds, group, size in ((("fused", "experts"), mesh.ep_group, mesh.ep_size),
+                               (("tp",), mesh.tp_group, mesh.tp_size)):
         mine = [g for g in gathers if g.kind in kinds]
         for gather, has in zip(mine, _presence(mine, present, group, size)):
             if any(has):  # else no rank of the group has it: every rank skips this all-gather
