@@ -42,7 +42,8 @@ def _reference_step(ref, opt_ref, step: int, num_batches: int):
 
 
 def train_case(family: str, *, tp: int = 2, ep: int = 2, budget: str = "none", save_dir: str | None = None) -> dict:
-    """One parity case (see the module docstring); ``save_dir``: also save a checkpoint after step 3 and resume a
+    """One parity case (see the module docstring); ``budget``: ``"none"``, ``"half"`` (of this rank's 16 B/param
+    state) or ``"tight"`` (5% above ``hf_elixir.min_device_budget_bytes``); ``save_dir``: also save a checkpoint after step 3 and resume a
     fresh run from it for the remaining steps (the resumed run must match the reference too)."""
     import hf_elixir
     from hf_elixir.parallel import build_mesh, parallelize
@@ -57,6 +58,9 @@ def train_case(family: str, *, tp: int = 2, ep: int = 2, budget: str = "none", s
     budget_bytes = None if budget == "none" else _half_rank_state_bytes(model, state)
     cfg = _config(tp, ep, budget_bytes)
     opt, opt_ref = _adamw(model), _adamw(ref)
+    if budget == "tight":  # 5% above the smallest budget prepare accepts (half the state is below it at 8 ranks)
+        budget_bytes = int(hf_elixir.min_device_budget_bytes(model, opt, cfg) * 1.05) + 1024
+        cfg = _config(tp, ep, budget_bytes)
     model, opt = hf_elixir.prepare(model, opt, cfg)
     batch, num_batches = mesh.batch_index, mesh.num_batches
     m = {"loss_rel": 0.0, "norm_rel": 0.0, "grad_rel": None, "resumed_rel": None}
