@@ -135,8 +135,9 @@ WORKER = Path(__file__).parent / "launch_scripts" / "tp_ep_worker.py"
 def test_tp_ep_eight_ranks_on_two_nodes(tmp_path):
     """tp=2, ep=4 on 8 ranks launched as 2 nodes x 4 processes (two torchrun agents on localhost): each node holds one
     ep group of two tp groups, the expert copies and the dense data-parallel peers across nodes (tp2 x ep2 x dp2 as
-    4 ranks a node), under a budget that evicts chunks. Covered at 4 ranks by ``test_tp_x_ep_matches_plain_pytorch[qwen3_moe_tp2_ep4]`` (the same code
-    paths); this one is slow (8 processes on 2 cores)."""
+    4 ranks a node), under a budget that evicts chunks. Covered at 4 ranks by
+    ``test_tp_x_ep_matches_plain_pytorch[qwen3_moe_tp2_ep4]`` (the same code paths); this one is slow (8 processes
+    on 2 cores)."""
     port = str(free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     agents = [subprocess.Popen(

@@ -82,3 +82,25 @@ def test_plan_search_tries_the_tp_x_ep_pairs():
     assert set(result.best_by_tensor_expert_parallel) == {(2, 2), (2, 4)}
     for pair, got in result.best_by_tensor_expert_parallel.items():  # priced, or pruned as slower per token
         assert not isinstance(got, str) or got.startswith("pruned:"), (pair, got)
+
+
+def test_plan_command_plans_a_tp_x_ep_pair(tmp_path, capsys, monkeypatch):
+    """``hf-elixir plan --tensor-parallel-size 2 --expert-parallel-size 2`` on a MoE config prices that pair and
+    records both kinds of placement; a pair that does not lay out the GPUs is refused, naming the valid pairs."""
+    from hf_elixir.cli import main
+    from hf_elixir.plan import ElixirPlan
+    from tests._models import fixed_cpu_hardware
+
+    monkeypatch.setenv("HF_ELIXIR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr("hf_elixir.profiler.probe_hardware", lambda *a, **k: fixed_cpu_hardware())
+    moe_config("qwen3_moe").save_pretrained(tmp_path / "tiny")
+    argv = ["plan", "--model", str(tmp_path / "tiny" / "config.json"), "--gpu", "h100", "--gpu-memory", "8MiB",
+            "--host-memory", "1GiB", "--batch-size", "2", "--seq-len", "32", "--tensor-parallel-size", "2"]
+    assert main(argv + ["--num-gpus", "4", "--expert-parallel-size", "2", "--output", str(tmp_path / "p.json")]) == 0
+    assert "Run tensor parallel 2 x expert parallel 2 x data parallel 2" in capsys.readouterr().out
+    plan = ElixirPlan.load(tmp_path / "p.json")
+    assert plan.placements["model.layers.0.mlp.experts"] == "expert"
+    assert plan.placements["model.layers.0.self_attn.o_proj"] == "row"
+    assert main(argv + ["--num-gpus", "6", "--expert-parallel-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "expert_parallel_size=3 is not a multiple of tensor_parallel_size=2" in err and "(tp=2, ep=2)" in err
