@@ -123,6 +123,23 @@ def test_a_mesh_that_does_not_divide_the_world_is_refused(tp, ep, world, why):
         assert f"(tp={tp_ok}, ep={ep_ok})" in message
 
 
+def test_switch_experts_are_refused_under_tp_x_ep():
+    """Switch-Transformers' one-module-per-expert containers do not split their tokens over tp: refused by name."""
+    from types import SimpleNamespace
+
+    from hf_elixir.config import ElixirConfig
+    from hf_elixir.parallel._apply import _refuse_switch_experts_under_tp
+    from hf_elixir.placement import resolve_placements_detailed
+    from tests._models import tiny_model
+
+    model = tiny_model("switch")
+    containers = resolve_placements_detailed(model, ElixirConfig(expert_parallel_size=2)).expert_containers
+    mesh = SimpleNamespace(mp_axis="tp_ep", tp_size=2, ep_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 and expert_parallel_size=2; .* fused 3-D experts"):
+        _refuse_switch_experts_under_tp(containers, dict(model.named_modules()), mesh)
+    _refuse_switch_experts_under_tp(containers, dict(model.named_modules()), SimpleNamespace(mp_axis="ep"))
+
+
 def test_valid_sizes():
     assert valid_tp_ep_sizes(8) == [(2, 2), (2, 4), (4, 4), (2, 8), (4, 8), (8, 8)]
     check_tp_ep_sizes(2, 4, 8)

@@ -48,7 +48,8 @@ def test_chunks_are_priced_over_the_dense_and_expert_groups(world, tp, ep):
 def test_runtime_shards_match_the_priced_state_per_rank(tmp_path_factory):
     """The model state one rank holds under tp=2 x ep=2 at 4 ranks: the runtime's chunk shards
     (``tests/test_tp_ep.py``'s run, split fused experts, chunks of 4096) against ``build_chunked_step`` at the same degrees and chunk size,
-    within 10% (padding: the runtime packs each expert of a split fused tensor on its own)."""
+    within 5% (measured 11488 elements a rank against 11128 priced: padding, the runtime packs each expert of a split
+    fused tensor on its own)."""
     from tests.test_tp_ep import _results
 
     model, _, profile = _tiny()
@@ -58,7 +59,7 @@ def test_runtime_shards_match_the_priced_state_per_rank(tmp_path_factory):
     priced = sum(step.shard_numel(c) for c in range(step.num_chunks))
     for m in _results(tmp_path_factory)["qwen3_moe_none"]:
         assert m["chunk_group_sizes"] == [2]
-        assert m["shard_numel"] == pytest.approx(priced, rel=0.10), (m["shard_numel"], priced)
+        assert m["shard_numel"] == pytest.approx(priced, rel=0.05), (m["shard_numel"], priced)
 
 
 def test_search_prices_a_tp_x_ep_plan():
