@@ -115,8 +115,7 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     check_launch_world_size()  # [Note: silent single-process runs] in parallel/_launch.py
     check_arguments(model, optimizer, config)  # 1
     pstate = get_parallel_state(model)
-    check_streamed_init(model, config, checkpoint,
-                        is_parallel=pstate is not None and pstate.mesh.tp_size > 1 and bool(pstate.expert_containers))
+    check_streamed_init(model, config, checkpoint)
     if checkpoint is not None:
         retie(model, optimizer)  # what from_pretrained does after loading (kept if prepare fails)
     placements_for_plan(model, config)  # validates tp/ep sizes and placement globs

@@ -565,8 +565,8 @@ def _read_model(root: Path, manifest: dict[str, Any], model: torch.nn.Module) ->
     (same layout checked before), else the consolidated file with tied names filled in."""
     if is_model_parallel(_saved_mesh(manifest)):
         state: dict[str, torch.Tensor] = {}
-        for name in shard_files_to_read(model, manifest["model_shards"]):
-            state.update(_load_tensors(_verify(root, manifest, name)))
+        for name, keep in shard_files_to_read(model, manifest["model_shards"]).items():
+            state.update({k: v for k, v in _load_tensors(_verify(root, manifest, name)).items() if k in keep})
         return state
     state = _with_tied(model, _load_tensors(_verify(root, manifest, _MODEL_FILE)))
     _check_model_keys(root, model, state)

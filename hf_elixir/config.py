@@ -228,7 +228,9 @@ class ElixirConfig:
             (Elixir, arXiv 2212.05339 section 5: no partitioning when memory allows). Models rewritten by
             `hf_elixir.parallel.parallelize` treat `"auto"` as `"sharded"`.
         tensor_parallel_size / expert_parallel_size (`int`, defaults to 1):
-            Sizes of the tensor-parallel / expert-parallel mesh axes.
+            Sizes of the tensor-parallel / expert-parallel mesh axes. Both above 1: tensor and expert parallel on
+            one mesh, laid out as transformers' `DistributedConfig(tp_size, fsdp_size, ep_size)` (the expert size a
+            multiple of the tensor size, dividing the world; `docs/expert-parallel.md`).
         activation_policy (`str` or `dict[str, str]`, *optional*):
             What each transformer block (an outermost child of an `nn.ModuleList`, e.g. `"transformer.h.3"`) does
             with the activations autograd saves for backward: `"keep"` (on the device), `"recompute"` (activation

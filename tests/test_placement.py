@@ -96,7 +96,7 @@ def test_user_can_turn_tp_on_by_glob():
     (gpt2, cfg(placements={"lm_head": "replicated"}), "share a tied parameter"),
     (switch, cfg(placements={"*.SelfAttention.q": "embedding_row"}), "cannot take placement 'embedding_row'"),
     (switch, cfg(expert_parallel_size=2, placements={"*.experts.expert_0": "sharded"}), "must share the placement"),
-    (gpt2, cfg(tensor_parallel_size=2, expert_parallel_size=2), "both > 1"),
+    (gpt2, cfg(tensor_parallel_size=2, expert_parallel_size=2), "gpt2. has no experts placed"),
     (opt, cfg(expert_parallel_size=2), "has no experts placed"),
 ])
 def test_user_errors_name_the_problem(model_fn, config, match):

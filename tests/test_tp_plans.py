@@ -225,7 +225,7 @@ def test_packed_and_mla_placements_from_the_plans():
 
 
 def test_experts_placed_expert_under_tensor_parallel_are_refused(plans):
-    """The mesh is dp x tp or dp x ep: 'expert' placements with tensor_parallel_size=2 (expert_parallel_size=1) are
+    """'expert' placements with tensor_parallel_size=2 and expert_parallel_size=1 (no expert-parallel axis) are
     refused by parallelize, naming the modules and the fix (before: the first forward failed in the all-to-all)."""
     assert "placed 'expert' but ElixirConfig.expert_parallel_size=1 (tensor_parallel_size=2" in \
         plans["expert_with_tp2"]["refused"]

@@ -240,9 +240,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.lora_rank and (args.tensor_parallel_size != 1 or (args.expert_parallel_size or 1) > 1):
         raise ValueError(f"--lora-rank {args.lora_rank} is planned with data parallelism only; leave "
                          "--tensor-parallel-size and --expert-parallel-size out (or give 1)")
-    if tp > 1 and (args.expert_parallel_size or 1) > 1:
-        raise ValueError(f"--tensor-parallel-size={tp} with --expert-parallel-size={args.expert_parallel_size}: one "
-                         "of them must be 1")
+    if tp > 1 and (args.expert_parallel_size or 1) > 1:  # dense (dp, tp) and expert (edp, ep) views of the GPUs
+        from hf_elixir.parallel._mesh import check_tp_ep_sizes  # noqa: PLC0415
+
+        check_tp_ep_sizes(tp, args.expert_parallel_size, args.num_gpus)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

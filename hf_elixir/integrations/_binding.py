@@ -301,7 +301,7 @@ def feed_tensor_parallel_rows(accelerator, model: torch.nn.Module) -> None:
     from hf_elixir.parallel._apply import get_parallel_state  # noqa: PLC0415
 
     state = get_parallel_state(model)
-    if state is None or state.mesh.mp_axis != "tp" or state.mesh.tp_size <= 1:
+    if state is None or not state.mesh.shares_batches_over_tp:
         return
     if accelerator.__dict__.get("_hf_elixir_tp_rows") is not None:
         return

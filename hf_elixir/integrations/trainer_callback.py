@@ -340,7 +340,7 @@ def _tp_size_of_parallel_model(original_get_tp_size):
         from hf_elixir.parallel._apply import get_parallel_state  # noqa: PLC0415
 
         state = get_parallel_state(self.model) if self.model is not None else None
-        if state is not None and state.mesh.mp_axis == "tp" and state.mesh.tp_size > 1:
+        if state is not None and state.mesh.shares_batches_over_tp:
             return state.mesh.tp_size
         return original_get_tp_size(self)
 

@@ -1,4 +1,4 @@
-"""Tensor and expert parallelism on a ``(dp, tp)`` or ``(dp, ep)`` device mesh.
+"""Tensor and expert parallelism on a ``(dp, tp)`` or ``(dp, ep)`` device mesh, or both on one mesh (``_mesh.py``).
 
 Public surface: :func:`build_mesh` / :class:`ElixirMesh`, :func:`parallelize` (rewrites a model in
 place from its resolved placements), :func:`reduce_gradients` / :func:`param_process_groups` (which

@@ -61,12 +61,13 @@ def parallelize(model: nn.Module, config: Any, mesh: ElixirMesh | None = None) -
         # ("Number of tensor splits not equal to group size")
         raise ValueError(
             f"modules {resolved.expert_containers[:2]} are placed 'expert' but ElixirConfig.expert_parallel_size=1 "
-            f"(tensor_parallel_size={mesh.tp_size}, {mesh.world_size} ranks): the mesh is dp x tp or dp x ep, so "
-            "experts spread over ranks need expert_parallel_size > 1 and tensor_parallel_size=1; drop the 'expert' "
-            "placements (the experts are then ZeRO-sharded) or set expert_parallel_size")
+            f"(tensor_parallel_size={mesh.tp_size}, {mesh.world_size} ranks): experts spread over ranks need an "
+            "expert-parallel axis; drop the 'expert' placements (the experts are then ZeRO-sharded) or set "
+            "expert_parallel_size (a multiple of tensor_parallel_size that divides the world size)")
+    named = dict(model.named_modules())
+    _refuse_switch_experts_under_tp(resolved.expert_containers, named, mesh)
     state = ParallelState(mesh=mesh, placements=resolved.placements,
                           full_shapes={k: tuple(v.shape) for k, v in model.state_dict().items()})
-    named = dict(model.named_modules())
     for parent_fqn, block in resolved.tp_blocks:
         layouts = parallelize_block(named[parent_fqn], block, mesh.tp_group, mesh.tp_rank, mesh.tp_size)
         state.tp_layouts.update({f"{parent_fqn}.{k}": v for k, v in layouts.items()})
@@ -75,7 +76,10 @@ def parallelize(model: nn.Module, config: Any, mesh: ElixirMesh | None = None) -
         parent_fqn, _, child = fqn.rpartition(".")
         container = named[fqn]
         if is_fused_experts(container):  # sliced in place: names and class unchanged
-            state.expert_containers[fqn] = shard_fused_experts(container, mesh.ep_group, mesh.ep_rank, mesh.ep_size)
+            both = mesh.mp_axis == "tp_ep"  # the tp ranks split the tokens ([Note: tokens split over tp])
+            state.expert_containers[fqn] = shard_fused_experts(
+                container, mesh.ep_group, mesh.ep_rank, mesh.ep_size,
+                tp_group=mesh.tp_group if both else None, tp_size=mesh.tp_size if both else 1)
             continue
         state.expert_containers[fqn] = container.num_experts
         new = ExpertParallelExperts(container, mesh.ep_group, mesh.ep_rank, mesh.ep_size)
@@ -84,6 +88,18 @@ def parallelize(model: nn.Module, config: Any, mesh: ElixirMesh | None = None) -
     install_save_guard(model)
     install_full_state_dict(model)  # model.state_dict(): full tensors ([Note: one state_dict contract])
     return state
+
+
+def _refuse_switch_experts_under_tp(containers: list[str], named: dict[str, nn.Module], mesh: ElixirMesh) -> None:
+    """Under tp x ep only fused 3-D experts split their tokens over tp ([Note: tokens split over tp] in
+    ``_fused_experts.py``); Switch-style ``expert_{i}`` containers would compute each token ``tp`` times."""
+    switch = [fqn for fqn in containers if not is_fused_experts(named[fqn])]
+    if mesh.mp_axis == "tp_ep" and switch:
+        raise ValueError(
+            f"modules {switch[:2]} ({type(named[switch[0]]).__name__}: one module per expert) are placed 'expert' with "
+            f"tensor_parallel_size={mesh.tp_size} and expert_parallel_size={mesh.ep_size}; tensor and expert parallel "
+            "together support fused 3-D experts (Mixtral, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V3): set "
+            "tensor_parallel_size=1 for this model")
 
 
 def placements_for_plan(model: nn.Module, config: Any) -> dict[str, str]:

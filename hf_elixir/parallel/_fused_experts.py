@@ -30,12 +30,21 @@ whose local experts received no row still runs its forward, on one all-zero row 
 input and routed to local expert 0, and drops the output: its slices get an exact zero gradient, as in
 plain PyTorch, and the backward of both all-to-alls stays in the graph on every rank.
 
-[Note: expert gradient scale in the graph] The expert gradients are divided by ``ep`` as in [Note: expert
-gradient scale] (``_expert_parallel.py``), but inside the graph rather than by a hook on the parameters (a
+[Note: tokens split over tp] Under tp x ep ([Note: tp x ep mesh] in ``_mesh.py``) the tp ranks of a row hold
+the same tokens, routing and weights. Each takes its own slice of the tokens (``tp_slice`` along the tokens:
+ceil-sized, the last shorter) before the dispatch and all-gathers the combined outputs over tp after it, so every
+(token, choice) row is computed once (transformers' ``AllToAllEP`` does the same). The slicing is
+``split_last_dim`` / ``gather_last_dim`` on the transposed tensors: the backward of the slice all-gathers the
+gradient (the router's and the residual stream's gradients are whole on every tp rank, as without tp) and the
+backward of the gather keeps this rank's slice (the gradient after the experts is the same on every tp rank).
+
+[Note: expert gradient scale in the graph] The expert gradients are divided by the ``ep / tp`` distinct batches
+of the ep group (``ep`` without tp) as in [Note: expert gradient scale] (``_expert_parallel.py``), but inside
+the graph rather than by a hook on the parameters (a
 hook does not survive ``torch.utils.swap_tensors``, which streamed init uses on meta parameters): the
 gradient reaching the experts' output is divided by ``ep`` (so the parameters' gradients are) and the one
-leaving their input multiplied back by ``ep`` (so the tokens' gradients are unchanged). For a power-of-two
-``ep`` both are exact in floating point.
+leaving their input multiplied back by it (so the tokens' gradients are unchanged). For a power of two both are
+exact in floating point.
 
 Source: transformers ``distributed/expert_parallel.py`` (``MoEParamShard`` slices dim 0 and sets
 ``num_experts``; ``AllToAllEP`` runs the local experts through the module's own forward on local ids);
@@ -51,7 +60,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_elixir.chunk._stream_load import EXPERT_ROWS_ATTR
-from hf_elixir.parallel._collectives import all_to_all
+from hf_elixir.chunk._tp_slices import tp_slice
+from hf_elixir.parallel._collectives import all_to_all, gather_last_dim, split_last_dim
 from hf_elixir.placement._experts import SPLIT_ATTR
 
 __all__ = ["FusedExpertDispatch", "shard_fused_experts"]
@@ -64,6 +74,8 @@ class FusedExpertDispatch:
         experts: the fused experts module, already holding its ``num_local_experts`` slices.
         num_experts: E, the layer's expert count before sharding.
         group / rank / size: the expert-parallel process group, this rank's index in it and its size.
+        tp_group / tp_size: under tp x ep, the tensor-parallel group whose ranks split the tokens ([Note: tokens
+            split over tp]); ``None`` / 1 otherwise.
 
     Call args (as the module's own forward): ``hidden_states`` ``(T, H)``; ``top_k_index`` ``(T, k)``
     int64 global expert ids; ``top_k_weights`` ``(T, k)`` routing weights. Returns ``(T, H)`` in
@@ -73,13 +85,31 @@ class FusedExpertDispatch:
     #: run the MoE permutation Triton kernels on CPU tensors too (tests, under ``TRITON_INTERPRET=1``)
     force_triton = False
 
-    def __init__(self, experts: nn.Module, num_experts: int, group: Any, rank: int, size: int) -> None:
+    def __init__(self, experts: nn.Module, num_experts: int, group: Any, rank: int, size: int, *,
+                 tp_group: Any = None, tp_size: int = 1) -> None:
         self.experts_forward = type(experts).forward.__get__(experts)  # the class's forward, no hooks
         self.num_experts, self.num_local_experts = num_experts, num_experts // size
         self.group, self.ep_rank, self.ep_size = group, rank, size
+        self.tp_group, self.tp_size = tp_group, tp_size
+        assert size % tp_size == 0, f"ep size {size} is not a multiple of tp size {tp_size}"
+        # distinct batches in the ep group: [Note: expert gradient scale in the graph]
+        self.num_batches = size // tp_size
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  **kwargs: Any) -> torch.Tensor:
+        if self.tp_size == 1:
+            return self._dispatch(hidden_states, top_k_index, top_k_weights)
+        # [Note: tokens split over tp]: this tp rank's slice of the tokens, the outputs gathered back
+        num_tokens = hidden_states.shape[0]
+        start, length = tp_slice(num_tokens, dist.get_rank(self.tp_group), self.tp_size)
+        hidden_TH, weights_TK = (split_last_dim(t.transpose(0, 1), self.tp_group).transpose(0, 1).contiguous()
+                                 for t in (hidden_states, top_k_weights))
+        out = self._dispatch(hidden_TH, top_k_index[start:start + length], weights_TK)
+        return gather_last_dim(out.transpose(0, 1), self.tp_group, num_tokens).transpose(0, 1).contiguous()
+
+    def _dispatch(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The routed sum of expert outputs for these tokens, over the ep group (the module docstring's steps)."""
         from triton_kernels import moe_permute, moe_unpermute  # noqa: PLC0415 (imports triton: lazy)
 
         num_tokens = hidden_states.shape[0]
@@ -105,9 +135,11 @@ class FusedExpertDispatch:
             return self.experts_forward(probe, ids, probe.new_ones((1, 1)))[:0]
         local_ids = torch.arange(self.num_local_experts, device=x_recv.device).repeat(self.ep_size)
         local_ids = local_ids.repeat_interleave(recv_counts.flatten().to(x_recv.device), output_size=num_rows)
-        x_in = _ScaleGrad.apply(x_recv, float(self.ep_size))  # see [Note: expert gradient scale in the graph]
+        if self.num_batches == 1:  # the ep group is one tp group: one batch, nothing to scale
+            return self.experts_forward(x_recv, local_ids.unsqueeze(-1), x_recv.new_ones((num_rows, 1)))
+        x_in = _ScaleGrad.apply(x_recv, float(self.num_batches))  # see [Note: expert gradient scale in the graph]
         y = self.experts_forward(x_in, local_ids.unsqueeze(-1), x_recv.new_ones((num_rows, 1)))
-        return _ScaleGrad.apply(y, 1.0 / self.ep_size)
+        return _ScaleGrad.apply(y, 1.0 / self.num_batches)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -123,7 +155,8 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def shard_fused_experts(experts: nn.Module, group: Any, rank: int, size: int) -> int:
+def shard_fused_experts(experts: nn.Module, group: Any, rank: int, size: int, *, tp_group: Any = None,
+                        tp_size: int = 1) -> int:
     """Keep this ep rank's experts of a fused experts module and make it dispatch tokens by all-to-all.
 
     In place: every fused parameter ``(E, ...)`` becomes a new ``nn.Parameter`` holding rows
@@ -134,6 +167,8 @@ def shard_fused_experts(experts: nn.Module, group: Any, rank: int, size: int) ->
     Args:
         experts: a fused experts module (``hf_elixir.placement._experts.is_fused_experts``).
         group / rank / size: the expert-parallel process group, this rank's index in it and its size.
+        tp_group / tp_size: under tp x ep, the tensor-parallel group splitting the tokens (see
+            :class:`FusedExpertDispatch`).
 
     Returns:
         E, the expert count before sharding.
@@ -154,5 +189,5 @@ def shard_fused_experts(experts: nn.Module, group: Any, rank: int, size: int) ->
         setattr(local, EXPERT_ROWS_ATTR, (first, num_experts))  # streamed init reads these rows of the full tensor
         setattr(experts, name, local)
     experts.num_experts = num_local
-    experts.forward = FusedExpertDispatch(experts, num_experts, group, rank, size)
+    experts.forward = FusedExpertDispatch(experts, num_experts, group, rank, size, tp_group=tp_group, tp_size=tp_size)
     return num_experts

@@ -53,7 +53,8 @@ def _all_gather_tp(t: torch.Tensor, layout: TPShardLayout, group: Any, size: int
 
 @dataclass(frozen=True)
 class _MpGather:
-    """One tensor of this rank all-gathered over the model-parallel (tp or ep) group.
+    """One tensor of this rank all-gathered over a model-parallel group (the tp group for ``"tp"``, the ep group for
+    the experts).
 
     Attributes:
         key: its name in this rank's (parallelized) model.
@@ -134,22 +135,15 @@ def assemble_full(local: dict[str, torch.Tensor], model: nn.Module, *,
     if state is None:
         raise ValueError("assemble_full needs a model rewritten by hf_elixir.parallel.parallelize")
     mesh = state.mesh
-    group, size = (mesh.ep_group, mesh.ep_size) if mesh.mp_axis == "ep" else (mesh.tp_group, mesh.tp_size)
     gathers = _mp_gathers(local, state, dict(model.named_modules()))
     full: dict[str, torch.Tensor] = {}
-    for gather, has in zip(gathers, _presence(gathers, present, group, size)):
-        if not any(has):  # no rank of the group has it: every rank skips this all-gather
-            continue
-        if gather.kind == "tp":
-            layout = state.tp_layouts[gather.key]
-            parts = _all_gather_tp(local[gather.key], layout, group, size)
-            full[gather.key] = register_host(merge_shards(parts, layout))  # on the host
-            continue
-        parts = _all_gather(local[gather.key], group, size)
-        if gather.kind == "experts":
-            full.update({name: part for name, part, on in zip(gather.names, parts, has) if on})
-        else:
-            full[gather.key] = register_host(torch.cat(parts))
+    # experts over the ep group, then tp slices over the tp group (both under tp x ep): the same order on every rank
+    for kinds, group, size in ((("fused", "experts"), mesh.ep_group, mesh.ep_size),
+                               (("tp",), mesh.tp_group, mesh.tp_size)):
+        mine = [g for g in gathers if g.kind in kinds]
+        for gather, has in zip(mine, _presence(mine, present, group, size)):
+            if any(has):  # else no rank of the group has it: every rank skips this all-gather
+                full.update(_gather_one(gather, local, state, group, size, has))
     gathered = {g.key for g in gathers}
     for key, tensor in local.items():
         if key not in gathered and (present is None or present[key]):
@@ -163,6 +157,19 @@ def assemble_full(local: dict[str, torch.Tensor], model: nn.Module, *,
     assert len(ordered) == len(full), f"rank {dist.get_rank()}: not in the unmodified model: {set(full) - set(ordered)}"
     _share_tied(model, ordered)
     return ordered
+
+
+def _gather_one(gather: _MpGather, local: dict[str, torch.Tensor], state: ParallelState, group: Any, size: int,
+                has: list[bool]) -> dict[str, torch.Tensor]:
+    """One :class:`_MpGather`'s full tensors (collective over ``group``)."""
+    if gather.kind == "tp":
+        layout = state.tp_layouts[gather.key]
+        parts = _all_gather_tp(local[gather.key], layout, group, size)
+        return {gather.key: register_host(merge_shards(parts, layout))}  # on the host
+    parts = _all_gather(local[gather.key], group, size)
+    if gather.kind == "experts":
+        return {name: part for name, part, on in zip(gather.names, parts, has) if on}
+    return {gather.key: register_host(torch.cat(parts))}
 
 
 def _share_tied(model: nn.Module, full: dict[str, torch.Tensor]) -> None:

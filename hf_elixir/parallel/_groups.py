@@ -36,8 +36,8 @@ def chunk_group_of(model: nn.Module, default_group: Any) -> Callable[[str], tupl
 
     Plain data parallel: ``default_group`` (``None``: one rank) and one replica. A model rewritten by
     :func:`~hf_elixir.parallel.parallelize` (see [Note: gradient groups] in ``_mesh.py``): expert
-    parameters over the expert-data-parallel group, the rest over the data-parallel group; a parameter
-    replicated across tensor-parallel ranks counts ``tp`` times in the global gradient norm.
+    parameters over the expert-data-parallel group, the rest over the data-parallel group; a non-expert
+    parameter replicated across tensor-parallel ranks counts ``tp`` times in the global gradient norm.
     """
     pstate = get_parallel_state(model)
     if pstate is None:
@@ -45,9 +45,9 @@ def chunk_group_of(model: nn.Module, default_group: Any) -> Callable[[str], tupl
     mesh = pstate.mesh
 
     def group_of(name: str) -> tuple[Any, int]:
-        group = mesh.expert_dp_group if pstate.is_expert_param(name) else mesh.dp_group
-        replicas = mesh.tp_size if mesh.tp_size > 1 and name not in pstate.tp_layouts else 1
-        return group, replicas
+        if pstate.is_expert_param(name):  # one ep index holds it: counted once ([Note: tp x ep mesh])
+            return mesh.expert_dp_group, 1
+        return mesh.dp_group, mesh.tp_size if mesh.tp_size > 1 and name not in pstate.tp_layouts else 1
 
     return group_of
 

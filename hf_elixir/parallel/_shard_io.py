@@ -75,6 +75,8 @@ def mp_coordinates(model: nn.Module) -> tuple[int, int]:
     if pstate is None:
         return 0, dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     mesh = pstate.mesh
+    if mesh.mp_axis == "tp_ep":  # the expert view's first row writes: [Note: tp x ep checkpoints]
+        return mesh.ep_rank, mesh.expert_mesh.get_local_rank("edp")
     mp_rank = mesh.tp_rank if mesh.mp_axis == "tp" else mesh.ep_rank
     return mp_rank, mesh.device_mesh.get_local_rank("dp")
 
@@ -82,6 +84,23 @@ def mp_coordinates(model: nn.Module) -> tuple[int, int]:
 def writes_model_shard(model: nn.Module) -> bool:
     """Ranks of the first dp row write the model's shards (the other rows hold the same values)."""
     return mp_coordinates(model)[1] == 0
+
+
+# [Note: tp x ep checkpoints] Under tp x ep ([Note: tp x ep mesh] in ``_mesh.py``) a tp slice is the same on every
+# rank of its tp index, an expert slice on every rank of its ep index. The expert view's first row (ranks
+# ``0 .. ep - 1``, whose ep index is their rank) writes: each rank its experts, ranks ``0 .. tp - 1`` (the dense
+# view's first row, tp index = rank) also their tp slices, rank 0 the replicated tensors; the file of ep index
+# ``e`` is ``model.ep{e}.safetensors`` with ``mp_rank = e``. So tp slices sit in files ``0 .. tp - 1`` in tp order
+# and experts in files ``0 .. ep - 1`` in ep order, each tensor once; a rank reads the tp slices of the file of its
+# tp index, the experts of the file of its ep index and the replicated tensors of file 0.
+
+
+def _file_index(model: nn.Module, role: str) -> int:
+    """The ``mp_rank`` of the file holding this rank's tensors of ``role`` (see [Note: tp x ep checkpoints])."""
+    if role == "replicated":
+        return 0
+    mesh = get_parallel_state(model).mesh
+    return mesh.tp_rank if role == "tp" else mesh.ep_rank
 
 
 def _owned(model: nn.Module):
@@ -202,7 +221,8 @@ def write_local_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> N
 def shard_file_name(model: nn.Module) -> str:
     """``model.tp{r}.safetensors`` / ``model.ep{r}.safetensors``: the file of this rank's model-parallel index."""
     pstate = get_parallel_state(model)
-    return f"model.{pstate.mesh.mp_axis}{mp_coordinates(model)[0]}.safetensors"
+    axis = "ep" if pstate.mesh.mp_axis == "tp_ep" else pstate.mesh.mp_axis
+    return f"model.{axis}{mp_coordinates(model)[0]}.safetensors"
 
 
 def model_shard_payload(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
@@ -216,15 +236,21 @@ def model_shard_payload(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict
     if not writes_model_shard(model):
         return {}, {}
     mp_rank = mp_coordinates(model)[0]
-    roles = {k: v for k, v in tensor_roles(model).items() if v["role"] != "replicated" or mp_rank == 0}
+    roles = {k: v for k, v in tensor_roles(model).items() if _file_index(model, v["role"]) == mp_rank}
     return {k: local[k] for k in roles}, roles
 
 
-def shard_files_to_read(model: nn.Module, shards: list[dict[str, Any]]) -> list[str]:
-    """The model files (of a checkpoint's ``model_shards`` records) holding this rank's tensors: its
-    model-parallel index's file and model-parallel rank 0's (the replicated tensors)."""
-    mp_rank = mp_coordinates(model)[0]
-    return [s["file"] for s in shards if s["mp_rank"] in (0, mp_rank)]
+def shard_files_to_read(model: nn.Module, shards: list[dict[str, Any]]) -> dict[str, set[str]]:
+    """The model files (of a checkpoint's ``model_shards`` records) holding this rank's tensors -> the names to take
+    from each: the tp slices of its tp index's file, the experts of its ep index's file, the replicated tensors of
+    model-parallel rank 0's file ([Note: tp x ep checkpoints]; under dp x tp or dp x ep two files at most)."""
+    out: dict[str, set[str]] = {}
+    for shard in shards:
+        names = {name for name, role in shard["tensors"].items()
+                 if _file_index(model, role["role"]) == shard["mp_rank"]}
+        if names:
+            out[shard["file"]] = names
+    return out
 
 
 def same_layout(saved: dict[str, Any], model: nn.Module) -> bool:

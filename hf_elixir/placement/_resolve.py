@@ -245,11 +245,6 @@ def resolve_placements_detailed(model: nn.Module, config: Any) -> ResolvedPlacem
     """Like :func:`resolve_placements`, also returning the tensor-parallel blocks and expert containers."""
     tp_size = config.tensor_parallel_size
     ep_size = config.expert_parallel_size
-    if tp_size > 1 and ep_size > 1:
-        raise ValueError(
-            f"ElixirConfig.tensor_parallel_size={tp_size} and expert_parallel_size={ep_size} are both > 1; "
-            "the mesh has one model-parallel axis (dp x tp or dp x ep): set one of them to 1"
-        )
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     spec = get_model_spec(model_type)
     modules = _param_modules(model)
@@ -307,6 +302,6 @@ def resolve_placements(model: nn.Module, config: Any) -> dict[str, str]:
         ValueError: an override glob matching nothing, a placement a module type cannot take (column on
             a LayerNorm, expert outside an MoE container), a tensor-parallel block placed only partly,
             heads/features/experts not divisible by the axis size, tied modules with different
-            placements, an axis size > 1 with nothing to parallelize, or both axes > 1.
+            placements, or an axis size > 1 with nothing to parallelize.
     """
     return resolve_placements_detailed(model, config).placements

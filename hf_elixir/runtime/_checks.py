@@ -38,18 +38,11 @@ def check_arguments(model, optimizer, config) -> None:
         raise ValueError("this model is already prepared by hf_elixir.prepare; prepare it only once")
 
 
-def check_streamed_init(model, config: ElixirConfig, checkpoint, *, is_parallel: bool) -> None:
+def check_streamed_init(model, config: ElixirConfig, checkpoint) -> None:
     """Refuse what streamed init does not support, and a meta model without ``checkpoint=``.
 
-    Args:
-        is_parallel: the model was rewritten by ``hf_elixir.parallel.parallelize`` with tensor parallel and
-            experts placed ``"expert"`` (a backstop: the mesh is dp x tp or dp x ep, and ``parallelize`` refuses
-            ``"expert"`` placements without an expert-parallel axis; the slices themselves would compose, as
-            tensor-parallel and expert-row parameters are disjoint).
-
     Raises:
-        ValueError: meta parameters without ``checkpoint``; ``checkpoint`` with a parallelized model or with
-            ``search="auto"`` and no plan.
+        ValueError: meta parameters without ``checkpoint``; ``checkpoint`` with ``search="auto"`` and no plan.
         TypeError: ``checkpoint`` is not a path.
     """
     meta = meta_parameter_names(model)
@@ -62,10 +55,6 @@ def check_streamed_init(model, config: ElixirConfig, checkpoint, *, is_parallel:
         return
     if not isinstance(checkpoint, (str, os.PathLike)):
         raise TypeError(f"hf_elixir.prepare(checkpoint={checkpoint!r}) must be a path to a Hugging Face folder")
-    if is_parallel:
-        raise ValueError("hf_elixir.prepare(checkpoint=...) does not support tensor and expert parallel together "
-                         "yet (each streams alone): load the model with from_pretrained, parallelize it, and call "
-                         "prepare without checkpoint=")
     if config.search == "auto" and config.plan is None:
         raise ValueError("ElixirConfig.search='auto' profiles a real training step, which a model streamed from "
                          "checkpoint= cannot run before prepare: write a plan first (`hf-elixir plan`) and pass "

@@ -26,7 +26,7 @@ from hf_elixir.search._activation_cost import (DTYPE_BYTES, activation_bytes, ch
                                                resolve_policy)
 from hf_elixir.search._event_seconds import event_seconds
 from hf_elixir.search._expert_parallel import (alltoall_seconds, expert_param_indices, expert_parallel_profile,
-                                               group_rate)
+                                               group_rate, tokens_split_over_tp)
 from hf_elixir.search._tensor_parallel import tensor_parallel_collectives, tensor_parallel_profile
 
 __all__ = ["ChunkedStep", "Knobs", "build_chunked_step"]
@@ -236,7 +236,7 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
 
     Raises:
         ValueError: ``expert_parallel_size`` / ``tensor_parallel_size`` does not divide ``world_size`` (or an expert
-            count), is > 1 with ``replicated`` or a dense profile, or both are > 1; ``tensor_parallel_size > 1``
+            count), is > 1 with ``replicated`` or a dense profile; ``tensor_parallel_size > 1``
             without ``tensor_parallel_placements``.
     """
     ep, tp = expert_parallel_size, tensor_parallel_size
@@ -244,9 +244,6 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
         if size > 1 and (replicated or world_size % size):
             raise ValueError(f"{name}={size} must divide world_size={world_size} and needs sharded data "
                              f"parallelism (replicated={replicated})")
-    if ep > 1 and tp > 1:
-        raise ValueError(f"expert_parallel_size={ep} and tensor_parallel_size={tp}: one of them must be 1 (as "
-                         "ElixirConfig)")
     if tp > 1 and tensor_parallel_placements is None:
         raise ValueError(f"tensor_parallel_size={tp} needs tensor_parallel_placements= (module FQN -> placement, "
                          "resolve_placements(model, ElixirConfig(tensor_parallel_size=...)))")
@@ -255,14 +252,15 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
     else:
         profile, experts = expert_parallel_profile(profile, ep)
         profile = tensor_parallel_profile(profile, tp, tensor_parallel_placements or {})
+    profile = tokens_split_over_tp(profile, ep, tp, events_too=not parallelized)  # [Note: tp x ep pricing]
     replicate_world_size = world_size if replicated else 1
     if replicated:
         world_size = 1
-    if tp > 1:  # every chunk over the data-parallel group, ranks r, r + tp, ... (parallel/_groups.py)
+    if tp > 1 and ep == 1:  # every chunk over the data-parallel group, ranks r, r + tp, ... (parallel/_groups.py)
         layout, _ = _pack(profile, chunk_size_numel, world_size // tp, False, None, 1)
         chunk_world_sizes = [world_size // tp] * layout.num_chunks
-    else:
-        layout, chunk_world_sizes = _pack(profile, chunk_size_numel, world_size, replicated,
+    else:  # under tp x ep: the dense chunks over world / tp ranks, the experts' over world / ep
+        layout, chunk_world_sizes = _pack(profile, chunk_size_numel, world_size // tp, replicated,
                                           experts if ep > 1 else None, world_size // ep)
     chunk_of = {m: c for c, members in enumerate(layout.members) for m in members}
     policy = resolve_policy(profile, activation_policy if activation_policy is not None else activation_checkpointing)
@@ -337,9 +335,9 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
         # measured on the rank: its event times already waited for its collectives
         tp_s = a2a_s = [0.0] * len(events)
     rates = {}
-    mp = max(ep, tp)
-    if mp > 1 and world_size // mp > 1:  # the (expert-)data group: ranks r, r + mp, ... (parallel/_mesh.py)
-        rates[world_size // mp] = group_rate(hardware, world_size // mp, across_nodes=world_size > gpus_per_node)
+    for mp in {size for size in (ep, tp) if size > 1}:  # the (expert-)data groups (parallel/_mesh.py)
+        if world_size // mp > 1:
+            rates[world_size // mp] = group_rate(hardware, world_size // mp, across_nodes=world_size > gpus_per_node)
     return ChunkedStep(
         chunk_size_numel=chunk_size_numel, world_size=world_size, precision=precision,
         chunk_numels=list(layout.chunk_numels), trained_numels=trained, groups=groups,

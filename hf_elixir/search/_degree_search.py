@@ -24,7 +24,7 @@ from hf_elixir.search._plan_search import _ranks_per_host, _resolve_profile, _te
 from hf_elixir.search._report import _default_replicated_placements
 from hf_elixir.search._tensor_parallel import tensor_parallel_degrees
 
-__all__ = ["search_expert_parallel", "search_parallel", "search_tensor_parallel"]
+__all__ = ["search_expert_parallel", "search_parallel", "search_tensor_parallel", "tensor_expert_pairs"]
 
 
 def search_expert_parallel(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int = 1,
@@ -135,8 +135,9 @@ def search_parallel(model_or_profile: Any, hardware: HardwareProfile, *, world_s
                     tensor_parallel_placements: Callable[[int], dict[str, str]] | None = None,
                     heads: tuple[int, ...] = (), sample_batch: Any = None, **kwargs: Any) -> SearchResult:
     """The tensor-parallel degrees (:func:`search_tensor_parallel`) and, for a MoE model, the expert-parallel
-    degrees above 1 (:func:`search_expert_parallel`; degree 1 is tensor parallel 1), and the fastest plan per token
-    of the whole job that fits any of them (what ``hf-elixir plan --tensor-parallel-size auto`` runs).
+    degrees above 1 (:func:`search_expert_parallel`; degree 1 is tensor parallel 1) and both together
+    (:func:`tensor_expert_pairs`), and the fastest plan per token of the whole job that fits any of them (what
+    ``hf-elixir plan --tensor-parallel-size auto`` runs).
 
     Args:
         as :func:`search_tensor_parallel` (``tensor_parallel_sizes`` may be given; ``expert_parallel_sizes``
@@ -170,6 +171,18 @@ def search_parallel(model_or_profile: Any, hardware: HardwareProfile, *, world_s
                                                        incumbent_per_token=incumbent, **ep_kwargs)
         except ValueError as err:
             errors["expert"] = err
+    tp_tried = tuple(results["tensor"].best_by_tensor_parallel) if "tensor" in results else ()
+    pairs = tensor_expert_pairs(profile, world_size, tp_tried, ep_sizes) if ep_sizes else ()
+    tried_pairs: dict[tuple[int, int], Candidate | str] = {}
+    if pairs:  # [Note: tp x ep pricing] in _expert_parallel.py
+        try:
+            bound = min((_per_token_ranking(r.best)[0] for r in results.values()), default=None)
+            found, tried_pairs = _search_tensor_expert(profile, hardware, world_size, pairs, placements_at, bound,
+                                                       kwargs)
+            if found is not None:
+                results["tensor x expert"] = found
+        except ValueError as err:
+            errors["tensor x expert"] = err
     if not results:
         raise next(iter(errors.values()))
     winner = min(results, key=lambda side: _per_token_ranking(results[side].best))
@@ -181,21 +194,60 @@ def search_parallel(model_or_profile: Any, hardware: HardwareProfile, *, world_s
                                       {1: str(errors.get("tensor", ""))})
     result.best_by_expert_parallel = (results["expert"].best_by_expert_parallel if "expert" in results else
                                       {ep: str(errors.get("expert", "")) for ep in ep_sizes})
-    if len(results) == 2:
-        other = results["expert" if winner == "tensor" else "tensor"].best
+    result.best_by_tensor_expert_parallel = tried_pairs
+    if len(results) >= 2:
+        other = min((r.best for side, r in results.items() if side != winner), key=_per_token_ranking)
         mine = result.best
         result.plan.reasons.insert(2, (
             f"tensor parallel {mine.tensor_parallel_size} x expert parallel {mine.expert_parallel_size} wins per "
             f"token: predicted {mine.prediction.step_s * mine.tensor_parallel_size:.4g} s for the tokens of one "
             f"tensor-parallel-1 step, against {other.prediction.step_s * other.tensor_parallel_size:.4g} s at tensor "
             f"parallel {other.tensor_parallel_size} x expert parallel {other.expert_parallel_size}"))
-        result.alternatives = sorted(result.alternatives + [other], key=_per_token_ranking)
+        result.alternatives = sorted(result.alternatives + [r.best for side, r in results.items() if side != winner],
+                                     key=_per_token_ranking)
     elif errors:
         why = str(next(iter(errors.values()))).split(";")[0]
         side = next(iter(errors))
         result.plan.reasons.insert(2, f"the {side}-parallel degrees cannot win: {why}" if "pruned:" in why else
                                    f"the {side}-parallel degrees do not fit: {why}")
     return result
+
+
+def tensor_expert_pairs(profile: Any, world_size: int, tp_degrees: Iterable[int],
+                        ep_degrees: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    """The ``(tp, ep)`` pairs, both above 1, that the search prices together for a MoE profile: ``tp`` from the
+    tensor-parallel degrees tried, ``ep`` from the expert-parallel ones and ``tp`` itself (the ep group is the tp
+    group), where ``ep`` is a multiple of ``tp`` dividing the world and every layer's expert count ([Note: tp x ep
+    mesh] in ``hf_elixir/parallel/_mesh.py``)."""
+    counts = [layer["num_experts"] for layer in profile.moe_layers.values()]
+    if not counts:
+        return ()
+    return tuple((tp, ep) for tp in sorted({t for t in tp_degrees if t > 1})
+                 for ep in sorted({e for e in ep_degrees if e > 1} | {tp})
+                 if not ep % tp and not world_size % ep and all(not c % ep for c in counts))
+
+
+def _search_tensor_expert(profile: Any, hardware: HardwareProfile, world_size: int, pairs: tuple[tuple[int, int], ...],
+                          placements_at: Callable[[int], dict[str, str]], incumbent_per_token: float | None,
+                          kwargs: dict[str, Any]) -> tuple[SearchResult | None, dict[tuple[int, int], Any]]:
+    """:func:`search` at each ``(tp, ep)`` pair: the fastest per token of the whole job (the tp ranks of a row share
+    one batch, as tensor parallel alone), ``None`` when no pair fits or can win, and each pair's fastest candidate or
+    why it has none."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("tensor_parallel_sizes", "expert_parallel_sizes")}
+    results, failed = _over_degrees(
+        "tensor x expert parallel", pairs, lambda pair, bound: _plan_search.search(
+            profile, hardware, world_size=world_size, tensor_parallel_size=pair[0], expert_parallel_size=pair[1],
+            tensor_parallel_placements=placements_at(pair[0]), incumbent_s=bound, **kwargs),
+        per_token=lambda pair: pair[0], incumbent_per_token=incumbent_per_token)
+    tried = {pair: results[pair].best if pair in results else failed[pair] for pair in pairs}
+    if not results:
+        return None, tried
+    winner = min(results, key=lambda pair: _per_token_ranking(results[pair].best))
+    result = results[winner]
+    result.alternatives = sorted(result.alternatives + [r.best for pair, r in results.items() if pair != winner],
+                                 key=_per_token_ranking)
+    result.evaluated = sum(r.evaluated for r in results.values())
+    return result, tried
 
 
 def _over_degrees(what: str, degrees: tuple[int, ...], search_at: Callable[[int, float | None], SearchResult],

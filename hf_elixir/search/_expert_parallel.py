@@ -26,6 +26,15 @@ of the row-major mesh, ``parallel/_mesh.py``), every other parameter over all ``
   the compute seconds of the expert container's events, a recomputed forward (activation checkpointing) paying
   its two again.
 
+[Note: tp x ep pricing] Under tensor and expert parallel together ([Note: tp x ep mesh] in
+``hf_elixir/parallel/_mesh.py``) the ``tp`` ranks of a row share one batch and split its tokens before the
+dispatch, so a rank's experts run ``1 / tp`` of the rows they run at the same ``ep`` alone and a rank sends
+``1 / tp`` of the all-to-all bytes (:func:`tokens_split_over_tp`: the MoE layers' ``tokens`` and, for an
+unmodified model's profile, the expert containers' event FLOPs and seconds, divided by ``tp``); the dense chunks are
+sharded over the ``world / tp`` ranks of the dense view and the experts' over the ``world / ep`` ranks holding the
+same experts (``build_chunked_step``), and the degrees are compared per token of the whole job, as tensor parallel
+alone (``_degree_search.py``).
+
 Source: GShard (arXiv 2006.16668) and DeepSpeed-MoE (arXiv 2201.05596) for the all-to-all dispatch/combine per MoE
 layer; the runtime's layout in ``hf_elixir/parallel/_fused_experts.py`` and ``_mesh.py``.
 """
@@ -39,7 +48,7 @@ from hf_elixir.profiler import HardwareProfile, StepProfile
 from hf_elixir.search._activation_cost import DTYPE_BYTES
 
 __all__ = ["alltoall_bytes_per_layer", "alltoall_seconds", "expert_param_indices", "expert_parallel_degrees",
-           "expert_parallel_profile", "group_rate", "rank_param_order"]
+           "expert_parallel_profile", "group_rate", "rank_param_order", "tokens_split_over_tp"]
 
 
 def alltoall_bytes_per_layer(tokens: int, top_k: int, hidden_size: int, element_bytes: int,
@@ -131,6 +140,24 @@ def expert_parallel_profile(profile: StepProfile, expert_parallel_size: int) -> 
         grad_ready_event=[profile.grad_ready_event[i] for i in keep],
         events=[replace(e, params=[new[i] for i in e.params if i in new]) for e in profile.events])
     return view, frozenset(new[i] for i in experts if i in new)
+
+
+def tokens_split_over_tp(profile: StepProfile, expert_parallel_size: int, tensor_parallel_size: int, *,
+                         events_too: bool) -> StepProfile:
+    """The step of one rank once its tp group splits the MoE layers' tokens ([Note: tp x ep pricing]); the profile
+    itself unless both degrees are above 1. ``events_too``: also divide the expert containers' event FLOPs and
+    seconds (an unmodified model's profile; a parallelized model's events were measured on the rank)."""
+    tp = tensor_parallel_size
+    if expert_parallel_size == 1 or tp == 1 or not profile.moe_layers:
+        return profile
+    layers = {fqn: {**layer, "tokens": -(-layer["tokens"] // tp)} for fqn, layer in profile.moe_layers.items()}
+    events = profile.events
+    if events_too:
+        events = [replace(e, flops=e.flops / tp, compute_s=None if e.compute_s is None else e.compute_s / tp)
+                  if e.module in layers else e for e in events]
+    return replace(profile, moe_layers=layers, events=events,
+                   forward_flops=sum(e.flops for e in events if e.phase == "fwd"),
+                   backward_flops=sum(e.flops for e in events if e.phase == "bwd"))
 
 
 def rank_param_order(rank_profile: StepProfile) -> list[str]:

@@ -67,6 +67,8 @@ class SearchResult:
     best_by_expert_parallel: dict[int, Candidate | str] = field(default_factory=dict)
     # search_tensor_parallel: the same per tensor-parallel degree
     best_by_tensor_parallel: dict[int, Candidate | str] = field(default_factory=dict)
+    # search_parallel: per (tensor, expert) parallel pair tried together, its fastest candidate, or why none fits
+    best_by_tensor_expert_parallel: dict[tuple[int, int], Candidate | str] = field(default_factory=dict)
 
 
 def _whole_chunks(step: ChunkedStep) -> frozenset[int]:

@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterable
 from torch import nn
 
 from hf_elixir.chunk.packing import replicated_chunk_size
+from hf_elixir.parallel._mesh import check_tp_ep_sizes
 from hf_elixir.plan import ElixirPlan
 from hf_elixir.profiler import HardwareProfile, StepProfile, profile_step
 from hf_elixir.runtime.activations import resolve_activation_policy
@@ -190,8 +191,9 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     """Profile (if given a model) and search; see :func:`search_plan` for the arguments.
 
     ``expert_parallel_size`` / ``tensor_parallel_size`` price one rank of that degree ([Note: expert parallel
-    pricing] in ``_expert_parallel.py``, [Note: tensor parallel pricing] in ``_tensor_parallel.py``); at most one of
-    them above 1. ``tensor_parallel_placements``: module FQN -> placement at that degree (default, for a model:
+    pricing] in ``_expert_parallel.py``, [Note: tensor parallel pricing] in ``_tensor_parallel.py``); both above 1
+    for tensor and expert parallel together ([Note: tp x ep pricing] in ``_expert_parallel.py``).
+    ``tensor_parallel_placements``: module FQN -> placement at that degree (default, for a model:
     ``resolve_placements(model, ElixirConfig(tensor_parallel_size=...))``). ``parallelized``: the model (or profile)
     is already one rank's, rewritten by ``hf_elixir.parallel.parallelize`` at those degrees: nothing is divided
     again, the chunk groups and collectives are priced.
@@ -232,9 +234,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
             raise ValueError(f"{name}={size} needs data_parallel='sharded' (or 'auto'), not 'replicated'")
         if world_size % size:
             raise ValueError(f"{name}={size} must divide world_size={world_size}")
-    if ep > 1 and tp > 1:
-        raise ValueError(f"expert_parallel_size={ep} and tensor_parallel_size={tp}: one of them must be 1 (as "
-                         "ElixirConfig)")
+    if ep > 1 and tp > 1:  # dense view (dp, tp) and expert view (edp, ep): [Note: tp x ep mesh]
+        check_tp_ep_sizes(tp, ep, world_size)
     modes = _data_parallel_modes("sharded" if max(ep, tp) > 1 else data_parallel, world_size)
     profile = _resolve_profile(model_or_profile, sample_batch, hardware)
     if tp > 1 and tensor_parallel_placements is None and not parallelized:
