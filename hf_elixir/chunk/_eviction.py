@@ -55,12 +55,12 @@ class EvictionMixin:
         exclude = exclude or set()
         if self.pool.charges_activations and not self.pool.fits(nbytes):
             self.sync_activation_bytes()  # activations freed since the last count give their room back
-        while not self.pool.fits(nbytes) and (self.kept_buffer_bytes or self._pending):
+        while not self.pool.fits(nbytes) and (self.kept_buffer_bytes or self.reduces):
             if self.kept_buffer_bytes:
                 # kept for reuse only: the first to go ([Note: buffer reuse] in _grad_buffers.py)
                 self.drop_kept_buffers(nbytes)
             else:
-                self._finish_reduce()  # finishing an in-flight reduce frees (keeps) its gradient buffers
+                self.reduces.finish_oldest()  # finishing an in-flight reduce frees (keeps) its gradient buffers
         while not self.pool.fits(nbytes):
             victim = self._victim(exclude)
             if victim is None and self._spill_a_grad(exclude):

@@ -37,7 +37,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from hf_elixir.chunk._reduce import FLAGS_IN_FLIGHT
+from hf_elixir.chunk._reduce_window import FLAGS_IN_FLIGHT
 from hf_elixir.chunk.chunk import Chunk
 
 __all__ = ["FlagsMixin", "RankChecks"]
@@ -175,7 +175,7 @@ class FlagsMixin:
         for (group, indices), extra in zip(self.flag_groups, extras):
             parts.append((indices, torch.cat([flags[indices], extras_dev[begin:begin + len(extra)]]), group))
             begin += len(extra)
-        works = [dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group, async_op=self.async_reduce)
+        works = [dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group, async_op=self.reduces.async_op)
                  for _, part, group in parts]
         self.local_flags |= self.arrived_flags
         self.arrived_flags = set()
@@ -184,7 +184,7 @@ class FlagsMixin:
 
         def finish() -> None:
             for work, (indices, part, group) in zip(works, parts):
-                if self.async_reduce:
+                if self.reduces.async_op:
                     work.wait()
                 flags[indices] = part[:len(indices)]
                 votes = part[len(indices):-4]
@@ -192,7 +192,7 @@ class FlagsMixin:
                     self.ahead_veto[self._voter_index(group)] = votes
                 self.rank_checks.merge(part)
             self.has_grad_flags = torch.maximum(self.has_grad_flags, flags)
-        if self.async_reduce and works:  # waited by the step's read, timed like a reduce's wait
-            self._pending.append((FLAGS_IN_FLIGHT, self._timed_wait(finish)))
+        if self.reduces.async_op and works:  # waited by the step's read, timed like a reduce's wait
+            self.reduces.issue(FLAGS_IN_FLIGHT, finish, timed=True)
         else:
             finish()

@@ -128,7 +128,7 @@ class ElixirOptimizer(ShardStateMixin, InnerStepMixin, RefreshMixin, ClipMixin, 
         if any(c.trainable and not c.optim_on_device for c in manager.chunks):
             self._lane = HostLane(self, speculate=speculates(config.overlap_host_optimizer, manager.compute_device),
                                   state_numel_factor=optimizer_state_numel_factor(optimizer))
-            manager.host_steps_in_backward = self._lane.speculate  # [Note: reduce window] in chunk/_reduce.py
+            manager.reduces.host_steps_in_backward = self._lane.speculate  # [Note: reduce window] in chunk/_reduce.py
         manager.on_param_writes = self.merge_param_writes  # [Note: parameter writes] in chunk/_chunk_params.py
         manager.before_backward = self._settle_clip  # [Note: owed clip factor] in _clip.py
         manager.on_zero_grad = self._forget_clip
