@@ -39,7 +39,7 @@ import torch
 
 from hf_elixir.chunk._activations import ActivationAccountingMixin
 from hf_elixir.chunk._agreed_gathers import AgreedGathersMixin
-from hf_elixir.chunk._eviction import EvictionMixin
+from hf_elixir.chunk._eviction import Eviction
 from hf_elixir.chunk._external import ExternalReadsMixin
 from hf_elixir.chunk._grad_buffers import GradBufferMixin
 from hf_elixir.chunk._grad_shards import GradShardMixin
@@ -61,7 +61,7 @@ def _no_fence(chunk) -> None:
     """The default ``ChunkManager.early_refresh_fence``: no optimizer issues refreshes early."""
 
 
-class ChunkManager(StepTraceMixin, EvictionMixin, GradBufferMixin, GatherPrefetchMixin, AgreedGathersMixin,
+class ChunkManager(StepTraceMixin, GradBufferMixin, GatherPrefetchMixin, AgreedGathersMixin,
                    ReduceMixin, GradShardMixin, FlagsMixin, ActivationAccountingMixin, ExternalReadsMixin):
     """Chunks of one model plus the device pool, counters, access trace and reduce bookkeeping."""
 
@@ -105,6 +105,7 @@ class ChunkManager(StepTraceMixin, EvictionMixin, GradBufferMixin, GatherPrefetc
         self.on_grad_progress = None
         self.early_refresh_fence = _no_fence
         # each concept's own state
+        self.eviction = Eviction(self)  # which chunk leaves the device for room (_eviction.py)
         self._init_trace()
         self._init_grad_buffers()
         self._init_prefetch()
@@ -166,8 +167,26 @@ class ChunkManager(StepTraceMixin, EvictionMixin, GradBufferMixin, GatherPrefetc
         for chunk in chunks:
             assert chunk.pins > 0, f"chunk {chunk.chunk_id} released more often than accessed"
             chunk.pins -= 1
-            if self.backward_pending and self._reshard_dead(chunk):
+            if self.backward_pending and self.eviction.reshard_dead(chunk):
                 chunk.reshard()
+
+    # -- eviction (_eviction.py) ---------------------------------------------------------------
+    def make_room(self, nbytes: int, what: str, exclude: set[int] | None = None) -> None:
+        """Evict until ``nbytes`` more fit the budget (:meth:`Eviction.make_room`)."""
+        self.eviction.make_room(nbytes, what, exclude)
+
+    # eviction's ranking as the prefetch reads it (:class:`Eviction`)
+    def _victim(self, exclude: set[int], beyond: tuple[float, int] | None = None) -> Chunk | None:
+        return self.eviction.victim(exclude, beyond)
+
+    def _belady_key(self, chunk: Chunk, after: int | None = None) -> tuple[float, int]:
+        return self.eviction.belady_key(chunk, after)
+
+    def _dead(self, chunk: Chunk) -> bool:
+        return self.eviction.dead(chunk)
+
+    def _dead_victim(self) -> Chunk | None:
+        return self.eviction.dead_victim()
 
     def describe(self) -> str:
         """What occupies the device, for error messages."""
