@@ -21,8 +21,8 @@ gradients and the mismatch with them. A mismatch of unequal sizes fails in the c
 
 [Note: hyperparameter check] The same all-reduce carries ``hyper`` and ``-hyper``: a 24-bit CRC of the optimizer's
 hyperparameters (every param group's numbers, flags and strings: lr, weight_decay, betas, eps, ...) as this rank
-holds them when its backward ends (``hyper_code``, set by the optimizer). Ranks that step with different ones
-(``ReduceLROnPlateau`` stepped with each rank's own loss, an lr set from rank-local data) used to train on
+holds them when its backward ends (``ChunkStepListener.hyper_code``, the optimizer's). Ranks that step with
+different ones (``ReduceLROnPlateau`` stepped with each rank's own loss, an lr set from rank-local data) used to train on
 silently: replicated copies drifted apart (5.8e-2 from PyTorch after a few steps, sharded chunks 3.3e-2), each
 shard with its own rank's lr. DDP drifts the same way; hf_elixir raises at the step instead, before anything
 is updated, as for the reduce order (``hyper_mismatch``). A value changed between the end of backward and
@@ -57,10 +57,8 @@ class RankChecks:
         # step / zero_grad (one element, read by the step)
         self.reduce_order_mismatch = torch.zeros(1, device=compute_device)
         # > 0 where the ranks of a flag group stepped with different optimizer hyperparameters in a backward since
-        # the last step / zero_grad; ``hyper_code()`` (the optimizer's) gives this rank's 24-bit code of them,
-        # ``None`` without an optimizer (code 0)
+        # the last step / zero_grad
         self.hyper_mismatch = torch.zeros(1, device=compute_device)
-        self.hyper_code = None
         self.group_chunks: list[list[int]] = []  # per flag group, its chunk ids (set_groups)
 
     def set_groups(self, chunks: list[Chunk], flag_groups: list[tuple[object, torch.Tensor]]) -> None:
@@ -72,11 +70,11 @@ class RankChecks:
             self.group_chunks.append(sorted({c.chunk_id for c in chunks for slot in c.slots
                                              if slot.trainable and slot.flag_index in wanted}))
 
-    def values(self, reduce_order: list[Chunk]) -> list[list[float]]:
+    def values(self, reduce_order: list[Chunk], hyper_code: int) -> list[list[float]]:
         """Per flag group, the four numbers this rank adds to its flags' all-reduce: ``[code, -code, hyper,
-        -hyper]``, the codes of the group's reduce order and of the optimizer's hyperparameters (24-bit, exact
-        in float32)."""
-        hyper = float(self.hyper_code()) if self.hyper_code is not None else 0.0  # [Note: hyperparameter check]
+        -hyper]``, the codes of the group's reduce order and of the optimizer's hyperparameters (``hyper_code``,
+        the listener's; 24-bit, exact in float32)."""
+        hyper = float(hyper_code)  # [Note: hyperparameter check]
         return [[code, -code, hyper, -hyper] for code in self._order_codes(reduce_order)]
 
     def _order_codes(self, reduce_order: list[Chunk]) -> list[float]:
@@ -129,15 +127,6 @@ class FlagsMixin:
         check])."""
         return self.rank_checks.hyper_mismatch
 
-    @property
-    def hyper_code(self):
-        """The optimizer's callable giving this rank's 24-bit hyperparameter code (``None`` without one)."""
-        return self.rank_checks.hyper_code
-
-    @hyper_code.setter
-    def hyper_code(self, code) -> None:
-        self.rank_checks.hyper_code = code
-
     def init_flags(self, num_flags: int, flag_groups: list[tuple[object, torch.Tensor]]) -> None:
         """Allocate the has-gradient flags ([Note: has-gradient flags]) on the compute device.
 
@@ -167,8 +156,8 @@ class FlagsMixin:
             flags[arrived.to(self.compute_device, non_blocking=True)] = 1.0
         # per group its "no room" votes ([Note: agreed gathers ahead] in _agreed_gathers.py) and its checks' (code,
         # -code, hyper, -hyper) (RankChecks.values), uploaded like the arrivals: no stream sync on CUDA
-        extras = [self._ahead_votes(group) + checks
-                  for (group, _), checks in zip(self.flag_groups, self.rank_checks.values(self._reduce_order))]
+        checks = self.rank_checks.values(self._reduce_order, self.listener.hyper_code())
+        extras = [self._ahead_votes(group) + mine for (group, _), mine in zip(self.flag_groups, checks)]
         extras_dev = (torch.tensor([v for e in extras for v in e]).to(self.compute_device, non_blocking=True)
                       if extras else None)
         parts, begin = [], 0

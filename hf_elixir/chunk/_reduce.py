@@ -104,8 +104,7 @@ class ReduceMixin:
         if slot.state is not TensorState.READY_FOR_REDUCE:
             slot.set_state(TensorState.READY_FOR_REDUCE)
         self._reduce_ready_prefix()
-        if self.on_grad_progress is not None:
-            self.on_grad_progress()
+        self.listener.on_grad_progress()
 
     def start_backward(self) -> None:
         """Called by the first backward hook of a backward: fix the reduce order (see [Note: reduce order]).
@@ -121,8 +120,7 @@ class ReduceMixin:
             raise RuntimeError("backward through a model prepared without an optimizer (hf_elixir.prepare(model, "
                                "None, ...) is for inference): pass the optimizer to prepare to train, or run the "
                                "forward under torch.no_grad()")
-        if self.before_backward is not None:
-            self.before_backward()
+        self.listener.before_backward()
         self.drain_gathers()
         self.drain_refreshes()
         # writes made before the forward, in the masters before the host lane steps them and uploads its result

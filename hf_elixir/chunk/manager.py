@@ -43,6 +43,7 @@ from hf_elixir.chunk._eviction import Eviction
 from hf_elixir.chunk._external import ExternalReadsMixin
 from hf_elixir.chunk._grad_buffers import GradBufferMixin
 from hf_elixir.chunk._grad_shards import GradShardMixin
+from hf_elixir.chunk._listener import ChunkStepListener
 from hf_elixir.chunk._prefetch import GatherPrefetchMixin
 from hf_elixir.chunk._rank_checks import FlagsMixin
 from hf_elixir.chunk._reduce import FLAGS_IN_FLIGHT, ReduceMixin
@@ -55,10 +56,6 @@ from hf_elixir.chunk.memory import DeviceBudgetExceededError, DevicePool, Memory
 __all__ = ["ChunkManager", "FLAGS_IN_FLIGHT", "DeviceBudgetExceededError", "budget_error"]
 
 logger = logging.getLogger(__name__)
-
-
-def _no_fence(chunk) -> None:
-    """The default ``ChunkManager.early_refresh_fence``: no optimizer issues refreshes early."""
 
 
 class ChunkManager(StepTraceMixin, GradBufferMixin, GatherPrefetchMixin, AgreedGathersMixin,
@@ -86,24 +83,8 @@ class ChunkManager(StepTraceMixin, GradBufferMixin, GatherPrefetchMixin, AgreedG
         # every rank training this model (``None``: one rank): the optimizer's norm and overflow
         # reductions run over it, never over WORLD by default (two jobs can share one world)
         self.job_group = None
-        # the optimizer's hooks (``None`` without an optimizer):
-        # ``on_grad_offloaded(chunk, staging, event)`` takes over a host gradient (the optimizer's host lane)
-        # and may return a callable that waits until it has consumed ``staging``; ``host_fence(chunk)`` is
-        # called before a shard is read (see [Note: gradient offload] in _grad_shards.py)
-        self.on_grad_offloaded = None
-        self.host_fence = None
-        # ``on_param_writes(chunks)`` merges parameter writes a reshard took into the shards of ``chunks`` into the
-        # optimizer's masters ([Note: parameter writes] in _chunk_params.py)
-        self.on_param_writes = None
-        # ``before_backward()`` runs as a backward starts, ``on_zero_grad()`` when every gradient
-        # is zeroed ([Note: owed clip factor] in optim/_clip.py)
-        self.before_backward = None
-        self.on_zero_grad = None
-        # [Note: early refresh] in optim/_refresh.py: ``on_grad_progress()`` runs after each gradient lands (the
-        # host lane issues the uploads of chunks it has stepped); ``early_refresh_fence(chunk)`` runs before a
-        # wait for a refresh issued from an unvalidated speculative step
-        self.on_grad_progress = None
-        self.early_refresh_fence = _no_fence
+        # the optimizer, told of the step's events through one interface (_listener.py); without one, no-ops
+        self.listener = ChunkStepListener()
         # each concept's own state
         self.eviction = Eviction(self)  # which chunk leaves the device for room (_eviction.py)
         self._init_trace()
@@ -115,6 +96,11 @@ class ChunkManager(StepTraceMixin, GradBufferMixin, GatherPrefetchMixin, AgreedG
         self._init_flag_state()
         self._init_activations()
         self._init_external()
+
+    def set_listener(self, listener: ChunkStepListener) -> None:
+        """Register the optimizer (one per manager): it hears the step's events from now on."""
+        assert type(self.listener) is ChunkStepListener, "a chunk manager has one optimizer"
+        self.listener = listener
 
     # -- host memory ---------------------------------------------------------------------------
     def _count_host(self, delta_bytes: int) -> None:
@@ -228,17 +214,16 @@ class ChunkManager(StepTraceMixin, GradBufferMixin, GatherPrefetchMixin, AgreedG
     def take_param_writes(self) -> None:
         """Take what user code wrote in place into parameters with a current copy (``with torch.no_grad():
         p.mul_(0.99)`` between backward and step) into the shards, and give every chunk whose shard holds such
-        writes to ``on_param_writes`` (the optimizer's masters take them) ([Note: parameter writes] in
+        writes to the listener's ``on_param_writes`` (the optimizer's masters take them) ([Note: parameter writes] in
         ``_chunk_params.py``).
         Called at the start of each backward, at the step and on entering ``full_parameters``; each reshard takes
         its chunk's. No collective: each rank takes its own writes. Costs one version-counter read per parameter
         when nothing was written."""
         for chunk in self.chunks:
             chunk.take_param_writes()
-        if self.on_param_writes is not None:
-            written = [c for c in self.chunks if c.params_written]
-            if written:
-                self.on_param_writes(written)
+        written = [c for c in self.chunks if c.params_written]
+        if written:
+            self.listener.on_param_writes(written)
 
     def hide_stale(self) -> None:
         """Point the parameters of every chunk without a current unsharded copy at stale placeholders

@@ -185,11 +185,6 @@ class HostLane:
         self.ready: collections.deque[int] = collections.deque()
         self._waiting: list[int] = []
         self.early: set[int] = set()
-        self.manager.on_grad_offloaded = self.on_grad_offloaded
-        self.manager.host_fence = self.fence
-        if speculate:
-            self.manager.on_grad_progress = self.issue_ready
-            self.manager.early_refresh_fence = self.early_fence
 
     # -- intake ------------------------------------------------------------------------------------
     def _submit(self, fn, *args) -> concurrent.futures.Future:
