@@ -97,10 +97,7 @@ class GradShardMixin:
             # [Note: deferred gradient zeroing] in _chunk_grads.py: a direct shard is zeroed as backward writes it
             if not self.chunks[cid].defer_grad_zero():
                 grad_shard.zero_()
-        if not keep_has_grad:
-            self.has_grad_flags.zero_()
-            self.local_flags = set()
-        self.rank_checks.reset()  # the gradients a mismatched order reduced are gone
+        self.flags.zero(keep_has_grad)  # the gradients a mismatched order reduced are gone, and its mismatch
         self.grads_pending = False
         self.grads_stepped = False
         self.listener.on_zero_grad()
@@ -122,5 +119,4 @@ class GradShardMixin:
             if hi > lo:
                 grad_shard[lo:hi].zero_()
         if not keep_has_grad:
-            self.has_grad_flags[slot.flag_index] = 0.0
-            self.local_flags.discard(slot.flag_index)
+            self.flags.clear(slot.flag_index)

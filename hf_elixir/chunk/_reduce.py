@@ -100,7 +100,7 @@ class ReduceMixin:
             set_raw_grad(param, None)
             del grad
         chunk.arrived_slots.add(slot.index_in_chunk)
-        self.arrived_flags.add(slot.flag_index)
+        self.flags.arrived.add(slot.flag_index)
         if slot.state is not TensorState.READY_FOR_REDUCE:
             slot.set_state(TensorState.READY_FOR_REDUCE)
         self._reduce_ready_prefix()
@@ -201,6 +201,20 @@ class ReduceMixin:
         """Finish in-flight collectives in issue order up to the has-gradient flags' all-reduce, so that
         ``has_grad_flags`` holds this backward's merged flags (the reduces issued after it stay in flight)."""
         self.reduces.finish_through(FLAGS_IN_FLIGHT)
+
+    def _merge_flags(self) -> None:
+        """Issue the has-gradient flags' all-reduce (:meth:`GradFlags.merge`) with what rides it: per flag group its
+        "no room" votes ([Note: agreed gathers ahead] in _agreed_gathers.py) and its checks' (code, -code, hyper,
+        -hyper) (:meth:`RankChecks.values` of this backward's reduce order and the optimizer's hyperparameters)."""
+        flags = self.flags
+        checks = flags.checks.values(self._reduce_order, self.listener.hyper_code())
+        extras = [self._ahead_votes(group) + mine for (group, _), mine in zip(flags.flag_groups, checks)]
+        if any(len(e) > 4 for e in extras) and self.ahead_veto.numel() != len(self.chunks):
+            self.ahead_veto = torch.ones(len(self.chunks), device=self.compute_device)
+
+        def take_votes(group, votes: torch.Tensor) -> None:
+            self.ahead_veto[self._voter_index(group)] = votes
+        flags.merge(extras, self.reduces, take_votes)
 
     def finish_backward(self) -> None:
         """End-of-backward callback: flush remaining reduce-scatters in the fixed order, merge the

@@ -45,7 +45,7 @@ from hf_elixir.chunk._grad_buffers import GradBufferMixin
 from hf_elixir.chunk._grad_shards import GradShardMixin
 from hf_elixir.chunk._listener import ChunkStepListener
 from hf_elixir.chunk._prefetch import GatherPrefetchMixin
-from hf_elixir.chunk._rank_checks import FlagsMixin
+from hf_elixir.chunk._rank_checks import GradFlags
 from hf_elixir.chunk._reduce import FLAGS_IN_FLIGHT, ReduceMixin
 from hf_elixir.chunk._steps import StepTraceMixin
 from hf_elixir.chunk.chunk import Chunk, ParamSlot
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 
 class ChunkManager(StepTraceMixin, GradBufferMixin, GatherPrefetchMixin, AgreedGathersMixin,
-                   ReduceMixin, GradShardMixin, FlagsMixin, ActivationAccountingMixin, ExternalReadsMixin):
+                   ReduceMixin, GradShardMixin, ActivationAccountingMixin, ExternalReadsMixin):
     """Chunks of one model plus the device pool, counters, access trace and reduce bookkeeping."""
 
     def __init__(self, *, compute_device: torch.device, budget_bytes: int | None,
@@ -93,7 +93,7 @@ class ChunkManager(StepTraceMixin, GradBufferMixin, GatherPrefetchMixin, AgreedG
         self._init_agreed_gathers()
         self._init_reduces()
         self._init_grad_shards()
-        self._init_flag_state()
+        self.flags = GradFlags(compute_device)  # has-gradient flags and the rank checks riding them (_rank_checks.py)
         self._init_activations()
         self._init_external()
 
