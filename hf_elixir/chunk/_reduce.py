@@ -69,7 +69,7 @@ class ReduceMixin:
 
     def _init_reduces(self) -> None:
         self.backward_count = 0  # backwards started so far
-        self.backward_pending = False
+        self._in_backward = False  # read through backward_pending
         # the collectives in flight ([Note: reduce window]); off CUDA, gradient collectives are issued asynchronously
         # and finished a few chunks later
         self.reduces = ReduceWindow(self.counters, async_op=self.compute_device.type != "cuda")
@@ -86,6 +86,12 @@ class ReduceMixin:
         # the step consumed them and no zero_grad cleared them yet: where plain PyTorch's p.grad still holds them
         # (a Trainer callback's on_optimizer_step), a user's read of p.grad raises instead of seeing None
         self.grads_stepped = False
+
+    @property
+    def backward_pending(self) -> bool:
+        """Whether a backward is running: from :meth:`start_backward` to :meth:`finish_backward`, the only two
+        places that change it (every other part of the manager, the hooks and the optimizer only read it)."""
+        return self._in_backward
 
     def on_grad(self, param: torch.nn.Parameter) -> None:
         """Post-accumulate-grad hook body: move ``param.grad`` into its chunk's gradient buffer."""
@@ -129,7 +135,7 @@ class ReduceMixin:
         self.take_param_writes()
         if len(self.trace) < _MAX_TRACE:
             self._forward_ends.append(len(self.trace))
-        self.backward_pending = True
+        self._in_backward = True
         self.backward_count += 1
         self._reduce_cursor = 0
         if not self.first_use and self._last_forward is not None:
@@ -247,7 +253,7 @@ class ReduceMixin:
         for chunk in self.chunks:
             chunk.used_slots.clear()
             chunk.arrived_slots.clear()
-        self.backward_pending = False
+        self._in_backward = False
         self.grads_pending = True
         self.grads_stepped = False
         if self.on_backward_end is not None:
