@@ -65,8 +65,8 @@ def test_two_ranks_gathering_ahead_make_declared_moves():
 
 
 def test_every_write_of_a_field_the_chunk_state_derives_from_is_in_a_verb_that_asserts_its_move():
-    """``Chunk.state`` derives from ``unsharded``, ``pending_gather`` and ``full_alias``: each write of them, anywhere in
-    the package, sits in a ``Chunk`` method that checks its move against the table (``_moved``), or in a helper
+    """``Chunk.state`` derives from ``unsharded``, ``pending_gather`` and ``full_alias``: each write of them, anywhere
+    in the package, sits in a ``Chunk`` method that checks its move against the table (``_moved``), or in a helper
     such a verb calls (``_fill`` from ``unshard``), or in ``__init__``."""
     import ast
     from pathlib import Path

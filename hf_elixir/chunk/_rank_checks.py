@@ -22,8 +22,8 @@ gradients and the mismatch with them. A mismatch of unequal sizes fails in the c
 [Note: hyperparameter check] The same all-reduce carries ``hyper`` and ``-hyper``: a 24-bit CRC of the optimizer's
 hyperparameters (every param group's numbers, flags and strings: lr, weight_decay, betas, eps, ...) as this rank
 holds them when its backward ends (``ChunkStepListener.hyper_code``, the optimizer's). Ranks that step with
-different ones (``ReduceLROnPlateau`` stepped with each rank's own loss, an lr set from rank-local data) used to train on
-silently: replicated copies drifted apart (5.8e-2 from PyTorch after a few steps, sharded chunks 3.3e-2), each
+different ones (``ReduceLROnPlateau`` stepped with each rank's own loss, an lr set from rank-local data) used to
+train on silently: replicated copies drifted apart (5.8e-2 from PyTorch after a few steps, sharded chunks 3.3e-2), each
 shard with its own rank's lr. DDP drifts the same way; hf_elixir raises at the step instead, before anything
 is updated, as for the reduce order (``hyper_mismatch``). A value changed between the end of backward and
 ``step()`` is not seen; schedulers step after ``step()``, so the next backward carries their value.

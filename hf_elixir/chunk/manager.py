@@ -5,23 +5,30 @@ The manager is a coordinator; each concept lives in a file of its own with its d
 concepts a file each (``torch/distributed/fsdp/_fully_shard/``):
 
 * ``_steps.py``: the access trace, the step / forward bookkeeping ([Note: forward steps]);
-* ``_eviction.py``: Belady eviction, ``make_room`` ([Note: Belady eviction], [Note: dead chunks]);
+* ``_eviction.py``: Belady eviction, ``make_room``: :class:`Eviction` (``eviction``) ([Note: Belady eviction], [Note:
+  dead chunks]);
 * ``_grad_buffers.py``: gradient buffers, their reuse and spill ([Note: buffer reuse], [Note: gradient spill]);
 * ``_prefetch.py``: all-gathers and onloads issued ahead ([Note: gather prefetch], [Note: backward gather
   prefetch], [Note: Belady-consistent gather ahead]);
 * ``_agreed_gathers.py``: gathers ahead agreed over ranks where the pool charges activations ([Note: agreed
   gathers ahead]);
-* ``_reduce.py``: backward's gradient reduces: their order, the in-flight window, late waits ([Note: reduce
-  order], [Note: late reduce waits], [Note: reduce window], [Note: in-place reduces]);
+* ``_reduce.py``: backward's gradient reduces: their order, late waits ([Note: reduce order], [Note: late reduce
+  waits], [Note: reduce window], [Note: in-place reduces]); the collectives in flight and their window are a
+  :class:`ReduceWindow` (``reduces``, ``_reduce_window.py``);
 * ``_grad_shards.py``: the reduced gradient shards: host offload, zeroing ([Note: gradient offload]);
-* ``_rank_checks.py``: the has-gradient flags' all-reduce and the cross-rank checks riding it ([Note: has-gradient
-  flags], [Note: reduce order check], [Note: hyperparameter check]);
+* ``_rank_checks.py``: the has-gradient flags' all-reduce and the cross-rank checks riding it: :class:`GradFlags`
+  (``flags``) with its :class:`RankChecks` ([Note: has-gradient flags], [Note: reduce order check], [Note:
+  hyperparameter check]);
+* ``_listener.py``: the one interface through which the manager tells its optimizer the step's events
+  (:class:`ChunkStepListener`, ``listener``);
 * ``_activations.py``: activations charged to the pool ([Note: pack without a cycle]);
 * ``_external.py``: parameters read outside their own module's forward ([Note: external reads]).
 
-Most are mixins of :class:`ChunkManager`: they read and write the same chunks, trace, pool and in-flight
-collectives, which the manager owns, and each initialises its own state (``_init_*``). The cross-rank checks keep
-state of their own and are a component (:class:`~hf_elixir.chunk._rank_checks.RankChecks`, ``rank_checks``).
+Eviction, the reduce window and the flags with their rank checks are objects the manager owns, as FSDP2's
+``FSDPParamGroup`` owns its ``FSDPParam``\ s: each keeps its own state and offers explicit methods, and what it reads
+of the manager is passed in or declared (:class:`~hf_elixir.chunk._eviction.EvictionHost`). The others are still
+mixins of :class:`ChunkManager` that read and write the same chunks and trace, each initialising its own state
+(``_init_*``).
 One chunk's own verbs (unshard, reshard, gradient accumulation and reduce, refresh) are in ``chunk.py`` and its
 ``_chunk_*.py`` files.
 
