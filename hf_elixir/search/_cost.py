@@ -143,7 +143,7 @@ __all__ = ["ChunkedStep", "Knobs", "Prediction", "activation_bytes", "build_chun
            "resolve_policy"]
 
 
-_MAX_PENDING_REDUCES = 2  # ReduceWindow.max_pending (chunk/_reduce_window.py)
+_MAX_PENDING_REDUCES = 2  # ChunkManager.max_pending_reduces
 #: forward-only steps: at most this many replays of the forward to reach the steady cache ([Note: forward-only
 #: pricing]); least-recently-used eviction over one fixed order settles after one or two
 FORWARD_PASSES = 4
