@@ -357,7 +357,8 @@ def section_search(ctx: Context) -> None:
     import torch
 
     from benchmarks._harness import ModelSpec, build_model
-    from hf_elixir.profiler import probe_hardware, profile_step
+    from hf_elixir import probe_hardware  # with the runtime probe
+    from hf_elixir.profiler import profile_step
     from hf_elixir.search import search
 
     torch.backends.cuda.matmul.allow_tf32 = True  # the probe's fp32 rate and the run use the same matmuls

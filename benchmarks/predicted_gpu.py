@@ -37,7 +37,8 @@ if __package__ in (None, ""):  # `python benchmarks/predicted_gpu.py`: make the 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._peers_predicted import PEER_MODELS, predict_peer  # noqa: E402
-from hf_elixir.profiler import HardwareProfile, probe_hardware, profile_step  # noqa: E402
+from hf_elixir import probe_hardware  # noqa: E402 - with the runtime probe
+from hf_elixir.profiler import HardwareProfile, profile_step  # noqa: E402
 from hf_elixir.profiler._gpu_presets import ACHIEVED_FRACTION, GPU_PRESETS, preset_hardware  # noqa: E402
 from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch  # noqa: E402
 from hf_elixir.search import brute_force_grid, search  # noqa: E402

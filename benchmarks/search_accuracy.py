@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import hf_elixir  # noqa: E402
 from hf_elixir import ElixirConfig  # noqa: E402
 from hf_elixir.plan import ElixirPlan  # noqa: E402
-from hf_elixir.profiler import probe_hardware, profile_step  # noqa: E402
+from hf_elixir import probe_hardware  # noqa: E402 - with the runtime probe
+from hf_elixir.profiler import profile_step  # noqa: E402
 from hf_elixir.search import brute_force_grid, search  # noqa: E402
 
 from _models import batch, tiny_model  # noqa: E402

@@ -57,17 +57,14 @@ _LAZY = {
     "ElixirPlan": "hf_elixir.plan",
     "full_parameters": "hf_elixir.runtime.state_dict",
     "CollectiveEntryError": "hf_elixir.runtime._entry_check", "external_reads": "hf_elixir.runtime.external",
-    "probe_hardware": "hf_elixir.profiler", "profile_step": "hf_elixir.profiler",
+    "probe_hardware": "hf_elixir._hardware_probe", "profile_step": "hf_elixir.profiler",
     "search_plan": "hf_elixir.search",
 }
 
 
 def __getattr__(name: str) -> _Any:
-    # PEP 562: the public names (and subpackages, ``hf_elixir.search``) are imported on first use; the façade
-    # (hf_elixir.api) comes first, so the runtime probe finds prepare registered ([Note: runtime probe] in
-    # hf_elixir/profiler/_hardware.py) whichever name is asked for
+    # PEP 562: the public names (and subpackages, ``hf_elixir.search``) are imported on first use
     if name in _LAZY:
-        _importlib.import_module("hf_elixir.api")
         value = getattr(_importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value

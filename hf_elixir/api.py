@@ -46,7 +46,7 @@ from hf_elixir.parallel._launch import check_launch_world_size
 from hf_elixir.placement._agree import agree_budget
 from hf_elixir.placement._layout import Layout, recorded_plan
 from hf_elixir.profiler import _device
-from hf_elixir.profiler._hardware import register_prepare
+from hf_elixir.profiler._runtime_probe import RuntimeProbe
 from hf_elixir.runtime._checks import check_arguments, check_streamed_init
 from hf_elixir.runtime._checks import check_precision_supported as _check_precision_supported
 from hf_elixir.runtime._rollback import ModelSnapshot
@@ -138,7 +138,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         undo.append(ModelSnapshot(model).restore)  # the profiled step of search="auto" runs the model too
         mark_compiled_blocks(model, config.compile)  # compiled blocks are hook units ([Note: compiled blocks])
         layout = lay_out(model, optimizer, config, sample_batch, names, params, group=group,  # 4, 5
-                         agree_group=agree_group, device=device, charges_activations=charges_activations)
+                         agree_group=agree_group, device=device, charges_activations=charges_activations,
+                         runtime_probe=RuntimeProbe(prepare, memory_stats, min_device_budget_bytes))
         with contextlib.closing(_stream(model, checkpoint, names, params, layout, pstate)) as stream:
             prepared = _apply_layout(model, optimizer, names, layout, stream)
     except BaseException:
@@ -195,5 +196,3 @@ def _apply_layout(model, optimizer, names, layout: Layout, stream):
                       "; ".join(layout.reasons))
     return model, state.optimizer
 
-
-register_prepare(prepare, memory_stats, min_device_budget_bytes)

@@ -62,3 +62,33 @@ def test_two_ranks_gathering_ahead_make_declared_moves():
     for moves in map(set, per_rank):
         assert {("SHARDED", "GATHERED"), ("GATHERED", "SHARDED")} <= moves, moves
         assert any(new == "GATHERING" for _, new in moves) and ("GATHERING", "GATHERED") in moves, moves
+
+
+def test_every_write_of_a_field_the_chunk_state_derives_from_is_in_a_verb_that_asserts_its_move():
+    """``Chunk.state`` derives from ``unsharded``, ``pending_gather`` and ``full_alias``: each write of them, anywhere
+    in the package, sits in a ``Chunk`` method that checks its move against the table (``_moved``), or in a helper
+    such a verb calls (``_fill`` from ``unshard``), or in ``__init__``."""
+    import ast
+    from pathlib import Path
+
+    fields = {"unsharded", "pending_gather", "full_alias"}
+    helpers_of = {"_fill": "unshard"}  # helper -> the asserting verb that calls it
+    root = Path(chunk_module.__file__).resolve().parents[1]
+    writers = {}
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for func in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            for node in ast.walk(func):
+                targets = node.targets if isinstance(node, ast.Assign) else (
+                    [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+                flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+                if any(isinstance(t, ast.Attribute) and t.attr in fields for t in flat):
+                    writers[(path.name, func.name)] = func
+    assert writers, "the search found no write: it would pass whatever the code does"
+    for (file, name), func in writers.items():
+        assert file == "chunk.py", f"{file}:{name} writes a chunk-state field outside Chunk's verbs"
+        if name == "__init__":
+            continue
+        verb = helpers_of.get(name, name)
+        body = ast.unparse(next(f for (fl, n), f in writers.items() if n == verb) if verb != name else func)
+        assert "self._moved(" in body, f"Chunk.{name} changes the chunk state without asserting the move"

@@ -139,7 +139,7 @@ def _waits_in_backward(rank: int, world_size: int, in_place: bool):
     model, opt = hf_elixir.prepare(model, opt, config)
     manager = get_state(model).manager
     sites = []
-    finish = manager._finish_reduce
+    finish = manager.reduces.finish_oldest
 
     def counted():
         sites.append("in backward" if manager.backward_pending and not ending else "later")
@@ -153,7 +153,7 @@ def _waits_in_backward(rank: int, world_size: int, in_place: bool):
         ending = True
         end()
 
-    manager._finish_reduce, manager.finish_backward = counted, finishing
+    manager.reduces.finish_oldest, manager.finish_backward = counted, finishing
     for step in range(2):
         ending = False
         opt.backward(model(**rank_batch("gpt2", step, rank, world_size, 2)).loss)

@@ -46,7 +46,7 @@ def _elixir(max_norm: float, overlap: bool) -> dict:
         def counting_fence(chunk):
             out["fenced"] += int(chunk.chunk_id in lane.speculations)
             fence(chunk)
-        manager.early_refresh_fence = counting_fence
+        lane.early_fence = counting_fence
     seen = 0
     for accum in SCHEDULE:
         for _ in range(accum):

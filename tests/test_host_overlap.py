@@ -71,14 +71,14 @@ def _elixir(rank: int, world_size: int, accum: int, overlap: bool | None, placem
         # lane has stepped one (once per run; a lane that only steps in ``step()`` never does, and the wait ends
         # after LANE_WAIT_S with ``in_backward`` false, which fails the test).
         handed = threading.Event()  # a chunk went to the lane to be stepped in this run
-        take_over = opt.manager.on_grad_offloaded
+        take_over = opt._lane.on_grad_offloaded
 
         def take(chunk, staging, event):
             waiting = take_over(chunk, staging, event)
             if waiting is not None:
                 handed.set()
             return waiting
-        opt.manager.on_grad_offloaded = take
+        opt._lane.on_grad_offloaded = take
 
         def hold_backward(grad):
             if handed.is_set():

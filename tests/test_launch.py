@@ -235,7 +235,7 @@ def test_a_stale_elixir_config_file_that_disagrees_with_config_file_is_an_error_
 
 
 def test_the_config_file_sources_agree_or_the_lookup_names_both(tmp_path, monkeypatch):
-    import hf_elixir_autoroute as hook
+    import hf_elixir_launch_config as hook
 
     elixir, other = tmp_path / "elixir.yaml", tmp_path / "other.yaml"
     elixir.write_text(YAML.read_text())

@@ -25,13 +25,13 @@ LAYERS = {
     "profiler": 6,
     "search": 7,
     "api": 8,
-    "checkpoint": 9,
+    "checkpoint": 9, "_hardware_probe": 9,
     "__init__": 10,
     "integrations": 11,
     "cli": 11,
 }
 #: may import the façade (``hf_elixir.api``, or the ``hf_elixir`` package itself)
-FACADE_USERS = ("__init__", "integrations", "cli")
+FACADE_USERS = ("__init__", "integrations", "cli", "_hardware_probe")
 
 
 def _is_type_checking(node: ast.If) -> bool:

@@ -42,7 +42,7 @@ def test_no_module_shadows_an_installed_or_standard_module(folder):
     assert "transformers" in installed and "torch" in installed, "site-packages not found: the check would be empty"
     own = _module_names(ROOT / folder)
     # The repository's own installed packages (pip install -e .) are found in site-packages through a finder.
-    own_packages = {"hf_elixir", "triton_kernels", "hf_elixir_autoroute"}
+    own_packages = {"hf_elixir", "triton_kernels", "hf_elixir_autoroute", "hf_elixir_launch_config"}
     clashes = sorted(n for n in own - own_packages if n in installed or n in sys.stdlib_module_names)
     assert not clashes, (f"{folder}/ holds modules named like installed or standard-library modules {clashes}: a "
                          f"script run from {folder}/ would import them instead of the real ones; rename them")

@@ -2,6 +2,8 @@
 
 import json
 
+import torch
+
 from hf_elixir.profiler import HardwareProfile, probe_hardware
 from hf_elixir.profiler import _hardware
 
@@ -64,3 +66,40 @@ def test_cached_adam_rate_timed_without_the_fused_kernel_is_measured_again(tmp_p
     again = probe_hardware("cpu", cache_path=cache, size_bytes=2**20, repeats=1)
     assert again.host_adam_numel_per_s > 1.0 and first.host_adam_numel_per_s > 1.0
     assert json.loads(cache.read_text())[key]["adam_impl"] == "fused"
+
+
+def test_the_public_probe_times_hf_elixirs_own_overheads_and_the_profilers_reuses_them(tmp_path):
+    """The profiler's probe does not import the façade: without a runtime probe the three overhead fields stay 0
+    and are not cached; ``hf_elixir.probe_hardware`` hands it ``prepare`` and times them, and the cached values are
+    then what the profiler's probe returns too."""
+    import hf_elixir
+
+    cache = tmp_path / "hw.json"
+    bare = probe_hardware("cpu", cache_path=cache, size_bytes=2**20, repeats=1)
+    assert (bare.hook_event_s, bare.onload_fixed_s, bare.optim_tensor_s) == (0.0, 0.0, 0.0)
+    assert "optim_tensor_s" not in next(iter(json.loads(cache.read_text()).values()))
+    full = hf_elixir.probe_hardware("cpu", cache_path=cache, size_bytes=2**20, repeats=1)
+    assert full.optim_tensor_s > 0 and full.hook_event_s >= 0 and full.onload_fixed_s >= 0
+    again = probe_hardware("cpu", cache_path=cache)
+    assert again.optim_tensor_s == full.optim_tensor_s and again.h2d_bytes_per_s == full.h2d_bytes_per_s
+
+
+def test_prepare_hands_the_search_a_runtime_probe_on_itself(monkeypatch):
+    import hf_elixir
+    from hf_elixir.profiler._runtime_probe import RuntimeProbe
+
+    from _models import batch, fixed_cpu_hardware, tiny_model
+
+    seen = {}
+
+    def probe(*args, **kwargs):
+        seen.update(kwargs)
+        return fixed_cpu_hardware()
+
+    monkeypatch.setattr("hf_elixir.profiler.probe_hardware", probe)
+    model = tiny_model("gpt2")
+    hf_elixir.prepare(model, torch.optim.AdamW(model.parameters()), hf_elixir.ElixirConfig(search="auto"),
+                      sample_batch=batch("gpt2", 0, 2, 8))
+    given = seen["runtime_probe"]
+    assert isinstance(given, RuntimeProbe) and given.prepare is hf_elixir.prepare
+    assert given.memory_stats is hf_elixir.memory_stats

@@ -128,7 +128,7 @@ def build_chunks(manager: ChunkManager, params, names, placements: dict[str, str
         chunks += new
         num_flags = end_flag
     manager.chunks = chunks
-    manager.init_flags(num_flags, flag_groups)
+    manager.flags.init(num_flags, flag_groups, manager.chunks)
     return chunks
 
 

@@ -82,8 +82,7 @@ class ChunkParamsMixin:
                 written = True
         if not written or not self.unsharded or self.needs_fill() or self.hidden:
             return False  # a stale parameter raises on any write: nothing reached a freed or old copy
-        if self.manager.host_fence is not None:  # the host optimizer may be stepping this shard in place
-            self.manager.host_fence(self)
+        self.manager.listener.host_fence(self)  # the host optimizer may be stepping this shard in place
         with torch.no_grad(), strict.host_copies():
             if not self.full_alias and not self.shard_in_full:
                 self.shard.copy_(self.full[self.shard_begin:self.shard_begin + self.shard_numel])

@@ -118,7 +118,7 @@ class ChunkRefreshMixin:
         early = self.pending_refresh
         if early is not None and early.speculative:
             early.speculative = False
-            self.manager.early_refresh_fence(self)  # may issue a new refresh in its place
+            self.manager.listener.early_refresh_fence(self)  # may issue a new refresh in its place
         pending, self.pending_refresh = self.pending_refresh, None
         if pending is None:
             return

@@ -70,8 +70,8 @@ class GradShardMixin:
             event.record(stream)
         self.counters.d2h_bytes += chunk.shard_numel * reduced.element_size()
         chunk.grad_shard_clean = False
-        if self.on_grad_offloaded is not None:
-            waiting = self.on_grad_offloaded(chunk, staging, event)
+        if self.listener.takes_offloaded_grads:
+            waiting = self.listener.on_grad_offloaded(chunk, staging, event)
             if waiting is not None:
                 self._offload_done[cid] = waiting
             return
@@ -90,22 +90,17 @@ class GradShardMixin:
         """Zero every gradient shard; ``keep_has_grad``: parameters that had a gradient keep a (zero)
         one for the next step (``zero_grad(set_to_none=False)``), else they have none until backward."""
         self.drain_reduces(settle_zeros=False)
-        if self.host_fence is not None:
-            self.host_fence(None)  # host work on the gradient shards ends (and speculative steps are undone)
+        self.listener.host_fence(None)  # host work on the gradient shards ends (and speculative steps are undone)
         for chunk in self.chunks:
             chunk.grad_shard_clean = True
         for cid, grad_shard in self.grad_shards.items():
             # [Note: deferred gradient zeroing] in _chunk_grads.py: a direct shard is zeroed as backward writes it
             if not self.chunks[cid].defer_grad_zero():
                 grad_shard.zero_()
-        if not keep_has_grad:
-            self.has_grad_flags.zero_()
-            self.local_flags = set()
-        self.rank_checks.reset()  # the gradients a mismatched order reduced are gone
+        self.flags.zero(keep_has_grad)  # the gradients a mismatched order reduced are gone, and its mismatch
         self.grads_pending = False
         self.grads_stepped = False
-        if self.on_zero_grad is not None:
-            self.on_zero_grad()
+        self.listener.on_zero_grad()
 
     def clear_param_grad(self, param: torch.nn.Parameter, keep_has_grad: bool = False) -> None:
         """One parameter's :meth:`zero_grad` (``p.grad = None``, ``submodule.zero_grad()``): zero its
@@ -117,13 +112,11 @@ class GradShardMixin:
         chunk = self.chunk_of[param]
         grad_shard = self.grad_shards.get(chunk.chunk_id)
         self.drain_reduces()
-        if self.host_fence is not None:
-            self.host_fence(None)
+        self.listener.host_fence(None)
         if grad_shard is not None:
             lo = max(slot.offset, chunk.shard_begin) - chunk.shard_begin
             hi = min(slot.offset + slot.numel, chunk.shard_begin + chunk.shard_numel) - chunk.shard_begin
             if hi > lo:
                 grad_shard[lo:hi].zero_()
         if not keep_has_grad:
-            self.has_grad_flags[slot.flag_index] = 0.0
-            self.local_flags.discard(slot.flag_index)
+            self.flags.clear(slot.flag_index)

@@ -27,7 +27,7 @@ collective's. Every reader of gradient shards or flags calls :meth:`drain_reduce
 first: the optimizer's step / clipping / state, ``zero_grad``, ``clear_param_grad``, the next backward;
 ``make_room`` finishes them when it needs room.
 
-[Note: reduce window] During backward at most ``max_pending_reduces`` (2) gradient collectives that hold a buffer
+[Note: reduce window] During backward at most ``ReduceWindow.max_pending`` (2) gradient collectives that hold a buffer
 ([Note: in-place reduces]) stay in flight when some chunk can leave the device: their buffers are freed early so that
 evictions and the backward gather prefetch's room rule ([Note: backward gather prefetch] in ``_prefetch.py``) see the
 same free bytes as the cost model. It stays at 2 as well when the host lane steps host chunks during backward ([Note:
@@ -40,7 +40,7 @@ where this rank lags). The decision reads only the plan, and ``make_room``'s poo
 for a model-data budget, so every rank finishes the same reduces at the same points; no collective is issued by
 finishing one, so their order is unchanged. The cost model's ``predict`` holds its pending reduces the same way.
 
-[Note: in-place reduces] The in-flight window (``max_pending_reduces``) bounds the gradient buffers and reduce
+[Note: in-place reduces] The in-flight window (``ReduceWindow.max_pending``) bounds the gradient buffers and reduce
 outputs that in-flight collectives keep alive. A chunk whose gradients were accumulated straight into the
 optimizer's shard (``Chunk.direct_grad_shard``: all resident, replicated, device optimizer) is all-reduced in
 place and holds no buffer, so its collective does not count toward the window: backward does not stop to wait
@@ -54,15 +54,13 @@ import time
 
 import torch
 
+from hf_elixir.chunk._reduce_window import FLAGS_IN_FLIGHT, ReduceWindow
 from hf_elixir.chunk._steps import _MAX_TRACE
 from hf_elixir.chunk.chunk import Chunk
 from hf_elixir.chunk.params import raw_grad, set_raw_grad
 from hf_elixir.chunk.states import TensorState
 
 __all__ = ["ReduceMixin", "FLAGS_IN_FLIGHT"]
-
-# ``reduces_in_flight`` id of the has-gradient flags' all-reduce ([Note: late reduce waits])
-FLAGS_IN_FLIGHT = -1
 
 
 class ReduceMixin:
@@ -71,16 +69,10 @@ class ReduceMixin:
 
     def _init_reduces(self) -> None:
         self.backward_count = 0  # backwards started so far
-        self.backward_pending = False
-        # off CUDA, gradient collectives are issued asynchronously and finished a few chunks later
-        self.async_reduce = self.compute_device.type != "cuda"
-        # in-flight window where some chunk may leave the device or the host lane steps chunks during
-        # backward ([Note: reduce window]); the lane sets ``host_steps_in_backward``
-        self.max_pending_reduces = 2
-        self.host_steps_in_backward = False
-        self._pending: list[tuple[int, object]] = []  # (chunk id, callable finishing its reduce), issue order
-        # chunks in ``_pending`` whose reduce holds no buffer ([Note: in-place reduces])
-        self._bufferless: set[int] = set()
+        self._in_backward = False  # read through backward_pending
+        # the collectives in flight ([Note: reduce window]); off CUDA, gradient collectives are issued asynchronously
+        # and finished a few chunks later
+        self.reduces = ReduceWindow(self.counters, async_op=self.compute_device.type != "cuda")
         # [Note: reduce order] the trainable chunks, this backward's order of them, how far it got, and the first
         # use of each chunk in this step's forward (and the last forward's, for a retained graph)
         self._trainable_chunks: list[Chunk] = []
@@ -95,6 +87,12 @@ class ReduceMixin:
         # (a Trainer callback's on_optimizer_step), a user's read of p.grad raises instead of seeing None
         self.grads_stepped = False
 
+    @property
+    def backward_pending(self) -> bool:
+        """Whether a backward is running: from :meth:`start_backward` to :meth:`finish_backward`, the only two
+        places that change it (every other part of the manager, the hooks and the optimizer only read it)."""
+        return self._in_backward
+
     def on_grad(self, param: torch.nn.Parameter) -> None:
         """Post-accumulate-grad hook body: move ``param.grad`` into its chunk's gradient buffer."""
         grad = raw_grad(param)
@@ -108,12 +106,11 @@ class ReduceMixin:
             set_raw_grad(param, None)
             del grad
         chunk.arrived_slots.add(slot.index_in_chunk)
-        self.arrived_flags.add(slot.flag_index)
+        self.flags.arrived.add(slot.flag_index)
         if slot.state is not TensorState.READY_FOR_REDUCE:
             slot.set_state(TensorState.READY_FOR_REDUCE)
         self._reduce_ready_prefix()
-        if self.on_grad_progress is not None:
-            self.on_grad_progress()
+        self.listener.on_grad_progress()
 
     def start_backward(self) -> None:
         """Called by the first backward hook of a backward: fix the reduce order (see [Note: reduce order]).
@@ -129,8 +126,7 @@ class ReduceMixin:
             raise RuntimeError("backward through a model prepared without an optimizer (hf_elixir.prepare(model, "
                                "None, ...) is for inference): pass the optimizer to prepare to train, or run the "
                                "forward under torch.no_grad()")
-        if self.before_backward is not None:
-            self.before_backward()
+        self.listener.before_backward()
         self.drain_gathers()
         self.drain_refreshes()
         # writes made before the forward, in the masters before the host lane steps them and uploads its result
@@ -139,7 +135,7 @@ class ReduceMixin:
         self.take_param_writes()
         if len(self.trace) < _MAX_TRACE:
             self._forward_ends.append(len(self.trace))
-        self.backward_pending = True
+        self._in_backward = True
         self.backward_count += 1
         self._reduce_cursor = 0
         if not self.first_use and self._last_forward is not None:
@@ -168,7 +164,7 @@ class ReduceMixin:
     def _reduce_ready_prefix(self) -> None:
         # off CUDA the last chunk of the order is issued by finish_backward, after the has-gradient flags
         # ([Note: late reduce waits])
-        last = len(self._reduce_order) - int(self.async_reduce)
+        last = len(self._reduce_order) - int(self.reduces.async_op)
         while self._reduce_cursor < last:
             chunk = self._reduce_order[self._reduce_cursor]
             if not self._chunk_ready(chunk):
@@ -181,69 +177,62 @@ class ReduceMixin:
         in_place = chunk.grad_full is None and chunk.grad_spill is None and chunk.direct_grad_shard() is not None
         if self.recorder is not None:  # [Note: one step description] in schedule.py
             self.record_event("reduce", chunk)
-        finish = chunk.reduce_scatter_grad(self.grad_shards[chunk.chunk_id], async_op=self.async_reduce)
+        finish = chunk.reduce_scatter_grad(self.grad_shards[chunk.chunk_id], async_op=self.reduces.async_op)
         collective = self.counters.reduce_scatter_bytes != before  # one rank, not replicated: a local add
         if collective:
             self.counters.reduce_wait_s += time.perf_counter() - started
         chunk.arrived_slots.clear()
         if finish is not None:
-            self._pending.append((chunk.chunk_id, self._timed_wait(finish) if collective else finish))
-            if in_place:
-                self._bufferless.add(chunk.chunk_id)
-            window = self.reduce_window()
-            while window is not None and len(self._pending) - len(self._bufferless) > window:
-                self._finish_reduce()
+            self.reduces.issue(chunk.chunk_id, finish, timed=collective, in_place=in_place)
+            self.reduces.shrink_to(self.reduce_window())
 
     def reduce_window(self) -> int | None:
         """How many gradient collectives stay in flight during backward; ``None``: as many as the budget
         holds (see [Note: reduce window])."""
-        if not self.host_steps_in_backward and all(c.resident or c.full_alias for c in self.chunks):
-            return None
-        return self.max_pending_reduces
-
-    def _timed_wait(self, finish):
-        """``finish`` adding the seconds it blocks to ``counters.reduce_wait_s``."""
-        def timed() -> None:
-            started = time.perf_counter()
-            finish()
-            self.counters.reduce_wait_s += time.perf_counter() - started
-        return timed
-
-    def _finish_reduce(self) -> None:
-        cid, finish = self._pending.pop(0)
-        self._bufferless.discard(cid)  # a chunk has at most one in-place reduce per backward, issued first
-        finish()
+        return self.reduces.limit(self.chunks)
 
     def drain_reduces(self, settle_zeros: bool = True) -> None:
         """Wait for every in-flight gradient collective and accumulate its result (see [Note: late reduce
         waits]: every reader of gradient shards or has-gradient flags calls this first); with
         ``settle_zeros``, also zero what backward left unwritten in deferred-zero gradient shards
         (:meth:`settle_grad_zeros`)."""
-        while self._pending:
-            self._finish_reduce()
+        self.reduces.drain()
         if settle_zeros:
             self.settle_grad_zeros()
 
     def reduces_in_flight(self) -> set[int]:
         """Ids of the chunks whose gradient collective is still to be finished, and :data:`FLAGS_IN_FLIGHT`
         while the has-gradient flags' all-reduce is ([Note: late reduce waits])."""
-        return {cid for cid, _ in self._pending}
+        return self.reduces.in_flight()
 
     def wait_flags(self) -> None:
         """Finish in-flight collectives in issue order up to the has-gradient flags' all-reduce, so that
         ``has_grad_flags`` holds this backward's merged flags (the reduces issued after it stay in flight)."""
-        while any(cid == FLAGS_IN_FLIGHT for cid, _ in self._pending):
-            self._finish_reduce()
+        self.reduces.finish_through(FLAGS_IN_FLIGHT)
+
+    def _merge_flags(self) -> None:
+        """Issue the has-gradient flags' all-reduce (:meth:`GradFlags.merge`) with what rides it: per flag group its
+        "no room" votes ([Note: agreed gathers ahead] in _agreed_gathers.py) and its checks' (code, -code, hyper,
+        -hyper) (:meth:`RankChecks.values` of this backward's reduce order and the optimizer's hyperparameters)."""
+        flags = self.flags
+        checks = flags.checks.values(self._reduce_order, self.listener.hyper_code())
+        extras = [self._ahead_votes(group) + mine for (group, _), mine in zip(flags.flag_groups, checks)]
+        if any(len(e) > 4 for e in extras) and self.ahead_veto.numel() != len(self.chunks):
+            self.ahead_veto = torch.ones(len(self.chunks), device=self.compute_device)
+
+        def take_votes(group, votes: torch.Tensor) -> None:
+            self.ahead_veto[self._voter_index(group)] = votes
+        flags.merge(extras, self.reduces, take_votes)
 
     def finish_backward(self) -> None:
         """End-of-backward callback: flush remaining reduce-scatters in the fixed order, merge the
         has-gradient flags over ranks, drop backward pins. Off CUDA the last reduces stay in flight
         ([Note: late reduce waits])."""
-        last = len(self._reduce_order) - int(self.async_reduce)
+        last = len(self._reduce_order) - int(self.reduces.async_op)
         while self._reduce_cursor < last:
             self._reduce(self._reduce_order[self._reduce_cursor])
             self._reduce_cursor += 1
-        if self.async_reduce:
+        if self.reduces.async_op:
             self._merge_flags()
             while self._reduce_cursor < len(self._reduce_order):
                 self._reduce(self._reduce_order[self._reduce_cursor])
@@ -253,12 +242,12 @@ class ReduceMixin:
         for chunk in self._reduce_order:
             if chunk.grad_full is not None or chunk.grad_spill is not None:
                 self._reduce(chunk)
-        if not self.async_reduce:
+        if not self.reduces.async_op:
             self.drain_reduces()
         self.drain_gathers()  # a gather issued ahead for a chunk this backward did not use
         if len(self.trace) < _MAX_TRACE:
             self._backward_ends.append(len(self.trace))
-        if not self.async_reduce:
+        if not self.reduces.async_op:
             if self.reduce_stream is not None:
                 torch.cuda.current_stream().wait_stream(self.reduce_stream)
             self._merge_flags()
@@ -266,7 +255,7 @@ class ReduceMixin:
         for chunk in self.chunks:
             chunk.used_slots.clear()
             chunk.arrived_slots.clear()
-        self.backward_pending = False
+        self._in_backward = False
         self.grads_pending = True
         self.grads_stepped = False
         if self.on_backward_end is not None:

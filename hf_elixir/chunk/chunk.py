@@ -303,8 +303,7 @@ class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
             return
         old = self.state
         self.wait_refresh(side_stream)  # the fill reads the shard the refresh writes
-        if self.manager.host_fence is not None:  # the host optimizer may be stepping this shard in place
-            self.manager.host_fence(self)
+        self.manager.listener.host_fence(self)  # the host optimizer may be stepping this shard in place
         counters = self.manager.counters
         pool = self.manager.pool
         if async_op:
@@ -393,9 +392,8 @@ class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
         if self.manager.recorder is not None:  # [Note: one step description] in schedule.py
             self.manager.record_event("evict", self)
         old = self.state
-        if self.take_param_writes() and self.manager.on_param_writes is not None \
-                and not self.manager.backward_pending:  # in backward: merged at the step
-            self.manager.on_param_writes([self])
+        if self.take_param_writes() and not self.manager.backward_pending:  # in backward: merged at the step
+            self.manager.listener.on_param_writes([self])
         if self.dirty:
             self.write_back()
         assert not self.shard_in_full, f"rank {self.rank}: resharding chunk {self.chunk_id}, whose shard is in full"
@@ -420,8 +418,7 @@ class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
 
     def write_back(self) -> None:
         """Copy this rank's slice of ``full`` into the shard (after ``load_state_dict`` wrote ``full``)."""
-        if self.manager.host_fence is not None:
-            self.manager.host_fence(self)
+        self.manager.listener.host_fence(self)
         self.wait_refresh()  # the refresh would overwrite what is written back
         with torch.no_grad(), strict.host_copies():
             if not self.full_alias:

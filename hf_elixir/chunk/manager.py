@@ -5,24 +5,31 @@ The manager is a coordinator; each concept lives in a file of its own with its d
 concepts a file each (``torch/distributed/fsdp/_fully_shard/``):
 
 * ``_steps.py``: the access trace, the step / forward bookkeeping ([Note: forward steps]);
-* ``_eviction.py``: Belady eviction, ``make_room`` ([Note: Belady eviction], [Note: dead chunks]);
+* ``_eviction.py``: Belady eviction, ``make_room``: :class:`Eviction` (``eviction``) ([Note: Belady eviction], [Note:
+  dead chunks]);
 * ``_grad_buffers.py``: gradient buffers, their reuse and spill ([Note: buffer reuse], [Note: gradient spill]);
 * ``_prefetch.py``: all-gathers and onloads issued ahead, the :class:`PrefetchScheduler` (``prefetcher``) executing
   the previous step's order ([Note: gather prefetch], [Note: backward gather prefetch], [Note: Belady-consistent
   gather ahead]; [Note: one step description] in ``schedule.py``);
 * ``_agreed_gathers.py``: gathers ahead agreed over ranks where the pool charges activations ([Note: agreed
   gathers ahead]);
-* ``_reduce.py``: backward's gradient reduces: their order, the in-flight window, late waits ([Note: reduce
-  order], [Note: late reduce waits], [Note: reduce window], [Note: in-place reduces]);
+* ``_reduce.py``: backward's gradient reduces: their order, late waits ([Note: reduce order], [Note: late reduce
+  waits], [Note: reduce window], [Note: in-place reduces]); the collectives in flight and their window are a
+  :class:`ReduceWindow` (``reduces``, ``_reduce_window.py``);
 * ``_grad_shards.py``: the reduced gradient shards: host offload, zeroing ([Note: gradient offload]);
-* ``_rank_checks.py``: the has-gradient flags' all-reduce and the cross-rank checks riding it ([Note: has-gradient
-  flags], [Note: reduce order check], [Note: hyperparameter check]);
+* ``_rank_checks.py``: the has-gradient flags' all-reduce and the cross-rank checks riding it: :class:`GradFlags`
+  (``flags``) with its :class:`RankChecks` ([Note: has-gradient flags], [Note: reduce order check], [Note:
+  hyperparameter check]);
+* ``_listener.py``: the one interface through which the manager tells its optimizer the step's events
+  (:class:`ChunkStepListener`, ``listener``);
 * ``_activations.py``: activations charged to the pool ([Note: pack without a cycle]);
 * ``_external.py``: parameters read outside their own module's forward ([Note: external reads]).
 
-Most are mixins of :class:`ChunkManager`: they read and write the same chunks, trace, pool and in-flight
-collectives, which the manager owns, and each initialises its own state (``_init_*``). The cross-rank checks keep
-state of their own and are a component (:class:`~hf_elixir.chunk._rank_checks.RankChecks`, ``rank_checks``).
+Eviction, the reduce window and the flags with their rank checks are objects the manager owns, as FSDP2's
+``FSDPParamGroup`` owns its ``FSDPParam``\ s: each keeps its own state and offers explicit methods, and what it reads
+of the manager is passed in or declared (:class:`~hf_elixir.chunk._eviction.EvictionHost`). The others are still
+mixins of :class:`ChunkManager` that read and write the same chunks and trace, each initialising its own state
+(``_init_*``).
 One chunk's own verbs (unshard, reshard, gradient accumulation and reduce, refresh) are in ``chunk.py`` and its
 ``_chunk_*.py`` files.
 
@@ -40,12 +47,13 @@ import torch
 
 from hf_elixir.chunk._activations import ActivationAccountingMixin
 from hf_elixir.chunk._agreed_gathers import AgreedGathersMixin
-from hf_elixir.chunk._eviction import EvictionMixin
+from hf_elixir.chunk._eviction import Eviction
 from hf_elixir.chunk._external import ExternalReadsMixin
 from hf_elixir.chunk._grad_buffers import GradBufferMixin
 from hf_elixir.chunk._grad_shards import GradShardMixin
+from hf_elixir.chunk._listener import ChunkStepListener
 from hf_elixir.chunk._prefetch import PrefetchScheduler
-from hf_elixir.chunk._rank_checks import FlagsMixin
+from hf_elixir.chunk._rank_checks import GradFlags
 from hf_elixir.chunk._reduce import FLAGS_IN_FLIGHT, ReduceMixin
 from hf_elixir.chunk._steps import StepTraceMixin
 from hf_elixir.chunk.chunk import Chunk, ParamSlot
@@ -58,12 +66,8 @@ __all__ = ["ChunkManager", "FLAGS_IN_FLIGHT", "DeviceBudgetExceededError", "budg
 logger = logging.getLogger(__name__)
 
 
-def _no_fence(chunk) -> None:
-    """The default ``ChunkManager.early_refresh_fence``: no optimizer issues refreshes early."""
-
-
-class ChunkManager(StepTraceMixin, EvictionMixin, GradBufferMixin, AgreedGathersMixin, ReduceMixin,
-                   GradShardMixin, FlagsMixin, ActivationAccountingMixin, ExternalReadsMixin):
+class ChunkManager(StepTraceMixin, GradBufferMixin, AgreedGathersMixin, ReduceMixin, GradShardMixin,
+                   ActivationAccountingMixin, ExternalReadsMixin):
     """Chunks of one model plus the device pool, counters, access trace and reduce bookkeeping."""
 
     def __init__(self, *, compute_device: torch.device, budget_bytes: int | None,
@@ -87,34 +91,24 @@ class ChunkManager(StepTraceMixin, EvictionMixin, GradBufferMixin, AgreedGathers
         # every rank training this model (``None``: one rank): the optimizer's norm and overflow
         # reductions run over it, never over WORLD by default (two jobs can share one world)
         self.job_group = None
-        # the optimizer's hooks (``None`` without an optimizer):
-        # ``on_grad_offloaded(chunk, staging, event)`` takes over a host gradient (the optimizer's host lane)
-        # and may return a callable that waits until it has consumed ``staging``; ``host_fence(chunk)`` is
-        # called before a shard is read (see [Note: gradient offload] in _grad_shards.py)
-        self.on_grad_offloaded = None
-        self.host_fence = None
-        # ``on_param_writes(chunks)`` merges parameter writes a reshard took into the shards of ``chunks`` into the
-        # optimizer's masters ([Note: parameter writes] in _chunk_params.py)
-        self.on_param_writes = None
-        # ``before_backward()`` runs as a backward starts, ``on_zero_grad()`` when every gradient
-        # is zeroed ([Note: owed clip factor] in optim/_clip.py)
-        self.before_backward = None
-        self.on_zero_grad = None
-        # [Note: early refresh] in optim/_refresh.py: ``on_grad_progress()`` runs after each gradient lands (the
-        # host lane issues the uploads of chunks it has stepped); ``early_refresh_fence(chunk)`` runs before a
-        # wait for a refresh issued from an unvalidated speculative step
-        self.on_grad_progress = None
-        self.early_refresh_fence = _no_fence
+        # the optimizer, told of the step's events through one interface (_listener.py); without one, no-ops
+        self.listener = ChunkStepListener()
         # each concept's own state
+        self.eviction = Eviction(self)  # which chunk leaves the device for room (_eviction.py)
         self._init_trace()
         self._init_grad_buffers()
         self.prefetcher = PrefetchScheduler(self)  # gathers and onloads ahead (_prefetch.py)
         self._init_agreed_gathers()
         self._init_reduces()
         self._init_grad_shards()
-        self._init_flag_state()
+        self.flags = GradFlags(compute_device)  # has-gradient flags and the rank checks riding them (_rank_checks.py)
         self._init_activations()
         self._init_external()
+
+    def set_listener(self, listener: ChunkStepListener) -> None:
+        """Register the optimizer (one per manager): it hears the step's events from now on."""
+        assert type(self.listener) is ChunkStepListener, "a chunk manager has one optimizer"
+        self.listener = listener
 
     # -- host memory ---------------------------------------------------------------------------
     def _count_host(self, delta_bytes: int) -> None:
@@ -181,8 +175,26 @@ class ChunkManager(StepTraceMixin, EvictionMixin, GradBufferMixin, AgreedGathers
         for chunk in chunks:
             assert chunk.pins > 0, f"chunk {chunk.chunk_id} released more often than accessed"
             chunk.pins -= 1
-            if self.backward_pending and self._reshard_dead(chunk):
+            if self.backward_pending and self.eviction.reshard_dead(chunk):
                 chunk.reshard()
+
+    # -- eviction (_eviction.py) ---------------------------------------------------------------
+    def make_room(self, nbytes: int, what: str, exclude: set[int] | None = None) -> None:
+        """Evict until ``nbytes`` more fit the budget (:meth:`Eviction.make_room`)."""
+        self.eviction.make_room(nbytes, what, exclude)
+
+    # eviction's ranking as the prefetch reads it (:class:`Eviction`)
+    def _victim(self, exclude: set[int], beyond: tuple[float, int] | None = None) -> Chunk | None:
+        return self.eviction.victim(exclude, beyond)
+
+    def _belady_key(self, chunk: Chunk, after: int | None = None) -> tuple[float, int]:
+        return self.eviction.belady_key(chunk, after)
+
+    def _dead(self, chunk: Chunk) -> bool:
+        return self.eviction.dead(chunk)
+
+    def _dead_victim(self) -> Chunk | None:
+        return self.eviction.dead_victim()
 
     def describe(self) -> str:
         """What occupies the device, for error messages."""
@@ -224,17 +236,16 @@ class ChunkManager(StepTraceMixin, EvictionMixin, GradBufferMixin, AgreedGathers
     def take_param_writes(self) -> None:
         """Take what user code wrote in place into parameters with a current copy (``with torch.no_grad():
         p.mul_(0.99)`` between backward and step) into the shards, and give every chunk whose shard holds such
-        writes to ``on_param_writes`` (the optimizer's masters take them) ([Note: parameter writes] in
+        writes to the listener's ``on_param_writes`` (the optimizer's masters take them) ([Note: parameter writes] in
         ``_chunk_params.py``).
         Called at the start of each backward, at the step and on entering ``full_parameters``; each reshard takes
         its chunk's. No collective: each rank takes its own writes. Costs one version-counter read per parameter
         when nothing was written."""
         for chunk in self.chunks:
             chunk.take_param_writes()
-        if self.on_param_writes is not None:
-            written = [c for c in self.chunks if c.params_written]
-            if written:
-                self.on_param_writes(written)
+        written = [c for c in self.chunks if c.params_written]
+        if written:
+            self.listener.on_param_writes(written)
 
     def hide_stale(self) -> None:
         """Point the parameters of every chunk without a current unsharded copy at stale placeholders

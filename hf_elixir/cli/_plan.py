@@ -100,8 +100,7 @@ def target_hardware(args: argparse.Namespace):
     measure = bool(getattr(args, "measure_here", False)) or (args.gpu is None and cuda_here)
     notes: list[str] = []
     if measure:
-        import hf_elixir.api  # noqa: F401, PLC0415 (the runtime probe times prepare: [Note: runtime probe])
-        from hf_elixir.profiler import probe_hardware
+        from hf_elixir._hardware_probe import probe_hardware  # with the runtime probe ([Note: runtime probe])
 
         base = probe_hardware()
         host_source = "measured on this machine (--measure-here)" if args.gpu or not cuda_here else \

@@ -17,7 +17,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     """``hf-elixir profile``: a real step of a small model here, a plan for a budget, the PNG."""
     import torch
 
-    from hf_elixir.profiler import probe_hardware, profile_step
+    from hf_elixir._hardware_probe import probe_hardware  # with the runtime probe ([Note: runtime probe])
+    from hf_elixir.profiler import profile_step
     from hf_elixir.parallel._expert_units import split_fused_experts
     from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
     from hf_elixir.search import build_chunked_step, predict

@@ -39,10 +39,10 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-# Finding and reading the file lives in the start hook's module, which must not import hf_elixir to decide
-# whether a launch is Elixir's ([Note: the start hook stays out of other launches] in hf_elixir_autoroute.py).
-from hf_elixir_autoroute import _config_file_from_launcher_argv  # noqa: F401 - its tests read it from here
-from hf_elixir_autoroute import ELIXIR_SECTION, find_launch_config_file, has_elixir_section, read_launch_config
+# Finding and reading the file lives in a module of its own that imports no hf_elixir, so the start hook can use it
+# to decide whether a launch is Elixir's ([Note: the start hook stays out of other launches] in hf_elixir_autoroute.py).
+from hf_elixir_launch_config import _config_file_from_launcher_argv  # noqa: F401 - its tests read it from here
+from hf_elixir_launch_config import ELIXIR_SECTION, find_launch_config_file, has_elixir_section, read_launch_config
 
 __all__ = ["ELIXIR_SECTION", "find_launch_config_file", "has_elixir_section", "read_elixir_section", "read_launch_config"]
 

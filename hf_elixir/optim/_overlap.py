@@ -185,11 +185,6 @@ class HostLane:
         self.ready: collections.deque[int] = collections.deque()
         self._waiting: list[int] = []
         self.early: set[int] = set()
-        self.manager.on_grad_offloaded = self.on_grad_offloaded
-        self.manager.host_fence = self.fence
-        if speculate:
-            self.manager.on_grad_progress = self.issue_ready
-            self.manager.early_refresh_fence = self.early_fence
 
     # -- intake ------------------------------------------------------------------------------------
     def _submit(self, fn, *args) -> concurrent.futures.Future:
@@ -208,7 +203,7 @@ class HostLane:
         cid = chunk.chunk_id
         speculate = (self.speculate and cid in self.host_chunks
                      and self.manager.backward_count - self._count_at_step >= self.expected_backwards)
-        flags = self.manager.spec_flags(chunk) if speculate else frozenset()
+        flags = self.manager.flags.spec(chunk) if speculate else frozenset()
         hyper = _hyper_of(self._opt.param_groups) if speculate else None
         speculate = speculate and hyper is not None and self._snapshot_fits(chunk)
         if speculate and cid in self.inverse_chunks and not self._invertible(cid, hyper):

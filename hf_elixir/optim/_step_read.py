@@ -54,12 +54,13 @@ class StepReadMixin:
         found = self._found_inf if self._found_inf is not None else torch.zeros(1, device=device)
         coef = self._host_clip_coef if self._host_clip_coef is not None else torch.ones((), device=device)
         self.manager.wait_flags()  # the flags' all-reduce, issued at the end of backward ([Note: late reduce waits])
+        flags = self.manager.flags
         packed = torch.cat([found.reshape(1).float(), coef.reshape(1).float(),
-                            self.manager.reduce_order_mismatch.float(), self.manager.hyper_mismatch.float(),
-                            self.manager.has_grad_flags.float(), self.manager.ahead_veto.float()])
+                            flags.checks.reduce_order_mismatch.float(), flags.checks.hyper_mismatch.float(),
+                            flags.has_grad_flags.float(), self.manager.ahead_veto.float()])
         values = strict.host_read(packed).tolist()
         hyper_mismatch = values.pop(3)
-        num_flags = self.manager.has_grad_flags.numel()
+        num_flags = flags.has_grad_flags.numel()
         if self.manager.ahead_veto.numel():  # [Note: agreed gathers ahead] in chunk/_agreed_gathers.py
             self.manager.agree_gathers_ahead(values[3 + num_flags:])
         if values[2] > 0 or hyper_mismatch > 0:  # [Note: reduce order check] in chunk/_rank_checks.py: nothing is updated

@@ -72,7 +72,8 @@ def _settle(manager, optimizer) -> torch.Tensor:
     lane = getattr(optimizer, "_lane", None)
     if lane is not None:
         lane.join()  # the host lane's intake of offloaded gradients
-    return host_read(manager.has_grad_flags) if manager.has_grad_flags.numel() else torch.zeros(0)
+    flags = manager.flags.has_grad_flags
+    return host_read(flags) if flags.numel() else torch.zeros(0)
 
 
 def _factors(optimizer, chunk_id: int, grad: torch.Tensor) -> float:

@@ -29,6 +29,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from hf_elixir.chunk._listener import ChunkStepListener
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.config import ElixirConfig
 from hf_elixir.optim._clip import ClipMixin
@@ -52,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 
 class ElixirOptimizer(ShardStateMixin, InnerStepMixin, RefreshMixin, ClipMixin, StepReadMixin, StateDictMixin,
-                      ParamWritesMixin, torch.optim.Optimizer):
+                      ParamWritesMixin, ChunkStepListener, torch.optim.Optimizer):
     """Wraps the user's optimizer; steps the shards of every chunk where their optimizer state lives.
 
     Args:
@@ -128,11 +129,41 @@ class ElixirOptimizer(ShardStateMixin, InnerStepMixin, RefreshMixin, ClipMixin, 
         if any(c.trainable and not c.optim_on_device for c in manager.chunks):
             self._lane = HostLane(self, speculate=speculates(config.overlap_host_optimizer, manager.compute_device),
                                   state_numel_factor=optimizer_state_numel_factor(optimizer))
-            manager.host_steps_in_backward = self._lane.speculate  # [Note: reduce window] in chunk/_reduce.py
-        manager.on_param_writes = self.merge_param_writes  # [Note: parameter writes] in chunk/_chunk_params.py
-        manager.before_backward = self._settle_clip  # [Note: owed clip factor] in _clip.py
-        manager.on_zero_grad = self._forget_clip
-        manager.hyper_code = self._hyper_code  # [Note: hyperparameter check] in chunk/_rank_checks.py
+            manager.reduces.host_steps_in_backward = self._lane.speculate  # [Note: reduce window] in chunk/_reduce.py
+        manager.set_listener(self)  # the manager tells this optimizer the step's events (chunk/_listener.py)
+
+    # -- ChunkStepListener: the events the chunk manager reports (chunk/_listener.py) --------------------------
+    @property
+    def takes_offloaded_grads(self) -> bool:
+        """The host lane takes over offloaded gradients ([Note: host lane] in _overlap.py)."""
+        return self._lane is not None
+
+    def on_grad_offloaded(self, chunk, staging: torch.Tensor | None, event):
+        return self._lane.on_grad_offloaded(chunk, staging, event)
+
+    def host_fence(self, chunk) -> None:
+        if self._lane is not None:
+            self._lane.fence(chunk)
+
+    def on_grad_progress(self) -> None:
+        if self._lane is not None and self._lane.speculate:  # [Note: early refresh] in _refresh.py
+            self._lane.issue_ready()
+
+    def early_refresh_fence(self, chunk) -> None:
+        if self._lane is not None and self._lane.speculate:
+            self._lane.early_fence(chunk)
+
+    def before_backward(self) -> None:
+        self._settle_clip()  # [Note: owed clip factor] in _clip.py
+
+    def on_zero_grad(self) -> None:
+        self._forget_clip()
+
+    def on_param_writes(self, chunks: list) -> None:
+        self.merge_param_writes(chunks)  # [Note: parameter writes] in chunk/_chunk_params.py
+
+    def hyper_code(self) -> int:
+        return self._hyper_code()  # [Note: hyperparameter check] in chunk/_rank_checks.py
 
     def add_param_group(self, param_group: dict) -> None:
         """Only used while constructing; afterwards adding parameters is refused.

@@ -38,8 +38,9 @@ _ADAM_IMPL = "fused"
 _MEASURED_FIELDS = (
     "h2d_bytes_per_s", "d2h_bytes_per_s", "allgather_bytes_per_s", "reduce_scatter_bytes_per_s",
     "host_adam_numel_per_s", "device_adam_numel_per_s", "device_flops_per_s", "device_fp32_flops_per_s",
-    "hook_event_s", "onload_fixed_s", "optim_tensor_s",
 )
+#: what a runtime probe times (:class:`~hf_elixir.profiler._runtime_probe.RuntimeProbe`)
+_RUNTIME_FIELDS = ("hook_event_s", "onload_fixed_s", "optim_tensor_s")
 
 
 @dataclass
@@ -191,7 +192,8 @@ def _device_memory(device: torch.device, budget_bytes: int | None, host_total: i
     return "cpu", int(total), int(total)
 
 
-def _measure(device: torch.device, process_group: Any, size_bytes: int, repeats: int) -> dict[str, Any]:
+def _measure(device: torch.device, process_group: Any, size_bytes: int, repeats: int,
+             runtime_probe: Callable[..., dict[str, float]] | None) -> dict[str, Any]:
     is_cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if is_cuda else (lambda: None)
     numel = max(1, size_bytes // 4)
@@ -230,96 +232,9 @@ def _measure(device: torch.device, process_group: Any, size_bytes: int, repeats:
     else:
         out["device_fp32_flops_per_s"] = out["device_flops_per_s"]
     out.update(_measure_collectives(device, process_group, numel, repeats, sync))
-    out.update(_measure_runtime(device, out, repeats, sync))
+    if runtime_probe is not None:  # [Note: runtime probe] in _runtime_probe.py
+        out.update(runtime_probe(device, out, repeats, sync))
     return out
-
-
-# [Note: runtime probe] hf_elixir's own overheads are timed on small models prepared by
-# ``hf_elixir.prepare``, which lives in a layer above this one (``hf_elixir.api``, which calls the search,
-# which calls this probe). So that nothing below imports it, ``hf_elixir.api`` hands its entry points
-# down when it is imported (:func:`register_prepare`). The package ``__init__`` imports its public names on
-# first use (so ``hf-elixir --help`` needs no torch), and asking it for any of them imports ``hf_elixir.api``
-# first; a caller that imported only ``hf_elixir.profiler`` gets the façade loaded by name here, once, the
-# probe's one use of the layer above (the same module the package ``__init__`` used to load eagerly).
-_PREPARE: dict[str, Callable] = {}
-
-
-def register_prepare(prepare: Callable, memory_stats: Callable, min_device_budget_bytes: Callable) -> None:
-    """Give the runtime probe ``hf_elixir.prepare`` and its two companions (see [Note: runtime probe])."""
-    _PREPARE.update(prepare=prepare, memory_stats=memory_stats, min_device_budget_bytes=min_device_budget_bytes)
-
-
-def _measure_runtime(device: torch.device, rates: dict[str, Any], repeats: int,
-                     sync: Callable[[], None]) -> dict[str, float]:
-    """Time hf_elixir's own overheads on a small ``nn.Sequential`` of ``nn.Linear`` layers (one layer per
-    chunk): plain vs prepared all-resident (per module call), all-resident vs smallest budget (per chunk
-    onload), and the optimizer step (per parameter view). Single-rank only: with a process group the
-    fields stay 0 (the group's collectives are timed separately)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return {"hook_event_s": 0.0, "onload_fixed_s": 0.0, "optim_tensor_s": 0.0}
-    if not _PREPARE:  # [Note: runtime probe]: the façade registers prepare when it is imported
-        import importlib  # noqa: PLC0415
-
-        importlib.import_module("hf_elixir.api")
-    assert _PREPARE, "hf_elixir.api registers prepare on import (see [Note: runtime probe])"
-    from hf_elixir.config import ElixirConfig  # noqa: PLC0415
-
-    prepare, memory_stats, min_device_budget_bytes = (
-        _PREPARE["prepare"], _PREPARE["memory_stats"], _PREPARE["min_device_budget_bytes"])
-
-    width, depth = 64, 8
-    chunk = width * width + width
-    x = torch.randn(32, width, device=device)
-
-    def build() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)]).to(device)
-
-    def fwd_bwd(model: torch.nn.Module) -> None:
-        model(x).pow(2).mean().backward()
-
-    plain = build()
-
-    def plain_step() -> None:
-        fwd_bwd(plain)
-        plain.zero_grad(set_to_none=True)
-
-    runs = max(5, 3 * repeats)
-    t_plain = _best_time(plain_step, runs, sync)
-    resident = build()
-    resident, res_opt = prepare(resident, torch.optim.AdamW(resident.parameters(), lr=1e-3),
-                                ElixirConfig(chunk_size_numel=chunk))
-    t_res = _best_time(lambda: fwd_bwd(resident), runs, sync)
-    sized = build()
-    budget = min_device_budget_bytes(sized, torch.optim.AdamW(sized.parameters(), lr=1e-3),
-                                     ElixirConfig(chunk_size_numel=chunk))
-    small = build()
-    # the model-data floor (activations outside it): every chunk is onloaded for each use
-    small, small_opt = prepare(small, torch.optim.AdamW(small.parameters(), lr=1e-3),
-                               ElixirConfig(chunk_size_numel=chunk, device_memory_budget_bytes=budget,
-                                            budget_covers_activations=False))
-    for _ in range(2):  # a recorded trace makes eviction Belady's, as in steady state
-        fwd_bwd(small)
-        small_opt.step()
-    before = memory_stats(small)["num_onloads"]
-    fwd_bwd(small)
-    onloads = max(1, memory_stats(small)["num_onloads"] - before)
-    t_off = _best_time(lambda: fwd_bwd(small), runs, sync)
-    # per parameter view: a model of many tiny layers, whose elements cost next to nothing
-    narrow = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(2 * depth)]).to(device)
-    narrow, narrow_opt = prepare(narrow, torch.optim.AdamW(narrow.parameters(), lr=1e-3),
-                                 ElixirConfig(chunk_size_numel=20))
-    narrow(torch.randn(8, 4, device=device)).sum().backward()
-    t_views = _best_time(narrow_opt.step, runs, sync)
-    logger.info("runtime probe: plain %.3g s, resident %.3g s, smallest budget %.3g s (%d onloads), "
-                "step of %d views %.3g s", t_plain, t_res, t_off, onloads, 4 * depth, t_views)
-    return {
-        "hook_event_s": max(0.0, (t_res - t_plain) / (2 * depth)),
-        "onload_fixed_s": max(0.0, (t_off - t_res) / onloads - chunk * 4 / rates["h2d_bytes_per_s"]),
-        "optim_tensor_s": t_views / (4 * depth),
-    }
 
 
 def _measure_collectives(device: torch.device, group: Any, numel: int, repeats: int,
@@ -388,7 +303,8 @@ def probe_disk(directory: str | os.PathLike, *, size_bytes: int = 256 * 2**20, r
 
 def probe_hardware(device: str | torch.device | None = None, *, budget_bytes: int | None = None,
                    cache_path: str | Path | None = None, refresh: bool = False, process_group: Any = None,
-                   size_bytes: int = 32 * 2**20, repeats: int = 3) -> HardwareProfile:
+                   size_bytes: int = 32 * 2**20, repeats: int = 3,
+                   runtime_probe: Callable[..., dict[str, float]] | None = None) -> HardwareProfile:
     """Measure (or load from the per-machine cache) this machine's :class:`HardwareProfile`.
 
     Args:
@@ -401,6 +317,10 @@ def probe_hardware(device: str | torch.device | None = None, *, budget_bytes: in
         process_group: group to time collectives on (default world group, if initialised).
         size_bytes: buffer size for the copy/collective timings (bytes).
         repeats: timed repetitions (the fastest counts).
+        runtime_probe: times hf_elixir's own overheads (``hook_event_s``, ``onload_fixed_s``, ``optim_tensor_s``):
+            a :class:`~hf_elixir.profiler._runtime_probe.RuntimeProbe` given ``hf_elixir.prepare`` by its caller
+            (``hf_elixir.probe_hardware`` and ``prepare`` pass one). ``None``: those fields come from the cache,
+            else stay 0 ([Note: runtime probe] in ``_runtime_probe.py``).
 
     Returns:
         :class:`HardwareProfile` (memory fields always current; measured fields possibly cached).
@@ -419,7 +339,8 @@ def probe_hardware(device: str | torch.device | None = None, *, budget_bytes: in
     path = Path(cache_path) if cache_path is not None else default_cache_path()
     cache = _read_cache(path)
     measured = cache.get(key) if not refresh else None
-    need = measured is None or any(f not in measured for f in _MEASURED_FIELDS)
+    wanted = _MEASURED_FIELDS + (_RUNTIME_FIELDS if runtime_probe is not None else ())
+    need = measured is None or any(f not in measured for f in wanted)
     if world > 1 and not need and measured.get("allreduce_bytes_per_s") is None:
         need = True  # cached before all-reduce was timed: time the collectives again
     if not need and measured.get("adam_impl") != _ADAM_IMPL:
@@ -432,7 +353,7 @@ def probe_hardware(device: str | torch.device | None = None, *, budget_bytes: in
         need = bool(flag.item())
     if need:
         logger.info("measuring hardware (%s)", key)
-        measured = _measure(dev, process_group, size_bytes, repeats)
+        measured = _measure(dev, process_group, size_bytes, repeats, runtime_probe)
         cache[key] = measured
         _write_cache(path, cache)
     values = dict(measured)

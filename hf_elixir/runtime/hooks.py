@@ -175,7 +175,7 @@ class ModuleHandle:
         """A trainable parameter of this unit got its gradient: release grad pins once all have."""
         if not self.grad_pins:
             return
-        arrived = self.manager.arrived_flags
+        arrived = self.manager.flags.arrived
         if all(s.flag_index in arrived for s in self.trainable_slots if s.param.requires_grad):
             while self.grad_pins:
                 self.grad_pins -= 1

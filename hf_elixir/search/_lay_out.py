@@ -64,7 +64,7 @@ def _placements_and_chunk_size(model, config: ElixirConfig, plan, numels, world_
 
 
 def lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params, *, group, agree_group,
-            device: torch.device, charges_activations: bool) -> Layout:
+            device: torch.device, charges_activations: bool, runtime_probe=None) -> Layout:
     """The plan, placements, chunks and their placement (``prepare``'s phases 4-7); the model is not changed.
 
     Args:
@@ -72,6 +72,8 @@ def lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params,
         names / params: ``{parameter: its names}`` and the floating-point parameters to pack.
         group / agree_group: the data-parallel group and the group every rank of the job agrees over.
         charges_activations: whether the budget covers activations (from the budget's agreement).
+        runtime_probe: what the hardware probe of ``search="auto"`` times hf_elixir's overheads with ([Note: runtime
+            probe] in ``profiler/_runtime_probe.py``).
     """
     world_size = _world_size(group)
     # search="auto" under a budget: exact at min_device_budget_bytes ([Note: the searched floor] in _floor.py)
@@ -80,7 +82,8 @@ def lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params,
         raise budget_error(searched[0], config.device_memory_budget_bytes,
                            "the smallest working set at any chunk size search='auto' can choose (the largest pair "
                            "of adjacent modules' unsharded chunks and gradient buffers)")
-    plan = agree_object(_resolved_plan(model, config, sample_batch, optimizer, searched), agree_group, device)
+    plan = agree_object(_resolved_plan(model, config, sample_batch, optimizer, searched, runtime_probe), agree_group,
+                        device)
     if len(params) != len(names):
         logger.warning("%d non-floating-point parameters are left unmanaged", len(names) - len(params))
     if plan is None and searched is not None:
@@ -97,11 +100,11 @@ def lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params,
         return _lay_out_with(dataclasses.replace(config, chunk_size_numel=searched[1]), None, *args)
 
 
-def _resolved_plan(model, config: ElixirConfig, sample_batch, optimizer, searched):
+def _resolved_plan(model, config: ElixirConfig, sample_batch, optimizer, searched, runtime_probe):
     """:func:`resolve_plan`, or ``None`` where the search finds nothing in a budget at or above its floor (``prepare``
     then lays out at the floor's chunk size, [Note: the searched floor] in ``_floor.py``)."""
     try:
-        return resolve_plan(model, config, sample_batch, optimizer)
+        return resolve_plan(model, config, sample_batch, optimizer, runtime_probe=runtime_probe)
     except ValueError as err:
         # the search's refusal ("no configuration fits ..."): its cost model keeps a safety margin and prices
         # activations; the floor, which prepare's placement holds, is met

@@ -512,7 +512,7 @@ def search_plan(model_or_profile: Any, hardware: HardwareProfile, *, world_size:
 
 
 def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: HardwareProfile | None = None,
-              optimizer: Any = None, inference: bool = False) -> ElixirPlan:
+              optimizer: Any = None, inference: bool = False, runtime_probe: Any = None) -> ElixirPlan:
     """What ``hf_elixir.prepare`` runs for ``ElixirConfig(search="auto")``: profile one step of ``model`` on
     ``sample_batch``, probe (or reuse) the hardware and search with the config's precision, budget,
     world size (the config's process group, else the default group, else 1), chunk size and
@@ -523,7 +523,8 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
     (what ``prepare`` passes for ``optimizer=None``): one forward under ``torch.no_grad()`` is profiled
     (``sample_batch`` needs no labels) and priced as the runtime runs it without an optimizer (no backward, gradient
     buffers or optimizer states; every block keeps; [Note: forward-only pricing] in ``_cost.py``);
-    ``optimizer`` is then unused.
+    ``optimizer`` is then unused. ``runtime_probe``: what :func:`~hf_elixir.profiler.probe_hardware` times hf_elixir's
+    own overheads with (``prepare`` passes one: [Note: runtime probe] in ``profiler/_runtime_probe.py``).
 
     The model must still be a plain module (before ``prepare`` installs its hooks); gradients the profiled
     step creates are cleared. With several ranks, replicated data parallelism is searched too (see
@@ -545,7 +546,7 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
     if hardware is None:
         hardware = probe_hardware(device if device is not None and device.type == "cuda" else None,
                                   budget_bytes=config.device_memory_budget_bytes,
-                                  process_group=getattr(config, "process_group", None))
+                                  process_group=getattr(config, "process_group", None), runtime_probe=runtime_probe)
     profile = _profile_for(model, sample_batch, device.type if device is not None else "cpu", hardware,
                            forward_only=inference)
     budget = config.device_memory_budget_bytes

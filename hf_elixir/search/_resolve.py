@@ -19,9 +19,11 @@ from hf_elixir.search._plan_search import auto_plan
 __all__ = ["check_decoder_inputs", "resolve_plan"]
 
 
-def resolve_plan(model, config: ElixirConfig, sample_batch, optimizer=None) -> ElixirPlan | None:
+def resolve_plan(model, config: ElixirConfig, sample_batch, optimizer=None, *,
+                 runtime_probe=None) -> ElixirPlan | None:
     """The plan ``prepare`` follows: ``config.plan`` loaded, else (``search="auto"``) searched from one
     profiled step of ``sample_batch`` (a forward only when ``optimizer`` is ``None``), else ``None``.
+    ``runtime_probe`` goes to the hardware probe (:func:`auto_plan`).
 
     Raises:
         ValueError: ``search="auto"`` without ``sample_batch``, or with an encoder-decoder model's batch that
@@ -43,7 +45,8 @@ def resolve_plan(model, config: ElixirConfig, sample_batch, optimizer=None) -> E
         # forwards update buffers (BatchNorm running statistics, num_batches_tracked): those are restored too
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices), buffers_restored(model), hf_checkpointing_off(model):
-            plan = auto_plan(model, sample_batch, config, optimizer=optimizer, inference=optimizer is None)
+            plan = auto_plan(model, sample_batch, config, optimizer=optimizer, inference=optimizer is None,
+                             runtime_probe=runtime_probe)
     return plan
 
 
