@@ -206,7 +206,7 @@ def test_gpu_presets_hold_spec_sheet_numbers_and_derive_rates():
 @pytest.mark.parametrize("seconds,text", [(2.5e-4, "250 us"), (0.0123, "12.3 ms"), (3.456, "3.46 s"),
                                           (19813.0, "5.5 h"), (600.0, "10 min")])
 def test_times_print_in_human_units(seconds, text):
-    from hf_elixir.cli._report import human_s
+    from hf_elixir.cli._units import human_s
 
     assert human_s(seconds) == text
 
@@ -434,7 +434,7 @@ def test_plan_report_reads_in_human_units_and_its_json_adds_up(capsys):
 @pytest.mark.parametrize("value,text", [(2**40, "1 TiB"), (1.5 * 2**30, "1.5 GiB"), (537 * 2**20, "537 MiB"),
                                         (76137713668, "70.91 GiB"), (12, "12 B")])
 def test_sizes_print_in_binary_units(value, text):
-    from hf_elixir.cli._report import human_bytes
+    from hf_elixir.cli._units import human_bytes
 
     assert human_bytes(value) == text
 

@@ -14,6 +14,8 @@ import os
 import sys
 from typing import Any
 
+from hf_elixir.cli._units import human_bytes, human_s
+
 __all__ = ["DEFAULT_DISK_GBPS", "add_disk_flags", "add_probe_parser", "check_disk_args", "cmd_probe", "disk_lines",
            "disk_report", "disk_tier"]
 
@@ -106,8 +108,6 @@ def disk_report(pred, tokens_per_step: int, gpus_per_machine: int) -> dict | Non
 
 def disk_lines(report: dict) -> list[str]:
     """The report's disk lines (none without a disk tier in the plan)."""
-    from hf_elixir.cli._report import human_bytes, human_s
-
     disk = report.get("disk")
     if not disk:
         return []

@@ -7,7 +7,7 @@ import argparse
 from dataclasses import replace
 
 from hf_elixir.cli._plan import check_config, run_search, splits_experts
-from hf_elixir.cli._report import human_s
+from hf_elixir.cli._units import human_s
 from hf_elixir.plan import policy_summary
 
 __all__ = ["cmd_profile"]

@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from hf_elixir.cli._disk import disk_lines, disk_report
+from hf_elixir.cli._units import human_bytes, human_count, human_s
 from hf_elixir.plan import policy_summary
 
 __all__ = ["build_report", "human_bytes", "human_count", "human_s", "print_json", "print_report"]
@@ -33,39 +34,6 @@ MEMORY_ROWS = {
     "kept_grad_buffers": "finished gradient buffers kept for reuse",
     "activations": "saved activations at the peak, under the activation policy",
 }
-
-
-def human_bytes(value: float | int | None) -> str:
-    """``"812 MiB"``, ``"75.97 GiB"``, ``"1 TiB"``: binary units, no scientific notation."""
-    if value is None:
-        return "-"
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= scale:
-            return f"{value / scale:,.2f}".rstrip("0").rstrip(".") + f" {unit}"
-    return f"{int(value)} B"
-
-
-def human_count(value: float) -> str:
-    """Parameters and elements: ``"124.4 M"``, ``"46.7 B"``, ``"31.6 K"``."""
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:,.1f} {unit}"
-    return f"{int(value)}"
-
-
-def human_s(seconds: float | None) -> str:
-    """A duration in the unit a person reads: ``"812 ms"``, ``"3.41 s"``, ``"2.5 min"``, ``"1.2 h"``."""
-    if seconds is None:
-        return "-"
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.3g} us"
-    if seconds < 1.0:
-        return f"{seconds * 1e3:.3g} ms"
-    if seconds < 120.0:
-        return f"{seconds:.3g} s"
-    if seconds < 7200.0:
-        return f"{seconds / 60:.3g} min"
-    return f"{seconds / 3600:.3g} h"
 
 
 def _mesh(cand) -> str:
