@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="microscopic model, 1 step per peer (for tests)")
     parser.add_argument("--model", default="tiny", choices=tuple(PRESETS),
-                        help="model preset (ignored with --quick); gpt2-124m / opt-350m: the issue-14 rows at 2 ranks")
+                        help="model preset (ignored with --quick); gpt2-124m / opt-350m: the real shapes at 2 ranks")
     parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "out"),
                         help="where report.md, results.json and results.png go (default: benchmarks/out/)")
     parser.add_argument("--work-dir", default=None, help="per-rank logs and records (default: a temp dir)")
