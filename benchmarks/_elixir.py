@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["setup_elixir", "elixir_available"]
+__all__ = ["setup_elixir", "elixir_available", "buffers_to"]
 
 _COUNTERS = ("h2d_bytes", "d2h_bytes", "allgather_bytes", "reduce_scatter_bytes", "num_evictions", "gather_wait_s",
              "reduce_wait_s")
@@ -89,14 +89,19 @@ def _expert_parallel_size(spec) -> int:
     return size
 
 
-def _prepare(model, spec, budget_bytes, plan=None, default_placement=None):
-    import hf_elixir
-
-    if spec.device != "cpu":  # prepare() places parameters; non-parameter buffers go to the device here
+def buffers_to(model, device: str) -> None:
+    """Move ``model``'s buffers (position ids, masks) to ``device``: ``prepare()`` places only the parameters."""
+    if device != "cpu":
         for module in model.modules():
             for name, buf in list(module._buffers.items()):
                 if buf is not None:
-                    module._buffers[name] = buf.to(spec.device)
+                    module._buffers[name] = buf.to(device)
+
+
+def _prepare(model, spec, budget_bytes, plan=None, default_placement=None):
+    import hf_elixir
+
+    buffers_to(model, spec.device)
     config = _config(spec, budget_bytes, plan, default_placement)
     if config.expert_parallel_size > 1:  # experts sliced per rank before the optimizer sees the parameters
         from hf_elixir.parallel import parallelize

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ModelSpec", "RunSpec", "RunResult", "launch", "launch_group", "free_port", "gpt2_config", "build_model",
-           "count_params", "FAMILIES"]
+           "count_params", "make_batches", "FAMILIES"]
 
 #: ``ModelSpec.family`` values
 FAMILIES = ("gpt2", "opt", "mixtral", "mistral")
@@ -133,6 +133,9 @@ class RunSpec:
         options: peer-specific settings (e.g. ``budget_fraction`` for hf_elixir).
         tag: tells apart runs of one peer at one world size in the same work folder (``launch_group`` of
             several models); part of :meth:`key`, so of the record and log file names.
+        worker: ``"module:function"``, ``function(rank, spec) -> record`` measuring in every rank instead of
+            this module's step loop (``benchmarks/trl_sft.py``: the Trainer's own loop); the record has the
+            keys :func:`_measure` returns.
     """
 
     peer: str
@@ -145,6 +148,8 @@ class RunSpec:
     options: dict[str, Any] = field(default_factory=dict)
     device: str = "cpu"  # "cpu" or "cuda" (benchmarks/gpu.py); batches are created on it
     tag: str = ""
+    worker: str = ""  # "module:function" run in every rank instead of the step loop over ``peers.PEERS``
+
 
     def key(self) -> str:
         return f"{self.peer}_ws{self.world_size}" + (f"_{self.tag}" if self.tag else "")
@@ -239,6 +244,16 @@ def count_params(spec: ModelSpec) -> int:
     d, v, p, layers = spec.n_embd, spec.vocab_size, spec.n_positions, spec.n_layer
     per_layer = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
     return v * d + p * d + layers * per_layer + 2 * d
+
+
+def make_batches(spec: ModelSpec, count: int, device: str = "cpu", seed: int = 1000) -> list:
+    """``count`` batches of random token ids, ``(batch_size, seq_len)`` each, on ``device`` (seeded: every peer and
+    every run of one seed trains on the same tokens)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, spec.vocab_size, (spec.batch_size, spec.seq_len), generator=gen).to(device)
+            for _ in range(count)]
 
 
 def free_port() -> int:
@@ -363,7 +378,7 @@ def _worker_main(rank: int, specs: list[RunSpec], work_dir: str, port: int) -> N
                           OMP_NUM_THREADS=str(spec.threads_per_rank))
         _redirect_output(_log_path(work, spec, rank))
         try:
-            record = _measure(rank, spec)
+            record = _worker(spec)(rank, spec)
         except Exception as exc:  # record it; in a group, go on with the next peer
             traceback.print_exc()
             record = {"error": f"rank {rank}: {type(exc).__name__}: {exc}"[:2000]}
@@ -373,6 +388,15 @@ def _worker_main(rank: int, specs: list[RunSpec], work_dir: str, port: int) -> N
     _abandon_distributed()
     if failed is not None and len(specs) == 1:
         raise failed
+
+
+def _worker(spec: RunSpec):
+    if not spec.worker:
+        return _measure
+    import importlib
+
+    module, _, name = spec.worker.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _abandon_distributed() -> None:
@@ -409,10 +433,7 @@ def _measure(rank: int, spec: RunSpec) -> dict[str, Any]:
     model = build_model(spec.model)
     num_params = sum(p.numel() for p in model.parameters())
     runner = peer.setup(model, spec, rank)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    m = spec.model
-    batches = [torch.randint(0, m.vocab_size, (m.batch_size, m.seq_len), generator=gen).to(spec.device)
-               for _ in range(spec.warmup_steps + spec.steps)]
+    batches = make_batches(spec.model, spec.warmup_steps + spec.steps, spec.device, seed=1000 + rank)
     cuda = spec.device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()

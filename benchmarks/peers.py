@@ -37,7 +37,7 @@ import torch
 
 from benchmarks._runner import ADAM_KW, Runner
 
-__all__ = ["Peer", "Runner", "PEERS", "peer_available"]
+__all__ = ["Peer", "Runner", "PEERS", "peer_available", "deepspeed_engine", "simple_step"]
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,8 @@ def peer_available(peer: Peer) -> str:
     return ""
 
 
-def _simple_step(model, optimizer, backward=None):
+def simple_step(model, optimizer, backward=None):
+    """``step(input_ids) -> loss``: forward with ``labels=input_ids``, backward, ``optimizer.step()``, zero grads."""
     def step(ids: torch.Tensor) -> float:
         loss = model(input_ids=ids, labels=ids).loss
         (backward or (lambda l: l.backward()))(loss)
@@ -98,7 +99,7 @@ def _simple_step(model, optimizer, backward=None):
 def _setup_plain(model, spec, rank) -> Runner:
     model.to(spec.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, **ADAM_KW)
-    return Runner(_simple_step(model, optimizer))
+    return Runner(simple_step(model, optimizer))
 
 
 def _setup_ddp(model, spec, rank) -> Runner:
@@ -107,7 +108,7 @@ def _setup_ddp(model, spec, rank) -> Runner:
     model.to(spec.device)
     ddp = DistributedDataParallel(model, device_ids=[rank] if spec.device.startswith("cuda") else None)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=spec.lr, **ADAM_KW)
-    return Runner(_simple_step(ddp, optimizer))
+    return Runner(simple_step(ddp, optimizer))
 
 
 # -- FSDP2 ---------------------------------------------------------------------------------------
@@ -127,7 +128,7 @@ def _setup_fsdp2(model, spec, rank, offload: bool = False) -> Runner:
         fully_shard(block, mesh=mesh, offload_policy=policy)
     fully_shard(model, mesh=mesh, offload_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, **ADAM_KW)
-    return Runner(_simple_step(model, optimizer))
+    return Runner(simple_step(model, optimizer))
 
 
 def _setup_fsdp2_offload(model, spec, rank) -> Runner:
@@ -137,7 +138,9 @@ def _setup_fsdp2_offload(model, spec, rank) -> Runner:
 # -- DeepSpeed -----------------------------------------------------------------------------------
 
 
-def _setup_deepspeed(model, spec, rank, stage: int) -> Runner:
+def deepspeed_engine(model, spec, stage: int, gradient_clipping: float = 0.0):
+    """``deepspeed.initialize`` with ``DeepSpeedCPUAdam`` (AdamW mode) over the parameters that train, the optimizer
+    (and at stage 3 the parameters) offloaded to the host, fp32; returns the engine."""
     import deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -147,9 +150,15 @@ def _setup_deepspeed(model, spec, rank, stage: int) -> Runner:
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     config = {"train_micro_batch_size_per_gpu": spec.model.batch_size, "gradient_accumulation_steps": 1,
               "zero_optimization": zero, "fp16": {"enabled": False}, "bf16": {"enabled": False},
-              "gradient_clipping": 0.0, "steps_per_print": 10**9, "wall_clock_breakdown": False}
-    optimizer = DeepSpeedCPUAdam(model.parameters(), lr=spec.lr, adamw_mode=True, **ADAM_KW)
+              "gradient_clipping": gradient_clipping, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = DeepSpeedCPUAdam(trained, lr=spec.lr, adamw_mode=True, **ADAM_KW)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def _setup_deepspeed(model, spec, rank, stage: int) -> Runner:
+    engine = deepspeed_engine(model, spec, stage)
 
     def step(ids: torch.Tensor) -> float:
         loss = engine(input_ids=ids, labels=ids).loss

@@ -1,6 +1,7 @@
 """Every benchmark command that benchmarks/RESULTS.md, README.md or docs/ gives runs as given: ``python
-benchmarks/<script>.py`` from the repository root, with nothing of the checkout on ``PYTHONPATH`` (as after
-``pip install -e .``, which installs ``hf_elixir`` and ``triton_kernels`` but not ``benchmarks``).
+benchmarks/<script>.py`` or ``python -m benchmarks.<script>`` from the repository root, with nothing of the checkout on
+``PYTHONPATH`` (as after ``pip install -e .``, which installs ``hf_elixir`` and ``triton_kernels`` but not
+``benchmarks``).
 
 Each script a page names has a cheap form here (:data:`QUICK`): its quick run where it has one that takes seconds,
 else ``--help`` (the full runs take minutes to hours); the quick forms of run_cpu / moe_dense / plan_tables /
@@ -30,6 +31,7 @@ QUICK: dict[str, list[str]] = {
     "disk_tier": ["--quick", "--skip-gpt2", "--dir", "{tmp}"],
     "host_adam": ["--rounds", "1", "--hidden", "64", "--blocks", "4096", "--threads", "1"],
     "kernel_bench": ["--smoke"],
+    "trl_sft": ["--quick", "--systems", "elixir,ddp", "--modes", "lora"],
     "moe": ["--device", "cpu", "--steps", "1", "--warmup", "0", "--layers", "1", "--d-model", "32", "--d-ff", "64",
             "--heads", "2", "--vocab", "128", "--batch", "2", "--seq", "16", "--experts", "2"],
     **{name: ["--help"] for name in ("agreed_prefetch", "checkpoint_kill", "host_memory", "predicted_gpu", "search_accuracy", "soak",
@@ -41,11 +43,18 @@ QUICK: dict[str, list[str]] = {
 PATH_FIX = "sys.path.insert(0, str(Path(__file__).resolve().parent.parent))"
 
 
+#: the two forms a page gives a command in: by path, or as a module
+FORMS = {"path": r"python benchmarks/(\w+)\.py", "module": r"python -m benchmarks\.(\w+)"}
+
+
+def _named_forms() -> set[tuple[str, str]]:
+    """(script, form) for every benchmark command a page gives."""
+    return {(name, form) for page in PAGES for form, pattern in FORMS.items()
+            for name in re.findall(pattern, page.read_text())}
+
+
 def _named_scripts() -> set[str]:
-    found = set()
-    for page in PAGES:
-        found |= set(re.findall(r"python benchmarks/(\w+)\.py", page.read_text()))
-    return found
+    return {name for name, _ in _named_forms()}
 
 
 def test_every_named_script_has_a_cheap_form_here():
@@ -75,12 +84,13 @@ def test_a_script_importing_benchmarks_makes_the_checkout_importable_first(name)
         assert fix_line < min(imports), f"benchmarks/{name}.py imports benchmarks (line {min(imports)}) before the fix"
 
 
-@pytest.mark.parametrize("name", sorted(name for name, args in QUICK.items() if args))
-def test_named_command_runs_as_given(name, tmp_path):
+@pytest.mark.parametrize("name,form", sorted((n, f) for n, f in _named_forms() if QUICK.get(n)))
+def test_named_command_runs_as_given(name, form, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     args = [a.replace("{tmp}", str(tmp_path)) for a in QUICK[name]]
-    proc = subprocess.run([sys.executable, f"benchmarks/{name}.py", *args], cwd=ROOT, env=env, capture_output=True,
+    command = [f"benchmarks/{name}.py"] if form == "path" else ["-m", f"benchmarks.{name}"]
+    proc = subprocess.run([sys.executable, *command, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     if args != ["--help"]:

@@ -163,7 +163,7 @@ def _brute(trace, capacity) -> int:
 
 
 def test_moe_dense_quick_end_to_end(tmp_path: Path) -> None:
-    """``benchmarks/moe_dense.py --quick`` (issue 30): Mixtral under EP=2, the same under ZeRO only, and the dense
+    """``benchmarks/moe_dense.py --quick``: Mixtral under EP=2, the same under ZeRO only, and the dense
     Mistral of the same size, at 2 gloo ranks; the JSON has every run and ratio, EP trains exactly what ZeRO trains
     (same model, same batches: the same loss at every step), and EP all-gathers less (its experts stay local)."""
     out = tmp_path / "moe_dense.json"
@@ -248,7 +248,7 @@ def test_plan_tables_quick_end_to_end(tmp_path: Path) -> None:
 
 
 def test_split_experts_quick_end_to_end(tmp_path: Path) -> None:
-    """``benchmarks/split_experts.py --quick`` (issue 30 item 3): Mixtral-8x7B's floor split is below fused (meta, no
+    """``benchmarks/split_experts.py --quick``: Mixtral-8x7B's floor split is below fused (meta, no
     data), and a microscopic MoE trains the same losses fused and split under each experts implementation."""
     out = tmp_path / "split_experts.json"
     argv = _documented("python benchmarks/split_experts.py --quick --out split_out/split_experts.json")
