@@ -72,7 +72,6 @@ class GatherPrefetchMixin:
         evict a chunk needed sooner than the prefetched one; all-gathers only where
         [Note: gather prefetch] allows (in backward: [Note: backward gather prefetch])."""
         pos = len(self.trace)
-        gather_end = self._gather_window_end(pos)
         seen: set[int] = set(pinned)
         upcoming: list[tuple[int, int]] = []  # (position in prev_trace, chunk id)
         for index in range(pos, min(len(self.prev_trace), pos + 8 * self.prefetch_depth)):
@@ -82,6 +81,11 @@ class GatherPrefetchMixin:
                 upcoming.append((index, cid))
             if len(upcoming) == self.prefetch_depth:
                 break
+        # all resident (or already filled): nothing below acts on a chunk that needs no fill (a collective implies a
+        # fill), so the window's rules are not evaluated at every module's access
+        if not any(self.chunks[cid].needs_fill() for _, cid in upcoming):
+            return
+        gather_end = self._gather_window_end(pos)
         keep = pinned | {cid for _, cid in upcoming}
         if self.gather_prefetch_mode() == "agreed":
             self._agreed_gathers_ahead(pos, pinned, upcoming, keep)  # the loop below then onloads only
