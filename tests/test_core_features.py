@@ -62,6 +62,15 @@ def test_transition_table_is_declared_and_enforced():
     check_transition(TensorState.FREE, TensorState.HOLD)
     with pytest.raises(AssertionError, match="FREE -> COMPUTE"):
         check_transition(TensorState.FREE, TensorState.COMPUTE)
+    # a slot's own move checks the same table (and names the parameter) before it changes state
+    from hf_elixir.chunk._slot import ParamSlot
+
+    slot = ParamSlot(name="h.0.w", param=torch.nn.Parameter(torch.zeros(2)), offset=0, numel=2,
+                     shape=torch.Size([2]), trainable=True)
+    slot.set_state(TensorState.HOLD)
+    with pytest.raises(AssertionError, match="HOLD -> HOLD_AFTER_FWD for parameter 'h.0.w'"):
+        slot.set_state(TensorState.HOLD_AFTER_FWD)
+    assert slot.state is TensorState.HOLD
 
 
 def test_gradient_accumulation_equals_big_batch_with_clipping():

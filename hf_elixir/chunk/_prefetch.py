@@ -84,8 +84,12 @@ class PrefetchScheduler:
         [Note: gather prefetch] allows (in backward: [Note: backward gather prefetch])."""
         m = self.manager
         pos = len(m.trace)
-        gather_end = self._gather_window_end(pos)
         upcoming = m.prev_order.window(pos, pinned, m.prefetch_depth)  # (position in prev_trace, chunk id)
+        # all resident (or already filled): nothing below acts on a chunk that needs no fill (a collective implies a
+        # fill), so the window's rules are not evaluated at every module's access
+        if not any(m.chunks[cid].needs_fill() for _, cid in upcoming):
+            return
+        gather_end = self._gather_window_end(pos)
         keep = pinned | {cid for _, cid in upcoming}
         if self.mode() == "agreed":
             m._agreed_gathers_ahead(pos, pinned, upcoming, keep)  # the loop below then onloads only

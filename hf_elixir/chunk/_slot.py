@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_elixir.chunk.states import TensorState, check_transition
+from hf_elixir.chunk.states import TRANSITIONS, TensorState, check_transition
 
 __all__ = ["ParamSlot"]
 
@@ -41,5 +41,6 @@ class ParamSlot:
     seen_version: int = 0
 
     def set_state(self, new: TensorState) -> None:
-        check_transition(self.state, new, f"for parameter {self.name!r}")
+        if new not in TRANSITIONS[self.state]:  # the message is formatted only for an illegal move (hot path)
+            check_transition(self.state, new, f"for parameter {self.name!r}")
         self.state = new
