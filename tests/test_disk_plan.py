@@ -185,7 +185,29 @@ def test_prepare_search_prices_the_config_disk(tmp_path):
     hw = _gpu(GIB, GIB)
     assert config_disk_tier(SimpleNamespace(), hw, 8) is None  # no offload_dir: no disk tier
     tier = config_disk_tier(SimpleNamespace(offload_dir=str(tmp_path), disk_budget_bytes=10 * GIB), hw, 8)
-    assert tier == DiskTier(80 * GIB, DEFAULT_DISK_BYTES_PER_S, DEFAULT_DISK_BYTES_PER_S)
+    assert tier == DiskTier(80 * GIB, DEFAULT_DISK_BYTES_PER_S, DEFAULT_DISK_BYTES_PER_S, optimizer_only=True)
     probed = replace(hw, disk_read_bytes_per_s=3e9, disk_write_bytes_per_s=2e9)
     free = config_disk_tier(SimpleNamespace(offload_dir=str(tmp_path), disk_budget_bytes=None), probed, 1)
     assert free.capacity_bytes > 0 and (free.read_bytes_per_s, free.write_bytes_per_s) == (3e9, 2e9)
+
+
+def test_prepare_counts_on_the_disk_for_masters_and_moments_only(gpt2_profile):
+    """``prepare``'s disk tier holds fp32 masters and moments, not parameter chunks or gradient shards (those stay in
+    host memory, optim/_disk_state.py): the tier its search prices spills only those, so a plan never counts on the
+    disk holding what the runtime keeps on the host. The CLI's tier (``plan --disk``) may spill the rest."""
+    hw = _gpu(GIB, GIB)
+    full = DiskTier(capacity_bytes=100 * GIB, read_bytes_per_s=5e9, write_bytes_per_s=5e9)
+    runtime = replace(full, optimizer_only=True)
+    for host in (GIB, GIB // 2):
+        try:
+            result = search(gpt2_profile, hw, precision="bf16", host_memory_bytes=host, disk=runtime, refine_starts=0)
+        except ValueError as err:  # what is left after masters and moments does not fit this host
+            assert "no configuration fits host memory" in str(err)
+            continue
+        info = result.best.prediction.disk
+        assert info is not None and info.optimizer_bytes > 0 and info.param_bytes == info.grad_bytes == 0
+        assert result.best.prediction.host_bytes <= host
+    squeezed = search(gpt2_profile, hw, precision="bf16", host_memory_bytes=GIB // 4, disk=full, refine_starts=0)
+    assert squeezed.best.prediction.disk.param_bytes + squeezed.best.prediction.disk.grad_bytes > 0
+    with pytest.raises(ValueError, match="no configuration fits host memory"):
+        search(gpt2_profile, hw, precision="bf16", host_memory_bytes=GIB // 4, disk=runtime, refine_starts=0)

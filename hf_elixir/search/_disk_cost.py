@@ -72,6 +72,9 @@ class DiskTier:
             ranks of a machine).
         read_bytes_per_s / write_bytes_per_s: sustained rates of all the machine's ranks together
             (``--disk-gbps``, or ``hf-elixir probe``'s measurement).
+        optimizer_only: spill only fp32 masters and optimizer moments, what ``prepare``'s disk tier executes
+            (``hf_elixir/optim/_disk_state.py``); ``False`` (``hf-elixir plan --disk``) prices parameter chunks and
+            gradient shards on disk too, which the runtime does not yet hold there.
 
     Raises:
         ValueError: a capacity or a rate that is not positive.
@@ -80,6 +83,7 @@ class DiskTier:
     capacity_bytes: int
     read_bytes_per_s: float
     write_bytes_per_s: float
+    optimizer_only: bool = False
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -137,9 +141,11 @@ class DiskSpill:
 _OPTIM, _PARAM, _GRAD = range(3)
 
 
-def _spill_units(step: ChunkedStep, knobs: Knobs, onloads: dict[int, int]) -> list[tuple[int, int, int, int]]:
+def _spill_units(step: ChunkedStep, knobs: Knobs, onloads: dict[int, int],
+                 optimizer_only: bool = False) -> list[tuple[int, int, int, int]]:
     """``(kind, bytes on disk, read, written)`` a step per spillable chunk part, in spill order ([Note: disk tier
-    pricing]): optimizer state first, then parameter chunks and gradient shards by fewest bytes moved per byte."""
+    pricing]): optimizer state first, then (unless ``optimizer_only``) parameter chunks and gradient shards by
+    fewest bytes moved per byte."""
     b = DTYPE_BYTES[step.precision]
     held = knobs.resident | knobs.device_shard
     optim, rest = [], []
@@ -157,6 +163,8 @@ def _spill_units(step: ChunkedStep, knobs: Knobs, onloads: dict[int, int]) -> li
             nbytes += step.full_bytes(c)  # the rank-local refill copy (_fixed_memory's host_params)
         if nbytes:
             rest.append((_PARAM, nbytes, nbytes * max(1, onloads.get(c, 0)), nbytes if trained else 0))
+    if optimizer_only:
+        return optim
     rest.sort(key=lambda u: (u[2] + u[3]) / u[1])
     return optim + rest
 
@@ -177,7 +185,7 @@ def spill(step: ChunkedStep, knobs: Knobs, pred, disk: DiskTier, host_limit_byte
     knobs = resolve_host_copies(step, knobs, activations_on_device, host_budget_bytes)
     taken: list[tuple[int, int, int, int]] = []
     spilled = largest = 0
-    for unit in _spill_units(step, knobs, pred.chunk_onloads):
+    for unit in _spill_units(step, knobs, pred.chunk_onloads, disk.optimizer_only):
         if fits(pred.host_bytes - spilled + _staging_bytes(largest)):
             break
         taken.append(unit)
@@ -203,7 +211,7 @@ def least_host_bytes(step: ChunkedStep, knobs: Knobs, pred, disk: DiskTier | Non
         return pred.host_bytes
     knobs = resolve_host_copies(step, knobs, activations_on_device, host_budget_bytes)
     spilled = largest = 0
-    for _, nbytes, *_ in _spill_units(step, knobs, pred.chunk_onloads):
+    for _, nbytes, *_ in _spill_units(step, knobs, pred.chunk_onloads, disk.optimizer_only):
         if (spilled + nbytes) * ranks_per_host > disk.capacity_bytes:
             break
         spilled += nbytes
@@ -236,7 +244,8 @@ def config_disk_tier(config, hardware, ranks_per_host: int) -> DiskTier | None:
     """The disk tier ``prepare``'s search prices for ``config`` (``None`` without ``ElixirConfig.offload_dir``): its
     ``disk_budget_bytes`` a rank (default: the free space of the folder's file system, shared by the machine's
     ranks), at the rates ``hf-elixir probe`` measured on this machine (``hardware.disk_*``), else
-    :data:`DEFAULT_DISK_BYTES_PER_S`."""
+    :data:`DEFAULT_DISK_BYTES_PER_S`. Only masters and moments spill (``optimizer_only``): a plan must not count
+    on the disk holding what ``prepare``'s disk tier keeps in host memory."""
     folder = getattr(config, "offload_dir", None)
     if folder is None:
         return None
@@ -252,7 +261,8 @@ def config_disk_tier(config, hardware, ranks_per_host: int) -> DiskTier | None:
             return None  # prepare's own checks name an unusable offload_dir
     read = getattr(hardware, "disk_read_bytes_per_s", None) or DEFAULT_DISK_BYTES_PER_S
     write = getattr(hardware, "disk_write_bytes_per_s", None) or DEFAULT_DISK_BYTES_PER_S
-    return DiskTier(capacity_bytes=max(1, capacity), read_bytes_per_s=read, write_bytes_per_s=write)
+    return DiskTier(capacity_bytes=max(1, capacity), read_bytes_per_s=read, write_bytes_per_s=write,
+                    optimizer_only=True)
 
 
 def disk_reason(pred, ranks_per_host: int) -> str | None:
