@@ -14,3 +14,39 @@ def test_offload_dir_without_host_optimizer_state_is_refused(tmp_path):
         ElixirConfig(offload_dir=str(tmp_path), offload_optimizer=False)
     for value in (True, "auto"):  # the two settings that keep optimizer state on the host
         assert ElixirConfig(offload_dir=str(tmp_path), offload_optimizer=value).offload_dir == str(tmp_path)
+
+
+def _probe(argv: list[str]) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from hf_elixir.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = main(["probe", *argv])
+    return code, err.getvalue()
+
+
+def test_probe_refuses_a_folder_it_cannot_write_with_the_flag_not_a_traceback():
+    # root passes os.access on /proc, where no file can be created: the probe tries to create one
+    code, err = _probe(["--disk-dir", "/proc", "--disk-size", "8KiB"])
+    assert code == 2 and "--disk-dir /proc: not writable" in err and "give a folder you can write to" in err
+
+
+def test_probe_refuses_a_file_larger_than_half_the_free_space(tmp_path, monkeypatch):
+    """A typo such as ``--disk-size 100TB`` would otherwise write until the disk is full (and leave the file when
+    the probe is killed); here the disk reports 1 MiB free, so the case is harmless even without the check."""
+    import collections
+    import shutil
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 2**20, 2**20))
+    code, err = _probe(["--disk-dir", str(tmp_path), "--disk-size", "1MiB", "--repeats", "1"])
+    assert code == 2 and f"--disk-size {2**20} bytes is more than half the {2**20} bytes free in" in err, err
+    assert "256MiB" in err and not list(tmp_path.iterdir())  # refused before any byte was written
+    from hf_elixir.profiler._disk_probe import measure_disk
+
+    with pytest.raises(ValueError, match=r"measure_disk\(size_bytes=...\) 1048576 bytes is more than half"):
+        measure_disk(tmp_path, size_bytes=2**20, repeats=1)
+    assert measure_disk(tmp_path, size_bytes=2**19, repeats=1).size_bytes == 2**19  # half the free space: allowed

@@ -51,7 +51,8 @@ def check_disk_args(args: argparse.Namespace) -> None:
     """The disk flags together ([Note: CLI checks] in ``__init__``).
 
     Raises:
-        ValueError: ``--disk-gbps`` without ``--disk``, ``probe --repeats`` below 1, an unusable ``--disk-dir``.
+        ValueError: ``--disk-gbps`` without ``--disk``, ``probe --repeats`` below 1, an unusable ``--disk-dir``
+            or a ``--disk-size`` above half its free space.
     """
     if args.command == "plan" and args.disk_gbps is not None and args.disk is None:
         raise ValueError(f"--disk-gbps {args.disk_gbps:g} prices a disk tier, which needs its size: add --disk, "
@@ -59,10 +60,11 @@ def check_disk_args(args: argparse.Namespace) -> None:
     if args.command == "probe":
         if args.repeats < 1:
             raise ValueError(f"--repeats {args.repeats} must be >= 1, e.g. 2")
-        if args.disk_dir is not None:
-            from hf_elixir.profiler._disk_probe import check_directory
+        import tempfile
 
-            check_directory(args.disk_dir)
+        from hf_elixir.profiler._disk_probe import check_directory
+
+        check_directory(args.disk_dir or tempfile.gettempdir(), size_bytes=args.disk_size)
 
 
 def disk_tier(args: argparse.Namespace, hardware) -> tuple[Any, list[dict]]:
