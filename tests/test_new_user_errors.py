@@ -1,5 +1,6 @@
-"""A disk-tier setting that cannot take effect is refused at ``ElixirConfig(...)``, naming the field, the value and
-the fix, instead of being silently ignored (docs/disk.md)."""
+"""Mistakes a new user makes with the disk tier, ``hf-elixir probe`` and ``hf-elixir plan --lora-rank``: each is
+refused before any work, naming the field or flag, the value and the fix (docs/disk.md, docs/plans.md), instead of
+being silently ignored, filling a disk or ending in a traceback."""
 
 from __future__ import annotations
 
@@ -50,3 +51,21 @@ def test_probe_refuses_a_file_larger_than_half_the_free_space(tmp_path, monkeypa
     with pytest.raises(ValueError, match=r"measure_disk\(size_bytes=...\) 1048576 bytes is more than half"):
         measure_disk(tmp_path, size_bytes=2**20, repeats=1)
     assert measure_disk(tmp_path, size_bytes=2**19, repeats=1).size_bytes == 2**19  # half the free space: allowed
+
+
+def test_plan_lora_without_peft_names_the_flag_and_the_install(monkeypatch):
+    """``hf-elixir plan --lora-rank`` in an install without peft (``pip install -e ".[recipes]"`` has none): an error
+    naming the flag and the install, before any work, not a ModuleNotFoundError traceback."""
+    import contextlib
+    import importlib.util
+    import io
+
+    from hf_elixir.cli import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = main(["plan", "--model", "tiny-gpt2", "--gpu-memory", "600KiB", "--seq-len", "32", "--lora-rank", "4"])
+    assert code == 2 and "--lora-rank 4 plans peft's LoRA adapters, and peft is not installed" in err.getvalue()
+    assert "pip install peft" in err.getvalue()
