@@ -69,3 +69,22 @@ def test_plan_lora_without_peft_names_the_flag_and_the_install(monkeypatch):
         code = main(["plan", "--model", "tiny-gpt2", "--gpu-memory", "600KiB", "--seq-len", "32", "--lora-rank", "4"])
     assert code == 2 and "--lora-rank 4 plans peft's LoRA adapters, and peft is not installed" in err.getvalue()
     assert "pip install peft" in err.getvalue()
+
+
+def test_plan_says_when_its_disk_holds_what_prepare_keeps_in_host_memory(tmp_path, monkeypatch):
+    """docs/plans.md's disk example spills parameter chunks and gradients, which prepare's disk tier does not take
+    (docs/disk.md): the report says so beside the plan, so a user does not size the host from it alone."""
+    import contextlib
+    import io
+
+    from hf_elixir.cli import main
+
+    monkeypatch.setenv("HF_ELIXIR_CACHE_DIR", str(tmp_path))
+    base = ["plan", "--model", "tiny-gpt2", "--gpu-memory", "600KiB", "--batch-size", "2", "--seq-len", "32",
+            "--precision", "fp32", "--disk", "1GB", "--disk-gbps", "2"]
+    for host, spills in (("200KiB", True), ("1GiB", False)):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            assert main([*base, "--host-memory", host]) == 0
+        text = " ".join(out.getvalue().split())  # the report wraps its lines to the terminal
+        assert ("parameter chunks and fp32 gradients stay in host memory" in text) is spills, host
