@@ -423,6 +423,10 @@ class ElixirConfig:
             return
         _check_type("offload_dir", self.offload_dir, (str, os.PathLike), "give a directory path, e.g. '/nvme/elixir'")
         path = os.fspath(self.offload_dir)
+        if self.offload_optimizer is False:  # the disk tier holds host optimizer state only: it would be ignored
+            raise ValueError(f"ElixirConfig.offload_dir={path!r} is set with offload_optimizer=False, which keeps the "
+                             "optimizer state on the device, so nothing would go to disk; set offload_optimizer=True "
+                             "(or 'auto'), or leave offload_dir=None")
         if not os.path.isdir(path):
             raise ValueError(f"ElixirConfig.offload_dir={path!r} is not a directory; create it (mkdir -p) or give "
                              "an existing directory on a local SSD")

@@ -24,6 +24,7 @@ imports torch: ``hf-elixir --help`` and these errors answer at once.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import math
 import os
@@ -237,6 +238,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.quantize and not args.lora_rank:
         raise ValueError(f"--quantize {args.quantize} quantizes a frozen base, which needs --lora-rank (e.g. "
                          "--lora-rank 16); full fine-tuning trains the base in the compute dtype")
+    if args.lora_rank and importlib.util.find_spec("peft") is None:  # the adapters are peft's own, on meta
+        raise ValueError(f"--lora-rank {args.lora_rank} plans peft's LoRA adapters, and peft is not installed here: "
+                         "pip install peft (or pip install -e \".[test]\" in a checkout)")
     if args.lora_rank and (args.tensor_parallel_size != 1 or (args.expert_parallel_size or 1) > 1):
         raise ValueError(f"--lora-rank {args.lora_rank} is planned with data parallelism only; leave "
                          "--tensor-parallel-size and --expert-parallel-size out (or give 1)")

@@ -51,7 +51,8 @@ def check_disk_args(args: argparse.Namespace) -> None:
     """The disk flags together ([Note: CLI checks] in ``__init__``).
 
     Raises:
-        ValueError: ``--disk-gbps`` without ``--disk``, ``probe --repeats`` below 1, an unusable ``--disk-dir``.
+        ValueError: ``--disk-gbps`` without ``--disk``, ``probe --repeats`` below 1, an unusable ``--disk-dir``
+            or a ``--disk-size`` above half its free space.
     """
     if args.command == "plan" and args.disk_gbps is not None and args.disk is None:
         raise ValueError(f"--disk-gbps {args.disk_gbps:g} prices a disk tier, which needs its size: add --disk, "
@@ -59,10 +60,11 @@ def check_disk_args(args: argparse.Namespace) -> None:
     if args.command == "probe":
         if args.repeats < 1:
             raise ValueError(f"--repeats {args.repeats} must be >= 1, e.g. 2")
-        if args.disk_dir is not None:
-            from hf_elixir.profiler._disk_probe import check_directory
+        import tempfile
 
-            check_directory(args.disk_dir)
+        from hf_elixir.profiler._disk_probe import check_directory
+
+        check_directory(args.disk_dir or tempfile.gettempdir(), size_bytes=args.disk_size)
 
 
 def disk_tier(args: argparse.Namespace, hardware) -> tuple[Any, list[dict]]:
@@ -125,6 +127,10 @@ def disk_lines(report: dict) -> list[str]:
         lines.append(f"  the disk hides under compute from {disk['hide_tokens_per_step']:,} tokens per step "
                      f"({human_s(disk['hide_step_s'])} a step, {disk['hide_tokens_per_s']:,.0f} tokens/s; the "
                      "compute grows with the tokens, the disk traffic does not)")
+    if disk["param_bytes_per_gpu"] or disk["grad_bytes_per_gpu"]:  # docs/disk.md: the runtime's tier holds less
+        lines.append("  note: prepare's disk tier (ElixirConfig(offload_dir=...)) holds fp32 masters and moments only; "
+                     "parameter chunks and fp32 gradients stay in host memory, so this run needs --host-memory for "
+                     "them, or more GPUs / machines")
     return lines
 
 

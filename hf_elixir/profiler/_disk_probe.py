@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -52,19 +53,28 @@ def cache_key() -> str:
     return f"{socket.gethostname()}|disk"
 
 
-def check_directory(directory: str | os.PathLike, flag: str = "--disk-dir") -> Path:
-    """``directory`` as a writable folder.
+def check_directory(directory: str | os.PathLike, flag: str = "--disk-dir", size_bytes: int | None = None,
+                    size_flag: str = "--disk-size") -> Path:
+    """``directory`` as a writable folder, with room for a ``size_bytes`` probe file when given.
 
     Raises:
-        ValueError: it does not exist, is not a folder or is not writable (naming ``flag``, the value and the fix).
+        ValueError: it does not exist, is not a folder, is not writable, or ``size_bytes`` is more than half the
+            space free there (naming ``flag`` / ``size_flag``, the value and the fix).
     """
     path = Path(directory)
     if not path.is_dir():
         raise ValueError(f"{flag} {directory}: not an existing folder; create it, or give a folder on the disk to "
                          "measure")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {directory}: not writable by this user; give a folder you can write to on the "
-                         "disk to measure")
+    try:  # os.access says yes to root on a read-only file system (/proc): try what the probe will do
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise ValueError(f"{flag} {directory}: not writable ({err.strerror}); give a folder you can write to on the "
+                         "disk to measure") from None
+    free = shutil.disk_usage(path).free
+    if size_bytes is not None and size_bytes > free // 2:  # the probe must never fill a shared disk
+        raise ValueError(f"{size_flag} {size_bytes} bytes is more than half the {free} bytes free in {directory}; "
+                         "give a smaller size, e.g. 256MiB (the default), or free space there")
     return path
 
 
@@ -124,11 +134,12 @@ def measure_disk(directory: str | os.PathLike, size_bytes: int = 256 * 2**20, re
         repeats: passes; each rate is the best.
 
     Raises:
-        ValueError: ``directory`` is not a writable folder, or ``size_bytes`` / ``repeats`` below 1.
+        ValueError: ``directory`` is not a writable folder, ``size_bytes`` / ``repeats`` below 1, or ``size_bytes``
+            more than half the space free there.
     """
-    path = check_directory(directory)
     if size_bytes < 1 or repeats < 1:
         raise ValueError(f"measure_disk(size_bytes={size_bytes}, repeats={repeats}): both must be >= 1")
+    path = check_directory(directory, size_bytes=size_bytes, size_flag="measure_disk(size_bytes=...)")
     size_bytes = -(-size_bytes // 4096) * 4096  # whole pages: O_DIRECT reads whole blocks
     block = memoryview(os.urandom(min(BLOCK_BYTES, size_bytes)))  # incompressible
     fd, name = tempfile.mkstemp(prefix="hf_elixir_disk_probe_", dir=path)

@@ -1,0 +1,90 @@
+"""Mistakes a new user makes with the disk tier, ``hf-elixir probe`` and ``hf-elixir plan --lora-rank``: each is
+refused before any work, naming the field or flag, the value and the fix (docs/disk.md, docs/plans.md), instead of
+being silently ignored, filling a disk or ending in a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_elixir import ElixirConfig
+
+
+def test_offload_dir_without_host_optimizer_state_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"ElixirConfig.offload_dir='.*' is set with offload_optimizer=False.*"
+                                         r"set offload_optimizer=True \(or 'auto'\), or leave offload_dir=None"):
+        ElixirConfig(offload_dir=str(tmp_path), offload_optimizer=False)
+    for value in (True, "auto"):  # the two settings that keep optimizer state on the host
+        assert ElixirConfig(offload_dir=str(tmp_path), offload_optimizer=value).offload_dir == str(tmp_path)
+
+
+def _probe(argv: list[str]) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from hf_elixir.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = main(["probe", *argv])
+    return code, err.getvalue()
+
+
+def test_probe_refuses_a_folder_it_cannot_write_with_the_flag_not_a_traceback():
+    # root passes os.access on /proc, where no file can be created: the probe tries to create one
+    code, err = _probe(["--disk-dir", "/proc", "--disk-size", "8KiB"])
+    assert code == 2 and "--disk-dir /proc: not writable" in err and "give a folder you can write to" in err
+
+
+def test_probe_refuses_a_file_larger_than_half_the_free_space(tmp_path, monkeypatch):
+    """A typo such as ``--disk-size 100TB`` would otherwise write until the disk is full (and leave the file when
+    the probe is killed); here the disk reports 1 MiB free, so the case is harmless even without the check."""
+    import collections
+    import shutil
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 2**20, 2**20))
+    code, err = _probe(["--disk-dir", str(tmp_path), "--disk-size", "1MiB", "--repeats", "1"])
+    assert code == 2 and f"--disk-size {2**20} bytes is more than half the {2**20} bytes free in" in err, err
+    assert "256MiB" in err and not list(tmp_path.iterdir())  # refused before any byte was written
+    from hf_elixir.profiler._disk_probe import measure_disk
+
+    with pytest.raises(ValueError, match=r"measure_disk\(size_bytes=...\) 1048576 bytes is more than half"):
+        measure_disk(tmp_path, size_bytes=2**20, repeats=1)
+    assert measure_disk(tmp_path, size_bytes=2**19, repeats=1).size_bytes == 2**19  # half the free space: allowed
+
+
+def test_plan_lora_without_peft_names_the_flag_and_the_install(monkeypatch):
+    """``hf-elixir plan --lora-rank`` in an install without peft (``pip install -e ".[recipes]"`` has none): an error
+    naming the flag and the install, before any work, not a ModuleNotFoundError traceback."""
+    import contextlib
+    import importlib.util
+    import io
+
+    from hf_elixir.cli import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = main(["plan", "--model", "tiny-gpt2", "--gpu-memory", "600KiB", "--seq-len", "32", "--lora-rank", "4"])
+    assert code == 2 and "--lora-rank 4 plans peft's LoRA adapters, and peft is not installed" in err.getvalue()
+    assert "pip install peft" in err.getvalue()
+
+
+def test_plan_says_when_its_disk_holds_what_prepare_keeps_in_host_memory(tmp_path, monkeypatch):
+    """docs/plans.md's disk example spills parameter chunks and gradients, which prepare's disk tier does not take
+    (docs/disk.md): the report says so beside the plan, so a user does not size the host from it alone."""
+    import contextlib
+    import io
+
+    from hf_elixir.cli import main
+
+    monkeypatch.setenv("HF_ELIXIR_CACHE_DIR", str(tmp_path))
+    base = ["plan", "--model", "tiny-gpt2", "--gpu-memory", "600KiB", "--batch-size", "2", "--seq-len", "32",
+            "--precision", "fp32", "--disk", "1GB", "--disk-gbps", "2"]
+    for host, spills in (("200KiB", True), ("1GiB", False)):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            assert main([*base, "--host-memory", host]) == 0
+        text = " ".join(out.getvalue().split())  # the report wraps its lines to the terminal
+        assert ("parameter chunks and fp32 gradients stay in host memory" in text) is spills, host
