@@ -12,7 +12,9 @@ before the model is wrapped. How each system reaches the Trainer:
 
 - ``elixir``: ``SFTTrainer(..., callbacks=[ElixirCallback(ElixirConfig(device_memory_budget_bytes=B, search="auto"))])``
   with ``B`` = ``--budget-fraction`` x the model data an all-resident rank holds (fp32: 16 B per trained parameter,
-  4 B per frozen one; activations outside the budget, as for every peer).
+  4 B per frozen one; activations outside the budget, as for every peer); where ``B`` is under
+  ``hf_elixir.min_device_budget_bytes`` (LoRA at 50%: the 147 MiB embedding sets the chunk size) it runs at that floor
+  and says so.
 - ``ddp``: the plain ``SFTTrainer`` (accelerate wraps the model in ``DistributedDataParallel``).
 - ``fsdp2_offload``: ``fully_shard(CPUOffloadPolicy)`` on every GPT-2 block and the root before the Trainer, which
   is told the model is prepared (accelerate runs FSDP only on accelerators, so its own FSDP path cannot run here).
@@ -135,23 +137,28 @@ def _model_data_bytes(model) -> int:
 
 def _elixir_config(model, spec: RunSpec, extra: dict[str, Any]):
     """``budget_fraction`` of the all-resident model data. Where that is under ``hf_elixir.min_device_budget_bytes``
-    (LoRA: the floor prices the frozen weights as if they trained, above the all-resident LoRA model data), every
-    parameter stays resident (budget None) and ``extra["budget_note"]`` says so."""
+    for this run's config and world size (which ``prepare`` would refuse: GPT-2's 147 MiB fp32 embedding sets the
+    chunk size, and two adjacent chunks plus a staging shard must fit), the run takes that floor instead, the
+    nearest budget ``prepare`` accepts, and ``extra["budget_note"]`` says so."""
     import torch
+    import torch.distributed as dist
 
     from hf_elixir import ElixirConfig, min_device_budget_bytes
 
     data = _model_data_bytes(model)
     budget = int(spec.options["budget_fraction"] * data)
     trained = [p for p in model.parameters() if p.requires_grad]
-    floor = int(min_device_budget_bytes(model, torch.optim.AdamW(trained), ElixirConfig(budget_covers_activations=False)))
-    extra.update(budget_bytes=budget, model_data_bytes=data, floor_bytes=floor)
-    if budget < floor:
-        extra["budget_note"] = (f"{spec.options['budget_fraction']:.0%} of the model data ({budget / MIB:.0f} of "
-                                f"{data / MIB:.0f} MiB) is under hf_elixir's floor ({floor / MIB:.0f} MiB): all resident")
-        return ElixirConfig(budget_covers_activations=False)
-    return ElixirConfig(device_memory_budget_bytes=budget, budget_covers_activations=False,
-                        search=spec.options.get("search", "auto"))
+    config = ElixirConfig(device_memory_budget_bytes=budget, budget_covers_activations=False,
+                          search=spec.options.get("search", "auto"))
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    floor = int(min_device_budget_bytes(model, torch.optim.AdamW(trained), config, world_size))
+    extra.update(budget_bytes=max(budget, floor), model_data_bytes=data, floor_bytes=floor)
+    if budget >= floor:
+        return config
+    extra["budget_note"] = (f"{spec.options['budget_fraction']:.0%} of the model data ({budget / MIB:.0f} of "
+                            f"{data / MIB:.0f} MiB) is under hf_elixir's floor ({floor / MIB:.0f} MiB, "
+                            f"{floor / data:.0%}): ran at the floor")
+    return dataclasses.replace(config, device_memory_budget_bytes=floor)
 
 
 def _wrap(system: str, model, spec: RunSpec, extra: dict[str, Any]) -> list:
@@ -264,7 +271,8 @@ def _row(result: RunResult) -> list[str]:
     e = result.extra
     device = "-"
     if "device_peak_bytes" in e:
-        device = f"{e['device_peak_bytes'] / MIB:.0f} / " + ("none" if "budget_note" in e else f"{e['budget_bytes'] / MIB:.0f}")
+        floor = " (floor)" if "budget_note" in e else ""
+        device = f"{e['device_peak_bytes'] / MIB:.0f} / {e['budget_bytes'] / MIB:.0f}{floor}"
     return head + [f"{result.median_s:.3f}", f"{result.tokens_per_s:.0f}", f"{max(result.peak_rss_bytes) / MIB:.0f}",
                    device, f"{result.losses[0]:.3f}->{result.losses[-1]:.3f}"]
 
