@@ -26,7 +26,7 @@ concepts a file each (``torch/distributed/fsdp/_fully_shard/``):
 * ``_external.py``: parameters read outside their own module's forward ([Note: external reads]).
 
 Eviction, the reduce window and the flags with their rank checks are objects the manager owns, as FSDP2's
-``FSDPParamGroup`` owns its ``FSDPParam``\ s: each keeps its own state and offers explicit methods, and what it reads
+``FSDPParamGroup`` owns its ``FSDPParam`` objects: each keeps its own state and offers explicit methods, and what it reads
 of the manager is passed in or declared (:class:`~hf_elixir.chunk._eviction.EvictionHost`). The others are still
 mixins of :class:`ChunkManager` that read and write the same chunks and trace, each initialising its own state
 (``_init_*``).
