@@ -317,7 +317,7 @@ def test_a_searched_plan_that_does_not_place_at_the_floor_falls_back_to_the_floo
     b = _batch("mixtral", 0, 1, False)
     model, opt = build()
     roomy = auto_plan(model, b, dataclasses.replace(config, device_memory_budget_bytes=8 * need), optimizer=opt)
-    monkeypatch.setattr(_lay_out, "resolve_plan", lambda *args: roomy)
+    monkeypatch.setattr(_lay_out, "resolve_plan", lambda *args, **kwargs: roomy)
     with caplog.at_level("INFO", logger="hf_elixir.search._lay_out"):
         model, opt = hf_elixir.prepare(*build(), dataclasses.replace(config, device_memory_budget_bytes=need),
                                        sample_batch=b)

@@ -101,9 +101,12 @@ def test_dead_chunk_reshard_is_priced_exactly(kind, frozen, hardware):
         assert [e.module for e in profile.events if e.phase == "bwd" and not e.grad_inputs] == [first_norm]
     budget = int(_numel(model) * 4 * 0.9)
     step = build_chunked_step(profile, 4096, world_size=1, precision="fp32", hardware=hardware)
-    # chunk 0 (the embeddings) resident where frozen: a frozen chunk on the host stays valid across steps, so the
-    # runtime's steady state would keep it cached from the previous step, which the simulation does not
-    resident_sets = [[0], [0, 2], [0, 7], [0, 4]] if frozen else [[], [2, 7], [1, 3], [0, 4]]
+    # the frozen chunks (the embeddings and the frozen norm bias, kept apart from trained parameters: [Note: frozen
+    # chunks apart]) resident: a frozen chunk on the host stays valid across steps, so the runtime's steady state
+    # would keep it cached from the previous step, which the simulation does not
+    still = [c for c in range(step.num_chunks) if not step.trained_numels[c]]
+    assert still == ([0, 1] if frozen else [])
+    resident_sets = [still + extra for extra in ([], [2], [7], [4])] if frozen else [[], [2, 7], [1, 3], [0, 4]]
     for resident in resident_sets:
         knobs = Knobs(resident=frozenset(resident), device_shard=frozenset(resident))
         pred = predict(step, knobs, hardware, pool_bytes=budget)
