@@ -54,6 +54,24 @@ def two_groups(model: torch.nn.Module, weight_decay: float = 0.1) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def plain_step(ref: torch.nn.Module, ref_opt: torch.optim.Optimizer, ids: torch.Tensor) -> float:
+    """One plain-PyTorch causal-LM step of the reference run on ``ids``; its loss."""
+    loss = ref(input_ids=ids, labels=ids).loss
+    loss.backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return float(loss.detach())
+
+
+def rank_mean(values: list[float], world_size: int) -> list[float]:
+    """``values`` averaged over the ranks (all-reduce), as every rank's loss of a data-parallel step averages."""
+    if world_size == 1:
+        return values
+    total = torch.tensor(values)
+    torch.distributed.all_reduce(total)
+    return (total / world_size).tolist()
+
+
 def rel_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     keys = sorted(set(a) & set(b))
     num = sum(float((a[k].double() - b[k].double()).norm() ** 2) for k in keys)

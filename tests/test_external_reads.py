@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
+from tests._models import rank_mean
 
 STEPS = 3
 ROWS = 2
@@ -109,10 +110,7 @@ def _train(rank: int, world_size: int, case: str) -> dict:
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(float(ref_loss.detach()))
-    if world_size > 1:
-        mean = torch.tensor(losses)
-        torch.distributed.all_reduce(mean)
-        losses = (mean / world_size).tolist()
+    losses = rank_mean(losses, world_size)
     stats = hf_elixir.memory_stats(model)
     from hf_elixir.chunk.params import StaleParameterError
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
+from tests._models import plain_step, rank_mean
 
 STEPS = 5
 ROWS = 2
@@ -157,15 +158,8 @@ def _train(rank: int, world_size: int) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-        ref_loss = ref(input_ids=ids, labels=ids).loss
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(float(ref_loss.detach()))
-    if world_size > 1:
-        mean = torch.tensor(losses)
-        torch.distributed.all_reduce(mean)
-        losses = (mean / world_size).tolist()
+        ref_losses.append(plain_step(ref, ref_opt, ids))
+    losses = rank_mean(losses, world_size)
     got, want, start = model.state_dict(), ref.state_dict(), _llama().state_dict()
     adapters = [k for k in want if "lora_" in k]
     num = sum(float((got[k] - want[k]).double().norm() ** 2) for k in adapters)
