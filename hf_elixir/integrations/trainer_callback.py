@@ -46,6 +46,7 @@ from transformers import TrainerCallback
 from hf_elixir.config import ElixirConfig
 from hf_elixir.integrations._binding import (binding_of, elixir_prepare, feed_tensor_parallel_rows, first_batch,
                                              merge_precision)
+from hf_elixir.integrations._target_sync import serve_target_syncs
 from hf_elixir.runtime._entry_check import checked_call
 
 __all__ = ["ElixirCallback"]
@@ -227,6 +228,9 @@ class ElixirCallback(TrainerCallback):
                 "ElixirCallback is not attached: the Trainer prepared its optimizer without Elixir. Pass the "
                 "callback at Trainer construction, or call callback.bind(trainer) before trainer.train()"
             )
+        # TRL's reference/teacher syncs read the model between steps ([Note: reference and teacher syncs between
+        # steps] in _target_sync.py); TRL adds them in its own __init__, after the callbacks given to it
+        serve_target_syncs(self.trainer.callback_handler.callbacks)
 
     def on_step_end(self, args, state, control, **kwargs):
         # The Trainer clears gradients with `model.zero_grad()` only; Elixir's gradient shards live in
