@@ -1,10 +1,11 @@
 """TRL 1.16's other trainers with their defaults (fp32: ``bf16=False``; small batches, lengths and vocabularies) through
 ``callbacks=[ElixirCallback(...)]``, at 1 process (in this process) and 2 processes (torchrun, gloo on CPU), against the
 same TRL run without the callback (DDP at 2 processes), under a device budget that evicts: ``RLOOTrainer`` (also with
-``sync_ref_model=True``), ``KTOTrainer``, ``DistillationTrainer`` (a wider teacher), and from ``trl.experimental``
-GKD, GOLD (a byte-level BPE tokenizer, which it needs) and IW-OPD (teachers), ORPO, CPO, online DPO, TPO, GMPO, A2PO,
-SDFT and SDPO (an EMA teacher synced from the student after every step). The script is ``tests/launch_scripts/trl_more_trainers.py``; ``tests/test_trl.py`` covers SFT, DPO,
-Reward and GRPO.
+``sync_ref_model=True``), ``KTOTrainer`` and ``DistillationTrainer`` (a wider teacher; both also with a LoRA
+``peft_config``), and from ``trl.experimental`` GKD, GOLD (with the byte-level BPE tokenizer it needs) and IW-OPD
+(teachers), ORPO, CPO, online DPO, TPO, GMPO, A2PO, SDFT and SDPO (an EMA teacher synced from the student after every
+step). The script is ``tests/launch_scripts/trl_more_trainers.py``; ``tests/test_trl.py`` covers SFT, DPO, Reward and
+GRPO.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from tests._dist import free_port
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "launch_scripts" / "trl_more_trainers.py"
 
-CASES = ["rloo", "rloo_sync", "kto", "distillation", "gkd", "gold", "iw_opd", "orpo", "cpo", "online_dpo", "tpo", "gmpo",
-         "a2po", "sdft", "sdpo"]
+CASES = ["rloo", "rloo_sync", "kto", "kto_lora", "distillation", "distillation_lora", "gkd", "gold", "iw_opd", "orpo",
+         "cpo", "online_dpo", "tpo", "gmpo", "a2po", "sdft", "sdpo"]
 SYNCED = {"rloo_sync", "sdpo"}  # TRL syncs a reference / teacher from the trained model between steps
 
 

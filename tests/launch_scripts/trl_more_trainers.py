@@ -16,7 +16,7 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from hf_elixir import ElixirConfig
 from tests.launch_scripts import trl_trainers as base
-from tests.launch_scripts.trl_trainers import common, llama, preference, sentences, tokenizer
+from tests.launch_scripts.trl_trainers import common, llama, lora, preference, sentences, tokenizer
 
 
 def _world() -> int:
@@ -60,9 +60,10 @@ def kto(case: str, out: str, callbacks: list):
 
     data = Dataset.from_dict({"prompt": sentences(16, 1), "completion": sentences(16, 2),
                               "label": [i % 3 != 0 for i in range(16)]})
+    peft = case == "kto_lora"  # no ref_model: the reference is the policy with its adapters off
     args = KTOConfig(**common(out), max_length=24)
-    return KTOTrainer(model=llama(), ref_model=llama(), args=args, train_dataset=data, processing_class=tokenizer(),
-                      callbacks=callbacks)
+    return KTOTrainer(model=llama(), ref_model=None if peft else llama(), args=args, train_dataset=data,
+                      processing_class=tokenizer(), callbacks=callbacks, peft_config=lora() if peft else None)
 
 
 def teacher():
@@ -78,7 +79,8 @@ def distillation(case: str, out: str, callbacks: list):
     args = DistillationConfig(**common(out), max_completion_length=6)
     return DistillationTrainer(model=llama(), teacher_model=teacher(), args=args,
                                train_dataset=Dataset.from_dict({"prompt": sentences(16, 1)}),
-                               processing_class=tokenizer(), callbacks=callbacks)
+                               processing_class=tokenizer(), callbacks=callbacks,
+                               peft_config=lora() if case == "distillation_lora" else None)
 
 
 def chats() -> Dataset:
@@ -150,8 +152,9 @@ def byte_level_tokenizer() -> PreTrainedTokenizerFast:
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    tk.train_from_iterator(sentences(64, 9), trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<pad>", "<eos>", "<unk>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>", "<unk>"],
+                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(sentences(64, 9), bpe)
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
     tok.chat_template = tokenizer().chat_template
     return tok
@@ -191,7 +194,7 @@ def sdft(case: str, out: str, callbacks: list):
     from trl.experimental.sdft import SDFTConfig, SDFTTrainer
 
     args = SDFTConfig(**common(out), max_completion_length=6, num_generations=2, generation_batch_size=2 * _world(),
-                       distillation_topk=8)
+                      distillation_topk=8)
     return SDFTTrainer(model=LlamaForCausalLM.from_pretrained(_saved(out, llama())), args=args,
                        train_dataset=privileged(), processing_class=tokenizer(), callbacks=callbacks)
 
@@ -207,8 +210,9 @@ def sdpo(case: str, out: str, callbacks: list):
                        args=args, train_dataset=privileged(), processing_class=tokenizer(), callbacks=callbacks)
 
 
-MORE = {"rloo_sync": rloo, "gold": gold, "iw_opd": iw_opd, "sdft": sdft, "sdpo": sdpo, "rloo": rloo, "kto": kto, "distillation": distillation, "gkd": gkd, "orpo": orpo, "cpo": cpo,
-        "online_dpo": online_dpo, "tpo": tpo, "gmpo": gmpo, "a2po": a2po}
+MORE = {"rloo": rloo, "rloo_sync": rloo, "kto": kto, "kto_lora": kto, "distillation": distillation,
+        "distillation_lora": distillation, "gkd": gkd, "gold": gold, "iw_opd": iw_opd, "orpo": orpo, "cpo": cpo,
+        "online_dpo": online_dpo, "tpo": tpo, "gmpo": gmpo, "a2po": a2po, "sdft": sdft, "sdpo": sdpo}
 
 
 #: a 300-token vocabulary (9600-element embedding) takes larger chunks; still under its fp32 weights and gradients
