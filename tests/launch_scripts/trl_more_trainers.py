@@ -6,10 +6,12 @@ steps, that model's distance too."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
 import torch
+import transformers
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
@@ -259,6 +261,17 @@ def run(case: str, out: str) -> dict:
     return result
 
 
+def main(out: str, cases: list[str]) -> None:
+    transformers.logging.set_verbosity_error()
+    for case in cases:
+        result = run(case, out)
+        if int(os.environ.get("RANK", "0")) == 0:
+            with open(os.path.join(out, f"{case}.json"), "w") as f:
+                json.dump(result, f)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
-    base.run = run
-    base.main(sys.argv[1], sys.argv[2:])
+    main(sys.argv[1], sys.argv[2:])
