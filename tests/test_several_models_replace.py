@@ -1,0 +1,116 @@
+"""Several models under one ``SharedDeviceBudget`` are counted together ([Note: re-placing for a newcomer] in
+hf_elixir/chunk/_shared_budget.py): a frozen reference prepared first takes every chunk resident, and a trained policy
+whose floor does not fit beside that (first-come placement refused it) joins by re-placing the reference's chunks off
+the device; the DPO-like loop then trains as plain PyTorch on the whole global batch, at 1 and 2 gloo ranks, and the
+pools' budgets add up to the one budget. A budget below both floors is refused naming each model's need.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests._dist import run_distributed
+from tests._models import batch, float_state, rank_batch, rel_l2, tiny_model
+from tests.test_several_models import _kl
+
+ROWS, STEPS = 2, 3
+CHUNK = 4096  # elements: the largest parameter; several chunks per model, the same with or without a budget
+
+
+def _sizes(world_size: int) -> dict:
+    """The reference's bytes with every chunk resident and at its floor, and the policy's floor, at this world size."""
+    import hf_elixir
+
+    config = hf_elixir.ElixirConfig(default_placement="sharded", chunk_size_numel=CHUNK, budget_covers_activations=False)
+    policy, reference = tiny_model("gpt2", seed=0), tiny_model("gpt2", seed=1)
+    floors = dict(policy=hf_elixir.min_device_budget_bytes(policy, torch.optim.AdamW(policy.parameters()), config,
+                                                            world_size),
+                  reference=hf_elixir.min_device_budget_bytes(reference, None, config, world_size))
+    alone, _ = hf_elixir.prepare(reference, None, config)  # no budget: everything resident
+    return dict(floors, resident=hf_elixir.get_state(alone).manager.pool.committed_bytes)
+
+
+def _reference_then_policy(rank: int, world_size: int) -> dict:
+    import hf_elixir
+
+    sizes = _sizes(world_size)
+    # first come, first placed would keep the reference resident and leave the policy less than its floor
+    budget = sizes["policy"] + (sizes["reference"] + sizes["resident"]) // 2
+    policy, reference = tiny_model("gpt2", seed=0), tiny_model("gpt2", seed=1)
+    plain_policy, plain_reference = copy.deepcopy(policy), copy.deepcopy(reference)
+    plain_opt = torch.optim.AdamW(plain_policy.parameters(), lr=1e-2)
+    config = hf_elixir.ElixirConfig(default_placement="sharded", device_memory_budget_bytes=budget,
+                                    chunk_size_numel=CHUNK, budget_covers_activations=False)
+    shared = hf_elixir.SharedDeviceBudget()
+    with shared:
+        reference, _ = hf_elixir.prepare(reference, None, config)
+        ref_manager = hf_elixir.get_state(reference).manager
+        before = dict(committed=ref_manager.pool.committed_bytes, resident=all(c.resident for c in ref_manager.chunks))
+        policy, opt = hf_elixir.prepare(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2), config)
+    for model in (reference, policy):  # the reference's peak so far was reached alone, before it was re-placed
+        hf_elixir.get_state(model).manager.reset_peak()
+    losses, plain_losses = [], []
+    for step in range(STEPS):
+        mine, full = rank_batch("gpt2", step, rank, world_size, ROWS), batch("gpt2", step, ROWS * world_size)
+        for model, ref, optimizer, b, out in ((policy, reference, opt, mine, losses),
+                                             (plain_policy, plain_reference, plain_opt, full, plain_losses)):
+            with torch.no_grad():
+                target = ref(input_ids=b["input_ids"]).logits.log_softmax(-1)
+            result = model(**b)
+            loss = result.loss + _kl(result.logits, target)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(float(loss.detach()))
+    pools = [hf_elixir.get_state(m).manager.pool for m in (reference, policy)]
+    return dict(sizes=sizes, budget=budget, before=before, losses=losses, plain_losses=plain_losses,
+                rel=rel_l2(float_state(policy), float_state(plain_policy)),
+                ref_rel=rel_l2(float_state(reference), float_state(plain_reference)),
+                committed=[p.committed_bytes for p in pools], budgets=[p.budget_bytes for p in pools],
+                peaks=[hf_elixir.memory_stats(m)["device_peak_bytes"] for m in (reference, policy)],  # model data
+                moved=sum(not c.resident and not c.shard_on_device for c in ref_manager.chunks),
+                num_chunks=len(ref_manager.chunks))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_frozen_reference_placed_first_is_re_placed_for_the_policy(world_size):
+    results = run_distributed(_reference_then_policy, world_size, timeout_s=180)
+    mean_losses = [sum(r["losses"][i] for r in results) / world_size for i in range(STEPS)]
+    assert mean_losses == pytest.approx(results[0]["plain_losses"], rel=1e-5)
+    for r in results:
+        sizes, budget = r["sizes"], r["budget"]
+        assert r["before"] == dict(committed=sizes["resident"], resident=True)  # alone, it took everything
+        assert sizes["resident"] + sizes["policy"] > budget >= sizes["reference"] + sizes["policy"]
+        assert 0 < r["moved"] < r["num_chunks"] and r["committed"][0] < sizes["resident"], r
+        assert sum(r["budgets"]) <= budget and r["committed"][1] >= sizes["policy"], r
+        assert all(p <= b for p, b in zip(r["peaks"], r["budgets"])), (r["peaks"], r["budgets"])
+        assert r["rel"] < 1e-5 and r["ref_rel"] == 0.0, (r["rel"], r["ref_rel"])
+
+
+def test_models_whose_floors_do_not_fit_are_refused_naming_each_need():
+    import hf_elixir
+    from hf_elixir.runtime._state import is_prepared
+
+    sizes = _sizes(1)
+    budget = sizes["policy"] + sizes["reference"] - 1
+    policy, reference = tiny_model("gpt2", seed=0), tiny_model("gpt2", seed=1)
+    config = hf_elixir.ElixirConfig(default_placement="sharded", device_memory_budget_bytes=budget,
+                                    chunk_size_numel=CHUNK, budget_covers_activations=False)
+    with hf_elixir.SharedDeviceBudget():
+        reference, _ = hf_elixir.prepare(reference, None, config)
+        manager = hf_elixir.get_state(reference).manager
+        committed = manager.pool.committed_bytes
+        assert committed > sizes["reference"]  # placed alone, it keeps more than its floor on the device
+        with pytest.raises(ValueError) as err:
+            hf_elixir.prepare(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2), config)
+    message = str(err.value)
+    assert f"device_memory_budget_bytes={budget} is the whole device" in message, message
+    assert f"GPT2LMHeadModel (frozen) commits {committed} bytes ({sizes['reference']} once re-placed)" in message
+    assert f"GPT2LMHeadModel (trained) needs at least {sizes['policy']} bytes" in message, message
+    assert f"{sizes['policy'] + sizes['reference']} in all" in message, message
+    assert not is_prepared(policy)
+    assert manager.pool.committed_bytes == committed  # nothing was moved for a model that was refused
+    reference(**batch("gpt2", 0, 1))  # the reference still runs
