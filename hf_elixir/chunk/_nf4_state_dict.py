@@ -17,6 +17,9 @@ compare keys with the plain model, load a plain state dict into the prepared one
   an ``NF4Tensor`` does; anything else is refused with a ``ValueError`` naming the key. The carrier's own key
   (``...parametrizations.weight.original``, what earlier releases wrote) still loads as bytes.
 
+``hf_elixir.save_checkpoint`` writes safetensors, which hold plain tensors only: it stores each NF4 weight as its
+carrier's bytes under the carrier's key (:func:`packed_nf4_state`), which ``load_state_dict`` takes back as bytes.
+
 ``named_parameters()`` keeps the carrier's name and value: the optimizer, the chunks and the hooks hold that
 parameter, and there is no NF4 value to hand out without gathering its chunk.
 """
@@ -28,7 +31,7 @@ from torch.nn.utils import parametrize
 
 from hf_elixir.chunk._nf4 import NF4Weight, _NF4Layout, _nf4_module, is_nf4
 
-__all__ = ["install_nf4_state_dict_names"]
+__all__ = ["install_nf4_state_dict_names", "packed_nf4_state"]
 
 
 def _nf4_attrs(module: torch.nn.Module) -> dict[str, NF4Weight]:
@@ -106,3 +109,15 @@ def install_nf4_state_dict_names(model: torch.nn.Module) -> list:
             handles.append(module.register_state_dict_post_hook(_save_hook(weights)))
             handles.append(module.register_load_state_dict_pre_hook(_load_pre_hook(weights)))
     return handles
+
+
+def packed_nf4_state(model: torch.nn.Module, state: dict) -> dict:
+    """``state`` (``model.state_dict()``) with each NF4 weight as its carrier's packed bytes under the carrier's key,
+    for a file of plain tensors ([Note: NF4 state_dict names]); other entries as they are."""
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        for attr, weight in _nf4_attrs(module).items():
+            value = state.pop(prefix + attr, None)
+            if value is not None:
+                state[_original_key(prefix, attr)] = weight.layout.carrier(value, weight.carrier_dtype)
+    return state
