@@ -8,6 +8,7 @@ pools' budgets add up to the one budget. A budget below both floors is refused n
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -24,7 +25,8 @@ def _sizes(world_size: int) -> dict:
     """The reference's bytes with every chunk resident and at its floor, and the policy's floor, at this world size."""
     import hf_elixir
 
-    config = hf_elixir.ElixirConfig(default_placement="sharded", chunk_size_numel=CHUNK, budget_covers_activations=False)
+    config = hf_elixir.ElixirConfig(default_placement="sharded", chunk_size_numel=CHUNK,
+                                    budget_covers_activations=False)
     policy, reference = tiny_model("gpt2", seed=0), tiny_model("gpt2", seed=1)
     floors = dict(policy=hf_elixir.min_device_budget_bytes(policy, torch.optim.AdamW(policy.parameters()), config,
                                                             world_size),
@@ -114,3 +116,43 @@ def test_models_whose_floors_do_not_fit_are_refused_naming_each_need():
     assert not is_prepared(policy)
     assert manager.pool.committed_bytes == committed  # nothing was moved for a model that was refused
     reference(**batch("gpt2", 0, 1))  # the reference still runs
+
+
+def _partly_frozen():
+    """A trained model with a frozen part (as a LoRA model's base): only the last block trains."""
+    model = tiny_model("gpt2", seed=0)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("transformer.h.1."))
+    return model
+
+
+def test_a_trained_model_gives_back_its_frozen_chunks_between_steps_only():
+    """The frozen chunks of a trained model prepared first move off the device for a newcomer, but not while that
+    model is inside a step (its gradients not yet stepped): the newcomer is refused then, and joins after the step."""
+    import hf_elixir
+
+    config = hf_elixir.ElixirConfig(default_placement="sharded", chunk_size_numel=CHUNK,
+                                    budget_covers_activations=False)
+    with hf_elixir.SharedDeviceBudget() as dry:  # the first model's bytes alone, and once re-placed
+        first = _partly_frozen()
+        hf_elixir.prepare(first, torch.optim.AdamW([p for p in first.parameters() if p.requires_grad]), config)
+        resident, floor = hf_elixir.get_state(first).manager.pool.committed_bytes, dry.committed_by_others()
+    need = hf_elixir.min_device_budget_bytes(tiny_model("gpt2", seed=1), None, config)
+    assert floor < resident
+    budget = need + (floor + resident) // 2
+    config = dataclasses.replace(config, device_memory_budget_bytes=budget)
+    first = _partly_frozen()
+    with hf_elixir.SharedDeviceBudget():
+        first, opt = hf_elixir.prepare(first, torch.optim.AdamW([p for p in first.parameters() if p.requires_grad],
+                                                                lr=1e-2), config)
+        manager = hf_elixir.get_state(first).manager
+        assert manager.pool.committed_bytes == resident
+        first(**batch("gpt2", 0, ROWS)).loss.backward()  # inside a step: nothing of it moves
+        with pytest.raises(ValueError, match=rf"GPT2LMHeadModel \(trained\) commits {resident} bytes, and"):
+            hf_elixir.prepare(tiny_model("gpt2", seed=1), None, config)
+        opt.step()
+        opt.zero_grad()
+        hf_elixir.prepare(tiny_model("gpt2", seed=1), None, config)
+    moved = [c for c in manager.chunks if not c.resident and not c.shard_on_device]
+    assert moved and not any(c.trainable for c in moved)
+    assert floor <= manager.pool.committed_bytes < resident

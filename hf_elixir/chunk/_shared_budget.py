@@ -24,22 +24,22 @@ callback share it without a word from the user) divide one budget:
 
 [Note: re-placing for a newcomer] Placed one after the other, the first model took what it wanted of the whole
 budget (everything resident, when that fit) and the next one got what was left: it was refused, or trained from a
-sliver of cache, though the two fitted together. So the group counts the models together when one joins: each
-model has a *floor* (an earlier model's: what it commits once its movable chunks are re-placed off the device; the
+sliver of cache, though the two fitted together. So the group counts the models together when one joins: each model
+has a *floor* (an earlier model's: what it commits once its movable chunks are re-placed off the device; the
 newcomer's: its placement floor) and a *want* (an earlier model's: what it commits now; the newcomer's: what it
 commits with every chunk resident, ``wanted_bytes``), activations reserved included in both. When the wants fit,
 nothing moves and the newcomer is placed in what the others leave, as before. Else, when the floors fit, the room
 above the floors is split in proportion to each model's want above its floor: the newcomer is placed in its floor
-plus its part, and each earlier model gives back chunks until it commits at most its floor plus its part. Else
-the newcomer is refused, naming each model's floor and want. The movable chunks are an earlier model's *frozen*
-chunks (no gradient, optimizer state or fp32 master refers to their buffers: every chunk of a model prepared without
-an optimizer, such as a reference or a teacher, and a LoRA model's base), not replicated, not in use: each one re-placed goes from resident (or its shard on the device) to
-its shard on the host, its gathered buffer left as cache that the pool evicts when its budget says so
-(:func:`offload_frozen_chunk`, counted as an offload). The last chunks in the model's order go first. Trainable
-chunks are not moved (their placement is woven into the optimizer's states and masters); a model whose chunks
-cannot give enough back keeps its room, and the newcomer gets less or is refused. This happens only inside
-``prepare`` of the newcomer, between steps: an earlier model in the middle of a step (its step trace begun, or
-gradients not yet stepped) is not re-placed at all.
+plus its part, and each earlier model gives back chunks until it commits at most its floor plus its part. Else the
+newcomer is refused, naming each model's floor and want. The movable chunks are an earlier model's *frozen* chunks
+(no gradient, optimizer state or fp32 master refers to their buffers: every chunk of a model prepared without an
+optimizer, such as a reference or a teacher, and a LoRA model's base), not replicated, not in use: each one
+re-placed goes from resident (or its shard on the device) to its shard on the host, its gathered buffer left as
+cache that the pool evicts when its budget says so (:func:`offload_frozen_chunk`; the copy counts in ``d2h_bytes``). The last
+chunks in the model's order go first. Trainable chunks are not moved (their placement is woven into the optimizer's
+states and masters); a model whose chunks cannot give enough back keeps its room, and the newcomer gets less or is
+refused. This happens only inside ``prepare`` of the newcomer, between steps: an earlier model in the middle of a
+step (its step trace begun, or gradients not yet stepped) is not re-placed at all.
 
 A frozen model (``prepare(model, None)``) commits its compute-dtype shards and working set only: no gradient
 buffers, optimizer states or fp32 masters exist for it (``chunk/_build.py``, [Note: fp32 masters at prepare]).

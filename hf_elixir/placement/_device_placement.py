@@ -25,8 +25,8 @@ from hf_elixir.plan import ElixirPlan
 logger = logging.getLogger(__name__)
 
 __all__ = ["Sizes", "choose_host_copies", "committed_bytes", "default_host_budget_bytes", "device_floor_bytes", "place", "place_chunks",
-           "replicated_bytes", "replicated_fits", "resolve_default_placement", "run_sizes", "wanted_bytes", "working_set",
-           "working_set_bytes"]
+           "replicated_bytes", "replicated_fits", "resolve_default_placement", "run_sizes", "wanted_bytes",
+           "working_set", "working_set_bytes"]
 
 
 class Sizes:
