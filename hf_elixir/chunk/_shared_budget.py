@@ -35,11 +35,11 @@ newcomer is refused, naming each model's floor and want. The movable chunks are 
 (no gradient, optimizer state or fp32 master refers to their buffers: every chunk of a model prepared without an
 optimizer, such as a reference or a teacher, and a LoRA model's base), not replicated, not in use: each one
 re-placed goes from resident (or its shard on the device) to its shard on the host, its gathered buffer left as
-cache that the pool evicts when its budget says so (:func:`offload_frozen_chunk`; the copy counts in ``d2h_bytes``). The last
-chunks in the model's order go first. Trainable chunks are not moved (their placement is woven into the optimizer's
-states and masters); a model whose chunks cannot give enough back keeps its room, and the newcomer gets less or is
-refused. This happens only inside ``prepare`` of the newcomer, between steps: an earlier model in the middle of a
-step (its step trace begun, or gradients not yet stepped) is not re-placed at all.
+cache that the pool evicts when its budget says so (:func:`offload_frozen_chunk`; the copy counts in ``d2h_bytes``).
+The last chunks in the model's order go first. Trainable chunks are not moved (their placement is woven into the
+optimizer's states and masters); a model whose chunks cannot give enough back keeps its room, and the newcomer gets
+less or is refused. This happens only inside ``prepare`` of the newcomer, between steps: an earlier model in the
+middle of a step (its step trace begun, or gradients not yet stepped) is not re-placed at all.
 
 A frozen model (``prepare(model, None)``) commits its compute-dtype shards and working set only: no gradient
 buffers, optimizer states or fp32 masters exist for it (``chunk/_build.py``, [Note: fp32 masters at prepare]).
