@@ -67,8 +67,11 @@ def _reference_then_policy(rank: int, world_size: int) -> dict:
             optimizer.step()
             optimizer.zero_grad()
             out.append(float(loss.detach()))
+    # ranks stopping at different lengths: the re-placed reference gathers again, so generate keeps the ranks in step
+    prompt = batch("gpt2", 0, 1)["input_ids"][:, :4]
+    generated = reference.generate(prompt, max_new_tokens=2 + 5 * rank, do_sample=False, pad_token_id=0)
     pools = [hf_elixir.get_state(m).manager.pool for m in (reference, policy)]
-    return dict(sizes=sizes, budget=budget, before=before, losses=losses, plain_losses=plain_losses,
+    return dict(generated=generated.shape[1] - prompt.shape[1], sizes=sizes, budget=budget, before=before, losses=losses, plain_losses=plain_losses,
                 rel=rel_l2(float_state(policy), float_state(plain_policy)),
                 ref_rel=rel_l2(float_state(reference), float_state(plain_reference)),
                 committed=[p.committed_bytes for p in pools], budgets=[p.budget_bytes for p in pools],
@@ -90,6 +93,7 @@ def test_a_frozen_reference_placed_first_is_re_placed_for_the_policy(world_size)
         assert sum(r["budgets"]) <= budget and r["committed"][1] >= sizes["policy"], r
         assert all(p <= b for p, b in zip(r["peaks"], r["budgets"])), (r["peaks"], r["budgets"])
         assert r["rel"] < 1e-5 and r["ref_rel"] == 0.0, (r["rel"], r["ref_rel"])
+    assert [r["generated"] for r in results] == [2 + 5 * rank for rank in range(world_size)]
 
 
 def test_models_whose_floors_do_not_fit_are_refused_naming_each_need():
