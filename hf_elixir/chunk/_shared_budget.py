@@ -53,6 +53,8 @@ import contextvars
 import logging
 import weakref
 
+import torch.distributed as dist
+
 __all__ = ["SharedDeviceBudget", "current_shared_budget", "offload_frozen_chunk"]
 
 logger = logging.getLogger(__name__)
@@ -147,26 +149,34 @@ class SharedDeviceBudget:
 
     def _replace_members(self, members: list, room: int, newcomer: tuple) -> None:
         """Re-place the members so that they commit at most ``room`` together: each keeps its floor plus a part of
-        the rest in proportion to its want above its floor."""
+        the rest in proportion to its want above its floor. Every rank applies rank 0's decision (which chunks
+        move decides collectives: an unshard gathers a chunk that is not resident)."""
+        plan = _agreed(newcomer[0], self._replacement(members, room, newcomer))
+        if isinstance(plan, str):
+            raise ValueError(plan)
+        for (member, member_label), ids in zip(members, plan):
+            if ids:
+                before = _committed(member)
+                _offload_chunks(member, [c for c in member.chunks if c.chunk_id in set(ids)])
+                logger.info("hf_elixir: %s re-placed for %s: %d frozen chunks moved off the device, it commits %d "
+                            "bytes (was %d)", member_label, newcomer[1], len(ids), _committed(member), before)
+
+    def _replacement(self, members: list, room: int, newcomer: tuple) -> list[list[int]] | str:
+        """Per member, the ids of the chunks to move off the device (:meth:`_replace_members`), or the error."""
         wants = [_committed(m) for m, _ in members]
         if sum(wants) <= room:
-            return
+            return [[] for _ in members]
         floors = [_floor(m) for m, _ in members]
         if sum(floors) > room:
-            raise ValueError(
-                f"{newcomer[1]} does not fit the device budget it shares with the models prepared before it: "
-                f"ElixirConfig.device_memory_budget_bytes={self.budget_bytes} is the whole device for all of them; "
-                f"{self.needs(extra=newcomer)}, {sum(floors) + _committed(newcomer[0])} in all at the least. Raise "
-                f"device_memory_budget_bytes to at least that, or give the models smaller budgets of their own")
+            return (f"{newcomer[1]} does not fit the device budget it shares with the models prepared before it: "
+                    f"ElixirConfig.device_memory_budget_bytes={self.budget_bytes} is the whole device for all of "
+                    f"them; {self.needs(extra=newcomer)}, {sum(floors) + _committed(newcomer[0])} in all at the "
+                    "least. Raise device_memory_budget_bytes to at least that, or give the models smaller budgets "
+                    "of their own")
         extras = [w - f for w, f in zip(wants, floors)]
         spare = room - sum(floors)
-        for (member, member_label), floor, extra in zip(members, floors, extras):
-            target = floor + spare * extra // max(1, sum(extras))
-            moved = _shrink(member, target)
-            if moved:
-                logger.info("hf_elixir: %s re-placed for %s: %d frozen chunks moved off the device, it commits %d "
-                            "bytes (was %d)", member_label, newcomer[1], moved, _committed(member),
-                            floor + extra)
+        return [_to_move(member, floor + spare * extra // max(1, sum(extras)))
+                for (member, _), floor, extra in zip(members, floors, extras)]
 
     def join(self, manager, label: str) -> None:
         """``manager`` (a model just prepared in this group) joins; the first sets the group's budget."""
@@ -216,21 +226,36 @@ def _need(manager, label: str) -> str:
     return f"{label} commits {committed} bytes" + (f" ({floor} once re-placed)" if floor < committed else "")
 
 
-def _shrink(manager, target: int) -> int:
-    """Move ``manager``'s movable chunks off the device, the last first, until it commits at most ``target``
-    bytes; returns how many moved."""
-    chosen: list = []
+def _to_move(manager, target: int) -> list[int]:
+    """Ids of ``manager``'s movable chunks to move off the device, the last first, until it commits at most
+    ``target`` bytes."""
+    chosen: list[int] = []
     for chunk in _movable(manager):
-        if manager.pool.recommit(frozenset(c.chunk_id for c in chosen)) <= target:
+        if manager.pool.recommit(frozenset(chosen)) <= target:
             break
-        chosen.append(chunk)
-    if not chosen:
-        return 0
-    manager.host.reserve_for([(c.shard_numel, c.dtype) for c in chosen])  # one host block ([Note: host blocks])
-    for chunk in chosen:
+        chosen.append(chunk.chunk_id)
+    return chosen
+
+
+def _agreed(manager, decision):
+    """Rank 0's ``decision`` (a picklable object) on every rank of ``manager``'s job: the inputs agree by
+    construction, and this keeps it so."""
+    group = manager.job_group
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return decision
+    box = [decision]
+    device = manager.compute_device if manager.compute_device.type == "cuda" else None
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group,
+                               device=device)
+    return box[0]
+
+
+def _offload_chunks(manager, chunks: list) -> None:
+    """Move ``chunks`` (frozen, idle) off the device and recount what ``manager``'s model commits."""
+    manager.host.reserve_for([(c.shard_numel, c.dtype) for c in chunks])  # one host block ([Note: host blocks])
+    for chunk in chunks:
         offload_frozen_chunk(manager, chunk)
     manager.pool.committed_bytes = manager.pool.recommit(frozenset())
-    return len(chosen)
 
 
 def offload_frozen_chunk(manager, chunk) -> None:
