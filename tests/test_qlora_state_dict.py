@@ -1,7 +1,8 @@
 """A prepared QLoRA model's ``state_dict`` and ``load_state_dict`` speak the plain peft + torchao NF4 model's names and
 values ([Note: NF4 state_dict names] in hf_elixir/chunk/_nf4_state_dict.py): the same keys in the same order, torchao
 ``NF4Tensor`` values that dequantize to the same weights, plain state dicts (NF4 or dense) loading as they load into
-the plain model, a tensor of the wrong shape refused naming the key, and peft's adapter state dict unchanged.
+the plain model (also at 2 ranks), a tensor of the wrong shape refused naming the key, peft's adapter state dict
+unchanged, and a save_checkpoint round trip.
 """
 
 from __future__ import annotations
@@ -134,3 +135,25 @@ def test_save_checkpoint_round_trip(tmp_path):
     fresh, fresh_opt = _prepared()
     hf_elixir.load_checkpoint(tmp_path / "ckpt", fresh, fresh_opt)
     _assert_same_state(fresh.state_dict(), plain.state_dict())
+
+
+def _load_at(rank: int, world_size: int) -> dict:
+    from tests.test_qlora import _batch
+
+    plain = _trained_plain()
+    model, opt = _prepared()
+    model.load_state_dict(plain.state_dict())  # each rank writes its slice of the packed bytes back to its shard
+    _assert_same_state(model.state_dict(), plain.state_dict())
+    ids = _batch(5, ROWS)
+    import hf_elixir
+
+    sharded = {c.world_size for c in hf_elixir.get_state(model).manager.chunks}
+    return dict(loss=float(model(input_ids=ids, labels=ids).loss.detach()), sharded=sharded,
+                plain=float(plain(input_ids=ids, labels=ids).loss.detach()))
+
+
+def test_load_a_plain_state_dict_at_two_ranks():
+    from tests._dist import run_distributed
+
+    for r in run_distributed(_load_at, 2, timeout_s=180):
+        assert r["sharded"] == {2} and r["loss"] == pytest.approx(r["plain"], rel=1e-6)
