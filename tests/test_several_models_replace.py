@@ -160,3 +160,43 @@ def test_a_trained_model_gives_back_its_frozen_chunks_between_steps_only():
     moved = [c for c in manager.chunks if not c.resident and not c.shard_on_device]
     assert moved and not any(c.trainable for c in moved)
     assert floor <= manager.pool.committed_bytes < resident
+
+
+def _accelerate_prepare(rank: int, world_size: int) -> dict:
+    import accelerate
+
+    import hf_elixir
+    from hf_elixir.integrations import _route
+
+    sizes = _sizes(world_size)
+    config = hf_elixir.ElixirConfig(default_placement="sharded", chunk_size_numel=CHUNK)
+    policy_alone = tiny_model("gpt2", seed=0)
+    hf_elixir.prepare(policy_alone, torch.optim.AdamW(policy_alone.parameters()), config)
+    policy_resident = hf_elixir.get_state(policy_alone).manager.pool.committed_bytes
+    # placed first, the policy would keep every chunk resident and leave the reference less than its floor
+    budget = policy_resident + sizes["reference"] // 2
+    _route._STATE.update(config=hf_elixir.ElixirConfig(default_placement="sharded", device_memory_budget_bytes=budget,
+                                                       chunk_size_numel=CHUNK, budget_covers_activations=False),
+                         source="test")
+    accelerate.Accelerator.prepare = _route._routed_prepare(accelerate.Accelerator.prepare)  # as the launch does
+    accelerator = accelerate.Accelerator(cpu=True)
+    policy, reference = tiny_model("gpt2", seed=0), tiny_model("gpt2", seed=1).requires_grad_(False)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    policy, reference, opt = accelerator.prepare(policy, reference, opt)  # the trained model named first
+    b = rank_batch("gpt2", 0, rank, world_size, ROWS)
+    with torch.no_grad():
+        target = reference(input_ids=b["input_ids"]).logits.log_softmax(-1)
+    out = policy(**b)
+    accelerator.backward(out.loss + _kl(out.logits, target))
+    opt.step()
+    managers = [hf_elixir.get_state(m).manager for m in (policy, reference)]
+    return dict(budget=budget, pools=[m.pool.budget_bytes for m in managers],
+                policy_resident=all(c.resident for c in managers[0].chunks))
+
+
+def test_accelerate_prepare_places_the_frozen_model_first_so_it_can_make_room():
+    """``accelerator.prepare(policy, reference, optimizer)`` (routed as ``accelerate launch --config_file
+    elixir.yaml`` routes it) prepares the frozen reference first, and the policy is placed beside it (counted
+    together). In the order given, the policy kept every chunk resident and the reference was refused."""
+    for r in run_distributed(_accelerate_prepare, 1, timeout_s=180):
+        assert sum(r["pools"]) <= r["budget"] and not r["policy_resident"], r  # the policy placed beside it
