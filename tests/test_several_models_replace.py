@@ -71,7 +71,8 @@ def _reference_then_policy(rank: int, world_size: int) -> dict:
     prompt = batch("gpt2", 0, 1)["input_ids"][:, :4]
     generated = reference.generate(prompt, max_new_tokens=2 + 5 * rank, do_sample=False, pad_token_id=0)
     pools = [hf_elixir.get_state(m).manager.pool for m in (reference, policy)]
-    return dict(generated=generated.shape[1] - prompt.shape[1], sizes=sizes, budget=budget, before=before, losses=losses, plain_losses=plain_losses,
+    return dict(generated=generated.shape[1] - prompt.shape[1], sizes=sizes, budget=budget, before=before,
+                losses=losses, plain_losses=plain_losses,
                 rel=rel_l2(float_state(policy), float_state(plain_policy)),
                 ref_rel=rel_l2(float_state(reference), float_state(plain_reference)),
                 committed=[p.committed_bytes for p in pools], budgets=[p.budget_bytes for p in pools],
