@@ -47,14 +47,19 @@ def test_state_dict_has_the_plain_models_keys_and_nf4_values():
     _assert_same_state(layer.state_dict(prefix="x."), plain.base_model.model.model.layers[0].state_dict(prefix="x."))
 
 
-def test_peft_adapter_state_dict_is_unchanged():
+def test_peft_adapter_state_dict_and_files_are_unchanged(tmp_path):
     from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
 
     plain = _qlora_model()
     model, _ = _prepared()
     got, want = get_peft_model_state_dict(model), get_peft_model_state_dict(plain)
     assert list(got) == list(want) and len(want) == 2 * 3 * 2
     assert all(torch.equal(got[k], want[k]) for k in want)
+    model.save_pretrained(tmp_path / "elixir")  # peft's adapter files
+    plain.save_pretrained(tmp_path / "plain")
+    got, want = (load_file(tmp_path / name / "adapter_model.safetensors") for name in ("elixir", "plain"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def _trained_plain():
