@@ -211,7 +211,7 @@ def _prepare_under_elixir(accelerator, args: tuple, pairs: list[tuple[int, int |
         if optimizer_at is not None:
             out[optimizer_at] = done[1]
         out.update(zip(rest_at, done[2:]) if k == 0 else ())
-        _STATE["routed"].append(done[0])
+    _STATE["routed"].extend(out[model_at] for model_at, _ in pairs)  # in the order given
     result = [out[i] for i in range(len(args))]
     return tuple(result) if len(result) > 1 else result[0]
 
