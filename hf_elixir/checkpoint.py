@@ -67,6 +67,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from hf_elixir.chunk._nf4_state_dict import packed_nf4_state
 from hf_elixir.parallel._expert_units import fused_names
 from hf_elixir.parallel._load import load_full_state_dict
 from hf_elixir.parallel._shard_io import (check_layout_recorded, check_same_layout, consolidate_shards, describe,
@@ -211,7 +212,7 @@ def _model_payload(model: torch.nn.Module, mesh: dict[str, Any], rank: int):
     if is_model_parallel(mesh):
         tensors, roles = model_shard_payload(model)
         return (shard_file_name(model) if tensors else None), tensors, roles
-    state = model.state_dict()
+    state = packed_nf4_state(model, model.state_dict())  # safetensors holds no NF4Tensor: its packed bytes
     aliases = _tied_aliases(model)
     tensors = {k: v for k, v in state.items() if k not in aliases or aliases[k] not in state}
     return (_MODEL_FILE if rank == 0 else None), tensors, {}

@@ -322,8 +322,10 @@ def test_nf4_codes_survive_bf16_training(search):
         assert not (any(carriers) and chunk.trainable)  # frozen parameters only, no trained one
     seen = _codes_read_by_forward(model, list(want), steps=3)
     assert sorted(seen) == sorted(want) and all(torch.equal(seen[n], want[n]) for n in want)
-    state = model.state_dict()  # the packed bytes are exported in bf16 (an fp32 round trip would rewrite NaN patterns)
-    assert {state[k].dtype for k in state if k.endswith(".original")} == {torch.bfloat16}
+    state = model.state_dict()  # the packed bytes, exported in bf16 (an fp32 round trip would rewrite NaN patterns),
+    nf4 = {k.removesuffix(".weight"): v for k, v in state.items() if hasattr(v, "nf4")}  # read as torchao's NF4Tensor
+    assert sorted(nf4) == sorted(want) and all(torch.equal(nf4[n].quantized_data, want[n]) for n in want)
+    assert not any(".original" in k for k in state)
     model.load_state_dict(state)
     seen = _codes_read_by_forward(model, list(want), steps=1)
     assert all(torch.equal(seen[n], want[n]) for n in want)

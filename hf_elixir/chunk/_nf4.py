@@ -14,7 +14,9 @@ it is packed, sharded, offloaded, all-gathered and placed as bytes (copies of on
 unchanged; a frozen chunk has no optimizer, cast or arithmetic), and costs what ``--quantize nf4`` prices
 (:func:`nf4_bytes_per_element`, the one formula both read) plus at most 16 bytes per tensor (alignment and the
 scales' mean). The code book is a constant of torchao (kept on the parametrization, not in chunks). ``state_dict``
-exports a carrier in the compute dtype, never upcast (``hf_elixir/runtime/_exports.py``), for the reason below.
+exports a carrier in the compute dtype, never upcast (``hf_elixir/runtime/_exports.py``), for the reason below, and
+writes it as the plain model does: the ``NF4Tensor`` under ``<module>.weight`` ([Note: NF4 state_dict names] in
+``_nf4_state_dict.py``).
 
 The parametrization runs as a module (``ParametrizationList.__call__``), so the carrier's unit hooks unshard its
 chunk exactly when the module reads ``weight``, during forward and during recomputation. It returns an ``NF4Tensor``
@@ -153,12 +155,18 @@ class NF4Weight(torch.nn.Module):
     Args:
         layout: where the inner tensors sit in the carrier's bytes.
         nf4_codes: torchao's 16-value code book of the weight (``NF4Tensor.nf4``).
+        carrier_dtype: the carrier's dtype (the chunks' compute dtype).
+        state_names: the module's parameter names, in order, before the carrier took the weight's place (the order
+            of its ``state_dict`` keys on plain PyTorch: [Note: NF4 state_dict names] in ``_nf4_state_dict.py``).
     """
 
-    def __init__(self, layout: _NF4Layout, nf4_codes: torch.Tensor) -> None:
+    def __init__(self, layout: _NF4Layout, nf4_codes: torch.Tensor, carrier_dtype: torch.dtype = torch.float32,
+                 state_names: tuple = ()) -> None:
         super().__init__()
         self.layout = layout
         self.nf4_codes = nf4_codes.detach().clone()
+        self.carrier_dtype = carrier_dtype
+        self.state_names = tuple(state_names)
         self._codes_on: dict[torch.device, torch.Tensor] = {}  # the code book on each device read from (one copy)
 
     def forward(self, carrier: torch.Tensor):
@@ -233,10 +241,12 @@ def pack_nf4_params(model: torch.nn.Module, config, checkpoint=None, pstate=None
             module = model.get_submodule(name.rpartition(".")[0])
             attr = name.rpartition(".")[2]
             layout = _NF4Layout.of(param)
+            state_names = tuple(module._parameters)
             module._parameters[attr] = torch.nn.Parameter(layout.carrier(param, dtype).to(param.device),
                                                           requires_grad=False)
             done.append((module, attr, param))
-            parametrize.register_parametrization(module, attr, NF4Weight(layout, param.nf4), unsafe=True)
+            parametrize.register_parametrization(module, attr, NF4Weight(layout, param.nf4, dtype, state_names),
+                                              unsafe=True)
     except BaseException:
         undo()
         raise

@@ -416,6 +416,22 @@ class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
                 slot.set_state(TensorState.FREE)
         self.hide_stale_params()  # the views point at freed storage: reading them must raise
 
+    def offload_shard(self, host: torch.Tensor) -> None:
+        """Between steps, copy this rank's shard into ``host`` (a host buffer of ``shard_numel``), which becomes the
+        shard, and stop being resident; a current gathered buffer stays, as cache eviction may free. Re-placement of
+        a frozen chunk for another model ([Note: re-placing for a newcomer] in ``_shared_budget.py``), which counts
+        the copy and releases a separate device shard's charge."""
+        old = self.state
+        inside = self.full_alias or self.shard_in_full  # the shard lives in the buffer, which is current
+        src = self.full[self.shard_begin:self.shard_begin + self.shard_numel] if inside else self.shard
+        with torch.no_grad(), strict.host_copies():
+            host.copy_(src)
+        if self.full_alias:  # the buffer is now the gathered copy of a host shard
+            self.unsharded, self.full_version = True, self.version
+        self.shard = host
+        self.full_alias = self.shard_in_full = self.resident = self.shard_on_device = False
+        self._moved(old, "offload_shard")
+
     def write_back(self) -> None:
         """Copy this rank's slice of ``full`` into the shard (after ``load_state_dict`` wrote ``full``)."""
         self.manager.listener.host_fence(self)

@@ -36,6 +36,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import psutil
 
@@ -167,6 +168,9 @@ class DevicePool:
         # what placement commits on the device at the least (no cache): a budget shared by several models gives
         # the others the rest ([Note: one device budget for several models] in _shared_budget.py)
         self.committed_bytes: int | None = None
+        # placement's count of committed bytes with the given chunk ids off the device (re-placement for a model
+        # that joins the shared budget), set with committed_bytes
+        self.recommit: Callable[[frozenset], int] | None = None
         self.drift_warned = False
 
     @property

@@ -79,12 +79,14 @@ _C = ChunkState
 
 #: allowed ``old -> {new}`` moves of a chunk's verbs. GATHERED -> GATHERED / GATHERING: a stale gathered copy
 #: refilled in place (after a step bumped the shard's version); SHARDED -> SHARDED: a reshard of a chunk already
-#: resharded, or an unshard that did not need a fill; ALIAS -> ALIAS: every verb of a one-rank device chunk.
+#: resharded, or an unshard that did not need a fill; ALIAS -> ALIAS: every verb of a one-rank device chunk;
+#: ALIAS -> GATHERED: its shard offloaded to the host between steps, the buffer kept as the gathered copy (a frozen
+#: chunk re-placed to make room for another model: [Note: re-placing for a newcomer] in ``_shared_budget.py``).
 CHUNK_TRANSITIONS: dict[ChunkState, frozenset[ChunkState]] = {
     _C.SHARDED: frozenset({_C.SHARDED, _C.GATHERING, _C.GATHERED, _C.ALIAS}),
     _C.GATHERING: frozenset({_C.GATHERING, _C.GATHERED}),
     _C.GATHERED: frozenset({_C.GATHERED, _C.GATHERING, _C.SHARDED}),
-    _C.ALIAS: frozenset({_C.ALIAS}),
+    _C.ALIAS: frozenset({_C.ALIAS, _C.GATHERED}),
 }
 
 

@@ -191,16 +191,18 @@ def _routed_prepare(original):
 
 
 def _prepare_under_elixir(accelerator, args: tuple, pairs: list[tuple[int, int | None]], device_placement):
-    """Each (model, optimizer) pair and each frozen model through ``ElixirPlugin.prepare``, in the order given, all
-    under one device budget (``hf_elixir.shared_device_budget``, one per accelerator: [Note: one device budget for
-    several models]); the other arguments (data loaders, schedulers, models left to accelerate) through the first
-    pair's call. Results come back in the order given."""
+    """Each (model, optimizer) pair and each frozen model through ``ElixirPlugin.prepare``, the frozen models first
+    (their chunks can be re-placed for the trained models that join after them, a trained model's cannot: [Note:
+    re-placing for a newcomer] in ``chunk/_shared_budget.py``), else in the order given, all under one device
+    budget (``hf_elixir.shared_device_budget``, one per accelerator: [Note: one device budget for several models]);
+    the other arguments (data loaders, schedulers, models left to accelerate) through the first call. Results come
+    back in the order given."""
     from hf_elixir.integrations.accelerate_plugin import ElixirPlugin
 
     taken = {i for pair in pairs for i in pair if i is not None}
     rest_at = [i for i in range(len(args)) if i not in taken]
     out: dict[int, Any] = {}
-    for k, (model_at, optimizer_at) in enumerate(pairs):
+    for k, (model_at, optimizer_at) in enumerate(sorted(pairs, key=lambda pair: pair[1] is not None)):
         plugin = ElixirPlugin(config=_STATE["config"])
         plugin._source = lambda: _STATE["source"]  # the settings line names the YAML, not "ElixirPlugin(config=...)"
         rest = [args[i] for i in rest_at] if k == 0 else []
@@ -209,7 +211,7 @@ def _prepare_under_elixir(accelerator, args: tuple, pairs: list[tuple[int, int |
         if optimizer_at is not None:
             out[optimizer_at] = done[1]
         out.update(zip(rest_at, done[2:]) if k == 0 else ())
-        _STATE["routed"].append(done[0])
+    _STATE["routed"].extend(out[model_at] for model_at, _ in pairs)  # in the order given
     result = [out[i] for i in range(len(args))]
     return tuple(result) if len(result) > 1 else result[0]
 

@@ -25,8 +25,8 @@ from hf_elixir.plan import ElixirPlan
 logger = logging.getLogger(__name__)
 
 __all__ = ["Sizes", "choose_host_copies", "committed_bytes", "default_host_budget_bytes", "device_floor_bytes", "place", "place_chunks",
-           "replicated_bytes", "replicated_fits", "resolve_default_placement", "run_sizes", "working_set",
-           "working_set_bytes"]
+           "replicated_bytes", "replicated_fits", "resolve_default_placement", "run_sizes", "wanted_bytes",
+           "working_set", "working_set_bytes"]
 
 
 class Sizes:
@@ -218,20 +218,34 @@ def place(chunks, plan: ElixirPlan | None, config: ElixirConfig, sizes: Sizes, u
     return reasons
 
 
-def committed_bytes(chunks, units_chunks: list[list], config: ElixirConfig, optimizer, activation_bytes: int) -> int:
+def committed_bytes(chunks, units_chunks: list[list], config: ElixirConfig, optimizer, activation_bytes: int,
+                    offloaded: frozenset = frozenset()) -> int:
     """The device bytes a placed model cannot give back ([Note: one device budget for several models] in
     ``hf_elixir/chunk/_shared_budget.py``): with every chunk resident, what :func:`place` charged for that; else
     the working set of two adjacent units, the resident chunks, the shards and optimizer states kept on the device;
     and the ``activation_bytes`` placement reserved. A cache of gathered chunks is not committed (it is evicted
-    when the room is needed)."""
+    when the room is needed). ``offloaded``: ids of chunks counted as re-placed off the device (not resident, shard
+    on the host)."""
     sizes = run_sizes(chunks, config, optimizer)
-    if all(c.resident for c in chunks):
+    if all(c.resident and c.chunk_id not in offloaded for c in chunks):
         return _resident_bytes(sizes, chunks) + activation_bytes
-    kept = sum(sizes.full[c.chunk_id] for c in chunks if c.resident and c.replicate_group is None)
+    kept = sum(sizes.full[c.chunk_id] for c in chunks
+               if c.resident and c.replicate_group is None and c.chunk_id not in offloaded)
     shards = sum((sizes.full if c.world_size == 1 else sizes.shard)[c.chunk_id]
-                 for c in chunks if c.shard_on_device and not c.resident)
+                 for c in chunks if c.shard_on_device and not c.resident and c.chunk_id not in offloaded)
     optim = sum(sizes.optim[c.chunk_id] for c in chunks if c.optim_on_device)
     return working_set(units_chunks, sizes, chunks) + kept + shards + optim + activation_bytes
+
+
+def wanted_bytes(chunks, units_chunks: list[list], config: ElixirConfig, optimizer, activation_bytes: int) -> int:
+    """What :func:`committed_bytes` comes to when :func:`place` has no budget to keep to: every chunk resident
+    (optimizer states on the device unless ``offload_optimizer=True``, which keeps the working set and every shard
+    on the device instead), plus ``activation_bytes``: a model's need when several share one budget."""
+    sizes = run_sizes(chunks, config, optimizer)
+    if config.offload_optimizer is not True:
+        return _resident_bytes(sizes, chunks) + activation_bytes
+    shards = sum((sizes.full if c.world_size == 1 else sizes.shard)[c.chunk_id] for c in chunks)
+    return working_set(units_chunks, sizes, chunks) + shards + activation_bytes
 
 
 def place_chunks(chunks, units_chunks: list[list], plan: ElixirPlan | None, config: ElixirConfig, optimizer,

@@ -119,6 +119,12 @@ def get_state(model: torch.nn.Module) -> ElixirState:
     return state
 
 
+def _regathers(manager) -> bool:
+    """Does some chunk all-gather again after a reshard (sharded over several ranks, not resident, no rank-local
+    host copy)?"""
+    return any(c.world_size > 1 and not c.resident and not c.wants_host_copy for c in manager.chunks)
+
+
 def _synced_generate(model: torch.nn.Module, manager) -> None:
     """Make ``model.generate`` run with ``synced_gpus=True`` (Hugging Face's mode for ZeRO-3 and FSDP):
     a rank whose sequences finish first keeps joining the others' forward passes. Needed when chunks
@@ -136,7 +142,8 @@ def _synced_generate(model: torch.nn.Module, manager) -> None:
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        if not all(c.pins > 0 for c in manager.chunks):
+        # read at each call: a model re-placed for another one of a shared budget may regather since prepare
+        if _regathers(manager) and not all(c.pins > 0 for c in manager.chunks):
             kwargs["synced_gpus"] = True
         return original(*args, **kwargs)
 
@@ -152,8 +159,7 @@ def attach_state(model: torch.nn.Module, state: ElixirState) -> None:
         shared.join(state.manager, f"{type(model).__name__} ({'trained' if state.optimizer is not None else 'frozen'})")
     setattr(model, _ATTR, state)
     model.__deepcopy__ = _refuse_deepcopy
-    regathers = any(c.world_size > 1 and not c.resident and not c.wants_host_copy for c in state.manager.chunks)
-    if regathers and callable(getattr(model, "generate", None)):
+    if any(c.world_size > 1 for c in state.manager.chunks) and callable(getattr(model, "generate", None)):
         _synced_generate(model, state.manager)
 
 

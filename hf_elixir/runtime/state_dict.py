@@ -15,6 +15,7 @@ import contextlib
 
 import torch
 
+from hf_elixir.chunk._nf4_state_dict import install_nf4_state_dict_names
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.chunk.strict import host_copies
 from hf_elixir.runtime._entry_check import check_model_entry
@@ -121,6 +122,7 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
                     destination[key] = destination[keys[0]]
 
         removables.append(model._register_state_dict_hook(share_tied_hook))
+    removables.extend(install_nf4_state_dict_names(model))  # [Note: NF4 state_dict names] in chunk/_nf4_state_dict.py
     removables.append(model._register_state_dict_hook(lambda *args: export.end()))  # after every module's
     config_dtype = install_config_dtype(model, export)
     if config_dtype is not None:

@@ -7,6 +7,7 @@ computed without preparing it (the same packing, placements, units and floor as 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -19,7 +20,8 @@ from hf_elixir.config import ElixirConfig
 from hf_elixir.parallel import get_parallel_state, placements_for_plan
 from hf_elixir.parallel._expert_units import splittable_names, temporarily_split
 from hf_elixir.parallel._groups import planned_chunk_groups
-from hf_elixir.placement._device_placement import committed_bytes, device_floor_bytes, place_chunks, replicated_bytes
+from hf_elixir.placement._device_placement import (committed_bytes, device_floor_bytes, place_chunks, replicated_bytes,
+                                                   wanted_bytes)
 from hf_elixir.plan import ElixirPlan
 from hf_elixir.runtime._state import is_prepared
 from hf_elixir.runtime.compile import compiled_units
@@ -228,21 +230,36 @@ def place_within_budget(model: torch.nn.Module, manager, plan: ElixirPlan | None
         ValueError: the budget is below the floor (naming the bytes needed), or a plan's placement does not fit.
     """
     units = unit_chunks(model, manager.chunk_of)
+    shared = current_shared_budget()
     try:
         mark_subtree_chunks(model, manager)  # MoE-expert chunks need rank-local host copies (placement reads it)
-        reasons = place_chunks(manager.chunks, units, plan, config, optimizer, world_size, activation_bytes)
+        placed = config
+        if shared is not None and shared.members() and shared.budget_bytes is not None:
+            placed = _allotted(manager, units, config, optimizer, activation_bytes, shared)
+        reasons = place_chunks(manager.chunks, units, plan, placed, optimizer, world_size, activation_bytes)
     except ValueError as err:
-        shared = current_shared_budget()
         if shared is not None and shared.members():
             raise _shared_budget_error(model, optimizer, config, world_size, activation_bytes, shared) from err
         if plan is None and auto_config is not config and config.default_placement == "sharded":
             raise_if_replicating_needs_less(model, optimizer, auto_config, world_size, err, activation_bytes)
         raise
-    manager.pool.committed_bytes = committed_bytes(manager.chunks, units, config, optimizer, activation_bytes)
-    shared = current_shared_budget()
+    manager.pool.recommit = functools.partial(committed_bytes, manager.chunks, units, config, optimizer,
+                                              activation_bytes)
+    manager.pool.committed_bytes = manager.pool.recommit(frozenset())
     if shared is not None and shared.members():
         shared.divide(manager, f"{type(model).__name__} ({'trained' if optimizer is not None else 'frozen'})")
     return reasons
+
+
+def _allotted(manager, units, config: ElixirConfig, optimizer, activation_bytes: int, shared) -> ElixirConfig:
+    """``config`` with the budget a model joining ``shared`` is placed in ([Note: re-placing for a newcomer] in
+    ``chunk/_shared_budget.py``); raises a ``ValueError`` (caught by the caller) when the floors do not fit."""
+    floor = device_floor_bytes(manager.chunks, units, config, optimizer) + activation_bytes
+    allot = shared.allot(floor, wanted_bytes(manager.chunks, units, config, optimizer, activation_bytes))
+    if allot is None:
+        raise ValueError("the models' floors do not fit the shared device budget")
+    budget = config.device_memory_budget_bytes
+    return dataclasses.replace(config, device_memory_budget_bytes=allot if budget is None else min(allot, budget))
 
 
 def _shared_budget_error(model, optimizer, config: ElixirConfig, world_size: int, activation_bytes: int,
