@@ -25,6 +25,7 @@ from hf_elixir.runtime._state import is_prepared
 from hf_elixir.runtime.compile import compiled_units
 from hf_elixir.runtime.hooks import mark_subtree_chunks, unit_chunks
 from hf_elixir.search._chunk_size import candidate_grid, chunk_size_for
+from hf_elixir.search._frozen_choice import frozen_whole, resolve_frozen_placement
 
 __all__ = ["min_device_budget_bytes", "place_within_budget", "raise_if_replicating_needs_less", "searched_floor",
            "split_needed"]
@@ -186,10 +187,13 @@ def _placed_floors(model, optimizer, config: ElixirConfig, world_size: int) -> d
     if _searching(config) and numels:
         sizes.update(candidate_grid(numels))
     group_of, size_of = planned_chunk_groups(model, world_size)
+    # [Note: whole frozen chunks] in hf_elixir/chunk/_frozen_whole.py: frozen chunks whole, packed as buckets
+    config, _ = resolve_frozen_placement(params, config, world_size, is_parallel=get_parallel_state(model) is not None)
     floors = {}
     with compiled_units(model, config.compile):  # a compiled block is one unit ([Note: compiled blocks])
         for size in sorted(sizes):
-            specs, chunk_of = chunk_specs(params, names, placements, group_of, size_of, size, esize, gsize)
+            specs, chunk_of = chunk_specs(params, names, placements, group_of, size_of, size, esize, gsize,
+                                          frozen_whole=frozen_whole(config))
             floors[size] = device_floor_bytes(specs, unit_chunks(model, chunk_of), config, optimizer)
     return floors
 
