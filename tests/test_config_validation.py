@@ -68,6 +68,7 @@ CONFIG_CASES = [
     ("compile", 3, TypeError, "compile=3 must be False, True, a torch.compile backend name"),
     ("compile", {"backend": "eager", "bogus": 1}, ValueError, "compile has unknown torch.compile arguments \\['bogus'\\]"),
     ("split_fused_experts", "yes", TypeError, "split_fused_experts='yes' is not supported; give 'auto'"),
+    ("frozen_placement", "replicated", ValueError, "frozen_placement='replicated' is not supported; use 'auto'"),
     ("allow_missing_keys", "yes", TypeError, "allow_missing_keys='yes' must be True .* or False"),
 ]
 

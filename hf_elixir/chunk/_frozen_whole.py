@@ -14,8 +14,10 @@ Such chunks are packed like DDP's gradient buckets (``pack_chunks(bucket_packing
 :func:`frozen_bucket_numel`): GPT-2's 38.6M-element tied embedding gets a chunk of its own and each block's frozen
 weights smaller ones, so the largest frozen parameter no longer sets every chunk's size. The device floor is then
 two adjacent units' own chunks (a block's base, or the embedding) plus the adapters' working set, not two
-embedding-sized chunks plus a staging shard: GPT-2 124M with LoRA r16 at 2 ranks places at half its model data
-(the sharded layout needed 74%). Trained chunks keep their layout (the chunk size the search or the config gives).
+embedding-sized chunks plus a staging shard: GPT-2 124M with LoRA r16 at 2 ranks (fp32, AdamW) has a floor of 182
+MiB, 36% of its 511 MiB of model data (sharded: 377 MiB, 74%). The device pool charges bytes, so chunks of several
+sizes share it as chunks of one size do. Trained chunks keep their layout (the chunk size the search or the config
+gives).
 
 What each costs (per rank, for ``F`` frozen bytes, ``W`` ranks of the data-parallel group), which
 ``ElixirConfig(frozen_placement="auto")`` weighs (:func:`choose_frozen_whole`):
