@@ -54,7 +54,9 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
             (world size > 1). With ``search="auto"`` and neither ``plan`` nor ``chunk_size_numel``: the least
             floor over the chunk sizes the search can choose ([Note: the searched floor]); ``prepare`` refuses
             a budget below it naming it, and at it trains the searched plan, or that chunk size where no
-            searched plan fits.
+            searched plan fits. Frozen parameters' chunks are laid out as ``frozen_placement`` resolves (whole on every
+            rank and packed as buckets, or sharded: [Note: whole frozen chunks] in ``hf_elixir/chunk/_frozen_whole.py``),
+            "auto" from the rates cached on this machine, as ``prepare`` resolves it.
         world_size: ranks of the default process group ``prepare`` will see. A parallelized model
             uses its mesh's group sizes instead.
         activation_bytes: bytes per rank the step's activations and autograd temporaries need on the
