@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -109,6 +111,19 @@ def test_budget_below_the_whole_floor_is_refused_naming_it():
     assert torch.isfinite(torch.tensor(_clipped_step(model, opt, ids)))
 
 
+def _refused_below_floor(world_size: int) -> int:
+    """``prepare`` at one byte under ``min_device_budget_bytes`` (default ``frozen_placement``): refused naming it."""
+    import hf_elixir
+
+    config = hf_elixir.ElixirConfig(device_memory_budget_bytes=10**9, chunk_size_numel=CHUNK, offload_optimizer=True,
+                                    budget_covers_activations=False)
+    model = _llama()
+    need = hf_elixir.min_device_budget_bytes(model, _adamw(model), config, world_size)
+    with pytest.raises(ValueError, match=f"needs {need} bytes"):
+        hf_elixir.prepare(model, _adamw(model), dataclasses.replace(config, device_memory_budget_bytes=need - 1))
+    return need
+
+
 def _record_fills(monkeypatch_chunk):
     """Wrap ``Chunk._fill``: per fill, (trainable, whether it all-gathers). Returns the record list."""
     fills = []
@@ -126,6 +141,7 @@ def _train_whole(rank: int, world_size: int, placement: str) -> dict:
     import hf_elixir
     from hf_elixir.chunk.chunk import Chunk
 
+    need = _refused_below_floor(world_size)
     fills, original = _record_fills(Chunk)
     try:
         ref, model = _llama(), _llama()
@@ -150,7 +166,7 @@ def _train_whole(rank: int, world_size: int, placement: str) -> dict:
     adapters = [k for k in want if "lora_" in k]
     num = sum(float((got[k] - want[k]).double().norm() ** 2) for k in adapters)
     den = sum(float(want[k].double().norm() ** 2) for k in adapters)
-    return dict(losses=losses, ref_losses=ref_losses, rel_l2=(num / den) ** 0.5,
+    return dict(losses=losses, ref_losses=ref_losses, rel_l2=(num / den) ** 0.5, floor=need,
                 frozen_world_sizes={c.world_size for c in frozen}, frozen_offloaded=sum(not c.shard_on_device for c in frozen),
                 frozen_fills=sum(1 for trainable, _ in fills if not trainable),
                 frozen_gathers=sum(1 for trainable, gathers in fills if not trainable and gathers),
@@ -174,6 +190,7 @@ def _check(result: dict) -> None:
     # evicted and copied in again: more fills of frozen chunks than there are offloaded ones, none of them a gather
     assert result["frozen_fills"] > result["frozen_offloaded"]
     assert result["frozen_gathers"] == 0
+    assert result["floor"] <= BUDGET_BYTES  # the budget trained at is at or above the floor refused below
 
 
 def test_whole_frozen_chunks_match_peft_one_rank():
