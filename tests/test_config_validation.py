@@ -137,6 +137,7 @@ PLAN_CASES = [
     ("refresh_cast", 1, TypeError, "refresh_cast=1 has type int"),
     ("reduce_dtype", "bf16", ValueError, "reduce_dtype='bf16' must be 'fp32' or None"),
     ("reduce_dtype", 4, TypeError, "reduce_dtype=4 has type int"),
+    ("frozen_whole", "yes", TypeError, "frozen_whole='yes' has type str"),
     ("predicted_step_s", -1.0, ValueError, "predicted_step_s=-1.0 must be >= 0"),
     ("predicted_peak_device_bytes", "1G", TypeError, "predicted_peak_device_bytes='1G' has type str"),
     ("activation_peak_bytes", "1G", TypeError, "activation_peak_bytes='1G' has type str"),

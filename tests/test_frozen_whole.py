@@ -246,3 +246,28 @@ def test_frozen_placement_is_validated():
 
     with pytest.raises(ValueError, match="frozen_placement='replicated'.*'whole'"):
         hf_elixir.ElixirConfig(frozen_placement="replicated")
+
+
+def test_a_searched_plan_carries_its_frozen_layout():
+    """A plan ``search='auto'`` made with whole frozen chunks says so (``ElixirPlan.frozen_whole``): ``prepare`` given
+    that plan lays the same chunks out under ``"auto"``, and refuses ``"sharded"`` naming the mismatch."""
+    import hf_elixir
+
+    ids = _batch(0, ROWS)
+    batch = {"input_ids": ids, "labels": ids}
+    model = _llama()
+    config = hf_elixir.ElixirConfig(search="auto", device_memory_budget_bytes=4 * BUDGET_BYTES, frozen_placement="whole")
+    model, _ = hf_elixir.prepare(model, _adamw(model), config, sample_batch=batch)
+    plan = hf_elixir.get_state(model).plan
+    assert plan.frozen_whole and plan.predicted_step_s is not None
+    def layout(m):  # bucket-packed frozen chunks are trimmed to what they hold: their numels tell the layouts apart
+        return [([s.name for s in c.slots], c.chunk_numel) for c in hf_elixir.get_state(m).manager.chunks]
+
+    built = layout(model)
+    again = _llama()
+    again, _ = hf_elixir.prepare(again, _adamw(again), hf_elixir.ElixirConfig(plan=hf_elixir.ElixirPlan.from_dict(
+        plan.to_dict()), device_memory_budget_bytes=4 * BUDGET_BYTES))
+    assert layout(again) == built
+    with pytest.raises(ValueError, match="frozen_placement='sharded' but the plan was made with the frozen chunks whole"):
+        other = _llama()
+        hf_elixir.prepare(other, _adamw(other), hf_elixir.ElixirConfig(plan=plan, frozen_placement="sharded"))

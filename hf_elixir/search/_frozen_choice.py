@@ -13,6 +13,7 @@ from hf_elixir.chunk._frozen_whole import choose_frozen_whole
 from hf_elixir.chunk.memory import default_host_budget_bytes
 from hf_elixir.config import ElixirConfig
 from hf_elixir.parallel import get_parallel_state
+from hf_elixir.placement._plan_check import load_plan
 from hf_elixir.profiler._device import select_compute_device
 from hf_elixir.profiler._hardware import cached_rates
 
@@ -22,6 +23,10 @@ __all__ = ["frozen_whole", "resolve_frozen_placement", "searched_frozen_whole"]
 def resolve_frozen_placement(params, config: ElixirConfig, world_size: int, *, is_parallel: bool,
                              rates: dict | None = None) -> tuple[ElixirConfig, str]:
     """``config`` with ``frozen_placement`` ``"whole"`` or ``"sharded"``, and the reason ("" when nothing was priced).
+    With an ``ElixirConfig.plan``: as the plan was made (``ElixirPlan.frozen_whole``; ``hf-elixir plan``'s are sharded).
+
+    Raises:
+        ValueError: ``frozen_placement`` "whole" or "sharded" against a plan made the other way.
 
     Args:
         params: the floating-point parameters ``prepare`` packs (their ``requires_grad`` says which are frozen).
@@ -30,6 +35,13 @@ def resolve_frozen_placement(params, config: ElixirConfig, world_size: int, *, i
         rates: ``h2d_bytes_per_s`` / ``allgather_bytes_per_s`` (a ``HardwareProfile``'s fields); ``None``: the ones
             :func:`~hf_elixir.profiler._hardware.cached_rates` has for this machine at ``world_size`` ranks.
     """
+    plan = load_plan(config)
+    if plan is not None:  # a given plan numbers the chunks of the layout it was made for
+        if config.frozen_placement != "auto" and (config.frozen_placement == "whole") != plan.frozen_whole:
+            raise ValueError(f"ElixirConfig.frozen_placement={config.frozen_placement!r} but the plan was made with the "
+                             f"frozen chunks {'whole' if plan.frozen_whole else 'sharded'} (ElixirPlan.frozen_whole="
+                             f"{plan.frozen_whole}); leave frozen_placement='auto' to follow the plan, or make a new plan")
+        return dataclasses.replace(config, frozen_placement="whole" if plan.frozen_whole else "sharded"), ""
     if config.frozen_placement != "auto":
         whole, reason = choose_frozen_whole(config.frozen_placement, world_size, 0, 0, None, None, is_parallel)
         return dataclasses.replace(config, frozen_placement="whole" if whole else "sharded"), reason

@@ -580,6 +580,7 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
                     reduce_dtype=getattr(config, "reduce_dtype", "fp32"), **optimizer_cost_terms(optimizer, config),
                     disk=config_disk_tier(config, hardware, per_host), frozen_whole=frozen_whole, **parallel_kwargs)
     plan = result.plan
+    plan.frozen_whole = frozen_whole  # the layout it priced ([Note: whole frozen chunks] in chunk/_frozen_whole.py)
     plan.world_size = world_size  # prepare's group (the data-parallel one when given as ElixirConfig.process_group)
     if note:
         plan.reasons.append(note)
