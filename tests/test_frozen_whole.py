@@ -271,3 +271,33 @@ def test_a_searched_plan_carries_its_frozen_layout():
     with pytest.raises(ValueError, match="frozen_placement='sharded' but the plan was made with the frozen chunks whole"):
         other = _llama()
         hf_elixir.prepare(other, _adamw(other), hf_elixir.ElixirConfig(plan=plan, frozen_placement="sharded"))
+
+
+def _resume(rank: int, world_size: int, directory: str) -> tuple[list[float], list[float]]:
+    """4 steps straight, against 2 steps, a checkpoint, a fresh prepare that loads it, and 2 more steps."""
+    import hf_elixir
+    from hf_elixir.checkpoint import load_checkpoint, save_checkpoint
+
+    def prepared():
+        model = _llama()
+        config = hf_elixir.ElixirConfig(device_memory_budget_bytes=BUDGET_BYTES, chunk_size_numel=CHUNK,
+                                        offload_optimizer=True, budget_covers_activations=False, frozen_placement="whole")
+        return hf_elixir.prepare(model, _adamw(model), config)
+
+    def step(model, opt, k):
+        return _clipped_step(model, opt, _batch(k, ROWS * world_size)[rank * ROWS:(rank + 1) * ROWS])
+
+    model, opt = prepared()
+    straight = [step(model, opt, k) for k in range(4)]
+    model, opt = prepared()
+    resumed = [step(model, opt, k) for k in range(2)]
+    save_checkpoint(directory, model, opt, step=2)
+    model, opt = prepared()
+    assert {c.world_size for c in hf_elixir.get_state(model).manager.chunks if not c.trainable} == {1}
+    load_checkpoint(directory, model, opt)
+    return straight, resumed + [step(model, opt, k) for k in range(2, 4)]
+
+
+def test_whole_frozen_chunks_checkpoint_and_resume_two_ranks(tmp_path):
+    for straight, resumed in run_distributed(_resume, 2, str(tmp_path / "ckpt"), timeout_s=240):
+        assert resumed == pytest.approx(straight, rel=1e-6)
