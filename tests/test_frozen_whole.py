@@ -7,7 +7,9 @@
   and 2 gloo ranks under a budget that evicts the whole frozen chunks: losses and adapter weights within 1e-5
   relative, the frozen chunks onloaded again after evictions, and never all-gathered (each chunk fill recorded);
 * unchanged: a wholly trained model at 2 ranks gets the same chunks and bit-identical losses whatever
-  ``frozen_placement`` says; ``"auto"`` is priced by the rates and the host budget.
+  ``frozen_placement`` says; ``"auto"`` is priced by the rates and the host budget;
+* plans and checkpoints: a searched plan records the frozen layout and ``prepare`` follows it; a checkpoint of whole
+  frozen chunks at 2 ranks resumes to the uninterrupted run's losses.
 """
 
 from __future__ import annotations

@@ -35,7 +35,9 @@ whole it is sharded whatever the rates say (memory first: PatrickStar, arXiv 210
 frozen copies are the part of that which costs no communication). Without measured rates (no hardware probe cached
 on this machine at this world size) "auto" keeps them whole: that is the layout that needs no collective, and
 partitioning is for memory, which the host budget checks. One rank: no difference in storage, so "auto" keeps the
-layout one-rank runs always had (sharded chunks, which at one rank are whole).
+layout one-rank runs always had (sharded chunks, which at one rank are whole). The decision is made once per
+``prepare`` (rank 0's), before the search packs chunks, and a searched plan records it (``ElixirPlan.frozen_whole``):
+a plan numbers the chunks of one layout, so ``prepare`` given a plan follows it.
 """
 
 from __future__ import annotations
