@@ -452,6 +452,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                     host_limit, activations_on_device, per_host, reduce_dtype)
     plan.reasons[2:2] = _data_parallel_reasons(modes, best, best_by_mode, world_size, tp)
     plan.reasons += [r for r in (disk_reason(best.prediction, per_host),) if r]
+    # the frozen layout priced ([Note: whole frozen chunks] in chunk/_frozen_whole.py; plain data parallelism only)
+    plan.frozen_whole = frozen_whole and best.data_parallel == "sharded" and ep == 1 and tp == 1
     if ep > 1 or tp > 1:  # what prepare sees on each rank after parallelize ([Note: expert parallel pricing])
         plan.num_params, plan.param_order = rank_profile.num_params, rank_param_order(rank_profile)
     if best.data_parallel == "replicated":
@@ -580,7 +582,6 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
                     reduce_dtype=getattr(config, "reduce_dtype", "fp32"), **optimizer_cost_terms(optimizer, config),
                     disk=config_disk_tier(config, hardware, per_host), frozen_whole=frozen_whole, **parallel_kwargs)
     plan = result.plan
-    plan.frozen_whole = frozen_whole  # the layout it priced ([Note: whole frozen chunks] in chunk/_frozen_whole.py)
     plan.world_size = world_size  # prepare's group (the data-parallel one when given as ElixirConfig.process_group)
     if note:
         plan.reasons.append(note)
