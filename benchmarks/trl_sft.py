@@ -13,8 +13,9 @@ before the model is wrapped. How each system reaches the Trainer:
 - ``elixir``: ``SFTTrainer(..., callbacks=[ElixirCallback(ElixirConfig(device_memory_budget_bytes=B, search="auto"))])``
   with ``B`` = ``--budget-fraction`` x the model data an all-resident rank holds (fp32: 16 B per trained parameter,
   4 B per frozen one; activations outside the budget, as for every peer); where ``B`` is under
-  ``hf_elixir.min_device_budget_bytes`` (LoRA at 50%: the 147 MiB embedding sets the chunk size) it runs at that floor
-  and says so.
+  ``hf_elixir.min_device_budget_bytes`` it runs at that floor and says so (LoRA at 2 ranks: the frozen base is kept
+  whole on every rank and copied in from the host, ``frozen_placement="auto"``, so its floor is 36% of the model data
+  and 50% places; sharded it was 74%).
 - ``ddp``: the plain ``SFTTrainer`` (accelerate wraps the model in ``DistributedDataParallel``).
 - ``fsdp2_offload``: ``fully_shard(CPUOffloadPolicy)`` on every GPT-2 block and the root before the Trainer, which
   is told the model is prepared (accelerate runs FSDP only on accelerators, so its own FSDP path cannot run here).
@@ -137,9 +138,9 @@ def _model_data_bytes(model) -> int:
 
 def _elixir_config(model, spec: RunSpec, extra: dict[str, Any]):
     """``budget_fraction`` of the all-resident model data. Where that is under ``hf_elixir.min_device_budget_bytes``
-    for this run's config and world size (which ``prepare`` would refuse: GPT-2's 147 MiB fp32 embedding sets the
-    chunk size, and two adjacent chunks plus a staging shard must fit), the run takes that floor instead, the
-    nearest budget ``prepare`` accepts, and ``extra["budget_note"]`` says so."""
+    for this run's config and world size (which ``prepare`` would refuse: two adjacent units' chunks and the gradient
+    buffers must fit), the run takes that floor instead, the nearest budget ``prepare`` accepts, and
+    ``extra["budget_note"]`` says so."""
     import torch
     import torch.distributed as dist
 

@@ -21,6 +21,8 @@ __all__ = ["ElixirConfig", "EXPORT_DTYPES", "LossScalePolicy", "PRECISIONS"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 EXPORT_DTYPES = ("fp32", "compute")
+#: ``ElixirConfig.frozen_placement`` values ([Note: whole frozen chunks] in ``hf_elixir/chunk/_frozen_whole.py``)
+FROZEN_PLACEMENTS = ("auto", "sharded", "whole")
 _SEARCH_MODES = ("off", "auto")
 _DEFAULT_PLACEMENTS = ("auto", "sharded", "replicated")
 
@@ -253,6 +255,17 @@ class ElixirConfig:
             device budget is below the fused model's `min_device_budget_bytes`, or when `plan` was made for the
             split model; `True` always splits, `False` keeps the fused tensors (each one slot: a chunk of E
             experts). See [Note: split fused experts] in `hf_elixir/parallel/_expert_units.py`.
+        frozen_placement (`str`, defaults to `"auto"`):
+            Where the chunks of frozen parameters (a LoRA model's base weights; they never share a chunk with trained
+            ones) live with several data-parallel ranks. `"sharded"`: like trained chunks, sharded over the ranks and
+            all-gathered at each use (`1 / world_size` of their bytes in host RAM per rank). `"whole"`: every rank
+            keeps each frozen chunk whole (no all-gather, no gradient, no all-reduce), offloaded to the host under
+            the budget and copied in whole at each use; they are packed in chunks of at most DDP's 25 MiB bucket
+            (a parameter larger than that gets a chunk of its own), so the largest frozen parameter no longer sets
+            the device floor; costs the frozen bytes in host RAM on every rank. `"auto"`: whole where a whole copy
+            fits `host_memory_budget_bytes` and whole-chunk copies cost less than shard copies plus all-gathers at
+            this machine's measured rates (or no rates are measured yet), else sharded; one rank, tensor/expert
+            parallel models: sharded; with a `plan`, as the plan was made (`ElixirPlan.frozen_whole`). See [Note: whole frozen chunks] in `hf_elixir/chunk/_frozen_whole.py`.
         allow_missing_keys (`bool`, defaults to `False`):
             With `prepare(..., checkpoint=folder)`: parameters the folder has no tensor for raise (naming them);
             `True` lets them start from their own values, or on the meta device from the model's `_init_weights`
@@ -298,6 +311,7 @@ class ElixirConfig:
     process_group: Any = None
     compile: bool | str | Mapping[str, Any] = False
     split_fused_experts: bool | str = "auto"
+    frozen_placement: str = "auto"
     allow_missing_keys: bool = False
 
     def __post_init__(self) -> None:
@@ -308,6 +322,10 @@ class ElixirConfig:
             raise TypeError(f"ElixirConfig.split_fused_experts={self.split_fused_experts!r} is not supported; give "
                             "'auto' (split fused MoE experts per expert only where the device budget needs it, the "
                             "default), True (always one chunk unit per expert) or False (keep the fused tensors)")
+        if self.frozen_placement not in FROZEN_PLACEMENTS:
+            raise ValueError(f"ElixirConfig.frozen_placement={self.frozen_placement!r} is not supported; use 'auto' "
+                             "(priced per machine, the default), 'sharded' (all-gathered like trained chunks) or "
+                             "'whole' (every rank keeps each frozen chunk whole, offloaded under the budget)")
         if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
             raise ValueError(
                 f"ElixirConfig.precision={self.precision!r} is not supported; use one of {PRECISIONS}."

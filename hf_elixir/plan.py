@@ -50,6 +50,7 @@ _FIELD_TYPES: tuple[tuple[str, tuple[type, ...], str], ...] = (
     ("placements", (dict,), "give a mapping of module name -> placement"),
     ("refresh_cast", (str,), "use 'host' or 'device'"),
     ("reduce_dtype", (str, type(None)), "use 'fp32' or null (the compute precision)"),
+    ("frozen_whole", (bool,), "use true (frozen chunks whole on every rank) or false (sharded)"),
     ("predicted_step_s", (int, float, type(None)), "give seconds or null"),
     ("predicted_peak_device_bytes", (int, type(None)), "give bytes or null"),
     ("activation_peak_bytes", (int, type(None)), "give bytes or null"),
@@ -106,6 +107,10 @@ class ElixirPlan:
         reduce_dtype: the gradient buffers' and reduces' dtype the search priced (``ElixirConfig.reduce_dtype``:
             ``"fp32"``, 4 bytes per element, or ``None``, the compute precision's); ``prepare`` refuses a searched
             plan under another ``reduce_dtype``. Plans written before the field load as ``"fp32"``.
+        frozen_whole: the frozen parameters' chunks are whole on every rank, packed as buckets (``ElixirConfig.
+            frozen_placement`` resolved to ``"whole"``: [Note: whole frozen chunks] in
+            ``hf_elixir/chunk/_frozen_whole.py``), which numbers the chunks otherwise; ``False``: sharded like the
+            trained ones. ``prepare`` lays a given plan out so. Plans written before the field load as ``False``.
         predicted_step_s: the cost model's step time (seconds), if a search made the plan.
         predicted_peak_device_bytes: the cost model's device peak (bytes), if a search made it.
         activation_peak_bytes: device bytes to keep for the activations autograd saves (and its
@@ -132,6 +137,7 @@ class ElixirPlan:
     placements: dict[str, str] = field(default_factory=dict)
     refresh_cast: str = "host"
     reduce_dtype: str | None = "fp32"
+    frozen_whole: bool = False
     predicted_step_s: float | None = None
     predicted_peak_device_bytes: int | None = None
     activation_peak_bytes: int | None = None

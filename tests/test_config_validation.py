@@ -68,6 +68,7 @@ CONFIG_CASES = [
     ("compile", 3, TypeError, "compile=3 must be False, True, a torch.compile backend name"),
     ("compile", {"backend": "eager", "bogus": 1}, ValueError, "compile has unknown torch.compile arguments \\['bogus'\\]"),
     ("split_fused_experts", "yes", TypeError, "split_fused_experts='yes' is not supported; give 'auto'"),
+    ("frozen_placement", "replicated", ValueError, "frozen_placement='replicated' is not supported; use 'auto'"),
     ("allow_missing_keys", "yes", TypeError, "allow_missing_keys='yes' must be True .* or False"),
 ]
 
@@ -136,6 +137,7 @@ PLAN_CASES = [
     ("refresh_cast", 1, TypeError, "refresh_cast=1 has type int"),
     ("reduce_dtype", "bf16", ValueError, "reduce_dtype='bf16' must be 'fp32' or None"),
     ("reduce_dtype", 4, TypeError, "reduce_dtype=4 has type int"),
+    ("frozen_whole", "yes", TypeError, "frozen_whole='yes' has type str"),
     ("predicted_step_s", -1.0, ValueError, "predicted_step_s=-1.0 must be >= 0"),
     ("predicted_peak_device_bytes", "1G", TypeError, "predicted_peak_device_bytes='1G' has type str"),
     ("activation_peak_bytes", "1G", TypeError, "activation_peak_bytes='1G' has type str"),

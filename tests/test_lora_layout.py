@@ -146,8 +146,9 @@ def _train(rank: int, world_size: int) -> dict:
 
     ref, model = _llama(), _llama()
     ref_opt = _adamw(ref)
+    # the frozen base sharded and all-gathered (tests/test_frozen_whole.py: kept whole on every rank)
     config = hf_elixir.ElixirConfig(device_memory_budget_bytes=BUDGET_BYTES, chunk_size_numel=CHUNK,
-                                    offload_optimizer=True, budget_covers_activations=False)
+                                    offload_optimizer=True, budget_covers_activations=False, frozen_placement="sharded")
     model, opt = hf_elixir.prepare(model, _adamw(model), config=config)
     losses, ref_losses = [], []
     for step in range(STEPS):

@@ -86,7 +86,8 @@ def _train(rank: int, world_size: int, checkpointing: bool = False) -> dict:
     model = _qlora_model(checkpointing)
     ref_opt = _adamw(ref)
     config = hf_elixir.ElixirConfig(device_memory_budget_bytes=BUDGET_BYTES, chunk_size_numel=16_384,
-                                    offload_optimizer=True, budget_covers_activations=False)
+                                    offload_optimizer=True, budget_covers_activations=False,
+                                    frozen_placement="sharded")  # the NF4 base sharded, as the docstring says
     model, opt = hf_elixir.prepare(model, _adamw(model), config=config)
     losses, ref_losses = [], []
     for step in range(STEPS):

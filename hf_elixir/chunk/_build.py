@@ -18,6 +18,7 @@ import torch.distributed as dist
 from hf_elixir.chunk.chunk import Chunk, ChunkBytes, ParamSlot
 from hf_elixir.chunk.manager import ChunkManager
 from hf_elixir.chunk._frozen_apart import frozen_apart
+from hf_elixir.chunk._frozen_whole import frozen_bucket_numel
 from hf_elixir.chunk.packing import ChunkLayout, pack_chunks
 from hf_elixir.config import ElixirConfig
 from hf_elixir.plan import ElixirPlan
@@ -104,25 +105,48 @@ def _build_bucket(params_in_order, names, layout: ChunkLayout, dtype, group, dev
     return chunks, flag_index
 
 
+def _bucket_layout(bucket, size: int, replicated: bool, whole: bool, chunk_size: int,
+                   element_bytes: int) -> tuple[ChunkLayout, int]:
+    """``(layout, storage world size)`` of one communication bucket: replicated and whole frozen buckets are packed
+    for world size 1 like DDP's buckets ([Note: replicated buckets] in packing.py; whole frozen ones at most
+    :func:`frozen_bucket_numel`, [Note: whole frozen chunks] in ``_frozen_whole.py``), the rest in chunks of
+    ``chunk_size`` sharded over the bucket's ``size`` ranks."""
+    numels = [p.numel() for p in bucket]
+    if whole:
+        return pack_chunks(numels, frozen_bucket_numel(chunk_size, element_bytes), 1, bucket_packing=True), 1
+    return pack_chunks(numels, chunk_size, 1 if replicated else size, bucket_packing=replicated), \
+        (1 if replicated else size)
+
+
+def _is_whole(frozen_whole: bool, replicated: bool, bucket) -> bool:
+    """A bucket kept whole on every rank as frozen chunks: asked for, not "replicated", nothing in it trained."""
+    return frozen_whole and not replicated and not any(p.requires_grad for p in bucket)
+
+
 def build_chunks(manager: ChunkManager, params, names, placements: dict[str, str], group_of: GroupOf,
-                 chunk_size: int, dtype: torch.dtype, device: torch.device) -> list[Chunk]:
+                 chunk_size: int, dtype: torch.dtype, device: torch.device, frozen_whole: bool = False) -> list[Chunk]:
     """Pack ``params`` (order kept) into chunks of ``chunk_size`` elements per communication bucket and
     register them (chunks, slots, has-gradient flags and their groups) with ``manager``. No data moves:
-    the chunks are built empty (see :func:`materialize_chunks`)."""
+    the chunks are built empty (see :func:`materialize_chunks`). ``frozen_whole``: frozen buckets are kept whole on
+    every rank ([Note: whole frozen chunks] in ``_frozen_whole.py``)."""
     chunks: list[Chunk] = []
     num_flags = 0
     flag_groups = []
+    esize = torch.empty((), dtype=dtype).element_size()
     for bucket_group, replicas, replicated, bucket in comm_buckets(params, names, placements, group_of):
         bucket_ws = _group_size(bucket_group)
-        storage_group = None if replicated else bucket_group
-        layout = pack_chunks([p.numel() for p in bucket], chunk_size, 1 if replicated else bucket_ws,
-                             bucket_packing=replicated)  # [Note: replicated buckets] in packing.py
+        whole = _is_whole(frozen_whole, replicated, bucket)
+        layout, storage_ws = _bucket_layout(bucket, bucket_ws, replicated, whole, chunk_size, esize)
+        storage_group = bucket_group if storage_ws > 1 else None
         new, end_flag = _build_bucket(bucket, names, layout, dtype, storage_group, device, manager,
                                       first_id=len(chunks), first_flag=num_flags,
                                       replicas=replicas * (bucket_ws if replicated else 1))
-        if replicated and bucket_ws > 1:
+        if (replicated or whole) and bucket_ws > 1:
             for chunk in new:
-                chunk.replicate_group = bucket_group
+                if replicated:
+                    chunk.replicate_group = bucket_group
+                else:
+                    chunk.whole_group = bucket_group
         if bucket_ws > 1 and end_flag > num_flags:
             flag_groups.append((bucket_group, torch.arange(num_flags, end_flag)))
         chunks += new
@@ -161,7 +185,7 @@ def _fp32_shard(chunk: Chunk, fill=None) -> torch.Tensor | None:
     with torch.no_grad():
         for slot in chunk.slots:
             full[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
-    group = chunk.group if chunk.world_size > 1 else chunk.replicate_group
+    group = chunk.group if chunk.world_size > 1 else chunk.copies_group
     if group is not None:
         dist.broadcast(full, src=dist.get_global_rank(group, 0), group=group)
     return to_host(full[chunk.shard_begin:chunk.shard_begin + chunk.shard_numel])
@@ -233,13 +257,14 @@ class ChunkSpec(ChunkBytes):
 
 
 def chunk_specs(params, names, placements: dict[str, str], group_of: GroupOf, group_size: Callable[[object], int],
-                chunk_size: int, element_size: int,
-                grad_element_size: int) -> tuple[list[ChunkSpec], dict[torch.nn.Parameter, ChunkSpec]]:
+                chunk_size: int, element_size: int, grad_element_size: int,
+                frozen_whole: bool = False) -> tuple[list[ChunkSpec], dict[torch.nn.Parameter, ChunkSpec]]:
     """The chunks :func:`build_chunks` would build, as sizes: the same :func:`comm_buckets` and packing.
 
     Args:
         group_of: as for :func:`build_chunks`; its groups need not exist (``group_size`` sizes them).
         group_size: ranks of a group ``group_of`` returns.
+        frozen_whole: as for :func:`build_chunks`.
 
     Returns:
         ``(specs, chunk_of)``: one :class:`ChunkSpec` per chunk, and each parameter's spec.
@@ -248,10 +273,10 @@ def chunk_specs(params, names, placements: dict[str, str], group_of: GroupOf, gr
     chunk_of: dict[torch.nn.Parameter, ChunkSpec] = {}
     for group, _, replicated, bucket in comm_buckets(params, names, placements, group_of):
         size = group_size(group)
-        layout = pack_chunks([p.numel() for p in bucket], chunk_size, 1 if replicated else size,
-                             bucket_packing=replicated)
+        whole = _is_whole(frozen_whole, replicated, bucket)
+        layout, storage_ws = _bucket_layout(bucket, size, replicated, whole, chunk_size, element_size)
         for members, chunk_numel in zip(layout.members, layout.chunk_numels):
-            spec = ChunkSpec(len(specs), chunk_numel, 1 if replicated else size, element_size, grad_element_size,
+            spec = ChunkSpec(len(specs), chunk_numel, storage_ws, element_size, grad_element_size,
                              any(bucket[m].requires_grad for m in members),
                              replicate_group=group if replicated and size > 1 else None)
             specs.append(spec)

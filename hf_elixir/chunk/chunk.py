@@ -126,6 +126,9 @@ class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
         # "replicated" placement: every rank of this group keeps the whole chunk (world_size 1 storage);
         # gradients are all-reduced (mean) over it instead of reduce-scattered
         self.replicate_group = None
+        # a frozen chunk every rank of this group keeps whole (world_size 1 storage, offloadable, no gradient):
+        # rank 0's values are broadcast at prepare ([Note: whole frozen chunks] in _frozen_whole.py)
+        self.whole_group = None
         # placement (set by the manager)
         self.resident = False
         self.shard_on_device = True
@@ -189,6 +192,11 @@ class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
         return self.chunk_numel * torch.empty((), dtype=self.grad_dtype).element_size()
 
     @property
+    def copies_group(self):
+        """The group every rank of which keeps this chunk whole ("replicated", or a whole frozen chunk), else None."""
+        return self.replicate_group if self.replicate_group is not None else self.whole_group
+
+    @property
     def wants_host_copy(self) -> bool:
         """Keep a rank-local host copy of the gathered chunk (see [Note: rank-local refill])."""
         return self.world_size > 1 and (self.keep_host_copy or self.host_copy_required)
@@ -240,8 +248,9 @@ class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
                 partial = not self.resident
         if fill is None and self.world_size > 1:
             dist.broadcast(full, src=dist.get_global_rank(self.group, 0), group=self.group)
-        elif fill is None and self.replicate_group is not None:
-            dist.broadcast(full, src=dist.get_global_rank(self.replicate_group, 0), group=self.replicate_group)
+        elif fill is None and self.copies_group is not None:
+            copies = self.copies_group
+            dist.broadcast(full, src=dist.get_global_rank(copies, 0), group=copies)
         self.full = strict.register_device(full)
         for slot in self.slots:
             mark_managed(slot.param, slot.name, self.manager)

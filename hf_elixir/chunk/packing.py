@@ -60,8 +60,9 @@ def pack_chunks(numels: list[int], chunk_size_numel: int, world_size: int = 1,
         align_numel: alignment of each parameter's offset, in elements.
         bucket_packing: pack like DistributedDataParallel's gradient buckets (``bucket_cap_mb``): a
             parameter larger than ``chunk_size_numel`` gets a chunk of its own instead of raising, and every
-            chunk is trimmed to the parameters it holds (no padding to all-reduce; chunks that are never
-            offloaded need no common size). See [Note: replicated buckets].
+            chunk is trimmed to the parameters it holds (no padding to all-reduce; the pool charges bytes, so
+            chunks need no common size). Whole frozen chunks are packed so too ([Note: whole frozen chunks] in
+            ``_frozen_whole.py``). See [Note: replicated buckets].
 
     Raises:
         ValueError: ``chunk_size_numel`` smaller than the largest parameter (names both numbers), unless

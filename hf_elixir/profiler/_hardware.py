@@ -282,6 +282,17 @@ def _write_cache(path: Path, cache: dict[str, Any]) -> None:
         logger.warning("could not write hardware cache %s (%s)", path, exc)
 
 
+def cached_rates(device: torch.device, world_size: int, cache_path: str | Path | None = None) -> dict[str, Any] | None:
+    """The measured fields :func:`probe_hardware` cached for this machine's ``device`` at ``world_size`` ranks, read
+    without measuring anything (no collective; ``None`` where nothing is cached yet)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        name = "cpu"
+    path = Path(cache_path) if cache_path is not None else default_cache_path()
+    return _read_cache(path).get(f"{socket.gethostname()}|{name}|world{world_size}")
+
+
 def probe_disk(directory: str | os.PathLike, *, size_bytes: int = 256 * 2**20, repeats: int = 2,
                cache_path: str | Path | None = None) -> DiskRates:
     """Measure the sequential write and read rates of the disk holding ``directory`` ([Note: disk probe] in

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from hf_elixir.chunk import pack_chunks
 from hf_elixir.chunk._frozen_apart import frozen_apart
+from hf_elixir.chunk._frozen_whole import frozen_bucket_numel
 from hf_elixir.chunk.packing import ChunkLayout
 from hf_elixir.chunk.schedule import StepOrder
 from hf_elixir.profiler import HardwareProfile, StepProfile
@@ -212,7 +213,7 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
                        activation_policy: dict[str, str] | None = None, snapshot_rollback: bool = False,
                        expert_parallel_size: int = 1, gpus_per_node: int = 8, tensor_parallel_size: int = 1,
                        tensor_parallel_placements: dict[str, str] | None = None,
-                       parallelized: bool = False) -> ChunkedStep:
+                       parallelized: bool = False, frozen_whole: bool = False) -> ChunkedStep:
     """Pack the profile's parameters at ``chunk_size_numel`` and precompute the chunk trace, the
     gradient-buffer lifetimes (reduce order as in ``ChunkManager.start_backward``) and the optimizer's
     parameter views.
@@ -231,6 +232,9 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
             modules placed as given (``ElixirPlan.placements``; [Note: tensor parallel pricing] in
             ``_tensor_parallel.py``: split modules' ``1 / tp``, every chunk sharded over ``world_size / tp``
             ranks, the split layers' collectives priced).
+        frozen_whole: frozen parameters' chunks whole on every rank, packed as buckets ([Note: whole frozen chunks] in
+            ``hf_elixir/chunk/_frozen_whole.py``; ``ElixirConfig.frozen_placement``): world size 1 each, so an onload
+            copies the whole chunk and nothing gathers it. Plain data parallelism only.
         parallelized: ``profile`` is already one rank's step (a model rewritten by ``hf_elixir.parallel.parallelize``
             at these degrees): nothing is divided again; chunk groups and collectives are priced.
 
@@ -261,7 +265,9 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
         chunk_world_sizes = [world_size // tp] * layout.num_chunks
     else:  # under tp x ep: the dense chunks over world / tp ranks, the experts' over world / ep
         layout, chunk_world_sizes = _pack(profile, chunk_size_numel, world_size // tp, replicated,
-                                          experts if ep > 1 else None, world_size // ep)
+                                          experts if ep > 1 else None, world_size // ep,
+                                          frozen_whole=frozen_whole and tp == 1 and ep == 1,
+                                          element_bytes=DTYPE_BYTES[precision])
     chunk_of = {m: c for c, members in enumerate(layout.members) for m in members}
     policy = resolve_policy(profile, activation_policy if activation_policy is not None else activation_checkpointing)
     recompute = {b for b, kind in policy.items() if kind == "recompute"}
@@ -356,30 +362,36 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
 
 
 def _pack(profile: StepProfile, chunk_size_numel: int, world_size: int, replicated: bool,
-          experts: frozenset[int] | None, expert_world_size: int) -> tuple[ChunkLayout, list[int]]:
+          experts: frozenset[int] | None, expert_world_size: int, frozen_whole: bool = False,
+          element_bytes: int = 4) -> tuple[ChunkLayout, list[int]]:
     """The chunk layout (member indices into ``profile.param_numels``) and, under expert parallelism (``experts``:
-    the expert parameters), each chunk's group size: as ``hf_elixir.chunk._build.build_chunks``, the parameters
-    split into buckets by group and by whether they are trained (order kept; the bucket of the first parameter
-    first: ``frozen_apart``, [Note: frozen chunks apart] in ``hf_elixir/chunk/_frozen_apart.py``), each packed for
-    its group ([Note: expert parallel pricing] in ``_expert_parallel.py``). Without experts, no group sizes."""
+    the expert parameters) or with whole frozen chunks, each chunk's group size: as
+    ``hf_elixir.chunk._build.build_chunks``, the parameters split into buckets by group and by whether they are trained
+    (order kept; the bucket of the first parameter first: ``frozen_apart``, [Note: frozen chunks apart] in
+    ``hf_elixir/chunk/_frozen_apart.py``), each packed for its group ([Note: expert parallel pricing] in
+    ``_expert_parallel.py``); with ``frozen_whole`` a frozen bucket is packed for world size 1 in buckets of
+    ``frozen_bucket_numel`` (``element_bytes`` per element; [Note: whole frozen chunks] in
+    ``hf_elixir/chunk/_frozen_whole.py``). Without experts or whole frozen chunks, no group sizes."""
     numels = profile.param_numels
     trained = profile.param_requires_grad or [True] * len(numels)
     buckets = frozen_apart([experts is not None and i in experts for i in range(len(numels))], trained)
-    if experts is None and len(buckets) <= 1:
+    wholes = [frozen_whole and not replicated and not any(trained[i] for i in indices) for _, indices in buckets]
+    if experts is None and len(buckets) <= 1 and not any(wholes):
         return pack_chunks(numels, chunk_size_numel, world_size, bucket_packing=replicated), []
     members: list[list[int]] = []
     offsets: list[list[int]] = []
     chunk_numels: list[int] = []
     used: list[int] = []
     sizes: list[int] = []
-    for is_expert, indices in buckets:
-        ws = expert_world_size if is_expert else world_size
-        part = pack_chunks([numels[i] for i in indices], chunk_size_numel, ws,
-                           bucket_packing=replicated and experts is None)
+    for (is_expert, indices), whole in zip(buckets, wholes):
+        ws = 1 if whole else expert_world_size if is_expert else world_size
+        size = frozen_bucket_numel(chunk_size_numel, element_bytes) if whole else chunk_size_numel
+        part = pack_chunks([numels[i] for i in indices], size, ws,
+                           bucket_packing=whole or (replicated and experts is None))
         members += [[indices[m] for m in chunk] for chunk in part.members]
         offsets += part.offsets
         chunk_numels += part.chunk_numels
         used += part.used_numels
         sizes += [ws] * part.num_chunks
     return ChunkLayout(members=members, offsets=offsets, chunk_numels=chunk_numels, used_numels=used), \
-        (sizes if experts is not None else [])
+        (sizes if experts is not None or any(wholes) else [])

@@ -27,6 +27,7 @@ from hf_elixir.runtime._state import is_prepared
 from hf_elixir.runtime.compile import compiled_units
 from hf_elixir.runtime.hooks import mark_subtree_chunks, unit_chunks
 from hf_elixir.search._chunk_size import candidate_grid, chunk_size_for
+from hf_elixir.search._frozen_choice import frozen_whole, resolve_frozen_placement
 
 __all__ = ["min_device_budget_bytes", "place_within_budget", "raise_if_replicating_needs_less", "searched_floor",
            "split_needed"]
@@ -55,7 +56,9 @@ def min_device_budget_bytes(model: torch.nn.Module, optimizer: torch.optim.Optim
             (world size > 1). With ``search="auto"`` and neither ``plan`` nor ``chunk_size_numel``: the least
             floor over the chunk sizes the search can choose ([Note: the searched floor]); ``prepare`` refuses
             a budget below it naming it, and at it trains the searched plan, or that chunk size where no
-            searched plan fits.
+            searched plan fits. Frozen parameters' chunks are laid out as ``frozen_placement`` resolves (whole on every
+            rank and packed as buckets, or sharded: [Note: whole frozen chunks] in ``hf_elixir/chunk/_frozen_whole.py``),
+            "auto" from the rates cached on this machine, as ``prepare`` resolves it.
         world_size: ranks of the default process group ``prepare`` will see. A parallelized model
             uses its mesh's group sizes instead.
         activation_bytes: bytes per rank the step's activations and autograd temporaries need on the
@@ -188,10 +191,13 @@ def _placed_floors(model, optimizer, config: ElixirConfig, world_size: int) -> d
     if _searching(config) and numels:
         sizes.update(candidate_grid(numels))
     group_of, size_of = planned_chunk_groups(model, world_size)
+    # [Note: whole frozen chunks] in hf_elixir/chunk/_frozen_whole.py: frozen chunks whole, packed as buckets
+    config, _ = resolve_frozen_placement(params, config, world_size, is_parallel=get_parallel_state(model) is not None)
     floors = {}
     with compiled_units(model, config.compile):  # a compiled block is one unit ([Note: compiled blocks])
         for size in sorted(sizes):
-            specs, chunk_of = chunk_specs(params, names, placements, group_of, size_of, size, esize, gsize)
+            specs, chunk_of = chunk_specs(params, names, placements, group_of, size_of, size, esize, gsize,
+                                          frozen_whole=frozen_whole(config))
             floors[size] = device_floor_bytes(specs, unit_chunks(model, chunk_of), config, optimizer)
     return floors
 

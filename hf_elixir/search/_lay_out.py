@@ -28,6 +28,7 @@ from hf_elixir.placement._layout import Layout, activation_reserve_bytes, prefet
 from hf_elixir.placement._plan_check import check_plan, check_plan_placements, load_plan
 from hf_elixir.runtime.activations import model_activation_policy
 from hf_elixir.search._chunk_size import chunk_size_for
+from hf_elixir.search._frozen_choice import frozen_whole, resolve_frozen_placement
 from hf_elixir.search._floor import place_within_budget, searched_floor, split_needed
 from hf_elixir.search._resolve import resolve_plan
 
@@ -76,6 +77,10 @@ def lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params,
             probe] in ``profiler/_runtime_probe.py``).
     """
     world_size = _world_size(group)
+    # [Note: whole frozen chunks] in chunk/_frozen_whole.py: decided once (rank 0's), before the search packs chunks
+    config, frozen_reason = resolve_frozen_placement(params, config, world_size,
+                                                     is_parallel=get_parallel_state(model) is not None)
+    config = dataclasses.replace(config, frozen_placement=agree_object(config.frozen_placement, agree_group, device))
     # search="auto" under a budget: exact at min_device_budget_bytes ([Note: the searched floor] in _floor.py)
     searched = searched_floor(model, optimizer, config, world_size)
     if searched is not None and config.device_memory_budget_bytes < searched[0]:
@@ -90,14 +95,17 @@ def lay_out(model, optimizer, config: ElixirConfig, sample_batch, names, params,
         config = dataclasses.replace(config, chunk_size_numel=searched[1])
     args = (model, optimizer, names, params, world_size, group, agree_group, device, charges_activations)
     try:
-        return _lay_out_with(config, plan, *args)
+        layout = _lay_out_with(config, plan, *args)
     except ValueError as err:
         if plan is None or searched is None:
             raise
         logger.info("search='auto': the searched plan does not place in device_memory_budget_bytes=%d (%s); laid "
                     "out without it at chunk_size_numel=%d, the smallest floor's", config.device_memory_budget_bytes,
                     err, searched[1])
-        return _lay_out_with(dataclasses.replace(config, chunk_size_numel=searched[1]), None, *args)
+        layout = _lay_out_with(dataclasses.replace(config, chunk_size_numel=searched[1]), None, *args)
+    if frozen_reason:
+        layout.reasons.insert(0, frozen_reason)
+    return layout
 
 
 def _resolved_plan(model, config: ElixirConfig, sample_batch, optimizer, searched, runtime_probe):
@@ -130,7 +138,7 @@ def _lay_out_with(config: ElixirConfig, plan, model, optimizer, names, params, w
                                                                 agree_group, device)
     manager = new_manager(config, plan, device, agree_group, charges_activations, activation_bytes)
     chunks = build_chunks(manager, params, names, placements, chunk_group_of(model, group), chunk_size,
-                          COMPUTE_DTYPES[config.precision], device)
+                          COMPUTE_DTYPES[config.precision], device, frozen_whole=frozen_whole(config))
     if plan is not None:  # checked on rank 0's counts: uneven tensor-parallel slices are shorter on other ranks
         num_params, num_chunks = agree_object((sum(numels), len(chunks)), agree_group, device)
         check_plan(plan, model, num_params, world_size, config.precision, num_chunks,

@@ -56,6 +56,7 @@ from hf_elixir.search._activation_cost import activation_bytes, moved_kind, poli
 from hf_elixir.search._chunk_size import search_chunk_size
 from hf_elixir.search._coarse import (DegreePruned, coarse_effort, fine_steps_to_search, report_progress,
                                       step_lower_bound_s)
+from hf_elixir.search._frozen_choice import searched_frozen_whole
 from hf_elixir.search._cost import DTYPE_BYTES, Knobs, build_chunked_step, fixed_memory, profile_blocks
 from hf_elixir.search._expert_parallel import expert_parallel_profile, rank_param_order
 from hf_elixir.search._cost import predict  # noqa: F401 (importable from here, as before the grid moved out)
@@ -187,8 +188,12 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
            reduce_dtype: str | None = "fp32", host_memory_name: str = "host_memory_bytes=",
            expert_parallel_size: int = 1, tensor_parallel_size: int = 1,
            tensor_parallel_placements: dict[str, str] | None = None, parallelized: bool = False,
-           incumbent_s: float | None = None, disk: DiskTier | None = None) -> SearchResult:
+           incumbent_s: float | None = None, disk: DiskTier | None = None, frozen_whole: bool = False) -> SearchResult:
     """Profile (if given a model) and search; see :func:`search_plan` for the arguments.
+
+    ``frozen_whole``: the frozen parameters' chunks are whole on every rank (``ElixirConfig.frozen_placement``
+    resolved to ``"whole"``, [Note: whole frozen chunks] in ``hf_elixir/chunk/_frozen_whole.py``): packed and priced
+    as ``prepare`` builds them.
 
     ``expert_parallel_size`` / ``tensor_parallel_size`` price one rank of that degree ([Note: expert parallel
     pricing] in ``_expert_parallel.py``, [Note: tensor parallel pricing] in ``_tensor_parallel.py``); both above 1
@@ -263,7 +268,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     # and [Note: tensor parallel pricing] in _tensor_parallel.py (its split weights, every chunk over the ranks of its
     # data-parallel group, the split layers' collectives)
     steps_for = {"expert_parallel_size": ep, "gpus_per_node": per_host, "tensor_parallel_size": tp,
-                 "tensor_parallel_placements": tensor_parallel_placements, "parallelized": parallelized}
+                 "tensor_parallel_placements": tensor_parallel_placements, "parallelized": parallelized,
+                 "frozen_whole": frozen_whole}
     rank_profile = profile  # what one rank packs (chunk-size search)
     if not parallelized:
         rank_profile = tensor_parallel_profile(expert_parallel_profile(profile, ep)[0], tp,
@@ -446,6 +452,8 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
                     host_limit, activations_on_device, per_host, reduce_dtype)
     plan.reasons[2:2] = _data_parallel_reasons(modes, best, best_by_mode, world_size, tp)
     plan.reasons += [r for r in (disk_reason(best.prediction, per_host),) if r]
+    # the frozen layout priced ([Note: whole frozen chunks] in chunk/_frozen_whole.py; plain data parallelism only)
+    plan.frozen_whole = frozen_whole and best.data_parallel == "sharded" and ep == 1 and tp == 1
     if ep > 1 or tp > 1:  # what prepare sees on each rank after parallelize ([Note: expert parallel pricing])
         plan.num_params, plan.param_order = rank_profile.num_params, rank_param_order(rank_profile)
     if best.data_parallel == "replicated":
@@ -554,6 +562,7 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
         budget = hardware.device_total_bytes
     data_parallel, replicated_placements, note = _auto_data_parallel(model, config, world_size)
     mesh_world_size, parallel_kwargs = _parallel_search_args(model, config, world_size)
+    frozen_whole = searched_frozen_whole(model, config, world_size, hardware)
     host_budget = getattr(config, "host_memory_budget_bytes", None)  # per rank; the search limits per machine
     per_host = _ranks_per_host(mesh_world_size, None)
     # an explicit budget charges activations on any device (the simulated pool too) unless the config opts
@@ -571,7 +580,7 @@ def auto_plan(model: nn.Module, sample_batch: Any, config: Any, *, hardware: Har
                     host_memory_name="ElixirConfig.host_memory_budget_bytes (per rank)",
                     overlap_host_optimizer=getattr(config, "overlap_host_optimizer", None),
                     reduce_dtype=getattr(config, "reduce_dtype", "fp32"), **optimizer_cost_terms(optimizer, config),
-                    disk=config_disk_tier(config, hardware, per_host), **parallel_kwargs)
+                    disk=config_disk_tier(config, hardware, per_host), frozen_whole=frozen_whole, **parallel_kwargs)
     plan = result.plan
     plan.world_size = world_size  # prepare's group (the data-parallel one when given as ElixirConfig.process_group)
     if note:
