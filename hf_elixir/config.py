@@ -264,8 +264,10 @@ class ElixirConfig:
             (a parameter larger than that gets a chunk of its own), so the largest frozen parameter no longer sets
             the device floor; costs the frozen bytes in host RAM on every rank. `"auto"`: whole where a whole copy
             fits `host_memory_budget_bytes` and whole-chunk copies cost less than shard copies plus all-gathers at
-            this machine's measured rates (or no rates are measured yet), else sharded; one rank, tensor/expert
-            parallel models: sharded; with a `plan`, as the plan was made (`ElixirPlan.frozen_whole`). See [Note: whole frozen chunks] in `hf_elixir/chunk/_frozen_whole.py`.
+            this machine's measured rates (none measured yet: whole on a CPU, sharded on a GPU), else sharded; one
+            rank, tensor/expert parallel models and models that train nothing (reference models): sharded; with a
+            `plan`, as the plan was made (`ElixirPlan.frozen_whole`). See [Note: whole frozen chunks] in
+            `hf_elixir/chunk/_frozen_whole.py`.
         allow_missing_keys (`bool`, defaults to `False`):
             With `prepare(..., checkpoint=folder)`: parameters the folder has no tensor for raise (naming them);
             `True` lets them start from their own values, or on the meta device from the model's `_init_weights`

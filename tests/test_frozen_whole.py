@@ -241,6 +241,13 @@ def test_auto_prices_whole_against_sharded():
     assert choose_frozen_whole("auto", 2, gib, 8 * gib, None, None)[0]
     assert not choose_frozen_whole("auto", 1, gib, 8 * gib, None, None)[0]
     assert not choose_frozen_whole("whole", 2, gib, 8 * gib, None, None, is_parallel=True)[0]
+    # nothing measured on a GPU: sharded (NCCL's all-gather outpaces whole host copies); measured rates still decide
+    whole, reason = choose_frozen_whole("auto", 8, gib, 64 * gib, None, None, device_type="cuda")
+    assert not whole and "hf-elixir probe" in reason
+    assert choose_frozen_whole("auto", 2, gib, 8 * gib, 1.2e9, 1.0e8, device_type="cuda")[0]
+    # a model that trains nothing (a reference model, a teacher) is stored once, sharded
+    whole, reason = choose_frozen_whole("auto", 2, gib, 8 * gib, 1.2e9, 1.0e8, trains=False)
+    assert not whole and "trains nothing" in reason
 
 
 def test_frozen_placement_is_validated():

@@ -13,12 +13,12 @@ import torch
 from tests.test_qlora import BUDGET_BYTES, ROWS, _adamw, _batch, _qlora_model
 
 
-def _prepared(model=None):
+def _prepared(model=None, frozen_placement: str = "auto"):
     import hf_elixir
 
     model = model if model is not None else _qlora_model()
     config = hf_elixir.ElixirConfig(device_memory_budget_bytes=BUDGET_BYTES, chunk_size_numel=16_384,
-                                    budget_covers_activations=False)
+                                    budget_covers_activations=False, frozen_placement=frozen_placement)
     return hf_elixir.prepare(model, _adamw(model), config)
 
 
@@ -142,12 +142,12 @@ def test_save_checkpoint_round_trip(tmp_path):
     _assert_same_state(fresh.state_dict(), plain.state_dict())
 
 
-def _load_at(rank: int, world_size: int) -> dict:
+def _load_at(rank: int, world_size: int, frozen_placement: str) -> dict:
     from tests.test_qlora import _batch
 
     plain = _trained_plain()
-    model, opt = _prepared()
-    model.load_state_dict(plain.state_dict())  # each rank writes its slice of the packed bytes back to its shard
+    model, opt = _prepared(frozen_placement=frozen_placement)
+    model.load_state_dict(plain.state_dict())  # sharded: each rank writes its slice of the packed bytes to its shard
     _assert_same_state(model.state_dict(), plain.state_dict())
     ids = _batch(5, ROWS)
     import hf_elixir
@@ -157,8 +157,9 @@ def _load_at(rank: int, world_size: int) -> dict:
                 plain=float(plain(input_ids=ids, labels=ids).loss.detach()))
 
 
-def test_load_a_plain_state_dict_at_two_ranks():
+@pytest.mark.parametrize("frozen_placement, world_sizes", [("sharded", {2}), ("whole", {1, 2})])
+def test_load_a_plain_state_dict_at_two_ranks(frozen_placement, world_sizes):
     from tests._dist import run_distributed
 
-    for r in run_distributed(_load_at, 2, timeout_s=180):
-        assert r["sharded"] == {2} and r["loss"] == pytest.approx(r["plain"], rel=1e-6)
+    for r in run_distributed(_load_at, 2, frozen_placement, timeout_s=180):
+        assert r["sharded"] == world_sizes and r["loss"] == pytest.approx(r["plain"], rel=1e-6)

@@ -48,7 +48,7 @@ def _elixir(rank: int, world_size: int, out: str) -> dict:
     trainer.train()
     manager = hf_elixir.get_state(trainer.model).manager
     return dict(_trained(trainer), evictions=hf_elixir.memory_stats(trainer.model)["num_evictions"],
-                sharded=manager.chunks[0].world_size, world=world_size)
+                world_sizes={c.world_size for c in manager.chunks}, world=world_size)
 
 
 def test_qlora_through_sft_trainer_two_ranks_matches_one_process_on_the_global_batch(tmp_path):
@@ -56,7 +56,8 @@ def test_qlora_through_sft_trainer_two_ranks_matches_one_process_on_the_global_b
     ref.train()
     want = _trained(ref)
     for got in run_distributed(_elixir, 2, str(tmp_path), timeout_s=300):
-        assert got["world"] == 2 and got["sharded"] == 2 and got["evictions"] > 0
+        # the adapters' chunks sharded over both ranks; the NF4 base whole on each ("auto" on this machine)
+        assert got["world"] == 2 and got["world_sizes"] == {1, 2} and got["evictions"] > 0
         assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-5)
         assert got["keys"] == want["keys"]  # the plain model's names, NF4 weights included, in its order
         adapters = want["adapters"]

@@ -33,8 +33,11 @@ link; a GPU whose NVLink gathers faster than that shards. Where the frozen base 
 whole it is sharded whatever the rates say (memory first: PatrickStar, arXiv 2108.05818, and Elixir, arXiv
 2212.05339 section 5, partition only when memory requires it; DDP keeps a whole copy per rank of everything, and
 frozen copies are the part of that which costs no communication). Without measured rates (no hardware probe cached
-on this machine at this world size) "auto" keeps them whole: that is the layout that needs no collective, and
-partitioning is for memory, which the host budget checks. One rank: no difference in storage, so "auto" keeps the
+on this machine at this world size) "auto" keeps them whole on a CPU (gloo's all-gather is a socket round trip) and
+shards them on a GPU (NCCL over NVLink gathers faster than a PCIe copy of the whole chunk, and a whole copy per rank
+of a large base is what a GPU node's host memory can least afford); ``hf-elixir probe`` measures both rates. A model
+that trains nothing (a reference model, a teacher: every parameter frozen) is stored once, sharded: its only cost
+is the all-gather, and ``W`` host copies of a whole model per node are what sharding exists to avoid. One rank: no difference in storage, so "auto" keeps the
 layout one-rank runs always had (sharded chunks, which at one rank are whole). The decision is made once per
 ``prepare`` (rank 0's), before the search packs chunks, and a searched plan records it (``ElixirPlan.frozen_whole``):
 a plan numbers the chunks of one layout, so ``prepare`` given a plan follows it.
@@ -59,7 +62,8 @@ def frozen_bucket_numel(chunk_size_numel: int, element_bytes: int) -> int:
 
 def choose_frozen_whole(mode: str, world_size: int, frozen_bytes: int, host_budget_bytes: int,
                         h2d_bytes_per_s: float | None, allgather_bytes_per_s: float | None,
-                        is_parallel: bool = False) -> tuple[bool, str]:
+                        is_parallel: bool = False, *, trains: bool = True,
+                        device_type: str = "cpu") -> tuple[bool, str]:
     """Whether frozen chunks are kept whole on every rank ([Note: whole frozen chunks]).
 
     Args:
@@ -70,6 +74,8 @@ def choose_frozen_whole(mode: str, world_size: int, frozen_bytes: int, host_budg
         h2d_bytes_per_s / allgather_bytes_per_s: the measured host->device copy rate and all-gather rate (gathered
             bytes per second) of this machine at ``world_size`` (``HardwareProfile``); ``None``: not measured.
         is_parallel: a tensor/expert-parallel model (its chunks have groups of their own): always sharded.
+        trains: the model trains some parameter; ``False`` (every parameter frozen): "auto" shards.
+        device_type: the compute device's type: without measured rates "auto" keeps whole on ``"cpu"`` only.
 
     Returns:
         ``(whole, reason)``.
@@ -84,7 +90,12 @@ def choose_frozen_whole(mode: str, world_size: int, frozen_bytes: int, host_budg
     if frozen_bytes > host_budget_bytes:
         return False, (f"frozen_placement='auto' -> sharded: a whole copy of the {frozen_bytes} frozen bytes does not "
                        f"fit the host budget of {host_budget_bytes} bytes per rank")
+    if not trains:
+        return False, "frozen_placement='auto' -> sharded: a model that trains nothing is stored once, sharded"
     if not h2d_bytes_per_s or not allgather_bytes_per_s:
+        if device_type != "cpu":
+            return False, ("frozen_placement='auto' -> sharded: no measured copy or all-gather rate here, and on a "
+                           f"{device_type} device the all-gather outpaces whole copies (run `hf-elixir probe` to price it)")
         return True, ("frozen_placement='auto' -> whole: no measured copy or all-gather rate here, and a whole copy "
                       f"of the {frozen_bytes} frozen bytes fits the host budget (no collective for them)")
     whole_s = frozen_bytes / h2d_bytes_per_s

@@ -46,12 +46,14 @@ def resolve_frozen_placement(params, config: ElixirConfig, world_size: int, *, i
         whole, reason = choose_frozen_whole(config.frozen_placement, world_size, 0, 0, None, None, is_parallel)
         return dataclasses.replace(config, frozen_placement="whole" if whole else "sharded"), reason
     frozen = sum(p.numel() for p in params if not p.requires_grad) * element_bytes(config.precision)
+    device = select_compute_device()
     if frozen and world_size > 1 and not is_parallel and rates is None:
-        rates = cached_rates(select_compute_device(), world_size) or {}
+        rates = cached_rates(device, world_size) or {}
     rates = rates or {}
     host = config.host_memory_budget_bytes or default_host_budget_bytes()
     whole, reason = choose_frozen_whole("auto", world_size, frozen, host, rates.get("h2d_bytes_per_s"),
-                                        rates.get("allgather_bytes_per_s"), is_parallel)
+                                        rates.get("allgather_bytes_per_s"), is_parallel,
+                                        trains=any(p.requires_grad for p in params), device_type=device.type)
     return dataclasses.replace(config, frozen_placement="whole" if whole else "sharded"), reason
 
 
