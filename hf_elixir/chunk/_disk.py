@@ -51,7 +51,9 @@ import multiprocessing.util
 import os
 import re
 import secrets
+import threading
 import weakref
+from collections.abc import Hashable
 
 import torch
 
@@ -124,7 +126,9 @@ class DiskFile:
     Args:
         directory: ``ElixirConfig.offload_dir``.
         rank: this process's rank (in the file name).
-        regions: region key (a chunk id) -> ``[(tensor key, numel)]`` laid out in that region, in order.
+        regions: region key (a chunk id, or ``(kind, chunk id)`` for a chunk's parameter or gradient shard, [Note:
+            disk parameters] in ``_disk_pages.py``) -> ``[(tensor key, numel)]`` or ``[(tensor key, numel,
+            dtype)]`` (default fp32) laid out in that region, in order.
         budget_bytes: ``ElixirConfig.disk_budget_bytes`` (``None``: the free space).
         window: the most regions written back at once.
 
@@ -132,18 +136,19 @@ class DiskFile:
         ValueError: the file does not fit the budget or the free space (naming the fields and the fix).
     """
 
-    def __init__(self, directory: str | os.PathLike, rank: int, regions: dict[int, list[tuple[str, int]]],
+    def __init__(self, directory: str | os.PathLike, rank: int, regions: dict[Hashable, list[tuple]],
                  budget_bytes: int | None = None, window: int = 2) -> None:
-        directory = os.fspath(directory)
+        directory = os.path.expanduser(os.fspath(directory))
         _remove_stale(directory, rank)
-        self.regions: dict[int, tuple[int, int]] = {}  # region key -> (offset, nbytes), both page-aligned
-        offsets: dict[tuple[int, str], tuple[int, int]] = {}
+        self.regions: dict[Hashable, tuple[int, int]] = {}  # region key -> (offset, nbytes), both page-aligned
+        offsets: dict[tuple[Hashable, str], tuple[int, int, torch.dtype]] = {}
         cursor = 0
         for region, entries in regions.items():
             start = cursor
-            for key, numel in entries:
-                offsets[(region, key)] = (cursor, numel)
-                cursor += _round_up(numel * 4, _ALIGN_BYTES)
+            for key, numel, *dtype in entries:
+                dtype = dtype[0] if dtype else torch.float32
+                offsets[(region, key)] = (cursor, numel, dtype)
+                cursor += _round_up(numel * dtype.itemsize, _ALIGN_BYTES)
             cursor = _round_up(cursor, PAGE_BYTES)
             self.regions[region] = (start, cursor - start)
         self.nbytes = max(cursor, PAGE_BYTES)
@@ -159,13 +164,15 @@ class DiskFile:
                              f"disk tier ({err.strerror}); free space there or give another offload_dir") from None
         self.storage = torch.UntypedStorage.from_file(self.path, shared=True, nbytes=self.nbytes)
         self._base = self.storage.data_ptr()
-        self.tensors = {key: torch.empty(0, dtype=torch.float32).set_(self.storage, off // 4, (numel,))
-                        for key, (off, numel) in offsets.items()}
+        self.tensors = {key: torch.empty(0, dtype=dtype).set_(self.storage, off // dtype.itemsize, (numel,))
+                        for key, (off, numel, dtype) in offsets.items()}
+        # the optimizer's host lane (a worker thread) and the main thread's onloads both schedule regions
+        self._lock = threading.RLock()
         self.window = max(int(window), 1)
         self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf_elixir_disk_read")
         self._writer = concurrent.futures.ThreadPoolExecutor(self.window, thread_name_prefix="hf_elixir_disk_write")
-        self._reads: dict[int, concurrent.futures.Future] = {}
-        self._writes: collections.OrderedDict[int, concurrent.futures.Future] = collections.OrderedDict()
+        self._reads: dict[Hashable, concurrent.futures.Future] = {}
+        self._writes: collections.OrderedDict[Hashable, concurrent.futures.Future] = collections.OrderedDict()
         self.bytes_read = self.bytes_written = 0
         self._finalizer = weakref.finalize(self, _close, self.path, self._fd, [self._reader, self._writer])
         # a multiprocessing child leaves by os._exit (no atexit): its own finalizers run the same (once-only) close
@@ -184,12 +191,12 @@ class DiskFile:
                              f"{self.nbytes} bytes this rank's optimizer state needs on disk; free space there, give "
                              "an offload_dir on a larger disk, or raise host_memory_budget_bytes")
 
-    def tensor(self, region: int, key: str) -> torch.Tensor | None:
+    def tensor(self, region: Hashable, key: str) -> torch.Tensor | None:
         """The fp32 tensor ``key`` of ``region`` (a view of the mapped file), or ``None`` if not laid out."""
         return self.tensors.get((region, key))
 
     # -- read ahead / write back ------------------------------------------------------------------
-    def _read(self, region: int) -> None:
+    def _read(self, region: Hashable) -> None:
         offset, nbytes = self.regions[region]
         os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_WILLNEED)  # the region in large reads
         if _libc().madvise(self._base + offset, nbytes, _MADV_POPULATE_WRITE) != 0:  # kernel < 5.14
@@ -198,7 +205,7 @@ class DiskFile:
             pages.add_(0)  # touch every page writable (x + 0: the values stay)
         self.bytes_read += nbytes
 
-    def _write(self, region: int) -> None:
+    def _write(self, region: Hashable) -> None:
         offset, nbytes = self.regions[region]
         libc = _libc()
         if libc.msync(self._base + offset, nbytes, _MS_SYNC) != 0:
@@ -207,33 +214,46 @@ class DiskFile:
         os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         self.bytes_written += nbytes
 
-    def prefetch(self, region: int) -> None:
+    def prefetch(self, region: Hashable) -> None:
         """Start reading ``region`` in (after its own write-back, if one is in flight)."""
-        if region in self._reads:
-            return
-        pending = self._writes.pop(region, None)
-        if pending is not None:
-            pending.result()
-        self._reads[region] = self._reader.submit(self._read, region)
+        with self._lock:
+            if region in self._reads:
+                return
+            pending = self._writes.pop(region, None)
+            if pending is not None:
+                pending.result()
+            self._reads[region] = self._reader.submit(self._read, region)
 
-    def ready(self, region: int) -> None:
+    def ready(self, region: Hashable) -> None:
         """Wait until ``region`` is read in (reading it now if nobody asked)."""
-        self.prefetch(region)
-        self._reads.pop(region).result()
+        with self._lock:
+            self.prefetch(region)
+            future = self._reads.pop(region)
+        future.result()
 
-    def write_back(self, region: int) -> None:
+    def write_back(self, region: Hashable) -> None:
         """Start writing ``region`` back and evicting it; first wait for the oldest write-backs so that at most
-        ``window`` are in flight."""
-        while len(self._writes) >= self.window:
-            self._writes.popitem(last=False)[1].result()
-        self._writes[region] = self._writer.submit(self._write, region)
+        ``window`` are in flight. A read ahead or a write-back of ``region`` still in flight is waited first."""
+        with self._lock:
+            for earlier in (self._reads.pop(region, None), self._writes.pop(region, None)):
+                if earlier is not None:
+                    earlier.result()
+            while len(self._writes) >= self.window:
+                self._writes.popitem(last=False)[1].result()
+            self._writes[region] = self._writer.submit(self._write, region)
+
+    def pending_reads(self) -> list:
+        """Regions read ahead and not yet taken by :meth:`ready`."""
+        with self._lock:
+            return list(self._reads)
 
     def settle(self) -> None:
         """Wait for every read and write-back in flight."""
-        for future in list(self._reads.values()) + list(self._writes.values()):
-            future.result()
-        self._reads.clear()
-        self._writes.clear()
+        with self._lock:
+            for future in list(self._reads.values()) + list(self._writes.values()):
+                future.result()
+            self._reads.clear()
+            self._writes.clear()
 
     def evict_all(self) -> None:
         """Write back and evict every region (after a write outside the step: a state load)."""
@@ -241,11 +261,15 @@ class DiskFile:
         for region in self.regions:
             self._write(region)
 
-    def resident_bytes(self) -> int:
-        """Bytes of the file that are in host memory now (``mincore``: page cache pages of the mapping)."""
-        pages = self.nbytes // PAGE_BYTES
+    def resident_bytes(self, region: Hashable | None = None) -> int:
+        """Bytes of the file (or of ``region``) that are in host memory now (``mincore``: page cache pages of the
+        mapping)."""
+        offset, nbytes = (0, self.nbytes) if region is None else self.regions[region]
+        pages = nbytes // PAGE_BYTES
+        if not pages:
+            return 0
         vec = (ctypes.c_ubyte * pages)()
-        if _libc().mincore(self._base, self.nbytes, vec) != 0:
+        if _libc().mincore(self._base + offset, nbytes, vec) != 0:
             raise OSError(ctypes.get_errno(), "mincore failed")
         return sum(b & 1 for b in vec) * PAGE_BYTES
 

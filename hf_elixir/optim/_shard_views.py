@@ -52,8 +52,7 @@ class ShardStateMixin:
                                          {c.chunk_id: c.shard_numel for c in host})
         # [Note: disk states] in _disk_state.py: masters and states that do not fit the host budget go to disk
         self._disk = DiskStates.build(manager, self.config, host, state_keys, self.refresh_cast)
-        manager.host.reserve_for([(c.shard_numel, torch.float32) for c in host]  # gradient shards, masters, states
-                                 + DiskStates.host_requests(host, state_keys, self._disk)
+        manager.host.reserve_for(DiskStates.host_requests(host, state_keys, self._disk)  # gradient shards, masters, states
                                  + [(c.shard_numel, c.dtype) for c in host if uploads_cast(c)
                                     and self.refresh_cast == "host"])  # staging
         self._init_refresh_buffers(host)  # [Note: overlapped refresh] in _refresh.py
@@ -76,8 +75,9 @@ class ShardStateMixin:
             manager.pool.charge(nbytes, f"gradient shard of chunk {chunk.chunk_id}")
             grad_shard = strict.register_device(torch.zeros(chunk.shard_numel, dtype=torch.float32,
                                                             device=location))
-        else:
-            grad_shard = manager.host_zeros(chunk.shard_numel, torch.float32)
+        else:  # a fresh file is zero ([Note: disk parameters] in hf_elixir/chunk/_disk_pages.py)
+            on_disk = self._disk.grad_shard(chunk.chunk_id) if self._disk is not None else None
+            grad_shard = on_disk if on_disk is not None else manager.host_zeros(chunk.shard_numel, torch.float32)
         manager.grad_shards[chunk.chunk_id] = grad_shard
         shard_view = chunk.shard if not chunk.full_alias else chunk.full
         source = self._fp32_init.pop(chunk.chunk_id, shard_view)  # fp32 values from before the cast

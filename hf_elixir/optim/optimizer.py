@@ -262,7 +262,7 @@ class ElixirOptimizer(ShardStateMixin, InnerStepMixin, RefreshMixin, ClipMixin, 
             self.scaler.update(True)
         else:
             if host_coef < 1.0:
-                for g in self._grad_shards():
+                for _, g in self._grad_items():  # a disk shard read in for its turn
                     if self._is_host(g):
                         g.mul_(host_coef)
             if self.inner is not None:
