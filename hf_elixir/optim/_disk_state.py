@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -39,10 +40,11 @@ from hf_elixir.chunk._disk import PAGE_BYTES, DiskFile
 from hf_elixir.chunk._disk_pages import DiskPages, grad_region, param_region
 from hf_elixir.chunk.host_blocks import ALIGN_BYTES
 from hf_elixir.chunk.memory import default_host_budget_bytes
+from hf_elixir.optim._host_state import HostStates
 from hf_elixir.optim._refresh import uploads_cast
 
-__all__ = ["DiskStates", "GRAD_KEY", "HostFloor", "MASTER_KEY", "PARAM_KEY", "WINDOW_CHUNKS", "host_floor_bytes",
-           "in_flight_bytes"]
+__all__ = ["DiskStates", "GRAD_KEY", "HostFloor", "HostBudgetFloor", "MASTER_KEY", "PARAM_KEY", "WINDOW_CHUNKS",
+           "host_floor_bytes", "in_flight_bytes", "min_host_budget_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +127,10 @@ def host_floor_bytes(manager, config, host: list, state_keys: dict[int, list[str
     parts = {c.chunk_id: _parts(c, state_keys.get(c.chunk_id, [])) for c in host}
     staging = sum(_aligned(c.shard_numel * c.element_size, ALIGN_BYTES) for c in host
                   if uploads_cast(c) and refresh_cast == "host")
-    # the host shards are in the host blocks already; gradient shards, masters and states come next
-    everything = manager.host.requested_bytes + staging + sum(
+    # the host shards (of every chunk, trained or frozen), then the gradient shards, masters and states
+    shards = sum(_aligned(c.shard_bytes, ALIGN_BYTES) for c in manager.chunks
+                 if not c.shard_on_device and not c.shard_in_full)
+    everything = shards + staging + sum(
         _host_bytes(p["state"]) + _host_bytes(p["grad"]) for p in parts.values())
     order = [(kind, c.chunk_id) for kind in _KINDS for c in reversed(host) if parts[c.chunk_id][kind]]
     depth, lane = max(manager.prefetch_depth, 1), _lane(config, manager)
@@ -295,3 +299,42 @@ def _move_host_shards(manager, file: DiskFile, cids) -> None:
             chunk.shard = manager.host_empty(chunk.shard_numel, chunk.dtype)
             with torch.no_grad(), strict.host_copies():
                 chunk.shard.copy_(kept[chunk.chunk_id])
+
+
+class HostBudgetFloor(NamedTuple):
+    """:func:`min_host_budget_bytes`'s answer (bytes per rank).
+
+    Attributes:
+        with_disk_bytes: the least ``host_memory_budget_bytes`` with ``offload_dir`` set.
+        without_disk_bytes: the least without a disk (everything in host memory).
+    """
+
+    with_disk_bytes: int
+    without_disk_bytes: int
+
+
+def min_host_budget_bytes(model: torch.nn.Module, optimizer, config=None) -> HostBudgetFloor:
+    """The least ``ElixirConfig.host_memory_budget_bytes`` this rank's model and optimizer state need, with the disk
+    tier and without it ([Note: disk states]): with a disk, what stays in host memory when every master, moment,
+    gradient shard and parameter host shard of the host optimizer chunks is on disk (the regions in flight, the
+    host shards of frozen chunks, refresh staging); without, all of it. ``prepare`` refuses a budget below
+    ``with_disk_bytes`` (with ``offload_dir``) naming it, and trains at it.
+
+    Args:
+        model: the prepared model.
+        optimizer: the optimizer ``hf_elixir.prepare`` returned for it (or an accelerate wrapper around it).
+        config: the ``ElixirConfig`` to price (its ``overlap_host_optimizer`` decides whether the step's and
+            backward's regions are in flight at once); ``None``: the one ``prepare`` got.
+
+    Returns:
+        :class:`HostBudgetFloor` ``(with_disk_bytes, without_disk_bytes)``, bytes per rank.
+
+    Raises:
+        TypeError: ``optimizer`` is not one ``hf_elixir.prepare`` returned.
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+    if not hasattr(inner, "_host_floor"):
+        raise TypeError(f"min_host_budget_bytes(optimizer={type(optimizer).__name__}): pass the optimizer "
+                        "hf_elixir.prepare(model, optimizer, config) returned")
+    floor = inner._host_floor(config if config is not None else inner.config)
+    return HostBudgetFloor(floor.least_bytes, floor.everything_bytes)
