@@ -37,8 +37,8 @@ def _params(model) -> dict[str, torch.Tensor]:
 
 def _prepare(model, offload_dir, world_size=1, **config):
     num_params = sum(p.numel() for p in model.parameters())
-    # 16 B/param (the state of an unpadded model; these tiny chunks carry much padding): the gradient shards stay in host
-    # memory beside the regions in flight, the masters and moments go to disk (a quarter of the state, the gradient
+    # 16 B/param (the state of an unpadded model; these tiny chunks carry much padding): the gradient shards stay in
+    # host memory beside the regions in flight, the masters and moments go to disk (a quarter of the state, the gradient
     # and parameter shards on disk too: test_disk_tier_params.py)
     config.setdefault("host_memory_budget_bytes", 16 * num_params // world_size)
     opt = torch.optim.AdamW(two_groups(model), lr=3e-3)

@@ -50,7 +50,8 @@ class ShardStateMixin:
         host, state_keys = self._host_chunks_and_keys()
         # [Note: disk states] in _disk_state.py: masters and states that do not fit the host budget go to disk
         self._disk = DiskStates.build(manager, self.config, host, state_keys, self.refresh_cast)
-        manager.host.reserve_for(DiskStates.host_requests(host, state_keys, self._disk)  # gradient shards, masters, states
+        # gradient shards, masters and states that stay in host memory, and the refresh staging
+        manager.host.reserve_for(DiskStates.host_requests(host, state_keys, self._disk)
                                  + [(c.shard_numel, c.dtype) for c in host if uploads_cast(c)
                                     and self.refresh_cast == "host"])  # staging
         self._init_refresh_buffers(host)  # [Note: overlapped refresh] in _refresh.py
