@@ -42,14 +42,16 @@ def _num_params() -> int:
     return sum(p.numel() for p in _model().parameters())
 
 
-def _prepare(offload_dir, world_size=1, seed=0, host_bytes=None):
+def _prepare(offload_dir, world_size=1, seed=0, host_bytes=None, **extra):
     """Shards on the host (the device budget is the floor: no room for any shard), a quarter of the state's host
-    bytes by default."""
+    bytes by default; ``offload_dir=None``: no disk, no host budget."""
     model = _model(seed)
     opt = torch.optim.AdamW(two_groups(model, weight_decay=0.1), lr=3e-3)
+    budget = host_bytes or 16 * _num_params() // world_size // 4
     config = hf_elixir.ElixirConfig(chunk_size_numel=CHUNK, offload_optimizer=True, default_placement="sharded",
-                                    budget_covers_activations=False, offload_dir=str(offload_dir),
-                                    host_memory_budget_bytes=host_bytes or 16 * _num_params() // world_size // 4)
+                                    budget_covers_activations=False, **extra,
+                                    offload_dir=None if offload_dir is None else str(offload_dir),
+                                    host_memory_budget_bytes=None if offload_dir is None else budget)
     floor = hf_elixir.min_device_budget_bytes(model, opt, config, world_size)
     return hf_elixir.prepare(model, opt, dataclasses.replace(config, device_memory_budget_bytes=floor))
 
@@ -138,6 +140,35 @@ def test_a_quarter_of_the_state_in_host_memory_matches_pytorch(tmp_path, world_s
         # host memory really used (host blocks + the file's resident pages) within the budget at its peak
         assert out["samples"] > 100 and 0 < out["peak"] <= out["budget"], out
         assert out["resident_after"] == 0
+
+
+@pytest.mark.parametrize("precision,overlap,micro", [("fp32", True, 1), ("fp32", False, 2), ("bf16", False, 1)])
+def test_parameters_on_disk_change_no_bit(tmp_path, precision, overlap, micro):
+    """``overlap_host_optimizer=True`` (the host lane takes the gradients on its thread, and does not step during
+    backward while they are on disk), gradient accumulation (the second micro-batch added to a gradient shard on
+    disk), and bf16 (bf16 host shards on disk refreshed from fp32 masters on disk): the run with the parameters on
+    disk is bit for bit the run with everything in host memory, within the host budget."""
+    runs = []
+    for offload_dir in (tmp_path, None):
+        # (the reference without the disk does not speculate either: an undone speculative step is an ulp off)
+        model, opt = _prepare(offload_dir, precision=precision, overlap_host_optimizer=overlap and bool(offload_dir))
+        peak = None
+        if offload_dir is not None:
+            assert opt.manager.disk_pages.params and opt.manager.disk_pages.grads
+            peak = _HostPeak(model, opt._disk.file)
+        for step in range(3):
+            for index in range(micro):
+                opt.backward(model(**batch("gpt2", 10 * step + index, ROWS)).loss / micro)
+            opt.clip_grad_norm(MAX_NORM)
+            opt.step()
+            opt.zero_grad()
+        if peak is not None:  # (a bf16 state dict then reads the fp32 masters through the page cache)
+            assert peak.peak_bytes <= opt.config.host_memory_budget_bytes, (peak.peak_bytes, opt.config)
+            assert not opt._lane.speculate and opt._lane.num_speculated == 0
+        runs.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        if peak is not None:
+            opt._disk.close()
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[1])
 
 
 def test_checkpoint_resume_with_parameters_on_disk_is_exact(tmp_path):

@@ -90,7 +90,8 @@ class DiskPages:
         window = m.prev_order.window(len(m.trace), pinned, max(m.prefetch_depth, 1))
         wanted = {param_region(cid) for _, cid in window if self._reads_shard(m.chunks[cid])}
         for region in self.file.pending_reads():
-            if region[0] == PARAM and region not in wanted and region[1] not in pinned:
+            # (the optimizer's host lane reads its next chunk's regions ahead too: states are keyed by a chunk id)
+            if isinstance(region, tuple) and region[0] == PARAM and region not in wanted and region[1] not in pinned:
                 self.file.write_back(region)
         for _, cid in window:
             if param_region(cid) in wanted:

@@ -54,10 +54,7 @@ class GradShardMixin:
         if chunk.grad_shard_clean:
             target = grad_shard
         else:
-            staging = self._grad_staging.get(cid)
-            if staging is None:
-                staging = self._grad_staging[cid] = self.host_empty(chunk.shard_numel, torch.float32)
-            target = staging
+            staging = target = self._accumulation_staging(chunk)
         stream, event = self.offload_stream, None
         if self.disk_pages is not None and target is grad_shard:  # [Note: disk parameters] in _disk_pages.py
             self.disk_pages.grad_in(cid)
@@ -84,6 +81,18 @@ class GradShardMixin:
             event.synchronize()
         if staging is not None:
             grad_shard.add_(staging)
+
+    def _accumulation_staging(self, chunk: Chunk) -> torch.Tensor:
+        """The host buffer a later micro-batch's gradient shard is copied into before it is added: the chunk's own
+        (kept for the next), or for gradient shards on disk one buffer shared by all of them (their add ends in
+        :meth:`offload_grad`, [Note: disk parameters] in ``_disk_pages.py``)."""
+        pages = self.disk_pages
+        key = -1 if pages is not None and chunk.chunk_id in pages.grads else chunk.chunk_id
+        staging = self._grad_staging.get(key)
+        if staging is None:
+            numel = max(self.chunks[c].shard_numel for c in pages.grads) if key == -1 else chunk.shard_numel
+            staging = self._grad_staging[key] = self.host_empty(numel, torch.float32)
+        return staging[:chunk.shard_numel]
 
     def _grad_to_disk(self, cid: int, grad_shard: torch.Tensor, staging, event) -> None:
         """A gradient shard in the disk tier's file ([Note: disk parameters] in ``_disk_pages.py``): finish the copy

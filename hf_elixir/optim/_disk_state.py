@@ -1,14 +1,20 @@
 """Which host optimizer chunks keep their fp32 master and optimizer states on disk, and their ordered step.
 
 [Note: disk states] With ``ElixirConfig.offload_dir`` set, the optimizer prices what its host optimizer chunks
-hold on the host: per chunk its fp32 gradient shard (always host: the reduce writes it during backward), its
-refresh staging buffer, its fp32 master (where it is not the chunk's own fp32 host shard) and its element-wise
-states (``exp_avg``, ``exp_avg_sq``, ...). When that, on top of what the manager already holds on the host
-(host shards, ...), exceeds ``ElixirConfig.host_memory_budget_bytes``, the masters and states of chunks taken
-from the end of the chunk order move to one file per rank ([Note: disk tier] in
-``hf_elixir/chunk/_disk.py``) until the rest plus the chunks in flight (``window`` + 1 read ahead) fits.
-A chunk whose master is its fp32 host shard keeps it (parameter chunks are not put on disk) and moves its
-states only. Nothing selects a collective, so the choice may differ per rank without harm.
+hold on the host (:func:`host_floor_bytes`): per chunk its fp32 gradient shard, its refresh staging buffer, its fp32
+master (where it is not the chunk's own fp32 host shard), its element-wise states (``exp_avg``, ``exp_avg_sq``,
+...), and every chunk's parameter host shard. When that exceeds ``ElixirConfig.host_memory_budget_bytes``, parts
+move to one file per rank ([Note: disk tier] in ``hf_elixir/chunk/_disk.py``), chunk by chunk from the end of the
+chunk order, until the rest plus the regions in flight (:func:`in_flight_bytes`) fits: first the masters and states;
+then the fp32 gradient shards (read once and written once a step); then the parameter host shards (read at each
+onload, written once a step; for an fp32 model whose shards live on the host the shard IS the chunk's master) --
+[Note: disk parameters] in ``hf_elixir/chunk/_disk_pages.py`` keeps their pages out of host memory between uses.
+The host shards of frozen chunks, rank-local refill copies and staging buffers stay in host memory. A budget that
+cannot hold what stays even with every movable part on disk is refused naming the least that works (public as
+``hf_elixir.min_host_budget_bytes``). With gradient shards on disk the host lane does not step chunks during
+backward ([Note: host lane] in ``_overlap.py``: its speculative steps, norms and rollbacks read the gradient shards
+outside this schedule); with the states alone on disk it does, and the step's regions and backward's are priced as
+in flight at once. Nothing selects a collective, so the choice may differ per rank without harm.
 
 The step (``InnerStepMixin._run_inner``) steps the host chunks first, then the disk chunks one by one in chunk
 order: chunk ``i + 1`` (all its regions: moments, gradient shard, parameter shard) is read ahead while chunk ``i``
@@ -136,12 +142,17 @@ def host_floor_bytes(manager, config, host: list, state_keys: dict[int, list[str
     depth, lane = max(manager.prefetch_depth, 1), _lane(config, manager)
 
     def kept_and_flight(chosen):
+        # the host lane steps during backward only while the gradient shards are in host memory
+        spec = lane and all(kind == "state" for kind, _ in chosen)
         regions: dict[int, list[int]] = {}
         for kind, cid in chosen:
             regions.setdefault(cid, []).append(_region_bytes(parts[cid][kind]))
         params = [_region_bytes(parts[cid]["param"]) for kind, cid in chosen if kind == "param"]
         kept = everything - sum(_host_bytes(parts[cid][kind]) for kind, cid in chosen)
-        return kept, in_flight_bytes(regions, params, depth, lane)
+        grads = [parts[cid]["grad"] for kind, cid in chosen if kind == "grad"]
+        if grads:  # the accumulation's staging buffer the gradient shards on disk share (chunk/_grad_shards.py)
+            kept += max(_host_bytes(entries) for entries in grads)
+        return kept, in_flight_bytes(regions, params, depth, spec)
 
     least = sum(kept_and_flight(order))
     chosen: list[tuple[str, int]] = []
@@ -210,6 +221,10 @@ class DiskStates:
                           [c for k, c in floor.chosen if k == "grad"])
         _move_host_shards(manager, file, pages.params)
         manager.disk_pages = pages
+        if pages.grads:  # the one accumulation staging buffer they share, in a block of its own
+            largest = max(pages.grads, key=lambda cid: manager.chunks[cid].shard_numel)
+            manager.host.reserve_for([(manager.chunks[largest].shard_numel, torch.float32)])
+            manager._accumulation_staging(manager.chunks[largest])
         return cls(file, pages)
 
     @staticmethod
