@@ -42,9 +42,9 @@ def _num_params() -> int:
     return sum(p.numel() for p in _model().parameters())
 
 
-def _prepare(offload_dir, world_size=1, seed=0, host_bytes=None, **extra):
-    """Shards on the host (the device budget is the floor: no room for any shard), a quarter of the state's host
-    bytes by default; ``offload_dir=None``: no disk, no host budget."""
+def _prepare(offload_dir, world_size=1, seed=0, host_bytes=None, shards="host", **extra):
+    """Shards on the host (``shards="host"``: the device budget is the floor, no room for any shard; ``"device"``: no
+    device budget), a quarter of the state's host bytes by default; ``offload_dir=None``: no disk, no host budget."""
     model = _model(seed)
     opt = torch.optim.AdamW(two_groups(model, weight_decay=0.1), lr=3e-3)
     budget = host_bytes or 16 * _num_params() // world_size // 4
@@ -52,6 +52,8 @@ def _prepare(offload_dir, world_size=1, seed=0, host_bytes=None, **extra):
                                     budget_covers_activations=False, **extra,
                                     offload_dir=None if offload_dir is None else str(offload_dir),
                                     host_memory_budget_bytes=None if offload_dir is None else budget)
+    if shards == "device":
+        return hf_elixir.prepare(model, opt, config)
     floor = hf_elixir.min_device_budget_bytes(model, opt, config, world_size)
     return hf_elixir.prepare(model, opt, dataclasses.replace(config, device_memory_budget_bytes=floor))
 
@@ -102,8 +104,8 @@ def _in_file(tensor, file) -> bool:
     return file.storage.data_ptr() <= tensor.data_ptr() < file.storage.data_ptr() + file.nbytes
 
 
-def _train_case(rank, world_size, offload_dir):
-    model, opt = _prepare(offload_dir, world_size)
+def _train_case(rank, world_size, offload_dir, shards="host"):
+    model, opt = _prepare(offload_dir, world_size, shards=shards)
     manager, disk = opt.manager, opt._disk
     pages, file = manager.disk_pages, disk.file
     peak = _HostPeak(model, file)
@@ -116,6 +118,7 @@ def _train_case(rank, world_size, offload_dir):
         "rel": rel_l2(params, _reference(world_size)),
         "budget": opt.config.host_memory_budget_bytes, "peak": peak.peak_bytes, "samples": peak.samples,
         "shards_on_host": all(not c.shard_on_device for c in manager.chunks),
+        "shards_on_device": all(c.shard_on_device for c in manager.chunks),
         # every chunk with moments (a trainable element in this rank's shard) has them on disk
         "all_states_on_disk": disk.state_chunks == {v.chunk.chunk_id for v in opt.views},
         "num_grads": len(pages.grads), "num_params": len(pages.params), "num_chunks": len(host),
@@ -140,6 +143,16 @@ def test_a_quarter_of_the_state_in_host_memory_matches_pytorch(tmp_path, world_s
         # host memory really used (host blocks + the file's resident pages) within the budget at its peak
         assert out["samples"] > 100 and 0 < out["peak"] <= out["budget"], out
         assert out["resident_after"] == 0
+
+
+def test_shards_on_the_device_masters_moments_and_gradients_on_disk(tmp_path):
+    """Shards on the device (separate fp32 masters, uploaded to the device after each step from the file: the upload
+    reads the master's region in and evicts it): a quarter of the state in host memory, PyTorch's numbers."""
+    (out,) = run_distributed(_train_case, 1, str(tmp_path), "device")
+    assert out["rel"] < 2e-5, out["rel"]
+    assert out["shards_on_device"] and out["all_states_on_disk"] and out["num_params"] == 0 and out["num_grads"]
+    assert out["samples"] > 100 and 0 < out["peak"] <= out["budget"], out
+    assert out["resident_after"] == 0
 
 
 @pytest.mark.parametrize("precision,overlap,micro", [("fp32", True, 1), ("fp32", False, 2), ("bf16", False, 1)])

@@ -191,6 +191,10 @@ class DiskFile:
                              f"{self.nbytes} bytes this rank's optimizer state needs on disk; free space there, give "
                              "an offload_dir on a larger disk, or raise host_memory_budget_bytes")
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` views this file's mapping."""
+        return self._base <= tensor.data_ptr() < self._base + self.nbytes
+
     def tensor(self, region: Hashable, key: str) -> torch.Tensor | None:
         """The fp32 tensor ``key`` of ``region`` (a view of the mapped file), or ``None`` if not laid out."""
         return self.tensors.get((region, key))

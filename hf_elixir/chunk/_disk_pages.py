@@ -21,6 +21,8 @@ chunk manager's ``disk_pages``, keeps their pages out of host memory between use
   ``zero_grad`` zeroes a disk gradient shard region by region the same way (:meth:`DiskPages.zero_grad`).
 * **the step.** The optimizer steps a disk chunk with all its regions (moments, parameter shard, gradient shard)
   read in, the next chunk's read ahead, and writes them back after its step ([Note: disk states]).
+* **refresh.** An upload of a device shard from its fp32 master in the file (the masters of chunks whose shard is on
+  the device) waits the master's region in for the copy and evicts it after (:meth:`DiskPages.reading`).
 * **anything else** that reads a shard between steps (a state dict, a checkpoint, parameter writes) faults its
   pages in through the mapping: correct, and evicted at the end of the next step (:meth:`DiskPages.evict_idle`).
 
@@ -32,6 +34,8 @@ previous iteration traced; ``madvise(2)``, ``posix_fadvise(2)``.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -59,11 +63,12 @@ class DiskPages:
         param_cids / grad_cids: chunks whose parameter host shard / gradient shard lives in ``file``.
     """
 
-    def __init__(self, manager, file, param_cids, grad_cids) -> None:
+    def __init__(self, manager, file, param_cids, grad_cids, state_regions=None) -> None:
         self.manager = manager
         self.file = file
         self.params = frozenset(param_cids)
         self.grads = frozenset(grad_cids)
+        self.state_regions = dict(state_regions or {})  # chunk id -> its state region (a separate fp32 master)
 
     # -- parameter shards ---------------------------------------------------------------------------
     def onload(self, chunk) -> None:
@@ -96,6 +101,20 @@ class DiskPages:
         for _, cid in window:
             if param_region(cid) in wanted:
                 self.file.prefetch(param_region(cid))
+
+    @contextlib.contextmanager
+    def reading(self, cid: int, source: torch.Tensor):
+        """A refresh of chunk ``cid``'s device shard reading ``source``: when it is the fp32 master in the file, its
+        region is waited in for the copy and written back and evicted after."""
+        region = self.state_regions.get(cid)
+        inside = region is not None and self.file.holds(source)
+        if inside:
+            self.file.ready(region)
+        try:
+            yield
+        finally:
+            if inside:
+                self.file.write_back(region)
 
     # -- gradient shards ----------------------------------------------------------------------------
     def grad_in(self, cid: int) -> None:

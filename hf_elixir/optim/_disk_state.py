@@ -218,7 +218,9 @@ class DiskStates:
                     "parameter host shards of %d of %d host chunks (%d bytes in %s)", rank, kinds["state"],
                     kinds["grad"], kinds["param"], len(host), file.nbytes, os.path.dirname(file.path))
         pages = DiskPages(manager, file, [c for k, c in floor.chosen if k == "param"],
-                          [c for k, c in floor.chosen if k == "grad"])
+                          [c for k, c in floor.chosen if k == "grad"],
+                          {c: c for k, c in floor.chosen if k == "state" and floor.parts[c]["state"][:1]
+                           and floor.parts[c]["state"][0][0] == MASTER_KEY})
         _move_host_shards(manager, file, pages.params)
         manager.disk_pages = pages
         if pages.grads:  # the one accumulation staging buffer they share, in a block of its own
