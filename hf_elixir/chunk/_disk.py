@@ -1,15 +1,17 @@
 """The disk tier's file: one rank's chunk states in a file-backed shared mapping, read ahead and written back.
 
 [Note: disk tier] A rank's disk-held tensors (the fp32 masters and element-wise optimizer states of the host
-optimizer chunks that do not fit ``ElixirConfig.host_memory_budget_bytes``; which ones is the optimizer's
-choice, ``hf_elixir/optim/_disk_state.py``) live in ONE file per rank under ``ElixirConfig.offload_dir``,
+optimizer chunks that do not fit ``ElixirConfig.host_memory_budget_bytes``, then their fp32 gradient shards and
+parameter host shards; which ones is the optimizer's choice, ``hf_elixir/optim/_disk_state.py``, and the pages of the
+last two are scheduled by ``_disk_pages.py``) live in ONE file per rank under ``ElixirConfig.offload_dir``,
 ``hf_elixir-rank{r}-pid{p}-{token}.bin``, mapped with ``torch.UntypedStorage.from_file(path, shared=True,
 nbytes)`` (an ``mmap(MAP_SHARED)`` of the file, made by torch). Each tensor is an fp32 tensor over that storage
 (``Tensor.set_``), so every reader and writer of masters and states (the inner ``torch.optim`` step, state
 dicts, checkpoints, the refresh of compute copies) works on it unchanged: the file's page cache is the one
 copy, and no home-made file format exists (the bytes are the tensors' own, at offsets this object knows).
 
-Each chunk owns one page-aligned *region* of the file (its master, then its states). Host memory is what the
+Each chunk owns one page-aligned *region* of the file for its master and states, and one each for its gradient
+shard and parameter shard where those are on disk. Host memory is what the
 kernel keeps of the file, and the tier bounds it in the step's order (the optimizer steps chunks in a known
 order, so the schedule is exact, not a guess):
 
@@ -184,11 +186,11 @@ class DiskFile:
         free_bytes = free.f_bavail * free.f_frsize
         if budget_bytes is not None and self.nbytes > budget_bytes:
             raise ValueError(f"ElixirConfig.disk_budget_bytes={budget_bytes} is below the {self.nbytes} bytes this "
-                             "rank's optimizer state needs on disk; raise disk_budget_bytes (or "
-                             "host_memory_budget_bytes, so less goes to disk)")
+                             "rank's optimizer state (and gradient and parameter shards) needs on disk; raise "
+                             "disk_budget_bytes (or host_memory_budget_bytes, so less goes to disk)")
         if self.nbytes > free_bytes:
             raise ValueError(f"ElixirConfig.offload_dir={directory!r} has {free_bytes} bytes free, below the "
-                             f"{self.nbytes} bytes this rank's optimizer state needs on disk; free space there, give "
+                             f"{self.nbytes} bytes this rank's disk tier needs; free space there, give "
                              "an offload_dir on a larger disk, or raise host_memory_budget_bytes")
 
     def holds(self, tensor: torch.Tensor) -> bool:
