@@ -231,3 +231,16 @@ def test_offload_dir_expands_the_home_directory(tmp_path, monkeypatch):
     file = DiskFile("~/nvme", 0, {0: [("a", 10)]})
     assert os.path.dirname(file.path) == str(tmp_path / "nvme")
     file.close()
+
+
+def test_a_zeroed_region_reads_zeros_without_io_and_keeps_its_blocks(tmp_path):
+    """``zero_grad`` of a gradient shard on disk punches its blocks out and reserves them again (``DiskFile.zero``)."""
+    file = DiskFile(tmp_path, 0, {("grad", 0): [("grad", 5000)], ("grad", 1): [("grad", 5000)]})
+    file.tensor(("grad", 0), "grad").fill_(3.0)
+    file.tensor(("grad", 1), "grad").fill_(2.0)
+    allocated = os.stat(file.path).st_blocks
+    assert file.zero(("grad", 0))
+    assert file.resident_bytes(("grad", 0)) == 0 and os.stat(file.path).st_blocks == allocated
+    assert float(file.tensor(("grad", 0), "grad").abs().sum()) == 0.0
+    assert float(file.tensor(("grad", 1), "grad").sum()) == 2.0 * 5000
+    file.close()

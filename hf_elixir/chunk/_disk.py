@@ -66,6 +66,7 @@ logger = logging.getLogger(__name__)
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _ALIGN_BYTES = 64  # tensors inside a region: one cache line
 _MS_SYNC, _MADV_DONTNEED, _MADV_POPULATE_WRITE = 4, 4, 23
+_FALLOC_KEEP_SIZE, _FALLOC_PUNCH_HOLE = 1, 2  # <linux/falloc.h>
 
 
 @functools.cache
@@ -74,6 +75,7 @@ def _libc():
     for name in ("msync", "madvise", "mincore"):
         getattr(libc, name).argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p if name == "mincore"
                                         else ctypes.c_int]
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
     return libc
 
 
@@ -260,6 +262,20 @@ class DiskFile:
                 future.result()
             self._reads.clear()
             self._writes.clear()
+
+    def zero(self, region: Hashable) -> bool:
+        """Make ``region`` read as zeros without IO: punch its blocks out (``fallocate(PUNCH_HOLE)``, which also drops
+        its pages from memory) and reserve them again (``posix_fallocate``: unwritten blocks, read as zeros, so the
+        space stays the file's). ``False`` where the file system cannot punch holes (the caller writes zeros)."""
+        with self._lock:
+            for earlier in (self._reads.pop(region, None), self._writes.pop(region, None)):
+                if earlier is not None:
+                    earlier.result()
+            offset, nbytes = self.regions[region]
+            if _libc().fallocate(self._fd, _FALLOC_PUNCH_HOLE | _FALLOC_KEEP_SIZE, offset, nbytes) != 0:
+                return False
+            os.posix_fallocate(self._fd, offset, nbytes)
+            return True
 
     def evict_all(self) -> None:
         """Write back and evict every region (after a write outside the step: a state load)."""

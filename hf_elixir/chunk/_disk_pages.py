@@ -18,7 +18,8 @@ chunk manager's ``disk_pages``, keeps their pages out of host memory between use
   from the shard, and evicts a read ahead that left the window unused, so at most that many regions are read ahead.
 * **gradients.** A reduced gradient shard is written into the file's pages (:meth:`DiskPages.grad_in` waits its
   region in first: an accumulation adds to it) and written back right after (:meth:`DiskPages.grad_out`);
-  ``zero_grad`` zeroes a disk gradient shard region by region the same way (:meth:`DiskPages.zero_grad`).
+  ``zero_grad`` punches a disk gradient shard's blocks out of the file, so it reads as zeros without IO
+  (:meth:`DiskPages.zero_grad`; where the file system cannot, it is zeroed region by region as above).
 * **the step.** The optimizer steps a disk chunk with all its regions (moments, parameter shard, gradient shard)
   read in, the next chunk's read ahead, and writes them back after its step ([Note: disk states]).
 * **refresh.** An upload of a device shard from its fp32 master in the file (the masters of chunks whose shard is on
@@ -128,12 +129,14 @@ class DiskPages:
             self.file.write_back(grad_region(cid))
 
     def zero_grad(self, cid: int, grad_shard: torch.Tensor) -> bool:
-        """``zero_grad`` of a gradient shard on disk (region in, zero, written back); ``False`` if not on disk."""
+        """``zero_grad`` of a gradient shard on disk: its blocks punched out (read as zeros, no IO: ``DiskFile.zero``),
+        else region in, zeroed, written back; ``False`` if not on disk."""
         if cid not in self.grads:
             return False
-        self.grad_in(cid)
-        grad_shard.zero_()
-        self.grad_out(cid)
+        if not self.file.zero(grad_region(cid)):
+            self.grad_in(cid)
+            grad_shard.zero_()
+            self.grad_out(cid)
         return True
 
     def each_grad(self, items: list):

@@ -300,7 +300,8 @@ def _move_host_shards(manager, file: DiskFile, cids) -> None:
     move into a block of their own (the old block, sized for all of them, is then returned whole)."""
     if not cids:
         return
-    chunks = [c for c in manager.chunks if not c.shard_on_device and not c.shard_in_full]
+    chunks = [c for c in manager.chunks if not c.shard_on_device and not c.shard_in_full
+              and manager.host.owns(c.shard)]  # (a shard not sliced from the host blocks stays as it is)
     kept = {c.chunk_id: c.shard.clone() for c in chunks if c.chunk_id not in cids}
     for chunk in chunks:
         old = chunk.shard
