@@ -13,8 +13,10 @@ every region evicted, then region by region ``prefetch`` the next and ``ready`` 
 ``dd if=F of=/dev/null bs=4M`` after evicting F's pages (buffered) and ``iflag=direct``. The ratio is the tier's
 GB/s over buffered dd's (the target is >= 0.8x); the direct columns say whether O_DIRECT would help here.
 
-GPT-2 124M (``GPT2Config()``, fp32, AdamW with weight decay, clipping at 1.0, 1 x 128 tokens a rank, seed 0)
-at 2 gloo ranks, ``offload_optimizer=True`` each time: *host* (the default host budget: every master and moment
+GPT-2 124M's shape with an 8192-token vocabulary (``GPT2Config(vocab_size=8192)``, 91M parameters: the 50257-token
+embedding would be a third of the model in one chunk, whose regions in flight alone exceed a quarter of the state),
+chunks of ``--chunk-numel`` (4 Mi) elements, fp32, AdamW with weight decay, clipping at 1.0, 1 x 128 tokens a rank,
+seed 0, at 2 gloo ranks, ``offload_optimizer=True`` each time: *host* (the default host budget: every master and moment
 in host memory), *disk* (``offload_dir=--dir`` and a host budget of a quarter of the 16 B/param state: the masters,
 moments and gradient shards in the file) and *params* (the same, with the device budget at its floor, so the
 parameter shards live on the host, and most of them in the file too: [Note: disk parameters] in
@@ -117,7 +119,7 @@ def _model(quick: bool):
     import transformers
 
     torch.manual_seed(0)
-    shape = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=128) if quick else {}
+    shape = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=128) if quick else dict(vocab_size=8192)
     cfg = transformers.GPT2Config(**shape, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
     return transformers.GPT2LMHeadModel(cfg)
 
@@ -134,7 +136,7 @@ def _least_host_bytes(config, quick: bool) -> int:
 
 
 def _rank(rank: int, world_size: int, port: int, mode: str, directory: str, steps: int, quick: bool,
-          out: str) -> None:
+          out: str, chunk_numel: int = 1 << 22) -> None:
     import hf_elixir
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -146,7 +148,8 @@ def _rank(rank: int, world_size: int, port: int, mode: str, directory: str, step
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-4)
-    config = hf_elixir.ElixirConfig(offload_optimizer=True, default_placement="sharded")
+    config = hf_elixir.ElixirConfig(offload_optimizer=True, default_placement="sharded",
+                                    chunk_size_numel=None if quick else chunk_numel)
     if mode in ("params", "host_params"):  # no room for shards on the device: they live on the host (or disk)
         floor = hf_elixir.min_device_budget_bytes(model, opt, config, world_size)
         config = dataclasses.replace(config, device_memory_budget_bytes=floor, budget_covers_activations=False)
@@ -186,9 +189,9 @@ def _rank(rank: int, world_size: int, port: int, mode: str, directory: str, step
     dist.destroy_process_group()
 
 
-def _gpt2(mode: str, directory: str, steps: int, quick: bool) -> dict:
+def _gpt2(mode: str, directory: str, steps: int, quick: bool, chunk_numel: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(2, _free_port(), mode, directory, steps, quick, out), nprocs=2,
+        mp.start_processes(_rank, args=(2, _free_port(), mode, directory, steps, quick, out, chunk_numel), nprocs=2,
                            start_method="spawn")
         ranks = [json.load(open(os.path.join(out, f"{mode}{r}.json"))) for r in range(2)]
     slowest = [max(ts) for ts in zip(*(r["step_s"] for r in ranks))]
@@ -205,6 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="64 MiB of IO and a tiny GPT-2")
     parser.add_argument("--skip-gpt2", action="store_true")
+    parser.add_argument("--chunk-numel", type=int, default=1 << 22, help="elements per chunk (GPT-2 runs)")
     parser.add_argument("--modes", default="host,disk,host_params,params",
                         help="GPT-2 runs, comma-separated: host, disk, host_params, params")
     args = parser.parse_args(argv)
@@ -220,7 +224,8 @@ def main(argv: list[str] | None = None) -> dict:
                   "write_ratio": tier["write_gbps"] / dd["write_gbps"],
                   "free_bytes": shutil.disk_usage(directory).free}
         if not args.skip_gpt2:
-            runs = {mode: _gpt2(mode, directory, args.steps, args.quick) for mode in args.modes.split(",")}
+            runs = {mode: _gpt2(mode, directory, args.steps, args.quick, args.chunk_numel)
+                    for mode in args.modes.split(",")}
             result.update({f"gpt2_{mode}": run for mode, run in runs.items()})
             for slow, fast in (("disk", "host"), ("params", "host_params")):
                 if slow in runs and fast in runs:

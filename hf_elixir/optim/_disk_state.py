@@ -133,10 +133,12 @@ def host_floor_bytes(manager, config, host: list, state_keys: dict[int, list[str
     parts = {c.chunk_id: _parts(c, state_keys.get(c.chunk_id, [])) for c in host}
     staging = sum(_aligned(c.shard_numel * c.element_size, ALIGN_BYTES) for c in host
                   if uploads_cast(c) and refresh_cast == "host")
-    # the host shards (of every chunk, trained or frozen), then the gradient shards, masters and states
+    # the host shards (of every chunk, trained or frozen) and rank-local refill copies, then the gradient shards,
+    # masters and states
     shards = sum(_aligned(c.shard_bytes, ALIGN_BYTES) for c in manager.chunks
                  if not c.shard_on_device and not c.shard_in_full)
-    everything = shards + staging + sum(
+    copies = sum(_aligned(c.full_bytes, ALIGN_BYTES) for c in manager.chunks if c.wants_host_copy)
+    everything = shards + copies + staging + sum(
         _host_bytes(p["state"]) + _host_bytes(p["grad"]) for p in parts.values())
     order = [(kind, c.chunk_id) for kind in _KINDS for c in reversed(host) if parts[c.chunk_id][kind]]
     depth, lane = max(manager.prefetch_depth, 1), _lane(config, manager)
