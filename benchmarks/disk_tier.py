@@ -13,7 +13,7 @@ every region evicted, then region by region ``prefetch`` the next and ``ready`` 
 ``dd if=F of=/dev/null bs=4M`` after evicting F's pages (buffered) and ``iflag=direct``. The ratio is the tier's
 GB/s over buffered dd's (the target is >= 0.8x); the direct columns say whether O_DIRECT would help here.
 
-GPT-2 124M's shape with an 8192-token vocabulary (``GPT2Config(vocab_size=8192)``, 91M parameters: the 50257-token
+GPT-2 124M's shape with a 4096-token vocabulary (``GPT2Config(vocab_size=4096)``, 89M parameters: the 50257-token
 embedding would be a third of the model in one chunk, whose regions in flight alone exceed a quarter of the state),
 chunks of ``--chunk-numel`` (4 Mi) elements, fp32, AdamW with weight decay, clipping at 1.0, 1 x 128 tokens a rank,
 seed 0, at 2 gloo ranks, ``offload_optimizer=True`` each time: *host* (the default host budget: every master and moment
@@ -119,7 +119,7 @@ def _model(quick: bool):
     import transformers
 
     torch.manual_seed(0)
-    shape = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=128) if quick else dict(vocab_size=8192)
+    shape = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=128) if quick else dict(vocab_size=4096)
     cfg = transformers.GPT2Config(**shape, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
     return transformers.GPT2LMHeadModel(cfg)
 

@@ -19,7 +19,10 @@ chunk manager's ``disk_pages``, keeps their pages out of host memory between use
 * **gradients.** A reduced gradient shard is written into the file's pages (:meth:`DiskPages.grad_in` waits its
   region in first: an accumulation adds to it) and written back right after (:meth:`DiskPages.grad_out`);
   ``zero_grad`` punches a disk gradient shard's blocks out of the file, so it reads as zeros without IO
-  (:meth:`DiskPages.zero_grad`; where the file system cannot, it is zeroed region by region as above).
+  (:meth:`DiskPages.zero_grad`; where the file system cannot, it is zeroed region by region as above). The
+  optimizer's passes over every gradient (the norm, the clip, the fp16 unscale) take them one at a time, the next
+  one read ahead (:meth:`DiskPages.each_grad`); an accumulated micro-batch is added through one staging buffer
+  they share (``ChunkManager._accumulation_staging``).
 * **the step.** The optimizer steps a disk chunk with all its regions (moments, parameter shard, gradient shard)
   read in, the next chunk's read ahead, and writes them back after its step ([Note: disk states]).
 * **refresh.** An upload of a device shard from its fp32 master in the file (the masters of chunks whose shard is on
