@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from hf_elixir.chunk import strict
-from hf_elixir.chunk._disk import PAGE_BYTES, DiskFile
+from hf_elixir.chunk._disk import PAGE_BYTES, READ_BLOCK_BYTES, DiskFile
 from hf_elixir.chunk._disk_pages import DiskPages, grad_region, param_region
 from hf_elixir.chunk.host_blocks import ALIGN_BYTES
 from hf_elixir.chunk.memory import default_host_budget_bytes
@@ -99,7 +99,8 @@ def in_flight_bytes(regions: dict[int, list[int]], param_regions: list[int], dep
     largest = max(max(r) for r in regions.values())
     step = sum(sorted((sum(r) for r in regions.values()), reverse=True)[:2]) + WINDOW_CHUNKS * largest
     passes = (depth + 1) * max(param_regions, default=0) + (1 + WINDOW_CHUNKS) * largest
-    return step + passes if lane else max(step, passes)
+    scratch = min(READ_BLOCK_BYTES, largest)  # the reader's buffer ([Note: disk tier])
+    return (step + passes if lane else max(step, passes)) + scratch
 
 
 @dataclass
