@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -243,4 +244,25 @@ def test_a_zeroed_region_reads_zeros_without_io_and_keeps_its_blocks(tmp_path):
     assert file.resident_bytes(("grad", 0)) == 0 and os.stat(file.path).st_blocks == allocated
     assert float(file.tensor(("grad", 0), "grad").abs().sum()) == 0.0
     assert float(file.tensor(("grad", 1), "grad").sum()) == 2.0 * 5000
+    file.close()
+
+
+def test_a_read_brings_in_its_region_and_nothing_past_it(tmp_path):
+    """The kernel's readahead (``read_ahead_kb``, MBs) brought the regions after a 16 MiB one into memory, unasked
+    (``posix_fadvise(WILLNEED)`` + populate on a ``MADV_NORMAL`` mapping: 17-50 MB more here); the tier reads exactly
+    the region ([Note: disk tier]: ``preadv`` on a ``POSIX_FADV_RANDOM`` descriptor, a ``MADV_RANDOM`` mapping)."""
+    numel = 1 << 22  # 16 MiB regions
+    file = DiskFile(tmp_path, 0, {r: [("x", numel)] for r in range(6)})
+    for region in range(6):
+        file.tensor(region, "x").fill_(float(region))
+        file.write_back(region)
+    file.evict_all()
+    for region in (0, 2, 4):
+        file.ready(region)
+        time.sleep(0.3)  # an asynchronous readahead would land by now
+        assert file.resident_bytes() == file.resident_bytes(region) == file.regions[region][1]
+        assert float(file.tensor(region, "x")[-1]) == float(region)
+        file.write_back(region)
+        file.settle()
+    assert file.resident_bytes() == 0
     file.close()
