@@ -16,14 +16,15 @@ kernel keeps of the file, and the tier bounds it in the step's order (the optimi
 order, so the schedule is exact, not a guess):
 
 * **read ahead.** :meth:`DiskFile.prefetch` (one reader thread) reads a region in while the previous chunk
-  steps: ``preadv`` through the file's own descriptor, in :data:`READ_BLOCK_BYTES` blocks into one scratch buffer
-  (the kernel reads exactly that range into its page cache: the descriptor is ``POSIX_FADV_RANDOM``, so nothing
-  past it), then ``MADV_POPULATE_WRITE`` (maps it writable in one call, no IO; where the kernel lacks it, a touch
-  of every page); :meth:`DiskFile.ready` waits for it. The mapping is ``MADV_RANDOM``: a fault (a read outside
-  the schedule: a state dict) brings in its page, not a read-around. Measured: under ``MADV_NORMAL`` with
-  ``posix_fadvise(WILLNEED)`` + populate, the kernel's readahead (the device's ``read_ahead_kb``, 8 MiB on the
-  test VM) read up to 134 MB past 16 MB regions, unasked and unaccounted; ``WILLNEED`` under ``MADV_RANDOM``
-  read at 0.09 GB/s (each populated page its own read); the ``preadv`` path reads at the buffered path's speed.
+  steps: ``posix_fadvise(WILLNEED)`` and ``preadv`` through the file's own descriptor, in :data:`READ_BLOCK_BYTES`
+  blocks into one scratch buffer (the kernel queues the range's reads at once and the ``preadv`` waits for them;
+  the descriptor is ``POSIX_FADV_RANDOM``, so nothing past the range is read), then ``MADV_POPULATE_WRITE`` (maps
+  it writable in one call, no IO; where the kernel lacks it, a touch of every page); :meth:`DiskFile.ready` waits
+  for it. The mapping is ``MADV_RANDOM``: a fault (a read outside the schedule: a state dict) brings in its page,
+  not a read-around. Measured on the test VM: under ``MADV_NORMAL`` with ``WILLNEED`` + populate alone, the
+  kernel's readahead (the device's ``read_ahead_kb``, 8 MiB there) read up to 134 MB past 16 MB regions, unasked
+  and unaccounted; ``WILLNEED`` + populate under ``MADV_RANDOM`` read at 0.09 GB/s (populate raced the queued
+  reads with its own 4 KiB ones); this path's rate is in benchmarks/RESULTS.md.
 * **write back.** :meth:`DiskFile.write_back` (writer threads) writes a stepped region to the file
   (``msync(MS_SYNC)``), unmaps its pages (``MADV_DONTNEED``: for a shared file mapping this drops only the
   page-table entries, the page cache keeps the data) and evicts them (``posix_fadvise(DONTNEED)``, which drops
@@ -71,7 +72,7 @@ PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _ALIGN_BYTES = 64  # tensors inside a region: one cache line
 _MS_SYNC, _MADV_RANDOM, _MADV_DONTNEED, _MADV_POPULATE_WRITE = 4, 1, 4, 23
 #: bytes a read-ahead reads per ``preadv`` (its scratch buffer, host memory the tier keeps: [Note: disk tier])
-READ_BLOCK_BYTES = 1 << 20
+READ_BLOCK_BYTES = 8 << 20
 _FALLOC_KEEP_SIZE, _FALLOC_PUNCH_HOLE = 1, 2  # <linux/falloc.h>
 
 
@@ -217,8 +218,9 @@ class DiskFile:
     # -- read ahead / write back ------------------------------------------------------------------
     def _read(self, region: Hashable) -> None:
         offset, nbytes = self.regions[region]
+        os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_WILLNEED)  # its reads queued at once, exactly it
         scratch = memoryview(self._scratch)
-        for start in range(offset, offset + nbytes, len(scratch)):  # exactly the region into the page cache
+        for start in range(offset, offset + nbytes, len(scratch)):  # ... and waited for
             os.preadv(self._fd, [scratch[:min(len(scratch), offset + nbytes - start)]], start)
         if _libc().madvise(self._base + offset, nbytes, _MADV_POPULATE_WRITE) != 0:  # kernel < 5.14
             pages = torch.empty(0, dtype=torch.uint8).set_(self.storage, offset, (nbytes // PAGE_BYTES,),
