@@ -1,7 +1,7 @@
-"""The disk tier: its read and write GB/s against ``dd`` on the same file system, and GPT-2 124M at 2 ranks with
-the optimizer state on disk against on the host.
+"""The disk tier: its read and write GB/s against ``dd`` on the same file system, and a GPT-2 124M-shaped model at 2
+ranks with its optimizer state, gradients and parameter shards on disk against in host memory.
 
-    python benchmarks/disk_tier.py                    # 1 GiB of IO, GPT-2 124M at 2 gloo ranks, 3 timed steps
+    python benchmarks/disk_tier.py                    # 1 GiB of IO, 89M-parameter GPT-2, 2 gloo ranks, 3 timed steps
     python benchmarks/disk_tier.py --quick            # 64 MiB, a tiny GPT-2 (seconds)
     python -m benchmarks.disk_tier --quick --skip-gpt2  # the same as a module; IO figures only
 
