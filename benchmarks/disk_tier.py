@@ -1,7 +1,7 @@
-"""The disk tier: its read and write GB/s against ``dd`` on the same file system, and GPT-2 124M at 2 ranks with
-the optimizer state on disk against on the host.
+"""The disk tier: its read and write GB/s against ``dd`` on the same file system, and a GPT-2 124M-shaped model at 2
+ranks with its optimizer state, gradients and parameter shards on disk against in host memory.
 
-    python benchmarks/disk_tier.py                    # 1 GiB of IO, GPT-2 124M at 2 gloo ranks, 3 timed steps
+    python benchmarks/disk_tier.py                    # 1 GiB of IO, 89M-parameter GPT-2, 2 gloo ranks, 3 timed steps
     python benchmarks/disk_tier.py --quick            # 64 MiB, a tiny GPT-2 (seconds)
     python -m benchmarks.disk_tier --quick --skip-gpt2  # the same as a module; IO figures only
 
@@ -13,16 +13,24 @@ every region evicted, then region by region ``prefetch`` the next and ``ready`` 
 ``dd if=F of=/dev/null bs=4M`` after evicting F's pages (buffered) and ``iflag=direct``. The ratio is the tier's
 GB/s over buffered dd's (the target is >= 0.8x); the direct columns say whether O_DIRECT would help here.
 
-GPT-2 124M (``GPT2Config()``, fp32, AdamW with weight decay, clipping at 1.0, 1 x 128 tokens a rank, seed 0)
-at 2 gloo ranks, ``offload_optimizer=True`` both times: *host* (the default host budget: every master and moment
-in host memory) and *disk* (``offload_dir=--dir`` and a host budget of a quarter of the 16 B/param state: every
-master and moment in the file). Median step time of the ``--steps`` timed steps after one warm-up, slowest rank;
-the ratio disk / host is the result, and the last losses must agree (same arithmetic). Prints one JSON object.
+GPT-2 124M's shape with a 4096-token vocabulary (``GPT2Config(vocab_size=4096)``, 89M parameters: the 50257-token
+embedding would be a third of the model in one chunk, whose regions in flight alone exceed a quarter of the state),
+chunks of ``--chunk-numel`` (4 Mi) elements, fp32, AdamW with weight decay, clipping at 1.0, 1 x 128 tokens a rank,
+seed 0, at 2 gloo ranks, ``offload_optimizer=True`` each time: *host* (the default host budget: every master and moment
+in host memory), *disk* (``offload_dir=--dir`` and a host budget of a quarter of the 16 B/param state: the masters,
+moments and gradient shards in the file) and *params* (the same, with the device budget at its floor, so the
+parameter shards live on the host, and most of them in the file too: [Note: disk parameters] in
+``hf_elixir/chunk/_disk_pages.py``), against *host_params* (that device budget, everything in host memory). Median
+step time of the ``--steps`` timed steps after one warm-up, slowest rank; the ratios disk / host and params /
+host_params are the result, and the last losses must agree (same arithmetic). ``host_peak_bytes``: the most host
+memory a rank used at the ends of forward, backward, clip and step (``memory_stats()["host_bytes"]`` plus the file's
+pages in memory). Prints one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -111,13 +119,24 @@ def _model(quick: bool):
     import transformers
 
     torch.manual_seed(0)
-    shape = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=128) if quick else {}
+    shape = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=128) if quick else dict(vocab_size=4096)
     cfg = transformers.GPT2Config(**shape, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
     return transformers.GPT2LMHeadModel(cfg)
 
 
+def _least_host_bytes(config, quick: bool) -> int:
+    """``hf_elixir.min_host_budget_bytes`` with a disk for a model prepared under ``config`` (a separate copy)."""
+    import hf_elixir
+
+    model = _model(quick)
+    opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}])
+    model, opt = hf_elixir.prepare(model, opt, config)
+    return hf_elixir.min_host_budget_bytes(model, opt).with_disk_bytes
+
+
 def _rank(rank: int, world_size: int, port: int, mode: str, directory: str, steps: int, quick: bool,
-          out: str) -> None:
+          out: str, chunk_numel: int = 1 << 22) -> None:
     import hf_elixir
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -129,10 +148,20 @@ def _rank(rank: int, world_size: int, port: int, mode: str, directory: str, step
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-4)
-    disk = dict(offload_dir=directory, host_memory_budget_bytes=16 * num_params // world_size // 4) \
-        if mode == "disk" else {}
-    model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(
-        offload_optimizer=True, default_placement="sharded", **disk))
+    config = hf_elixir.ElixirConfig(offload_optimizer=True, default_placement="sharded",
+                                    chunk_size_numel=None if quick else chunk_numel)
+    if mode in ("params", "host_params"):  # no room for shards on the device: they live on the host (or disk)
+        floor = hf_elixir.min_device_budget_bytes(model, opt, config, world_size)
+        config = dataclasses.replace(config, device_memory_budget_bytes=floor, budget_covers_activations=False)
+    if mode in ("disk", "params"):  # a quarter of the state, or the least that works (the regions in flight)
+        config = dataclasses.replace(config, offload_dir=directory, host_memory_budget_bytes=max(
+            16 * num_params // world_size // 4, _least_host_bytes(config, quick)))
+    model, opt = hf_elixir.prepare(model, opt, config)
+    file = opt._disk.file if getattr(opt, "_disk", None) is not None else None
+    peak = 0
+
+    def used() -> int:
+        return hf_elixir.memory_stats(model)["host_bytes"] + (file.resident_bytes() if file is not None else 0)
     vocab = model.config.vocab_size
     times, loss = [], None
     for step in range(steps + 1):
@@ -140,27 +169,35 @@ def _rank(rank: int, world_size: int, port: int, mode: str, directory: str, step
         dist.barrier()
         start = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
+        peaks = [used()]
         opt.backward(loss)
+        peaks.append(used())
         opt.clip_grad_norm(1.0)
+        peaks.append(used())
         opt.step()
+        peaks.append(used())
         opt.zero_grad()
         times.append(time.perf_counter() - start)
-    file = getattr(opt, "_disk", None)
+        peak = max(peak, *peaks)
+    pages = opt.manager.disk_pages
     result = {"step_s": times[1:], "loss": float(loss.detach()), "num_params": num_params,
-              "disk_bytes": file.file.nbytes if file is not None else 0}
+              "disk_bytes": file.nbytes if file is not None else 0, "host_peak_bytes": peak,
+              "host_budget_bytes": config.host_memory_budget_bytes,
+              "on_disk": {"grads": len(pages.grads), "params": len(pages.params)} if pages is not None else None}
     with open(os.path.join(out, f"{mode}{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
 
 
-def _gpt2(mode: str, directory: str, steps: int, quick: bool) -> dict:
+def _gpt2(mode: str, directory: str, steps: int, quick: bool, chunk_numel: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(2, _free_port(), mode, directory, steps, quick, out), nprocs=2,
+        mp.start_processes(_rank, args=(2, _free_port(), mode, directory, steps, quick, out, chunk_numel), nprocs=2,
                            start_method="spawn")
         ranks = [json.load(open(os.path.join(out, f"{mode}{r}.json"))) for r in range(2)]
     slowest = [max(ts) for ts in zip(*(r["step_s"] for r in ranks))]
     return {"step_s": statistics.median(slowest), "loss": ranks[0]["loss"], "num_params": ranks[0]["num_params"],
-            "disk_bytes_per_rank": ranks[0]["disk_bytes"]}
+            "disk_bytes_per_rank": ranks[0]["disk_bytes"], "host_peak_bytes": max(r["host_peak_bytes"] for r in ranks),
+            "host_budget_bytes": ranks[0]["host_budget_bytes"], "on_disk": ranks[0]["on_disk"]}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -171,6 +208,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="64 MiB of IO and a tiny GPT-2")
     parser.add_argument("--skip-gpt2", action="store_true")
+    parser.add_argument("--chunk-numel", type=int, default=1 << 22, help="elements per chunk (GPT-2 runs)")
+    parser.add_argument("--modes", default="host,disk,host_params,params",
+                        help="GPT-2 runs, comma-separated: host, disk, host_params, params")
     args = parser.parse_args(argv)
     nbytes = (64 * _MIB) if args.quick else int(args.gib * (1 << 30))
     region = min(args.region_mib * _MIB, nbytes)
@@ -184,9 +224,12 @@ def main(argv: list[str] | None = None) -> dict:
                   "write_ratio": tier["write_gbps"] / dd["write_gbps"],
                   "free_bytes": shutil.disk_usage(directory).free}
         if not args.skip_gpt2:
-            host = _gpt2("host", directory, args.steps, args.quick)
-            disk = _gpt2("disk", directory, args.steps, args.quick)
-            result.update(gpt2_host=host, gpt2_disk=disk, step_ratio=disk["step_s"] / host["step_s"])
+            runs = {mode: _gpt2(mode, directory, args.steps, args.quick, args.chunk_numel)
+                    for mode in args.modes.split(",")}
+            result.update({f"gpt2_{mode}": run for mode, run in runs.items()})
+            for slow, fast in (("disk", "host"), ("params", "host_params")):
+                if slow in runs and fast in runs:
+                    result[f"{slow}_step_ratio"] = runs[slow]["step_s"] / runs[fast]["step_s"]
     print(json.dumps(result, indent=1))
     return result
 

@@ -176,9 +176,11 @@ class ElixirConfig:
             only where the plan chooses them and they fit this budget. `None`: 80% of this machine's
             RAM (psutil) divided by the ranks on this machine (`LOCAL_WORLD_SIZE`).
         offload_dir (`str` or `os.PathLike`, *optional*):
-            A writable directory (on a local SSD/NVMe) for the disk tier: the fp32 masters and optimizer moments
-            of host optimizer chunks that do not fit `host_memory_budget_bytes` live in one file per rank there,
-            read ahead and written back around each chunk's step (docs/disk.md). `None`: no disk tier.
+            A writable directory (on a local SSD/NVMe; `~` is expanded) for the disk tier: what of the host
+            optimizer chunks does not fit `host_memory_budget_bytes` (fp32 masters and optimizer moments first,
+            then fp32 gradient shards and parameter host shards) lives in one file per rank there, read ahead in
+            the step's order and written back after use (docs/disk.md). A budget below what must stay in host
+            memory even then is refused naming the least (`hf_elixir.min_host_budget_bytes`). `None`: no disk tier.
         disk_budget_bytes (`int` or `str`, *optional*):
             Bytes (or a size such as `"2TB"`) of `offload_dir` this rank may fill; `None`: the space free there.
         chunk_size_numel (`int`, *optional*):
@@ -442,7 +444,9 @@ class ElixirConfig:
                                  "give offload_dir (a directory on a local SSD) or leave disk_budget_bytes=None")
             return
         _check_type("offload_dir", self.offload_dir, (str, os.PathLike), "give a directory path, e.g. '/nvme/elixir'")
-        path = os.fspath(self.offload_dir)
+        path = os.path.expanduser(os.fspath(self.offload_dir))
+        if path != os.fspath(self.offload_dir):  # "~/elixir": the user's home, as a shell would expand it
+            object.__setattr__(self, "offload_dir", path)
         if self.offload_optimizer is False:  # the disk tier holds host optimizer state only: it would be ignored
             raise ValueError(f"ElixirConfig.offload_dir={path!r} is set with offload_optimizer=False, which keeps the "
                              "optimizer state on the device, so nothing would go to disk; set offload_optimizer=True "

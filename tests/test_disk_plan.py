@@ -185,16 +185,15 @@ def test_prepare_search_prices_the_config_disk(tmp_path):
     hw = _gpu(GIB, GIB)
     assert config_disk_tier(SimpleNamespace(), hw, 8) is None  # no offload_dir: no disk tier
     tier = config_disk_tier(SimpleNamespace(offload_dir=str(tmp_path), disk_budget_bytes=10 * GIB), hw, 8)
-    assert tier == DiskTier(80 * GIB, DEFAULT_DISK_BYTES_PER_S, DEFAULT_DISK_BYTES_PER_S, optimizer_only=True)
+    assert tier == DiskTier(80 * GIB, DEFAULT_DISK_BYTES_PER_S, DEFAULT_DISK_BYTES_PER_S, runtime=True)
     probed = replace(hw, disk_read_bytes_per_s=3e9, disk_write_bytes_per_s=2e9)
     free = config_disk_tier(SimpleNamespace(offload_dir=str(tmp_path), disk_budget_bytes=None), probed, 1)
     assert free.capacity_bytes > 0 and (free.read_bytes_per_s, free.write_bytes_per_s) == (3e9, 2e9)
 
 
-def test_prepare_counts_on_the_disk_for_masters_and_moments_only(gpt2_profile):
-    """``prepare``'s disk tier holds fp32 masters and moments, not parameter chunks or gradient shards (those stay in
-    host memory, optim/_disk_state.py): the tier its search prices spills only those, so a plan never counts on the
-    disk holding what the runtime keeps on the host. The CLI's tier (``plan --disk``) may spill the rest."""
+def test_an_optimizer_only_disk_holds_masters_and_moments_only(gpt2_profile):
+    """A tier that holds fp32 masters and moments only (``optimizer_only``) spills only those; the CLI's tier (``plan
+    --disk``) may spill the rest."""
     hw = _gpu(GIB, GIB)
     full = DiskTier(capacity_bytes=100 * GIB, read_bytes_per_s=5e9, write_bytes_per_s=5e9)
     runtime = replace(full, optimizer_only=True)
@@ -211,3 +210,23 @@ def test_prepare_counts_on_the_disk_for_masters_and_moments_only(gpt2_profile):
     assert squeezed.best.prediction.disk.param_bytes + squeezed.best.prediction.disk.grad_bytes > 0
     with pytest.raises(ValueError, match="no configuration fits host memory"):
         search(gpt2_profile, hw, precision="bf16", host_memory_bytes=GIB // 4, disk=runtime, refine_starts=0)
+
+
+def test_prepare_prices_the_disk_as_its_runtime_spills(gpt2_profile):
+    """``prepare``'s tier (``runtime``, optim/_disk_state.py) spills masters and moments, then gradient shards, then
+    parameter host shards of trained chunks: at a host that the masters and moments on disk do not leave room enough,
+    it fits with gradients on disk too, and never counts on a frozen chunk's shard or a refill copy."""
+    hw = _gpu(GIB, GIB)
+    runtime = DiskTier(capacity_bytes=100 * GIB, read_bytes_per_s=5e9, write_bytes_per_s=5e9, runtime=True)
+    squeezed = search(gpt2_profile, hw, precision="bf16", host_memory_bytes=GIB // 4, disk=runtime, refine_starts=0)
+    info = squeezed.best.prediction.disk
+    assert info.optimizer_bytes > 0 and info.grad_bytes > 0 and squeezed.best.prediction.host_bytes <= GIB // 4
+    step = build_chunked_step(gpt2_profile, squeezed.plan.chunk_size_numel, world_size=1, precision="bf16", hardware=hw)
+    knobs = squeezed.best.knobs
+    from hf_elixir.search._disk_cost import _runtime_units  # noqa: PLC0415
+
+    units = _runtime_units(step, knobs, {})
+    kinds = [u[0] for u in units]
+    assert kinds == sorted(kinds, key=[0, 2, 1].index), "masters and moments, then gradients, then parameters"
+    trained = [c for c in range(step.num_chunks) if step.trained_numels[c] and c not in knobs.device_optim]
+    assert sum(u[1] for u in units if u[0] == 2) == sum(4 * step.shard_numel(c) for c in trained)

@@ -72,8 +72,9 @@ def test_plan_lora_without_peft_names_the_flag_and_the_install(monkeypatch):
 
 
 def test_plan_says_when_its_disk_holds_what_prepare_keeps_in_host_memory(tmp_path, monkeypatch):
-    """docs/plans.md's disk example spills parameter chunks and gradients, which prepare's disk tier does not take
-    (docs/disk.md): the report says so beside the plan, so a user does not size the host from it alone."""
+    """docs/plans.md's disk example spills parameter chunks, of which prepare's disk tier takes the trained chunks'
+    host shards but not frozen shards or rank-local refill copies (docs/disk.md): the report says so beside the plan,
+    so a user does not size the host from it alone."""
     import contextlib
     import io
 
@@ -87,4 +88,4 @@ def test_plan_says_when_its_disk_holds_what_prepare_keeps_in_host_memory(tmp_pat
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
             assert main([*base, "--host-memory", host]) == 0
         text = " ".join(out.getvalue().split())  # the report wraps its lines to the terminal
-        assert ("parameter chunks and fp32 gradients stay in host memory" in text) is spills, host
+        assert ("frozen chunks' shards and rank-local refill copies stay in host memory" in text) is spills, host

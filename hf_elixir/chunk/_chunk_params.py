@@ -91,5 +91,7 @@ class ChunkParamsMixin:
             if self.host_full is not None and self.host_full_version == self.version:
                 self.host_full.copy_(self.full)
                 self.manager.counters.d2h_bytes += self.full_bytes
+        if self.manager.disk_pages is not None:
+            self.manager.disk_pages.onloaded(self)  # written: back to the file ([Note: disk parameters])
         self.params_written = True
         return True

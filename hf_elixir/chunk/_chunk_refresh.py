@@ -9,6 +9,7 @@ The upload's source must not be written between the issue and the wait ([Note: s
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +76,7 @@ class ChunkRefreshMixin:
         event = None
         if side_stream is not None:
             side_stream.wait_stream(torch.cuda.current_stream())  # after the compute's last read of the shard
-            with torch.cuda.stream(side_stream), torch.no_grad(), strict.host_copies():
+            with self._disk_source(source), torch.cuda.stream(side_stream), torch.no_grad(), strict.host_copies():
                 self._copy_refresh(source, staging, non_blocking=True)
             event = torch.cuda.Event()
             event.record(side_stream)
@@ -98,6 +99,13 @@ class ChunkRefreshMixin:
             hi = min(lo + block, source.numel())
             staging[:hi - lo].copy_(source[lo:hi], non_blocking=non_blocking)
             target[lo:hi].copy_(staging[:hi - lo])  # fp32 -> compute dtype on the device (round to nearest even)
+
+    def _disk_source(self, source: torch.Tensor):
+        """A refresh reading an fp32 master in the disk tier's file: its region waited in for the copy and evicted
+        after ([Note: disk parameters] in ``_disk_pages.py``; on CUDA a copy from pageable memory has read it when
+        it returns)."""
+        pages = self.manager.disk_pages
+        return pages.reading(self.chunk_id, source) if pages is not None else contextlib.nullcontext()
 
     def _refresh_target(self) -> torch.Tensor:
         return self.full if self.full_alias else self.shard
@@ -126,7 +134,7 @@ class ChunkRefreshMixin:
         if pending.event is not None:
             (stream or torch.cuda.current_stream()).wait_event(pending.event)
         else:
-            with torch.no_grad(), strict.host_copies():
+            with self._disk_source(pending.source), torch.no_grad(), strict.host_copies():
                 self._copy_refresh(pending.source, pending.staging, non_blocking=False)
         if not self.needs_fill():
             self.show_params()

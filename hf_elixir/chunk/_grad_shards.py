@@ -54,11 +54,10 @@ class GradShardMixin:
         if chunk.grad_shard_clean:
             target = grad_shard
         else:
-            staging = self._grad_staging.get(cid)
-            if staging is None:
-                staging = self._grad_staging[cid] = self.host_empty(chunk.shard_numel, torch.float32)
-            target = staging
+            staging = target = self._accumulation_staging(chunk)
         stream, event = self.offload_stream, None
+        if self.disk_pages is not None and target is grad_shard:  # [Note: disk parameters] in _disk_pages.py
+            self.disk_pages.grad_in(cid)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), strict.host_copies(), (torch.cuda.stream(stream) if stream is not None
@@ -70,6 +69,9 @@ class GradShardMixin:
             event.record(stream)
         self.counters.d2h_bytes += chunk.shard_numel * reduced.element_size()
         chunk.grad_shard_clean = False
+        if self.disk_pages is not None and cid in self.disk_pages.grads:
+            self._grad_to_disk(cid, grad_shard, staging, event)
+            staging = event = None
         if self.listener.takes_offloaded_grads:
             waiting = self.listener.on_grad_offloaded(chunk, staging, event)
             if waiting is not None:
@@ -79,6 +81,29 @@ class GradShardMixin:
             event.synchronize()
         if staging is not None:
             grad_shard.add_(staging)
+
+    def _accumulation_staging(self, chunk: Chunk) -> torch.Tensor:
+        """The host buffer a later micro-batch's gradient shard is copied into before it is added: the chunk's own
+        (kept for the next), or for gradient shards on disk one buffer shared by all of them (their add ends in
+        :meth:`offload_grad`, [Note: disk parameters] in ``_disk_pages.py``)."""
+        pages = self.disk_pages
+        key = -1 if pages is not None and chunk.chunk_id in pages.grads else chunk.chunk_id
+        staging = self._grad_staging.get(key)
+        if staging is None:
+            numel = max(self.chunks[c].shard_numel for c in pages.grads) if key == -1 else chunk.shard_numel
+            staging = self._grad_staging[key] = self.host_empty(numel, torch.float32)
+        return staging[:chunk.shard_numel]
+
+    def _grad_to_disk(self, cid: int, grad_shard: torch.Tensor, staging, event) -> None:
+        """A gradient shard in the disk tier's file ([Note: disk parameters] in ``_disk_pages.py``): finish the copy
+        (and the accumulation's add) here, then write the region back; the host lane gets nothing left to add."""
+        if event is not None:
+            event.synchronize()
+        if staging is not None:
+            self.disk_pages.grad_in(cid)
+            with torch.no_grad():
+                grad_shard.add_(staging)
+        self.disk_pages.grad_out(cid)
 
     def settle_grad_zeros(self) -> None:
         """Make every gradient shard whose zeroing ``zero_grad`` deferred whole again ([Note: deferred
@@ -95,7 +120,8 @@ class GradShardMixin:
             chunk.grad_shard_clean = True
         for cid, grad_shard in self.grad_shards.items():
             # [Note: deferred gradient zeroing] in _chunk_grads.py: a direct shard is zeroed as backward writes it
-            if not self.chunks[cid].defer_grad_zero():
+            if not self.chunks[cid].defer_grad_zero() and not (
+                    self.disk_pages is not None and self.disk_pages.zero_grad(cid, grad_shard)):
                 grad_shard.zero_()
         self.flags.zero(keep_has_grad)  # the gradients a mismatched order reduced are gone, and its mismatch
         self.grads_pending = False

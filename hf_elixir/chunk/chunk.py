@@ -364,6 +364,9 @@ class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
         if not self.unsharded and not self.full_alias:
             pool.charge(self.full_bytes, f"unsharded chunk {self.chunk_id}")
             _alloc_storage(self.full)
+        pages = self.manager.disk_pages  # a host shard in the disk tier's file ([Note: disk parameters])
+        if pages is not None:
+            pages.onload(self)
         with torch.no_grad(), strict.host_copies():
             if self.world_size > 1 and self.host_full_version == self.version:
                 self.full.copy_(self.host_full, non_blocking=True)
@@ -391,6 +394,8 @@ class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
                 elif staged:
                     del src
                     pool.release(self.shard_bytes)
+        if pages is not None:
+            pages.onloaded(self)
 
     def reshard(self) -> None:
         """Free the unsharded copy, keeping only the shard (no device->host traffic, see Note)."""
@@ -450,6 +455,8 @@ class Chunk(ChunkGradMixin, ChunkRefreshMixin, ChunkParamsMixin, ChunkBytes):
                 self.shard.copy_(self.full[self.shard_begin:self.shard_begin + self.shard_numel])
                 if not self.shard_on_device:
                     self.manager.counters.d2h_bytes += self.shard_bytes
+        if self.manager.disk_pages is not None:
+            self.manager.disk_pages.onloaded(self)  # written: back to the file ([Note: disk parameters])
         self.dirty = False
         self.version += 1
         self.full_version = self.version

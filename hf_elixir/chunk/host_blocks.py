@@ -164,6 +164,10 @@ class HostBlockAllocator:
         self._where[tensor.data_ptr()] = (block, offset, nbytes)
         return tensor, fresh
 
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a slice :meth:`empty` or :meth:`zeros` gave and nobody freed yet."""
+        return tensor.data_ptr() in self._where
+
     def free(self, tensor: torch.Tensor) -> None:
         """Return ``tensor``'s slice (a tensor :meth:`empty` gave); an emptied block is released.
 

@@ -104,6 +104,8 @@ class ChunkManager(StepTraceMixin, GradBufferMixin, AgreedGathersMixin, ReduceMi
         self.flags = GradFlags(compute_device)  # has-gradient flags and the rank checks riding them (_rank_checks.py)
         self._init_activations()
         self._init_external()
+        # parameter and gradient shards in the disk tier's file ([Note: disk parameters] in _disk_pages.py)
+        self.disk_pages = None
 
     def set_listener(self, listener: ChunkStepListener) -> None:
         """Register the optimizer (one per manager): it hears the step's events from now on."""
@@ -158,6 +160,8 @@ class ChunkManager(StepTraceMixin, GradBufferMixin, AgreedGathersMixin, ReduceMi
                 self.counters.num_blocking_gathers += 1
         if self.prefetch_depth and self.prev_trace and not gathered:
             self.prefetcher.issue(pinned)
+        if self.disk_pages is not None and not gathered:
+            self.disk_pages.read_ahead(pinned)
 
     def drain_gathers(self) -> None:
         """Wait for every all-gather issued ahead (:meth:`PrefetchScheduler.drain`)."""

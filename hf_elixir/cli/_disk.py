@@ -127,10 +127,11 @@ def disk_lines(report: dict) -> list[str]:
         lines.append(f"  the disk hides under compute from {disk['hide_tokens_per_step']:,} tokens per step "
                      f"({human_s(disk['hide_step_s'])} a step, {disk['hide_tokens_per_s']:,.0f} tokens/s; the "
                      "compute grows with the tokens, the disk traffic does not)")
-    if disk["param_bytes_per_gpu"] or disk["grad_bytes_per_gpu"]:  # docs/disk.md: the runtime's tier holds less
-        lines.append("  note: prepare's disk tier (ElixirConfig(offload_dir=...)) holds fp32 masters and moments only; "
-                     "parameter chunks and fp32 gradients stay in host memory, so this run needs --host-memory for "
-                     "them, or more GPUs / machines")
+    if disk["param_bytes_per_gpu"]:  # docs/disk.md: the runtime's tier holds less
+        lines.append("  note: prepare's disk tier (ElixirConfig(offload_dir=...)) holds fp32 masters, moments, gradient "
+                     "shards and the parameter host shards of trained chunks; frozen chunks' shards and rank-local "
+                     "refill copies stay in host memory (hf_elixir.min_host_budget_bytes gives what a prepared model "
+                     "needs there)")
     return lines
 
 

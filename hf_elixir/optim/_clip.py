@@ -37,6 +37,14 @@ class ClipMixin:
     def _grad_shards(self) -> list[torch.Tensor]:
         return list(self.manager.grad_shards.values())
 
+    def _grad_items(self):
+        """``(chunk id, gradient shard)`` for a pass that reads or writes every gradient: a shard in the disk tier's
+        file is read in for its turn and written back after it ([Note: disk parameters] in
+        ``hf_elixir/chunk/_disk_pages.py``)."""
+        pages = self.manager.disk_pages
+        items = self.manager.grad_shards.items()
+        return items if pages is None else pages.each_grad(list(items))
+
     def _unscale(self) -> None:
         """Divide gradients by the loss scale and find non-finite values on any rank (fp16).
 
@@ -58,7 +66,7 @@ class ClipMixin:
         device = self.manager.compute_device
         found = torch.zeros(1, dtype=torch.float32, device=device)
         prepared = self._lane.prepared if self._lane is not None else {}
-        for cid, grad in self.manager.grad_shards.items():
+        for cid, grad in self._grad_items():
             if cid in prepared:  # unscaled and checked by the host lane during backward
                 if prepared[cid].found_inf:
                     found.fill_(1.0)
@@ -94,7 +102,7 @@ class ClipMixin:
         local = torch.zeros(1, dtype=torch.float64, device=device)
         cached = self._kernel_sq_norms if norm_type == 2.0 else {}
         owed = self._host_clip_coef.double() if self._host_clip_coef is not None else None
-        for cid, g in self.manager.grad_shards.items():
+        for cid, g in self._grad_items():
             factor = owed if owed is not None and self._is_host(g) else None
             if norm_type == float("inf"):
                 if g.numel():  # blockwise ([Note: blockwise norms] in _norms.py)
@@ -132,7 +140,7 @@ class ClipMixin:
         owed = self._host_clip_coef
         value = float(strict.host_read(owed.reshape(1).float())[0]) if owed is not None else 1.0
         with torch.no_grad():
-            for g in self._grad_shards():
+            for _, g in self._grad_items():
                 if value < 1.0 and self._is_host(g):
                     g.mul_(value)
                 if self.scaler.enabled:

@@ -156,12 +156,16 @@ class RefreshMixin:
                 to_upload.append(chunk)
             elif master is not target:
                 same_side = master.device == target.device and strict.is_host(master) == strict.is_host(target)
+                if self._disk is not None:  # a master or host shard in the disk tier ([Note: disk parameters])
+                    self._disk.pages_in(chunk.chunk_id)
                 if same_side and master.dtype != target.dtype:
                     # fp32 master -> bf16/fp16 compute copy on one device: the cast kernel (Triton on CUDA)
                     triton_kernels.cast_(master, target, force_triton=self._force_fused)
                 else:
                     with strict.host_copies():  # onload / offload of the refreshed shard, counted below
                         target.copy_(master, non_blocking=True)
+                if self._disk is not None:
+                    self._disk.pages_out(chunk.chunk_id)
                 if chunk.optim_on_device != chunk.shard_on_device:
                     nbytes = chunk.shard_bytes
                     if chunk.shard_on_device:

@@ -22,7 +22,7 @@ import torch
 
 from hf_elixir.chunk import strict
 from hf_elixir.chunk.chunk import Chunk, ParamSlot
-from hf_elixir.optim._disk_state import MASTER_KEY, DiskStates
+from hf_elixir.optim._disk_state import MASTER_KEY, DiskStates, HostFloor, host_floor_bytes
 from hf_elixir.optim._host_state import HostStates
 from hf_elixir.optim._refresh import uploads_cast
 
@@ -47,13 +47,11 @@ class ShardStateMixin:
     def _build_shard_state(self) -> None:
         """Reserve the host blocks, then build every trainable chunk's gradient shard, master and views."""
         manager = self.manager
-        host = [c for c in manager.chunks if c.trainable and not c.optim_on_device]
-        state_keys = HostStates.requests(type(self.user_optimizer), self.param_groups, self._groups_of_shards(host),
-                                         {c.chunk_id: c.shard_numel for c in host})
+        host, state_keys = self._host_chunks_and_keys()
         # [Note: disk states] in _disk_state.py: masters and states that do not fit the host budget go to disk
         self._disk = DiskStates.build(manager, self.config, host, state_keys, self.refresh_cast)
-        manager.host.reserve_for([(c.shard_numel, torch.float32) for c in host]  # gradient shards, masters, states
-                                 + DiskStates.host_requests(host, state_keys, self._disk)
+        # gradient shards, masters and states that stay in host memory, and the refresh staging
+        manager.host.reserve_for(DiskStates.host_requests(host, state_keys, self._disk)
                                  + [(c.shard_numel, c.dtype) for c in host if uploads_cast(c)
                                     and self.refresh_cast == "host"])  # staging
         self._init_refresh_buffers(host)  # [Note: overlapped refresh] in _refresh.py
@@ -66,6 +64,17 @@ class ShardStateMixin:
         if self._disk is not None:
             self._disk.file.evict_all()  # the masters just copied in go to the file
 
+    def _host_chunks_and_keys(self) -> tuple[list[Chunk], dict[int, list[str]]]:
+        """The host optimizer chunks and, per chunk, the keys of its element-wise optimizer states."""
+        host = [c for c in self.manager.chunks if c.trainable and not c.optim_on_device]
+        return host, HostStates.requests(type(self.user_optimizer), self.param_groups, self._groups_of_shards(host),
+                                         {c.chunk_id: c.shard_numel for c in host})
+
+    def _host_floor(self, config) -> HostFloor:
+        """This rank's host bytes with and without the disk tier ([Note: disk states]; ``min_host_budget_bytes``)."""
+        host, state_keys = self._host_chunks_and_keys()
+        return host_floor_bytes(self.manager, config, host, state_keys, self.refresh_cast)
+
     def _build_chunk_shard(self, chunk: Chunk) -> None:
         """The chunk's fp32 gradient shard and master (the compute shard itself where it is fp32 on the optimizer
         state's side), and a view of the master per trainable parameter in this rank's shard."""
@@ -76,8 +85,9 @@ class ShardStateMixin:
             manager.pool.charge(nbytes, f"gradient shard of chunk {chunk.chunk_id}")
             grad_shard = strict.register_device(torch.zeros(chunk.shard_numel, dtype=torch.float32,
                                                             device=location))
-        else:
-            grad_shard = manager.host_zeros(chunk.shard_numel, torch.float32)
+        else:  # a fresh file is zero ([Note: disk parameters] in hf_elixir/chunk/_disk_pages.py)
+            on_disk = self._disk.grad_shard(chunk.chunk_id) if self._disk is not None else None
+            grad_shard = on_disk if on_disk is not None else manager.host_zeros(chunk.shard_numel, torch.float32)
         manager.grad_shards[chunk.chunk_id] = grad_shard
         shard_view = chunk.shard if not chunk.full_alias else chunk.full
         source = self._fp32_init.pop(chunk.chunk_id, shard_view)  # fp32 values from before the cast

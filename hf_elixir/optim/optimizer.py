@@ -127,8 +127,10 @@ class ElixirOptimizer(ShardStateMixin, InnerStepMixin, RefreshMixin, ClipMixin, 
         # [Note: host lane] in _overlap.py: offloaded gradients taken over, host step overlapped with backward
         self._lane: HostLane | None = None
         if any(c.trainable and not c.optim_on_device for c in manager.chunks):
-            self._lane = HostLane(self, speculate=speculates(config.overlap_host_optimizer, manager.compute_device),
-                                  state_numel_factor=optimizer_state_numel_factor(optimizer))
+            # not with gradient shards on disk ([Note: disk states] in _disk_state.py)
+            speculate = speculates(config.overlap_host_optimizer, manager.compute_device) and not (
+                self._disk is not None and self._disk.pages.grads)
+            self._lane = HostLane(self, speculate=speculate, state_numel_factor=optimizer_state_numel_factor(optimizer))
             manager.reduces.host_steps_in_backward = self._lane.speculate  # [Note: reduce window] in chunk/_reduce.py
         manager.set_listener(self)  # the manager tells this optimizer the step's events (chunk/_listener.py)
 
@@ -262,7 +264,7 @@ class ElixirOptimizer(ShardStateMixin, InnerStepMixin, RefreshMixin, ClipMixin, 
             self.scaler.update(True)
         else:
             if host_coef < 1.0:
-                for g in self._grad_shards():
+                for _, g in self._grad_items():  # a disk shard read in for its turn
                     if self._is_host(g):
                         g.mul_(host_coef)
             if self.inner is not None:

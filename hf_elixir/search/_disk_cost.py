@@ -72,9 +72,13 @@ class DiskTier:
             ranks of a machine).
         read_bytes_per_s / write_bytes_per_s: sustained rates of all the machine's ranks together
             (``--disk-gbps``, or ``hf-elixir probe``'s measurement).
-        optimizer_only: spill only fp32 masters and optimizer moments, what ``prepare``'s disk tier executes
-            (``hf_elixir/optim/_disk_state.py``); ``False`` (``hf-elixir plan --disk``) prices parameter chunks and
-            gradient shards on disk too, which the runtime does not yet hold there.
+        optimizer_only: spill only fp32 masters and optimizer moments.
+        runtime: spill what ``prepare``'s disk tier holds (``hf_elixir/optim/_disk_state.py``, [Note: disk
+            parameters] in ``hf_elixir/chunk/_disk_pages.py``), in its order: the masters and moments, then the fp32
+            gradient shards, then the parameter host shards of trained host-optimizer chunks, each from the last
+            chunk; never the host shards of frozen chunks nor rank-local refill copies, which it keeps in host
+            memory. ``False`` with ``optimizer_only`` ``False`` (``hf-elixir plan --disk``): every part, fewest bytes
+            moved per byte first.
 
     Raises:
         ValueError: a capacity or a rate that is not positive.
@@ -84,6 +88,7 @@ class DiskTier:
     read_bytes_per_s: float
     write_bytes_per_s: float
     optimizer_only: bool = False
+    runtime: bool = False
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -142,10 +147,12 @@ _OPTIM, _PARAM, _GRAD = range(3)
 
 
 def _spill_units(step: ChunkedStep, knobs: Knobs, onloads: dict[int, int],
-                 optimizer_only: bool = False) -> list[tuple[int, int, int, int]]:
+                 optimizer_only: bool = False, runtime: bool = False) -> list[tuple[int, int, int, int]]:
     """``(kind, bytes on disk, read, written)`` a step per spillable chunk part, in spill order ([Note: disk tier
     pricing]): optimizer state first, then (unless ``optimizer_only``) parameter chunks and gradient shards by
-    fewest bytes moved per byte."""
+    fewest bytes moved per byte, or (``runtime``, ``DiskTier.runtime``) as ``prepare``'s disk tier spills."""
+    if runtime:
+        return _runtime_units(step, knobs, onloads)
     b = DTYPE_BYTES[step.precision]
     held = knobs.resident | knobs.device_shard
     optim, rest = [], []
@@ -169,6 +176,26 @@ def _spill_units(step: ChunkedStep, knobs: Knobs, onloads: dict[int, int],
     return optim + rest
 
 
+def _runtime_units(step: ChunkedStep, knobs: Knobs, onloads: dict[int, int]) -> list[tuple[int, int, int, int]]:
+    """:func:`_spill_units` as ``prepare``'s disk tier spills (``DiskTier.runtime``): per kind (masters and moments,
+    gradient shards, parameter host shards) the trained host-optimizer chunks from the last one."""
+    b = DTYPE_BYTES[step.precision]
+    held = knobs.resident | knobs.device_shard
+    kinds: dict[int, list] = {_OPTIM: [], _GRAD: [], _PARAM: []}
+    for c in reversed(range(step.num_chunks)):
+        if not step.trained_numels[c] or c in knobs.device_optim:
+            continue
+        s = step.shard_numel(c)
+        master = 4 if (c in held or step.precision != "fp32") else 0  # else the host shard is the master
+        state = s * (4 * step.optim_states + master)
+        if state:
+            kinds[_OPTIM].append((_OPTIM, state, state, state))
+        kinds[_GRAD].append((_GRAD, 4 * s, 4 * s, 4 * s))
+        if c not in held:
+            kinds[_PARAM].append((_PARAM, s * b, s * b * max(1, onloads.get(c, 0)), s * b))
+    return kinds[_OPTIM] + kinds[_GRAD] + kinds[_PARAM]
+
+
 def spill(step: ChunkedStep, knobs: Knobs, pred, disk: DiskTier, host_limit_bytes: int, ranks_per_host: int,
           activations_on_device: bool = False, host_budget_bytes: int | None = None):
     """``pred`` with the disk tier (the ``Prediction`` with ``step_s``, ``host_bytes`` and ``disk`` set), or ``None``
@@ -185,7 +212,7 @@ def spill(step: ChunkedStep, knobs: Knobs, pred, disk: DiskTier, host_limit_byte
     knobs = resolve_host_copies(step, knobs, activations_on_device, host_budget_bytes)
     taken: list[tuple[int, int, int, int]] = []
     spilled = largest = 0
-    for unit in _spill_units(step, knobs, pred.chunk_onloads, disk.optimizer_only):
+    for unit in _spill_units(step, knobs, pred.chunk_onloads, disk.optimizer_only, disk.runtime):
         if fits(pred.host_bytes - spilled + _staging_bytes(largest)):
             break
         taken.append(unit)
@@ -211,7 +238,7 @@ def least_host_bytes(step: ChunkedStep, knobs: Knobs, pred, disk: DiskTier | Non
         return pred.host_bytes
     knobs = resolve_host_copies(step, knobs, activations_on_device, host_budget_bytes)
     spilled = largest = 0
-    for _, nbytes, *_ in _spill_units(step, knobs, pred.chunk_onloads, disk.optimizer_only):
+    for _, nbytes, *_ in _spill_units(step, knobs, pred.chunk_onloads, disk.optimizer_only, disk.runtime):
         if (spilled + nbytes) * ranks_per_host > disk.capacity_bytes:
             break
         spilled += nbytes
@@ -244,8 +271,8 @@ def config_disk_tier(config, hardware, ranks_per_host: int) -> DiskTier | None:
     """The disk tier ``prepare``'s search prices for ``config`` (``None`` without ``ElixirConfig.offload_dir``): its
     ``disk_budget_bytes`` a rank (default: the free space of the folder's file system, shared by the machine's
     ranks), at the rates ``hf-elixir probe`` measured on this machine (``hardware.disk_*``), else
-    :data:`DEFAULT_DISK_BYTES_PER_S`. Only masters and moments spill (``optimizer_only``): a plan must not count
-    on the disk holding what ``prepare``'s disk tier keeps in host memory."""
+    :data:`DEFAULT_DISK_BYTES_PER_S`. What spills is what ``prepare``'s disk tier spills (``runtime``): a plan must
+    not count on the disk holding what the runtime keeps in host memory."""
     folder = getattr(config, "offload_dir", None)
     if folder is None:
         return None
@@ -261,8 +288,7 @@ def config_disk_tier(config, hardware, ranks_per_host: int) -> DiskTier | None:
             return None  # prepare's own checks name an unusable offload_dir
     read = getattr(hardware, "disk_read_bytes_per_s", None) or DEFAULT_DISK_BYTES_PER_S
     write = getattr(hardware, "disk_write_bytes_per_s", None) or DEFAULT_DISK_BYTES_PER_S
-    return DiskTier(capacity_bytes=max(1, capacity), read_bytes_per_s=read, write_bytes_per_s=write,
-                    optimizer_only=True)
+    return DiskTier(capacity_bytes=max(1, capacity), read_bytes_per_s=read, write_bytes_per_s=write, runtime=True)
 
 
 def disk_reason(pred, ranks_per_host: int) -> str | None:
