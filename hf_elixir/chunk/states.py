@@ -35,6 +35,11 @@ __all__ = ["CHUNK_TRANSITIONS", "ChunkState", "TensorState", "TRANSITIONS", "che
 
 
 class TensorState(enum.Enum):
+    # [Note: identity hash of states] members are singletons compared by identity, so the C-level identity hash
+    # serves the transition tables' lookups; ``Enum.__hash__`` is Python code hashing the name, run on every state
+    # move (thousands a step on the hooks' path)
+    __hash__ = object.__hash__
+
     FREE = "free"
     HOLD = "hold"
     COMPUTE = "compute"
@@ -68,6 +73,8 @@ def check_transition(old: TensorState, new: TensorState, what: str = "") -> None
 
 class ChunkState(enum.Enum):
     """What a chunk's gathered buffer holds ([Note: chunk states])."""
+
+    __hash__ = object.__hash__  # [Note: identity hash of states]
 
     SHARDED = "sharded"
     GATHERING = "gathering"
