@@ -21,40 +21,12 @@ import torch
 
 from tests._dist import run_distributed
 from tests._models import plain_step, rank_mean
+from tests.test_lora_layout import SEQ, VOCAB, _adamw, _batch, _llama  # the same tiny Llama with LoRA r4
 
 STEPS = 5
 ROWS = 2
-SEQ = 12
-VOCAB = 128
 CHUNK = 16_384
 BUDGET_BYTES = 300_000  # model data: under the frozen base's ~360 KB, so whole frozen chunks are evicted
-
-
-def _llama(lora: bool = True):
-    import transformers
-    from peft import LoraConfig, get_peft_model
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = transformers.LlamaForCausalLM(cfg)
-    if not lora:
-        return model
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
-    with torch.no_grad():  # peft starts lora_B at zero: make the adapters matter from the first step
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
-    return model
-
-
-def _batch(step: int, rows: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(100 + step))
-
-
-def _adamw(model):
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
 
 
 def _clipped_step(model, opt, ids) -> float:
