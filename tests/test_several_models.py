@@ -27,6 +27,24 @@ def _kl(logits: torch.Tensor, target_logp: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.kl_div(logits.log_softmax(-1), target_logp, log_target=True, reduction="batchmean")
 
 
+def _kl_steps(rank: int, world_size: int, mine: tuple, plain: tuple, steps: int = STEPS) -> tuple[list, list]:
+    """``steps`` DPO-like steps (a policy's loss plus its KL to a frozen reference) of ``(policy, reference,
+    optimizer)`` on this rank's rows and of the plain ``plain`` on every rank's rows; the two lists of losses."""
+    losses, plain_losses = [], []
+    for step in range(steps):
+        rows, full = rank_batch("gpt2", step, rank, world_size, ROWS), batch("gpt2", step, ROWS * world_size)
+        for (model, ref, optimizer), b, out in ((mine, rows, losses), (plain, full, plain_losses)):
+            with torch.no_grad():
+                target = ref(input_ids=b["input_ids"]).logits.log_softmax(-1)
+            result = model(**b)
+            loss = result.loss + _kl(result.logits, target)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(float(loss.detach()))
+    return losses, plain_losses
+
+
 def _policy_and_reference(rank: int, world_size: int, budget: int) -> dict:
     import hf_elixir
 
@@ -38,19 +56,8 @@ def _policy_and_reference(rank: int, world_size: int, budget: int) -> dict:
     with shared:
         policy, opt = hf_elixir.prepare(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2), config)
         reference, none = hf_elixir.prepare(reference, None, config)
-    losses, plain_losses = [], []
-    for step in range(STEPS):
-        mine, full = rank_batch("gpt2", step, rank, world_size, ROWS), batch("gpt2", step, ROWS * world_size)
-        for model, ref, optimizer, b, out in ((policy, reference, opt, mine, losses),
-                                             (plain_policy, plain_reference, plain_opt, full, plain_losses)):
-            with torch.no_grad():
-                target = ref(input_ids=b["input_ids"]).logits.log_softmax(-1)
-            result = model(**b)
-            loss = result.loss + _kl(result.logits, target)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            out.append(float(loss.detach()))
+    losses, plain_losses = _kl_steps(rank, world_size, (policy, reference, opt),
+                                     (plain_policy, plain_reference, plain_opt))
     pools = [hf_elixir.get_state(m).manager.pool for m in (policy, reference)]
     frozen = hf_elixir.memory_stats(reference)
     state = hf_elixir.get_state(reference)

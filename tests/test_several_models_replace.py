@@ -15,7 +15,7 @@ import torch
 
 from tests._dist import run_distributed
 from tests._models import batch, float_state, rank_batch, rel_l2, tiny_model
-from tests.test_several_models import _kl
+from tests.test_several_models import _kl, _kl_steps
 
 ROWS, STEPS = 2, 3
 CHUNK = 4096  # elements: the largest parameter; several chunks per model, the same with or without a budget
@@ -54,19 +54,8 @@ def _reference_then_policy(rank: int, world_size: int) -> dict:
         policy, opt = hf_elixir.prepare(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2), config)
     for model in (reference, policy):  # the reference's peak so far was reached alone, before it was re-placed
         hf_elixir.get_state(model).manager.reset_peak()
-    losses, plain_losses = [], []
-    for step in range(STEPS):
-        mine, full = rank_batch("gpt2", step, rank, world_size, ROWS), batch("gpt2", step, ROWS * world_size)
-        for model, ref, optimizer, b, out in ((policy, reference, opt, mine, losses),
-                                             (plain_policy, plain_reference, plain_opt, full, plain_losses)):
-            with torch.no_grad():
-                target = ref(input_ids=b["input_ids"]).logits.log_softmax(-1)
-            result = model(**b)
-            loss = result.loss + _kl(result.logits, target)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            out.append(float(loss.detach()))
+    losses, plain_losses = _kl_steps(rank, world_size, (policy, reference, opt),
+                                     (plain_policy, plain_reference, plain_opt), STEPS)
     # ranks stopping at different lengths: the re-placed reference gathers again, so generate keeps the ranks in step
     prompt = batch("gpt2", 0, 1)["input_ids"][:, :4]
     generated = reference.generate(prompt, max_new_tokens=2 + 5 * rank, do_sample=False, pad_token_id=0)
