@@ -6,7 +6,6 @@ steps, that model's distance too."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -262,15 +261,7 @@ def run(case: str, out: str) -> dict:
 
 
 def main(out: str, cases: list[str]) -> None:
-    transformers.logging.set_verbosity_error()
-    for case in cases:
-        result = run(case, out)
-        if int(os.environ.get("RANK", "0")) == 0:
-            with open(os.path.join(out, f"{case}.json"), "w") as f:
-                json.dump(result, f)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    base.run_cases(out, cases, run)
 
 
 if __name__ == "__main__":

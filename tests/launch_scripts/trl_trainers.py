@@ -154,10 +154,15 @@ def run_unchanged(case: str, out: str) -> dict:
 
 
 def main(out: str, cases: list[str]) -> None:
-    transformers.logging.set_verbosity_error()
     unchanged = cases[0] == "--unchanged"
-    for case in cases[unchanged:]:
-        result = run_unchanged(case, out) if unchanged else run(case, out)
+    run_cases(out, cases[unchanged:], run_unchanged if unchanged else run)
+
+
+def run_cases(out: str, cases: list[str], run_case) -> None:
+    """``run_case(case, out)`` for each case; rank 0 writes each result to ``out/<case>.json``; the group ends."""
+    transformers.logging.set_verbosity_error()
+    for case in cases:
+        result = run_case(case, out)
         if int(os.environ.get("RANK", "0")) == 0:
             with open(os.path.join(out, f"{case}.json"), "w") as f:
                 json.dump(result, f)
