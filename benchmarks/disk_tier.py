@@ -9,9 +9,13 @@ IO ([Note: disk tier] in ``hf_elixir/chunk/_disk.py``): one ``DiskFile`` of ``--
 regions under ``--dir``. *write*: region by region, copy a source tensor into the mapped region and
 ``write_back`` it (the step's order: at most the window in flight), then wait for all: bytes / seconds. *read*:
 every region evicted, then region by region ``prefetch`` the next and ``ready`` this one: bytes / seconds.
-``dd``: ``dd if=/dev/zero of=F bs=4M count=N conv=fdatasync`` (buffered) and ``oflag=direct`` (O_DIRECT), then
-``dd if=F of=/dev/null bs=4M`` after evicting F's pages (buffered) and ``iflag=direct``. The ratio is the tier's
-GB/s over buffered dd's (the target is >= 0.8x); the direct columns say whether O_DIRECT would help here.
+``dd`` reads the tier's own file (same bytes, same extents) after evicting its pages, ``dd if=F of=/dev/null bs=4M``
+(buffered) and ``iflag=direct`` (O_DIRECT), and writes a file of its own, ``dd if=/dev/zero of=G bs=4M count=N``
+``oflag=direct`` and ``conv=fdatasync`` (buffered), then reads that back (buffered, evicted first:
+``read_ratio_dd_own_file``). ``--rounds`` rounds of: the tier writes, then the tier's read and
+dd's buffered read, the first of the two alternating (on a shared VM disk the rate moves by 2x from one second to
+the next). The ratios are the medians over rounds of the tier's GB/s over buffered dd's in the same round (the
+target is >= 0.8x); the direct columns say whether O_DIRECT would help here.
 
 GPT-2 124M's shape with a 4096-token vocabulary (``GPT2Config(vocab_size=4096)``, 89M parameters: the 50257-token
 embedding would be a third of the model in one chunk, whose regions in flight alone exceed a quarter of the state),
@@ -62,26 +66,30 @@ def _evict(path: str) -> None:
         os.close(fd)
 
 
-def _dd(directory: str, nbytes: int, direct: bool) -> dict[str, float]:
-    """GB/s of ``dd`` writing then reading ``nbytes`` in ``directory`` (buffered + fdatasync, or O_DIRECT)."""
-    path = os.path.join(directory, "dd_probe.bin")
-    count = nbytes // (4 * _MIB)
-    flag_out = ["oflag=direct"] if direct else ["conv=fdatasync"]
+def _timed_dd(*args: str) -> float:
     start = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=4M", f"count={count}", *flag_out],
-                   check=True, capture_output=True)
-    write_s = time.perf_counter() - start
-    _evict(path)
-    start = time.perf_counter()
-    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=4M", *(["iflag=direct"] if direct else [])],
-                   check=True, capture_output=True)
-    read_s = time.perf_counter() - start
-    os.unlink(path)
-    return {"write_gbps": nbytes / write_s / 1e9, "read_gbps": nbytes / read_s / 1e9}
+    subprocess.run(["dd", *args], check=True, capture_output=True)
+    return time.perf_counter() - start
 
 
-def _tier(directory: str, nbytes: int, region_bytes: int) -> dict[str, float]:
-    """GB/s of the tier's write-back and read-ahead path over ``nbytes`` in regions of ``region_bytes``."""
+def _dd_own(directory: str, nbytes: int) -> dict[str, float]:
+    """GB/s of ``dd`` writing ``nbytes`` of zeros to a file of its own in ``directory`` (buffered + fdatasync, and
+    O_DIRECT) and reading it back (evicted first, buffered)."""
+    path, count = os.path.join(directory, "dd_probe.bin"), f"count={nbytes // (4 * _MIB)}"
+    try:
+        direct = _timed_dd("if=/dev/zero", f"of={path}", "bs=4M", count, "oflag=direct")
+        buffered = _timed_dd("if=/dev/zero", f"of={path}", "bs=4M", count, "conv=fdatasync")
+        _evict(path)
+        read = _timed_dd(f"if={path}", "of=/dev/null", "bs=4M")
+        return {"write_gbps": nbytes / buffered / 1e9, "direct_write_gbps": nbytes / direct / 1e9,
+                "own_read_gbps": nbytes / read / 1e9}
+    finally:
+        os.unlink(path)
+
+
+def _tier(directory: str, nbytes: int, region_bytes: int, rounds: int) -> dict:
+    """GB/s of the tier's write-back and read-ahead path over ``nbytes`` in regions of ``region_bytes``, and of
+    ``dd`` reading the tier's own file (evicted first) beside it, per round; the ratios' medians over rounds."""
     from hf_elixir.chunk._disk import DiskFile
 
     numel = region_bytes // 4
@@ -89,24 +97,41 @@ def _tier(directory: str, nbytes: int, region_bytes: int) -> dict[str, float]:
     file = DiskFile(directory, 0, regions)
     file.evict_all()
     source = torch.randn(numel)
-    start = time.perf_counter()
-    for region in regions:
-        file.tensor(region, "x").copy_(source)
-        file.write_back(region)
-    file.settle()
-    write_s = time.perf_counter() - start
-    assert file.resident_bytes() == 0
-    start = time.perf_counter()
-    file.prefetch(0)
-    for region in regions:
-        if region + 1 in regions:
-            file.prefetch(region + 1)
-        file.ready(region)
-    read_s = time.perf_counter() - start
-    check = float(file.tensor(len(regions) - 1, "x")[:4].sum()) == float(source[:4].sum())
+
+    def tier_read() -> float:
+        file.evict_all()
+        start = time.perf_counter()
+        file.prefetch(0)
+        for region in regions:
+            if region + 1 in regions:
+                file.prefetch(region + 1)
+            file.ready(region)
+        return nbytes / (time.perf_counter() - start) / 1e9
+
+    def dd_read(*flags: str) -> float:
+        file.evict_all()
+        return nbytes / _timed_dd(f"if={file.path}", "of=/dev/null", "bs=4M", *flags) / 1e9
+
+    runs = []
+    for round_ in range(rounds):
+        start = time.perf_counter()
+        for region in regions:
+            file.tensor(region, "x").copy_(source)
+            file.write_back(region)
+        file.settle()
+        run = {"write_gbps": nbytes / (time.perf_counter() - start) / 1e9}
+        for name in ("read_gbps", "dd_read_gbps") if round_ % 2 == 0 else ("dd_read_gbps", "read_gbps"):
+            run[name] = tier_read() if name == "read_gbps" else dd_read()
+        assert float(file.tensor(len(regions) - 1, "x")[:4].sum()) == float(source[:4].sum()), \
+            "the tier read back other bytes than it wrote"
+        run["dd_direct_read_gbps"] = dd_read("iflag=direct")
+        run.update({f"dd_{key}": value for key, value in _dd_own(directory, nbytes).items()})
+        runs.append(run)
     file.close()
-    assert check, "the tier read back other bytes than it wrote"
-    return {"write_gbps": nbytes / write_s / 1e9, "read_gbps": nbytes / read_s / 1e9}
+    return {"rounds": runs, "median": {key: statistics.median(run[key] for run in runs) for key in runs[0]},
+            "read_ratio": statistics.median(run["read_gbps"] / run["dd_read_gbps"] for run in runs),
+            "read_ratio_dd_own_file": statistics.median(run["read_gbps"] / run["dd_own_read_gbps"] for run in runs),
+            "write_ratio": statistics.median(run["write_gbps"] / run["dd_write_gbps"] for run in runs)}
 
 
 def _free_port() -> int:
@@ -206,6 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gib", type=float, default=1.0, help="GiB of IO for the GB/s figures")
     parser.add_argument("--region-mib", type=int, default=64, help="MiB per region (a chunk's state)")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4, help="IO rounds (each: the tier writes, then its read and "
+                        "dd's, alternating which goes first)")
     parser.add_argument("--quick", action="store_true", help="64 MiB of IO and a tiny GPT-2")
     parser.add_argument("--skip-gpt2", action="store_true")
     parser.add_argument("--chunk-numel", type=int, default=1 << 22, help="elements per chunk (GPT-2 runs)")
@@ -215,14 +242,9 @@ def main(argv: list[str] | None = None) -> dict:
     nbytes = (64 * _MIB) if args.quick else int(args.gib * (1 << 30))
     region = min(args.region_mib * _MIB, nbytes)
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
-        tier = _tier(directory, nbytes, region)
-        dd = _dd(directory, nbytes, direct=False)
-        direct = _dd(directory, nbytes, direct=True)
+        io = _tier(directory, nbytes, region, args.rounds)
         result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-                  "bytes": nbytes, "region_bytes": region, "tier": tier, "dd": dd, "dd_direct": direct,
-                  "read_ratio": tier["read_gbps"] / dd["read_gbps"],
-                  "write_ratio": tier["write_gbps"] / dd["write_gbps"],
-                  "free_bytes": shutil.disk_usage(directory).free}
+                  "bytes": nbytes, "region_bytes": region, **io, "free_bytes": shutil.disk_usage(directory).free}
         if not args.skip_gpt2:
             runs = {mode: _gpt2(mode, directory, args.steps, args.quick, args.chunk_numel)
                     for mode in args.modes.split(",")}

@@ -20,7 +20,8 @@ import transformers
 
 import hf_elixir
 from hf_elixir.checkpoint import load_checkpoint, save_checkpoint
-from hf_elixir.chunk._disk import DiskFile
+from hf_elixir.chunk._disk import (HUGE_BYTES, HUGE_MIN_BYTES, HUGE_PAGES, PAGE_BYTES, DiskFile, region_nbytes,
+                                    scratch_bytes)
 from tests._dist import run_distributed
 from tests._models import batch, rank_batch, rel_l2, two_groups
 
@@ -250,18 +251,25 @@ def test_a_zeroed_region_reads_zeros_without_io_and_keeps_its_blocks(tmp_path):
 def test_a_read_brings_in_its_region_and_nothing_past_it(tmp_path):
     """The kernel's readahead (``read_ahead_kb``, MBs) brought the regions after a 16 MiB one into memory, unasked
     (``posix_fadvise(WILLNEED)`` + populate on a ``MADV_NORMAL`` mapping: 17-50 MB more here); the tier reads exactly
-    the region ([Note: disk tier]: ``preadv`` on a ``POSIX_FADV_RANDOM`` descriptor, a ``MADV_RANDOM`` mapping)."""
-    numel = 1 << 22  # 16 MiB regions
-    file = DiskFile(tmp_path, 0, {r: [("x", numel)] for r in range(6)})
-    for region in range(6):
+    the region ([Note: disk tier]): a small one by ``preadv`` on a ``POSIX_FADV_RANDOM`` descriptor, a huge one
+    (from ``HUGE_MIN_BYTES``, padded and aligned to ``HUGE_BYTES``) by its own faults, whole huge blocks."""
+    numels = [1 << 22, 3000, (1 << 20) + 1000, 1 << 18, 1 << 22, 3 << 18]  # 16 MiB, 12 KB, 4 MiB + 4 KB, 1, 16, 3 MiB
+    entries = {r: [("x", n)] for r, n in enumerate(numels)}
+    file = DiskFile(tmp_path, 0, entries)
+    assert len(file._scratch) == scratch_bytes([n for _, n in file.regions.values()])
+    for region, (offset, nbytes) in file.regions.items():
+        assert nbytes == region_nbytes(entries[region])  # what the host budget counts in flight
+        huge = HUGE_PAGES and nbytes >= HUGE_MIN_BYTES
+        assert huge == (HUGE_PAGES and region in (0, 2, 4))
+        assert offset % (HUGE_BYTES if huge else PAGE_BYTES) == 0 and nbytes % (HUGE_BYTES if huge else PAGE_BYTES) == 0
         file.tensor(region, "x").fill_(float(region))
         file.write_back(region)
     file.evict_all()
-    for region in (0, 2, 4):
+    for region in (0, 2, 1, 4, 3, 5):
         file.ready(region)
         time.sleep(0.3)  # an asynchronous readahead would land by now
         assert file.resident_bytes() == file.resident_bytes(region) == file.regions[region][1]
-        assert float(file.tensor(region, "x")[-1]) == float(region)
+        assert float(file.tensor(region, "x")[-1]) == float(file.tensor(region, "x")[0]) == float(region)
         file.write_back(region)
         file.settle()
     assert file.resident_bytes() == 0

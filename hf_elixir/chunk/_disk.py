@@ -16,15 +16,25 @@ kernel keeps of the file, and the tier bounds it in the step's order (the optimi
 order, so the schedule is exact, not a guess):
 
 * **read ahead.** :meth:`DiskFile.prefetch` (one reader thread) reads a region in while the previous chunk
-  steps: ``posix_fadvise(WILLNEED)`` and ``preadv`` through the file's own descriptor, in :data:`READ_BLOCK_BYTES`
-  blocks into one scratch buffer (the kernel queues the range's reads at once and the ``preadv`` waits for them;
-  the descriptor is ``POSIX_FADV_RANDOM``, so nothing past the range is read), then ``MADV_POPULATE_WRITE`` (maps
-  it writable in one call, no IO; where the kernel lacks it, a touch of every page); :meth:`DiskFile.ready` waits
-  for it. The mapping is ``MADV_RANDOM``: a fault (a read outside the schedule: a state dict) brings in its page,
-  not a read-around. Measured on the test VM: under ``MADV_NORMAL`` with ``WILLNEED`` + populate alone, the
-  kernel's readahead (the device's ``read_ahead_kb``, 8 MiB there) read up to 134 MB past 16 MB regions, unasked
-  and unaccounted; ``WILLNEED`` + populate under ``MADV_RANDOM`` read at 0.09 GB/s (populate raced the queued
-  reads with its own 4 KiB ones); this path's rate is in benchmarks/RESULTS.md.
+  steps; :meth:`DiskFile.ready` waits for it. The mapping is ``MADV_RANDOM``: a fault brings in its page, not a
+  read-around, so nothing past a region is read. Two kinds of region:
+
+  - a *huge* region (from :data:`HUGE_MIN_BYTES`; its offset and size padded to :data:`HUGE_BYTES`, the 2 MiB PMD
+    size) is ``MADV_HUGEPAGE`` too: a fault there reads its whole aligned huge block into one large page-cache
+    folio, whatever ``MADV_RANDOM`` says (the kernel's rule for huge-page mappings), and never more. The reader
+    maps the region writable with ``MADV_POPULATE_WRITE`` from :data:`READ_DEPTH` threads at once, each taking
+    every ``READ_DEPTH``-th block (that many reads in flight). The padding keeps a block from holding two
+    regions' bytes.
+  - a smaller one is read by ``posix_fadvise(WILLNEED)`` and ``preadv`` through the file's own descriptor
+    (``POSIX_FADV_RANDOM``), in :data:`READ_BLOCK_BYTES` blocks into one scratch buffer (the kernel queues the
+    range's reads at once and the ``preadv`` waits for them), then ``MADV_POPULATE_WRITE`` (no IO; where the
+    kernel lacks it, a touch of every page).
+
+  Measured on the test VM (benchmarks/RESULTS.md has the rates): under ``MADV_NORMAL`` the kernel's readahead (the
+  device's ``read_ahead_kb``, 8 MiB there) read up to 134 MB past 16 MB regions, unasked and unaccounted; 4 KiB
+  faults under ``MADV_RANDOM`` read at 0.07-0.15 GB/s; the ``preadv`` path at 0.7-0.8 GB/s, spending 40% of it
+  in populate (a ``page_mkwrite`` per 4 KiB page); a huge region at 1.4-2.5 GB/s (one fault and one
+  ``page_mkwrite`` a folio), and the large folios also write back at 1.3-1.4 GB/s where 4 KiB pages went at 0.1.
 * **write back.** :meth:`DiskFile.write_back` (writer threads) writes a stepped region to the file
   (``msync(MS_SYNC)``), unmaps its pages (``MADV_DONTNEED``: for a shared file mapping this drops only the
   page-table entries, the page cache keeps the data) and evicts them (``posix_fadvise(DONTNEED)``, which drops
@@ -34,7 +44,8 @@ order, so the schedule is exact, not a guess):
   ``load_state_dict`` between steps) loses nothing: unmapping a dirty shared page marks the cached page dirty.
 
 Direct IO (``O_DIRECT``) is not used: it bypasses exactly the page cache the mapping reads, and
-``benchmarks/disk_tier.py`` measures it beside buffered IO (see benchmarks/RESULTS.md).
+``benchmarks/disk_tier.py`` measures it beside buffered IO (``dd iflag=direct`` read the tier's file slower than
+the tier did: benchmarks/RESULTS.md).
 
 The file is ``posix_fallocate``d at creation (no space: a ``ValueError`` naming ``offload_dir`` and
 ``disk_budget_bytes``), removed by :meth:`DiskFile.close`, at garbage collection and at interpreter exit
@@ -64,15 +75,35 @@ from collections.abc import Hashable
 
 import torch
 
-__all__ = ["DiskFile", "PAGE_BYTES", "READ_BLOCK_BYTES", "disk_file_name"]
+__all__ = ["DiskFile", "HUGE_BYTES", "HUGE_MIN_BYTES", "PAGE_BYTES", "READ_BLOCK_BYTES", "disk_file_name",
+           "region_nbytes", "scratch_bytes"]
 
 logger = logging.getLogger(__name__)
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _ALIGN_BYTES = 64  # tensors inside a region: one cache line
-_MS_SYNC, _MADV_RANDOM, _MADV_DONTNEED, _MADV_POPULATE_WRITE = 4, 1, 4, 23
+_MS_SYNC, _MADV_RANDOM, _MADV_DONTNEED, _MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 4, 1, 4, 14, 23
 #: bytes a read-ahead reads per ``preadv`` (its scratch buffer, host memory the tier keeps: [Note: disk tier])
 READ_BLOCK_BYTES = 8 << 20
+
+
+def _pmd_bytes() -> int:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+#: the huge-page block a huge region's fault reads at once (the PMD size: 2 MiB on x86-64), and its alignment
+HUGE_BYTES = _pmd_bytes()
+#: regions of at least this many bytes are huge regions (their padding to HUGE_BYTES is under a third of them)
+HUGE_MIN_BYTES = 2 * HUGE_BYTES
+#: huge blocks a read of a huge region has in flight (measured on the test VM: 2 MiB faults one at a time read at
+#: about half the rate of 4 at once)
+READ_DEPTH = 4
+#: whether the kernel has transparent huge pages (``MADV_HUGEPAGE``), which huge regions need
+HUGE_PAGES = os.path.isdir("/sys/kernel/mm/transparent_hugepage")
 _FALLOC_KEEP_SIZE, _FALLOC_PUNCH_HOLE = 1, 2  # <linux/falloc.h>
 
 
@@ -93,6 +124,22 @@ def disk_file_name(rank: int, pid: int | None = None) -> str:
 
 def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align
+
+
+def region_nbytes(entries: list[tuple]) -> int:
+    """File bytes of a region laid out with ``entries`` (``(key, numel[, dtype])``, fp32 by default): its tensors
+    each 64-byte aligned, the region page-aligned, or ``HUGE_BYTES``-aligned from ``HUGE_MIN_BYTES`` (a huge region:
+    [Note: disk tier]). These are the bytes a read of it brings into host memory."""
+    used = _round_up(sum(_round_up(e[1] * (e[2].itemsize if len(e) > 2 else 4), _ALIGN_BYTES) for e in entries),
+                     PAGE_BYTES)
+    return _round_up(used, HUGE_BYTES) if HUGE_PAGES and used >= HUGE_MIN_BYTES else used
+
+
+def scratch_bytes(region_bytes: list[int], huge: bool = HUGE_PAGES) -> int:
+    """The reader's scratch buffer for regions of ``region_bytes`` (bytes): at most ``READ_BLOCK_BYTES``, sized by
+    the largest region read by ``preadv`` (every region if ``huge`` is false, else those under ``HUGE_MIN_BYTES``)."""
+    small = [n for n in region_bytes if n and (not huge or n < HUGE_MIN_BYTES)]
+    return min(READ_BLOCK_BYTES, max(small)) if small else 0
 
 
 def _alive(pid: int) -> bool:
@@ -155,13 +202,14 @@ class DiskFile:
         offsets: dict[tuple[Hashable, str], tuple[int, int, torch.dtype]] = {}
         cursor = 0
         for region, entries in regions.items():
-            start = cursor
-            for key, numel, *dtype in entries:
-                dtype = dtype[0] if dtype else torch.float32
-                offsets[(region, key)] = (cursor, numel, dtype)
-                cursor += _round_up(numel * dtype.itemsize, _ALIGN_BYTES)
-            cursor = _round_up(cursor, PAGE_BYTES)
-            self.regions[region] = (start, cursor - start)
+            entries = [(key, numel, dtype[0] if dtype else torch.float32) for key, numel, *dtype in entries]
+            nbytes = region_nbytes(entries)
+            at = start = _round_up(cursor, HUGE_BYTES if HUGE_PAGES and nbytes >= HUGE_MIN_BYTES else PAGE_BYTES)
+            for key, numel, dtype in entries:
+                offsets[(region, key)] = (at, numel, dtype)
+                at += _round_up(numel * dtype.itemsize, _ALIGN_BYTES)
+            self.regions[region] = (start, nbytes)
+            cursor = start + nbytes
         self.nbytes = max(cursor, PAGE_BYTES)
         self._check_space(directory, budget_bytes)
         self.path = os.path.join(directory, disk_file_name(rank) + secrets.token_hex(4) + ".bin")
@@ -178,19 +226,26 @@ class DiskFile:
         self.storage = torch.UntypedStorage.from_file(self.path, shared=True, nbytes=self.nbytes)
         self._base = self.storage.data_ptr()
         _libc().madvise(self._base, self.nbytes, _MADV_RANDOM)
-        # the reader thread's scratch buffer (what ``preadv`` copies is not kept)
-        self._scratch = bytearray(min([READ_BLOCK_BYTES] + [n for _, n in self.regions.values() if n] or [PAGE_BYTES]))
+        # regions from HUGE_MIN_BYTES fault in HUGE_BYTES-aligned blocks ([Note: disk tier]: read ahead); where the
+        # kernel has no transparent huge pages (EINVAL) they are read as the small ones are
+        self._huge = HUGE_PAGES and all(_libc().madvise(self._base + off, n, _MADV_HUGEPAGE) == 0
+                                        for off, n in self.regions.values() if n >= HUGE_MIN_BYTES)
+        if HUGE_PAGES and not self._huge:
+            logger.warning("hf_elixir: MADV_HUGEPAGE refused on %s; its large regions are read by preadv", self.path)
+        # the reader thread's scratch buffer for the regions read by ``preadv`` (what it copies is not kept)
+        self._scratch = bytearray(scratch_bytes([n for _, n in self.regions.values()], self._huge))
         self.tensors = {key: torch.empty(0, dtype=dtype).set_(self.storage, off // dtype.itemsize, (numel,))
                         for key, (off, numel, dtype) in offsets.items()}
         # the optimizer's host lane (a worker thread) and the main thread's onloads both schedule regions
         self._lock = threading.RLock()
         self.window = max(int(window), 1)
         self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf_elixir_disk_read")
+        self._faulters = concurrent.futures.ThreadPoolExecutor(READ_DEPTH, thread_name_prefix="hf_elixir_disk_fault")
         self._writer = concurrent.futures.ThreadPoolExecutor(self.window, thread_name_prefix="hf_elixir_disk_write")
         self._reads: dict[Hashable, concurrent.futures.Future] = {}
         self._writes: collections.OrderedDict[Hashable, concurrent.futures.Future] = collections.OrderedDict()
         self.bytes_read = self.bytes_written = 0
-        self._finalizer = weakref.finalize(self, _close, self.path, self._fd, [self._reader, self._writer])
+        self._finalizer = weakref.finalize(self, _close, self.path, self._fd, [self._reader, self._faulters, self._writer])
         # a multiprocessing child leaves by os._exit (no atexit): its own finalizers run the same (once-only) close
         multiprocessing.util.Finalize(self, self._finalizer, exitpriority=10)
         logger.info("hf_elixir: disk tier file %s (%d bytes, %d regions)", self.path, self.nbytes, len(self.regions))
@@ -218,15 +273,24 @@ class DiskFile:
     # -- read ahead / write back ------------------------------------------------------------------
     def _read(self, region: Hashable) -> None:
         offset, nbytes = self.regions[region]
-        os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_WILLNEED)  # its reads queued at once, exactly it
-        scratch = memoryview(self._scratch)
-        for start in range(offset, offset + nbytes, len(scratch)):  # ... and waited for
-            os.preadv(self._fd, [scratch[:min(len(scratch), offset + nbytes - start)]], start)
+        if nbytes and not (self._huge and nbytes >= HUGE_MIN_BYTES):  # (a huge region: the populate's faults read it)
+            os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_WILLNEED)  # its reads queued at once, exactly it
+            scratch = memoryview(self._scratch)
+            for start in range(offset, offset + nbytes, len(scratch)):  # ... and waited for
+                os.preadv(self._fd, [scratch[:min(len(scratch), offset + nbytes - start)]], start)
+            self._populate(offset, nbytes)
+        else:  # READ_DEPTH faulters, each populating every READ_DEPTH-th huge block: that many reads in flight
+            list(self._faulters.map(lambda k: [self._populate(at, HUGE_BYTES) for at in range(
+                offset + k * HUGE_BYTES, offset + nbytes, READ_DEPTH * HUGE_BYTES)], range(READ_DEPTH)))
+        self.bytes_read += nbytes
+
+    def _populate(self, offset: int, nbytes: int) -> None:
+        """Map ``[offset, offset + nbytes)`` writable (``MADV_POPULATE_WRITE``; a fault of a page not in memory
+        reads it: its huge block in a huge region)."""
         if _libc().madvise(self._base + offset, nbytes, _MADV_POPULATE_WRITE) != 0:  # kernel < 5.14
             pages = torch.empty(0, dtype=torch.uint8).set_(self.storage, offset, (nbytes // PAGE_BYTES,),
                                                            (PAGE_BYTES,))
             pages.add_(0)  # touch every page writable (x + 0: the values stay)
-        self.bytes_read += nbytes
 
     def _write(self, region: Hashable) -> None:
         offset, nbytes = self.regions[region]

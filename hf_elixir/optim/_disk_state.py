@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from hf_elixir.chunk import strict
-from hf_elixir.chunk._disk import PAGE_BYTES, READ_BLOCK_BYTES, DiskFile
+from hf_elixir.chunk._disk import DiskFile, region_nbytes, scratch_bytes
 from hf_elixir.chunk._disk_pages import DiskPages, grad_region, param_region
 from hf_elixir.chunk.host_blocks import ALIGN_BYTES
 from hf_elixir.chunk.memory import default_host_budget_bytes
@@ -84,11 +84,6 @@ def _host_bytes(entries: list[tuple]) -> int:
     return sum(_aligned(e[1] * (e[2].itemsize if len(e) > 2 else 4), ALIGN_BYTES) for e in entries)
 
 
-def _region_bytes(entries: list[tuple]) -> int:
-    """File bytes of a region holding ``entries`` (64-byte aligned tensors, page-aligned region)."""
-    return _aligned(sum(_aligned(e[1] * (e[2].itemsize if len(e) > 2 else 4), 64) for e in entries), PAGE_BYTES)
-
-
 def in_flight_bytes(regions: dict[int, list[int]], param_regions: list[int], depth: int, lane: bool) -> int:
     """The most bytes of the file in host memory at once ([Note: disk states]): in the step two chunks' regions
     (``regions``: chunk id -> its region bytes) and ``WINDOW_CHUNKS`` regions written back; in forward and backward
@@ -99,7 +94,7 @@ def in_flight_bytes(regions: dict[int, list[int]], param_regions: list[int], dep
     largest = max(max(r) for r in regions.values())
     step = sum(sorted((sum(r) for r in regions.values()), reverse=True)[:2]) + WINDOW_CHUNKS * largest
     passes = (depth + 1) * max(param_regions, default=0) + (1 + WINDOW_CHUNKS) * largest
-    scratch = min(READ_BLOCK_BYTES, largest)  # the reader's buffer ([Note: disk tier])
+    scratch = scratch_bytes([n for r in regions.values() for n in r])  # the reader's buffer ([Note: disk tier])
     return (step + passes if lane else max(step, passes)) + scratch
 
 
@@ -149,8 +144,8 @@ def host_floor_bytes(manager, config, host: list, state_keys: dict[int, list[str
         spec = lane and all(kind == "state" for kind, _ in chosen)
         regions: dict[int, list[int]] = {}
         for kind, cid in chosen:
-            regions.setdefault(cid, []).append(_region_bytes(parts[cid][kind]))
-        params = [_region_bytes(parts[cid]["param"]) for kind, cid in chosen if kind == "param"]
+            regions.setdefault(cid, []).append(region_nbytes(parts[cid][kind]))
+        params = [region_nbytes(parts[cid]["param"]) for kind, cid in chosen if kind == "param"]
         kept = everything - sum(_host_bytes(parts[cid][kind]) for kind, cid in chosen)
         grads = [parts[cid]["grad"] for kind, cid in chosen if kind == "grad"]
         if grads:  # the accumulation's staging buffer the gradient shards on disk share (chunk/_grad_shards.py)
