@@ -24,7 +24,7 @@ order, so the schedule is exact, not a guess):
     folio, whatever ``MADV_RANDOM`` says (the kernel's rule for huge-page mappings), and never more. The reader
     maps the region writable with ``MADV_POPULATE_WRITE`` from :data:`READ_DEPTH` threads at once, each taking
     every ``READ_DEPTH``-th block (that many reads in flight). The padding keeps a block from holding two
-    regions' bytes.
+    regions' bytes. Needs Linux 5.18+ with transparent huge pages (:data:`HUGE_PAGES`); else no region is huge.
   - a smaller one is read by ``posix_fadvise(WILLNEED)`` and ``preadv`` through the file's own descriptor
     (``POSIX_FADV_RANDOM``), in :data:`READ_BLOCK_BYTES` blocks into one scratch buffer (the kernel queues the
     range's reads at once and the ``preadv`` waits for them), then ``MADV_POPULATE_WRITE`` (no IO; where the
@@ -102,8 +102,19 @@ HUGE_MIN_BYTES = 2 * HUGE_BYTES
 #: huge blocks a read of a huge region has in flight (measured on the test VM: 2 MiB faults one at a time read at
 #: about half the rate of 4 at once)
 READ_DEPTH = 4
-#: whether the kernel has transparent huge pages (``MADV_HUGEPAGE``), which huge regions need
-HUGE_PAGES = os.path.isdir("/sys/kernel/mm/transparent_hugepage")
+
+
+def _huge_pages() -> bool:
+    """Whether huge regions can be read by huge-block faults: a kernel with transparent huge pages (the sysfs
+    directory) from Linux 5.18, where a file fault in a ``MADV_HUGEPAGE`` mapping reads its aligned PMD block
+    (``do_sync_mmap_readahead`` in mm/filemap.c); before it such a fault under ``MADV_RANDOM`` reads one page."""
+    release = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return (os.path.isdir("/sys/kernel/mm/transparent_hugepage") and release is not None
+            and (int(release[1]), int(release[2])) >= (5, 18))
+
+
+#: whether huge regions are read by huge-block faults (else every region by ``preadv``)
+HUGE_PAGES = _huge_pages()
 _FALLOC_KEEP_SIZE, _FALLOC_PUNCH_HOLE = 1, 2  # <linux/falloc.h>
 
 
