@@ -54,7 +54,7 @@ next :class:`DiskFile` of the same rank in that directory once its pid is gone. 
 this file: ``save_checkpoint`` reads the tensors and writes its own safetensors files.
 
 Source: ZeRO-Infinity (arXiv 2104.07857) section 6, NVMe offload with prefetch and bounded pinned buffers;
-``mmap(2)``, ``msync(2)``, ``madvise(2)``, ``posix_fadvise(2)``, ``mincore(2)``.
+``mmap(2)``, ``msync(2)``, ``madvise(2)``, ``posix_fadvise(2)``, ``mincore(2)``, ``cachestat(2)``.
 """
 
 from __future__ import annotations
@@ -126,6 +126,31 @@ def _libc():
                                         else ctypes.c_int]
     libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
     return libc
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted",
+                                                     "nr_recently_evicted")]
+
+
+_SYS_CACHESTAT = 451  # the same number on every architecture (added in Linux 6.5)
+_cachestat_missing = [False]
+
+
+def _cachestat_bytes(fd: int, offset: int, nbytes: int) -> int | None:
+    """Page-cache bytes of ``[offset, offset + nbytes)`` of ``fd`` by ``cachestat(2)``; ``None`` where the kernel
+    has no such call (before 6.5, or a seccomp filter refuses it)."""
+    if _cachestat_missing[0]:
+        return None
+    stat = _Cachestat()
+    if _libc().syscall(_SYS_CACHESTAT, fd, ctypes.byref(_CachestatRange(offset, nbytes)), ctypes.byref(stat), 0):
+        _cachestat_missing[0] = True  # (ENOSYS, EPERM: mincore from now on)
+        return None
+    return stat.nr_cache * PAGE_BYTES
 
 
 def disk_file_name(rank: int, pid: int | None = None) -> str:
@@ -374,16 +399,23 @@ class DiskFile:
             self._write(region)
 
     def resident_bytes(self, region: Hashable | None = None) -> int:
-        """Bytes of the file (or of ``region``) that are in host memory now (``mincore``: page cache pages of the
-        mapping)."""
+        """Bytes of the file (or of ``region``) that are in host memory now: its page-cache pages, counted per folio
+        by ``cachestat(2)`` (Linux 6.5+; a huge block is one folio), else per page by ``mincore(2)`` on the
+        mapping (a shared file mapping's pages are the page cache's)."""
         offset, nbytes = (0, self.nbytes) if region is None else self.regions[region]
-        pages = nbytes // PAGE_BYTES
-        if not pages:
+        if not nbytes // PAGE_BYTES:
             return 0
+        cached = _cachestat_bytes(self._fd, offset, nbytes)
+        return cached if cached is not None else self.mincore_bytes(offset, nbytes)
+
+    def mincore_bytes(self, offset: int, nbytes: int) -> int:
+        """Bytes of ``[offset, offset + nbytes)`` of the file in memory by ``mincore`` (one byte per page)."""
+        pages = nbytes // PAGE_BYTES
         vec = (ctypes.c_ubyte * pages)()
-        if _libc().mincore(self._base + offset, nbytes, vec) != 0:
+        if _libc().mincore(self._base + offset, pages * PAGE_BYTES, vec) != 0:
             raise OSError(ctypes.get_errno(), "mincore failed")
-        return sum(b & 1 for b in vec) * PAGE_BYTES
+        # (bit 0 of each byte: the page is resident; counted by torch, not a Python loop over the pages)
+        return int(torch.frombuffer(vec, dtype=torch.uint8).bitwise_and(1).sum()) * PAGE_BYTES
 
     def close(self) -> None:
         """Wait for the IO in flight, then remove the file (the mapping goes when the last tensor does)."""
