@@ -73,10 +73,10 @@ def _train_case(rank, world_size, offload_dir):
     prefetch, write_back, opt_step = file.prefetch, file.write_back, opt.step
     in_step = [False]
 
-    def asked(region):
+    def asked(region, write=True):
         if region not in file._reads and in_step[0]:
             events.append(("read", region))
-        prefetch(region)
+        prefetch(region, write)
 
     def written(region):
         write_back(region)

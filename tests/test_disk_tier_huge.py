@@ -101,6 +101,12 @@ def _reference(world_size):
     return {k: v.detach().clone() for k, v in ref.state_dict().items()}
 
 
+def _written_bytes() -> int:
+    """Bytes this process has caused to be written to storage (``/proc/self/io``: counted as pages are dirtied)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("write_bytes"))
+
+
 def _huge(file) -> dict:
     """The kinds of region (``state``, ``grad``, ``param``) with a huge region, and whether each huge one is padded
     and aligned to ``HUGE_BYTES``."""
@@ -118,9 +124,11 @@ def _train_case(rank, world_size, offload_dir):
     manager, file = opt.manager, opt._disk.file
     pages = manager.disk_pages
     peak = _HostPeak(model, file)
+    written = _written_bytes()
     for step in range(STEPS):
         _step(model, opt, step, rank, world_size, peak)
     file.settle()
+    written = _written_bytes() - written
     host = [c for c in manager.chunks if c.trainable and not c.optim_on_device]
     out = {
         "rel": rel_l2({k: v.detach().clone() for k, v in model.state_dict().items()}, _reference(world_size)),
@@ -128,7 +136,7 @@ def _train_case(rank, world_size, offload_dir):
         "state_bytes": 16 * _num_params() // world_size, "file_bytes": file.nbytes,
         "num_chunks": len(host), "num_grads": len(pages.grads), "num_params": len(pages.params),
         "num_states": len(opt._disk.state_chunks), "huge": _huge(file), "read_bytes": file.bytes_read,
-        "resident_after": file.resident_bytes(),
+        "resident_after": file.resident_bytes(), "written_bytes": written,
     }
     opt._disk.close()
     return out
@@ -150,6 +158,10 @@ def test_huge_regions_train_like_pytorch_within_the_host_budget(tmp_path, world_
         assert out["samples"] > 100 and 0 < out["peak"] <= out["budget"], out
         assert out["read_bytes"] > STEPS * out["file_bytes"], out
         assert out["resident_after"] == 0
+        # a step writes the moments and parameter shards once and the gradient shards twice (backward, the clip),
+        # 1.25 times the file; the regions only read (onloads, the norm, the step's gradients) write nothing (when
+        # every read was mapped writable, every read region was written back whole: 2.2 times the file a step)
+        assert out["written_bytes"] <= 1.5 * STEPS * out["file_bytes"], out
 
 
 def test_checkpoint_resume_with_huge_regions_is_exact(tmp_path):
@@ -264,4 +276,34 @@ def test_regions_at_the_huge_threshold_and_mixed_dtypes_round_trip(tmp_path):
         file.write_back(region)
         file.settle()
         assert file.resident_bytes() == 0
+    file.close()
+
+
+def test_a_read_for_reading_only_writes_nothing_back(tmp_path):
+    """A region read in only to be read (a parameter shard's onload, a master's upload: ``ready(write=False)``) is
+    mapped by read faults, so its pages stay clean and its write-back writes nothing; a read for the step (``ready()``)
+    maps it writable (a write fault per folio there, not one per page in the step). Populating every read writable
+    dirtied every page of the region (a write fault of a shared file mapping), so each onload wrote its parameter
+    shard back whole: a huge region of 16 MiB, a small one of 1.2 MB here."""
+    file = DiskFile(tmp_path, 0, {0: [("x", 1 << 22)], 1: [("x", 300000)]})
+    for region in file.regions:
+        file.tensor(region, "x").fill_(float(region) + 1)
+        file.write_back(region)
+    file.settle()
+    for region, (_, nbytes) in file.regions.items():
+        before = _written_bytes()
+        file.ready(region, write=False)
+        assert file.resident_bytes(region) == nbytes and float(file.tensor(region, "x")[-1]) == region + 1
+        file.write_back(region)
+        file.settle()
+        assert _written_bytes() - before < 64 << 10, (region, _written_bytes() - before)
+        assert file.resident_bytes() == 0
+        file.prefetch(region, write=False)  # read ahead for an onload, then taken by the step: writable after all
+        file.ready(region)
+        file.tensor(region, "x").add_(1)
+        file.write_back(region)
+        file.settle()
+        assert _written_bytes() - before >= nbytes
+    file.evict_all()
+    assert [float(file.tensor(r, "x").sum()) for r in (0, 1)] == [2.0 * (1 << 22), 3.0 * 300000]
     file.close()

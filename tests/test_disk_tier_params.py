@@ -69,9 +69,9 @@ class _HostPeak:
         for name in ("prefetch", "ready", "write_back"):
             original = getattr(file, name)
 
-            def wrapped(region, original=original):
+            def wrapped(region, *args, original=original, **kwargs):
                 self.sample()
-                original(region)
+                original(region, *args, **kwargs)
                 self.sample()
 
             setattr(file, name, wrapped)

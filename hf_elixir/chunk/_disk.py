@@ -22,13 +22,19 @@ order, so the schedule is exact, not a guess):
   - a *huge* region (from :data:`HUGE_MIN_BYTES`; its offset and size padded to :data:`HUGE_BYTES`, the 2 MiB PMD
     size) is ``MADV_HUGEPAGE`` too: a fault there reads its whole aligned huge block into one large page-cache
     folio, whatever ``MADV_RANDOM`` says (the kernel's rule for huge-page mappings), and never more. The reader
-    maps the region writable with ``MADV_POPULATE_WRITE`` from :data:`READ_DEPTH` threads at once, each taking
-    every ``READ_DEPTH``-th block (that many reads in flight). The padding keeps a block from holding two
-    regions' bytes. Needs Linux 5.18+ with transparent huge pages (:data:`HUGE_PAGES`); else no region is huge.
+    populates the region from :data:`READ_DEPTH` threads at once, each taking every ``READ_DEPTH``-th block (that
+    many reads in flight). The padding keeps a block from holding two regions' bytes. Needs Linux 5.18+ with
+    transparent huge pages (:data:`HUGE_PAGES`); else no region is huge.
   - a smaller one is read by ``posix_fadvise(WILLNEED)`` and ``preadv`` through the file's own descriptor
     (``POSIX_FADV_RANDOM``), in :data:`READ_BLOCK_BYTES` blocks into one scratch buffer (the kernel queues the
-    range's reads at once and the ``preadv`` waits for them), then ``MADV_POPULATE_WRITE`` (no IO; where the
-    kernel lacks it, a touch of every page).
+    range's reads at once and the ``preadv`` waits for them), then populated (no IO; where the kernel lacks
+    ``MADV_POPULATE_*``, a touch of every page).
+
+  The populate maps a region writable (``MADV_POPULATE_WRITE``: the step writes all of it) or, for a reader that
+  only reads it (``write=False``: a parameter shard's onload, a master's upload), readable (``MADV_POPULATE_READ``).
+  A write fault of a shared file mapping marks its page (folio) dirty, so populating a region that is only read
+  writable made its write-back write all of it again (measured: each onload wrote its parameter shard back whole);
+  read faults leave the pages clean, and the write-back of a clean region writes nothing, it only drops it.
 
   Measured on the test VM (benchmarks/RESULTS.md has the rates): under ``MADV_NORMAL`` the kernel's readahead (the
   device's ``read_ahead_kb``, 8 MiB there) read up to 134 MB past 16 MB regions, unasked and unaccounted; 4 KiB
@@ -82,7 +88,7 @@ logger = logging.getLogger(__name__)
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _ALIGN_BYTES = 64  # tensors inside a region: one cache line
-_MS_SYNC, _MADV_RANDOM, _MADV_DONTNEED, _MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 4, 1, 4, 14, 23
+_MS_SYNC, _MADV_RANDOM, _MADV_DONTNEED, _MADV_HUGEPAGE, _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 4, 1, 4, 14, 22, 23
 #: bytes a read-ahead reads per ``preadv`` (its scratch buffer, host memory the tier keeps: [Note: disk tier])
 READ_BLOCK_BYTES = 8 << 20
 
@@ -279,6 +285,7 @@ class DiskFile:
         self._faulters = concurrent.futures.ThreadPoolExecutor(READ_DEPTH, thread_name_prefix="hf_elixir_disk_fault")
         self._writer = concurrent.futures.ThreadPoolExecutor(self.window, thread_name_prefix="hf_elixir_disk_write")
         self._reads: dict[Hashable, concurrent.futures.Future] = {}
+        self._writable: dict[Hashable, bool] = {}  # region read ahead -> whether it is mapped writable
         self._writes: collections.OrderedDict[Hashable, concurrent.futures.Future] = collections.OrderedDict()
         self.bytes_read = self.bytes_written = 0
         self._finalizer = weakref.finalize(self, _close, self.path, self._fd, [self._reader, self._faulters, self._writer])
@@ -307,26 +314,29 @@ class DiskFile:
         return self.tensors.get((region, key))
 
     # -- read ahead / write back ------------------------------------------------------------------
-    def _read(self, region: Hashable) -> None:
+    def _read(self, region: Hashable, write: bool) -> None:
         offset, nbytes = self.regions[region]
         if nbytes and not (self._huge and nbytes >= HUGE_MIN_BYTES):  # (a huge region: the populate's faults read it)
             os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_WILLNEED)  # its reads queued at once, exactly it
             scratch = memoryview(self._scratch)
             for start in range(offset, offset + nbytes, len(scratch)):  # ... and waited for
                 os.preadv(self._fd, [scratch[:min(len(scratch), offset + nbytes - start)]], start)
-            self._populate(offset, nbytes)
+            self._populate(offset, nbytes, write)
         else:  # READ_DEPTH faulters, each populating every READ_DEPTH-th huge block: that many reads in flight
-            list(self._faulters.map(lambda k: [self._populate(at, HUGE_BYTES) for at in range(
+            list(self._faulters.map(lambda k: [self._populate(at, HUGE_BYTES, write) for at in range(
                 offset + k * HUGE_BYTES, offset + nbytes, READ_DEPTH * HUGE_BYTES)], range(READ_DEPTH)))
         self.bytes_read += nbytes
 
-    def _populate(self, offset: int, nbytes: int) -> None:
-        """Map ``[offset, offset + nbytes)`` writable (``MADV_POPULATE_WRITE``; a fault of a page not in memory
-        reads it: its huge block in a huge region)."""
-        if _libc().madvise(self._base + offset, nbytes, _MADV_POPULATE_WRITE) != 0:  # kernel < 5.14
+    def _populate(self, offset: int, nbytes: int, write: bool) -> None:
+        """Map ``[offset, offset + nbytes)`` writable (``MADV_POPULATE_WRITE``: dirty) or readable
+        (``MADV_POPULATE_READ``: clean); a fault of a page not in memory reads it, its huge block in a huge region."""
+        if _libc().madvise(self._base + offset, nbytes, _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ):
             pages = torch.empty(0, dtype=torch.uint8).set_(self.storage, offset, (nbytes // PAGE_BYTES,),
-                                                           (PAGE_BYTES,))
-            pages.add_(0)  # touch every page writable (x + 0: the values stay)
+                                                           (PAGE_BYTES,))  # kernel < 5.14: touch every page
+            if write:
+                pages.add_(0)  # (x + 0: the values stay)
+            else:
+                pages.sum()
 
     def _write(self, region: Hashable) -> None:
         offset, nbytes = self.regions[region]
@@ -337,27 +347,34 @@ class DiskFile:
         os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         self.bytes_written += nbytes
 
-    def prefetch(self, region: Hashable) -> None:
-        """Start reading ``region`` in (after its own write-back, if one is in flight)."""
+    def prefetch(self, region: Hashable, write: bool = True) -> None:
+        """Start reading ``region`` in (after its own write-back, if one is in flight), mapped writable, or only
+        readable with ``write=False`` (its pages stay clean: [Note: disk tier])."""
         with self._lock:
             if region in self._reads:
                 return
             pending = self._writes.pop(region, None)
             if pending is not None:
                 pending.result()
-            self._reads[region] = self._reader.submit(self._read, region)
+            self._reads[region] = self._reader.submit(self._read, region, write)
+            self._writable[region] = write
 
-    def ready(self, region: Hashable) -> None:
-        """Wait until ``region`` is read in (reading it now if nobody asked)."""
+    def ready(self, region: Hashable, write: bool = True) -> None:
+        """Wait until ``region`` is read in (reading it now if nobody asked), mapped writable unless ``write`` is
+        false (a region read ahead readable only is then mapped writable: no IO)."""
         with self._lock:
-            self.prefetch(region)
+            self.prefetch(region, write)
             future = self._reads.pop(region)
+            remap = write and not self._writable.pop(region)
         future.result()
+        if remap:
+            self._populate(*self.regions[region], True)
 
     def write_back(self, region: Hashable) -> None:
         """Start writing ``region`` back and evicting it; first wait for the oldest write-backs so that at most
         ``window`` are in flight. A read ahead or a write-back of ``region`` still in flight is waited first."""
         with self._lock:
+            self._writable.pop(region, None)
             for earlier in (self._reads.pop(region, None), self._writes.pop(region, None)):
                 if earlier is not None:
                     earlier.result()
@@ -376,6 +393,7 @@ class DiskFile:
             for future in list(self._reads.values()) + list(self._writes.values()):
                 future.result()
             self._reads.clear()
+            self._writable.clear()
             self._writes.clear()
 
     def zero(self, region: Hashable) -> bool:
@@ -383,6 +401,7 @@ class DiskFile:
         its pages from memory) and reserve them again (``posix_fallocate``: unwritten blocks, read as zeros, so the
         space stays the file's). ``False`` where the file system cannot punch holes (the caller writes zeros)."""
         with self._lock:
+            self._writable.pop(region, None)
             for earlier in (self._reads.pop(region, None), self._writes.pop(region, None)):
                 if earlier is not None:
                     earlier.result()

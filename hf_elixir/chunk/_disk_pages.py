@@ -11,8 +11,8 @@ same per-rank file ([Note: disk tier] in ``_disk.py``), each in its own region (
 chunk manager's ``disk_pages``, keeps their pages out of host memory between uses:
 
 * **onload.** Before an onload reads a parameter shard from the host (``Chunk._fill``) its region is waited in
-  (:meth:`DiskPages.onload`); right after the copy it is evicted (:meth:`DiskPages.onloaded`: clean pages, so the
-  write-back is an ``msync`` with nothing to write and a drop). The chunk manager's ``access`` reads ahead
+  (:meth:`DiskPages.onload`), mapped readable only; right after the copy it is evicted (:meth:`DiskPages.onloaded`:
+  clean pages, so the write-back is an ``msync`` with nothing to write and a drop). The chunk manager's ``access`` reads ahead
   (:meth:`DiskPages.read_ahead`) the parameter shards of the chunks in the prefetch window of the previous step's
   order (:meth:`~hf_elixir.chunk.schedule.StepOrder.window`, depth ``max(prefetch_depth, 1)``) that will be filled
   from the shard, and evicts a read ahead that left the window unused, so at most that many regions are read ahead.
@@ -78,7 +78,7 @@ class DiskPages:
     def onload(self, chunk) -> None:
         """Before an onload reads ``chunk.shard`` on the host: wait its region in."""
         if chunk.chunk_id in self.params:
-            self.file.ready(param_region(chunk.chunk_id))
+            self.file.ready(param_region(chunk.chunk_id), write=False)
 
     def onloaded(self, chunk) -> None:
         """After the onload (or a write of the shard): write the region back and evict it."""
@@ -104,7 +104,7 @@ class DiskPages:
                 self.file.write_back(region)
         for _, cid in window:
             if param_region(cid) in wanted:
-                self.file.prefetch(param_region(cid))
+                self.file.prefetch(param_region(cid), write=False)
 
     @contextlib.contextmanager
     def reading(self, cid: int, source: torch.Tensor):
@@ -113,7 +113,7 @@ class DiskPages:
         region = self.state_regions.get(cid)
         inside = region is not None and self.file.holds(source)
         if inside:
-            self.file.ready(region)
+            self.file.ready(region, write=False)
         try:
             yield
         finally:
@@ -121,10 +121,11 @@ class DiskPages:
                 self.file.write_back(region)
 
     # -- gradient shards ----------------------------------------------------------------------------
-    def grad_in(self, cid: int) -> None:
-        """Before the gradient shard of ``cid`` is written or read on the host: wait its region in."""
+    def grad_in(self, cid: int, write: bool = True) -> None:
+        """Before the gradient shard of ``cid`` is written or read on the host: wait its region in (mapped readable
+        only unless ``write``)."""
         if cid in self.grads:
-            self.file.ready(grad_region(cid))
+            self.file.ready(grad_region(cid), write)
 
     def grad_out(self, cid: int) -> None:
         """After that: write it back and evict it."""
@@ -142,19 +143,20 @@ class DiskPages:
             self.grad_out(cid)
         return True
 
-    def each_grad(self, items: list):
+    def each_grad(self, items: list, write: bool = True):
         """``items`` (``(chunk id, gradient shard)``) one by one for a pass over every gradient (the norm, the clip,
         the unscale): a shard on disk is waited in for its turn, the next one on disk read ahead, and written back
-        after the caller's turn."""
+        after the caller's turn; a pass that does not ``write`` (the norm) maps them readable only (clean pages:
+        their write-back writes nothing)."""
         on_disk = [cid for cid, _ in items if cid in self.grads]
         following = dict(zip(on_disk, on_disk[1:]))
         if on_disk:
-            self.file.prefetch(grad_region(on_disk[0]))
+            self.file.prefetch(grad_region(on_disk[0]), write)
         for cid, grad in items:
             if cid in self.grads:
-                self.grad_in(cid)
+                self.grad_in(cid, write)
                 if cid in following:
-                    self.file.prefetch(grad_region(following[cid]))
+                    self.file.prefetch(grad_region(following[cid]), write)
             yield cid, grad
             self.grad_out(cid)
 

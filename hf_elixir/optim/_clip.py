@@ -37,13 +37,13 @@ class ClipMixin:
     def _grad_shards(self) -> list[torch.Tensor]:
         return list(self.manager.grad_shards.values())
 
-    def _grad_items(self):
-        """``(chunk id, gradient shard)`` for a pass that reads or writes every gradient: a shard in the disk tier's
-        file is read in for its turn and written back after it ([Note: disk parameters] in
-        ``hf_elixir/chunk/_disk_pages.py``)."""
+    def _grad_items(self, write: bool = True):
+        """``(chunk id, gradient shard)`` for a pass that reads or writes (``write``) every gradient: a shard in the
+        disk tier's file is read in for its turn and written back after it ([Note: disk parameters] in
+        ``hf_elixir/chunk/_disk_pages.py``; a pass that only reads leaves its pages clean)."""
         pages = self.manager.disk_pages
         items = self.manager.grad_shards.items()
-        return items if pages is None else pages.each_grad(list(items))
+        return items if pages is None else pages.each_grad(list(items), write)
 
     def _unscale(self) -> None:
         """Divide gradients by the loss scale and find non-finite values on any rank (fp16).
@@ -102,7 +102,7 @@ class ClipMixin:
         local = torch.zeros(1, dtype=torch.float64, device=device)
         cached = self._kernel_sq_norms if norm_type == 2.0 else {}
         owed = self._host_clip_coef.double() if self._host_clip_coef is not None else None
-        for cid, g in self._grad_items():
+        for cid, g in self._grad_items(write=False):
             factor = owed if owed is not None and self._is_host(g) else None
             if norm_type == float("inf"):
                 if g.numel():  # blockwise ([Note: blockwise norms] in _norms.py)

@@ -265,13 +265,13 @@ class DiskStates:
                 step_one(cid)
         ordered = sorted(cid for cid in cids if cid in self.chunks)
         for region in self._regions[ordered[0]] if ordered else ():
-            self.file.prefetch(region)
+            self.file.prefetch(region, _written_by_step(region))
         for i, cid in enumerate(ordered):
             for region in self._regions[cid]:
-                self.file.ready(region)
+                self.file.ready(region, _written_by_step(region))
             if i + 1 < len(ordered):
                 for region in self._regions[ordered[i + 1]]:
-                    self.file.prefetch(region)
+                    self.file.prefetch(region, _written_by_step(region))
             step_one(cid)
             self.pages_out(cid)
             self._stepped.add(cid)
@@ -291,6 +291,13 @@ class DiskStates:
         if self.pages.manager.disk_pages is self.pages:
             self.pages.manager.disk_pages = None
         self.file.close()
+
+
+def _written_by_step(region) -> bool:
+    """Whether a step writes ``region`` (its states, master, parameter shard), so that it is read in writable; the
+    gradient shard it only reads (the clip's factor is paid before, in a pass of its own), so that its pages stay
+    clean and its write-back writes nothing ([Note: disk tier]: a write there still lands, it only faults)."""
+    return region != grad_region(region[1]) if isinstance(region, tuple) else True
 
 
 def _move_host_shards(manager, file: DiskFile, cids) -> None:
