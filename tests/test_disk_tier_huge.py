@@ -278,6 +278,7 @@ def test_regions_at_the_huge_threshold_and_mixed_dtypes_round_trip(tmp_path):
     for region in (4, 1, 3, 2, 0):
         file.ready(region)
         assert file.resident_bytes() == file.resident_bytes(region) == file.regions[region][1]
+        assert file.mincore_bytes(0, file.nbytes) == file.regions[region][1]  # (cachestat's count is mincore's)
         for key, *_ in entries[region]:
             got = file.tensor(region, key)
             assert torch.equal(got, (torch.arange(got.numel()) % 251 + region).to(got.dtype)), (region, key)
@@ -314,4 +315,20 @@ def test_a_read_for_reading_only_writes_nothing_back(tmp_path):
         assert _written_bytes() - before >= nbytes
     file.evict_all()
     assert [float(file.tensor(r, "x").sum()) for r in (0, 1)] == [2.0 * (1 << 22), 3.0 * 300000]
+    file.close()
+
+
+def test_resident_bytes_without_cachestat_counts_by_mincore(tmp_path, monkeypatch):
+    """Where the kernel has no ``cachestat`` (before 6.5, or a seccomp filter), ``resident_bytes`` counts the pages by
+    ``mincore``, the same numbers."""
+    from hf_elixir.chunk import _disk
+
+    file = DiskFile(tmp_path, 0, {0: [("x", HUGE_SHARD_NUMEL)], 1: [("x", 3000)]})
+    file.tensor(0, "x").fill_(1.0)
+    file.write_back(1)
+    file.settle()
+    counts = [file.resident_bytes(), file.resident_bytes(0), file.resident_bytes(1)]
+    assert counts == [file.regions[0][1], file.regions[0][1], 0], counts
+    monkeypatch.setattr(_disk, "_cachestat_missing", [True])
+    assert [file.resident_bytes(), file.resident_bytes(0), file.resident_bytes(1)] == counts
     file.close()

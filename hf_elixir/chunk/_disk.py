@@ -68,6 +68,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import ctypes
+import errno
 import functools
 import glob
 import logging
@@ -154,8 +155,11 @@ def _cachestat_bytes(fd: int, offset: int, nbytes: int) -> int | None:
         return None
     stat = _Cachestat()
     if _libc().syscall(_SYS_CACHESTAT, fd, ctypes.byref(_CachestatRange(offset, nbytes)), ctypes.byref(stat), 0):
-        _cachestat_missing[0] = True  # (ENOSYS, EPERM: mincore from now on)
-        return None
+        err = ctypes.get_errno()
+        if err in (errno.ENOSYS, errno.EPERM):  # no such call here: mincore from now on
+            _cachestat_missing[0] = True
+            return None
+        raise OSError(err, f"cachestat of fd {fd} failed")
     return stat.nr_cache * PAGE_BYTES
 
 
