@@ -3,10 +3,11 @@ padded to 2 MiB blocks and read by huge-page faults) in training: a GPT-2 of 10.
 1 Mi fp32 elements (the gradient and parameter shard regions exactly ``HUGE_MIN_BYTES``, the moments' twice that), its
 shards on the host, trained under the least host budget with a disk (above a quarter of its 16 B/param state), keeps
 moments, gradient shards and parameter shards in huge regions of the file; 5 steps of AdamW with weight decay and
-clipping match plain PyTorch at 1 and 2 gloo ranks, and the host memory really used (host blocks plus the file's pages
-in memory, ``mincore``) stays within the budget at every read, read-ahead and write-back. A checkpoint resumes exactly,
-``zero_grad`` punches the huge gradient regions out, and state dicts between steps, regions just under
-``HUGE_MIN_BYTES``, bf16 parameter shards, gradient accumulation and the host lane change no bit."""
+clipping match plain PyTorch at 1 and 2 gloo ranks, the host memory really used (host blocks plus the file's pages in
+memory, ``cachestat``) stays within the budget at every read, read-ahead and write-back, and the regions that are only
+read are written back without IO. A checkpoint resumes exactly, ``zero_grad`` punches the huge gradient regions out,
+and state dicts between steps, regions just under ``HUGE_MIN_BYTES``, bf16 parameter shards, gradient accumulation
+and the host lane change no bit."""
 
 from __future__ import annotations
 
@@ -194,10 +195,12 @@ def test_checkpoint_resume_with_huge_regions_is_exact(tmp_path):
 
 
 def test_zero_grad_punches_the_huge_gradient_regions_out(tmp_path):
-    """After ``zero_grad`` every gradient region on disk (huge) holds no page in memory and no block of data, yet
-    keeps its reserved space, and reads as zeros."""
+    """``zero_grad`` punches every gradient region on disk (huge) out: it then holds no page in memory, keeps its
+    reserved space, and reads as zeros."""
     model, opt = _prepare(tmp_path)
     file, grads = opt._disk.file, sorted(opt.manager.disk_pages.grads)
+    punched, zero = [], file.zero
+    file.zero = lambda region: punched.append((region, zero(region))) or punched[-1][1]
     opt.backward(model(**batch("gpt2", 0, ROWS)).loss)
     opt.step()
     allocated = os.stat(file.path).st_blocks * 512
@@ -205,6 +208,7 @@ def test_zero_grad_punches_the_huge_gradient_regions_out(tmp_path):
     file.settle()
     opt.zero_grad()
     file.settle()
+    assert punched == [(grad_region(cid), True) for cid in grads], punched
     # the punched blocks are reserved again (ext4 may add a block or two to the file's extent tree)
     assert allocated <= os.stat(file.path).st_blocks * 512 <= allocated + 64 * 1024, (allocated, os.stat(file.path))
     sizes = [file.regions[grad_region(cid)][1] for cid in grads]
