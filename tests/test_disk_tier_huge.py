@@ -231,7 +231,8 @@ def test_huge_regions_change_no_bit(tmp_path, shard_numel, precision, overlap, m
     write to the file outside the step's schedule)."""
     runs = []
     for offload_dir in (tmp_path, None):
-        kwargs = dict(shard_numel=shard_numel, precision=precision, overlap_host_optimizer=overlap and bool(offload_dir))
+        kwargs = dict(shard_numel=shard_numel, precision=precision,
+                      overlap_host_optimizer=overlap and bool(offload_dir))
         model, opt = _prepare(offload_dir, **kwargs) if offload_dir else _prepare_at(None, None, 1, **kwargs)
         peak = None
         if offload_dir is not None:
@@ -274,7 +275,8 @@ def test_regions_at_the_huge_threshold_and_mixed_dtypes_round_trip(tmp_path):
         huge = HUGE_PAGES and region in (1, 2, 4)
         assert (nbytes >= HUGE_MIN_BYTES) == (region in (1, 2, 4)) or not HUGE_PAGES
         used = sum(-(-numel * (dtype[0].itemsize if dtype else 4) // 64) * 64 for _, numel, *dtype in entries[region])
-        assert not huge or (offset % HUGE_BYTES == 0 and nbytes % HUGE_BYTES == 0 and used <= nbytes < used + HUGE_BYTES)
+        assert not huge or (offset % HUGE_BYTES == 0 and nbytes % HUGE_BYTES == 0
+                            and used <= nbytes < used + HUGE_BYTES)
         for key, *_ in entries[region]:
             file.tensor(region, key).copy_(torch.arange(file.tensor(region, key).numel()) % 251 + region)
         file.write_back(region)
@@ -306,7 +308,8 @@ def test_a_read_for_reading_only_writes_nothing_back(tmp_path):
     for region, (_, nbytes) in file.regions.items():
         before = _written_bytes()
         file.ready(region, write=False)  # (a huge region: read faults of its huge blocks, nothing past it)
-        assert file.resident_bytes() == file.resident_bytes(region) == nbytes and float(file.tensor(region, "x")[-1]) == region + 1
+        assert file.resident_bytes() == file.resident_bytes(region) == nbytes
+        assert float(file.tensor(region, "x")[-1]) == region + 1
         file.write_back(region)
         file.settle()
         assert _written_bytes() - before < 64 << 10, (region, _written_bytes() - before)

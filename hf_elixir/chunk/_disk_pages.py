@@ -11,11 +11,12 @@ same per-rank file ([Note: disk tier] in ``_disk.py``), each in its own region (
 chunk manager's ``disk_pages``, keeps their pages out of host memory between uses:
 
 * **onload.** Before an onload reads a parameter shard from the host (``Chunk._fill``) its region is waited in
-  (:meth:`DiskPages.onload`), mapped readable only; right after the copy it is evicted (:meth:`DiskPages.onloaded`:
-  clean pages, so the write-back is an ``msync`` with nothing to write and a drop). The chunk manager's ``access`` reads ahead
-  (:meth:`DiskPages.read_ahead`) the parameter shards of the chunks in the prefetch window of the previous step's
-  order (:meth:`~hf_elixir.chunk.schedule.StepOrder.window`, depth ``max(prefetch_depth, 1)``) that will be filled
-  from the shard, and evicts a read ahead that left the window unused, so at most that many regions are read ahead.
+  (:meth:`DiskPages.onload`), mapped readable only; right after the copy it is evicted
+  (:meth:`DiskPages.onloaded`: clean pages, so the write-back is an ``msync`` with nothing to write and a drop). The
+  chunk manager's ``access`` reads ahead (:meth:`DiskPages.read_ahead`, readable only too) the parameter shards of
+  the chunks in the prefetch window of the previous step's order (:meth:`~hf_elixir.chunk.schedule.StepOrder.window`,
+  depth ``max(prefetch_depth, 1)``) that will be filled from the shard, and evicts a read ahead that left the window
+  unused, so at most that many regions are read ahead.
 * **gradients.** A reduced gradient shard is written into the file's pages (:meth:`DiskPages.grad_in` waits its
   region in first: an accumulation adds to it) and written back right after (:meth:`DiskPages.grad_out`);
   ``zero_grad`` punches a disk gradient shard's blocks out of the file, so it reads as zeros without IO
