@@ -180,7 +180,12 @@ def test_checkpoint_resume_with_huge_regions_is_exact(tmp_path):
     assert _huge(opt._disk.file)["kinds"] == (["grad", "param", "state"] if HUGE_PAGES else [])
     for step in range(2):
         _step(model, opt, step)
+    peak = _HostPeak(model, opt._disk.file)
     save_checkpoint(tmp_path / "ckpt", model, opt, step=2)
+    opt._disk.file.settle()
+    # the save read every moment in the file chunk by chunk, each evicted after (it left them all in host memory,
+    # twice the budget here)
+    assert opt._disk.file.resident_bytes() == 0 and 0 < peak.peak_bytes <= opt.config.host_memory_budget_bytes
     for step in range(2, 4):
         _step(model, opt, step)
     resumed, ropt = _prepare(tmp_path / "b", seed=7)
@@ -248,11 +253,14 @@ def test_huge_regions_change_no_bit(tmp_path, shard_numel, precision, overlap, m
             opt.clip_grad_norm(MAX_NORM)
             opt.step()
             opt.zero_grad()
-            if state_dicts:  # (they read the whole file through the page cache: outside the budget, docs/disk.md)
+            if state_dicts:
+                saved = model.state_dict(), opt.state_dict()  # (sampled at the latter's write-backs)
                 if peak is not None:
+                    peak.sample()
+                if peak is not None:  # (a load writes every chunk before it evicts them all: outside the budget)
                     peak.paused = True
-                model.load_state_dict(model.state_dict())
-                opt.load_state_dict(opt.state_dict())
+                model.load_state_dict(saved[0])
+                opt.load_state_dict(saved[1])
                 if peak is not None:
                     assert file.resident_bytes() == 0, "the loaded state is written back and evicted"
                     peak.paused = False

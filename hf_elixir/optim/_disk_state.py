@@ -252,7 +252,8 @@ class DiskStates:
             self.file.ready(region)
 
     def pages_out(self, cid: int) -> None:
-        """Write every region of ``cid`` back and evict it."""
+        """Write every region of ``cid`` back and evict it (after its step, or after a state dict or a checkpoint
+        read it: its clean pages are dropped without IO)."""
         for region in self._regions.get(cid, ()):
             self.file.write_back(region)
 

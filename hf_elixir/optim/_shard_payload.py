@@ -98,9 +98,13 @@ def sharded_payload(optimizer: ElixirOptimizer) -> tuple[dict[str, torch.Tensor]
     for cid, keys in keys_of_chunk.items():
         for key in sorted(keys):
             tensors[f"chunk{cid}.{key}"] = optimizer._shard_flat(chunks[cid], key)
+        if optimizer._disk is not None:  # the chunk's disk pages read above leave host memory ([Note: disk states])
+            optimizer._disk.pages_out(cid)
     if optimizer.config.precision != "fp32":
         for cid, master in optimizer.masters.items():
             tensors[f"chunk{cid}.master"] = master.detach().float().cpu().clone()
+            if optimizer._disk is not None:
+                optimizer._disk.pages_out(cid)
     group_ranks = {str(c.chunk_id): c.rank for c in optimizer.manager.chunks if c.trainable}
     return tensors, {"slots": slots, "group_ranks": group_ranks}
 

@@ -126,6 +126,8 @@ class StateDictMixin:
                 for slot in chunk.slots:
                     if slot.trainable and slot.param in self._param_group_of:
                         state[slot.name][key] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+            if self._disk is not None:  # the chunk's disk pages read above leave host memory ([Note: disk states])
+                self._disk.pages_out(chunk.chunk_id)
         scalars = self._scalars_by_slot()
         if self._job_world_size() > 1:
             gathered = [None] * self._job_world_size()
