@@ -458,8 +458,9 @@ class ElixirConfig:
             with tempfile.TemporaryFile(dir=path):
                 pass
         except OSError as err:
-            raise ValueError(f"ElixirConfig.offload_dir={path!r} is not writable ({err.strerror}); give a directory "
-                             "this process can create files in, or fix its permissions") from None
+            raise ValueError(f"ElixirConfig.offload_dir={path!r} is not writable (creating a file there failed: "
+                             f"{err.strerror}); give a directory this process can create files in, or fix its "
+                             "permissions") from None
         if self.disk_budget_bytes is not None:
             _check_type("disk_budget_bytes", self.disk_budget_bytes, (int,),
                         "give a whole number of bytes, e.g. 2 * 10**12, or None for the space free in offload_dir")

@@ -20,6 +20,14 @@ def test_offload_dir_without_host_optimizer_state_is_refused(tmp_path):
         assert ElixirConfig(offload_dir=str(tmp_path), offload_optimizer=value).offload_dir == str(tmp_path)
 
 
+def test_offload_dir_not_writable_says_what_failed_not_a_bare_strerror():
+    """root passes ``os.access`` on /proc, where creating a file fails with ENOENT: "not writable (No such file or
+    directory)" read as a contradiction, so the message says that creating a file there failed."""
+    with pytest.raises(ValueError, match=re.escape("ElixirConfig.offload_dir='/proc' is not writable (creating a file "
+                                                   "there failed: ") + r".*give a directory this process can create"):
+        ElixirConfig(offload_dir="/proc", offload_optimizer=True)
+
+
 def _probe(argv: list[str]) -> tuple[int, str]:
     import contextlib
     import io
