@@ -105,7 +105,7 @@ class HostFloor:
     Attributes:
         everything_bytes: host bytes with nothing on disk (the least budget without ``offload_dir``).
         least_bytes: the least budget with a disk: what cannot move plus the regions in flight with every movable
-            part on disk, or ``everything_bytes`` where that is less (a few small chunks: nothing goes to disk).
+            part on disk, or ``everything_bytes`` where that is less (a few large chunks: nothing goes to disk).
         chosen: ``(kind, chunk id)`` of the parts to move for the budget asked, in spill order.
         parts: chunk id -> kind -> region entries.
     """
@@ -152,7 +152,7 @@ def host_floor_bytes(manager, config, host: list, state_keys: dict[int, list[str
             kept += max(_host_bytes(entries) for entries in grads)
         return kept, in_flight_bytes(regions, params, depth, spec)
 
-    # a few small chunks: the regions in flight can cost more than the disk saves, and then nothing goes to disk
+    # a few large chunks: the regions in flight can cost more than the disk saves, and then nothing goes to disk
     least = min(everything, sum(kept_and_flight(order)))
     chosen: list[tuple[str, int]] = []
     if budget is not None:
