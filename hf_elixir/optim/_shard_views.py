@@ -18,6 +18,8 @@ updated on the host, device shards on the device).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from hf_elixir.chunk import strict
@@ -27,6 +29,8 @@ from hf_elixir.optim._host_state import HostStates
 from hf_elixir.optim._refresh import uploads_cast
 
 __all__ = ["ShardStateMixin"]
+
+logger = logging.getLogger(__name__)
 
 
 class _ShardView:
@@ -50,6 +54,7 @@ class ShardStateMixin:
         host, state_keys = self._host_chunks_and_keys()
         # [Note: disk states] in _disk_state.py: masters and states that do not fit the host budget go to disk
         self._disk = DiskStates.build(manager, self.config, host, state_keys, self.refresh_cast)
+        self._say_unused_host_settings(host, state_keys)
         # gradient shards, masters and states that stay in host memory, and the refresh staging
         manager.host.reserve_for(DiskStates.host_requests(host, state_keys, self._disk)
                                  + [(c.shard_numel, c.dtype) for c in host if uploads_cast(c)
@@ -69,6 +74,33 @@ class ShardStateMixin:
         host = [c for c in self.manager.chunks if c.trainable and not c.optim_on_device]
         return host, HostStates.requests(type(self.user_optimizer), self.param_groups, self._groups_of_shards(host),
                                          {c.chunk_id: c.shard_numel for c in host})
+
+    def _say_unused_host_settings(self, host: list[Chunk], state_keys: dict[int, list[str]]) -> None:
+        """Warn where a host setting the user gave cannot act: ``offload_dir`` with no optimizer state on the host
+        (nothing can go to disk), or ``host_memory_budget_bytes`` below the model data this rank keeps in host
+        memory without a disk (it is exceeded; it bounds only the optional host copies there)."""
+        config = self.config
+        if config.offload_dir is not None and self._disk is None:
+            if not host:
+                logger.warning("hf_elixir: ElixirConfig.offload_dir=%r is unused: no optimizer state is on the host "
+                               "(offload_optimizer=%r keeps it on the device while the device budget holds it), so "
+                               "nothing goes to disk; set offload_optimizer=True to keep it on the host and spill "
+                               "what does not fit host_memory_budget_bytes to offload_dir",
+                               config.offload_dir, config.offload_optimizer)
+            else:
+                logger.info("hf_elixir: the host optimizer state fits host_memory_budget_bytes; nothing goes to "
+                            "offload_dir=%r", config.offload_dir)
+            return
+        budget = config.host_memory_budget_bytes
+        if config.offload_dir is None and budget is not None:
+            floor = host_floor_bytes(self.manager, config, host, state_keys, self.refresh_cast)
+            if floor.everything_bytes > budget:
+                disk = (f", or give offload_dir (a directory on a local SSD; the least budget with it is "
+                        f"{floor.least_bytes}: hf_elixir.min_host_budget_bytes)"
+                        if floor.least_bytes < floor.everything_bytes else "")
+                logger.warning("hf_elixir: ElixirConfig.host_memory_budget_bytes=%d is below the %d bytes of model "
+                               "data this rank keeps in host memory without a disk, so it is exceeded; raise it to "
+                               "at least %d%s", budget, floor.everything_bytes, floor.everything_bytes, disk)
 
     def _host_floor(self, config) -> HostFloor:
         """This rank's host bytes with and without the disk tier ([Note: disk states]; ``min_host_budget_bytes``)."""
