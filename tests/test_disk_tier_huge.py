@@ -307,7 +307,8 @@ def test_a_read_for_reading_only_writes_nothing_back(tmp_path):
     mapped by read faults, so its pages stay clean and its write-back writes nothing; a read for the step (``ready()``)
     maps it writable (a write fault per folio there, not one per page in the step). Populating every read writable
     dirtied every page of the region (a write fault of a shared file mapping), so each onload wrote its parameter
-    shard back whole: a huge region of 16 MiB, a small one of 1.2 MB here."""
+    shard back whole. Only huge regions (16 MiB here) are populated readable; a small one (1.2 MB) is mapped writable,
+    as a read fault's fault-around could map a neighbour's pages during its write-back."""
     file = DiskFile(tmp_path, 0, {0: [("x", 1 << 22)], 1: [("x", 300000)]})
     for region in file.regions:
         file.tensor(region, "x").fill_(float(region) + 1)
@@ -320,7 +321,8 @@ def test_a_read_for_reading_only_writes_nothing_back(tmp_path):
         assert float(file.tensor(region, "x")[-1]) == region + 1
         file.write_back(region)
         file.settle()
-        assert _written_bytes() - before < 64 << 10, (region, _written_bytes() - before)
+        written = _written_bytes() - before  # a small region is mapped writable all the same ([Note: disk tier])
+        assert written < 64 << 10 if HUGE_PAGES and nbytes >= HUGE_MIN_BYTES else written >= nbytes, (region, written)
         assert file.resident_bytes() == 0
         file.prefetch(region, write=False)  # read ahead for an onload, then taken by the step: writable after all
         file.ready(region)

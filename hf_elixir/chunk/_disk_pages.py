@@ -11,8 +11,9 @@ same per-rank file ([Note: disk tier] in ``_disk.py``), each in its own region (
 chunk manager's ``disk_pages``, keeps their pages out of host memory between uses:
 
 * **onload.** Before an onload reads a parameter shard from the host (``Chunk._fill``) its region is waited in
-  (:meth:`DiskPages.onload`), mapped readable only; right after the copy it is evicted
-  (:meth:`DiskPages.onloaded`: clean pages, so the write-back is an ``msync`` with nothing to write and a drop). The
+  (:meth:`DiskPages.onload`), mapped readable only (a huge region; a small one writable: [Note: disk tier]); right
+  after the copy it is evicted (:meth:`DiskPages.onloaded`: a huge region's pages are clean, so the write-back is an
+  ``msync`` with nothing to write and a drop). The
   chunk manager's ``access`` reads ahead (:meth:`DiskPages.read_ahead`, readable only too) the parameter shards of
   the chunks in the prefetch window of the previous step's order (:meth:`~hf_elixir.chunk.schedule.StepOrder.window`,
   depth ``max(prefetch_depth, 1)``) that will be filled from the shard, and evicts a read ahead that left the window
