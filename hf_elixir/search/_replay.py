@@ -28,6 +28,7 @@ from hf_elixir.search._activation_cost import DTYPE_BYTES
 from hf_elixir.search._chunked_step import _INF, ChunkedStep, Knobs
 from hf_elixir.search._memory_cost import _backward_room, _kept_peak, fixed_memory, resolve_host_copies
 from hf_elixir.search._prediction import Prediction
+from hf_elixir.search._quiet_spans import quiet_events, span_at, span_updates
 from hf_elixir.search._rates import (_device_cast_s, _early_refresh, _host_cast_s, _host_copy_rate, _local_copy_rate,
                                      _refresh_times, _uploaded_chunks, casts_on_device, refresh_upload_bytes_per_numel)
 
@@ -49,8 +50,8 @@ class StepReplay:
     def __init__(self, step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_bytes: int | None,
                  activations_on_device: bool, timeline: bool, overlap_host_optimizer: bool | None,
                  host_budget_bytes: int | None, recorder: EventRecorder | None,
-                 refresh_prev: dict[int, float] | None) -> None:
-        self.step, self.hardware, self.recorder = step, hardware, recorder
+                 refresh_prev: dict[int, float] | None, spans: bool = True) -> None:
+        self.step, self.hardware, self.recorder, self.spans = step, hardware, recorder, spans
         self.activations_on_device, self.timeline = activations_on_device, timeline
         if recorder is not None:
             recorder.clear()
@@ -186,9 +187,11 @@ class StepReplay:
         self.first_pass = True  # forward-only: the first replay, the first forward after prepare
         self.clock = 0
         # where each event's accesses start in the step's order (a unit's chunks by id, [Note: one step description])
-        self.event_at = [0]
-        for group in step.groups:
-            self.event_at.append(self.event_at[-1] + len(set(group)))
+        self.event_at = step.__dict__.get("_event_at")  # memoised on the step (not changed once built)
+        if self.event_at is None:
+            self.event_at = step.__dict__["_event_at"] = [0]
+            for group in step.groups:
+                self.event_at.append(self.event_at[-1] + len(set(group)))
         self.serving = (0, 0)  # (event, position) the replay serves: where an eviction is recorded
 
 
@@ -246,9 +249,9 @@ class StepReplay:
 
     # -- the replays -------------------------------------------------------------------------------------------
     def passes(self):
-        """The events to replay: once, or for a forward-only step until a replay starts from the cache the one
-        before it started from (at most ``FORWARD_PASSES``), the counters and clocks reset before each replay
-        so that the last one is what is priced ([Note: forward-only pricing])."""
+        """The replays of the step's events: once, or for a forward-only step until a replay starts from the cache
+        the one before it started from (at most ``FORWARD_PASSES``), the counters and clocks reset before each replay
+        so that the last one is what is priced ([Note: forward-only pricing]); yields before each replay."""
         step, knobs = self.step, self.knobs
         starts_from = None
         for replay in range(FORWARD_PASSES if step.forward_only else 1):
@@ -269,14 +272,79 @@ class StepReplay:
                 self.pool_log.clear()
                 if self.recorder is not None:
                     self.recorder.clear()
-            yield from enumerate(step.groups)
+            yield replay
 
     def run(self) -> None:
-        """Replay every event (raises :class:`_NoRoom` where the step does not fit), then drain the reduces."""
-        for k, group in self.passes():
-            self.event(k, group)
+        """Replay every event (raises :class:`_NoRoom` where the step does not fit), then drain the reduces. Spans
+        of quiet events are taken at once ([Note: quiet spans] in ``_quiet_spans.py``) unless ``spans`` is off
+        or a timeline is drawn (it has a point per event)."""
+        groups = self.step.groups
+        quiet = quiet_events(self.step) if self.spans and not self.timeline else [False] * len(groups)
+        for _ in self.passes():
+            k = 0
+            while k < len(groups):
+                if quiet[k]:
+                    done = self._quiet_span(k)
+                    if done > k:
+                        k = done
+                        continue
+                self.event(k, groups[k])
+                k += 1
         while self.pending:  # the end of backward drains every in-flight reduce
             self._finish_reduce()
+
+    def _quiet_span(self, k: int) -> int:
+        """Take the quiet events from ``k`` on up to the first that needs a fill or waits for a refresh upload
+        ([Note: quiet spans]); returns the event to go on from (``k``: none taken). The cache does not change in the
+        span and is never above ``cache_peak`` between events (only a fill grows it, and event() raises
+        ``cache_peak`` right after its fills), so ``cache_peak`` stays as it is."""
+        step, cached, on_device, refresh = self.step, self.cached, self.on_device, self.refresh_done
+        span = span_at(step, k)
+        t = self.t_compute
+        stop = span.end
+        for c, first in span.first:
+            if first < stop and ((c not in on_device and c not in cached) or (refresh and refresh.get(c, 0.0) > t)):
+                stop = first
+        if stop == k:
+            return k
+        starts, compute_s, hook = self.starts, step.event_compute_s, self.hardware.hook_event_s
+        if self.early_queue and step.event_phase[k] == "bwd":  # a span is all forward or all backward
+            t = self._span_with_uploads(k, stop, t)
+        else:
+            for j in range(k, stop):
+                starts.append(t)
+                t = t + compute_s[j] + hook  # as event(): start + compute + hook, in that order
+        self.t_compute = t
+        ticks, updates = span_updates(step, span, stop)
+        last_seen, place, recency, clock = self.last_seen, self.place, self.recency, self.clock
+        for c, tick, next_use, next_place in updates:
+            last_seen[c] = next_use
+            place[c] = next_place
+            recency[c] = clock + tick
+        self.clock = clock + ticks
+        self.serving = (stop - 1, self.event_at[stop])
+        return stop
+
+    def _span_with_uploads(self, k: int, stop: int, t: float) -> float:
+        """:meth:`_quiet_span`'s clock in backward with early uploads queued: event ``j`` uploads some
+        (:meth:`_early_uploads`) exactly when one used no more after event ``j - 1`` was stepped by the lane at or
+        before the compute clock after event ``j``; returns the compute clock after ``stop - 1``."""
+        starts, compute_s, hook, last = self.starts, self.step.event_compute_s, self.hardware.hook_event_s, \
+            self.step.last_access
+        watch = sorted((last[c], done) for c, done in self.early_queue.items())
+        seen, due = 0, _INF
+        for j in range(k, stop):
+            starts.append(t)
+            t = t + compute_s[j] + hook
+            while seen < len(watch) and watch[seen][0] < j:
+                due = min(due, watch[seen][1])
+                seen += 1
+            if t >= due:
+                self.t_compute = t
+                self._early_uploads(j)
+                watch = sorted((last[c], done) for c, done in self.early_queue.items())
+                seen, due = 0, _INF
+        return t
 
     # -- one event ----------------------------------------------------------------------------------------------
     def event(self, k: int, group: tuple[int, ...]) -> None:

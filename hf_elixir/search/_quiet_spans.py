@@ -1,0 +1,112 @@
+"""Runs of quiet events in a chunked step: what lets the replay (``_replay.py``) take many events at once.
+
+[Note: quiet spans] Most events of a large model's step touch only chunks already on the device: DeepSeek-V3 at
+61 chunks has about 2,500 events a step and about 90 fills and 60 reduces, and the search replays the step over a
+thousand times. An event is *quiet* when nothing in it can change the pool, the gradients or the streams other than
+the compute's, whatever the knobs (:func:`quiet_events`): no activations copied out or back, no gradient buffer
+arriving and no reduce after it, no chunk left in COMPUTE, no chunk the runtime could reshard as dead after it
+([Note: dead chunks] in ``hf_elixir/chunk/_eviction.py``), and not an event whose phase differs from the one before
+it (the first backward event waits for every refresh upload; so a span is all forward or all backward). A quiet event whose chunks are all on the device and whose refresh uploads are done changes only:
+
+* the compute clock: ``start = t_compute``, ``t_compute = start + event_compute_s[k] + hook_event_s`` (``ready`` is
+  ``t_compute`` itself when each upload of its chunks is done by then, and ``t_compute`` only grows);
+* ``starts[k]`` (read by later prefetches);
+* per chunk, its last access (``recency``: the manager's clock, one tick per chunk of an event in id order), its
+  next use and its place in it (``last_seen`` / ``place``, read only where room is made or a gather is judged);
+* the early refresh uploads of backward ([Note: early refresh pricing] in ``_cost.py``), which read only the compute
+  clock and the event: the replay keeps pricing them event by event inside the span.
+
+So the replay takes a span of such events at once (:meth:`~hf_elixir.search._replay.StepReplay._quiet_span`): the
+clock event by event in the same order of additions (the same floating-point result), and each chunk's state only at
+its last access in the span (:class:`Span`). The span stops before the first event that needs a fill or waits for an
+upload; that event is replayed whole. The result is the event-by-event replay's exactly (tests/test_search_speed.py
+compares both on every point of a search).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass
+
+from hf_elixir.search._chunked_step import _INF, ChunkedStep
+
+__all__ = ["Span", "quiet_events", "span_at", "span_updates"]
+
+
+@dataclass(frozen=True)
+class Span:
+    """The quiet events from ``start`` to ``end`` (exclusive) and, per chunk they use, its first event in them."""
+
+    start: int
+    end: int
+    first: tuple[tuple[int, int], ...]  # (chunk, first event of the span that uses it)
+
+
+def quiet_events(step: ChunkedStep) -> list[bool]:
+    """Per event, whether it is quiet ([Note: quiet spans]); memoised on the step (a ``ChunkedStep`` is not changed
+    once built)."""
+    memo = step.__dict__.get("_quiet_events")
+    if memo is None:
+        memo = step.__dict__["_quiet_events"] = _quiet_events(step)
+    return memo
+
+
+def _quiet_events(step: ChunkedStep) -> list[bool]:
+    next_use = step.next_places[0]
+    phase = step.event_phase
+    turns = {k for k in range(1, len(phase)) if phase[k] != phase[k - 1]}  # the first backward event among them
+    busy = (set(step.offload_before) | set(step.offload_after) | set(step.arrive_at) | set(step.reduce_at)
+            | set(step.compute_held) | turns)
+    out = []
+    for k, group in enumerate(step.groups):
+        dead = (step.event_phase[k] == "bwd" and not step.replicated and k not in step.no_dead_release
+                and any(step.trained_numels[c] and next_use[k][c] == _INF and step.group_size(c) == 1
+                        for c in group))
+        out.append(k not in busy and not dead)
+    return out
+
+
+def span_at(step: ChunkedStep, k: int) -> Span:
+    """The span of quiet events that starts at event ``k`` (a quiet one) and runs to the next event that is not."""
+    memo = step.__dict__.setdefault("_quiet_spans", {})
+    span = memo.get(k)
+    if span is None:
+        quiet, end = quiet_events(step), k
+        first: dict[int, int] = {}
+        while end < len(quiet) and quiet[end]:
+            for c in step.groups[end]:
+                first.setdefault(c, end)
+            end += 1
+        span = memo[k] = Span(k, end, tuple(first.items()))
+    return span
+
+
+def span_updates(step: ChunkedStep, span: Span, stop: int) -> tuple[int, list[tuple[int, int, float, tuple]]]:
+    """Events ``span.start`` to ``stop`` (exclusive, within the span) taken at once: (the manager's clock ticks they
+    take, and per chunk they use ``(chunk, ticks before its last access, its next use, its place in that use)``)."""
+    ticks, uses, ordered = _ticks_and_uses(step)
+    next_use, next_place, _ = step.next_places
+    base = ticks[span.start]
+    out = []
+    for c, first in span.first:
+        if first < stop:
+            events = uses[c]
+            j = events[bisect_left(events, stop) - 1]  # its last event before ``stop``
+            tick = ticks[j] - base + bisect_right(ordered[j], c) - 1  # its tick in the event: chunks by id
+            out.append((c, tick, next_use[j][c], next_place[j][c]))
+    return ticks[stop] - base, out
+
+
+def _ticks_and_uses(step: ChunkedStep) -> tuple[list[int], dict[int, list[int]], list[list[int]]]:
+    """The manager's clock ticks before each event (one per chunk of an event, in id order: :meth:`StepReplay.event`),
+    each chunk's events in order, and each event's chunks by id; memoised on the step."""
+    memo = step.__dict__.get("_quiet_ticks")
+    if memo is None:
+        ticks, uses, ordered = [0], {}, []
+        for j, group in enumerate(step.groups):
+            ticks.append(ticks[-1] + len(group))
+            ordered.append(sorted(group))
+            for c in dict.fromkeys(group):
+                uses.setdefault(c, []).append(j)
+        memo = step.__dict__["_quiet_ticks"] = (ticks, uses, ordered)
+    return memo
