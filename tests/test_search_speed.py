@@ -99,8 +99,8 @@ def test_spans_price_every_point_as_event_by_event(case, gpt2, monkeypatch):
         return fast
 
     uploads = []
-    real = StepReplay._span_with_uploads
-    monkeypatch.setattr(StepReplay, "_span_with_uploads", lambda self, *a: uploads.append(1) or real(self, *a))
+    real = StepReplay._span_uploads
+    monkeypatch.setattr(StepReplay, "_span_uploads", lambda self, *a: uploads.append(1) or real(self, *a))
     monkeypatch.setattr(_grid, "predict", both)
     monkeypatch.setattr(_refine, "predict", both)
     result = search(profile, hardware(), precision="bf16", num_chunk_sizes=1, grid_points=4, refine_starts=2,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from hf_elixir.search._chunked_step import _INF, ChunkedStep
 
-__all__ = ["Span", "quiet_events", "span_at", "span_updates"]
+__all__ = ["Span", "clock_increments", "ordered_groups", "quiet_events", "span_at", "span_updates"]
 
 
 @dataclass(frozen=True)
@@ -81,9 +81,35 @@ def span_at(step: ChunkedStep, k: int) -> Span:
     return span
 
 
+def clock_increments(step: ChunkedStep, hook_event_s: float) -> tuple[list[float], bool]:
+    """What each event adds to the compute clock in a span, in the order event() adds it: ``[compute_0, hook,
+    compute_1, hook, ...]``, and whether none is negative (then the clock never goes back, and a span's clock is
+    searched by bisection); memoised on the step per hook cost."""
+    memo = step.__dict__.setdefault("_quiet_increments", {})
+    out = memo.get(hook_event_s)
+    if out is None:
+        increments = [x for compute_s in step.event_compute_s for x in (compute_s, hook_event_s)]
+        out = memo[hook_event_s] = (increments, all(x >= 0.0 for x in increments))
+    return out
+
+
+def ordered_groups(step: ChunkedStep) -> list[list[int]]:
+    """Each event's chunks by id (memoised on the step)."""
+    return _ticks_and_uses(step)[2]
+
+
 def span_updates(step: ChunkedStep, span: Span, stop: int) -> tuple[int, list[tuple[int, int, float, tuple]]]:
     """Events ``span.start`` to ``stop`` (exclusive, within the span) taken at once: (the manager's clock ticks they
-    take, and per chunk they use ``(chunk, ticks before its last access, its next use, its place in that use)``)."""
+    take, and per chunk they use ``(chunk, ticks before its last access, its next use, its place in that use)``);
+    memoised on the step."""
+    memo = step.__dict__.setdefault("_quiet_updates", {})
+    out = memo.get((span.start, stop))
+    if out is None:
+        out = memo[(span.start, stop)] = _span_updates(step, span, stop)
+    return out
+
+
+def _span_updates(step: ChunkedStep, span: Span, stop: int) -> tuple[int, list[tuple[int, int, float, tuple]]]:
     ticks, uses, ordered = _ticks_and_uses(step)
     next_use, next_place, _ = step.next_places
     base = ticks[span.start]

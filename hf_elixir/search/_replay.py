@@ -22,13 +22,17 @@ test_step_description.py), and checkpointed tiny GPT-2 steps priced one to two r
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from itertools import accumulate
+
 from hf_elixir.chunk.schedule import EventRecorder
 from hf_elixir.profiler import HardwareProfile
 from hf_elixir.search._activation_cost import DTYPE_BYTES
 from hf_elixir.search._chunked_step import _INF, ChunkedStep, Knobs
 from hf_elixir.search._memory_cost import _backward_room, _kept_peak, fixed_memory, resolve_host_copies
 from hf_elixir.search._prediction import Prediction
-from hf_elixir.search._quiet_spans import quiet_events, span_at, span_updates
+from hf_elixir.search._quiet_spans import (clock_increments, ordered_groups, quiet_events, span_at,
+                                           span_updates)
 from hf_elixir.search._rates import (_device_cast_s, _early_refresh, _host_cast_s, _host_copy_rate, _local_copy_rate,
                                      _refresh_times, _uploaded_chunks, casts_on_device, refresh_upload_bytes_per_numel)
 
@@ -193,6 +197,7 @@ class StepReplay:
             for group in step.groups:
                 self.event_at.append(self.event_at[-1] + len(set(group)))
         self.serving = (0, 0)  # (event, position) the replay serves: where an eviction is recorded
+        self.by_id = ordered_groups(step)  # each event's chunks by id (the manager records them in that order)
 
 
     # -- the pool ------------------------------------------------------------------------------------------------
@@ -307,13 +312,15 @@ class StepReplay:
                 stop = first
         if stop == k:
             return k
-        starts, compute_s, hook = self.starts, step.event_compute_s, self.hardware.hook_event_s
-        if self.early_queue and step.event_phase[k] == "bwd":  # a span is all forward or all backward
-            t = self._span_with_uploads(k, stop, t)
-        else:
-            for j in range(k, stop):
-                starts.append(t)
-                t = t + compute_s[j] + hook  # as event(): start + compute + hook, in that order
+        increments, monotone = clock_increments(step, self.hardware.hook_event_s)
+        if monotone:  # the clock after each event, summed in C: t, t + compute, (t + compute) + hook, ...
+            clock = list(accumulate(increments[2 * k:2 * stop], initial=t))
+            self.starts += clock[0:-1:2]
+            t = clock[-1]
+            if self.early_queue and step.event_phase[k] == "bwd":  # a span is all forward or all backward
+                self._span_uploads(k, clock[2::2])
+        else:  # a negative compute time somewhere: the clock is not monotone, event by event
+            t = self._span_by_event(k, stop, t)
         self.t_compute = t
         ticks, updates = span_updates(step, span, stop)
         last_seen, place, recency, clock = self.last_seen, self.place, self.recency, self.clock
@@ -325,40 +332,48 @@ class StepReplay:
         self.serving = (stop - 1, self.event_at[stop])
         return stop
 
-    def _span_with_uploads(self, k: int, stop: int, t: float) -> float:
-        """:meth:`_quiet_span`'s clock in backward with early uploads queued: event ``j`` uploads some
-        (:meth:`_early_uploads`) exactly when one used no more after event ``j - 1`` was stepped by the lane at or
-        before the compute clock after event ``j``; returns the compute clock after ``stop - 1``."""
-        starts, compute_s, hook, last = self.starts, self.step.event_compute_s, self.hardware.hook_event_s, \
-            self.step.last_access
-        watch = sorted((last[c], done) for c, done in self.early_queue.items())
-        seen, due = 0, _INF
+    def _span_uploads(self, k: int, after: list[float]) -> None:
+        """The early uploads of a backward span from event ``k`` (``after[i]``: the compute clock after event ``k + i``,
+        non-decreasing). Event ``j`` uploads a queued chunk (:meth:`_early_uploads`) when the chunk is used no more
+        after ``j - 1`` and the lane stepped it at or before the clock after ``j``: each chunk's first such event is a
+        search over ``after``; :meth:`_early_uploads` runs at each of them in order (at the others it uploads
+        nothing), with the clock there."""
+        last = self.step.last_access
+        due = set()
+        for c, done in self.early_queue.items():
+            at = bisect_left(after, done, max(0, last[c] + 1 - k))
+            if at < len(after):
+                due.add(at)
+        for at in sorted(due):
+            self.t_compute = after[at]
+            self._early_uploads(k + at)
+
+    def _span_by_event(self, k: int, stop: int, t: float) -> float:
+        """:meth:`_quiet_span`'s clock one event at a time (and the early uploads, as event() prices them)."""
+        compute_s, phase, hook = self.step.event_compute_s, self.step.event_phase, self.hardware.hook_event_s
         for j in range(k, stop):
-            starts.append(t)
-            t = t + compute_s[j] + hook
-            while seen < len(watch) and watch[seen][0] < j:
-                due = min(due, watch[seen][1])
-                seen += 1
-            if t >= due:
+            self.starts.append(t)
+            t = t + compute_s[j] + hook  # as event(): start + compute + hook, in that order
+            if self.early_queue and phase[j] == "bwd":
                 self.t_compute = t
                 self._early_uploads(j)
-                watch = sorted((last[c], done) for c, done in self.early_queue.items())
-                seen, due = 0, _INF
         return t
 
     # -- one event ----------------------------------------------------------------------------------------------
     def event(self, k: int, group: tuple[int, ...]) -> None:
         step = self.step
-        for c in sorted(group):
-            self.last_seen[c] = self.next_use[k][c]
-            self.place[c] = self.next_place[k][c]
+        next_use, next_place = self.next_use[k], self.next_place[k]
+        for c in self.by_id[k]:
+            self.last_seen[c] = next_use[c]
+            self.place[c] = next_place[c]
             self.recency[c] = self.clock  # as ChunkManager._record, chunk by chunk (by id) before any room is made
             self.clock += 1
         if k in step.offload_before:  # an offloaded block's activations come back; its backward waits for them
             self._activations_back(step.offload_before[k])
         ready = self._ready(k, group)
         loaded, ready = self._fills(k, group, ready)
-        self.cache_peak = max(self.cache_peak, sum(self.cached.values()))
+        if loaded:  # only a fill grows the cache (so without one it is not above cache_peak)
+            self.cache_peak = max(self.cache_peak, sum(self.cached.values()))
         start = max(self.t_compute, ready)
         self.starts.append(start)
         self.t_compute = start + step.event_compute_s[k] + self.hardware.hook_event_s
@@ -405,11 +420,10 @@ class StepReplay:
         loaded = 0
         issue = (self.starts[k - self.knobs.prefetch_depth] if self.overlap and k >= self.knobs.prefetch_depth
                  else self.t_compute)
-        in_event = sorted(set(group))
         for c in group:
             if c in self.on_device or c in self.cached:
                 continue
-            self.serving = (k, self.event_at[k] + in_event.index(c) + 1)
+            self.serving = (k, self.event_at[k] + sorted(set(group)).index(c) + 1)
             loaded += 1
             ready = self._fill(k, c, group, issue, ready)
         return loaded, ready
@@ -505,6 +519,8 @@ class StepReplay:
         """The gradient buffers that arrive after event ``k``, then the reduces that event allows."""
         step = self.step
         self.serving = (k, self.event_at[k + 1])
+        if k not in step.reduce_at and k not in step.arrive_at:
+            return
         reduces = list(step.reduce_at.get(k, []))
         for c in sorted(step.arrive_at.get(k, []), reverse=True):
             # [Note: gradients within an event] a chunk that completes here and holds later parameters than ``c``
