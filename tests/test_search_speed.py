@@ -15,7 +15,7 @@ from hf_elixir.chunk.schedule import EventRecorder
 from hf_elixir.profiler import HardwareProfile, profile_step
 from hf_elixir.profiler._gpu_presets import preset_hardware
 from hf_elixir.profiler._model_zoo import load_config, meta_model_and_batch
-from hf_elixir.search import _cost, _grid, _refine, search
+from hf_elixir.search import _cost, _grid, _quiet_spans, _refine, search
 from hf_elixir.search._quiet_spans import quiet_events
 from hf_elixir.search._replay import StepReplay, _NoRoom
 
@@ -99,8 +99,8 @@ def test_spans_price_every_point_as_event_by_event(case, gpt2, monkeypatch):
         return fast
 
     uploads = []
-    real = StepReplay._span_uploads
-    monkeypatch.setattr(StepReplay, "_span_uploads", lambda self, *a: uploads.append(1) or real(self, *a))
+    real = _quiet_spans._span_uploads
+    monkeypatch.setattr(_quiet_spans, "_span_uploads", lambda replay, *a: uploads.append(1) or real(replay, *a))
     monkeypatch.setattr(_grid, "predict", both)
     monkeypatch.setattr(_refine, "predict", both)
     result = search(profile, hardware(), precision="bf16", num_chunk_sizes=1, grid_points=4, refine_starts=2,

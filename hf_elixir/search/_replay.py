@@ -22,17 +22,13 @@ test_step_description.py), and checkpointed tiny GPT-2 steps priced one to two r
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from itertools import accumulate
-
 from hf_elixir.chunk.schedule import EventRecorder
 from hf_elixir.profiler import HardwareProfile
 from hf_elixir.search._activation_cost import DTYPE_BYTES
 from hf_elixir.search._chunked_step import _INF, ChunkedStep, Knobs
 from hf_elixir.search._memory_cost import _backward_room, _kept_peak, fixed_memory, resolve_host_copies
 from hf_elixir.search._prediction import Prediction
-from hf_elixir.search._quiet_spans import (clock_increments, ordered_groups, quiet_events, span_at,
-                                           span_updates)
+from hf_elixir.search._quiet_spans import ordered_groups, quiet_events, take_span
 from hf_elixir.search._rates import (_device_cast_s, _early_refresh, _host_cast_s, _host_copy_rate, _local_copy_rate,
                                      _refresh_times, _uploaded_chunks, casts_on_device, refresh_upload_bytes_per_numel)
 
@@ -281,7 +277,7 @@ class StepReplay:
 
     def run(self) -> None:
         """Replay every event (raises :class:`_NoRoom` where the step does not fit), then drain the reduces. Spans
-        of quiet events are taken at once ([Note: quiet spans] in ``_quiet_spans.py``) unless ``spans`` is off
+        of quiet events are taken at once (:func:`~hf_elixir.search._quiet_spans.take_span`) unless ``spans`` is off
         or a timeline is drawn (it has a point per event)."""
         groups = self.step.groups
         quiet = quiet_events(self.step) if self.spans and not self.timeline else [False] * len(groups)
@@ -289,7 +285,7 @@ class StepReplay:
             k = 0
             while k < len(groups):
                 if quiet[k]:
-                    done = self._quiet_span(k)
+                    done = take_span(self, k)
                     if done > k:
                         k = done
                         continue
@@ -297,67 +293,6 @@ class StepReplay:
                 k += 1
         while self.pending:  # the end of backward drains every in-flight reduce
             self._finish_reduce()
-
-    def _quiet_span(self, k: int) -> int:
-        """Take the quiet events from ``k`` on up to the first that needs a fill or waits for a refresh upload
-        ([Note: quiet spans]); returns the event to go on from (``k``: none taken). The cache does not change in the
-        span and is never above ``cache_peak`` between events (only a fill grows it, and event() raises
-        ``cache_peak`` right after its fills), so ``cache_peak`` stays as it is."""
-        step, cached, on_device, refresh = self.step, self.cached, self.on_device, self.refresh_done
-        span = span_at(step, k)
-        t = self.t_compute
-        stop = span.end
-        for c, first in span.first:
-            if first < stop and ((c not in on_device and c not in cached) or (refresh and refresh.get(c, 0.0) > t)):
-                stop = first
-        if stop == k:
-            return k
-        increments, monotone = clock_increments(step, self.hardware.hook_event_s)
-        if monotone:  # the clock after each event, summed in C: t, t + compute, (t + compute) + hook, ...
-            clock = list(accumulate(increments[2 * k:2 * stop], initial=t))
-            self.starts += clock[0:-1:2]
-            t = clock[-1]
-            if self.early_queue and step.event_phase[k] == "bwd":  # a span is all forward or all backward
-                self._span_uploads(k, clock[2::2])
-        else:  # a negative compute time somewhere: the clock is not monotone, event by event
-            t = self._span_by_event(k, stop, t)
-        self.t_compute = t
-        ticks, updates = span_updates(step, span, stop)
-        last_seen, place, recency, clock = self.last_seen, self.place, self.recency, self.clock
-        for c, tick, next_use, next_place in updates:
-            last_seen[c] = next_use
-            place[c] = next_place
-            recency[c] = clock + tick
-        self.clock = clock + ticks
-        self.serving = (stop - 1, self.event_at[stop])
-        return stop
-
-    def _span_uploads(self, k: int, after: list[float]) -> None:
-        """The early uploads of a backward span from event ``k`` (``after[i]``: the compute clock after event ``k + i``,
-        non-decreasing). Event ``j`` uploads a queued chunk (:meth:`_early_uploads`) when the chunk is used no more
-        after ``j - 1`` and the lane stepped it at or before the clock after ``j``: each chunk's first such event is a
-        search over ``after``; :meth:`_early_uploads` runs at each of them in order (at the others it uploads
-        nothing), with the clock there."""
-        last = self.step.last_access
-        due = set()
-        for c, done in self.early_queue.items():
-            at = bisect_left(after, done, max(0, last[c] + 1 - k))
-            if at < len(after):
-                due.add(at)
-        for at in sorted(due):
-            self.t_compute = after[at]
-            self._early_uploads(k + at)
-
-    def _span_by_event(self, k: int, stop: int, t: float) -> float:
-        """:meth:`_quiet_span`'s clock one event at a time (and the early uploads, as event() prices them)."""
-        compute_s, phase, hook = self.step.event_compute_s, self.step.event_phase, self.hardware.hook_event_s
-        for j in range(k, stop):
-            self.starts.append(t)
-            t = t + compute_s[j] + hook  # as event(): start + compute + hook, in that order
-            if self.early_queue and phase[j] == "bwd":
-                self.t_compute = t
-                self._early_uploads(j)
-        return t
 
     # -- one event ----------------------------------------------------------------------------------------------
     def event(self, k: int, group: tuple[int, ...]) -> None:
