@@ -119,6 +119,32 @@ def test_deepseek_v3_fits_one_node_with_a_disk():
     report = json.loads(out)
     assert report["chosen"]["expert_parallel"] == 8
     _check_disk_report(report)
+    _check_pinned(report)
+
+
+# the plan this command printed before the search was made faster (quiet spans in the replay, linear-time steps,
+# the chunk-size search's memo: none changes a number); a change to the cost model that moves one of these says why
+PINNED_CHOSEN = {"tensor_parallel": 1, "expert_parallel": 8, "data_parallel": 8, "data_parallel_kind": "sharded",
+                 "chunk_size_numel": 1666897920, "resident_chunks": 0, "cache_blocks": 2, "device_optimizer_chunks": 0,
+                 "prefetch_depth": 2, "activations": "recompute 61/61", "tokens_per_step": 8192,
+                 "device_peak_bytes": 80998236164, "host_bytes_per_gpu": 136954064896}
+PINNED_DISK = {"optimizer_bytes_per_gpu": 1183463098368, "param_bytes_per_gpu": 2818572288,
+               "grad_bytes_per_gpu": 394487699456, "staging_bytes_per_gpu": 268435456,
+               "disk_bytes_per_machine": 12646154960896, "read_bytes_per_step_per_gpu": 1580769370112,
+               "write_bytes_per_step_per_gpu": 1580769370112, "hide_tokens_per_step": 14369428}
+
+
+def _check_pinned(report: dict) -> None:
+    chosen, disk = report["chosen"], report["disk"]
+    assert {k: chosen[k] for k in PINNED_CHOSEN} == PINNED_CHOSEN
+    assert {k: disk[k] for k in PINNED_DISK} == PINNED_DISK
+    assert chosen["step_s"] == pytest.approx(1011.692397, abs=1e-6) and disk["disk_s"] == chosen["step_s"]
+    assert disk["step_without_disk_s"] == pytest.approx(29.94011, abs=1e-6)
+    assert disk["compute_s"] == pytest.approx(0.560016, abs=1e-6)
+    assert report["searched_configurations"] == 1361
+    assert [(a["prefetch_depth"], a["resident_chunks"], a["step_s"]) for a in report["alternatives"][:5]] == [
+        (2, 0, 1011.692397), (0, 0, 1011.692397), (1, 0, 1011.692397), (0, 1, 1017.173839), (1, 1, 1017.173839)]
+    assert "110227342340 bytes per rank" in report["degrees"]["expert_parallel"]["1"]  # expert parallel 1's need
 
 
 @pytest.mark.parametrize("model, flags", [("kimi-k2-like", ["--expert-parallel-size", "8"]), ("llama-3.1-405b", [])])

@@ -114,7 +114,7 @@ def candidate_grid(numels: Sequence[int], upper_bound_numel: int | None = None, 
 def search_chunk_size(numels: Sequence[int], param_trace: Sequence[Sequence[int]] = (), *,
                       world_size: int = 1, element_bytes: int = 2, cache_bytes: int | None = None,
                       upper_bound_numel: int | None = None, num_candidates: int = 32, step_numel: int = 1024,
-                      waste_tolerance: float = 0.05) -> ChunkSizeResult:
+                      waste_tolerance: float = 0.05, memo: dict | None = None) -> ChunkSizeResult:
     """Pick a chunk size for parameters of ``numels`` (in packing order).
 
     Args:
@@ -128,6 +128,9 @@ def search_chunk_size(numels: Sequence[int], param_trace: Sequence[Sequence[int]
         step_numel: candidates are rounded up to a multiple of this.
         waste_tolerance: candidates whose waste is within this (absolute fraction) of the least waste
             compete on moved bytes; the rest are ranked after them.
+        memo: a dict shared by calls with the same ``numels`` and ``param_trace`` (the configuration search calls
+            this for several cache sizes): each size's packing and chunk trace, and its onloads per cache capacity,
+            are computed once.
 
     Returns:
         :class:`ChunkSizeResult`.
@@ -143,15 +146,22 @@ def search_chunk_size(numels: Sequence[int], param_trace: Sequence[Sequence[int]
     grid = candidate_grid(numels, upper_bound_numel, num_candidates, step_numel)
     lo, hi = grid[0], grid[-1]
     candidates: list[ChunkSizeCandidate] = []
+    memo = {} if memo is None else memo
     for size in grid:
-        layout = pack_chunks(numels, size, world_size)
+        if ("layout", size, world_size) not in memo:
+            layout = pack_chunks(numels, size, world_size)
+            groups = chunk_groups(layout, param_trace) if param_trace else []
+            memo[("layout", size, world_size)] = (layout, groups, len({c for g in groups for c in g}))
+        layout, groups, distinct = memo[("layout", size, world_size)]
         waste = layout.padding_numel / max(1, sum(layout.chunk_numels))
         moves = moved = None
         if cache_bytes is not None and param_trace:
-            groups = chunk_groups(layout, param_trace)
             capacity = cache_bytes // max(1, round_up(size, world_size) * element_bytes)
             if capacity >= max(len(g) for g in groups):
-                moves = sum(len(m) for m in belady_schedule(groups, capacity))
+                moves = memo.get(("moves", size, world_size, min(capacity, distinct)))
+                if moves is None:  # a cache that holds every chunk never evicts: one onload each
+                    moves = distinct if capacity >= distinct else sum(len(m) for m in belady_schedule(groups, capacity))
+                    memo[("moves", size, world_size, min(capacity, distinct))] = moves
                 moved = moves * round_up(size, world_size) * element_bytes
             else:
                 moves = moved = -1

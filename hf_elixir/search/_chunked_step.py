@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+import numpy
+
 from hf_elixir.chunk import pack_chunks
 from hf_elixir.chunk._frozen_apart import frozen_apart
 from hf_elixir.chunk._frozen_whole import frozen_bucket_numel
@@ -200,11 +202,29 @@ class ChunkedStep:
         return memo[held]
 
     def _working_set_bytes(self, held: frozenset[int]) -> int:
-        per_event = [sum(self.full_bytes(c) for c in g if c not in held) for g in self.groups] or [0]
-        pairs = [a + b for a, b in zip(per_event, per_event[1:])] or per_event
+        # per event, the bytes of its chunks less those held: every chunk's bytes, less the held chunks' at their uses
+        everything, uses = self._event_bytes
+        per_event = everything.copy()
+        for c in held:
+            if c in uses:
+                numpy.subtract.at(per_event, uses[c], self.full_bytes(c))
+        if len(per_event) == 0:
+            per_event = numpy.zeros(1, dtype=numpy.int64)
+        pairs = per_event[:-1] + per_event[1:] if len(per_event) > 1 else per_event
         staging = max((self.shard_numel(c) * DTYPE_BYTES[self.precision] for c in range(self.num_chunks)
                        if self.group_size(c) > 1), default=0)
-        return max(pairs) + self.grad_peak_bytes + staging
+        return int(pairs.max()) + self.grad_peak_bytes + staging
+
+    @functools.cached_property
+    def _event_bytes(self) -> tuple[numpy.ndarray, dict[int, numpy.ndarray]]:
+        """Per event the bytes of its chunks (int64: a few TB at most), and per chunk the events that use it (an event
+        listed once per use)."""
+        uses: dict[int, list[int]] = {}
+        for k, g in enumerate(self.groups):
+            for c in g:
+                uses.setdefault(c, []).append(k)
+        everything = numpy.array([sum(self.full_bytes(c) for c in g) for g in self.groups], dtype=numpy.int64)
+        return everything, {c: numpy.array(ks, dtype=numpy.int64) for c, ks in uses.items()}
 
 
 def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_size: int, precision: str,
@@ -320,10 +340,17 @@ def build_chunked_step(profile: StepProfile, chunk_size_numel: int, *, world_siz
     for c in order:
         prefix = max(prefix, ready[c])
         grad_reduce[c] = last if prefix == _INF else int(prefix)
-    gbytes = {c: layout.chunk_numels[c] * grad_elem_bytes for c in grad_arrive}
-    peak = 0
-    for k in range(len(events)):
-        peak = max(peak, sum(gbytes[c] for c in grad_arrive if grad_arrive[c] <= k <= grad_reduce[c]))
+    # the most gradient-buffer bytes live at one event (a chunk's buffer from its arrival to its reduce, inclusive),
+    # swept over the events once
+    change = [0] * (len(events) + 1)
+    for c, arrive in grad_arrive.items():
+        if arrive <= grad_reduce[c]:
+            change[arrive] += layout.chunk_numels[c] * grad_elem_bytes
+            change[grad_reduce[c] + 1] -= layout.chunk_numels[c] * grad_elem_bytes
+    peak = live = 0
+    for delta in change[:len(events)]:
+        live += delta
+        peak = max(peak, live)
     accesses = [0] * num_chunks
     for g in groups:
         for c in g:

@@ -149,7 +149,7 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
             activations_on_device: bool = False, timeline: bool = False,
             overlap_host_optimizer: bool | None = None, host_budget_bytes: int | None = None,
             recorder: EventRecorder | None = None,
-            _refresh_prev: dict[int, float] | None = None) -> Prediction | None:
+            _refresh_prev: dict[int, float] | None = None, _spans: bool = True) -> Prediction | None:
     """Predicted time and memory of ``knobs`` with a model-data pool of ``pool_bytes`` (the
     ``device_memory_budget_bytes`` given to ``prepare``); ``None`` if the step cannot run in it (the
     manager would raise). Without ``pool_bytes`` the pool is the fixed parts plus
@@ -161,14 +161,16 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
     places in the step's order), the list the runtime executes ([Note: one step description] in
     ``hf_elixir/chunk/schedule.py``).
     ``_refresh_prev`` (internal): when each upload of the previous step is done, seconds from this step's start
-    (the second pass of [Note: early refresh pricing]).
+    (the second pass of [Note: early refresh pricing]). ``_spans`` (internal): take quiet events a span at a time
+    ([Note: quiet spans] in ``_quiet_spans.py``; ``False``: event by event, the same result, for the tests).
 
     The replay itself is :class:`~hf_elixir.search._replay.StepReplay`. See [Note: time model] in this module's
     docstring and [Note: memory accounting] in ``_memory_cost.py``.
     """
     replay = StepReplay(step, knobs, hardware, pool_bytes=pool_bytes, activations_on_device=activations_on_device,
                         timeline=timeline, overlap_host_optimizer=overlap_host_optimizer,
-                        host_budget_bytes=host_budget_bytes, recorder=recorder, refresh_prev=_refresh_prev)
+                        host_budget_bytes=host_budget_bytes, recorder=recorder, refresh_prev=_refresh_prev,
+                        spans=_spans)
     try:
         replay.run()
     except _NoRoom:
@@ -184,5 +186,5 @@ def predict(step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_
         prev.update({c: queued + t for c, t in _refresh_times(step, rest).items()})
         return predict(step, knobs, hardware, pool_bytes=pool_bytes, activations_on_device=activations_on_device,
                        timeline=timeline, overlap_host_optimizer=overlap_host_optimizer,
-                       host_budget_bytes=host_budget_bytes, recorder=recorder, _refresh_prev=prev)
+                       host_budget_bytes=host_budget_bytes, recorder=recorder, _refresh_prev=prev, _spans=_spans)
     return prediction

@@ -146,14 +146,15 @@ def _data_parallel_modes(data_parallel: str, world_size: int) -> tuple[str, ...]
 
 
 def _chunk_sizes(profile: StepProfile, world_size: int, b: int, limit: int, chunk_size_numel: int | None,
-                 num_chunk_sizes: int, replicated: bool) -> tuple[list[int], Callable[[int], str]]:
+                 num_chunk_sizes: int, replicated: bool, memo: dict | None = None) -> tuple[list[int],
+                                                                                      Callable[[int], str]]:
     """Chunk sizes to try, and a function saying why for the size that wins: the caller's; else the
     chunk-size search's best few; replicated chunks (packed for world size 1) try DDP's 25 MiB bucket,
     which ``prepare`` defaults to, and the same few (smaller chunks: smaller gradient buffers in flight)."""
     if chunk_size_numel is not None:
         return [chunk_size_numel], lambda size: f"chunk_size_numel={size} given by the caller"
     result = search_chunk_size(profile.param_numels, [e.params for e in profile.events], world_size=world_size,
-                               element_bytes=b, cache_bytes=max(1, limit // 4))
+                               element_bytes=b, cache_bytes=max(1, limit // 4), memo=memo)
     sizes = [c.chunk_size_numel for c in result.candidates[:max(1, num_chunk_sizes)]]
     if not replicated:
         return sizes, result.describe
@@ -288,6 +289,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
     tried_sizes: set[int] = set()  # every chunk size priced, for the smallest need when none fits
     rank_host = host_limit // per_host if host_limit is not None else None  # bounds the lane's snapshots
     planned: list[tuple[str, int, Any]] = []  # (mode, chunk size, policy) in the order the grid walks them
+    chunk_memo: dict = {}  # the chunk-size search's packings and onloads, shared by its calls here
     for mode in modes:
         replicated = mode == "replicated"
         sizes: list[int] = []
@@ -297,7 +299,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
             act_bytes = activation_bytes(rank_profile, precision, _policy_or_ckpt(policy, activation_checkpointing))
             room = limit - (act_bytes if activations_on_device else 0)
             more_sizes, why = _chunk_sizes(rank_profile, pack_world_size, b, max(1, room), chunk_size_numel,
-                                           num_chunk_sizes, replicated)
+                                           num_chunk_sizes, replicated, chunk_memo)
             size_reasons.setdefault(mode, why)
             sizes += [n for n in more_sizes if n not in sizes]
             tried_sizes.update(more_sizes)
@@ -396,7 +398,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         # (smaller rooms pick smaller chunks, whose working set is smaller: the candidates for a few of them count too)
         for room in (limit >> k for k in range(6)):
             tried_sizes.update(_chunk_sizes(rank_profile, pack_world_size, b, max(1, room), chunk_size_numel,
-                                            num_chunk_sizes, False)[0])
+                                            num_chunk_sizes, False, chunk_memo)[0])
         largest = max(rank_profile.param_numels, default=1)  # replicated buckets may be smaller: they pack otherwise
         # the least-activation policies bound the need (every block recomputed or offloaded; keep for a grid of one):
         # the others only add activations, and each step built here is memoised for the next size's
@@ -411,7 +413,7 @@ def search(model_or_profile: Any, hardware: HardwareProfile, *, world_size: int 
         for _ in range(2):
             for room in (need >> k for k in range(3)):
                 tried_sizes.update(_chunk_sizes(rank_profile, pack_world_size, b, max(1, room), chunk_size_numel,
-                                                num_chunk_sizes, False)[0])
+                                                num_chunk_sizes, False, chunk_memo)[0])
             need = min(need_at(size) for size in tried_sizes if size >= largest)
         need_budget = math.ceil(need / (1.0 - safety_margin))
         raise ValueError(

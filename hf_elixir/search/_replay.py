@@ -28,6 +28,7 @@ from hf_elixir.search._activation_cost import DTYPE_BYTES
 from hf_elixir.search._chunked_step import _INF, ChunkedStep, Knobs
 from hf_elixir.search._memory_cost import _backward_room, _kept_peak, fixed_memory, resolve_host_copies
 from hf_elixir.search._prediction import Prediction
+from hf_elixir.search._quiet_spans import ordered_groups, quiet_events, take_span
 from hf_elixir.search._rates import (_device_cast_s, _early_refresh, _host_cast_s, _host_copy_rate, _local_copy_rate,
                                      _refresh_times, _uploaded_chunks, casts_on_device, refresh_upload_bytes_per_numel)
 
@@ -49,8 +50,8 @@ class StepReplay:
     def __init__(self, step: ChunkedStep, knobs: Knobs, hardware: HardwareProfile, *, pool_bytes: int | None,
                  activations_on_device: bool, timeline: bool, overlap_host_optimizer: bool | None,
                  host_budget_bytes: int | None, recorder: EventRecorder | None,
-                 refresh_prev: dict[int, float] | None) -> None:
-        self.step, self.hardware, self.recorder = step, hardware, recorder
+                 refresh_prev: dict[int, float] | None, spans: bool = True) -> None:
+        self.step, self.hardware, self.recorder, self.spans = step, hardware, recorder, spans
         self.activations_on_device, self.timeline = activations_on_device, timeline
         if recorder is not None:
             recorder.clear()
@@ -186,10 +187,13 @@ class StepReplay:
         self.first_pass = True  # forward-only: the first replay, the first forward after prepare
         self.clock = 0
         # where each event's accesses start in the step's order (a unit's chunks by id, [Note: one step description])
-        self.event_at = [0]
-        for group in step.groups:
-            self.event_at.append(self.event_at[-1] + len(set(group)))
+        self.event_at = step.__dict__.get("_event_at")  # memoised on the step (not changed once built)
+        if self.event_at is None:
+            self.event_at = step.__dict__["_event_at"] = [0]
+            for group in step.groups:
+                self.event_at.append(self.event_at[-1] + len(set(group)))
         self.serving = (0, 0)  # (event, position) the replay serves: where an eviction is recorded
+        self.by_id = ordered_groups(step)  # each event's chunks by id (the manager records them in that order)
 
 
     # -- the pool ------------------------------------------------------------------------------------------------
@@ -246,9 +250,9 @@ class StepReplay:
 
     # -- the replays -------------------------------------------------------------------------------------------
     def passes(self):
-        """The events to replay: once, or for a forward-only step until a replay starts from the cache the one
-        before it started from (at most ``FORWARD_PASSES``), the counters and clocks reset before each replay
-        so that the last one is what is priced ([Note: forward-only pricing])."""
+        """The replays of the step's events: once, or for a forward-only step until a replay starts from the cache
+        the one before it started from (at most ``FORWARD_PASSES``), the counters and clocks reset before each replay
+        so that the last one is what is priced ([Note: forward-only pricing]); yields before each replay."""
         step, knobs = self.step, self.knobs
         starts_from = None
         for replay in range(FORWARD_PASSES if step.forward_only else 1):
@@ -269,28 +273,42 @@ class StepReplay:
                 self.pool_log.clear()
                 if self.recorder is not None:
                     self.recorder.clear()
-            yield from enumerate(step.groups)
+            yield replay
 
     def run(self) -> None:
-        """Replay every event (raises :class:`_NoRoom` where the step does not fit), then drain the reduces."""
-        for k, group in self.passes():
-            self.event(k, group)
+        """Replay every event (raises :class:`_NoRoom` where the step does not fit), then drain the reduces. Spans
+        of quiet events are taken at once (:func:`~hf_elixir.search._quiet_spans.take_span`) unless ``spans`` is off
+        or a timeline is drawn (it has a point per event)."""
+        groups = self.step.groups
+        quiet = quiet_events(self.step) if self.spans and not self.timeline else [False] * len(groups)
+        for _ in self.passes():
+            k = 0
+            while k < len(groups):
+                if quiet[k]:
+                    done = take_span(self, k)
+                    if done > k:
+                        k = done
+                        continue
+                self.event(k, groups[k])
+                k += 1
         while self.pending:  # the end of backward drains every in-flight reduce
             self._finish_reduce()
 
     # -- one event ----------------------------------------------------------------------------------------------
     def event(self, k: int, group: tuple[int, ...]) -> None:
         step = self.step
-        for c in sorted(group):
-            self.last_seen[c] = self.next_use[k][c]
-            self.place[c] = self.next_place[k][c]
+        next_use, next_place = self.next_use[k], self.next_place[k]
+        for c in self.by_id[k]:
+            self.last_seen[c] = next_use[c]
+            self.place[c] = next_place[c]
             self.recency[c] = self.clock  # as ChunkManager._record, chunk by chunk (by id) before any room is made
             self.clock += 1
         if k in step.offload_before:  # an offloaded block's activations come back; its backward waits for them
             self._activations_back(step.offload_before[k])
         ready = self._ready(k, group)
         loaded, ready = self._fills(k, group, ready)
-        self.cache_peak = max(self.cache_peak, sum(self.cached.values()))
+        if loaded:  # only a fill grows the cache (so without one it is not above cache_peak)
+            self.cache_peak = max(self.cache_peak, sum(self.cached.values()))
         start = max(self.t_compute, ready)
         self.starts.append(start)
         self.t_compute = start + step.event_compute_s[k] + self.hardware.hook_event_s
@@ -337,11 +355,10 @@ class StepReplay:
         loaded = 0
         issue = (self.starts[k - self.knobs.prefetch_depth] if self.overlap and k >= self.knobs.prefetch_depth
                  else self.t_compute)
-        in_event = sorted(set(group))
         for c in group:
             if c in self.on_device or c in self.cached:
                 continue
-            self.serving = (k, self.event_at[k] + in_event.index(c) + 1)
+            self.serving = (k, self.event_at[k] + sorted(set(group)).index(c) + 1)
             loaded += 1
             ready = self._fill(k, c, group, issue, ready)
         return loaded, ready
@@ -437,6 +454,8 @@ class StepReplay:
         """The gradient buffers that arrive after event ``k``, then the reduces that event allows."""
         step = self.step
         self.serving = (k, self.event_at[k + 1])
+        if k not in step.reduce_at and k not in step.arrive_at:
+            return
         reduces = list(step.reduce_at.get(k, []))
         for c in sorted(step.arrive_at.get(k, []), reverse=True):
             # [Note: gradients within an event] a chunk that completes here and holds later parameters than ``c``
