@@ -25,14 +25,11 @@ from hf_elixir.checkpoint import load_checkpoint, save_checkpoint
 from hf_elixir.chunk._disk import HUGE_BYTES, HUGE_MIN_BYTES, HUGE_PAGES, PAGE_BYTES, DiskFile
 from hf_elixir.chunk._disk_pages import grad_region
 from tests._dist import run_distributed
-from tests._models import batch, rank_batch, rel_l2, two_groups
-from tests.test_disk_tier_params import _HostPeak
+from tests._models import batch, rel_l2, two_groups
+from tests.test_disk_tier_params import MAX_NORM, ROWS, STEPS, _HostPeak, _reference, _step
 
 #: fp32 elements of a shard whose gradient / parameter region is exactly HUGE_MIN_BYTES (the smallest huge region)
 HUGE_SHARD_NUMEL = HUGE_MIN_BYTES // 4
-ROWS = 2
-STEPS = 5
-MAX_NORM = 1.0
 
 
 @functools.cache
@@ -91,25 +88,6 @@ class _Peak(_HostPeak):
             super().sample()
 
 
-def _step(model, opt, step, rank=0, world_size=1, peak=None):
-    opt.backward(model(**rank_batch("gpt2", step, rank, world_size, ROWS)).loss)
-    for phase in (lambda: opt.clip_grad_norm(MAX_NORM), opt.step, opt.zero_grad):
-        if peak is not None:
-            peak.sample()
-        phase()
-
-
-def _reference(world_size):
-    ref = _model()
-    ropt = torch.optim.AdamW(two_groups(ref, weight_decay=0.1), lr=3e-3)
-    for step in range(STEPS):
-        ref(**batch("gpt2", step, ROWS * world_size)).loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
-        ropt.step()
-        ropt.zero_grad()
-    return {k: v.detach().clone() for k, v in ref.state_dict().items()}
-
-
 def _written_bytes() -> int:
     """Bytes this process has caused to be written to storage (``/proc/self/io``: counted as pages are dirtied)."""
     with open("/proc/self/io") as f:
@@ -140,7 +118,7 @@ def _train_case(rank, world_size, offload_dir):
     written = _written_bytes() - written
     host = [c for c in manager.chunks if c.trainable and not c.optim_on_device]
     out = {
-        "rel": rel_l2({k: v.detach().clone() for k, v in model.state_dict().items()}, _reference(world_size)),
+        "rel": rel_l2({k: v.detach().clone() for k, v in model.state_dict().items()}, _reference(world_size, _model)),
         "budget": opt.config.host_memory_budget_bytes, "peak": peak.peak_bytes, "samples": peak.samples,
         "state_bytes": 16 * _num_params() // world_size, "file_bytes": file.nbytes,
         "num_chunks": len(host), "num_grads": len(pages.grads), "num_params": len(pages.params),

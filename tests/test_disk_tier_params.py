@@ -91,8 +91,10 @@ def _step(model, opt, step, rank=0, world_size=1, peak=None):
         phase()
 
 
-def _reference(world_size):
-    ref = _model()
+def _reference(world_size, model=None):
+    """Plain PyTorch on the global batch: ``model`` (default this file's ``_model``) after ``STEPS`` clipped AdamW
+    steps (also the reference of tests/test_disk_tier_huge.py)."""
+    ref = (model or _model)()
     ropt = torch.optim.AdamW(two_groups(ref, weight_decay=0.1), lr=3e-3)
     for step in range(STEPS):
         ref(**batch("gpt2", step, ROWS * world_size)).loss.backward()
