@@ -186,7 +186,7 @@ def _apply_layout(model, optimizer, names, layout: Layout, stream):
     else:  # no optimizer step: each forward is a step ([Note: forward steps] in chunk/_steps.py)
         manager.forward_steps = True
     install_state_dict_hooks(model, manager, on_loaded=(
-        state.optimizer.sync_masters_from_params if state.optimizer is not None else (lambda: None)))
+        state.optimizer.sync_masters_from_params if state.optimizer is not None else (lambda params: None)))
     state.compiled = apply_compile(model, config.compile, handles)  # before the activation policy wraps forwards
     install_activation_policy(model, layout.activation_policy, plan.activation_checkpointing, manager, handles)
     attach_state(model, state)

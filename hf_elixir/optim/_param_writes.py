@@ -4,8 +4,7 @@ Outside the step, the compute copies can be written: ``model.load_state_dict``, 
 parameter (``p.data.copy_``, ``torch.nn.init``), a tied weight set by the user. The masters must then follow, or
 the next step would update the old values and its refresh would overwrite the write. The manager notices such
 writes ([Note: parameter writes] in ``hf_elixir/chunk/_chunk_params.py``) and calls :meth:`ParamWritesMixin.merge_param_writes`
-before anything reads the masters; :meth:`ParamWritesMixin.sync_masters_from_params` takes every compute copy
-whole.
+before anything reads the masters; :meth:`ParamWritesMixin.sync_masters_from_params` takes the compute copies of what a load wrote.
 """
 
 from __future__ import annotations
@@ -49,15 +48,37 @@ class ParamWritesMixin:
                 else:
                     counters.h2d_bytes += chunk.shard_bytes
 
-    def sync_masters_from_params(self) -> None:
-        """Refresh fp32 masters from the compute shards (after ``model.load_state_dict``)."""
+    def sync_masters_from_params(self, params=None) -> None:
+        """Refresh fp32 masters from the compute shards: every trainable chunk whole (``params=None``), or only the
+        elements of ``params`` (an iterable of managed parameters: what ``model.load_state_dict`` loaded; the other
+        elements keep their master values, so a partial load does not round them to the compute dtype)."""
         self.settle_host_steps()
         self.manager.drain_refreshes()
         self._staged.clear()
+        if params is None:
+            ranges = {chunk.chunk_id: [(0, None)] for chunk in self.manager.chunks if chunk.trainable}
+        else:
+            ranges = {}
+            for param in params:
+                slot = self.manager.slot_of[param]
+                ranges.setdefault(self.manager.chunk_of[param].chunk_id, []).append((slot.offset, slot.numel))
         for chunk in self.manager.chunks:
-            if chunk.trainable:
-                master = self.masters[chunk.chunk_id]
-                source = chunk.full if chunk.full_alias else chunk.shard
-                if master is not source:
+            if not chunk.trainable or chunk.chunk_id not in ranges:
+                continue
+            master = self.masters[chunk.chunk_id]
+            source = chunk.full if chunk.full_alias else chunk.shard
+            if master is source:
+                continue
+            begin = chunk.shard_begin if master.numel() == chunk.shard_numel else 0
+            for offset, numel in ranges[chunk.chunk_id]:
+                lo = max(offset, begin)
+                hi = begin + master.numel() if numel is None else min(offset + numel, begin + master.numel())
+                if hi > lo:
                     with strict.host_copies():
-                        master.copy_(source)
+                        master[lo - begin:hi - begin].copy_(source[lo - begin:hi - begin])
+
+    def release_disk_pages(self) -> None:
+        """Write back and evict every page of the disk tier's file that a load or an edit outside the step brought
+        into host memory ([Note: disk states] in ``_disk_state.py``); nothing without ``offload_dir``."""
+        if self._disk is not None:
+            self._disk.file.evict_all()

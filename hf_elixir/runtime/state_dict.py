@@ -74,7 +74,15 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
         export.begin()
 
     removables = [model.register_state_dict_pre_hook(begin_save)]
-    loaded: dict[torch.nn.Parameter, torch.Tensor] = {}  # fp32 values a load_state_dict gives ([Note: fp32 loads])
+    load = _Load(manager, lambda: get_state(model).optimizer, on_loaded)
+
+    # PyTorch copies the (host) state-dict tensors into the unsharded chunks between the root's load pre-hooks and
+    # its post-hook: a manager copy path ([Note: strict device]). Registered first: it runs before the root's own.
+    def enter_copies(*args):
+        check_model_entry("model.load_state_dict(...)", get_state(model))
+        load.begin()
+
+    removables.append(model._register_load_state_dict_pre_hook(enter_copies))
 
     for module in model.modules():
         own = {name: p for name, p in module._parameters.items() if p is not None and p in manager.slot_of}
@@ -95,10 +103,10 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
                 destination[key] = export.value(param)  # host memory, as on CUDA
 
         def load_pre_hook(state_dict, prefix, local_metadata, strict, missing, unexpected, errors, _own=own):
-            chunks = {manager.chunk_of[p] for name, p in _own.items() if prefix + name in state_dict}
-            loaded.update({p: state_dict[prefix + name] for name, p in _own.items() if prefix + name in state_dict
-                           and torch.is_tensor(state_dict[prefix + name])
-                           and state_dict[prefix + name].dtype == torch.float32})
+            load.commit()  # the module before this one is copied by now
+            given = {p: state_dict[prefix + name] for name, p in _own.items() if prefix + name in state_dict}
+            load.in_flight.update(given)
+            chunks = {manager.chunk_of[p] for p in given}
             _ensure_all_full(manager, sorted(chunks, key=lambda c: c.chunk_id))  # Module copies into them next
             for chunk in chunks:
                 chunk.dirty = True
@@ -128,29 +136,79 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
     if config_dtype is not None:
         removables.append(config_dtype)
 
-    # PyTorch copies the (host) state-dict tensors into the unsharded chunks between the root's
-    # load pre-hook and its post-hook: a manager copy path ([Note: strict device])
-    copies = []
-
-    def enter_copies(*args):
-        check_model_entry("model.load_state_dict(...)", get_state(model))
-        copies.append(host_copies())
-        copies[-1].__enter__()
-
-    removables.append(model._register_load_state_dict_pre_hook(enter_copies))
-
     def load_post_hook(mod, incompatible_keys):
-        while copies:
-            copies.pop().__exit__(None, None, None)
-        write_back_dirty(manager)
-        on_loaded()
-        state = get_state(model)
-        if loaded and state.optimizer is not None:
-            load_fp32_masters(manager, state.optimizer, loaded)
-        loaded.clear()
+        load.finish()
 
     removables.append(model.register_load_state_dict_post_hook(load_post_hook))
+    _finish_on_error(model, load)
     return removables
+
+
+class _Load:
+    """One ``model.load_state_dict`` in progress: the copy sanction, the parameters it wrote, their fp32 values.
+
+    [Note: a load that raises] PyTorch copies a module's parameters right after that module's load pre-hooks run,
+    then goes on to its children; a pre-hook that raises (a wrong NF4 shape, [Note: NF4 state_dict names]) stops
+    the load there, with the modules before it loaded and the root's post-hook never run. :meth:`commit` takes the
+    module whose pre-hook ran last as written when the next one starts (or the load ends), so after an error the
+    modules before the failing one count as loaded, as in plain PyTorch, and the failing one does not.
+    :meth:`finish` runs on success (the root's post-hook) and on error (:func:`_finish_on_error`): it ends the copy
+    sanction (else every later uncounted copy in the thread would pass strict mode), writes the dirty chunks back
+    into their shards and refreshes the masters of the loaded parameters only: a partial load (``strict=False``)
+    leaves the other masters as they were instead of rounding them to the compute dtype."""
+
+    def __init__(self, manager: ChunkManager, optimizer, on_loaded):
+        self.manager, self.optimizer, self.on_loaded = manager, optimizer, on_loaded
+        self.copies: list = []
+        self.in_flight: dict[torch.nn.Parameter, object] = {}  # the module whose copies may not have run yet
+        self.loaded: dict[torch.nn.Parameter, object] = {}
+
+    def begin(self) -> None:
+        self.end_copies()  # a load that raised outside the wrapper (Module.load_state_dict(model, ...) called directly)
+        self.loaded.clear()  # and what it had written: taken as it was
+        self.in_flight.clear()
+        self.copies.append(host_copies())
+        self.copies[-1].__enter__()
+
+    def commit(self) -> None:
+        self.loaded.update(self.in_flight)
+        self.in_flight.clear()
+
+    def end_copies(self) -> None:
+        while self.copies:
+            self.copies.pop().__exit__(None, None, None)
+
+    def finish(self, failed: bool = False) -> None:
+        if not (self.copies or self.in_flight or self.loaded):
+            return  # finished already (the post-hook ran, then torch raised for missing keys), or never begun
+        self.end_copies()
+        if not failed:
+            self.commit()
+        self.in_flight.clear()
+        loaded, self.loaded = self.loaded, {}
+        write_back_dirty(self.manager)
+        self.on_loaded(list(loaded))
+        optimizer = self.optimizer()
+        fp32 = {p: v for p, v in loaded.items() if torch.is_tensor(v) and v.dtype == torch.float32}
+        if fp32 and optimizer is not None:
+            load_fp32_masters(self.manager, optimizer, fp32)
+        if optimizer is not None:
+            optimizer.release_disk_pages()
+
+
+def _finish_on_error(model: torch.nn.Module, load: _Load) -> None:
+    """Wrap ``model.load_state_dict`` so a load that raises part-way still ends ([Note: a load that raises])."""
+    previous = model.load_state_dict
+
+    def load_state_dict(*args, **kwargs):
+        try:
+            return previous(*args, **kwargs)
+        except BaseException:
+            load.finish(failed=True)
+            raise
+
+    load_state_dict.__doc__ = previous.__doc__
+    model.load_state_dict = load_state_dict
 
 
 def _tied_names(model: torch.nn.Module, manager: ChunkManager) -> list[list[str]]:
@@ -205,8 +263,9 @@ def full_parameters(model: torch.nn.Module, *, writeback: bool = False):
         if writeback:
             for chunk in manager.chunks:
                 chunk.write_back()
-            if state.optimizer is not None:
-                state.optimizer.sync_masters_from_params()
+            if state.optimizer is not None:  # element by element: the masters of what was not edited stay as they were
+                state.optimizer.merge_param_writes(list(manager.chunks))
+                state.optimizer.release_disk_pages()
         else:
             _discard_edits(manager, state.optimizer, snapshots)
     finally:
