@@ -206,6 +206,33 @@ def test_checkpoint_resume_with_parameters_on_disk_is_exact(tmp_path):
     assert all(torch.equal(got[k], want[k]) for k in want), "the resume is bit for bit the uninterrupted run"
 
 
+def test_loading_state_dicts_stays_within_the_host_budget(tmp_path):
+    """``opt.load_state_dict`` and ``model.load_state_dict`` write every disk chunk's regions: each chunk's leave host
+    memory once written (not all at the end), and nothing stays resident after the load."""
+    model, opt = _prepare(tmp_path)
+    for step in range(2):
+        _step(model, opt, step)
+    saved = model.state_dict(), opt.state_dict()
+    file = opt._disk.file
+    peak = _HostPeak(model, file)
+    set_view_state = opt.set_view_state
+
+    def sampled(view, target):  # a sample after each parameter's optimizer state is written
+        set_view_state(view, target)
+        peak.sample()
+
+    opt.set_view_state = sampled
+    for load, state in ((opt.load_state_dict, saved[1]), (model.load_state_dict, saved[0])):
+        load(state)
+        peak.sample()
+        assert file.resident_bytes() == 0
+    assert peak.peak_bytes <= opt.config.host_memory_budget_bytes, (peak.peak_bytes, opt.config.host_memory_budget_bytes)
+    again = model.state_dict(), opt.state_dict()
+    assert all(torch.equal(again[0][k], v) for k, v in saved[0].items())
+    assert all(torch.equal(again[1]["state"][n][k], v) for n, e in saved[1]["state"].items() for k, v in e.items())
+    opt._disk.close()
+
+
 def test_the_least_host_budget_trains_and_below_it_is_refused(tmp_path):
     model, opt = _prepare(tmp_path)
     floor = hf_elixir.min_host_budget_bytes(model, opt)

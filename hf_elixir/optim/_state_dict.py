@@ -192,7 +192,9 @@ class StateDictMixin:
             self._disk.file.evict_all()
 
     def _load_view_states(self, saved_state: dict) -> None:
-        for view in self.views:
+        for i, view in enumerate(self.views):
+            if self._disk is not None and i and self.views[i - 1].chunk is not view.chunk:
+                self._disk.pages_out(self.views[i - 1].chunk.chunk_id)  # its regions written: out of host memory
             entry = saved_state.get(view.slot.name)
             fused = self.fused_chunks.get(view.chunk.chunk_id)
             if not entry:  # no state saved (e.g. before the first step): start afresh, as torch.optim does
