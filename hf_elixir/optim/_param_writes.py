@@ -4,7 +4,8 @@ Outside the step, the compute copies can be written: ``model.load_state_dict``, 
 parameter (``p.data.copy_``, ``torch.nn.init``), a tied weight set by the user. The masters must then follow, or
 the next step would update the old values and its refresh would overwrite the write. The manager notices such
 writes ([Note: parameter writes] in ``hf_elixir/chunk/_chunk_params.py``) and calls :meth:`ParamWritesMixin.merge_param_writes`
-before anything reads the masters; :meth:`ParamWritesMixin.sync_masters_from_params` takes the compute copies of what a load wrote.
+before anything reads the masters; :meth:`ParamWritesMixin.sync_masters_from_params` takes the compute copies of
+what a load wrote.
 """
 
 from __future__ import annotations
