@@ -105,6 +105,7 @@ def sharded_payload(optimizer: ElixirOptimizer) -> tuple[dict[str, torch.Tensor]
             tensors[f"chunk{cid}.master"] = master.detach().float().cpu().clone()
             if optimizer._disk is not None:
                 optimizer._disk.pages_out(cid)
+    optimizer.release_disk_pages()  # what read faults mapped around a region during its write-back
     group_ranks = {str(c.chunk_id): c.rank for c in optimizer.manager.chunks if c.trainable}
     return tensors, {"slots": slots, "group_ranks": group_ranks}
 

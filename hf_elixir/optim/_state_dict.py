@@ -128,6 +128,8 @@ class StateDictMixin:
                         state[slot.name][key] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
             if self._disk is not None:  # the chunk's disk pages read above leave host memory ([Note: disk states])
                 self._disk.pages_out(chunk.chunk_id)
+        # and the pages a later chunk's read faults mapped around them while their write-back ran (fault-around)
+        self.release_disk_pages()
         scalars = self._scalars_by_slot()
         if self._job_world_size() > 1:
             gathered = [None] * self._job_world_size()
