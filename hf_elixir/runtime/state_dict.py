@@ -69,12 +69,14 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
     """
     export = MasterExport(model, manager)
 
+    load = _Load(manager, lambda: get_state(model).optimizer, on_loaded)
+
     def begin_save(*args):
         check_model_entry("model.state_dict()", get_state(model))  # [Note: collective entry check] in _entry_check.py
+        load.finish_abandoned()  # a direct nn.Module.load_state_dict(model, ...) that raised ([Note: a load that raises])
         export.begin()
 
     removables = [model.register_state_dict_pre_hook(begin_save)]
-    load = _Load(manager, lambda: get_state(model).optimizer, on_loaded)
 
     # PyTorch copies the (host) state-dict tensors into the unsharded chunks between the root's load pre-hooks and
     # its post-hook: a manager copy path ([Note: strict device]). Registered first: it runs before the root's own.
@@ -83,6 +85,7 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
         load.begin()
 
     removables.append(model._register_load_state_dict_pre_hook(enter_copies))
+    removables.extend(_install_commits(model, load))
 
     for module in model.modules():
         own = {name: p for name, p in module._parameters.items() if p is not None and p in manager.slot_of}
@@ -105,7 +108,7 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
         def load_pre_hook(state_dict, prefix, local_metadata, strict, missing, unexpected, errors, _own=own):
             load.commit()  # the module before this one is copied by now
             given = {p: state_dict[prefix + name] for name, p in _own.items() if prefix + name in state_dict}
-            load.in_flight.update(given)
+            load.in_flight.update((p, v) for p, v in given.items() if _copied(v, manager.slot_of[p].shape))
             chunks = {manager.chunk_of[p] for p in given}
             _ensure_all_full(manager, sorted(chunks, key=lambda c: c.chunk_id))  # Module copies into them next
             for chunk in chunks:
@@ -164,15 +167,19 @@ class _Load:
         self.loaded: dict[torch.nn.Parameter, object] = {}
 
     def begin(self) -> None:
-        self.end_copies()  # a load that raised outside the wrapper (Module.load_state_dict(model, ...) called directly)
-        self.loaded.clear()  # and what it had written: taken as it was
-        self.in_flight.clear()
+        self.finish_abandoned()
         self.copies.append(host_copies())
         self.copies[-1].__enter__()
 
     def commit(self) -> None:
         self.loaded.update(self.in_flight)
         self.in_flight.clear()
+
+    def finish_abandoned(self) -> None:
+        """Finish, as one that raised, a load still open here: ``nn.Module.load_state_dict(model, ...)`` called
+        directly bypasses :func:`_finish_on_error`; what it copied before it raised must still reach the masters."""
+        if self.copies:
+            self.finish(failed=True)
 
     def end_copies(self) -> None:
         while self.copies:
@@ -194,6 +201,31 @@ class _Load:
             load_fp32_masters(self.manager, optimizer, fp32)
         if optimizer is not None:
             optimizer.release_disk_pages()
+
+
+def _copied(value, shape) -> bool:
+    """Whether PyTorch's ``Module._load_from_state_dict`` copies ``value`` into a parameter of ``shape``: a tensor
+    of that shape (or of one dimension into a 0-d parameter); anything else it reports as an error and skips, so
+    the parameter, its master included, keeps its value."""
+    return torch.is_tensor(value) and (tuple(value.shape) == tuple(shape) or (len(shape) == 0 and value.dim() == 1))
+
+
+def _install_commits(model: torch.nn.Module, load: _Load) -> list:
+    """On every module, first among its load pre-hooks and post-hooks: :meth:`_Load.commit`. PyTorch has copied
+    the module whose pre-hook ran last by the time any later module's hooks (or its own post-hooks) start, whoever
+    registered them and whenever: a hook registered before ``prepare`` that raises still finds that module counted
+    as loaded ([Note: a load that raises])."""
+    removables = []
+    for module in model.modules():
+        pairs = [(module._load_state_dict_post_hooks, module.register_load_state_dict_post_hook(
+            lambda *args: load.commit()))]
+        if module is not model:  # the root's first pre-hook begins the load (what it would commit is not copied)
+            pairs.append((module._load_state_dict_pre_hooks, module._register_load_state_dict_pre_hook(
+                lambda *args: load.commit())))
+        for hooks, handle in pairs:
+            hooks.move_to_end(handle.id, last=False)
+            removables.append(handle)
+    return removables
 
 
 def _finish_on_error(model: torch.nn.Module, load: _Load) -> None:

@@ -1,0 +1,88 @@
+"""Edges of ``model.load_state_dict`` on a prepared model ([Note: a load that raises] in
+hf_elixir/runtime/state_dict.py), each checked against plain PyTorch given the same load: a size mismatch, a load
+refused by a hook that runs before hf_elixir's own, and a load called through ``nn.Module.load_state_dict``
+directly that raises, then a normal one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+
+import hf_elixir
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    return T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=32))
+
+
+_IDS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _train(model, opt, steps: int = 2):
+    for _ in range(steps):
+        model(input_ids=_IDS, labels=_IDS).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _trained(precision: str = "bf16", before_prepare=lambda model: None):
+    """A prepared tiny GPT-2 after two AdamW steps (its bf16 masters hold more than their bf16 copies), and a plain
+    GPT-2 holding the same (fp32) values."""
+    model = _gpt2()
+    before_prepare(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = hf_elixir.prepare(model, opt, hf_elixir.ElixirConfig(chunk_size_numel=4096, precision=precision))
+    _train(model, opt)
+    plain = _gpt2()
+    plain.load_state_dict(model.state_dict())
+    return model, opt, plain
+
+
+def _differ(plain, model) -> list[str]:
+    expected, got = plain.state_dict(), model.state_dict()
+    return [k for k in expected if not torch.equal(expected[k], got[k])]
+
+
+def _refuse(*args):
+    raise ValueError("refused by a user's load pre-hook")
+
+
+def test_a_size_mismatch_raises_pytorchs_error_and_loads_what_pytorch_loads(single_rank_group):
+    model, opt, plain = _trained()
+    given = {"transformer.h.0.ln_1.weight": torch.ones(5), "transformer.h.0.ln_1.bias": torch.randn(32)}
+    for m in (plain, model):
+        with pytest.raises(RuntimeError, match="size mismatch for transformer.h.0.ln_1.weight"):
+            m.load_state_dict(given, strict=False)
+    assert _differ(plain, model) == []  # the mismatched weight keeps its master, the bias is loaded
+    _train(model, opt, 1)
+
+
+def test_a_load_refused_by_a_hook_that_runs_before_hf_elixirs(single_rank_group):
+    """The refusing pre-hook is registered before ``prepare`` on a module without parameters of its own: the module
+    loaded just before it (``transformer.h.1.ln_1``) is loaded, compute copy and masters, as in plain PyTorch."""
+    model, opt, plain = _trained(before_prepare=lambda m: m.transformer.h[1].attn.register_load_state_dict_pre_hook(
+        _refuse))
+    plain.transformer.h[1].attn.register_load_state_dict_pre_hook(_refuse)
+    new = {k: v + 1 for k, v in plain.state_dict().items()}
+    for m in (plain, model):
+        with pytest.raises(ValueError, match="refused"):
+            m.load_state_dict(new)
+    assert _differ(plain, model) == []
+
+
+def test_a_direct_module_load_that_raises_is_finished_by_the_next_load(single_rank_group):
+    """``nn.Module.load_state_dict(model, sd)`` bypasses the prepared model's own ``load_state_dict``: when it raises,
+    the next load (or ``state_dict``) finishes it, so what it wrote reaches the masters as in plain PyTorch."""
+    model, opt, plain = _trained()
+    new = {k: v + 1 for k, v in plain.state_dict().items()}
+    key = "transformer.h.1.mlp.c_fc.bias"
+    for m in (plain, model):
+        handle = m.transformer.h[1].attn.c_attn.register_load_state_dict_pre_hook(_refuse)
+        with pytest.raises(ValueError, match="refused"):
+            torch.nn.Module.load_state_dict(m, new)
+        handle.remove()
+        m.load_state_dict({key: new[key] * 3}, strict=False)
+    assert _differ(plain, model) == []
+    _train(model, opt, 1)
