@@ -86,3 +86,44 @@ def test_a_direct_module_load_that_raises_is_finished_by_the_next_load(single_ra
         m.load_state_dict({key: new[key] * 3}, strict=False)
     assert _differ(plain, model) == []
     _train(model, opt, 1)
+
+
+def _tensor_parallel_case(rank: int, world_size: int) -> dict:
+    from hf_elixir.chunk import strict
+    from hf_elixir.parallel import build_mesh, load_full_state_dict, parallelize
+    from tests.parallel_harness import make_batch, make_model
+
+    model = make_model("gpt2")
+    config = hf_elixir.ElixirConfig(tensor_parallel_size=2, chunk_size_numel=4096, precision="bf16")
+    parallelize(model, config, build_mesh(config))
+    model, opt = hf_elixir.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+    for step in range(2):
+        opt.backward(model(**make_batch("gpt2", step, 0)).loss)
+        opt.step()
+        opt.zero_grad()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    key = "transformer.h.1.mlp.c_fc.weight"  # a column-parallel slice on each rank
+    value = torch.randn(before[key].shape, generator=torch.Generator().manual_seed(3))
+    model.load_state_dict({key: value}, strict=False)
+    after = model.state_dict()
+    out = {"loaded": torch.equal(after[key], value),
+           "others": [k for k in before if k != key and not torch.equal(before[k], after[k])]}
+    handle = model.transformer.h[1].attn.c_attn.register_load_state_dict_pre_hook(_refuse)
+    try:
+        load_full_state_dict(model, {k: v + 1 for k, v in after.items()})
+    except ValueError as error:
+        out["raised"] = str(error)
+    handle.remove()
+    out["sanctions_open"] = getattr(strict._local, "depth", 0)
+    return out
+
+
+def test_a_tensor_parallel_partial_load_and_a_refused_load_full_state_dict():
+    """Two gloo ranks, TP=2, bf16: a partial load of one sliced parameter keeps every other master bit for bit, and
+    ``hf_elixir.parallel.load_full_state_dict`` (which loads this rank's parts past ``model.load_state_dict``)
+    refused part-way ends its copy sanction on both ranks."""
+    from tests._dist import run_distributed
+
+    for out in run_distributed(_tensor_parallel_case, 2, timeout_s=240):
+        assert out["loaded"] and out["others"] == [], out
+        assert out["raised"] == "refused by a user's load pre-hook" and out["sanctions_open"] == 0, out

@@ -22,7 +22,7 @@ from hf_elixir.runtime._entry_check import check_model_entry
 from hf_elixir.runtime._exports import MasterExport, install_config_dtype, load_fp32_masters
 from hf_elixir.runtime._state import get_state
 
-__all__ = ["full_parameters", "install_state_dict_hooks"]
+__all__ = ["finishing_load", "full_parameters", "install_state_dict_hooks"]
 
 
 def _ensure_full(manager: ChunkManager, chunk) -> None:
@@ -230,17 +230,31 @@ def _install_commits(model: torch.nn.Module, load: _Load) -> list:
 
 def _finish_on_error(model: torch.nn.Module, load: _Load) -> None:
     """Wrap ``model.load_state_dict`` so a load that raises part-way still ends ([Note: a load that raises])."""
+    setattr(model, _LOAD_ATTR, load)
     previous = model.load_state_dict
+    model.load_state_dict = finishing_load(model, previous)
+    model.load_state_dict.__doc__ = previous.__doc__
+
+
+_LOAD_ATTR = "_hf_elixir_load"  # the prepared model's _Load
+
+
+def finishing_load(model: torch.nn.Module, load_fn):
+    """``load_fn`` (a load of ``model``'s parameters, e.g. one that reaches ``nn.Module.load_state_dict`` past the
+    prepared model's own: ``hf_elixir.parallel.load_full_state_dict``), wrapped so that if it raises part-way the
+    load still ends ([Note: a load that raises]); ``load_fn`` itself on a model not prepared."""
+    load = getattr(model, _LOAD_ATTR, None)
+    if load is None:
+        return load_fn
 
     def load_state_dict(*args, **kwargs):
         try:
-            return previous(*args, **kwargs)
+            return load_fn(*args, **kwargs)
         except BaseException:
             load.finish(failed=True)
             raise
 
-    load_state_dict.__doc__ = previous.__doc__
-    model.load_state_dict = load_state_dict
+    return load_state_dict
 
 
 def _tied_names(model: torch.nn.Module, manager: ChunkManager) -> list[list[str]]:
