@@ -88,6 +88,18 @@ def test_a_direct_module_load_that_raises_is_finished_by_the_next_load(single_ra
     _train(model, opt, 1)
 
 
+
+def test_a_submodules_load_state_dict_reaches_the_masters(single_rank_group):
+    """``model.transformer.h[1].mlp.load_state_dict(sd)`` (a load rooted below the prepared model: none of the
+    root's hooks run) writes the bf16 compute copy and, as in plain PyTorch, the fp32 masters the next step reads."""
+    model, opt, plain = _trained()
+    given = {k: v + 1 for k, v in plain.transformer.h[1].mlp.state_dict().items()}
+    for m in (plain, model):
+        m.transformer.h[1].mlp.load_state_dict(given)
+    assert _differ(plain, model) == []
+    _train(model, opt, 1)
+
+
 def _tensor_parallel_case(rank: int, world_size: int) -> dict:
     from hf_elixir.chunk import strict
     from hf_elixir.parallel import build_mesh, load_full_state_dict, parallelize

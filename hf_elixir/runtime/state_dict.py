@@ -82,7 +82,7 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
     # its post-hook: a manager copy path ([Note: strict device]). Registered first: it runs before the root's own.
     def enter_copies(*args):
         check_model_entry("model.load_state_dict(...)", get_state(model))
-        load.begin()
+        load.begin(model)
 
     removables.append(model._register_load_state_dict_pre_hook(enter_copies))
     removables.extend(_install_commits(model, load))
@@ -154,7 +154,12 @@ class _Load:
     then goes on to its children; a pre-hook that raises (a wrong NF4 shape, [Note: NF4 state_dict names]) stops
     the load there, with the modules before it loaded and the root's post-hook never run. :meth:`commit` takes the
     module whose pre-hook ran last as written when the next one starts (or the load ends), so after an error the
-    modules before the failing one count as loaded, as in plain PyTorch, and the failing one does not.
+    modules before the failing one count as loaded, as in plain PyTorch, and the failing one does not; it runs
+    first among every module's load hooks (:func:`_install_commits`), so a hook registered before ``prepare`` that
+    raises, or one on a module without parameters, still finds it run. PyTorch also reports a tensor it cannot copy
+    (a size mismatch) and goes on: such a parameter is not taken as loaded (:func:`_copied`). A submodule's own
+    ``load_state_dict`` is a load too, begun and finished by that submodule's hooks; a direct
+    ``nn.Module.load_state_dict(model, ...)`` that raised is finished by the next load or ``state_dict``.
     :meth:`finish` runs on success (the root's post-hook) and on error (:func:`_finish_on_error`): it ends the copy
     sanction (else every later uncounted copy in the thread would pass strict mode), writes the dirty chunks back
     into their shards and refreshes the masters of the loaded parameters only: a partial load (``strict=False``)
@@ -165,9 +170,11 @@ class _Load:
         self.copies: list = []
         self.in_flight: dict[torch.nn.Parameter, object] = {}  # the module whose copies may not have run yet
         self.loaded: dict[torch.nn.Parameter, object] = {}
+        self.root: torch.nn.Module | None = None  # the module whose load_state_dict runs
 
-    def begin(self) -> None:
+    def begin(self, root: torch.nn.Module) -> None:
         self.finish_abandoned()
+        self.root = root
         self.copies.append(host_copies())
         self.copies[-1].__enter__()
 
@@ -189,6 +196,7 @@ class _Load:
         if not (self.copies or self.in_flight or self.loaded):
             return  # finished already (the post-hook ran, then torch raised for missing keys), or never begun
         self.end_copies()
+        self.root = None
         if not failed:
             self.commit()
         self.in_flight.clear()
@@ -215,13 +223,23 @@ def _install_commits(model: torch.nn.Module, load: _Load) -> list:
     the module whose pre-hook ran last by the time any later module's hooks (or its own post-hooks) start, whoever
     registered them and whenever: a hook registered before ``prepare`` that raises still finds that module counted
     as loaded ([Note: a load that raises])."""
+    def enter(module):
+        if load.root is None:  # a submodule's own load_state_dict: a load of its parameters
+            load.begin(module)
+        load.commit()
+
+    def leave(module):
+        load.commit()
+        if module is load.root and module is not model:  # (the model's own ends in its load_post_hook)
+            load.finish()
+
     removables = []
     for module in model.modules():
         pairs = [(module._load_state_dict_post_hooks, module.register_load_state_dict_post_hook(
-            lambda *args: load.commit()))]
+            lambda mod, keys: leave(mod)))]
         if module is not model:  # the root's first pre-hook begins the load (what it would commit is not copied)
             pairs.append((module._load_state_dict_pre_hooks, module._register_load_state_dict_pre_hook(
-                lambda *args: load.commit())))
+                lambda *args, _module=module: enter(_module))))
         for hooks, handle in pairs:
             hooks.move_to_end(handle.id, last=False)
             removables.append(handle)
