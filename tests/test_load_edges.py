@@ -14,7 +14,8 @@ import hf_elixir
 
 def _gpt2():
     torch.manual_seed(0)
-    return T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=32))
+    return T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=32,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
 _IDS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
@@ -139,3 +140,65 @@ def test_a_tensor_parallel_partial_load_and_a_refused_load_full_state_dict():
     for out in run_distributed(_tensor_parallel_case, 2, timeout_s=240):
         assert out["loaded"] and out["others"] == [], out
         assert out["raised"] == "refused by a user's load pre-hook" and out["sanctions_open"] == 0, out
+
+
+def _sharded(precision: str):
+    model = _gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = hf_elixir.ElixirConfig(chunk_size_numel=4096, precision=precision, default_placement="sharded")
+    return hf_elixir.prepare(model, opt, config)
+
+
+def _rank_train(model, opt, rank: int, steps: range):
+    for step in steps:
+        ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(100 * step + rank))
+        opt.backward(model(input_ids=ids, labels=ids).loss)
+        opt.step()
+        opt.zero_grad()
+
+
+def _sharded_case(rank: int, world_size: int, precision: str) -> dict:
+    """A partial load (one matrix, and the tied embedding under ``lm_head.weight`` only, a bf16 value) against the
+    same run loading the whole state with those values, after the load and after two more steps; then a load
+    refused part-way and a submodule's load against plain PyTorch."""
+    (a, a_opt), (b, b_opt) = _sharded(precision), _sharded(precision)
+    for model, opt in ((a, a_opt), (b, b_opt)):
+        _rank_train(model, opt, rank, range(2))
+    before = {k: v.clone() for k, v in a.state_dict().items()}
+    key = "transformer.h.1.mlp.c_fc.weight"
+    given = {key: torch.randn(before[key].shape, generator=torch.Generator().manual_seed(3)),
+             "lm_head.weight": torch.randn(128, 32, generator=torch.Generator().manual_seed(4)).bfloat16()}
+    a.load_state_dict(given, strict=False)
+    whole = dict(before, **given)
+    whole["transformer.wte.weight"] = whole["lm_head.weight"] = given["lm_head.weight"].float()
+    b.load_state_dict(whole)
+    got = a.state_dict()
+    out = {"others": [k for k in before if k not in whole or not torch.equal(got[k], whole[k])],
+           "loaded": _differ_dicts(whole, b.state_dict())}
+    for model, opt in ((a, a_opt), (b, b_opt)):
+        _rank_train(model, opt, rank, range(2, 4))
+    out["trained"] = _differ_dicts(a.state_dict(), b.state_dict())
+    plain = _gpt2()
+    plain.load_state_dict(a.state_dict())
+    new = {k: v + 1 for k, v in plain.state_dict().items()}
+    mlp = {k: v * 2 for k, v in plain.transformer.h[0].mlp.state_dict().items()}
+    for m in (plain, a):
+        m.transformer.h[1].attn.c_attn.register_load_state_dict_pre_hook(_refuse)
+        with pytest.raises(ValueError, match="refused"):
+            m.load_state_dict(new)
+        m.transformer.h[0].mlp.load_state_dict(mlp)
+    out["refused_and_submodule"] = _differ(plain, a)
+    _rank_train(a, a_opt, rank, range(4, 5))
+    return out
+
+
+def _differ_dicts(expected: dict, got: dict) -> list[str]:
+    return [k for k in expected if not torch.equal(expected[k], got[k])]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_partial_refused_and_submodule_loads_on_two_sharded_ranks(precision):
+    from tests._dist import run_distributed
+
+    for out in run_distributed(_sharded_case, 2, precision, timeout_s=240):
+        assert out == {"others": [], "loaded": [], "trained": [], "refused_and_submodule": []}, out
