@@ -202,3 +202,42 @@ def test_partial_refused_and_submodule_loads_on_two_sharded_ranks(precision):
 
     for out in run_distributed(_sharded_case, 2, precision, timeout_s=240):
         assert out == {"others": [], "loaded": [], "trained": [], "refused_and_submodule": []}, out
+
+
+def _disk_resume_case(rank: int, world_size: int, directory: str) -> dict:
+    """bf16 parameter shards, masters, moments and gradients in the disk tier's file: a run that loads another's
+    ``opt.state_dict()`` then ``model.state_dict()`` (a fresh model, another seed, a step of its own first) after two
+    of its five steps and takes the last three is bit for bit the uninterrupted run; nothing stays resident after
+    either load."""
+    import os
+
+    from tests.test_disk_tier_params import STEPS, _prepare, _step
+
+    runs = []
+    for name in ("run", "resumed"):
+        path = os.path.join(directory, f"{name}{rank}")
+        os.makedirs(path)
+        runs.append(_prepare(path, world_size, seed=0 if name == "run" else 7, precision="bf16"))
+    (model, opt), (resumed, resumed_opt) = runs
+    for step in range(2):
+        _step(model, opt, step, rank, world_size)
+    saved = model.state_dict(), opt.state_dict()
+    _step(resumed, resumed_opt, 9, rank, world_size)
+    resident = []
+    for load, state in ((resumed_opt.load_state_dict, saved[1]), (resumed.load_state_dict, saved[0])):
+        load(state)
+        resident.append(resumed_opt._disk.file.resident_bytes())
+    for step in range(2, STEPS):
+        _step(model, opt, step, rank, world_size)
+        _step(resumed, resumed_opt, step, rank, world_size)
+    want, got = model.state_dict(), resumed.state_dict()
+    opt._disk.close()
+    resumed_opt._disk.close()
+    return {"resident": resident, "differ": _differ_dicts(want, got)}
+
+
+def test_a_disk_tier_resume_on_two_ranks_is_the_uninterrupted_run(tmp_path):
+    from tests._dist import run_distributed
+
+    for out in run_distributed(_disk_resume_case, 2, str(tmp_path), timeout_s=240):
+        assert out == {"resident": [0, 0], "differ": []}, out
