@@ -204,9 +204,11 @@ class _Load:
         write_back_dirty(self.manager)
         self.on_loaded(list(loaded))
         optimizer = self.optimizer()
-        fp32 = {p: v for p, v in loaded.items() if torch.is_tensor(v) and v.dtype == torch.float32}
-        if fp32 and optimizer is not None:
-            load_fp32_masters(self.manager, optimizer, fp32)
+        # values the compute dtype cannot hold (fp32; fp16 or float64 into bf16): the masters take them as given
+        wider = {p: v for p, v in loaded.items()
+                 if torch.is_tensor(v) and v.is_floating_point() and v.dtype != self.manager.chunk_of[p].dtype}
+        if wider and optimizer is not None:
+            load_fp32_masters(self.manager, optimizer, wider)
         if optimizer is not None:
             optimizer.release_disk_pages()
 
