@@ -202,8 +202,9 @@ class _Load:
         self.in_flight.clear()
         loaded, self.loaded = self.loaded, {}
         write_back_dirty(self.manager)
-        self.on_loaded(list(loaded))
         optimizer = self.optimizer()
+        if loaded:  # (nothing copied into a parameter: a buffers-only submodule, a load refused at once)
+            self.on_loaded(list(loaded))
         # values the compute dtype cannot hold (fp32; fp16 or float64 into bf16): the masters take them as given
         wider = {p: v for p, v in loaded.items()
                  if torch.is_tensor(v) and v.is_floating_point() and v.dtype != self.manager.chunk_of[p].dtype}
