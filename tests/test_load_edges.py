@@ -114,6 +114,19 @@ def test_a_checkpoint_of_another_dtype_loads_its_values_as_plain_pytorch_does(si
     _train(model, opt, 1)
 
 
+
+def test_a_load_with_assign_is_refused_before_it_replaces_a_parameter(single_rank_group):
+    model, opt, plain = _trained()
+    new = {k: v + 1 for k, v in plain.state_dict().items()}
+    for target in (model, model.transformer.h[0]):
+        given = new if target is model else {k[len("transformer.h.0."):]: v for k, v in new.items()
+                                             if k.startswith("transformer.h.0.")}
+        with pytest.raises(ValueError, match="assign=True"):
+            target.load_state_dict(given, assign=True)
+        assert _differ(plain, model) == []
+    _train(model, opt, 1)  # every parameter is still the chunks' own
+
+
 def _tensor_parallel_case(rank: int, world_size: int) -> dict:
     from hf_elixir.chunk import strict
     from hf_elixir.parallel import build_mesh, load_full_state_dict, parallelize

@@ -80,8 +80,9 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
 
     # PyTorch copies the (host) state-dict tensors into the unsharded chunks between the root's load pre-hooks and
     # its post-hook: a manager copy path ([Note: strict device]). Registered first: it runs before the root's own.
-    def enter_copies(*args):
+    def enter_copies(state_dict, prefix, local_metadata, *args):
         check_model_entry("model.load_state_dict(...)", get_state(model))
+        _refuse_assign(local_metadata)
         load.begin(model)
 
     removables.append(model._register_load_state_dict_pre_hook(enter_copies))
@@ -221,13 +222,23 @@ def _copied(value, shape) -> bool:
     return torch.is_tensor(value) and (tuple(value.shape) == tuple(shape) or (len(shape) == 0 and value.dim() == 1))
 
 
+def _refuse_assign(local_metadata) -> None:
+    """``load_state_dict(sd, assign=True)`` would put the state dict's tensors in place of the managed parameters,
+    which then train outside their chunks: refused before anything is loaded."""
+    if local_metadata.get("assign_to_params_buffers", False):
+        raise ValueError("model.load_state_dict(..., assign=True) on a model prepared by hf_elixir would replace its "
+                         "managed parameters with the state dict's tensors; load with assign=False (the default: "
+                         "the values are copied into the chunks), or load with assign=True before hf_elixir.prepare")
+
+
 def _install_commits(model: torch.nn.Module, load: _Load) -> list:
     """On every module, first among its load pre-hooks and post-hooks: :meth:`_Load.commit`. PyTorch has copied
     the module whose pre-hook ran last by the time any later module's hooks (or its own post-hooks) start, whoever
     registered them and whenever: a hook registered before ``prepare`` that raises still finds that module counted
     as loaded ([Note: a load that raises])."""
-    def enter(module):
+    def enter(module, local_metadata):
         if load.root is None:  # a submodule's own load_state_dict: a load of its parameters
+            _refuse_assign(local_metadata)
             load.begin(module)
         load.commit()
 
@@ -242,7 +253,7 @@ def _install_commits(model: torch.nn.Module, load: _Load) -> list:
             lambda mod, keys: leave(mod)))]
         if module is not model:  # the root's first pre-hook begins the load (what it would commit is not copied)
             pairs.append((module._load_state_dict_pre_hooks, module._register_load_state_dict_pre_hook(
-                lambda *args, _module=module: enter(_module))))
+                lambda state_dict, prefix, local_metadata, *args, _module=module: enter(_module, local_metadata))))
         for hooks, handle in pairs:
             hooks.move_to_end(handle.id, last=False)
             removables.append(handle)
