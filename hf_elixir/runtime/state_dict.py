@@ -64,8 +64,8 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
     exports] in _exports.py); loads keep the fp32 values they are given as the masters ([Note: fp32 loads]).
 
     Args:
-        on_loaded: called with no arguments after a ``load_state_dict`` wrote parameters (the
-            optimizer refreshes its fp32 masters there).
+        on_loaded: called with the list of parameters a ``load_state_dict`` wrote (the optimizer refreshes
+            their fp32 masters there).
     """
     export = MasterExport(model, manager)
 
@@ -73,7 +73,8 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
 
     def begin_save(*args):
         check_model_entry("model.state_dict()", get_state(model))  # [Note: collective entry check] in _entry_check.py
-        load.finish_abandoned()  # a direct nn.Module.load_state_dict(model, ...) that raised ([Note: a load that raises])
+        load.finish_abandoned()  # a direct nn.Module.load_state_dict(model, ...) that raised ([Note: a load that
+        # raises])
         export.begin()
 
     removables = [model.register_state_dict_pre_hook(begin_save)]
