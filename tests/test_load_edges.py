@@ -127,6 +127,19 @@ def test_a_load_with_assign_is_refused_before_it_replaces_a_parameter(single_ran
     _train(model, opt, 1)  # every parameter is still the chunks' own
 
 
+
+def test_a_strict_load_with_missing_keys_raises_after_loading_as_pytorch_does(single_rank_group):
+    """PyTorch copies, runs the post-hooks (where the load finishes), then raises for the missing keys."""
+    model, opt, plain = _trained()
+    key = "transformer.h.1.mlp.c_fc.bias"
+    given = {key: torch.randn(128, generator=torch.Generator().manual_seed(2)).half()}
+    for m in (plain, model):
+        with pytest.raises(RuntimeError, match="Missing key"):
+            m.load_state_dict(given)
+    assert _differ(plain, model) == []
+    _train(model, opt, 1)
+
+
 def _tensor_parallel_case(rank: int, world_size: int) -> dict:
     from hf_elixir.chunk import strict
     from hf_elixir.parallel import build_mesh, load_full_state_dict, parallelize
