@@ -25,6 +25,7 @@ from hf_elixir.chunk._stream_load import (EXPERT_ROWS_ATTR, CheckpointReader, Te
                                           resolve_sources)
 from hf_elixir.parallel._expert_units import fused_names
 from hf_elixir.parallel._state import ParallelState, get_parallel_state
+from hf_elixir.runtime.state_dict import finishing_load
 
 __all__ = ["LOCAL_LOAD_ATTR", "load_full_state_dict"]
 
@@ -158,8 +159,8 @@ def load_full_state_dict(model: nn.Module, source: dict[str, torch.Tensor] | str
                          f"{' and more' if len(missing) > 5 else ''} in the given state dict; pass the full state "
                          "dict of this model (strict=False keeps their values)")
     # this rank's parts: the model's own load_state_dict, not the full-tensor one over it ([Note: one state_dict
-    # contract] in _state_dict.py)
-    return getattr(model, LOCAL_LOAD_ATTR, model.load_state_dict)(local, strict=False)
+    # contract] in _state_dict.py), ended on a prepared model if it raises part-way ([Note: a load that raises])
+    return finishing_load(model, getattr(model, LOCAL_LOAD_ATTR, model.load_state_dict))(local, strict=False)
 
 
 @torch.no_grad()

@@ -178,7 +178,9 @@ def load_fp32_masters(manager, optimizer, loaded: dict) -> None:
     to bf16/fp16), and the optimizer then refreshes its masters from that copy; an fp32 ``sd`` (what
     [Note: fp32 exports] writes) would come back rounded. After that refresh, this writes each fp32 value of
     ``loaded`` (parameter -> its fp32 tensor from ``sd``) into this rank's part of the parameter's master, so a
-    save and load round trip keeps the masters bit for bit. The compute copy already holds the same values
+    save and load round trip keeps the masters bit for bit. Other floating values the compute dtype cannot hold
+    (an fp16 or float64 checkpoint into a bf16 model) are written the same way, cast to fp32 as PyTorch's fp32
+    parameters take them. The compute copy already holds the same values
     rounded (the same round-to-nearest cast). Local: each rank writes its own shard."""
     for param, value in loaded.items():
         chunk = manager.chunk_of[param]

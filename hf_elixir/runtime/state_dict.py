@@ -22,7 +22,7 @@ from hf_elixir.runtime._entry_check import check_model_entry
 from hf_elixir.runtime._exports import MasterExport, install_config_dtype, load_fp32_masters
 from hf_elixir.runtime._state import get_state
 
-__all__ = ["full_parameters", "install_state_dict_hooks"]
+__all__ = ["finishing_load", "full_parameters", "install_state_dict_hooks"]
 
 
 def _ensure_full(manager: ChunkManager, chunk) -> None:
@@ -64,25 +64,30 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
     exports] in _exports.py); loads keep the fp32 values they are given as the masters ([Note: fp32 loads]).
 
     Args:
-        on_loaded: called with no arguments after a ``load_state_dict`` wrote parameters (the
-            optimizer refreshes its fp32 masters there).
+        on_loaded: called with the list of parameters a ``load_state_dict`` wrote (the optimizer refreshes
+            their fp32 masters there).
     """
     export = MasterExport(model, manager)
 
+    load = _Load(manager, lambda: get_state(model).optimizer, on_loaded)
+
     def begin_save(*args):
         check_model_entry("model.state_dict()", get_state(model))  # [Note: collective entry check] in _entry_check.py
+        load.finish_abandoned()  # a direct nn.Module.load_state_dict(model, ...) that raised ([Note: a load that
+        # raises])
         export.begin()
 
     removables = [model.register_state_dict_pre_hook(begin_save)]
-    load = _Load(manager, lambda: get_state(model).optimizer, on_loaded)
 
     # PyTorch copies the (host) state-dict tensors into the unsharded chunks between the root's load pre-hooks and
     # its post-hook: a manager copy path ([Note: strict device]). Registered first: it runs before the root's own.
-    def enter_copies(*args):
+    def enter_copies(state_dict, prefix, local_metadata, *args):
         check_model_entry("model.load_state_dict(...)", get_state(model))
-        load.begin()
+        _refuse_assign(local_metadata)
+        load.begin(model)
 
     removables.append(model._register_load_state_dict_pre_hook(enter_copies))
+    removables.extend(_install_commits(model, load))
 
     for module in model.modules():
         own = {name: p for name, p in module._parameters.items() if p is not None and p in manager.slot_of}
@@ -105,7 +110,7 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
         def load_pre_hook(state_dict, prefix, local_metadata, strict, missing, unexpected, errors, _own=own):
             load.commit()  # the module before this one is copied by now
             given = {p: state_dict[prefix + name] for name, p in _own.items() if prefix + name in state_dict}
-            load.in_flight.update(given)
+            load.in_flight.update((p, v) for p, v in given.items() if _copied(v, manager.slot_of[p].shape))
             chunks = {manager.chunk_of[p] for p in given}
             _ensure_all_full(manager, sorted(chunks, key=lambda c: c.chunk_id))  # Module copies into them next
             for chunk in chunks:
@@ -151,7 +156,12 @@ class _Load:
     then goes on to its children; a pre-hook that raises (a wrong NF4 shape, [Note: NF4 state_dict names]) stops
     the load there, with the modules before it loaded and the root's post-hook never run. :meth:`commit` takes the
     module whose pre-hook ran last as written when the next one starts (or the load ends), so after an error the
-    modules before the failing one count as loaded, as in plain PyTorch, and the failing one does not.
+    modules before the failing one count as loaded, as in plain PyTorch, and the failing one does not; it runs
+    first among every module's load hooks (:func:`_install_commits`), so a hook registered before ``prepare`` that
+    raises, or one on a module without parameters, still finds it run. PyTorch also reports a tensor it cannot copy
+    (a size mismatch) and goes on: such a parameter is not taken as loaded (:func:`_copied`). A submodule's own
+    ``load_state_dict`` is a load too, begun and finished by that submodule's hooks; a direct
+    ``nn.Module.load_state_dict(model, ...)`` that raised is finished by the next load or ``state_dict``.
     :meth:`finish` runs on success (the root's post-hook) and on error (:func:`_finish_on_error`): it ends the copy
     sanction (else every later uncounted copy in the thread would pass strict mode), writes the dirty chunks back
     into their shards and refreshes the masters of the loaded parameters only: a partial load (``strict=False``)
@@ -162,17 +172,23 @@ class _Load:
         self.copies: list = []
         self.in_flight: dict[torch.nn.Parameter, object] = {}  # the module whose copies may not have run yet
         self.loaded: dict[torch.nn.Parameter, object] = {}
+        self.root: torch.nn.Module | None = None  # the module whose load_state_dict runs
 
-    def begin(self) -> None:
-        self.end_copies()  # a load that raised outside the wrapper (Module.load_state_dict(model, ...) called directly)
-        self.loaded.clear()  # and what it had written: taken as it was
-        self.in_flight.clear()
+    def begin(self, root: torch.nn.Module) -> None:
+        self.finish_abandoned()
+        self.root = root
         self.copies.append(host_copies())
         self.copies[-1].__enter__()
 
     def commit(self) -> None:
         self.loaded.update(self.in_flight)
         self.in_flight.clear()
+
+    def finish_abandoned(self) -> None:
+        """Finish, as one that raised, a load still open here: ``nn.Module.load_state_dict(model, ...)`` called
+        directly bypasses :func:`_finish_on_error`; what it copied before it raised must still reach the masters."""
+        if self.copies:
+            self.finish(failed=True)
 
     def end_copies(self) -> None:
         while self.copies:
@@ -182,33 +198,96 @@ class _Load:
         if not (self.copies or self.in_flight or self.loaded):
             return  # finished already (the post-hook ran, then torch raised for missing keys), or never begun
         self.end_copies()
+        self.root = None
         if not failed:
             self.commit()
         self.in_flight.clear()
         loaded, self.loaded = self.loaded, {}
         write_back_dirty(self.manager)
-        self.on_loaded(list(loaded))
         optimizer = self.optimizer()
-        fp32 = {p: v for p, v in loaded.items() if torch.is_tensor(v) and v.dtype == torch.float32}
-        if fp32 and optimizer is not None:
-            load_fp32_masters(self.manager, optimizer, fp32)
+        if loaded:  # (nothing copied into a parameter: a buffers-only submodule, a load refused at once)
+            self.on_loaded(list(loaded))
+        # values the compute dtype cannot hold (fp32; fp16 or float64 into bf16): the masters take them as given
+        wider = {p: v for p, v in loaded.items()
+                 if torch.is_tensor(v) and v.is_floating_point() and v.dtype != self.manager.chunk_of[p].dtype}
+        if wider and optimizer is not None:
+            load_fp32_masters(self.manager, optimizer, wider)
         if optimizer is not None:
             optimizer.release_disk_pages()
 
 
+def _copied(value, shape) -> bool:
+    """Whether PyTorch's ``Module._load_from_state_dict`` copies ``value`` into a parameter of ``shape``: a tensor
+    of that shape (or of one dimension into a 0-d parameter); anything else it reports as an error and skips, so
+    the parameter, its master included, keeps its value."""
+    return torch.is_tensor(value) and (tuple(value.shape) == tuple(shape) or (len(shape) == 0 and value.dim() == 1))
+
+
+def _refuse_assign(local_metadata) -> None:
+    """``load_state_dict(sd, assign=True)`` would put the state dict's tensors in place of the managed parameters,
+    which then train outside their chunks: refused before anything is loaded."""
+    if local_metadata.get("assign_to_params_buffers", False):
+        raise ValueError("model.load_state_dict(..., assign=True) on a model prepared by hf_elixir would replace its "
+                         "managed parameters with the state dict's tensors; load with assign=False (the default: "
+                         "the values are copied into the chunks), or load with assign=True before hf_elixir.prepare")
+
+
+def _install_commits(model: torch.nn.Module, load: _Load) -> list:
+    """On every module, first among its load pre-hooks and post-hooks: :meth:`_Load.commit`. PyTorch has copied
+    the module whose pre-hook ran last by the time any later module's hooks (or its own post-hooks) start, whoever
+    registered them and whenever: a hook registered before ``prepare`` that raises still finds that module counted
+    as loaded ([Note: a load that raises])."""
+    def enter(module, local_metadata):
+        if load.root is None:  # a submodule's own load_state_dict: a load of its parameters
+            _refuse_assign(local_metadata)
+            load.begin(module)
+        load.commit()
+
+    def leave(module):
+        load.commit()
+        if module is load.root and module is not model:  # (the model's own ends in its load_post_hook)
+            load.finish()
+
+    removables = []
+    for module in model.modules():
+        pairs = [(module._load_state_dict_post_hooks, module.register_load_state_dict_post_hook(
+            lambda mod, keys: leave(mod)))]
+        if module is not model:  # the root's first pre-hook begins the load (what it would commit is not copied)
+            pairs.append((module._load_state_dict_pre_hooks, module._register_load_state_dict_pre_hook(
+                lambda state_dict, prefix, local_metadata, *args, _module=module: enter(_module, local_metadata))))
+        for hooks, handle in pairs:
+            hooks.move_to_end(handle.id, last=False)
+            removables.append(handle)
+    return removables
+
+
 def _finish_on_error(model: torch.nn.Module, load: _Load) -> None:
     """Wrap ``model.load_state_dict`` so a load that raises part-way still ends ([Note: a load that raises])."""
+    setattr(model, _LOAD_ATTR, load)
     previous = model.load_state_dict
+    model.load_state_dict = finishing_load(model, previous)
+    model.load_state_dict.__doc__ = previous.__doc__
+
+
+_LOAD_ATTR = "_hf_elixir_load"  # the prepared model's _Load
+
+
+def finishing_load(model: torch.nn.Module, load_fn):
+    """``load_fn`` (a load of ``model``'s parameters, e.g. one that reaches ``nn.Module.load_state_dict`` past the
+    prepared model's own: ``hf_elixir.parallel.load_full_state_dict``), wrapped so that if it raises part-way the
+    load still ends ([Note: a load that raises]); ``load_fn`` itself on a model not prepared."""
+    load = getattr(model, _LOAD_ATTR, None)
+    if load is None:
+        return load_fn
 
     def load_state_dict(*args, **kwargs):
         try:
-            return previous(*args, **kwargs)
+            return load_fn(*args, **kwargs)
         except BaseException:
             load.finish(failed=True)
             raise
 
-    load_state_dict.__doc__ = previous.__doc__
-    model.load_state_dict = load_state_dict
+    return load_state_dict
 
 
 def _tied_names(model: torch.nn.Module, manager: ChunkManager) -> list[list[str]]:
