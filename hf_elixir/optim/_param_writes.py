@@ -78,8 +78,13 @@ class ParamWritesMixin:
                     with strict.host_copies():
                         master[lo - begin:hi - begin].copy_(source[lo - begin:hi - begin])
 
-    def release_disk_pages(self) -> None:
-        """Write back and evict every page of the disk tier's file that a load or an edit outside the step brought
-        into host memory ([Note: disk states] in ``_disk_state.py``); nothing without ``offload_dir``."""
-        if self._disk is not None:
+    def release_disk_pages(self, chunk_id: int | None = None) -> None:
+        """Write back and evict the pages of the disk tier's file that a load, an edit or an export outside the
+        step brought into host memory ([Note: disk states] in ``_disk_state.py``): every region, or only chunk
+        ``chunk_id``'s; nothing without ``offload_dir``."""
+        if self._disk is None:
+            return
+        if chunk_id is None:
             self._disk.file.evict_all()
+        else:
+            self._disk.pages_out(chunk_id)

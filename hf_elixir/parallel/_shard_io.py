@@ -215,6 +215,7 @@ def write_local_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> N
         loaded = {p: tensors[name] for _, params, _ in _owned(model) for name, p in params
                   if p in manager.slot_of and tensors[name].dtype == torch.float32}
         load_fp32_masters(manager, state.optimizer, loaded)  # [Note: fp32 loads]
+        state.optimizer.release_disk_pages()  # the masters written in the disk tier's file: out of host memory
 
 
 # -- what a checkpoint of a tensor/expert-parallel model writes and reads per rank ---------------------------------

@@ -86,6 +86,9 @@ class MasterExport:
             self._cache = {}
 
     def end(self) -> None:
+        state = self._state()
+        if self._cache and state is not None:
+            state.optimizer.release_disk_pages()  # and what read faults mapped around them meanwhile
         self._cache = None
 
     def value(self, param: torch.nn.Parameter) -> torch.Tensor:
@@ -108,6 +111,7 @@ class MasterExport:
             if cache is None:
                 self._settle(state)
             full = _full_master(manager, chunk, master)
+            state.optimizer.release_disk_pages(chunk.chunk_id)  # a master read from the disk tier: out again
             if cache is not None:
                 cache[chunk.chunk_id] = full
         slot = manager.slot_of[param]
