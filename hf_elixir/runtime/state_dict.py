@@ -68,13 +68,11 @@ def install_state_dict_hooks(model: torch.nn.Module, manager: ChunkManager, on_l
             their fp32 masters there).
     """
     export = MasterExport(model, manager)
-
     load = _Load(manager, lambda: get_state(model).optimizer, on_loaded)
 
     def begin_save(*args):
         check_model_entry("model.state_dict()", get_state(model))  # [Note: collective entry check] in _entry_check.py
-        load.finish_abandoned()  # a direct nn.Module.load_state_dict(model, ...) that raised ([Note: a load that
-        # raises])
+        load.finish_abandoned()  # a direct nn.Module.load_state_dict that raised ([Note: a load that raises])
         export.begin()
 
     removables = [model.register_state_dict_pre_hook(begin_save)]
