@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -46,6 +47,8 @@ __all__ = ["install", "install_for_accelerate_launch", "installed_config", "rout
 
 logger = logging.getLogger(__name__)
 
+# "routed": weak references: a model this held would outlive the script and keep its gloo group's threads into
+# interpreter finalization ([Note: gloo group at exit] in hf_elixir/parallel/_exit.py)
 _STATE: dict[str, Any] = {"config": None, "source": None, "routed": []}
 
 _ONE_LINE = "model, optimizer = accelerator.prepare(model, optimizer)"
@@ -57,8 +60,9 @@ def installed_config():
 
 
 def routed_models() -> list[torch.nn.Module]:
-    """The models this process's ``Accelerator.prepare`` calls put under hf_elixir so far (in order)."""
-    return list(_STATE["routed"])
+    """The models this process's ``Accelerator.prepare`` calls put under hf_elixir so far (in order), those still
+    alive."""
+    return [model for model in (ref() for ref in _STATE["routed"]) if model is not None]
 
 
 def install(config_file: str | None = None, source: str | None = None) -> None:
@@ -211,7 +215,7 @@ def _prepare_under_elixir(accelerator, args: tuple, pairs: list[tuple[int, int |
         if optimizer_at is not None:
             out[optimizer_at] = done[1]
         out.update(zip(rest_at, done[2:]) if k == 0 else ())
-    _STATE["routed"].extend(out[model_at] for model_at, _ in pairs)  # in the order given
+    _STATE["routed"].extend(weakref.ref(out[model_at]) for model_at, _ in pairs)  # in the order given
     result = [out[i] for i in range(len(args))]
     return tuple(result) if len(result) > 1 else result[0]
 

@@ -15,7 +15,8 @@ eight under load (core dump: ``ProcessGroupGloo::runLoop`` -> ``~AsyncWork`` -> 
 -> ``take_gil`` -> ``pthread_exit`` -> ``std::terminate``, main thread in ``Py_FinalizeEx``'s collection).
 
 So the first ``prepare`` of a process under a gloo default group registers an ``atexit`` hook that does what
-``accelerator.end_training()`` does, if the script has not: ``destroy_process_group()``, then one garbage
+``accelerator.end_training()`` does, if the script has not: ``destroy_process_group()``; then (also after the
+script's own ``end_training()``, which unregisters the group but leaves the object alive) one garbage
 collection, which frees the prepared models' chunks (they hold the group and sit in reference cycles once the
 script's ``main`` has returned) and with them the group. Its C++ destructor joins the worker threads with the
 GIL released (torch's binding), so a worker still owing a release gets the GIL and finishes before finalization
@@ -57,11 +58,14 @@ def end_gloo_group_at_exit() -> None:
 def _end_gloo_group() -> None:
     """The hook: destroy the default gloo group and collect, so the group is freed and its worker threads are
     joined now."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
-        return  # the script destroyed it (end_training), or made another since
-    try:
-        dist.destroy_process_group()
-    except Exception as err:  # noqa: BLE001 - at exit: say why, never turn a finished run into a failure
-        logger.warning("hf_elixir: could not destroy the gloo process group at exit: %r", err)
-        return
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() != "gloo":
+            return  # the script made another group since
+        try:
+            dist.destroy_process_group()
+        except Exception as err:  # noqa: BLE001 - at exit: say why, never turn a finished run into a failure
+            logger.warning("hf_elixir: could not destroy the gloo process group at exit: %r", err)
+            return
+    # also when the script destroyed it (end_training): the group object lives on in the prepared models' reference
+    # cycles, its threads with it, until this collection
     gc.collect()

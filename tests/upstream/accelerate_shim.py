@@ -44,6 +44,7 @@ import functools
 import importlib
 import os
 import sys
+import weakref
 
 import torch
 
@@ -144,7 +145,10 @@ def _exclude_without_torchdata() -> None:
 
 _exclude_without_torchdata()
 
-_PREPARED: list[torch.nn.Module] = []
+# weak references, and a count: a model the shim held would outlive the script and keep its gloo group's threads
+# into interpreter finalization (a SIGABRT at exit now and then: [Note: gloo group at exit])
+_PREPARED: list = []
+_COUNT = {"prepared": 0}
 _FULL_VIEWS: list = []  # open ``full_parameters`` contexts (ELIXIR_SHIM_READ_FULL=1)
 
 
@@ -176,7 +180,8 @@ def _patched_prepare(original):
         rest = [a for i, a in enumerate(args) if i not in (models[0], optimizers[0])]
         plugin = ElixirPlugin(config=_elixir_config(model, optimizer))
         out = plugin.prepare(self, model, optimizer, *rest)
-        _PREPARED.append(out[0])
+        _PREPARED.append(weakref.ref(out[0]))
+        _COUNT["prepared"] += 1
         done_rest = iter(out[2:])
         result = [out[0] if i == models[0] else out[1] if i == optimizers[0] else next(done_rest)
                   for i in range(len(args))]
@@ -191,7 +196,16 @@ def _prepared() -> list[torch.nn.Module]:
         from hf_elixir.integrations._route import routed_models
 
         return routed_models()
-    return _PREPARED
+    return [model for model in (ref() for ref in _PREPARED) if model is not None]
+
+
+def _num_prepared() -> int:
+    """How many models went under hf_elixir, alive or freed since."""
+    if os.environ.get("ELIXIR_SHIM_ROUTE") == "launch":
+        from hf_elixir.integrations import _route
+
+        return len(_route._STATE["routed"])  # (weak references: one per routed model)
+    return _COUNT["prepared"]
 
 
 def _closing_views(original):
@@ -246,8 +260,10 @@ def run(script: str) -> None:
         setattr(module, name, _skipper(name, reason))
     for name, wrapper in ADAPTED.get(script, {}).items():
         setattr(module, name, wrapper(getattr(module, name)))
-    atexit.register(lambda: print(f"ELIXIR_SHIM prepared {len(_prepared())}", flush=True))
+    atexit.register(lambda: print(f"ELIXIR_SHIM prepared {_num_prepared()}", flush=True))
     module.main()
+    while _FULL_VIEWS:  # they hold their models
+        _FULL_VIEWS.pop().__exit__(None, None, None)
 
 
 if __name__ == "__main__":
