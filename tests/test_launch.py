@@ -111,6 +111,24 @@ def test_a_model_with_its_optimizer_is_put_under_elixir_and_returned_in_order(ro
     assert isinstance(out_loader, torch.utils.data.DataLoader) and _route.routed_models() == [model]
 
 
+def test_the_router_does_not_keep_a_model_alive(routed):
+    """Routing remembers its models by weak reference: a script that prepares model after model (a sweep) frees each
+    one with its accelerator, and at exit no routed model keeps its process group alive ([Note: gloo group at exit])."""
+    import gc
+    import weakref
+
+    def prepare_one():
+        accelerator = accelerate.Accelerator(cpu=True)
+        model = torch.nn.Linear(4, 4)
+        model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        assert _route.routed_models() == [model]
+        return weakref.ref(model)
+
+    ref = prepare_one()
+    gc.collect()
+    assert ref() is None and _route.routed_models() == []
+
+
 # ----------------------------------------------------------------------------------- launched, unchanged
 def _field(out: str, name: str) -> list[str]:
     return re.findall(rf"{name} ([\w.+-]+)", out)
